@@ -1,0 +1,37 @@
+//! # kvoff — KV-cache offloading for LLM inference engines
+//!
+//! kvoff keeps KV-cache blocks in host memory when GPU memory runs out and moves them between GPU and
+//! host at the speed of the link. It follows the design of vLLM's KV offloading (manager/handler split),
+//! with its known defects fixed.
+//!
+//! ```text
+//!  scheduler side (no CUDA)                 worker side (bytes)
+//!  ┌──────────────────────────┐   specs    ┌────────────────────────────────────────────┐
+//!  │ manager: LRU | ARC       │──────────▶│ plan: specs × canonical tensors → CopyPlan │
+//!  │ (keys ↔ CPU block ids,   │ block ids  │   (expand: ids → sub-block pointers)       │
+//!  │  ref states, events)     │            │ engine: host (memcpy) | cuda (DMA / kernel)│
+//!  └──────────────────────────┘            │ region: mmap rows, per-rank slots, pinned  │
+//!                                           └────────────────────────────────────────────┘
+//! ```
+//! The manager never sees pointers; the engine never decides what to evict. The only currency between
+//! them is block ids inside load/store specs.
+//!
+//! | module | job | unsafe? |
+//! |---|---|---|
+//! | [`error`] | typed errors ([`KvoffError`]) | no |
+//! | [`key`] | offload keys: block hash ‖ group index | no |
+//!
+//! ## Safety model
+//! Unsafe code lives only in the modules that touch raw memory or FFI (`region`, `engine`); every other
+//! module is `#![forbid(unsafe_code)]`. Every `unsafe fn` has a numbered `# Safety` list and every
+//! `unsafe {}` block a `// SAFETY:` comment naming the obligation it meets. No library code panics on
+//! bad input: errors are [`KvoffError`] values, which the Python bindings map to exception classes.
+//!
+
+pub mod error;
+pub mod key;
+
+#[cfg(feature = "python")]
+mod python;
+
+pub use error::{KvoffError, Result};
