@@ -27,7 +27,9 @@ pub fn make_offload_key(block_hash: &[u8], group_idx: u32) -> Vec<u8> {
 /// [`KvoffError::InvalidArgument`] if `group_idx` is outside `0..=u32::MAX`.
 pub fn make_offload_key_checked(block_hash: &[u8], group_idx: i128) -> Result<Vec<u8>> {
     let g = u32::try_from(group_idx).map_err(|_| {
-        KvoffError::arg(format!("group_idx must be in 0..=4294967295, got {group_idx}"))
+        KvoffError::arg(format!(
+            "group_idx must be in 0..=4294967295, got {group_idx}"
+        ))
     })?;
     Ok(make_offload_key(block_hash, g))
 }
@@ -73,7 +75,10 @@ mod tests {
         assert_eq!(k, b"abc\x01\x02\x03\x04");
         assert_eq!(get_offload_block_hash(&k).unwrap(), b"abc");
         assert_eq!(get_offload_group_idx(&k).unwrap(), 0x0102_0304);
-        assert_eq!(get_offload_block_hash(&make_offload_key(b"", 7)).unwrap(), b"");
+        assert_eq!(
+            get_offload_block_hash(&make_offload_key(b"", 7)).unwrap(),
+            b""
+        );
     }
 
     #[test]
@@ -82,6 +87,9 @@ mod tests {
         assert!(get_offload_block_hash(b"").is_err());
         assert!(make_offload_key_checked(b"x", -1).is_err());
         assert!(make_offload_key_checked(b"x", 1 << 32).is_err());
-        assert_eq!(make_offload_key_checked(b"x", (1 << 32) - 1).unwrap(), b"x\xff\xff\xff\xff");
+        assert_eq!(
+            make_offload_key_checked(b"x", (1 << 32) - 1).unwrap(),
+            b"x\xff\xff\xff\xff"
+        );
     }
 }

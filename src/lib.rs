@@ -30,6 +30,7 @@
 
 pub mod error;
 pub mod key;
+pub mod manager;
 
 #[cfg(feature = "python")]
 mod python;

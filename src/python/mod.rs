@@ -1,0 +1,1 @@
+//! PyO3 bindings (only with the `python` feature).
