@@ -93,3 +93,95 @@ mod tests {
         );
     }
 }
+
+/// An owned byte-string key that stores up to [`ByteKey::INLINE`] bytes inline (no allocation for
+/// typical 32-byte hashes + 4-byte group index) and longer keys on the heap. Hash and equality are
+/// those of the byte string.
+#[derive(Clone)]
+pub enum ByteKey {
+    /// Short key stored in place.
+    Inline {
+        /// Used bytes of `buf`.
+        len: u8,
+        /// Storage.
+        buf: [u8; ByteKey::INLINE],
+    },
+    /// Long key.
+    Heap(Box<[u8]>),
+}
+
+impl ByteKey {
+    /// Longest key stored inline.
+    pub const INLINE: usize = 46;
+
+    /// Copies `bytes` into a key.
+    #[must_use]
+    #[inline]
+    pub fn new(bytes: &[u8]) -> Self {
+        if bytes.len() <= Self::INLINE {
+            let mut buf = [0u8; Self::INLINE];
+            buf[..bytes.len()].copy_from_slice(bytes);
+            #[allow(clippy::cast_possible_truncation)] // len ≤ INLINE < 256
+            ByteKey::Inline {
+                len: bytes.len() as u8,
+                buf,
+            }
+        } else {
+            ByteKey::Heap(bytes.into())
+        }
+    }
+
+    /// The key's bytes.
+    #[must_use]
+    #[inline]
+    pub fn as_bytes(&self) -> &[u8] {
+        match self {
+            ByteKey::Inline { len, buf } => &buf[..*len as usize],
+            ByteKey::Heap(b) => b,
+        }
+    }
+}
+
+impl PartialEq for ByteKey {
+    #[inline]
+    fn eq(&self, other: &Self) -> bool {
+        self.as_bytes() == other.as_bytes()
+    }
+}
+impl Eq for ByteKey {}
+
+impl std::hash::Hash for ByteKey {
+    #[inline]
+    fn hash<H: std::hash::Hasher>(&self, state: &mut H) {
+        self.as_bytes().hash(state);
+    }
+}
+
+impl std::fmt::Debug for ByteKey {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "ByteKey({:?})", self.as_bytes())
+    }
+}
+
+impl From<&[u8]> for ByteKey {
+    fn from(b: &[u8]) -> Self {
+        Self::new(b)
+    }
+}
+
+#[cfg(test)]
+mod byte_key_tests {
+    use super::ByteKey;
+
+    #[test]
+    fn inline_and_heap() {
+        let short = ByteKey::new(&[1; 46]);
+        let long = ByteKey::new(&[1; 47]);
+        assert!(matches!(short, ByteKey::Inline { .. }));
+        assert!(matches!(long, ByteKey::Heap(_)));
+        assert_eq!(short.as_bytes(), &[1; 46]);
+        assert_eq!(long.as_bytes(), &[1; 47]);
+        assert_ne!(ByteKey::new(b"a"), ByteKey::new(b"a\0"));
+        assert_eq!(std::mem::size_of::<ByteKey>(), 48);
+    }
+}

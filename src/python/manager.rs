@@ -1,0 +1,633 @@
+//! Python classes of the scheduler side (SPEC §2): `OffloadingManager` and its two policies,
+//! `CPULoadStoreSpec`, `PrepareStoreOutput`, `OffloadingEvent`.
+//!
+//! Each manager object is `frozen` and holds its Rust manager behind a mutex; every call validates
+//! its arguments completely before the Rust manager sees them, so a call that raises changes nothing.
+
+use std::sync::Mutex;
+
+use numpy::{PyArray1, PyArrayMethods, PyUntypedArrayMethods};
+use pyo3::exceptions::{PyTypeError, PyValueError};
+use pyo3::prelude::*;
+use pyo3::types::{PyBytes, PyDict, PyList, PyTuple};
+
+use super::errors::{guard, IntoPyResult};
+use super::keys::{extract_key, extract_keys, type_name};
+use crate::key::ByteKey;
+use crate::manager::{
+    ArcManager, LruManager, ManagerConfig, OffloadingEvent, OffloadingManager, Presence,
+};
+
+enum AnyManager {
+    Lru(LruManager<ByteKey>),
+    Arc(ArcManager<ByteKey>),
+}
+
+macro_rules! dispatch {
+    ($m:expr, $v:ident => $e:expr) => {
+        match $m {
+            AnyManager::Lru($v) => $e,
+            AnyManager::Arc($v) => $e,
+        }
+    };
+}
+
+struct State {
+    mgr: AnyManager,
+    scratch: Vec<ByteKey>,
+}
+
+/// Base class of the offloading managers.
+#[pyclass(name = "OffloadingManager", module = "kvoff._native", subclass, frozen)]
+pub struct PyManager {
+    state: Mutex<State>,
+    policy: &'static str,
+}
+
+fn config(
+    num_blocks: &Bound<'_, PyAny>,
+    block_size: &Bound<'_, PyAny>,
+    enable_events: bool,
+    store_threshold: &Bound<'_, PyAny>,
+    max_tracker_size: &Bound<'_, PyAny>,
+) -> PyResult<ManagerConfig> {
+    let int = |o: &Bound<'_, PyAny>, name: &str| -> PyResult<usize> {
+        if o.is_instance_of::<pyo3::types::PyBool>() || !o.is_instance_of::<pyo3::types::PyInt>() {
+            return Err(PyTypeError::new_err(format!(
+                "{name} must be an int, got {}",
+                type_name(o)
+            )));
+        }
+        let v: i128 = o.extract()?;
+        usize::try_from(v)
+            .ok()
+            .filter(|&v| v < u32::MAX as usize)
+            .ok_or_else(|| {
+                PyValueError::new_err(format!("{name} must be in 0..{}, got {v}", u32::MAX))
+            })
+    };
+    let cfg = ManagerConfig {
+        num_blocks: int(num_blocks, "num_blocks")?,
+        block_size: int(block_size, "block_size")?,
+        enable_events,
+        store_threshold: int(store_threshold, "store_threshold")?,
+        max_tracker_size: int(max_tracker_size, "max_tracker_size")?,
+    };
+    cfg.validate().py()?;
+    Ok(cfg)
+}
+
+fn ids_array<'py>(py: Python<'py>, ids: &[u32]) -> Bound<'py, PyArray1<i64>> {
+    PyArray1::from_iter(py, ids.iter().map(|&i| i64::from(i)))
+}
+
+fn event_to_py(py: Python<'_>, e: OffloadingEvent<ByteKey>) -> PyResult<Py<PyOffloadingEvent>> {
+    let keys = PyList::new(py, e.keys.iter().map(|k| PyBytes::new(py, k.as_bytes())))?;
+    Py::new(
+        py,
+        PyOffloadingEvent {
+            keys: keys.unbind(),
+            block_size: e.block_size,
+            medium: e.medium.to_owned(),
+            removed: e.removed,
+        },
+    )
+}
+
+impl PyManager {
+    fn new_with(policy: &'static str, cfg: ManagerConfig) -> PyResult<Self> {
+        let mgr = match policy {
+            "lru" => AnyManager::Lru(LruManager::try_new(cfg).py()?),
+            _ => AnyManager::Arc(ArcManager::try_new(cfg).py()?),
+        };
+        Ok(Self {
+            state: Mutex::new(State {
+                mgr,
+                scratch: Vec::new(),
+            }),
+            policy,
+        })
+    }
+
+    /// Locks the state and runs `f` under the panic guard. A panic (a kvoff bug) shuts the manager
+    /// down, so that later calls fail cleanly instead of using a half-updated state.
+    fn with<R>(&self, f: impl FnOnce(&mut State) -> PyResult<R>) -> PyResult<R> {
+        let mut st = self.state.lock().map_err(|_| to_broken())?;
+        let res = guard(|| f(&mut st));
+        if res.is_err() && st_is_panic(&res) {
+            dispatch!(&mut st.mgr, m => m.shutdown());
+        }
+        res
+    }
+
+    fn with_keys<R>(
+        &self,
+        keys: &Bound<'_, PyAny>,
+        f: impl FnOnce(&mut AnyManager, &[ByteKey]) -> PyResult<R>,
+    ) -> PyResult<R> {
+        self.with(|st| {
+            let mut scratch = std::mem::take(&mut st.scratch);
+            let r = extract_keys(keys, &mut scratch).and_then(|()| f(&mut st.mgr, &scratch));
+            st.scratch = scratch;
+            r
+        })
+    }
+}
+
+fn to_broken() -> PyErr {
+    super::errors::to_py(crate::KvoffError::state(
+        "the manager is broken by an earlier internal error; create a new one",
+    ))
+}
+
+fn st_is_panic<R>(res: &PyResult<R>) -> bool {
+    match res {
+        Err(e) => Python::attach(|py| {
+            e.is_instance_of::<super::errors::exc::KvoffError>(py)
+                && e.value(py)
+                    .to_string()
+                    .starts_with("internal error in kvoff")
+        }),
+        Ok(_) => false,
+    }
+}
+
+#[pymethods]
+impl PyManager {
+    /// Policy name, `"lru"` or `"arc"`.
+    #[getter]
+    fn policy(&self) -> &'static str {
+        self.policy
+    }
+
+    /// Capacity in CPU blocks.
+    #[getter]
+    fn num_blocks(&self) -> PyResult<usize> {
+        self.with(|st| Ok(dispatch!(&st.mgr, m => m.num_blocks())))
+    }
+
+    fn __len__(&self) -> PyResult<usize> {
+        self.with(|st| Ok(dispatch!(&st.mgr, m => m.len())))
+    }
+
+    /// `True` ready/loading, `None` pending, `False` absent.
+    #[pyo3(signature = (key, req_context=None))]
+    fn lookup(
+        &self,
+        key: &Bound<'_, PyAny>,
+        req_context: Option<&Bound<'_, PyAny>>,
+    ) -> PyResult<Option<bool>> {
+        let _ = req_context;
+        let k = extract_key(key)?;
+        self.with(|st| {
+            Ok(match dispatch!(&st.mgr, m => m.lookup(&k)).py()? {
+                Presence::Ready => Some(true),
+                Presence::Pending => None,
+                Presence::Absent => Some(false),
+            })
+        })
+    }
+
+    /// Number of leading ready keys; `None` if the first non-ready key is pending.
+    #[pyo3(signature = (keys, req_context=None))]
+    fn lookup_prefix(
+        &self,
+        keys: &Bound<'_, PyAny>,
+        req_context: Option<&Bound<'_, PyAny>>,
+    ) -> PyResult<Option<usize>> {
+        let _ = req_context;
+        self.with_keys(keys, |m, ks| dispatch!(m, m => m.lookup_prefix(ks)).py())
+    }
+
+    /// Pins ready keys for loading; returns their CPU spec.
+    #[pyo3(signature = (keys, req_context=None))]
+    fn prepare_load(
+        &self,
+        py: Python<'_>,
+        keys: &Bound<'_, PyAny>,
+        req_context: Option<&Bound<'_, PyAny>>,
+    ) -> PyResult<PyCpuSpec> {
+        let _ = req_context;
+        let ids = self.with_keys(keys, |m, ks| dispatch!(m, m => m.prepare_load(ks)).py())?;
+        Ok(PyCpuSpec {
+            block_ids: ids_array(py, &ids).unbind(),
+        })
+    }
+
+    /// Recency update (the first key ends most recently used).
+    #[pyo3(signature = (keys, req_context=None))]
+    fn touch(
+        &self,
+        keys: &Bound<'_, PyAny>,
+        req_context: Option<&Bound<'_, PyAny>>,
+    ) -> PyResult<()> {
+        let _ = req_context;
+        self.with_keys(keys, |m, ks| dispatch!(m, m => m.touch(ks)).py())
+    }
+
+    /// Unpins keys whose load finished.
+    #[pyo3(signature = (keys, req_context=None))]
+    fn complete_load(
+        &self,
+        keys: &Bound<'_, PyAny>,
+        req_context: Option<&Bound<'_, PyAny>>,
+    ) -> PyResult<()> {
+        let _ = req_context;
+        self.with_keys(keys, |m, ks| dispatch!(m, m => m.complete_load(ks)).py())
+    }
+
+    /// SPEC §2.3. `None` when there is not enough evictable room (nothing changed).
+    #[pyo3(signature = (keys, req_context=None))]
+    fn prepare_store(
+        &self,
+        py: Python<'_>,
+        keys: &Bound<'_, PyAny>,
+        req_context: Option<&Bound<'_, PyAny>>,
+    ) -> PyResult<Option<PyPrepareStoreOutput>> {
+        let _ = req_context;
+        // Keep a sequence of the caller's objects so the stored keys are handed back as they came.
+        let seq: Bound<'_, PyAny> =
+            if keys.is_instance_of::<PyList>() || keys.is_instance_of::<PyTuple>() {
+                keys.clone()
+            } else if keys.is_instance_of::<PyBytes>() {
+                keys.clone() // rejected by extract_keys with a clear message
+            } else {
+                match keys.try_iter() {
+                    Ok(it) => PyList::new(py, it.collect::<PyResult<Vec<_>>>()?)?.into_any(),
+                    Err(_) => keys.clone(),
+                }
+            };
+        let out = self.with_keys(&seq, |m, ks| {
+            dispatch!(m, m => m.prepare_store_indexed(ks)).py()
+        })?;
+        let Some(out) = out else { return Ok(None) };
+        let stored = PyList::empty(py);
+        for &p in &out.positions {
+            stored.append(seq.get_item(p)?)?;
+        }
+        let evicted = PyList::new(
+            py,
+            out.evicted_keys
+                .iter()
+                .map(|k| PyBytes::new(py, k.as_bytes())),
+        )?;
+        Ok(Some(PyPrepareStoreOutput {
+            keys_to_store: stored.unbind(),
+            store_spec: Py::new(
+                py,
+                PyCpuSpec {
+                    block_ids: ids_array(py, &out.block_ids).unbind(),
+                },
+            )?,
+            evicted_keys: evicted.unbind(),
+        }))
+    }
+
+    /// Pending keys become ready (`success`) or are removed (failure).
+    #[pyo3(signature = (keys, success=true, req_context=None))]
+    fn complete_store(
+        &self,
+        keys: &Bound<'_, PyAny>,
+        success: bool,
+        req_context: Option<&Bound<'_, PyAny>>,
+    ) -> PyResult<()> {
+        let _ = req_context;
+        self.with_keys(keys, |m, ks| {
+            dispatch!(m, m => m.complete_store(ks, success)).py()
+        })
+    }
+
+    /// Drains events in order.
+    fn take_events(&self, py: Python<'_>) -> PyResult<Vec<Py<PyOffloadingEvent>>> {
+        let evs = self.with(|st| dispatch!(&mut st.mgr, m => m.take_events()).py())?;
+        evs.into_iter().map(|e| event_to_py(py, e)).collect()
+    }
+
+    /// Gauges and counters; resets `stores_skipped`.
+    fn get_stats<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyDict>> {
+        let s = self.with(|st| dispatch!(&mut st.mgr, m => m.get_stats()).py())?;
+        let d = PyDict::new(py);
+        d.set_item("usage", s.usage)?;
+        d.set_item("write_usage", s.write_usage)?;
+        d.set_item("read_usage", s.read_usage)?;
+        d.set_item("num_blocks", s.num_blocks)?;
+        d.set_item("num_present", s.num_present)?;
+        d.set_item("num_free", s.num_free)?;
+        d.set_item("num_evictable", s.num_evictable)?;
+        d.set_item("stores_skipped", s.stores_skipped)?;
+        Ok(d)
+    }
+
+    /// Forgets every key, ghost and counter; pending events stay.
+    fn reset(&self) -> PyResult<()> {
+        self.with(|st| dispatch!(&mut st.mgr, m => m.reset()).py())
+    }
+
+    /// Idempotent; later calls of other methods raise `InvalidStateError`.
+    fn shutdown(&self) -> PyResult<()> {
+        self.with(|st| {
+            dispatch!(&mut st.mgr, m => m.shutdown());
+            Ok(())
+        })
+    }
+
+    /// ARC's target size of T1 (`None` for LRU). Introspection for tests and tuning.
+    #[getter]
+    fn arc_target(&self) -> PyResult<Option<f64>> {
+        self.with(|st| {
+            Ok(match &st.mgr {
+                AnyManager::Arc(m) => Some(m.policy().p),
+                AnyManager::Lru(_) => None,
+            })
+        })
+    }
+
+    /// Keys of each list from LRU to MRU: `(T1, T2, B1, B2)` for ARC, `(order, [], [], [])` for LRU.
+    fn debug_lists<'py>(&self, py: Python<'py>) -> PyResult<Vec<Vec<Bound<'py, PyBytes>>>> {
+        let lists = self.with(|st| Ok(dispatch!(&st.mgr, m => m.debug_lists())))?;
+        Ok(lists
+            .iter()
+            .map(|l| l.iter().map(|k| PyBytes::new(py, k.as_bytes())).collect())
+            .collect())
+    }
+
+    fn __repr__(&self) -> PyResult<String> {
+        let (n, cap) = self.with(|st| Ok(dispatch!(&st.mgr, m => (m.len(), m.num_blocks()))))?;
+        Ok(format!(
+            "<{} manager: {n}/{cap} blocks>",
+            self.policy.to_uppercase()
+        ))
+    }
+}
+
+/// LRU offloading manager (SPEC §2.4).
+#[pyclass(name = "LRUOffloadingManager", module = "kvoff._native", extends = PyManager, frozen)]
+pub struct PyLru;
+
+#[pymethods]
+impl PyLru {
+    #[new]
+    #[pyo3(signature = (num_blocks, *, block_size=None, enable_events=false, store_threshold=None, max_tracker_size=None))]
+    fn new(
+        py: Python<'_>,
+        num_blocks: &Bound<'_, PyAny>,
+        block_size: Option<&Bound<'_, PyAny>>,
+        enable_events: bool,
+        store_threshold: Option<&Bound<'_, PyAny>>,
+        max_tracker_size: Option<&Bound<'_, PyAny>>,
+    ) -> PyResult<PyClassInitializer<Self>> {
+        let cfg = kw_config(
+            py,
+            num_blocks,
+            block_size,
+            enable_events,
+            store_threshold,
+            max_tracker_size,
+        )?;
+        Ok(PyClassInitializer::from(PyManager::new_with("lru", cfg)?).add_subclass(PyLru))
+    }
+}
+
+/// ARC offloading manager (SPEC §2.5).
+#[pyclass(name = "ARCOffloadingManager", module = "kvoff._native", extends = PyManager, frozen)]
+pub struct PyArc;
+
+#[pymethods]
+impl PyArc {
+    #[new]
+    #[pyo3(signature = (num_blocks, *, block_size=None, enable_events=false, store_threshold=None, max_tracker_size=None))]
+    fn new(
+        py: Python<'_>,
+        num_blocks: &Bound<'_, PyAny>,
+        block_size: Option<&Bound<'_, PyAny>>,
+        enable_events: bool,
+        store_threshold: Option<&Bound<'_, PyAny>>,
+        max_tracker_size: Option<&Bound<'_, PyAny>>,
+    ) -> PyResult<PyClassInitializer<Self>> {
+        let cfg = kw_config(
+            py,
+            num_blocks,
+            block_size,
+            enable_events,
+            store_threshold,
+            max_tracker_size,
+        )?;
+        Ok(PyClassInitializer::from(PyManager::new_with("arc", cfg)?).add_subclass(PyArc))
+    }
+}
+
+fn kw_config(
+    py: Python<'_>,
+    num_blocks: &Bound<'_, PyAny>,
+    block_size: Option<&Bound<'_, PyAny>>,
+    enable_events: bool,
+    store_threshold: Option<&Bound<'_, PyAny>>,
+    max_tracker_size: Option<&Bound<'_, PyAny>>,
+) -> PyResult<ManagerConfig> {
+    let zero = 0i64.into_pyobject(py)?.into_any();
+    let dflt = 64_000i64.into_pyobject(py)?.into_any();
+    config(
+        num_blocks,
+        block_size.unwrap_or(&zero),
+        enable_events,
+        store_threshold.unwrap_or(&zero),
+        max_tracker_size.unwrap_or(&dflt),
+    )
+}
+
+/// CPU block ids of a load or store (`block_ids`: int64 numpy array).
+#[pyclass(name = "CPULoadStoreSpec", module = "kvoff._native", frozen)]
+pub struct PyCpuSpec {
+    block_ids: Py<PyArray1<i64>>,
+}
+
+#[pymethods]
+impl PyCpuSpec {
+    #[new]
+    fn new(py: Python<'_>, block_ids: &Bound<'_, PyAny>) -> PyResult<Self> {
+        Ok(Self {
+            block_ids: int64_array(py, block_ids, "block_ids")?.unbind(),
+        })
+    }
+
+    /// The block ids (int64, one dimension).
+    #[getter]
+    fn block_ids<'py>(&self, py: Python<'py>) -> Bound<'py, PyArray1<i64>> {
+        self.block_ids.bind(py).clone()
+    }
+
+    /// The medium name, `"CPU"`.
+    #[staticmethod]
+    fn medium() -> &'static str {
+        "CPU"
+    }
+
+    fn __len__(&self, py: Python<'_>) -> usize {
+        self.block_ids.bind(py).len()
+    }
+
+    fn __repr__(&self, py: Python<'_>) -> PyResult<String> {
+        Ok(format!(
+            "CPULoadStoreSpec({})",
+            self.block_ids.bind(py).repr()?
+        ))
+    }
+}
+
+/// Converts ids to a one-dimensional int64 numpy array (no copy if it already is one).
+///
+/// # Errors
+/// `TypeError` for non-integer input, `ValueError` for negative ids or more than one dimension.
+pub(crate) fn int64_array<'py>(
+    py: Python<'py>,
+    o: &Bound<'py, PyAny>,
+    what: &str,
+) -> PyResult<Bound<'py, PyArray1<i64>>> {
+    if let Ok(a) = o.cast::<PyArray1<i64>>() {
+        let a = a.clone();
+        check_non_negative(&a, what)?;
+        return Ok(a);
+    }
+    let np = py.import("numpy")?;
+    let arr = np.call_method1("asarray", (o,))?;
+    let kind: String = arr.getattr("dtype")?.getattr("kind")?.extract()?;
+    let ndim: usize = arr.getattr("ndim")?.extract()?;
+    let size: usize = arr.getattr("size")?.extract()?;
+    if size > 0 && kind != "i" && kind != "u" {
+        return Err(PyTypeError::new_err(format!(
+            "{what} must be integers, got dtype kind {kind:?}"
+        )));
+    }
+    if ndim != 1 {
+        return Err(PyValueError::new_err(format!(
+            "{what} must be one-dimensional, got {ndim} dimensions"
+        )));
+    }
+    let arr = arr.call_method1("astype", ("int64",))?;
+    let a = arr
+        .cast_into::<PyArray1<i64>>()
+        .map_err(|e| PyTypeError::new_err(e.to_string()))?;
+    check_non_negative(&a, what)?;
+    Ok(a)
+}
+
+fn check_non_negative(a: &Bound<'_, PyArray1<i64>>, what: &str) -> PyResult<()> {
+    let ro = a.readonly();
+    if let Some(v) = ro.as_array().iter().find(|&&v| v < 0) {
+        return Err(PyValueError::new_err(format!(
+            "{what} must be non-negative, found {v}"
+        )));
+    }
+    Ok(())
+}
+
+/// Result of `prepare_store`.
+#[pyclass(name = "PrepareStoreOutput", module = "kvoff._native", frozen)]
+pub struct PyPrepareStoreOutput {
+    #[pyo3(get)]
+    keys_to_store: Py<PyList>,
+    #[pyo3(get)]
+    store_spec: Py<PyCpuSpec>,
+    #[pyo3(get)]
+    evicted_keys: Py<PyList>,
+}
+
+#[pymethods]
+impl PyPrepareStoreOutput {
+    #[new]
+    fn new(
+        py: Python<'_>,
+        keys_to_store: &Bound<'_, PyAny>,
+        store_spec: Py<PyCpuSpec>,
+        evicted_keys: &Bound<'_, PyAny>,
+    ) -> PyResult<Self> {
+        let mut scratch = Vec::new();
+        extract_keys(keys_to_store, &mut scratch)?;
+        extract_keys(evicted_keys, &mut scratch)?;
+        Ok(Self {
+            keys_to_store: PyList::new(
+                py,
+                keys_to_store.try_iter()?.collect::<PyResult<Vec<_>>>()?,
+            )?
+            .unbind(),
+            store_spec,
+            evicted_keys: PyList::new(py, evicted_keys.try_iter()?.collect::<PyResult<Vec<_>>>()?)?
+                .unbind(),
+        })
+    }
+
+    fn __repr__(&self, py: Python<'_>) -> PyResult<String> {
+        Ok(format!(
+            "PrepareStoreOutput(keys_to_store={}, store_spec={}, evicted_keys={})",
+            self.keys_to_store.bind(py).repr()?,
+            self.store_spec.bind(py).repr()?,
+            self.evicted_keys.bind(py).repr()?
+        ))
+    }
+}
+
+/// A change of the set of ready blocks.
+#[pyclass(name = "OffloadingEvent", module = "kvoff._native", frozen)]
+pub struct PyOffloadingEvent {
+    #[pyo3(get)]
+    keys: Py<PyList>,
+    #[pyo3(get)]
+    block_size: usize,
+    #[pyo3(get)]
+    medium: String,
+    #[pyo3(get)]
+    removed: bool,
+}
+
+#[pymethods]
+impl PyOffloadingEvent {
+    #[new]
+    #[pyo3(signature = (keys, block_size, medium, removed))]
+    fn new(
+        py: Python<'_>,
+        keys: &Bound<'_, PyAny>,
+        block_size: usize,
+        medium: String,
+        removed: bool,
+    ) -> PyResult<Self> {
+        let mut scratch = Vec::new();
+        extract_keys(keys, &mut scratch)?;
+        Ok(Self {
+            keys: PyList::new(py, scratch.iter().map(|k| PyBytes::new(py, k.as_bytes())))?.unbind(),
+            block_size,
+            medium,
+            removed,
+        })
+    }
+
+    fn __eq__(&self, py: Python<'_>, other: &Bound<'_, PyAny>) -> PyResult<bool> {
+        let Ok(o) = other.cast::<PyOffloadingEvent>() else {
+            return Ok(false);
+        };
+        let o = o.get();
+        Ok(self.block_size == o.block_size
+            && self.medium == o.medium
+            && self.removed == o.removed
+            && self.keys.bind(py).eq(o.keys.bind(py))?)
+    }
+
+    fn __repr__(&self, py: Python<'_>) -> PyResult<String> {
+        Ok(format!(
+            "OffloadingEvent(keys={}, block_size={}, medium={:?}, removed={})",
+            self.keys.bind(py).repr()?,
+            self.block_size,
+            self.medium,
+            if self.removed { "True" } else { "False" }
+        ))
+    }
+}
+
+pub(crate) fn register(m: &Bound<'_, PyModule>) -> PyResult<()> {
+    m.add_class::<PyManager>()?;
+    m.add_class::<PyLru>()?;
+    m.add_class::<PyArc>()?;
+    m.add_class::<PyCpuSpec>()?;
+    m.add_class::<PyPrepareStoreOutput>()?;
+    m.add_class::<PyOffloadingEvent>()?;
+    Ok(())
+}
