@@ -246,17 +246,18 @@ impl PyManager {
     ) -> PyResult<Option<PyPrepareStoreOutput>> {
         let _ = req_context;
         // Keep a sequence of the caller's objects so the stored keys are handed back as they came.
-        let seq: Bound<'_, PyAny> =
-            if keys.is_instance_of::<PyList>() || keys.is_instance_of::<PyTuple>() {
-                keys.clone()
-            } else if keys.is_instance_of::<PyBytes>() {
-                keys.clone() // rejected by extract_keys with a clear message
-            } else {
-                match keys.try_iter() {
-                    Ok(it) => PyList::new(py, it.collect::<PyResult<Vec<_>>>()?)?.into_any(),
-                    Err(_) => keys.clone(),
-                }
-            };
+        // A single `bytes` object is kept as is and rejected by extract_keys with a clear message.
+        let seq: Bound<'_, PyAny> = if keys.is_instance_of::<PyList>()
+            || keys.is_instance_of::<PyTuple>()
+            || keys.is_instance_of::<PyBytes>()
+        {
+            keys.clone()
+        } else {
+            match keys.try_iter() {
+                Ok(it) => PyList::new(py, it.collect::<PyResult<Vec<_>>>()?)?.into_any(),
+                Err(_) => keys.clone(),
+            }
+        };
         let out = self.with_keys(&seq, |m, ks| {
             dispatch!(m, m => m.prepare_store_indexed(ks)).py()
         })?;
