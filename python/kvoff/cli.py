@@ -1,0 +1,40 @@
+"""The ``kvoff`` command line: ``kvoff bench managers`` (and, as they land, ``transfers``/``demo``)."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+
+
+def _bench_managers(args: argparse.Namespace) -> int:
+    from kvoff.bench import bench_managers, format_manager_rows
+
+    sys.stdout.flush()
+    rows = bench_managers(args.requests, args.capacity, args.reps, show_progress=not args.quiet)
+    if args.json:
+        print(json.dumps(rows, indent=2))
+    else:
+        sys.stderr.flush()
+        print(format_manager_rows(rows))
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="kvoff", description="kvoff: KV-cache offloading tools")
+    sub = parser.add_subparsers(dest="cmd", required=True)
+    bench = sub.add_parser("bench", help="run benchmarks")
+    bsub = bench.add_subparsers(dest="what", required=True)
+    m = bsub.add_parser("managers", help="manager workload of PERF.md, both policies, vs a Python reference")
+    m.add_argument("--requests", type=int, default=2000)
+    m.add_argument("--capacity", type=int, default=20_000)
+    m.add_argument("--reps", type=int, default=5, help="repetitions (median reported)")
+    m.add_argument("--json", action="store_true", help="print rows as JSON")
+    m.add_argument("--quiet", action="store_true", help="no progress bar")
+    m.set_defaults(func=_bench_managers)
+    args = parser.parse_args(argv)
+    return int(args.func(args))
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,29 @@
+#!/usr/bin/env bash
+# kvoff's whole test suite, as the README documents it: Rust formatting, lints (with and without the
+# python feature), Rust tests, then the Python package built and installed into a virtualenv,
+# pytest, and a check of the native module's type stub.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+VENV=${KVOFF_VENV:-.venv}
+
+step() { printf '\n== %s ==\n' "$*"; }
+
+step "cargo fmt --check"
+cargo fmt --check
+step "cargo clippy (no features)"
+cargo clippy --all-targets --locked -- -D warnings
+step "cargo clippy (python feature)"
+cargo clippy --all-targets --locked --features python -- -D warnings
+step "cargo test"
+cargo test --locked
+
+step "python package"
+if [ ! -x "$VENV/bin/python" ]; then
+  python3 -m venv --system-site-packages "$VENV"
+fi
+"$VENV/bin/python" -m pip install -q --disable-pip-version-check ".[test]"
+step "pytest"
+"$VENV/bin/python" -m pytest -q -p no:cacheprovider
+step "stub check (mypy.stubtest kvoff._native)"
+"$VENV/bin/python" -m mypy.stubtest kvoff._native
+step "all tests passed"
