@@ -20,11 +20,17 @@ def _bench_managers(args: argparse.Namespace) -> int:
     return 0
 
 
+def _bench_all(args: argparse.Namespace) -> int:
+    """``kvoff bench`` with no subcommand: every benchmark that this machine can run."""
+    return _bench_managers(args)
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="kvoff", description="kvoff: KV-cache offloading tools")
     sub = parser.add_subparsers(dest="cmd", required=True)
     bench = sub.add_parser("bench", help="run benchmarks")
-    bsub = bench.add_subparsers(dest="what", required=True)
+    bsub = bench.add_subparsers(dest="what")
+    bench.set_defaults(func=_bench_all, requests=2000, capacity=20_000, reps=5, json=False, quiet=False)
     m = bsub.add_parser("managers", help="manager workload of PERF.md, both policies, vs a Python reference")
     m.add_argument("--requests", type=int, default=2000)
     m.add_argument("--capacity", type=int, default=20_000)
