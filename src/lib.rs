@@ -20,6 +20,11 @@
 //! |---|---|---|
 //! | [`error`] | typed errors ([`KvoffError`]) | no |
 //! | [`key`] | offload keys: block hash ‖ group index | no |
+//! | [`sizing`] | host budget → row stride and number of CPU blocks | no |
+//! | [`expand`] | block ids → sub-block ids / pointers | no |
+//! | [`plan`] | specs × tensor descriptors → bounds-checked, merged [`plan::CopyPlan`] | no |
+//! | [`region`] | host memory: private or shared-by-name mmap, rank slots, prefault, pinning hook | yes |
+//! | [`engine`] | transfer engines: job queue, results, host memcpy engine | yes |
 //!
 //! ## Safety model
 //! Unsafe code lives only in the modules that touch raw memory or FFI (`region`, `engine`); every other
@@ -28,8 +33,13 @@
 //! bad input: errors are [`KvoffError`] values, which the Python bindings map to exception classes.
 //!
 
+pub mod engine;
 pub mod error;
+pub mod expand;
 pub mod key;
+pub mod plan;
+pub mod region;
+pub mod sizing;
 
 #[cfg(feature = "python")]
 mod python;
