@@ -20,6 +20,12 @@
 //! |---|---|---|
 //! | [`error`] | typed errors ([`KvoffError`]) | no |
 //! | [`key`] | offload keys: block hash ‖ group index | no |
+//! | [`manager`] | LRU and ARC offloading managers (scheduler side) | no |
+//! | [`sizing`] | host budget → row stride and number of CPU blocks | no |
+//! | [`expand`] | block ids → sub-block ids / pointers | no |
+//! | [`plan`] | specs × tensor descriptors → bounds-checked, merged [`plan::CopyPlan`] | no |
+//! | [`region`] | host memory: private or shared-by-name mmap, rank slots, prefault, pinning hook | yes |
+//! | [`engine`] | transfer engines: job queue, results, host memcpy engine | yes |
 //!
 //! ## Safety model
 //! Unsafe code lives only in the modules that touch raw memory or FFI (`region`, `engine`); every other
@@ -27,10 +33,25 @@
 //! `unsafe {}` block a `// SAFETY:` comment naming the obligation it meets. No library code panics on
 //! bad input: errors are [`KvoffError`] values, which the Python bindings map to exception classes.
 //!
+//! ## Example: a manager
+//! ```
+//! use kvoff::manager::{LruManager, ManagerConfig, OffloadingManager, Presence};
+//! let mut m: LruManager<u64> = LruManager::new(ManagerConfig::new(4));
+//! let out = m.prepare_store(&[1, 2]).unwrap().expect("room for two blocks");
+//! assert_eq!(out.block_ids, vec![0, 1]);
+//! m.complete_store(&[1, 2], true).unwrap();
+//! assert_eq!(m.lookup(&1).unwrap(), Presence::Ready);
+//! assert_eq!(m.lookup_prefix(&[1, 2, 3]).unwrap(), Some(2));
+//! ```
 
+pub mod engine;
 pub mod error;
+pub mod expand;
 pub mod key;
 pub mod manager;
+pub mod plan;
+pub mod region;
+pub mod sizing;
 
 #[cfg(feature = "python")]
 mod python;

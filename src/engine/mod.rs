@@ -1,0 +1,111 @@
+//! Transfer engines (SPEC §6, engine part): take validated [`CopyPlan`]s as jobs, move the bytes
+//! asynchronously, and report [`JobResult`]s.
+//!
+//! Contract shared by every engine ([`TransferEngine`]):
+//! - `submit` returns at once; jobs of one engine run and complete in submission order (so, in
+//!   particular, per direction);
+//! - a job id is *busy* from its submission until its result has been returned by `poll`; submitting a
+//!   busy id is [`KvoffError::InvalidArgument`] and enqueues nothing;
+//! - `poll` never blocks and returns finished results in submission order, each exactly once;
+//! - `wait(ids)` blocks until those jobs finished (unknown or already-polled ids are ignored); their
+//!   results stay available to `poll`;
+//! - `shutdown` drains the queue (every submitted job finishes or is reported failed), is
+//!   idempotent, and later submits are [`KvoffError::InvalidState`]; results stay pollable;
+//! - a failure while copying (including a panic on a worker thread) becomes a `JobResult` with
+//!   `success == false` and the error text; it never aborts the process.
+//!
+//! Safety model: engines dereference raw addresses, so [`TransferEngine::submit`] is `unsafe`; its
+//! caller vouches for the memory (normally by building the plan with a
+//! [`crate::plan::CopyPlanner`] from descriptors of live allocations it keeps alive).
+//!
+//! [`KvoffError::InvalidArgument`]: crate::KvoffError::InvalidArgument
+//! [`KvoffError::InvalidState`]: crate::KvoffError::InvalidState
+
+pub mod host;
+
+pub use host::HostEngine;
+
+use crate::error::Result;
+use crate::plan::{CopyPlan, Direction};
+
+/// One transfer job.
+#[derive(Debug, Clone)]
+pub struct Job {
+    /// Caller-chosen id, reported back in the [`JobResult`].
+    pub job_id: i64,
+    /// What to copy (its direction is the job's direction).
+    pub plan: CopyPlan,
+    /// Raw CUDA stream (`cudaStream_t` as an integer) whose queued work the transfer must follow;
+    /// `None` for "no ordering". Ignored by the host engine.
+    pub stream: Option<u64>,
+}
+
+impl Job {
+    /// A job without stream ordering.
+    #[must_use]
+    pub const fn new(job_id: i64, plan: CopyPlan) -> Self {
+        Self {
+            job_id,
+            plan,
+            stream: None,
+        }
+    }
+
+    /// Direction of the job (that of its plan).
+    #[must_use]
+    pub const fn direction(&self) -> Direction {
+        self.plan.direction()
+    }
+}
+
+/// The outcome of one job.
+#[derive(Debug, Clone, PartialEq)]
+pub struct JobResult {
+    /// The job's id.
+    pub job_id: i64,
+    /// Whether every byte was copied.
+    pub success: bool,
+    /// Bytes of the job (its plan's total, whether or not it succeeded).
+    pub bytes: u64,
+    /// Time spent moving the bytes, in seconds.
+    pub seconds: f64,
+    /// Direction of the job.
+    pub direction: Direction,
+    /// What went wrong, when `success` is false.
+    pub error: Option<String>,
+}
+
+/// An asynchronous byte mover. See the module docs for the ordering and error contract.
+pub trait TransferEngine: Send {
+    /// Enqueues `job` and returns at once.
+    ///
+    /// # Safety
+    /// 1. Every copy of `job.plan` reads `[src_ptr, src_ptr+bytes)` and writes
+    ///    `[dst_ptr, dst_ptr+bytes)`: these ranges must be valid for reads and writes respectively
+    ///    (in the address space the engine works on: host memory for the host engine), from this
+    ///    call until the job's result can be observed through `poll` or `wait` (or `shutdown`
+    ///    returned). A plan from a [`crate::plan::CopyPlanner`] meets this when the planner's
+    ///    descriptors describe live allocations that the caller keeps alive that long.
+    /// 2. No destination range overlaps another destination range or any source range of the job
+    ///    (a planner's plan guarantees this when its GPU-side and CPU-side descriptors each describe
+    ///    disjoint memory), and nothing else writes the job's sources or reads or writes its
+    ///    destinations until the job finished.
+    ///
+    /// # Errors
+    /// [`crate::KvoffError::InvalidArgument`] when `job.job_id` is busy;
+    /// [`crate::KvoffError::InvalidState`] after `shutdown` or when the engine is broken.
+    /// Nothing is enqueued on error.
+    unsafe fn submit(&mut self, job: Job) -> Result<()>;
+
+    /// Results of finished jobs not returned before, in submission order. Never blocks.
+    fn poll(&mut self) -> Vec<JobResult>;
+
+    /// Blocks until the jobs `job_ids` finished (unknown ids are ignored).
+    ///
+    /// # Errors
+    /// Engine-specific failures while waiting (the host engine never fails here).
+    fn wait(&mut self, job_ids: &[i64]) -> Result<()>;
+
+    /// Drains in-flight work and stops the engine. Idempotent.
+    fn shutdown(&mut self);
+}
