@@ -21,6 +21,8 @@
 //! [`KvoffError::InvalidArgument`]: crate::KvoffError::InvalidArgument
 //! [`KvoffError::InvalidState`]: crate::KvoffError::InvalidState
 
+#[cfg(feature = "cuda")]
+pub mod cuda;
 pub mod host;
 
 pub use host::HostEngine;

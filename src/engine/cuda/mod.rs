@@ -1,0 +1,1048 @@
+//! CUDA transfer engine (SPEC §6 on a GPU): moves a [`CopyPlan`] between GPU memory and pinned host
+//! memory on a pooled stream, choosing per job between batched DMA (`cuMemcpyBatchAsync`, one call
+//! per job; a per-copy `cuMemcpyAsync` loop where the driver lacks it) and a gather/scatter copy
+//! kernel over device-mapped host memory (`kernels/copy.cu`, shipped as PTX).
+//!
+//! Ordering: each job first waits on the caller's stream (an event recorded there at submission),
+//! then runs on this engine's stream after the previous job, so jobs of one engine complete in
+//! submission order. Loads use a higher-priority stream than stores. Each job is bracketed by two
+//! pooled timing events; [`TransferEngine::poll`] queries them without blocking.
+//!
+//! Errors: a failing driver call during submission or execution never panics and never aborts the
+//! process: the job is reported with `success = false` and the driver's error text. Errors while
+//! releasing resources in `Drop` are recorded in [`CudaEngine::close_errors`].
+//!
+//! Loading: the driver library is opened at run time (cudarc `dynamic-loading`); where there is
+//! none, [`CudaDevice::open`] returns [`KvoffError::CudaUnavailable`] and nothing else is touched.
+#![allow(unsafe_code)]
+#![deny(unsafe_op_in_unsafe_fn)]
+
+mod ffi;
+
+use std::collections::VecDeque;
+use std::ffi::c_void;
+use std::sync::{Arc, Mutex, OnceLock};
+
+use super::{Job, JobResult, TransferEngine};
+use crate::error::{KvoffError, Result};
+use crate::plan::{CopyOp, Direction};
+use crate::region::HostRegistrar;
+
+/// PTX of `kernels/copy.cu` (built by `kernels/build_ptx.py`).
+const COPY_PTX: &str = concat!(include_str!("../../../kernels/copy.ptx"), "\0");
+/// Threads per CTA of the copy kernel (its `__launch_bounds__`).
+const KERNEL_THREADS: u32 = 512;
+const WARPS_PER_CTA: u64 = (KERNEL_THREADS / 32) as u64;
+/// Largest piece one warp copies; longer copies are split so warps stay balanced.
+const KERNEL_CHUNK_BYTES: u64 = 64 << 10;
+/// Bytes of one kernel descriptor (`src`, `dst`, `bytes`).
+const DESC_BYTES: usize = 24;
+
+/// How a job's bytes are moved.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub enum CopyMethod {
+    /// Choose per job (page size, copy count, whether the host memory is mapped).
+    Auto,
+    /// Batched DMA: one `cuMemcpyBatchAsync` per job (or a per-copy loop without it).
+    Dma,
+    /// The gather/scatter copy kernel (needs pinned, device-mapped host memory).
+    Kernel,
+    /// One `cuMemcpyAsync` per copy (a baseline for benchmarks).
+    Loop,
+}
+
+impl CopyMethod {
+    /// Parses `"auto" | "dma" | "kernel" | "loop"`.
+    ///
+    /// # Errors
+    /// [`KvoffError::InvalidArgument`] naming the valid choices.
+    pub fn parse(s: &str) -> Result<Self> {
+        match s {
+            "auto" | "cuda" => Ok(Self::Auto),
+            "dma" => Ok(Self::Dma),
+            "kernel" => Ok(Self::Kernel),
+            "loop" => Ok(Self::Loop),
+            _ => Err(KvoffError::arg(format!(
+                "unknown CUDA copy method {s:?}; valid: \"auto\", \"dma\", \"kernel\", \"loop\""
+            ))),
+        }
+    }
+
+    /// Lower-case name.
+    #[must_use]
+    pub const fn name(self) -> &'static str {
+        match self {
+            Self::Auto => "auto",
+            Self::Dma => "dma",
+            Self::Kernel => "kernel",
+            Self::Loop => "loop",
+        }
+    }
+}
+
+/// Raw driver handles are plain pointers; the driver API is thread-safe for the calls made here
+/// (each engine's handles are used under `&mut self` or the device's lock).
+struct SendPtr<T>(T);
+// SAFETY: driver handles may be used from any thread once the context is current there, which
+// every entry point ensures with `bind()`.
+unsafe impl<T> Send for SendPtr<T> {}
+// SAFETY: as above; shared use goes through `&self` methods that only read the handle values.
+unsafe impl<T> Sync for SendPtr<T> {}
+
+/// One CUDA device's primary context (the one torch uses), the loaded copy kernel and the optional
+/// batched-copy entry point. Shared by the engines of one device.
+pub struct CudaDevice {
+    ordinal: i32,
+    dev: ffi::CUdevice,
+    ctx: SendPtr<ffi::CUcontext>,
+    module: SendPtr<ffi::CUmodule>,
+    kernel: SendPtr<ffi::CUfunction>,
+    sleep_kernel: SendPtr<ffi::CUfunction>,
+    batch: Option<ffi::MemcpyBatchFn>,
+    name: String,
+    sm_count: i32,
+}
+
+impl std::fmt::Debug for CudaDevice {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("CudaDevice")
+            .field("ordinal", &self.ordinal)
+            .field("name", &self.name)
+            .field("sm_count", &self.sm_count)
+            .field("batch_memcpy", &self.batch.is_some())
+            .finish()
+    }
+}
+
+static DEVICES: OnceLock<Mutex<Vec<Arc<CudaDevice>>>> = OnceLock::new();
+
+/// Whether a CUDA driver can be loaded and reports at least one device.
+#[must_use]
+pub fn cuda_available() -> bool {
+    device_count().is_ok_and(|n| n > 0)
+}
+
+/// Number of CUDA devices.
+///
+/// # Errors
+/// [`KvoffError::CudaUnavailable`] without a driver; [`KvoffError::Cuda`] if `cuInit` fails.
+pub fn device_count() -> Result<i32> {
+    if !ffi::driver_present() {
+        return Err(KvoffError::CudaUnavailable(
+            "no CUDA driver (libcuda.so) could be loaded on this machine; use the host engine"
+                .into(),
+        ));
+    }
+    // SAFETY: the driver is present (obligation 1 of `init`).
+    unsafe { ffi::init() }
+        .map_err(|e| KvoffError::CudaUnavailable(format!("CUDA driver unusable: {e}")))
+}
+
+impl CudaDevice {
+    /// Opens (once per process) device `ordinal`: retains its primary context and loads the kernel.
+    ///
+    /// # Errors
+    /// [`KvoffError::CudaUnavailable`] without a driver or device; [`KvoffError::Cuda`] otherwise.
+    pub fn open(ordinal: i32) -> Result<Arc<Self>> {
+        let n = device_count()?;
+        if ordinal < 0 || ordinal >= n {
+            return Err(KvoffError::CudaUnavailable(format!(
+                "CUDA device {ordinal} does not exist ({n} device(s))"
+            )));
+        }
+        let cache = DEVICES.get_or_init(|| Mutex::new(Vec::new()));
+        let mut devs = cache
+            .lock()
+            .map_err(|_| KvoffError::state("CUDA device cache poisoned"))?;
+        if let Some(d) = devs.iter().find(|d| d.ordinal == ordinal) {
+            return Ok(Arc::clone(d));
+        }
+        // SAFETY: init succeeded in device_count.
+        let (dev, ctx, name, sm_count) = unsafe { ffi::open_device(ordinal) }?;
+        // SAFETY: ctx was just retained.
+        let loaded = unsafe { ffi::set_current(ctx) }.and_then(|()| {
+            let ptx = std::ffi::CStr::from_bytes_with_nul(COPY_PTX.as_bytes())
+                .map_err(|_| KvoffError::Cuda("embedded PTX is not NUL-terminated".into()))?;
+            // SAFETY: the context is current.
+            unsafe { ffi::load_kernel(ptx, c"kvoff_copy") }
+        });
+        let loaded = loaded.and_then(|(m, k)| {
+            // SAFETY: the module was just loaded in the current context.
+            match unsafe { ffi::get_function(m, c"kvoff_sleep") } {
+                Ok(sl) => Ok((m, k, sl)),
+                Err(e) => {
+                    // SAFETY: loaded above, nothing launched.
+                    let _ = unsafe { ffi::unload_module(m) };
+                    Err(e)
+                }
+            }
+        });
+        let (module, kernel, sleep_kernel) = match loaded {
+            Ok(mk) => mk,
+            Err(e) => {
+                // SAFETY: retained above, released once.
+                let _ = unsafe { ffi::release_device(dev) };
+                return Err(e);
+            }
+        };
+        // SAFETY: the driver is present.
+        let batch = unsafe { ffi::memcpy_batch_fn() };
+        let d = Arc::new(Self {
+            ordinal,
+            dev,
+            ctx: SendPtr(ctx),
+            module: SendPtr(module),
+            kernel: SendPtr(kernel),
+            sleep_kernel: SendPtr(sleep_kernel),
+            batch,
+            name,
+            sm_count,
+        });
+        devs.push(Arc::clone(&d));
+        Ok(d)
+    }
+
+    /// Makes the primary context current on the calling thread.
+    fn bind(&self) -> Result<()> {
+        // SAFETY: the context stays retained while `self` lives.
+        unsafe { ffi::set_current(self.ctx.0) }
+    }
+
+    /// Device name, e.g. "NVIDIA H100 80GB HBM3".
+    #[must_use]
+    pub fn name(&self) -> &str {
+        &self.name
+    }
+
+    /// Number of SMs.
+    #[must_use]
+    pub fn sm_count(&self) -> i32 {
+        self.sm_count
+    }
+
+    /// Device ordinal.
+    #[must_use]
+    pub fn ordinal(&self) -> i32 {
+        self.ordinal
+    }
+
+    /// Whether the driver has `cuMemcpyBatchAsync`.
+    #[must_use]
+    pub fn has_batch_memcpy(&self) -> bool {
+        self.batch.is_some()
+    }
+
+    /// Whether host address `ptr` is pinned and mapped for this device.
+    ///
+    /// # Errors
+    /// If the context cannot be made current.
+    pub fn host_ptr_is_mapped(&self, ptr: u64) -> Result<bool> {
+        self.bind()?;
+        // SAFETY: the context is current.
+        Ok(unsafe { ffi::host_ptr_is_mapped(ptr) })
+    }
+
+    /// Whether `ptr` is device memory.
+    ///
+    /// # Errors
+    /// If the context cannot be made current.
+    pub fn is_device_ptr(&self, ptr: u64) -> Result<bool> {
+        self.bind()?;
+        // SAFETY: the context is current.
+        Ok(unsafe { ffi::is_device_ptr(ptr) })
+    }
+
+    /// A [`HostRegistrar`] that page-locks region pieces for this device.
+    #[must_use]
+    pub fn registrar(self: &Arc<Self>) -> Arc<dyn HostRegistrar> {
+        Arc::new(CudaRegistrar(Arc::clone(self)))
+    }
+
+    /// Creates a stream of this device (for callers without one, tests and benchmarks).
+    ///
+    /// # Errors
+    /// A driver error.
+    pub fn create_stream(self: &Arc<Self>) -> Result<CudaStream> {
+        self.bind()?;
+        // SAFETY: the context is current.
+        let s = unsafe { ffi::stream_create(false) }?;
+        Ok(CudaStream {
+            device: Arc::clone(self),
+            stream: SendPtr(s),
+        })
+    }
+
+    /// Synchronizes the whole context (tests and benchmarks).
+    ///
+    /// # Errors
+    /// A pending asynchronous error.
+    pub fn synchronize(&self) -> Result<()> {
+        self.bind()?;
+        // SAFETY: the context is current.
+        ffi::check(
+            unsafe { cudarc::driver::sys::cuCtxSynchronize() },
+            "cuCtxSynchronize",
+        )
+    }
+}
+
+impl Drop for CudaDevice {
+    fn drop(&mut self) {
+        // Devices live in a process-wide cache; this runs only if the cache is torn down.
+        if self.bind().is_ok() {
+            // SAFETY: no engine holds the device any more (they hold an Arc), so no launch is in
+            // flight; the module and context are released once.
+            let _ = unsafe { ffi::unload_module(self.module.0) };
+        }
+        // SAFETY: retained in `open`, released once.
+        let _ = unsafe { ffi::release_device(self.dev) };
+        let _ = self.kernel.0;
+    }
+}
+
+/// Page-locks host memory for a device (`cuMemHostRegister`, portable + device-mapped).
+struct CudaRegistrar(Arc<CudaDevice>);
+
+impl HostRegistrar for CudaRegistrar {
+    fn register(&self, ptr: u64, len: u64) -> Result<()> {
+        self.0.bind()?;
+        // SAFETY: the region guarantees the range is mapped until `unregister` (its contract).
+        unsafe { ffi::host_register(ptr, len) }
+    }
+
+    fn unregister(&self, ptr: u64, _len: u64) -> Result<()> {
+        self.0.bind()?;
+        // SAFETY: registered by `register`; the region unregisters only when no job uses it.
+        unsafe { ffi::host_unregister(ptr) }
+    }
+}
+
+/// Engine settings.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct CudaEngineConfig {
+    /// Copy method.
+    pub method: CopyMethod,
+    /// Most CTAs (thread blocks) the copy kernel uses (≤ 16 by default; each CTA occupies one SM).
+    pub max_ctas: u32,
+    /// Whether the host side of every job is pinned and device-mapped (required by the kernel).
+    pub host_mapped: bool,
+    /// Average copy size from which `Auto` prefers DMA.
+    pub dma_min_avg_copy_bytes: u64,
+}
+
+impl Default for CudaEngineConfig {
+    fn default() -> Self {
+        Self {
+            method: CopyMethod::Auto,
+            max_ctas: 16,
+            host_mapped: true,
+            dma_min_avg_copy_bytes: 1 << 20,
+        }
+    }
+}
+
+/// A pinned staging buffer plus a device buffer for kernel descriptors.
+struct DescBuf {
+    host: SendPtr<*mut c_void>,
+    dev: u64,
+    cap: usize,
+}
+
+/// Resources of one submitted job.
+struct InFlight {
+    job_id: i64,
+    bytes: u64,
+    direction: Direction,
+    start: SendPtr<ffi::CUevent>,
+    end: SendPtr<ffi::CUevent>,
+    desc: Option<DescBuf>,
+    method: CopyMethod,
+    /// Error at submission: the job is reported failed in its turn.
+    failed: Option<String>,
+}
+
+/// The CUDA engine of one direction (one handler): its stream, event pool and in-flight FIFO.
+pub struct CudaEngine {
+    device: Arc<CudaDevice>,
+    cfg: CudaEngineConfig,
+    direction: Direction,
+    stream: SendPtr<ffi::CUstream>,
+    caller_event: SendPtr<ffi::CUevent>,
+    events: Vec<SendPtr<ffi::CUevent>>,
+    descs: Vec<DescBuf>,
+    inflight: VecDeque<InFlight>,
+    closed: bool,
+    close_errors: Vec<String>,
+    /// Jobs per method since creation: `[dma, kernel, loop]`.
+    method_counts: [u64; 3],
+    last_ctas: u32,
+}
+
+impl std::fmt::Debug for CudaEngine {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("CudaEngine")
+            .field("device", &self.device)
+            .field("direction", &self.direction)
+            .field("cfg", &self.cfg)
+            .field("in_flight", &self.inflight.len())
+            .finish_non_exhaustive()
+    }
+}
+
+impl CudaEngine {
+    /// An engine for one direction on `device`. Loads (`CpuToGpu`) get the highest stream priority,
+    /// stores the lowest.
+    ///
+    /// # Errors
+    /// [`KvoffError::Cuda`] if the stream or events cannot be created.
+    pub fn new(
+        device: Arc<CudaDevice>,
+        direction: Direction,
+        cfg: CudaEngineConfig,
+    ) -> Result<Self> {
+        if cfg.max_ctas == 0 {
+            return Err(KvoffError::arg("max_ctas must be at least 1"));
+        }
+        device.bind()?;
+        // SAFETY: the context is current.
+        let stream = unsafe { ffi::stream_create(direction == Direction::CpuToGpu) }?;
+        // SAFETY: the context is current.
+        let caller_event = match unsafe { ffi::event_create(false) } {
+            Ok(e) => e,
+            Err(e) => {
+                // SAFETY: created above, unused.
+                let _ = unsafe { ffi::stream_destroy(stream) };
+                return Err(e);
+            }
+        };
+        Ok(Self {
+            device,
+            cfg,
+            direction,
+            stream: SendPtr(stream),
+            caller_event: SendPtr(caller_event),
+            events: Vec::new(),
+            descs: Vec::new(),
+            inflight: VecDeque::new(),
+            closed: false,
+            close_errors: Vec::new(),
+            method_counts: [0; 3],
+            last_ctas: 0,
+        })
+    }
+
+    /// The device.
+    #[must_use]
+    pub fn device(&self) -> &Arc<CudaDevice> {
+        &self.device
+    }
+
+    /// Settings.
+    #[must_use]
+    pub fn config(&self) -> &CudaEngineConfig {
+        &self.cfg
+    }
+
+    /// Jobs run per method since creation: `(dma, kernel, loop)`.
+    #[must_use]
+    pub fn method_counts(&self) -> (u64, u64, u64) {
+        let [a, b, c] = self.method_counts;
+        (a, b, c)
+    }
+
+    /// CTAs used by the last kernel job (0 if none ran).
+    #[must_use]
+    pub fn last_kernel_ctas(&self) -> u32 {
+        self.last_ctas
+    }
+
+    /// Raw handle of this engine's stream (as an integer, e.g. for `torch.cuda.ExternalStream`).
+    #[must_use]
+    pub fn stream_handle(&self) -> u64 {
+        self.stream.0 as u64
+    }
+
+    /// Errors recorded while releasing resources.
+    #[must_use]
+    pub fn close_errors(&self) -> &[String] {
+        &self.close_errors
+    }
+
+    fn take_event(&mut self) -> Result<ffi::CUevent> {
+        if let Some(e) = self.events.pop() {
+            return Ok(e.0);
+        }
+        // SAFETY: callers bind the context first.
+        unsafe { ffi::event_create(true) }
+    }
+
+    fn take_desc(&mut self, bytes: usize) -> Result<DescBuf> {
+        if let Some(pos) = self.descs.iter().position(|d| d.cap >= bytes) {
+            return Ok(self.descs.swap_remove(pos));
+        }
+        let cap = bytes.next_power_of_two().max(64 << 10);
+        // SAFETY: the context is current (callers bind first).
+        let host = unsafe { ffi::mem_alloc_host(cap) }?;
+        // SAFETY: as above.
+        match unsafe { ffi::mem_alloc(cap) } {
+            Ok(dev) => Ok(DescBuf {
+                host: SendPtr(host),
+                dev,
+                cap,
+            }),
+            Err(e) => {
+                // SAFETY: allocated above, unused.
+                let _ = unsafe { ffi::mem_free_host(host) };
+                Err(e)
+            }
+        }
+    }
+
+    fn choose(&self, copies: &[CopyOp], bytes: u64) -> CopyMethod {
+        match self.cfg.method {
+            CopyMethod::Auto => {
+                let avg = bytes / (copies.len().max(1) as u64);
+                if !self.cfg.host_mapped || avg >= self.cfg.dma_min_avg_copy_bytes {
+                    CopyMethod::Dma
+                } else {
+                    CopyMethod::Kernel
+                }
+            }
+            m => m,
+        }
+    }
+
+    /// Enqueues the copies of one job on the stream (between the timing events).
+    fn enqueue(&mut self, method: CopyMethod, copies: &[CopyOp]) -> Result<Option<DescBuf>> {
+        let s = self.stream.0;
+        match method {
+            CopyMethod::Kernel => {
+                if !self.cfg.host_mapped {
+                    return Err(KvoffError::arg(
+                        "the copy kernel needs pinned, device-mapped host memory; use engine \"dma\" or pin the region",
+                    ));
+                }
+                let mut n: u64 = 0;
+                for c in copies {
+                    n += c.bytes.div_ceil(KERNEL_CHUNK_BYTES).max(1);
+                }
+                let nbytes = usize::try_from(n)
+                    .ok()
+                    .and_then(|n| n.checked_mul(DESC_BYTES))
+                    .ok_or_else(|| KvoffError::arg("too many copies for one job"))?;
+                let buf = self.take_desc(nbytes)?;
+                // SAFETY: `buf.host` is a pinned allocation of `buf.cap ≥ nbytes` bytes owned by
+                // this engine and not in use by any in-flight job (it came from the free pool).
+                let words =
+                    unsafe { std::slice::from_raw_parts_mut(buf.host.0.cast::<u64>(), nbytes / 8) };
+                let mut w = 0;
+                for c in copies {
+                    let mut off = 0;
+                    loop {
+                        let len = (c.bytes - off).min(KERNEL_CHUNK_BYTES);
+                        words[w] = c.src_ptr + off;
+                        words[w + 1] = c.dst_ptr + off;
+                        words[w + 2] = len;
+                        w += 3;
+                        off += len;
+                        if off >= c.bytes {
+                            break;
+                        }
+                    }
+                }
+                let ctas_needed = n.div_ceil(WARPS_PER_CTA);
+                let grid = u32::try_from(ctas_needed.min(u64::from(self.cfg.max_ctas)))
+                    .unwrap_or(1)
+                    .max(1);
+                let r = (|| {
+                    // SAFETY: staging holds `nbytes` of descriptors and stays untouched until this
+                    // job completes (the buffer travels with the job); dev buffer is as large.
+                    unsafe { ffi::memcpy_htod_async(buf.dev, buf.host.0, nbytes, s) }?;
+                    // SAFETY: descriptors name memory the plan validated and the caller keeps alive
+                    // (TransferEngine::submit contract); host sides are device-mapped (checked).
+                    unsafe {
+                        ffi::launch_copy(self.device.kernel.0, grid, KERNEL_THREADS, buf.dev, n, s)
+                    }
+                })();
+                match r {
+                    Ok(()) => {
+                        self.last_ctas = grid;
+                        Ok(Some(buf))
+                    }
+                    Err(e) => {
+                        self.descs.push(buf);
+                        Err(e)
+                    }
+                }
+            }
+            CopyMethod::Dma | CopyMethod::Auto => {
+                if let Some(f) = self.device.batch {
+                    let mut dsts: Vec<u64> = copies.iter().map(|c| c.dst_ptr).collect();
+                    let mut srcs: Vec<u64> = copies.iter().map(|c| c.src_ptr).collect();
+                    let mut sizes: Vec<usize> = copies
+                        .iter()
+                        .map(|c| usize::try_from(c.bytes).unwrap_or(usize::MAX))
+                        .collect();
+                    // SAFETY: co-indexed arrays; memory validated by the plan and kept alive by
+                    // the caller; `s` is a created (non-legacy) stream.
+                    unsafe {
+                        ffi::memcpy_batch(
+                            f,
+                            &mut dsts,
+                            &mut srcs,
+                            &mut sizes,
+                            self.direction == Direction::CpuToGpu,
+                            s,
+                        )
+                    }?;
+                } else {
+                    self.enqueue(CopyMethod::Loop, copies)?;
+                }
+                Ok(None)
+            }
+            CopyMethod::Loop => {
+                for c in copies {
+                    // SAFETY: as for the batch call.
+                    unsafe { ffi::memcpy_async(c.dst_ptr, c.src_ptr, c.bytes, s) }?;
+                }
+                Ok(None)
+            }
+        }
+    }
+
+    fn finish(&mut self, job: InFlight, error: Option<String>) -> JobResult {
+        let mut seconds = 0.0;
+        let mut error = error.or(job.failed);
+        if error.is_none() {
+            // SAFETY: both events completed (the end event was queried done, and the start event
+            // precedes it on the same stream).
+            match unsafe { ffi::event_elapsed_ms(job.start.0, job.end.0) } {
+                Ok(ms) => seconds = f64::from(ms) / 1e3,
+                Err(e) => error = Some(e.to_string()),
+            }
+        }
+        self.events.push(job.start);
+        self.events.push(job.end);
+        if let Some(d) = job.desc {
+            self.descs.push(d);
+        }
+        let _ = job.method;
+        JobResult {
+            job_id: job.job_id,
+            success: error.is_none(),
+            bytes: if error.is_none() { job.bytes } else { 0 },
+            seconds,
+            direction: job.direction,
+            error,
+        }
+    }
+
+    fn check_open(&self) -> Result<()> {
+        if self.closed {
+            return Err(KvoffError::state("the CUDA engine was shut down"));
+        }
+        Ok(())
+    }
+}
+
+impl TransferEngine for CudaEngine {
+    /// # Safety
+    /// See [`TransferEngine::submit`]: every copy names memory that stays valid until the job is
+    /// reported finished; host memory must be device-mapped for the kernel method.
+    unsafe fn submit(&mut self, job: Job) -> Result<()> {
+        self.check_open()?;
+        if job.plan.direction() != self.direction {
+            return Err(KvoffError::arg(format!(
+                "this engine moves {:?}, the job is {:?}",
+                self.direction,
+                job.plan.direction()
+            )));
+        }
+        if self.inflight.iter().any(|j| j.job_id == job.job_id) {
+            return Err(KvoffError::arg(format!(
+                "job id {} is already in flight",
+                job.job_id
+            )));
+        }
+        self.device.bind()?;
+        let start = self.take_event()?;
+        let end = match self.take_event() {
+            Ok(e) => e,
+            Err(e) => {
+                self.events.push(SendPtr(start));
+                return Err(e);
+            }
+        };
+        let copies = job.plan.copies();
+        let bytes = job.plan.total_bytes();
+        let method = self.choose(copies, bytes);
+        let s = self.stream.0;
+        let mut desc = None;
+        let r = (|| {
+            if let Some(caller) = job.stream {
+                // SAFETY: the caller passes a live stream of this device (the torch shim passes
+                // torch.cuda.current_stream()); the event is ours.
+                unsafe { ffi::event_record(self.caller_event.0, caller as ffi::CUstream) }?;
+                // SAFETY: both are live handles of the current context.
+                unsafe { ffi::stream_wait(s, self.caller_event.0) }?;
+            }
+            // SAFETY: live events and stream.
+            unsafe { ffi::event_record(start, s) }?;
+            if !copies.is_empty() {
+                desc = self.enqueue(method, copies)?;
+            }
+            // SAFETY: as above.
+            unsafe { ffi::event_record(end, s) }
+        })();
+        let idx = match method {
+            CopyMethod::Kernel => 1,
+            CopyMethod::Loop => 2,
+            _ => usize::from(self.device.batch.is_none()) * 2,
+        };
+        self.method_counts[idx] += 1;
+        self.inflight.push_back(InFlight {
+            job_id: job.job_id,
+            bytes,
+            direction: self.direction,
+            start: SendPtr(start),
+            end: SendPtr(end),
+            desc,
+            method,
+            failed: r.err().map(|e| e.to_string()),
+        });
+        Ok(())
+    }
+
+    fn poll(&mut self) -> Vec<JobResult> {
+        let mut out = Vec::new();
+        if self.device.bind().is_err() {
+            return out;
+        }
+        while let Some(front) = self.inflight.front() {
+            let state = if front.failed.is_some() {
+                Ok(true)
+            } else {
+                // SAFETY: a live pooled event.
+                unsafe { ffi::event_done(front.end.0) }
+            };
+            match state {
+                Ok(false) => break,
+                Ok(true) => {
+                    if let Some(job) = self.inflight.pop_front() {
+                        out.push(self.finish(job, None));
+                    }
+                }
+                Err(e) => {
+                    if let Some(job) = self.inflight.pop_front() {
+                        out.push(self.finish(job, Some(e.to_string())));
+                    }
+                }
+            }
+        }
+        out
+    }
+
+    fn wait(&mut self, job_ids: &[i64]) -> Result<()> {
+        self.device.bind()?;
+        for j in &self.inflight {
+            if j.failed.is_none() && job_ids.contains(&j.job_id) {
+                // SAFETY: a live pooled event. Errors surface in the job's result at poll.
+                let _ = unsafe { ffi::event_sync(j.end.0) };
+            }
+        }
+        Ok(())
+    }
+
+    fn shutdown(&mut self) {
+        if self.closed {
+            return;
+        }
+        self.closed = true;
+        if let Err(e) = self.device.bind() {
+            self.close_errors.push(e.to_string());
+            return;
+        }
+        // Drain: let in-flight work finish before its resources go.
+        // SAFETY: our stream is live.
+        if let Err(e) = unsafe { ffi::stream_sync(self.stream.0) } {
+            self.close_errors.push(e.to_string());
+        }
+        for j in std::mem::take(&mut self.inflight) {
+            self.events.push(j.start);
+            self.events.push(j.end);
+            if let Some(d) = j.desc {
+                self.descs.push(d);
+            }
+        }
+        for e in self.events.drain(..) {
+            // SAFETY: pooled events are unused once the stream drained.
+            if let Err(err) = unsafe { ffi::event_destroy(e.0) } {
+                self.close_errors.push(err.to_string());
+            }
+        }
+        for d in self.descs.drain(..) {
+            // SAFETY: buffers are unused once the stream drained; each freed once.
+            if let Err(err) = unsafe { ffi::mem_free(d.dev) } {
+                self.close_errors.push(err.to_string());
+            }
+            // SAFETY: as above.
+            if let Err(err) = unsafe { ffi::mem_free_host(d.host.0) } {
+                self.close_errors.push(err.to_string());
+            }
+        }
+        // SAFETY: the stream drained; handles destroyed once.
+        if let Err(err) = unsafe { ffi::event_destroy(self.caller_event.0) } {
+            self.close_errors.push(err.to_string());
+        }
+        // SAFETY: as above.
+        if let Err(err) = unsafe { ffi::stream_destroy(self.stream.0) } {
+            self.close_errors.push(err.to_string());
+        }
+    }
+}
+
+impl CudaEngine {
+    /// Results of the jobs drained by a shutdown are lost; call `poll` before `shutdown` to keep them.
+    #[must_use]
+    pub fn in_flight(&self) -> usize {
+        self.inflight.len()
+    }
+}
+
+impl Drop for CudaEngine {
+    fn drop(&mut self) {
+        self.shutdown();
+    }
+}
+
+/// Device memory owned by Rust (tests, benchmarks and Rust servers without another allocator).
+pub struct DeviceBuffer {
+    device: Arc<CudaDevice>,
+    ptr: u64,
+    len: usize,
+}
+
+impl DeviceBuffer {
+    /// Allocates `len` bytes on `device`.
+    ///
+    /// # Errors
+    /// [`KvoffError::Cuda`] when the allocation fails.
+    pub fn new(device: &Arc<CudaDevice>, len: usize) -> Result<Self> {
+        device.bind()?;
+        // SAFETY: the context is current.
+        let ptr = unsafe { ffi::mem_alloc(len) }?;
+        Ok(Self {
+            device: Arc::clone(device),
+            ptr,
+            len,
+        })
+    }
+
+    /// Device address.
+    #[must_use]
+    pub fn ptr(&self) -> u64 {
+        self.ptr
+    }
+
+    /// Size in bytes.
+    #[must_use]
+    pub fn len(&self) -> usize {
+        self.len
+    }
+
+    /// Whether the buffer is empty.
+    #[must_use]
+    pub fn is_empty(&self) -> bool {
+        self.len == 0
+    }
+
+    /// Copies `data` into the buffer at `offset` (synchronous).
+    ///
+    /// # Errors
+    /// Out of range, or a driver error.
+    pub fn write(&self, offset: usize, data: &[u8]) -> Result<()> {
+        self.check(offset, data.len())?;
+        self.device.bind()?;
+        // SAFETY: range checked; `data` is readable host memory for the synchronous copy.
+        ffi::check(
+            unsafe {
+                cudarc::driver::sys::cuMemcpyHtoD_v2(
+                    self.ptr + offset as u64,
+                    data.as_ptr().cast(),
+                    data.len(),
+                )
+            },
+            "cuMemcpyHtoD",
+        )
+    }
+
+    /// Copies bytes at `offset` into `out` (synchronous).
+    ///
+    /// # Errors
+    /// Out of range, or a driver error.
+    pub fn read(&self, offset: usize, out: &mut [u8]) -> Result<()> {
+        self.check(offset, out.len())?;
+        self.device.bind()?;
+        // SAFETY: range checked; `out` is writable host memory for the synchronous copy.
+        ffi::check(
+            unsafe {
+                cudarc::driver::sys::cuMemcpyDtoH_v2(
+                    out.as_mut_ptr().cast(),
+                    self.ptr + offset as u64,
+                    out.len(),
+                )
+            },
+            "cuMemcpyDtoH",
+        )
+    }
+
+    fn check(&self, offset: usize, n: usize) -> Result<()> {
+        if offset.checked_add(n).is_none_or(|e| e > self.len) {
+            return Err(KvoffError::arg(format!(
+                "range {offset}+{n} outside the {}-byte device buffer",
+                self.len
+            )));
+        }
+        Ok(())
+    }
+}
+
+impl Drop for DeviceBuffer {
+    fn drop(&mut self) {
+        if self.device.bind().is_ok() {
+            // SAFETY: allocated in `new`, freed once; users synchronize before dropping buffers
+            // that jobs still use (the TransferEngine::submit contract).
+            let _ = unsafe { ffi::mem_free(self.ptr) };
+        }
+    }
+}
+
+/// Pinned, device-mapped host memory owned by Rust.
+pub struct PinnedBuffer {
+    device: Arc<CudaDevice>,
+    ptr: SendPtr<*mut c_void>,
+    len: usize,
+}
+
+impl PinnedBuffer {
+    /// Allocates `len` pinned bytes (zeroed).
+    ///
+    /// # Errors
+    /// [`KvoffError::Cuda`] when the allocation fails.
+    pub fn new(device: &Arc<CudaDevice>, len: usize) -> Result<Self> {
+        device.bind()?;
+        // SAFETY: the context is current.
+        let ptr = unsafe { ffi::mem_alloc_host(len) }?;
+        // SAFETY: fresh allocation of `len.max(1)` bytes.
+        unsafe { std::ptr::write_bytes(ptr.cast::<u8>(), 0, len) };
+        Ok(Self {
+            device: Arc::clone(device),
+            ptr: SendPtr(ptr),
+            len,
+        })
+    }
+
+    /// Host (and device) address.
+    #[must_use]
+    pub fn ptr(&self) -> u64 {
+        self.ptr.0 as u64
+    }
+
+    /// The bytes. Do not hold this while a job writes the buffer.
+    #[must_use]
+    pub fn as_slice(&self) -> &[u8] {
+        // SAFETY: a live allocation of `len` bytes owned by self.
+        unsafe { std::slice::from_raw_parts(self.ptr.0.cast::<u8>(), self.len) }
+    }
+
+    /// The bytes, mutably.
+    pub fn as_mut_slice(&mut self) -> &mut [u8] {
+        // SAFETY: a live allocation of `len` bytes owned exclusively by self.
+        unsafe { std::slice::from_raw_parts_mut(self.ptr.0.cast::<u8>(), self.len) }
+    }
+}
+
+impl Drop for PinnedBuffer {
+    fn drop(&mut self) {
+        if self.device.bind().is_ok() {
+            // SAFETY: allocated in `new`, freed once.
+            let _ = unsafe { ffi::mem_free_host(self.ptr.0) };
+        }
+    }
+}
+
+/// A stream owned by Rust (tests, benchmarks, Rust callers that pass a stream to jobs).
+pub struct CudaStream {
+    device: Arc<CudaDevice>,
+    stream: SendPtr<ffi::CUstream>,
+}
+
+impl CudaStream {
+    /// Raw handle, as [`Job::stream`] takes it.
+    #[must_use]
+    pub fn handle(&self) -> u64 {
+        self.stream.0 as u64
+    }
+
+    /// Queues a kernel that busies one thread for at least `ns` nanoseconds (ordering tests).
+    ///
+    /// # Errors
+    /// A driver error.
+    pub fn sleep(&self, ns: u64) -> Result<()> {
+        self.device.bind()?;
+        let mut a0 = ns;
+        let mut params: [*mut c_void; 1] = [(&raw mut a0).cast()];
+        // SAFETY: the sleep kernel takes one u64 parameter; the stream is live.
+        ffi::check(
+            unsafe {
+                cudarc::driver::sys::cuLaunchKernel(
+                    self.device.sleep_kernel.0,
+                    1,
+                    1,
+                    1,
+                    1,
+                    1,
+                    1,
+                    0,
+                    self.stream.0,
+                    params.as_mut_ptr(),
+                    std::ptr::null_mut(),
+                )
+            },
+            "cuLaunchKernel(kvoff_sleep)",
+        )
+    }
+
+    /// Queues a byte fill of device or mapped host memory.
+    ///
+    /// # Safety
+    /// 1. `[ptr, ptr+len)` is device-accessible memory that stays alive until the fill has run.
+    pub unsafe fn memset(&self, ptr: u64, value: u8, len: usize) -> Result<()> {
+        self.device.bind()?;
+        // SAFETY: obligation 1; the stream is live.
+        ffi::check(
+            unsafe { cudarc::driver::sys::cuMemsetD8Async(ptr, value, len, self.stream.0) },
+            "cuMemsetD8Async",
+        )
+    }
+
+    /// Waits for everything queued on the stream.
+    ///
+    /// # Errors
+    /// A pending asynchronous error.
+    pub fn synchronize(&self) -> Result<()> {
+        self.device.bind()?;
+        // SAFETY: the stream is live.
+        unsafe { ffi::stream_sync(self.stream.0) }
+    }
+}
+
+impl Drop for CudaStream {
+    fn drop(&mut self) {
+        if self.device.bind().is_ok() {
+            // SAFETY: created in `create_stream`, destroyed once; the driver defers destruction
+            // until queued work has finished.
+            let _ = unsafe { ffi::stream_destroy(self.stream.0) };
+        }
+    }
+}
