@@ -1,0 +1,340 @@
+//! CUDA engine tests. They run only where a CUDA device exists and print why they skip otherwise;
+//! CI (no GPU) checks the no-driver path instead.
+#![cfg(feature = "cuda")]
+
+use std::sync::Arc;
+
+use kvoff::engine::cuda::{
+    cuda_available, device_count, CopyMethod, CudaDevice, CudaEngine, CudaEngineConfig,
+    DeviceBuffer, PinnedBuffer,
+};
+use kvoff::engine::{Job, TransferEngine};
+use kvoff::plan::{CopyOp, CopyPlan, Direction};
+use kvoff::KvoffError;
+
+fn device() -> Option<Arc<CudaDevice>> {
+    if !cuda_available() {
+        eprintln!("SKIP: no CUDA driver or device on this machine");
+        return None;
+    }
+    Some(CudaDevice::open(0).expect("device 0 opens"))
+}
+
+struct Rng(u64);
+impl Rng {
+    fn next(&mut self) -> u64 {
+        self.0 ^= self.0 << 13;
+        self.0 ^= self.0 >> 7;
+        self.0 ^= self.0 << 17;
+        self.0
+    }
+    fn below(&mut self, n: u64) -> u64 {
+        self.next() % n
+    }
+    fn fill(&mut self, buf: &mut [u8]) {
+        for b in buf {
+            *b = self.next() as u8;
+        }
+    }
+    /// `k` distinct values in 0..n.
+    fn distinct(&mut self, n: u64, k: usize) -> Vec<u64> {
+        let mut v: Vec<u64> = (0..n).collect();
+        for i in 0..k {
+            let j = i as u64 + self.below(n - i as u64);
+            v.swap(i, j as usize);
+        }
+        v.truncate(k);
+        v
+    }
+}
+
+fn run_job(
+    engine: &mut CudaEngine,
+    job_id: i64,
+    plan: CopyPlan,
+    stream: Option<u64>,
+) -> kvoff::engine::JobResult {
+    let mut job = Job::new(job_id, plan);
+    job.stream = stream;
+    // SAFETY: the test keeps every buffer alive until the job is reported finished.
+    unsafe { engine.submit(job) }.expect("submit");
+    engine.wait(&[job_id]).unwrap();
+    let mut res = engine.poll();
+    assert_eq!(res.len(), 1);
+    res.pop().unwrap()
+}
+
+/// Scattered pages GPU → host → GPU with every method; page sizes from 8 B to 2 MiB (some not
+/// multiples of 16, some with unaligned offsets); checks every destination byte.
+#[test]
+fn round_trip_every_method_byte_exact() {
+    let Some(dev) = device() else { return };
+    let mut rng = Rng(0x9e37_79b9_7f4a_7c15);
+    for method in [
+        CopyMethod::Auto,
+        CopyMethod::Dma,
+        CopyMethod::Kernel,
+        CopyMethod::Loop,
+    ] {
+        let cfg = CudaEngineConfig {
+            method,
+            ..CudaEngineConfig::default()
+        };
+        let mut store =
+            CudaEngine::new(Arc::clone(&dev), Direction::GpuToCpu, cfg.clone()).unwrap();
+        let mut load = CudaEngine::new(Arc::clone(&dev), Direction::CpuToGpu, cfg).unwrap();
+        for (case, &(page, offset)) in [
+            (8u64, 0u64),
+            (24, 8),
+            (4096, 0),
+            (4100, 4),
+            (32 << 10, 16),
+            (2 << 20, 0),
+        ]
+        .iter()
+        .enumerate()
+        {
+            let blocks: u64 = if page >= 1 << 20 { 8 } else { 64 };
+            let row = page + 64; // padded rows
+            let n = 16.min(blocks as usize);
+            let gpu = DeviceBuffer::new(&dev, (blocks * row) as usize).unwrap();
+            let mut host = PinnedBuffer::new(&dev, (blocks * row) as usize).unwrap();
+            let mut gpu_init = vec![0u8; (blocks * row) as usize];
+            rng.fill(&mut gpu_init);
+            gpu.write(0, &gpu_init).unwrap();
+            rng.fill(host.as_mut_slice());
+            let host_init = host.as_slice().to_vec();
+            let gids = rng.distinct(blocks, n);
+            let cids = rng.distinct(blocks, n);
+            let copies = |dir: Direction| -> Vec<CopyOp> {
+                gids.iter()
+                    .zip(&cids)
+                    .map(|(&g, &c)| {
+                        let gp = gpu.ptr() + g * row + offset;
+                        let hp = host.ptr() + c * row + offset;
+                        match dir {
+                            Direction::GpuToCpu => CopyOp {
+                                src_ptr: gp,
+                                dst_ptr: hp,
+                                bytes: page - offset,
+                            },
+                            Direction::CpuToGpu => CopyOp {
+                                src_ptr: hp,
+                                dst_ptr: gp,
+                                bytes: page - offset,
+                            },
+                        }
+                    })
+                    .collect()
+            };
+            // Store.
+            let r = run_job(
+                &mut store,
+                case as i64,
+                CopyPlan::from_copies(Direction::GpuToCpu, copies(Direction::GpuToCpu)).unwrap(),
+                None,
+            );
+            assert!(r.success, "{method:?} page {page}: {:?}", r.error);
+            assert_eq!(r.bytes, n as u64 * (page - offset));
+            let mut expect = host_init.clone();
+            for (&g, &c) in gids.iter().zip(&cids) {
+                let (gs, cs) = ((g * row + offset) as usize, (c * row + offset) as usize);
+                let len = (page - offset) as usize;
+                expect[cs..cs + len].copy_from_slice(&gpu_init[gs..gs + len]);
+            }
+            assert!(
+                host.as_slice() == &expect[..],
+                "{method:?} page {page}: store mismatch"
+            );
+            // Load back into fresh GPU contents.
+            let mut gpu2 = vec![0u8; gpu_init.len()];
+            rng.fill(&mut gpu2);
+            gpu.write(0, &gpu2).unwrap();
+            let r = run_job(
+                &mut load,
+                100 + case as i64,
+                CopyPlan::from_copies(Direction::CpuToGpu, copies(Direction::CpuToGpu)).unwrap(),
+                None,
+            );
+            assert!(r.success, "{method:?} page {page}: {:?}", r.error);
+            let mut got = vec![0u8; gpu_init.len()];
+            gpu.read(0, &mut got).unwrap();
+            let mut expect = gpu2.clone();
+            for (&g, &c) in gids.iter().zip(&cids) {
+                let (gs, cs) = ((g * row + offset) as usize, (c * row + offset) as usize);
+                let len = (page - offset) as usize;
+                expect[gs..gs + len].copy_from_slice(&host.as_slice()[cs..cs + len]);
+            }
+            assert!(got == expect, "{method:?} page {page}: load mismatch");
+        }
+        store.shutdown();
+        load.shutdown();
+        assert!(
+            store.close_errors().is_empty(),
+            "{:?}",
+            store.close_errors()
+        );
+    }
+}
+
+/// A load waits for work already queued on the caller's stream: the caller zero-fills the
+/// destination after a slow kernel, and the loaded bytes must win. A store reads the GPU bytes only
+/// after the caller's queued writes.
+#[test]
+fn jobs_wait_for_the_callers_stream() {
+    let Some(dev) = device() else { return };
+    let caller = dev.create_stream().unwrap();
+    let len = 1 << 20;
+    let gpu = DeviceBuffer::new(&dev, len).unwrap();
+    let mut host = PinnedBuffer::new(&dev, len).unwrap();
+    for method in [CopyMethod::Dma, CopyMethod::Kernel] {
+        let cfg = CudaEngineConfig {
+            method,
+            ..CudaEngineConfig::default()
+        };
+        let mut load = CudaEngine::new(Arc::clone(&dev), Direction::CpuToGpu, cfg.clone()).unwrap();
+        host.as_mut_slice().fill(0x5A);
+        caller.sleep(50_000_000).unwrap(); // 50 ms
+                                           // SAFETY: gpu lives until the stream is synchronized below.
+        unsafe { caller.memset(gpu.ptr(), 0, len) }.unwrap();
+        let plan = CopyPlan::from_copies(
+            Direction::CpuToGpu,
+            vec![CopyOp {
+                src_ptr: host.ptr(),
+                dst_ptr: gpu.ptr(),
+                bytes: len as u64,
+            }],
+        )
+        .unwrap();
+        let r = run_job(&mut load, 1, plan, Some(caller.handle()));
+        assert!(r.success);
+        caller.synchronize().unwrap();
+        let mut got = vec![0u8; len];
+        gpu.read(0, &mut got).unwrap();
+        assert!(
+            got.iter().all(|&b| b == 0x5A),
+            "{method:?}: the load landed before the caller's zero-fill"
+        );
+
+        let mut store = CudaEngine::new(Arc::clone(&dev), Direction::GpuToCpu, cfg).unwrap();
+        host.as_mut_slice().fill(0);
+        caller.sleep(50_000_000).unwrap();
+        // SAFETY: as above.
+        unsafe { caller.memset(gpu.ptr(), 0xAB, len) }.unwrap();
+        let plan = CopyPlan::from_copies(
+            Direction::GpuToCpu,
+            vec![CopyOp {
+                src_ptr: gpu.ptr(),
+                dst_ptr: host.ptr(),
+                bytes: len as u64,
+            }],
+        )
+        .unwrap();
+        let r = run_job(&mut store, 2, plan, Some(caller.handle()));
+        assert!(r.success);
+        assert!(
+            host.as_slice().iter().all(|&b| b == 0xAB),
+            "{method:?}: the store read before the caller's write"
+        );
+    }
+}
+
+/// Many jobs in flight in both directions at once; results come back in submission order; a
+/// shutdown with jobs in flight drains them and hangs nothing.
+#[test]
+fn concurrent_directions_and_shutdown_in_flight() {
+    let Some(dev) = device() else { return };
+    let len = 64 << 20;
+    let gpu_a = DeviceBuffer::new(&dev, len).unwrap();
+    let gpu_b = DeviceBuffer::new(&dev, len).unwrap();
+    let mut host_a = PinnedBuffer::new(&dev, len).unwrap();
+    let host_b = PinnedBuffer::new(&dev, len).unwrap();
+    let mut rng = Rng(7);
+    rng.fill(host_a.as_mut_slice());
+    let mut init = vec![0u8; len];
+    rng.fill(&mut init);
+    gpu_a.write(0, &init).unwrap();
+    let cfg = CudaEngineConfig::default();
+    let mut store = CudaEngine::new(Arc::clone(&dev), Direction::GpuToCpu, cfg.clone()).unwrap();
+    let mut load = CudaEngine::new(Arc::clone(&dev), Direction::CpuToGpu, cfg).unwrap();
+    let page = 32 << 10;
+    let pages = (len / page) as u64;
+    for j in 0..32i64 {
+        let s: Vec<CopyOp> = (0..pages)
+            .map(|p| CopyOp {
+                src_ptr: gpu_a.ptr() + p * page as u64,
+                dst_ptr: host_b.ptr() + p * page as u64,
+                bytes: page as u64,
+            })
+            .collect();
+        let l: Vec<CopyOp> = (0..pages)
+            .map(|p| CopyOp {
+                src_ptr: host_a.ptr() + p * page as u64,
+                dst_ptr: gpu_b.ptr() + p * page as u64,
+                bytes: page as u64,
+            })
+            .collect();
+        // SAFETY: buffers outlive the engines' drains below.
+        unsafe {
+            store
+                .submit(Job::new(
+                    j,
+                    CopyPlan::from_copies(Direction::GpuToCpu, s).unwrap(),
+                ))
+                .unwrap();
+            load.submit(Job::new(
+                j,
+                CopyPlan::from_copies(Direction::CpuToGpu, l).unwrap(),
+            ))
+            .unwrap();
+        }
+    }
+    // A job id still in flight cannot be reused.
+    let dup = CopyPlan::from_copies(Direction::GpuToCpu, vec![]).unwrap();
+    // SAFETY: empty plan.
+    assert!(matches!(
+        unsafe { store.submit(Job::new(31, dup)) },
+        Err(KvoffError::InvalidArgument(_))
+    ));
+    store
+        .wait(&[0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15])
+        .unwrap();
+    let first = store.poll();
+    assert!(first.len() >= 16);
+    assert!(first
+        .iter()
+        .enumerate()
+        .all(|(i, r)| r.job_id == i as i64 && r.success));
+    // Shutdown with jobs in flight: drains, no hang, no errors.
+    store.shutdown();
+    load.shutdown();
+    assert!(store.close_errors().is_empty() && load.close_errors().is_empty());
+    assert!(host_b.as_slice() == &init[..]);
+    let mut got = vec![0u8; len];
+    gpu_b.read(0, &mut got).unwrap();
+    assert!(got == host_a.as_slice());
+    // After shutdown, submit fails cleanly.
+    let plan = CopyPlan::from_copies(Direction::GpuToCpu, vec![]).unwrap();
+    // SAFETY: empty plan.
+    assert!(matches!(
+        unsafe { store.submit(Job::new(99, plan)) },
+        Err(KvoffError::InvalidState(_))
+    ));
+}
+
+/// Without a driver, asking for CUDA is a typed error, never a panic.
+#[test]
+fn no_driver_is_a_typed_error() {
+    if cuda_available() {
+        eprintln!("SKIP: a CUDA device exists here");
+        return;
+    }
+    assert!(matches!(
+        device_count(),
+        Err(KvoffError::CudaUnavailable(_))
+    ));
+    assert!(matches!(
+        CudaDevice::open(0),
+        Err(KvoffError::CudaUnavailable(_))
+    ));
+}
