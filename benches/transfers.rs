@@ -68,7 +68,9 @@ impl Setup {
         for t in 0..self.tensors {
             for (&g, &c) in gids.iter().zip(cids) {
                 let gp = self.gpu.ptr() + t * self.tensor_bytes() + g * self.page;
-                let hp = self.host.ptr() + t * self.tensor_bytes() + c * self.page;
+                // kvoff's host layout is block-major: one CPU block's pages of every tensor are
+                // contiguous (a region row / one slot).
+                let hp = self.host.ptr() + c * self.tensors * self.page + t * self.page;
                 v.push(match dir {
                     Direction::GpuToCpu => CopyOp {
                         src_ptr: gp,
@@ -120,7 +122,7 @@ fn time_method(
 ) -> (f64, bool, u32, f64) {
     let cfg = CudaEngineConfig {
         method,
-        ..CudaEngineConfig::default()
+        ..cfg_default()
     };
     let mut eng = CudaEngine::new(Arc::clone(&setup.dev), dir, cfg).expect("engine");
     let mut secs = Vec::new();
@@ -204,13 +206,14 @@ fn main() {
     );
     let _ = writeln!(
         out,
-        "{:<22}{:<5}{:>8}{:>9}{:>9}{:>9}{:>9}{:>9}{:>8}{:>8}{:>6}{:>9}",
+        "{:<22}{:<5}{:>8}{:>9}{:>9}{:>9}{:>9}{:>9}{:>9}{:>8}{:>8}{:>6}{:>9}",
         "scenario",
         "dir",
         "copies",
         "auto",
         "dma",
         "kernel",
+        "staged",
         "loop",
         "contig",
         "auto%",
@@ -258,6 +261,7 @@ fn main() {
                 CopyMethod::Auto,
                 CopyMethod::Dma,
                 CopyMethod::Kernel,
+                CopyMethod::Staged,
                 CopyMethod::Loop,
             ] {
                 let (g, ok, c, s) = time_method(&setup, m, dir, &copies, 5);
@@ -289,15 +293,15 @@ fn main() {
             };
             let _ = writeln!(
                 out,
-                "{:<22}{:<5}{:>8}{:>9.1}{:>9.1}{:>9.1}{:>9.1}{:>9.1}{:>7.0}%{:>7.2}x{:>6}{:>7.0}us{}",
-                sc.name, d, copies.len(), gbs[0], gbs[1], gbs[2], gbs[3], gc,
+                "{:<22}{:<5}{:>8}{:>9.1}{:>9.1}{:>9.1}{:>9.1}{:>9.1}{:>9.1}{:>7.0}%{:>7.2}x{:>6}{:>7.0}us{}",
+                sc.name, d, copies.len(), gbs[0], gbs[1], gbs[2], gbs[3], gbs[4], gc,
                 100.0 * gbs[0] / gc, gbs[0] / gbs[1], ctas, submit,
                 if all_ok { "" } else { "  VERIFY FAILED" }
             );
             let _ = writeln!(
                 json,
-                "{{\"scenario\":\"{}\",\"dir\":\"{d}\",\"copies\":{},\"auto\":{:.2},\"dma\":{:.2},\"kernel\":{:.2},\"loop\":{:.2},\"contiguous\":{:.2},\"kernel_ctas\":{ctas},\"submit_us\":{submit:.1},\"verified\":{all_ok}}}",
-                sc.name, copies.len(), gbs[0], gbs[1], gbs[2], gbs[3], gc
+                "{{\"scenario\":\"{}\",\"dir\":\"{d}\",\"copies\":{},\"auto\":{:.2},\"dma\":{:.2},\"kernel\":{:.2},\"staged\":{:.2},\"loop\":{:.2},\"contiguous\":{:.2},\"kernel_ctas\":{ctas},\"submit_us\":{submit:.1},\"verified\":{all_ok}}}",
+                sc.name, copies.len(), gbs[0], gbs[1], gbs[2], gbs[3], gbs[4], gc
             );
             // Restore the source-side contents for the next direction's checks.
             setup.gpu.write(0, &setup.gpu_init).expect("restore");
@@ -314,8 +318,10 @@ fn main() {
             (CopyMethod::Auto, CopyMethod::Auto),
             (CopyMethod::Dma, CopyMethod::Dma),
             (CopyMethod::Kernel, CopyMethod::Kernel),
+            (CopyMethod::Staged, CopyMethod::Staged),
+            (CopyMethod::Staged, CopyMethod::Kernel),
+            (CopyMethod::Kernel, CopyMethod::Staged),
             (CopyMethod::Dma, CopyMethod::Kernel),
-            (CopyMethod::Kernel, CopyMethod::Dma),
         ] {
             let mk = |m, d| {
                 CudaEngine::new(
@@ -323,7 +329,7 @@ fn main() {
                     d,
                     CudaEngineConfig {
                         method: m,
-                        ..CudaEngineConfig::default()
+                        ..cfg_default()
                     },
                 )
                 .expect("engine")
@@ -388,4 +394,23 @@ fn main() {
 #[cfg(not(feature = "cuda"))]
 fn main() {
     println!("transfers: SKIP (built without the `cuda` feature)");
+}
+
+/// Engine defaults, with `KVOFF_KERNEL_THREADS` / `KVOFF_MAX_CTAS` overrides for sweeps.
+#[cfg(feature = "cuda")]
+fn cfg_default() -> CudaEngineConfig {
+    let mut c = CudaEngineConfig::default();
+    if let Some(t) = std::env::var("KVOFF_KERNEL_THREADS")
+        .ok()
+        .and_then(|v| v.parse().ok())
+    {
+        c.kernel_threads = t;
+    }
+    if let Some(t) = std::env::var("KVOFF_MAX_CTAS")
+        .ok()
+        .and_then(|v| v.parse().ok())
+    {
+        c.max_ctas = t;
+    }
+    c
 }

@@ -18,7 +18,7 @@ struct KvoffCopy {
 
 #define KVOFF_UNROLL 8
 
-extern "C" __global__ void __launch_bounds__(512)
+extern "C" __global__ void __launch_bounds__(1024)
 kvoff_copy(const KvoffCopy* __restrict__ copies, unsigned long long n)
 {
     const unsigned lane = threadIdx.x & 31u;

@@ -74,6 +74,7 @@ fn round_trip_every_method_byte_exact() {
         CopyMethod::Auto,
         CopyMethod::Dma,
         CopyMethod::Kernel,
+        CopyMethod::Staged,
         CopyMethod::Loop,
     ] {
         let cfg = CudaEngineConfig {
@@ -187,7 +188,7 @@ fn jobs_wait_for_the_callers_stream() {
     let len = 1 << 20;
     let gpu = DeviceBuffer::new(&dev, len).unwrap();
     let mut host = PinnedBuffer::new(&dev, len).unwrap();
-    for method in [CopyMethod::Dma, CopyMethod::Kernel] {
+    for method in [CopyMethod::Dma, CopyMethod::Kernel, CopyMethod::Staged] {
         let cfg = CudaEngineConfig {
             method,
             ..CudaEngineConfig::default()

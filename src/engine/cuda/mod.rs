@@ -30,9 +30,8 @@ use crate::region::HostRegistrar;
 
 /// PTX of `kernels/copy.cu` (built by `kernels/build_ptx.py`).
 const COPY_PTX: &str = concat!(include_str!("../../../kernels/copy.ptx"), "\0");
-/// Threads per CTA of the copy kernel (its `__launch_bounds__`).
-const KERNEL_THREADS: u32 = 512;
-const WARPS_PER_CTA: u64 = (KERNEL_THREADS / 32) as u64;
+/// Most threads per CTA of the copy kernel (its `__launch_bounds__`).
+const MAX_KERNEL_THREADS: u32 = 1024;
 /// Largest piece one warp copies; longer copies are split so warps stay balanced.
 const KERNEL_CHUNK_BYTES: u64 = 64 << 10;
 /// Bytes of one kernel descriptor (`src`, `dst`, `bytes`).
@@ -49,6 +48,11 @@ pub enum CopyMethod {
     Kernel,
     /// One `cuMemcpyAsync` per copy (a baseline for benchmarks).
     Loop,
+    /// Staged: the kernel gathers (stores) or scatters (loads) the GPU side through a small ring of
+    /// device staging slots, and the copy engines move host-contiguous runs over PCIe with batched
+    /// DMA, pipelined on two streams. Best when host-side runs are long (kvoff's block-major host
+    /// layout) and especially when stores and loads run at the same time.
+    Staged,
 }
 
 impl CopyMethod {
@@ -62,8 +66,9 @@ impl CopyMethod {
             "dma" => Ok(Self::Dma),
             "kernel" => Ok(Self::Kernel),
             "loop" => Ok(Self::Loop),
+            "staged" => Ok(Self::Staged),
             _ => Err(KvoffError::arg(format!(
-                "unknown CUDA copy method {s:?}; valid: \"auto\", \"dma\", \"kernel\", \"loop\""
+                "unknown CUDA copy method {s:?}; valid: \"auto\", \"dma\", \"kernel\", \"staged\", \"loop\""
             ))),
         }
     }
@@ -76,6 +81,7 @@ impl CopyMethod {
             Self::Dma => "dma",
             Self::Kernel => "kernel",
             Self::Loop => "loop",
+            Self::Staged => "staged",
         }
     }
 }
@@ -328,6 +334,14 @@ pub struct CudaEngineConfig {
     pub host_mapped: bool,
     /// Average copy size from which `Auto` prefers DMA.
     pub dma_min_avg_copy_bytes: u64,
+    /// Threads per CTA of the copy kernel (32..=1024, a multiple of 32).
+    pub kernel_threads: u32,
+    /// Bytes of one device staging slot (`Staged`).
+    pub staging_slot_bytes: u64,
+    /// Number of staging slots (`Staged`); device memory used = slots × slot bytes.
+    pub staging_slots: usize,
+    /// Average host-contiguous run from which `Auto` uses `Staged`.
+    pub staged_min_run_bytes: u64,
 }
 
 impl Default for CudaEngineConfig {
@@ -337,6 +351,10 @@ impl Default for CudaEngineConfig {
             max_ctas: 16,
             host_mapped: true,
             dma_min_avg_copy_bytes: 1 << 20,
+            kernel_threads: 1024,
+            staging_slot_bytes: 8 << 20,
+            staging_slots: 4,
+            staged_min_run_bytes: 128 << 10,
         }
     }
 }
@@ -361,6 +379,51 @@ struct InFlight {
     failed: Option<String>,
 }
 
+/// One device staging slot of the `Staged` method, with the events that hand it between streams.
+struct Slot {
+    dev: u64,
+    ready: SendPtr<ffi::CUevent>,
+    free: SendPtr<ffi::CUevent>,
+}
+
+/// Second stream and staging ring of the `Staged` method (created on first use).
+struct Staging {
+    aux: SendPtr<ffi::CUstream>,
+    fork: SendPtr<ffi::CUevent>,
+    join: SendPtr<ffi::CUevent>,
+    slots: Vec<Slot>,
+    next: usize,
+}
+
+/// One chunk of a staged job: a slot, its kernel descriptors and its DMA runs.
+struct Chunk {
+    slot: usize,
+    desc_start: usize,
+    desc_count: usize,
+    runs: Vec<(u64, u64, u64)>,
+}
+
+/// Number of host-contiguous runs of a job (copies ordered by host address).
+fn host_runs(direction: Direction, copies: &[CopyOp]) -> u64 {
+    let d2h = direction == Direction::GpuToCpu;
+    let mut v: Vec<(u64, u64)> = copies
+        .iter()
+        .map(|c| (if d2h { c.dst_ptr } else { c.src_ptr }, c.bytes))
+        .collect();
+    if !v.windows(2).all(|w| w[0].0 <= w[1].0) {
+        v.sort_unstable_by_key(|x| x.0);
+    }
+    let mut runs = 0;
+    let mut end = u64::MAX;
+    for (a, n) in v {
+        if a != end {
+            runs += 1;
+        }
+        end = a + n;
+    }
+    runs
+}
+
 /// The CUDA engine of one direction (one handler): its stream, event pool and in-flight FIFO.
 pub struct CudaEngine {
     device: Arc<CudaDevice>,
@@ -374,8 +437,9 @@ pub struct CudaEngine {
     closed: bool,
     close_errors: Vec<String>,
     /// Jobs per method since creation: `[dma, kernel, loop]`.
-    method_counts: [u64; 3],
+    method_counts: [u64; 4],
     last_ctas: u32,
+    staging: Option<Staging>,
 }
 
 impl std::fmt::Debug for CudaEngine {
@@ -403,6 +467,20 @@ impl CudaEngine {
         if cfg.max_ctas == 0 {
             return Err(KvoffError::arg("max_ctas must be at least 1"));
         }
+        if cfg.kernel_threads == 0
+            || cfg.kernel_threads % 32 != 0
+            || cfg.kernel_threads > MAX_KERNEL_THREADS
+        {
+            return Err(KvoffError::arg(format!(
+                "kernel_threads must be a multiple of 32 in 32..={MAX_KERNEL_THREADS}, got {}",
+                cfg.kernel_threads
+            )));
+        }
+        if cfg.staging_slots == 0 || cfg.staging_slot_bytes < 1 << 16 {
+            return Err(KvoffError::arg(
+                "staging needs at least one slot of at least 64 KiB",
+            ));
+        }
         device.bind()?;
         // SAFETY: the context is current.
         let stream = unsafe { ffi::stream_create(direction == Direction::CpuToGpu) }?;
@@ -426,8 +504,9 @@ impl CudaEngine {
             inflight: VecDeque::new(),
             closed: false,
             close_errors: Vec::new(),
-            method_counts: [0; 3],
+            method_counts: [0; 4],
             last_ctas: 0,
+            staging: None,
         })
     }
 
@@ -443,11 +522,10 @@ impl CudaEngine {
         &self.cfg
     }
 
-    /// Jobs run per method since creation: `(dma, kernel, loop)`.
+    /// Jobs run per method since creation: `[dma, kernel, loop, staged]`.
     #[must_use]
-    pub fn method_counts(&self) -> (u64, u64, u64) {
-        let [a, b, c] = self.method_counts;
-        (a, b, c)
+    pub fn method_counts(&self) -> [u64; 4] {
+        self.method_counts
     }
 
     /// CTAs used by the last kernel job (0 if none ran).
@@ -503,7 +581,11 @@ impl CudaEngine {
             CopyMethod::Auto => {
                 let avg = bytes / (copies.len().max(1) as u64);
                 if !self.cfg.host_mapped || avg >= self.cfg.dma_min_avg_copy_bytes {
-                    CopyMethod::Dma
+                    return CopyMethod::Dma;
+                }
+                let runs = host_runs(self.direction, copies);
+                if runs > 0 && bytes / runs >= self.cfg.staged_min_run_bytes {
+                    CopyMethod::Staged
                 } else {
                     CopyMethod::Kernel
                 }
@@ -512,63 +594,328 @@ impl CudaEngine {
         }
     }
 
+    /// Creates the second stream, the fork/join events and the staging slots on first use.
+    fn ensure_staging(&mut self) -> Result<()> {
+        if self.staging.is_some() {
+            return Ok(());
+        }
+        let slot_bytes = usize::try_from(self.cfg.staging_slot_bytes)
+            .map_err(|_| KvoffError::arg("staging_slot_bytes exceeds usize"))?;
+        // SAFETY: the context is current (callers bind first).
+        let aux = unsafe { ffi::stream_create(self.direction == Direction::CpuToGpu) }?;
+        let mut st = Staging {
+            aux: SendPtr(aux),
+            fork: SendPtr(std::ptr::null_mut()),
+            join: SendPtr(std::ptr::null_mut()),
+            slots: Vec::new(),
+            next: 0,
+        };
+        let r = (|| {
+            // SAFETY: the context is current.
+            st.fork = SendPtr(unsafe { ffi::event_create(false) }?);
+            // SAFETY: as above.
+            st.join = SendPtr(unsafe { ffi::event_create(false) }?);
+            for _ in 0..self.cfg.staging_slots {
+                // SAFETY: as above.
+                let dev = unsafe { ffi::mem_alloc(slot_bytes) }?;
+                st.slots.push(Slot {
+                    dev,
+                    ready: SendPtr(std::ptr::null_mut()),
+                    free: SendPtr(std::ptr::null_mut()),
+                });
+                let last = st.slots.len() - 1;
+                // SAFETY: as above.
+                st.slots[last].ready = SendPtr(unsafe { ffi::event_create(false) }?);
+                // SAFETY: as above.
+                st.slots[last].free = SendPtr(unsafe { ffi::event_create(false) }?);
+            }
+            Ok(())
+        })();
+        let failed = r.is_err();
+        self.staging = Some(st);
+        if failed {
+            self.release_staging();
+        }
+        r
+    }
+
+    /// Frees the staging resources (its streams must be idle). Null handles (from a failed
+    /// creation) are skipped; errors are recorded.
+    fn release_staging(&mut self) {
+        let Some(st) = self.staging.take() else {
+            return;
+        };
+        let mut errs = Vec::new();
+        for sl in &st.slots {
+            // SAFETY: idle streams; each handle is released once.
+            errs.push(unsafe { ffi::mem_free(sl.dev) });
+            for e in [sl.ready.0, sl.free.0] {
+                if !e.is_null() {
+                    // SAFETY: as above.
+                    errs.push(unsafe { ffi::event_destroy(e) });
+                }
+            }
+        }
+        for e in [st.fork.0, st.join.0] {
+            if !e.is_null() {
+                // SAFETY: as above.
+                errs.push(unsafe { ffi::event_destroy(e) });
+            }
+        }
+        // SAFETY: as above.
+        errs.push(unsafe { ffi::stream_destroy(st.aux.0) });
+        self.close_errors.extend(
+            errs.into_iter()
+                .filter_map(|r| r.err().map(|e| e.to_string())),
+        );
+    }
+
+    /// Launches the copy kernel over `n` descriptors at device address `descs` on `s`.
+    fn launch(&mut self, descs: u64, n: u64, s: ffi::CUstream) -> Result<()> {
+        let warps_per_cta = u64::from(self.cfg.kernel_threads / 32);
+        let grid = u32::try_from(n.div_ceil(warps_per_cta).min(u64::from(self.cfg.max_ctas)))
+            .unwrap_or(1)
+            .max(1);
+        self.last_ctas = grid;
+        // SAFETY: descriptors live in a device buffer held by the job; they name memory the plan
+        // validated and the caller keeps alive (TransferEngine::submit contract), or staging slots
+        // owned by this engine.
+        unsafe {
+            ffi::launch_copy(
+                self.device.kernel.0,
+                grid,
+                self.cfg.kernel_threads,
+                descs,
+                n,
+                s,
+            )
+        }
+    }
+
+    /// Batched DMA of `(src, dst, bytes)` triples on `s` (a per-copy loop without the batch API).
+    fn dma(
+        &self,
+        runs: impl Iterator<Item = (u64, u64, u64)> + Clone,
+        host_to_device: bool,
+        s: ffi::CUstream,
+    ) -> Result<()> {
+        if let Some(f) = self.device.batch {
+            let mut srcs: Vec<u64> = runs.clone().map(|r| r.0).collect();
+            let mut dsts: Vec<u64> = runs.clone().map(|r| r.1).collect();
+            let mut sizes: Vec<usize> = runs
+                .map(|r| usize::try_from(r.2).unwrap_or(usize::MAX))
+                .collect();
+            if sizes.is_empty() {
+                return Ok(());
+            }
+            // SAFETY: co-indexed arrays; memory validated by the plan (or staging owned by this
+            // engine) and kept alive until the job completes; `s` is a created stream.
+            unsafe { ffi::memcpy_batch(f, &mut dsts, &mut srcs, &mut sizes, host_to_device, s) }
+        } else {
+            for (src, dst, n) in runs {
+                // SAFETY: as above.
+                unsafe { ffi::memcpy_async(dst, src, n, s) }?;
+            }
+            Ok(())
+        }
+    }
+
+    /// The `Staged` method (see [`CopyMethod::Staged`]): enqueues on the main stream `s` and the
+    /// auxiliary stream, forked from and joined back into `s`.
+    fn enqueue_staged(&mut self, copies: &[CopyOp], s: ffi::CUstream) -> Result<Option<DescBuf>> {
+        self.ensure_staging()?;
+        let d2h = self.direction == Direction::GpuToCpu;
+        let host = |c: &CopyOp| if d2h { c.dst_ptr } else { c.src_ptr };
+        let mut order: Vec<usize> = (0..copies.len()).collect();
+        if !copies.windows(2).all(|w| host(&w[0]) <= host(&w[1])) {
+            order.sort_unstable_by_key(|&i| host(&copies[i]));
+        }
+        let (cap, first_slot, slot_bases) = {
+            let st = self
+                .staging
+                .as_ref()
+                .ok_or_else(|| KvoffError::state("staging missing"))?;
+            (
+                self.cfg.staging_slot_bytes,
+                st.next,
+                st.slots.iter().map(|sl| sl.dev).collect::<Vec<_>>(),
+            )
+        };
+        let nslots = slot_bases.len();
+        // Pack copies (split where a slot fills) into chunks of one slot each.
+        let mut descs: Vec<u64> = Vec::with_capacity(copies.len() * 3);
+        let mut chunks: Vec<Chunk> = Vec::new();
+        let mut fill = cap; // forces a new chunk at the first piece
+        for &i in &order {
+            let c = copies[i];
+            let mut off = 0;
+            while off < c.bytes {
+                if fill == cap {
+                    let slot = (first_slot + chunks.len()) % nslots;
+                    chunks.push(Chunk {
+                        slot,
+                        desc_start: descs.len() / 3,
+                        desc_count: 0,
+                        runs: Vec::new(),
+                    });
+                    fill = 0;
+                }
+                let Some(ch) = chunks.last_mut() else { break };
+                let take = (c.bytes - off).min(cap - fill);
+                let stage = slot_bases[ch.slot] + fill;
+                let (ks, kd) = if d2h {
+                    (c.src_ptr + off, stage)
+                } else {
+                    (stage, c.dst_ptr + off)
+                };
+                descs.extend_from_slice(&[ks, kd, take]);
+                ch.desc_count += 1;
+                let h = host(&c) + off;
+                let (rs, rd) = if d2h { (stage, h) } else { (h, stage) };
+                match ch.runs.last_mut() {
+                    Some(r) if r.0 + r.2 == rs && r.1 + r.2 == rd => r.2 += take,
+                    _ => ch.runs.push((rs, rd, take)),
+                }
+                fill += take;
+                off += take;
+            }
+        }
+        if chunks.is_empty() {
+            return Ok(None);
+        }
+        let nbytes = descs.len() * 8;
+        let buf = self.take_desc(nbytes)?;
+        // SAFETY: `buf.host` is a pinned allocation of ≥ nbytes owned by this engine, not in use.
+        unsafe {
+            std::ptr::copy_nonoverlapping(descs.as_ptr(), buf.host.0.cast::<u64>(), descs.len());
+        }
+        let r = self.enqueue_chunks(&chunks, &buf, nbytes, d2h, s);
+        if let Some(st) = self.staging.as_mut() {
+            st.next = (first_slot + chunks.len()) % nslots;
+        }
+        match r {
+            Ok(()) => Ok(Some(buf)),
+            Err(e) => {
+                self.descs.push(buf);
+                Err(e)
+            }
+        }
+    }
+
+    fn enqueue_chunks(
+        &mut self,
+        chunks: &[Chunk],
+        buf: &DescBuf,
+        nbytes: usize,
+        d2h: bool,
+        s: ffi::CUstream,
+    ) -> Result<()> {
+        // SAFETY: the staging buffer stays untouched until the job completes.
+        unsafe { ffi::memcpy_htod_async(buf.dev, buf.host.0, nbytes, s) }?;
+        let (aux, fork, join, slots) = {
+            let st = self
+                .staging
+                .as_ref()
+                .ok_or_else(|| KvoffError::state("staging missing"))?;
+            (
+                st.aux.0,
+                st.fork.0,
+                st.join.0,
+                st.slots
+                    .iter()
+                    .map(|sl| (sl.ready.0, sl.free.0))
+                    .collect::<Vec<_>>(),
+            )
+        };
+        // SAFETY (every driver call below): live handles of the current context. Staging slots
+        // are handed between the streams by their ready/free events, so a slot is rewritten only
+        // after its previous contents were consumed.
+        unsafe {
+            ffi::event_record(fork, s)?;
+            ffi::stream_wait(aux, fork)?;
+        }
+        for ch in chunks {
+            let (ready, free) = slots[ch.slot];
+            let kdesc = buf.dev + (ch.desc_start * DESC_BYTES) as u64;
+            if d2h {
+                // SAFETY: as above.
+                unsafe { ffi::stream_wait(s, free) }?;
+                self.launch(kdesc, ch.desc_count as u64, s)?;
+                // SAFETY: as above.
+                unsafe {
+                    ffi::event_record(ready, s)?;
+                    ffi::stream_wait(aux, ready)?;
+                }
+                self.dma(ch.runs.iter().copied(), false, aux)?;
+                // SAFETY: as above.
+                unsafe { ffi::event_record(free, aux) }?;
+            } else {
+                // SAFETY: as above.
+                unsafe { ffi::stream_wait(aux, free) }?;
+                self.dma(ch.runs.iter().copied(), true, aux)?;
+                // SAFETY: as above.
+                unsafe {
+                    ffi::event_record(ready, aux)?;
+                    ffi::stream_wait(s, ready)?;
+                }
+                self.launch(kdesc, ch.desc_count as u64, s)?;
+                // SAFETY: as above.
+                unsafe { ffi::event_record(free, s) }?;
+            }
+        }
+        // SAFETY: as above.
+        unsafe {
+            ffi::event_record(join, aux)?;
+            ffi::stream_wait(s, join)
+        }
+    }
+
     /// Enqueues the copies of one job on the stream (between the timing events).
     fn enqueue(&mut self, method: CopyMethod, copies: &[CopyOp]) -> Result<Option<DescBuf>> {
         let s = self.stream.0;
+        if matches!(method, CopyMethod::Kernel | CopyMethod::Staged)
+            && !self.cfg.host_mapped
+            && method == CopyMethod::Kernel
+        {
+            return Err(KvoffError::arg(
+                "the copy kernel needs pinned, device-mapped host memory; use engine \"dma\" or pin the region",
+            ));
+        }
         match method {
+            CopyMethod::Staged => self.enqueue_staged(copies, s),
             CopyMethod::Kernel => {
-                if !self.cfg.host_mapped {
-                    return Err(KvoffError::arg(
-                        "the copy kernel needs pinned, device-mapped host memory; use engine \"dma\" or pin the region",
-                    ));
-                }
-                let mut n: u64 = 0;
-                for c in copies {
-                    n += c.bytes.div_ceil(KERNEL_CHUNK_BYTES).max(1);
-                }
-                let nbytes = usize::try_from(n)
-                    .ok()
-                    .and_then(|n| n.checked_mul(DESC_BYTES))
-                    .ok_or_else(|| KvoffError::arg("too many copies for one job"))?;
-                let buf = self.take_desc(nbytes)?;
-                // SAFETY: `buf.host` is a pinned allocation of `buf.cap ≥ nbytes` bytes owned by
-                // this engine and not in use by any in-flight job (it came from the free pool).
-                let words =
-                    unsafe { std::slice::from_raw_parts_mut(buf.host.0.cast::<u64>(), nbytes / 8) };
-                let mut w = 0;
+                let mut descs: Vec<u64> = Vec::with_capacity(copies.len() * 3);
                 for c in copies {
                     let mut off = 0;
                     loop {
                         let len = (c.bytes - off).min(KERNEL_CHUNK_BYTES);
-                        words[w] = c.src_ptr + off;
-                        words[w + 1] = c.dst_ptr + off;
-                        words[w + 2] = len;
-                        w += 3;
+                        descs.extend_from_slice(&[c.src_ptr + off, c.dst_ptr + off, len]);
                         off += len;
                         if off >= c.bytes {
                             break;
                         }
                     }
                 }
-                let ctas_needed = n.div_ceil(WARPS_PER_CTA);
-                let grid = u32::try_from(ctas_needed.min(u64::from(self.cfg.max_ctas)))
-                    .unwrap_or(1)
-                    .max(1);
+                let n = (descs.len() / 3) as u64;
+                let nbytes = descs.len() * 8;
+                let buf = self.take_desc(nbytes)?;
+                // SAFETY: `buf.host` is a pinned allocation of ≥ nbytes owned by this engine and not
+                // in use by any in-flight job (it came from the free pool).
+                unsafe {
+                    std::ptr::copy_nonoverlapping(
+                        descs.as_ptr(),
+                        buf.host.0.cast::<u64>(),
+                        descs.len(),
+                    )
+                };
                 let r = (|| {
                     // SAFETY: staging holds `nbytes` of descriptors and stays untouched until this
                     // job completes (the buffer travels with the job); dev buffer is as large.
                     unsafe { ffi::memcpy_htod_async(buf.dev, buf.host.0, nbytes, s) }?;
-                    // SAFETY: descriptors name memory the plan validated and the caller keeps alive
-                    // (TransferEngine::submit contract); host sides are device-mapped (checked).
-                    unsafe {
-                        ffi::launch_copy(self.device.kernel.0, grid, KERNEL_THREADS, buf.dev, n, s)
-                    }
+                    self.launch(buf.dev, n, s)
                 })();
                 match r {
-                    Ok(()) => {
-                        self.last_ctas = grid;
-                        Ok(Some(buf))
-                    }
+                    Ok(()) => Ok(Some(buf)),
                     Err(e) => {
                         self.descs.push(buf);
                         Err(e)
@@ -576,33 +923,16 @@ impl CudaEngine {
                 }
             }
             CopyMethod::Dma | CopyMethod::Auto => {
-                if let Some(f) = self.device.batch {
-                    let mut dsts: Vec<u64> = copies.iter().map(|c| c.dst_ptr).collect();
-                    let mut srcs: Vec<u64> = copies.iter().map(|c| c.src_ptr).collect();
-                    let mut sizes: Vec<usize> = copies
-                        .iter()
-                        .map(|c| usize::try_from(c.bytes).unwrap_or(usize::MAX))
-                        .collect();
-                    // SAFETY: co-indexed arrays; memory validated by the plan and kept alive by
-                    // the caller; `s` is a created (non-legacy) stream.
-                    unsafe {
-                        ffi::memcpy_batch(
-                            f,
-                            &mut dsts,
-                            &mut srcs,
-                            &mut sizes,
-                            self.direction == Direction::CpuToGpu,
-                            s,
-                        )
-                    }?;
-                } else {
-                    self.enqueue(CopyMethod::Loop, copies)?;
-                }
+                self.dma(
+                    copies.iter().map(|c| (c.src_ptr, c.dst_ptr, c.bytes)),
+                    self.direction == Direction::CpuToGpu,
+                    s,
+                )?;
                 Ok(None)
             }
             CopyMethod::Loop => {
                 for c in copies {
-                    // SAFETY: as for the batch call.
+                    // SAFETY: memory validated by the plan and kept alive by the caller.
                     unsafe { ffi::memcpy_async(c.dst_ptr, c.src_ptr, c.bytes, s) }?;
                 }
                 Ok(None)
@@ -697,7 +1027,8 @@ impl TransferEngine for CudaEngine {
         let idx = match method {
             CopyMethod::Kernel => 1,
             CopyMethod::Loop => 2,
-            _ => usize::from(self.device.batch.is_none()) * 2,
+            CopyMethod::Staged => 3,
+            CopyMethod::Dma | CopyMethod::Auto => usize::from(self.device.batch.is_none()) * 2,
         };
         self.method_counts[idx] += 1;
         self.inflight.push_back(InFlight {
@@ -763,10 +1094,17 @@ impl TransferEngine for CudaEngine {
             return;
         }
         // Drain: let in-flight work finish before its resources go.
-        // SAFETY: our stream is live.
+        // SAFETY: our streams are live.
         if let Err(e) = unsafe { ffi::stream_sync(self.stream.0) } {
             self.close_errors.push(e.to_string());
         }
+        if let Some(st) = &self.staging {
+            // SAFETY: as above.
+            if let Err(e) = unsafe { ffi::stream_sync(st.aux.0) } {
+                self.close_errors.push(e.to_string());
+            }
+        }
+        self.release_staging();
         for j in std::mem::take(&mut self.inflight) {
             self.events.push(j.start);
             self.events.push(j.end);
