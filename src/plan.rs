@@ -682,7 +682,9 @@ impl CopyPlanner {
                 }
             };
             let in_component = |(g, span): (usize, (usize, usize, usize, u64))| {
-                (self.groups[g].component == c && span.2 > 0).then_some((g, span))
+                let info = &self.groups[g];
+                // A group without refs writes nothing.
+                (info.component == c && span.2 > 0 && !info.refs.is_empty()).then_some((g, span))
             };
             // Mark until the first duplicate.
             let mut dup = None;
