@@ -674,43 +674,53 @@ impl CopyPlanner {
             if bitmap.len() < words {
                 bitmap.resize(words, 0);
             }
-            let unit_of = |goff: usize, coff: usize, skip: u64, i: usize| match direction {
-                Direction::CpuToGpu => gpu.block_ids[goff + i].unsigned_abs(),
-                Direction::GpuToCpu => {
-                    let s = skip + i as u64;
-                    cpu_ids[coff + (s / f) as usize].unsigned_abs() * f + s % f
-                }
-            };
+            let bits: &mut [u64] = &mut bitmap[..words];
             let in_component = |(g, span): (usize, (usize, usize, usize, u64))| {
-                (self.groups[g].component == c && span.2 > 0).then_some((g, span))
+                let info = &self.groups[g];
+                // A group without refs writes nothing.
+                (info.component == c && span.2 > 0 && !info.refs.is_empty()).then_some((g, span))
             };
             // Mark until the first duplicate.
             let mut dup = None;
-            'mark: for (g, (goff, coff, size, skip)) in self
+            let mut marked: usize = 0;
+            for (g, (goff, coff, size, skip)) in self
                 .group_spans(gpu, &sizes)
                 .enumerate()
                 .filter_map(in_component)
             {
-                for i in 0..size {
-                    let u = unit_of(goff, coff, skip, i);
-                    let (w, bit) = ((u / 64) as usize, 1u64 << (u % 64));
-                    if bitmap[w] & bit != 0 {
-                        dup = Some((g, u, gpu.block_ids[goff + i]));
-                        break 'mark;
-                    }
-                    bitmap[w] |= bit;
+                let gids = &gpu.block_ids[goff..goff + size];
+                let found =
+                    for_each_dest_unit(direction, gids, &cpu_ids[coff..], skip, f, |i, u| {
+                        let (w, bit) = ((u / 64) as usize, 1u64 << (u % 64));
+                        if bits[w] & bit != 0 {
+                            return Some(i);
+                        }
+                        bits[w] |= bit;
+                        None
+                    });
+                marked += size;
+                if let Some(i) = found {
+                    let u = dest_unit(direction, gids, &cpu_ids[coff..], skip, f, i);
+                    dup = Some((g, u, gids[i]));
+                    break;
                 }
             }
-            // Clear every unit of the component (clearing an unmarked bit is harmless: the bitmap
-            // was all zero before this component).
-            for (_, (goff, coff, size, skip)) in self
-                .group_spans(gpu, &sizes)
-                .enumerate()
-                .filter_map(in_component)
-            {
-                for i in 0..size {
-                    let u = unit_of(goff, coff, skip, i);
-                    bitmap[(u / 64) as usize] &= !(1u64 << (u % 64));
+            // Clear: the bitmap was all zero before this component, so either zero the words in
+            // use (when that is cheaper) or clear every unit of the component (clearing an
+            // unmarked bit is harmless).
+            if words <= marked.saturating_mul(4) {
+                bits.fill(0);
+            } else {
+                for (_, (goff, coff, size, skip)) in self
+                    .group_spans(gpu, &sizes)
+                    .enumerate()
+                    .filter_map(in_component)
+                {
+                    let gids = &gpu.block_ids[goff..goff + size];
+                    for_each_dest_unit(direction, gids, &cpu_ids[coff..], skip, f, |_, u| {
+                        bits[(u / 64) as usize] &= !(1u64 << (u % 64));
+                        None::<()>
+                    });
                 }
             }
             if let Some((g, u, gid)) = dup {
@@ -792,6 +802,63 @@ impl CopyPlanner {
     }
 }
 
+/// Calls `visit(i, unit)` for the destination unit of each block `i` of a group (the GPU block id,
+/// or the CPU sub-block index `cpu_id * f + j`) until `visit` returns `Some`. `cpu_ids` starts at
+/// the group's first CPU id; ids were validated. No divisions in the loop.
+#[inline]
+fn for_each_dest_unit<T>(
+    direction: Direction,
+    gids: &[i64],
+    cpu_ids: &[i64],
+    skip: u64,
+    f: u64,
+    mut visit: impl FnMut(usize, u64) -> Option<T>,
+) -> Option<T> {
+    match direction {
+        Direction::CpuToGpu => {
+            for (i, &g) in gids.iter().enumerate() {
+                if let Some(t) = visit(i, g.unsigned_abs()) {
+                    return Some(t);
+                }
+            }
+        }
+        Direction::GpuToCpu => {
+            let (mut ci, mut j) = (0usize, skip);
+            let mut row = cpu_ids.first().map_or(0, |c| c.unsigned_abs() * f);
+            for i in 0..gids.len() {
+                if let Some(t) = visit(i, row + j) {
+                    return Some(t);
+                }
+                j += 1;
+                if j == f {
+                    j = 0;
+                    ci += 1;
+                    row = cpu_ids.get(ci).map_or(0, |c| c.unsigned_abs() * f);
+                }
+            }
+        }
+    }
+    None
+}
+
+/// The destination unit of block `i` of a group (see [`for_each_dest_unit`]).
+fn dest_unit(
+    direction: Direction,
+    gids: &[i64],
+    cpu_ids: &[i64],
+    skip: u64,
+    f: u64,
+    i: usize,
+) -> u64 {
+    match direction {
+        Direction::CpuToGpu => gids[i].unsigned_abs(),
+        Direction::GpuToCpu => {
+            let s = skip + i as u64;
+            cpu_ids[(s / f) as usize].unsigned_abs() * f + s % f
+        }
+    }
+}
+
 enum GroupSizes<'a> {
     All(usize),
     Given(&'a [i64]),
@@ -822,9 +889,9 @@ fn block_index(gpu: &GpuSpec<'_>, g: usize) -> Result<u64> {
 }
 
 fn check_ids(ids: &[i64], limit: u64, side: &str, g: usize, offset: usize) -> Result<()> {
-    // Fast path: one pass computing the max as u64 (negative ids become huge).
-    let max = ids.iter().fold(0u64, |m, &b| m.max(b as u64));
-    if ids.is_empty() || max < limit {
+    // Fast path: one branch-free (vectorizable) pass; negative ids become huge as u64.
+    let any_bad = ids.iter().fold(false, |bad, &b| bad | (b as u64 >= limit));
+    if !any_bad {
         return Ok(());
     }
     for (i, &b) in ids.iter().enumerate() {

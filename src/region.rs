@@ -569,12 +569,13 @@ impl HostRegion {
                 match try_lock(&lock_path, false)? {
                     LockAttempt::Busy => {}
                     state => {
-                        // The creator released its lock: it published the region or gave up.
-                        if path.exists() {
-                            continue;
-                        }
+                        // The creator released its lock: it published the region or gave up
+                        // (or died). A lock file left behind is stale: remove it.
                         if let LockAttempt::Acquired(stale) = state {
                             stale.release();
+                        }
+                        if path.exists() {
+                            continue;
                         }
                         return Err(KvoffError::Region(format!(
                             "the creator of shared region {} ({total} bytes) failed or died \

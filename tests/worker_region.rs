@@ -1,0 +1,374 @@
+//! Host regions across processes: the test binary re-invokes itself (`child_entry`, selected by the
+//! `KVOFF_REGION_CHILD` environment variable) to play the other ranks.
+
+use std::path::{Path, PathBuf};
+use std::process::{Child, Command};
+use std::time::{Duration, Instant};
+
+use kvoff::region::{os_page_size, HostRegion, RegionOptions};
+use kvoff::KvoffError;
+
+const CHILD: &str = "KVOFF_REGION_CHILD";
+
+/// A fresh directory for one test (in /dev/shm when available, like production).
+fn test_dir(tag: &str) -> PathBuf {
+    let base = if Path::new("/dev/shm").is_dir() {
+        PathBuf::from("/dev/shm")
+    } else {
+        std::env::temp_dir()
+    };
+    let d = base.join(format!("kvoff-test-{tag}-{}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&d);
+    std::fs::create_dir_all(d.join("sync")).unwrap();
+    d
+}
+
+fn opts(dir: &Path, timeout: Duration) -> RegionOptions {
+    RegionOptions {
+        dir: dir.to_path_buf(),
+        timeout,
+        ..RegionOptions::default()
+    }
+}
+
+/// Files left in `dir` besides the `sync` folder.
+fn leftovers(dir: &Path) -> Vec<String> {
+    std::fs::read_dir(dir)
+        .unwrap()
+        .map(|e| e.unwrap().file_name().to_string_lossy().into_owned())
+        .filter(|n| n != "sync")
+        .collect()
+}
+
+fn spawn_child(mode: &str, env: &[(&str, String)]) -> Child {
+    let exe = std::env::current_exe().unwrap();
+    let mut c = Command::new(exe);
+    c.args(["child_entry", "--exact", "--nocapture", "--test-threads=1"]);
+    c.env(CHILD, mode);
+    for (k, v) in env {
+        c.env(k, v);
+    }
+    c.stdout(std::process::Stdio::null());
+    c.spawn().unwrap()
+}
+
+fn wait_child(c: &mut Child, limit: Duration) -> bool {
+    let end = Instant::now() + limit;
+    loop {
+        if let Some(st) = c.try_wait().unwrap() {
+            return st.success();
+        }
+        if Instant::now() > end {
+            let _ = c.kill();
+            let _ = c.wait();
+            return false;
+        }
+        std::thread::sleep(Duration::from_millis(10));
+    }
+}
+
+fn wait_for(path: &Path, limit: Duration) {
+    let end = Instant::now() + limit;
+    while !path.exists() {
+        assert!(
+            Instant::now() < end,
+            "timed out waiting for {}",
+            path.display()
+        );
+        std::thread::sleep(Duration::from_millis(5));
+    }
+}
+
+const WS: u64 = 4;
+const ROWS: u64 = 40;
+const SLOT: u64 = 1000; // 4 x 1000 = 4000 bytes: rows padded to the page
+
+fn pattern(rank: u64, row: u64, i: u64) -> u8 {
+    ((rank * 37 + row * 11 + i) % 255 + 1) as u8 // never 0
+}
+
+/// Entry point of child processes; a no-op in a normal test run.
+#[test]
+fn child_entry() {
+    let Ok(mode) = std::env::var(CHILD) else {
+        return;
+    };
+    let var = |k: &str| std::env::var(k).unwrap();
+    let dir = PathBuf::from(var("DIR"));
+    let name = var("NAME");
+    match mode.as_str() {
+        "join" => {
+            let rank: u64 = var("RANK").parse().unwrap();
+            let mut r = HostRegion::create_or_join_with(
+                &name,
+                ROWS,
+                SLOT,
+                WS,
+                rank,
+                &opts(&dir, Duration::from_secs(30)),
+            )
+            .unwrap();
+            for row in 0..ROWS {
+                let bytes: Vec<u8> = (0..SLOT).map(|i| pattern(rank, row, i)).collect();
+                r.copy_to_slot(rank, row, 0, &bytes).unwrap();
+            }
+            // Other ranks' slots cannot be written from here.
+            assert!(r.copy_to_slot((rank + 1) % WS, 0, 0, &[1]).is_err());
+            std::fs::write(dir.join("sync").join(format!("done.{rank}")), b"").unwrap();
+            for k in 0..WS {
+                wait_for(
+                    &dir.join("sync").join(format!("done.{k}")),
+                    Duration::from_secs(30),
+                );
+            }
+            // Every slot holds exactly its rank's bytes; row padding is untouched (zero).
+            let mut buf = vec![0u8; SLOT as usize];
+            for row in 0..ROWS {
+                for k in 0..WS {
+                    r.copy_from_slot(k, row, 0, &mut buf).unwrap();
+                    for (i, &b) in buf.iter().enumerate() {
+                        assert_eq!(b, pattern(k, row, i as u64), "rank {k} row {row} byte {i}");
+                    }
+                }
+            }
+            // SAFETY: the mapping is live for `len_bytes` bytes and every rank finished writing.
+            let all = unsafe {
+                std::slice::from_raw_parts(r.as_ptr() as *const u8, r.len_bytes() as usize)
+            };
+            for row in 0..ROWS as usize {
+                let s = row * r.row_stride_bytes() as usize;
+                let pad = &all[s + (WS * SLOT) as usize..s + r.row_stride_bytes() as usize];
+                assert!(
+                    pad.iter().all(|&b| b == 0),
+                    "padding of row {row} was written"
+                );
+            }
+            r.close().unwrap();
+        }
+        "hold_lock" => {
+            // Play a creator that takes the creation lock and dies before publishing the region.
+            let lock = dir.join(format!("{name}.lock"));
+            let f = std::fs::OpenOptions::new()
+                .create(true)
+                .truncate(false)
+                .read(true)
+                .write(true)
+                .open(&lock)
+                .unwrap();
+            use std::os::fd::AsRawFd;
+            // SAFETY: `f` is an open file.
+            assert_eq!(unsafe { libc::flock(f.as_raw_fd(), libc::LOCK_EX) }, 0);
+            std::fs::write(dir.join("sync").join("locked"), b"").unwrap();
+            std::thread::sleep(Duration::from_millis(var("HOLD_MS").parse().unwrap()));
+            // SAFETY: terminates the process at once, like a crash (no destructors, no cleanup).
+            unsafe { libc::_exit(0) };
+        }
+        other => panic!("unknown child mode {other}"),
+    }
+}
+
+#[test]
+fn four_processes_share_one_region() {
+    let dir = test_dir("share");
+    let name = "kv-share";
+    let mut kids: Vec<Child> = (0..WS)
+        .map(|rank| {
+            spawn_child(
+                "join",
+                &[
+                    ("DIR", dir.display().to_string()),
+                    ("NAME", name.to_string()),
+                    ("RANK", rank.to_string()),
+                ],
+            )
+        })
+        .collect();
+    let ok: Vec<bool> = kids
+        .iter_mut()
+        .map(|c| wait_child(c, Duration::from_secs(60)))
+        .collect();
+    assert!(ok.iter().all(|&b| b), "child results {ok:?}");
+    // The last rank to join unlinked the file; no lock file either.
+    assert!(
+        leftovers(&dir).is_empty(),
+        "left behind: {:?}",
+        leftovers(&dir)
+    );
+    std::fs::remove_dir_all(&dir).unwrap();
+}
+
+#[test]
+fn creator_death_leaves_no_file_and_joiners_fail() {
+    let dir = test_dir("death");
+    let name = "kv-death";
+    let mut kid = spawn_child(
+        "hold_lock",
+        &[
+            ("DIR", dir.display().to_string()),
+            ("NAME", name.to_string()),
+            ("HOLD_MS", "300".into()),
+        ],
+    );
+    wait_for(&dir.join("sync").join("locked"), Duration::from_secs(30));
+    let t0 = Instant::now();
+    let joiners: Vec<_> = (1..3)
+        .map(|rank| {
+            let o = opts(&dir, Duration::from_secs(20));
+            std::thread::spawn(move || HostRegion::create_or_join_with(name, 8, 4096, 4, rank, &o))
+        })
+        .collect();
+    for j in joiners {
+        match j.join().unwrap() {
+            Err(KvoffError::Region(msg)) => {
+                assert!(msg.contains("failed or died"), "{msg}");
+                assert!(msg.contains(name), "{msg}");
+            }
+            other => panic!("expected RegionError, got {other:?}"),
+        }
+    }
+    assert!(
+        t0.elapsed() < Duration::from_secs(10),
+        "joiners should not wait for the timeout"
+    );
+    assert!(wait_child(&mut kid, Duration::from_secs(30)));
+    assert!(
+        leftovers(&dir).is_empty(),
+        "left behind: {:?}",
+        leftovers(&dir)
+    );
+    std::fs::remove_dir_all(&dir).unwrap();
+}
+
+#[test]
+fn join_timeout_then_recovery_from_stale_lock() {
+    let dir = test_dir("timeout");
+    let name = "kv-timeout";
+    let mut kid = spawn_child(
+        "hold_lock",
+        &[
+            ("DIR", dir.display().to_string()),
+            ("NAME", name.to_string()),
+            ("HOLD_MS", "30000".into()),
+        ],
+    );
+    wait_for(&dir.join("sync").join("locked"), Duration::from_secs(30));
+    let t0 = Instant::now();
+    let r = HostRegion::create_or_join_with(
+        name,
+        8,
+        4096,
+        2,
+        1,
+        &opts(&dir, Duration::from_millis(300)),
+    );
+    let elapsed = t0.elapsed();
+    match r {
+        Err(KvoffError::Region(msg)) => {
+            assert!(msg.contains("timed out"), "{msg}");
+            assert!(msg.contains(&dir.join(name).display().to_string()), "{msg}");
+            let total = os_page_size() + 8 * 2 * 4096u64.next_multiple_of(os_page_size());
+            assert!(msg.contains(&format!("{total} bytes")), "{msg}");
+        }
+        other => panic!("expected RegionError, got {other:?}"),
+    }
+    assert!(elapsed >= Duration::from_millis(300) && elapsed < Duration::from_secs(5));
+    // The lock holder crashes; its lock file stays behind but is not held: the next process
+    // takes it over and creates the region.
+    kid.kill().unwrap();
+    kid.wait().unwrap();
+    let mut r =
+        HostRegion::create_or_join_with(name, 8, 4096, 1, 0, &opts(&dir, Duration::from_secs(5)))
+            .unwrap();
+    assert_eq!(r.len_bytes(), 8 * 4096u64.next_multiple_of(os_page_size()));
+    // world_size 1: unlinked as soon as it is created, lock removed.
+    assert!(
+        leftovers(&dir).is_empty(),
+        "left behind: {:?}",
+        leftovers(&dir)
+    );
+    r.close().unwrap();
+    std::fs::remove_dir_all(&dir).unwrap();
+}
+
+#[test]
+fn too_little_space_names_size_and_path() {
+    let dir = test_dir("nospace");
+    // 2^38 rows x 4 KiB = 1 PiB.
+    let rows = 1u64 << 38;
+    let r = HostRegion::create_or_join_with(
+        "kv-huge",
+        rows,
+        4096,
+        1,
+        0,
+        &opts(&dir, Duration::from_secs(5)),
+    );
+    match r {
+        Err(KvoffError::Region(msg)) => {
+            let total = os_page_size() + rows * 4096u64.next_multiple_of(os_page_size());
+            assert!(msg.contains(&format!("{total} bytes")), "{msg}");
+            assert!(
+                msg.contains(&dir.join("kv-huge").display().to_string()),
+                "{msg}"
+            );
+        }
+        other => panic!("expected RegionError, got {other:?}"),
+    }
+    assert!(
+        leftovers(&dir).is_empty(),
+        "left behind: {:?}",
+        leftovers(&dir)
+    );
+    std::fs::remove_dir_all(&dir).unwrap();
+}
+
+#[test]
+fn join_checks_geometry_and_rank_and_unlink_by_hand() {
+    let dir = test_dir("geom");
+    let name = "kv-geom";
+    let o = RegionOptions {
+        unlink_when_all_joined: false,
+        ..opts(&dir, Duration::from_secs(5))
+    };
+    let mut r0 = HostRegion::create_or_join_with(name, 6, 512, 2, 0, &o).unwrap();
+    assert_eq!(r0.path(), Some(dir.join(name).as_path()));
+    let again = HostRegion::create_or_join_with(name, 6, 512, 2, 0, &o);
+    assert!(
+        matches!(&again, Err(KvoffError::Region(m)) if m.contains("already joined")),
+        "{again:?}"
+    );
+    let other = HostRegion::create_or_join_with(name, 7, 512, 2, 1, &o);
+    assert!(matches!(&other, Err(KvoffError::Region(_))), "{other:?}");
+    assert!(matches!(
+        HostRegion::create_or_join_with(name, 6, 512, 2, 2, &o),
+        Err(KvoffError::InvalidArgument(_))
+    ));
+    assert!(matches!(
+        HostRegion::create_or_join_with("a/b", 6, 512, 2, 0, &o),
+        Err(KvoffError::InvalidArgument(_))
+    ));
+    let r1 = HostRegion::create_or_join_with(name, 6, 512, 2, 1, &o).unwrap();
+    // Both handles map the same bytes.
+    r0.copy_to_slot(0, 5, 10, b"hello").unwrap();
+    let mut buf = [0u8; 5];
+    r1.copy_from_slot(0, 5, 10, &mut buf).unwrap();
+    assert_eq!(&buf, b"hello");
+    // Views: inside the rank's slot only.
+    let v = r1.view(1, 12, 500).unwrap();
+    assert_eq!(v.ptr, r1.as_ptr() + 512 + 12);
+    assert_eq!((v.rows, v.row_stride_bytes), (6, r1.row_stride_bytes()));
+    assert!(matches!(
+        r1.view(1, 13, 500),
+        Err(KvoffError::InvalidArgument(_))
+    ));
+    assert_eq!(v.tensor_desc().row_bytes, 500);
+    // Not unlinked automatically with this option; by hand it is.
+    assert_eq!(leftovers(&dir), vec![name.to_string()]);
+    assert!(r0.unlink().unwrap());
+    assert!(!r0.unlink().unwrap());
+    assert!(leftovers(&dir).is_empty());
+    drop(r1);
+    r0.close().unwrap();
+    r0.close().unwrap();
+    std::fs::remove_dir_all(&dir).unwrap();
+}
