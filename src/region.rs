@@ -982,7 +982,7 @@ impl HostRegion {
         }
         if offset
             .checked_add(nbytes)
-            .map_or(true, |e| e > self.slot_bytes)
+            .is_none_or(|e| e > self.slot_bytes)
         {
             return Err(KvoffError::arg(format!(
                 "view of {nbytes} bytes at offset {offset} does not fit in a slot of {} bytes",
@@ -1008,7 +1008,7 @@ impl HostRegion {
         let end = offset.checked_add(len as u64);
         if rank >= self.world_size
             || row >= self.num_cpu_blocks
-            || end.map_or(true, |e| e > self.slot_bytes)
+            || end.is_none_or(|e| e > self.slot_bytes)
         {
             return Err(KvoffError::arg(format!(
                 "rank {rank}, row {row}, bytes {offset}+{len} is outside the region \

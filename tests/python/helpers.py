@@ -2,9 +2,8 @@
 
 from __future__ import annotations
 
-import numpy as np
-
 import kvoff
+import numpy as np
 from kvoff import make_offload_key
 
 POLICIES = ["lru", "arc"]

@@ -112,7 +112,7 @@ class ModelManager:
         self.p = min(self.p + max(1.0, len(self.b2) / len(self.b1)), float(self.num_blocks))
 
     def _adapt_b2(self) -> None:
-        self.p = max(self.p - 1.0, 0.0)
+        self.p = max(self.p - max(1.0, len(self.b1) / len(self.b2)), 0.0)
 
     def _select_victims(self, need: int, protected: set[bytes]) -> list[bytes] | None:
         def eligible(lst: list[bytes]) -> list[bytes]:

@@ -5,7 +5,6 @@ from __future__ import annotations
 import pytest
 from hypothesis import given
 from hypothesis import strategies as st
-
 from kvoff import get_offload_block_hash, get_offload_group_idx, make_offload_key
 
 U32_MAX = 2**32 - 1

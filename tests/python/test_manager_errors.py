@@ -4,10 +4,9 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
+import kvoff
 import pytest
 from helpers import POLICIES, K, ids_of, ks, snapshot, store, store_complete
-
-import kvoff
 from kvoff import (
     ARCOffloadingManager,
     ConfigError,
@@ -59,8 +58,15 @@ def test_fixture_state(m: OffloadingManager) -> None:
 @pytest.mark.parametrize(
     "keys",
     [ks(3), ks(4), ks(9), ks(1, 3), ks(1, 2, 4), ks(4, 1), ks(1, 1, 3)],
-    ids=["pending", "absent", "ghost-or-evicted", "ready+pending", "ready+absent", "absent-first",
-         "dup+pending"],
+    ids=[
+        "pending",
+        "absent",
+        "ghost-or-evicted",
+        "ready+pending",
+        "ready+absent",
+        "absent-first",
+        "dup+pending",
+    ],
 )
 def test_prepare_load_non_ready_is_invalid_state(m: OffloadingManager, keys: list[bytes]) -> None:
     before = snapshot(m)
@@ -77,8 +83,16 @@ def test_prepare_load_non_ready_is_invalid_state(m: OffloadingManager, keys: lis
 @pytest.mark.parametrize(
     "keys",
     [ks(1), ks(3), ks(4), ks(2, 2), ks(2, 1), ks(1, 2), ks(2, 2, 2), ks(2, 4)],
-    ids=["ready-not-loading", "pending", "absent", "dup-more-than-loaded", "loaded+not",
-         "not+loaded", "triple", "loaded+absent"],
+    ids=[
+        "ready-not-loading",
+        "pending",
+        "absent",
+        "dup-more-than-loaded",
+        "loaded+not",
+        "not+loaded",
+        "triple",
+        "loaded+absent",
+    ],
 )
 def test_complete_load_without_load_is_invalid_state(m: OffloadingManager, keys: list[bytes]) -> None:
     before = snapshot(m)
@@ -376,6 +390,7 @@ def test_any_iterable_of_bytes(policy: str) -> None:
     mgr.complete_load(tuple(keys))
     mgr.complete_store((k for k in [K(4)]), success=False)
     assert mgr.get_stats()["num_evictable"] == 3
+
     # A bytes subclass is bytes.
     class B(bytes):
         pass

@@ -11,13 +11,11 @@ from collections.abc import Iterable
 
 import pytest
 from helpers import K, ids_of
-from hypothesis import HealthCheck, settings
+from hypothesis import HealthCheck, event, settings
 from hypothesis import strategies as st
-from hypothesis import event
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, rule
-from model import ModelInvalidState, ModelManager
-
 from kvoff import InvalidStateError, create_manager
+from model import ModelInvalidState, ModelManager
 
 UNIVERSE = 8
 KEYS = [K(i) for i in range(UNIVERSE)]
@@ -39,13 +37,13 @@ def wrap(keys: list[bytes], kind: str) -> Iterable[bytes]:
 class ManagerMachine(RuleBasedStateMachine):
     policy = "lru"
 
-    def setup(self, cap: int, threshold: int, tracker: int, events: bool, block_size: int) -> None:
-        kw = dict(
-            block_size=block_size,
-            enable_events=events,
-            store_threshold=threshold,
-            max_tracker_size=tracker,
-        )
+    def start(self, cap: int, threshold: int, tracker: int, events: bool, block_size: int) -> None:
+        kw = {
+            "block_size": block_size,
+            "enable_events": events,
+            "store_threshold": threshold,
+            "max_tracker_size": tracker,
+        }
         self.cap = cap
         self.m = create_manager(self.policy, cap, **kw)
         self.model = ModelManager(self.policy, cap, **kw)
@@ -100,7 +98,9 @@ class ManagerMachine(RuleBasedStateMachine):
         keys = [KEYS[i] for i in idx]
         if valid:
             # Every loading key once, except those drawn (so that loads do not pile up).
-            keys = [k for k in KEYS if self.model.blocks.get(k) and self.model.blocks[k].loads and k not in keys]
+            keys = [
+                k for k in KEYS if self.model.blocks.get(k) and self.model.blocks[k].loads and k not in keys
+            ]
         before = self.observe()
         try:
             self.model.complete_load(keys)
@@ -157,7 +157,7 @@ class ManagerMachine(RuleBasedStateMachine):
 
     @rule(idx=key_lists, kind=containers)
     def store_and_complete(self, idx: list[int], kind: str) -> None:
-        """The common engine pattern: a store followed by its successful completion."""
+        """The common engine pattern: a store, then every pending store completes successfully."""
         self.prepare_store(idx, kind)
         self.complete_store([], True, True, "list")
 
@@ -285,12 +285,12 @@ SETTINGS = settings(
 )
 
 
-CONFIG = dict(
-    threshold=st.sampled_from([0, 2]),
-    tracker=st.sampled_from([0, 1, 2, 3, 64000]),
-    events=st.booleans(),
-    block_size=st.sampled_from([0, 16]),
-)
+CONFIG = {
+    "threshold": st.sampled_from([0, 2]),
+    "tracker": st.sampled_from([0, 1, 2, 3, 64000]),
+    "events": st.booleans(),
+    "block_size": st.sampled_from([0, 16]),
+}
 
 
 class LRUMachine(ManagerMachine):
@@ -298,7 +298,7 @@ class LRUMachine(ManagerMachine):
 
     @initialize(cap=st.sampled_from([0, 1, 2, 2, 3, 3, 4, 5, 6]), **CONFIG)
     def init(self, cap: int, threshold: int, tracker: int, events: bool, block_size: int) -> None:
-        self.setup(cap, threshold, tracker, events, block_size)
+        self.start(cap, threshold, tracker, events, block_size)
 
 
 class ARCMachine(ManagerMachine):
@@ -307,7 +307,7 @@ class ARCMachine(ManagerMachine):
     # Smaller capacities: more evictions, ghost hits and T2 evictions within the step budget.
     @initialize(cap=st.sampled_from([0, 1, 2, 2, 3, 3, 4, 6]), **CONFIG)
     def init(self, cap: int, threshold: int, tracker: int, events: bool, block_size: int) -> None:
-        self.setup(cap, threshold, tracker, events, block_size)
+        self.start(cap, threshold, tracker, events, block_size)
 
 
 LRUMachine.TestCase.settings = SETTINGS

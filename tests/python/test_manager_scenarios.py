@@ -3,11 +3,10 @@ len/num_blocks, events, CPULoadStoreSpec). Capacity 4 unless noted; keys K(i) as
 
 from __future__ import annotations
 
+import kvoff
 import numpy as np
 import pytest
 from helpers import POLICIES, K, ids_of, ks, store, store_complete
-
-import kvoff
 from kvoff import (
     ARCOffloadingManager,
     CPULoadStoreSpec,
@@ -457,12 +456,15 @@ def test_reset_clears_arc_ghosts_and_p() -> None:
 
 @pytest.mark.parametrize(
     ("name", "cls"),
-    [("lru", LRUOffloadingManager), ("arc", ARCOffloadingManager), ("LRU", LRUOffloadingManager),
-     ("Arc", ARCOffloadingManager)],
+    [
+        ("lru", LRUOffloadingManager),
+        ("arc", ARCOffloadingManager),
+        ("LRU", LRUOffloadingManager),
+        ("Arc", ARCOffloadingManager),
+    ],
 )
 def test_create_manager(name: str, cls: type) -> None:
-    m = create_manager(name, 7, block_size=16, enable_events=True, store_threshold=0,
-                       max_tracker_size=10)
+    m = create_manager(name, 7, block_size=16, enable_events=True, store_threshold=0, max_tracker_size=10)
     assert isinstance(m, cls)
     assert isinstance(m, OffloadingManager)
     assert m.num_blocks == 7
