@@ -64,9 +64,10 @@ impl Setup {
     }
     /// Copies of `blocks` (gpu id, cpu id) pairs over every tensor.
     fn copies(&self, dir: Direction, gids: &[u64], cids: &[u64]) -> Vec<CopyOp> {
+        // Block-major, as kvoff's planner emits them: for each block, every tensor's page.
         let mut v = Vec::with_capacity(gids.len() * self.tensors as usize);
-        for t in 0..self.tensors {
-            for (&g, &c) in gids.iter().zip(cids) {
+        for (&g, &c) in gids.iter().zip(cids) {
+            for t in 0..self.tensors {
                 let gp = self.gpu.ptr() + t * self.tensor_bytes() + g * self.page;
                 // kvoff's host layout is block-major: one CPU block's pages of every tensor are
                 // contiguous (a region row / one slot).

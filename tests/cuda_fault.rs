@@ -1,4 +1,5 @@
-//! A device error must fail the job, not the process. In its own test binary: a fault can poison
+//! A device error must fail the job, not the process (a kernel that touches an unmapped device
+//! address raises a sticky CUDA error: the job and later ones report `success = false`). In its own test binary: a fault can poison
 //! the CUDA context of the whole process.
 #![cfg(feature = "cuda")]
 
@@ -16,7 +17,8 @@ fn run_job(
     plan: CopyPlan,
     _stream: Option<u64>,
 ) -> kvoff::engine::JobResult {
-    // SAFETY: the plan names a bogus source on purpose; the driver rejects it.
+    // SAFETY: the plan names an unmapped device address on purpose: the device faults, the host
+    // memory is untouched.
     unsafe { engine.submit(Job::new(job_id, plan)) }.expect("submit");
     engine.wait(&[job_id]).unwrap();
     let mut res = engine.poll();
@@ -35,14 +37,14 @@ fn bad_address_fails_the_job_not_the_process() {
     let dev = CudaDevice::open(0).unwrap();
     let gpu = DeviceBuffer::new(&dev, 4096).unwrap();
     let cfg = CudaEngineConfig {
-        method: CopyMethod::Dma,
+        method: CopyMethod::Kernel,
         ..CudaEngineConfig::default()
     };
     let mut load = CudaEngine::new(Arc::clone(&dev), Direction::CpuToGpu, cfg).unwrap();
     let plan = CopyPlan::from_copies(
         Direction::CpuToGpu,
         vec![CopyOp {
-            src_ptr: 0x10,
+            src_ptr: gpu.ptr() + (1 << 44),
             dst_ptr: gpu.ptr(),
             bytes: 4096,
         }],

@@ -354,7 +354,7 @@ impl Default for CudaEngineConfig {
             kernel_threads: 1024,
             staging_slot_bytes: 8 << 20,
             staging_slots: 4,
-            staged_min_run_bytes: 128 << 10,
+            staged_min_run_bytes: 1 << 20,
         }
     }
 }
@@ -403,23 +403,19 @@ struct Chunk {
     runs: Vec<(u64, u64, u64)>,
 }
 
-/// Number of host-contiguous runs of a job (copies ordered by host address).
+/// Number of host-contiguous runs of a job, in emission order (O(n), no allocation): a run
+/// continues while each copy's host address follows the previous copy's end. kvoff's planner emits
+/// copies block-major, so one CPU block's pages of all tensors form one run.
 fn host_runs(direction: Direction, copies: &[CopyOp]) -> u64 {
     let d2h = direction == Direction::GpuToCpu;
-    let mut v: Vec<(u64, u64)> = copies
-        .iter()
-        .map(|c| (if d2h { c.dst_ptr } else { c.src_ptr }, c.bytes))
-        .collect();
-    if !v.windows(2).all(|w| w[0].0 <= w[1].0) {
-        v.sort_unstable_by_key(|x| x.0);
-    }
     let mut runs = 0;
     let mut end = u64::MAX;
-    for (a, n) in v {
+    for c in copies {
+        let a = if d2h { c.dst_ptr } else { c.src_ptr };
         if a != end {
             runs += 1;
         }
-        end = a + n;
+        end = a + c.bytes;
     }
     runs
 }
@@ -726,10 +722,6 @@ impl CudaEngine {
         self.ensure_staging()?;
         let d2h = self.direction == Direction::GpuToCpu;
         let host = |c: &CopyOp| if d2h { c.dst_ptr } else { c.src_ptr };
-        let mut order: Vec<usize> = (0..copies.len()).collect();
-        if !copies.windows(2).all(|w| host(&w[0]) <= host(&w[1])) {
-            order.sort_unstable_by_key(|&i| host(&copies[i]));
-        }
         let (cap, first_slot, slot_bases) = {
             let st = self
                 .staging
@@ -746,8 +738,7 @@ impl CudaEngine {
         let mut descs: Vec<u64> = Vec::with_capacity(copies.len() * 3);
         let mut chunks: Vec<Chunk> = Vec::new();
         let mut fill = cap; // forces a new chunk at the first piece
-        for &i in &order {
-            let c = copies[i];
+        for &c in copies {
             let mut off = 0;
             while off < c.bytes {
                 if fill == cap {
@@ -763,13 +754,19 @@ impl CudaEngine {
                 let Some(ch) = chunks.last_mut() else { break };
                 let take = (c.bytes - off).min(cap - fill);
                 let stage = slot_bases[ch.slot] + fill;
-                let (ks, kd) = if d2h {
-                    (c.src_ptr + off, stage)
-                } else {
-                    (stage, c.dst_ptr + off)
-                };
-                descs.extend_from_slice(&[ks, kd, take]);
-                ch.desc_count += 1;
+                // Kernel descriptors of at most KERNEL_CHUNK_BYTES keep the warps balanced.
+                let mut k = 0;
+                while k < take {
+                    let len = (take - k).min(KERNEL_CHUNK_BYTES);
+                    let (ks, kd) = if d2h {
+                        (c.src_ptr + off + k, stage + k)
+                    } else {
+                        (stage + k, c.dst_ptr + off + k)
+                    };
+                    descs.extend_from_slice(&[ks, kd, len]);
+                    ch.desc_count += 1;
+                    k += len;
+                }
                 let h = host(&c) + off;
                 let (rs, rd) = if d2h { (stage, h) } else { (h, stage) };
                 match ch.runs.last_mut() {
@@ -873,10 +870,7 @@ impl CudaEngine {
     /// Enqueues the copies of one job on the stream (between the timing events).
     fn enqueue(&mut self, method: CopyMethod, copies: &[CopyOp]) -> Result<Option<DescBuf>> {
         let s = self.stream.0;
-        if matches!(method, CopyMethod::Kernel | CopyMethod::Staged)
-            && !self.cfg.host_mapped
-            && method == CopyMethod::Kernel
-        {
+        if method == CopyMethod::Kernel && !self.cfg.host_mapped {
             return Err(KvoffError::arg(
                 "the copy kernel needs pinned, device-mapped host memory; use engine \"dma\" or pin the region",
             ));
