@@ -15,12 +15,16 @@ fn make_offload_key<'py>(
     group_idx: &Bound<'py, PyAny>,
 ) -> PyResult<Bound<'py, PyBytes>> {
     let hash = bytes_arg(block_hash, "block_hash")?;
-    let g: i128 = group_idx.extract().map_err(|_| {
-        PyTypeError::new_err(format!(
+    if group_idx.is_instance_of::<pyo3::types::PyBool>()
+        || !group_idx.is_instance_of::<pyo3::types::PyInt>()
+    {
+        return Err(PyTypeError::new_err(format!(
             "group_idx must be an int, got {}",
             type_name(group_idx)
-        ))
-    })?;
+        )));
+    }
+    // An int beyond i128 is out of range like any other: ValueError below.
+    let g: i128 = group_idx.extract().unwrap_or(i128::MAX);
     let k = key::make_offload_key_checked(hash, g).py()?;
     Ok(PyBytes::new(py, &k))
 }

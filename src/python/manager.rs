@@ -58,7 +58,8 @@ fn config(
                 type_name(o)
             )));
         }
-        let v: i128 = o.extract()?;
+        // Out of i128 range is still an int: a range error, not an OverflowError.
+        let v: i128 = o.extract().unwrap_or(i128::MAX);
         usize::try_from(v)
             .ok()
             .filter(|&v| v < u32::MAX as usize)
@@ -299,13 +300,25 @@ impl PyManager {
     }
 
     /// Drains events in order.
-    fn take_events(&self, py: Python<'_>) -> PyResult<Vec<Py<PyOffloadingEvent>>> {
+    #[pyo3(signature = (req_context=None))]
+    fn take_events(
+        &self,
+        py: Python<'_>,
+        req_context: Option<&Bound<'_, PyAny>>,
+    ) -> PyResult<Vec<Py<PyOffloadingEvent>>> {
+        let _ = req_context;
         let evs = self.with(|st| dispatch!(&mut st.mgr, m => m.take_events()).py())?;
         evs.into_iter().map(|e| event_to_py(py, e)).collect()
     }
 
     /// Gauges and counters; resets `stores_skipped`.
-    fn get_stats<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyDict>> {
+    #[pyo3(signature = (req_context=None))]
+    fn get_stats<'py>(
+        &self,
+        py: Python<'py>,
+        req_context: Option<&Bound<'_, PyAny>>,
+    ) -> PyResult<Bound<'py, PyDict>> {
+        let _ = req_context;
         let s = self.with(|st| dispatch!(&mut st.mgr, m => m.get_stats()).py())?;
         let d = PyDict::new(py);
         d.set_item("usage", s.usage)?;
@@ -320,12 +333,16 @@ impl PyManager {
     }
 
     /// Forgets every key, ghost and counter; pending events stay.
-    fn reset(&self) -> PyResult<()> {
+    #[pyo3(signature = (req_context=None))]
+    fn reset(&self, req_context: Option<&Bound<'_, PyAny>>) -> PyResult<()> {
+        let _ = req_context;
         self.with(|st| dispatch!(&mut st.mgr, m => m.reset()).py())
     }
 
     /// Idempotent; later calls of other methods raise `InvalidStateError`.
-    fn shutdown(&self) -> PyResult<()> {
+    #[pyo3(signature = (req_context=None))]
+    fn shutdown(&self, req_context: Option<&Bound<'_, PyAny>>) -> PyResult<()> {
+        let _ = req_context;
         self.with(|st| {
             dispatch!(&mut st.mgr, m => m.shutdown());
             Ok(())

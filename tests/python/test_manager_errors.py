@@ -245,10 +245,6 @@ def test_num_blocks_out_of_range_is_value_error(ctor: Callable, n: int) -> None:
         ctor(n)
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="BUG: num_blocks beyond i128 (e.g. 2**200) raises OverflowError, not ValueError (SPEC §7)",
-)
 @pytest.mark.parametrize("ctor", CONSTRUCTORS)
 def test_num_blocks_huge_is_value_error(ctor: Callable) -> None:
     with pytest.raises(ValueError):

@@ -520,11 +520,6 @@ def test_req_context_accepted_by_key_methods(policy: str) -> None:
     assert m.lookup_prefix(ks(1, 2), req_context={"req": 1}) == 2
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="BUG: take_events/get_stats/reset/shutdown take no req_context; SPEC §2: every method "
-    "takes an optional trailing req_context=None",
-)
 @pytest.mark.parametrize("method", ["take_events", "get_stats", "reset", "shutdown"])
 @pytest.mark.parametrize("policy", POLICIES)
 def test_req_context_accepted_by_other_methods(policy: str, method: str) -> None:
