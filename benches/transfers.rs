@@ -128,12 +128,14 @@ fn time_method(
     let mut eng = CudaEngine::new(Arc::clone(&setup.dev), dir, cfg).expect("engine");
     let mut secs = Vec::new();
     let mut submit_us = Vec::new();
+    let mut pack_us = Vec::new();
     for r in 0..=reps {
         let plan = CopyPlan::from_copies(dir, copies.to_vec()).expect("plan");
         let t0 = Instant::now();
         // SAFETY: buffers live in `setup` for the whole run.
         unsafe { eng.submit(Job::new(r as i64, plan)) }.expect("submit");
         submit_us.push(t0.elapsed().as_secs_f64() * 1e6);
+        pack_us.push(eng.last_submit_timing_ns().1 as f64 / 1e3);
         eng.wait(&[r as i64]).expect("wait");
         let res = eng.poll();
         assert!(res[0].success, "{method:?}: {:?}", res[0].error);
@@ -143,6 +145,14 @@ fn time_method(
     }
     secs.sort_by(f64::total_cmp);
     submit_us.sort_by(f64::total_cmp);
+    pack_us.sort_by(f64::total_cmp);
+    SUBMIT_LOG.with(|l| {
+        l.borrow_mut().push((
+            method.name(),
+            submit_us[submit_us.len() / 2],
+            pack_us[pack_us.len() / 2],
+        ));
+    });
     let ok = setup.verify(dir, copies);
     let bytes: u64 = copies.iter().map(|c| c.bytes).sum();
     (
@@ -151,6 +161,11 @@ fn time_method(
         eng.last_kernel_ctas(),
         submit_us[submit_us.len() / 2],
     )
+}
+
+thread_local! {
+    /// (method, median submit µs, median staged-pack µs) of every timed method, for the report.
+    static SUBMIT_LOG: std::cell::RefCell<Vec<(&'static str, f64, f64)>> = const { std::cell::RefCell::new(Vec::new()) };
 }
 
 #[cfg(feature = "cuda")]
@@ -304,6 +319,12 @@ fn main() {
                 "{{\"scenario\":\"{}\",\"dir\":\"{d}\",\"copies\":{},\"auto\":{:.2},\"dma\":{:.2},\"kernel\":{:.2},\"staged\":{:.2},\"loop\":{:.2},\"contiguous\":{:.2},\"kernel_ctas\":{ctas},\"submit_us\":{submit:.1},\"verified\":{all_ok}}}",
                 sc.name, copies.len(), gbs[0], gbs[1], gbs[2], gbs[3], gbs[4], gc
             );
+            let log = SUBMIT_LOG.with(|l| std::mem::take(&mut *l.borrow_mut()));
+            let mut line = String::from("    submit CPU µs (pack µs):");
+            for (m, sub, pack) in &log[..log.len() - 1] {
+                let _ = write!(line, " {m} {sub:.0} ({pack:.0})");
+            }
+            let _ = writeln!(out, "{line}");
             // Restore the source-side contents for the next direction's checks.
             setup.gpu.write(0, &setup.gpu_init).expect("restore");
         }

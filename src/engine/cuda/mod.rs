@@ -395,12 +395,91 @@ struct Staging {
     next: usize,
 }
 
-/// One chunk of a staged job: a slot, its kernel descriptors and its DMA runs.
-struct Chunk {
+/// One chunk of a staged job: a slot, its kernel descriptors and its DMA runs (ranges of the
+/// job's flat descriptor and run lists).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) struct Chunk {
     slot: usize,
     desc_start: usize,
     desc_count: usize,
-    runs: Vec<(u64, u64, u64)>,
+    run_start: usize,
+    run_count: usize,
+}
+
+/// Packs a staged job: copies (split where a slot fills, kernel pieces of at most
+/// [`KERNEL_CHUNK_BYTES`]) into chunks of one staging slot each, in emission order. Fills `descs`
+/// with kernel descriptor triples (GPU side ↔ staging), `runs` with `(src, dst, bytes)` DMA runs
+/// (staging ↔ host, merged while host-contiguous) and `chunks` with their ranges.
+#[allow(clippy::too_many_arguments)] // plain data in, three reused buffers out
+pub(crate) fn pack_staged(
+    copies: &[CopyOp],
+    d2h: bool,
+    cap: u64,
+    slot_bases: &[u64],
+    first_slot: usize,
+    descs: &mut Vec<u64>,
+    runs: &mut Vec<(u64, u64, u64)>,
+    chunks: &mut Vec<Chunk>,
+) {
+    descs.clear();
+    runs.clear();
+    chunks.clear();
+    let nslots = slot_bases.len();
+    if nslots == 0 || cap == 0 {
+        return;
+    }
+    descs.reserve(copies.len() * 3);
+    let mut fill = cap; // forces a new chunk at the first piece
+    let mut base = 0u64;
+    for c in copies {
+        let host = if d2h { c.dst_ptr } else { c.src_ptr };
+        let mut off = 0;
+        while off < c.bytes {
+            if fill == cap {
+                if let Some(ch) = chunks.last_mut() {
+                    ch.desc_count = descs.len() / 3 - ch.desc_start;
+                    ch.run_count = runs.len() - ch.run_start;
+                }
+                let slot = (first_slot + chunks.len()) % nslots;
+                base = slot_bases[slot];
+                chunks.push(Chunk {
+                    slot,
+                    desc_start: descs.len() / 3,
+                    desc_count: 0,
+                    run_start: runs.len(),
+                    run_count: 0,
+                });
+                fill = 0;
+            }
+            let take = (c.bytes - off).min(cap - fill);
+            let stage = base + fill;
+            let mut k = 0;
+            while k < take {
+                let len = (take - k).min(KERNEL_CHUNK_BYTES);
+                if d2h {
+                    descs.extend_from_slice(&[c.src_ptr + off + k, stage + k, len]);
+                } else {
+                    descs.extend_from_slice(&[stage + k, c.dst_ptr + off + k, len]);
+                }
+                k += len;
+            }
+            let h = host + off;
+            let (rs, rd) = if d2h { (stage, h) } else { (h, stage) };
+            // A run never spans two chunks (two slots may be adjacent in device memory, but the
+            // next slot's DMA must wait for its own kernel).
+            let chunk_has_runs = chunks.last().is_some_and(|ch| runs.len() > ch.run_start);
+            match runs.last_mut() {
+                Some(r) if chunk_has_runs && r.0 + r.2 == rs && r.1 + r.2 == rd => r.2 += take,
+                _ => runs.push((rs, rd, take)),
+            }
+            fill += take;
+            off += take;
+        }
+    }
+    if let Some(ch) = chunks.last_mut() {
+        ch.desc_count = descs.len() / 3 - ch.desc_start;
+        ch.run_count = runs.len() - ch.run_start;
+    }
 }
 
 /// Number of host-contiguous runs of a job, in emission order (O(n), no allocation): a run
@@ -436,6 +515,10 @@ pub struct CudaEngine {
     method_counts: [u64; 4],
     last_ctas: u32,
     staging: Option<Staging>,
+    scratch_descs: Vec<u64>,
+    scratch_runs: Vec<(u64, u64, u64)>,
+    last_pack_ns: u64,
+    last_submit_ns: u64,
 }
 
 impl std::fmt::Debug for CudaEngine {
@@ -503,6 +586,10 @@ impl CudaEngine {
             method_counts: [0; 4],
             last_ctas: 0,
             staging: None,
+            scratch_descs: Vec::new(),
+            scratch_runs: Vec::new(),
+            last_pack_ns: 0,
+            last_submit_ns: 0,
         })
     }
 
@@ -522,6 +609,12 @@ impl CudaEngine {
     #[must_use]
     pub fn method_counts(&self) -> [u64; 4] {
         self.method_counts
+    }
+
+    /// CPU time of the last `submit` and of its staged packing, in nanoseconds.
+    #[must_use]
+    pub fn last_submit_timing_ns(&self) -> (u64, u64) {
+        (self.last_submit_ns, self.last_pack_ns)
     }
 
     /// CTAs used by the last kernel job (0 if none ran).
@@ -721,7 +814,6 @@ impl CudaEngine {
     fn enqueue_staged(&mut self, copies: &[CopyOp], s: ffi::CUstream) -> Result<Option<DescBuf>> {
         self.ensure_staging()?;
         let d2h = self.direction == Direction::GpuToCpu;
-        let host = |c: &CopyOp| if d2h { c.dst_ptr } else { c.src_ptr };
         let (cap, first_slot, slot_bases) = {
             let st = self
                 .staging
@@ -734,50 +826,24 @@ impl CudaEngine {
             )
         };
         let nslots = slot_bases.len();
-        // Pack copies (split where a slot fills) into chunks of one slot each.
-        let mut descs: Vec<u64> = Vec::with_capacity(copies.len() * 3);
-        let mut chunks: Vec<Chunk> = Vec::new();
-        let mut fill = cap; // forces a new chunk at the first piece
-        for &c in copies {
-            let mut off = 0;
-            while off < c.bytes {
-                if fill == cap {
-                    let slot = (first_slot + chunks.len()) % nslots;
-                    chunks.push(Chunk {
-                        slot,
-                        desc_start: descs.len() / 3,
-                        desc_count: 0,
-                        runs: Vec::new(),
-                    });
-                    fill = 0;
-                }
-                let Some(ch) = chunks.last_mut() else { break };
-                let take = (c.bytes - off).min(cap - fill);
-                let stage = slot_bases[ch.slot] + fill;
-                // Kernel descriptors of at most KERNEL_CHUNK_BYTES keep the warps balanced.
-                let mut k = 0;
-                while k < take {
-                    let len = (take - k).min(KERNEL_CHUNK_BYTES);
-                    let (ks, kd) = if d2h {
-                        (c.src_ptr + off + k, stage + k)
-                    } else {
-                        (stage + k, c.dst_ptr + off + k)
-                    };
-                    descs.extend_from_slice(&[ks, kd, len]);
-                    ch.desc_count += 1;
-                    k += len;
-                }
-                let h = host(&c) + off;
-                let (rs, rd) = if d2h { (stage, h) } else { (h, stage) };
-                match ch.runs.last_mut() {
-                    Some(r) if r.0 + r.2 == rs && r.1 + r.2 == rd => r.2 += take,
-                    _ => ch.runs.push((rs, rd, take)),
-                }
-                fill += take;
-                off += take;
-            }
-        }
+        let t0 = std::time::Instant::now();
+        let mut descs = std::mem::take(&mut self.scratch_descs);
+        let mut runs = std::mem::take(&mut self.scratch_runs);
+        let mut chunks = Vec::new();
+        pack_staged(
+            copies,
+            d2h,
+            cap,
+            &slot_bases,
+            first_slot,
+            &mut descs,
+            &mut runs,
+            &mut chunks,
+        );
+        self.last_pack_ns = u64::try_from(t0.elapsed().as_nanos()).unwrap_or(u64::MAX);
         if chunks.is_empty() {
+            self.scratch_descs = descs;
+            self.scratch_runs = runs;
             return Ok(None);
         }
         let nbytes = descs.len() * 8;
@@ -786,7 +852,9 @@ impl CudaEngine {
         unsafe {
             std::ptr::copy_nonoverlapping(descs.as_ptr(), buf.host.0.cast::<u64>(), descs.len());
         }
-        let r = self.enqueue_chunks(&chunks, &buf, nbytes, d2h, s);
+        let r = self.enqueue_chunks(&chunks, &runs, &buf, nbytes, d2h, s);
+        self.scratch_descs = descs;
+        self.scratch_runs = runs;
         if let Some(st) = self.staging.as_mut() {
             st.next = (first_slot + chunks.len()) % nslots;
         }
@@ -802,6 +870,7 @@ impl CudaEngine {
     fn enqueue_chunks(
         &mut self,
         chunks: &[Chunk],
+        runs: &[(u64, u64, u64)],
         buf: &DescBuf,
         nbytes: usize,
         d2h: bool,
@@ -843,13 +912,25 @@ impl CudaEngine {
                     ffi::event_record(ready, s)?;
                     ffi::stream_wait(aux, ready)?;
                 }
-                self.dma(ch.runs.iter().copied(), false, aux)?;
+                self.dma(
+                    runs[ch.run_start..ch.run_start + ch.run_count]
+                        .iter()
+                        .copied(),
+                    false,
+                    aux,
+                )?;
                 // SAFETY: as above.
                 unsafe { ffi::event_record(free, aux) }?;
             } else {
                 // SAFETY: as above.
                 unsafe { ffi::stream_wait(aux, free) }?;
-                self.dma(ch.runs.iter().copied(), true, aux)?;
+                self.dma(
+                    runs[ch.run_start..ch.run_start + ch.run_count]
+                        .iter()
+                        .copied(),
+                    true,
+                    aux,
+                )?;
                 // SAFETY: as above.
                 unsafe {
                     ffi::event_record(ready, aux)?;
@@ -988,6 +1069,8 @@ impl TransferEngine for CudaEngine {
                 job.job_id
             )));
         }
+        let t_submit = std::time::Instant::now();
+        self.last_pack_ns = 0;
         self.device.bind()?;
         let start = self.take_event()?;
         let end = match self.take_event() {
@@ -1035,6 +1118,7 @@ impl TransferEngine for CudaEngine {
             method,
             failed: r.err().map(|e| e.to_string()),
         });
+        self.last_submit_ns = u64::try_from(t_submit.elapsed().as_nanos()).unwrap_or(u64::MAX);
         Ok(())
     }
 
@@ -1375,6 +1459,127 @@ impl Drop for CudaStream {
             // SAFETY: created in `create_stream`, destroyed once; the driver defers destruction
             // until queued work has finished.
             let _ = unsafe { ffi::stream_destroy(self.stream.0) };
+        }
+    }
+}
+
+#[cfg(test)]
+mod pack_tests {
+    use super::{pack_staged, CopyOp, KERNEL_CHUNK_BYTES};
+
+    /// Every byte of every copy is staged exactly once, kernel pieces are at most 64 KiB, runs stay
+    /// inside their chunk's slot, and staging ↔ GPU (descriptors) composed with staging ↔ host
+    /// (runs) gives back exactly the copies.
+    #[test]
+    fn pack_covers_every_byte_once() {
+        let cap = 1 << 20;
+        let bases = [1u64 << 40, (1u64 << 40) + cap, 1 << 41]; // slots 0 and 1 adjacent
+        for d2h in [true, false] {
+            let mut copies = Vec::new();
+            let mut host = 1u64 << 30;
+            for i in 0..200u64 {
+                let bytes = [8, 4096, 100_000, 3 << 20][(i % 4) as usize];
+                let gpu = (1u64 << 35) + i * (4 << 20);
+                if i % 7 == 0 {
+                    host += 4096; // break host contiguity now and then
+                }
+                copies.push(if d2h {
+                    CopyOp {
+                        src_ptr: gpu,
+                        dst_ptr: host,
+                        bytes,
+                    }
+                } else {
+                    CopyOp {
+                        src_ptr: host,
+                        dst_ptr: gpu,
+                        bytes,
+                    }
+                });
+                host += bytes;
+            }
+            let (mut descs, mut runs, mut chunks) = (Vec::new(), Vec::new(), Vec::new());
+            pack_staged(
+                &copies,
+                d2h,
+                cap,
+                &bases,
+                1,
+                &mut descs,
+                &mut runs,
+                &mut chunks,
+            );
+            let total: u64 = copies.iter().map(|c| c.bytes).sum();
+            assert_eq!(descs.chunks(3).map(|d| d[2]).sum::<u64>(), total);
+            assert_eq!(runs.iter().map(|r| r.2).sum::<u64>(), total);
+            assert!(descs
+                .chunks(3)
+                .all(|d| d[2] <= KERNEL_CHUNK_BYTES && d[2] > 0));
+            for (n, ch) in chunks.iter().enumerate() {
+                assert_eq!(ch.slot, (1 + n) % 3);
+                let base = bases[ch.slot];
+                for r in &runs[ch.run_start..ch.run_start + ch.run_count] {
+                    let stage = if d2h { r.0 } else { r.1 };
+                    assert!(
+                        stage >= base && stage + r.2 <= base + cap,
+                        "run leaves its slot"
+                    );
+                }
+                for d in descs[ch.desc_start * 3..(ch.desc_start + ch.desc_count) * 3].chunks(3) {
+                    let stage = if d2h { d[1] } else { d[0] };
+                    assert!(stage >= base && stage + d[2] <= base + cap);
+                }
+            }
+            // Per chunk (slots are reused), map staging → GPU through the chunk's descriptors and
+            // compose with the chunk's runs (staging ↔ host).
+            let mut pairs = Vec::new();
+            for ch in &chunks {
+                let mut stage_to_gpu = std::collections::BTreeMap::new();
+                for d in descs[ch.desc_start * 3..(ch.desc_start + ch.desc_count) * 3].chunks(3) {
+                    let (stage, gpu) = if d2h { (d[1], d[0]) } else { (d[0], d[1]) };
+                    assert!(
+                        stage_to_gpu.insert(stage, (gpu, d[2])).is_none(),
+                        "staging reused in a chunk"
+                    );
+                }
+                for r in &runs[ch.run_start..ch.run_start + ch.run_count] {
+                    let (stage, hostp) = if d2h { (r.0, r.1) } else { (r.1, r.0) };
+                    let mut off = 0;
+                    while off < r.2 {
+                        let (&k, &(gpu, len)) =
+                            stage_to_gpu.range(..=stage + off).next_back().unwrap();
+                        let within = stage + off - k;
+                        assert!(within < len, "run byte without a descriptor");
+                        let take = (len - within).min(r.2 - off);
+                        pairs.push((gpu + within, hostp + off, take));
+                        off += take;
+                    }
+                }
+            }
+            let mut expect: Vec<(u64, u64, u64)> = copies
+                .iter()
+                .map(|c| {
+                    if d2h {
+                        (c.src_ptr, c.dst_ptr, c.bytes)
+                    } else {
+                        (c.dst_ptr, c.src_ptr, c.bytes)
+                    }
+                })
+                .collect();
+            let merge = |v: &mut Vec<(u64, u64, u64)>| {
+                v.sort_unstable();
+                let mut out: Vec<(u64, u64, u64)> = Vec::new();
+                for p in v.drain(..) {
+                    match out.last_mut() {
+                        Some(l) if l.0 + l.2 == p.0 && l.1 + l.2 == p.1 => l.2 += p.2,
+                        _ => out.push(p),
+                    }
+                }
+                *v = out;
+            };
+            merge(&mut pairs);
+            merge(&mut expect);
+            assert_eq!(pairs, expect);
         }
     }
 }
