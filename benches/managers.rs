@@ -21,8 +21,13 @@
 //! 36 bytes held inline as a `[u8; 36]` key (no heap pointer per key), to measure what the
 //! `Vec<u8>` representation costs.
 //!
+//! `baseline/hashmap_get` (64 `get`s on a `std` `HashMap<Vec<u8>, u32>` with foldhash, same keys and
+//! order) calibrates what one hash-table probe costs on the machine at each size: no manager can
+//! look keys up faster than that without batching/prefetching.
+//!
 //! Run: `cargo bench --bench managers` (about three minutes).
 
+use std::collections::HashMap;
 use std::hash::Hash;
 use std::hint::black_box;
 use std::time::Duration;
@@ -197,10 +202,30 @@ fn bench_policy<K: Hash + Eq + Clone, P: Policy>(
     }
 }
 
+/// A plain hash map of the same keys: the cost of one probe.
+fn baseline(g: &mut BenchmarkGroup<'_, criterion::measurement::WallTime>, n: usize, ring: &[Key]) {
+    let present = &ring[..n];
+    let mut map: HashMap<Key, u32, foldhash::fast::RandomState> =
+        HashMap::with_capacity_and_hasher(n, foldhash::fast::RandomState::default());
+    for (i, k) in present.iter().enumerate() {
+        map.insert(k.clone(), u32::try_from(i).expect("small"));
+    }
+    let mut batches = Batches::new(present);
+    g.throughput(Throughput::Elements(BATCH as u64));
+    g.bench_function(format!("baseline/hashmap_get/{n}"), |b| {
+        b.iter(|| {
+            for k in batches.next() {
+                black_box(map.get(black_box(k)));
+            }
+        });
+    });
+}
+
 fn managers(c: &mut Criterion) {
     for n in SIZES {
         let mut g = c.benchmark_group("managers");
         let ring: Vec<Key> = (0..2 * n as u64).map(key).collect();
+        baseline(&mut g, n, &ring);
         bench_policy::<_, Lru>(&mut g, n, &ring, "");
         bench_policy::<_, Arc>(&mut g, n, &ring, "");
         drop(ring);
