@@ -26,8 +26,9 @@ use kvoff::manager::{
 use proptest::prelude::*;
 use proptest::test_runner::Config as PropConfig;
 
-/// Keys are drawn from `0..UNIVERSE`.
+/// Keys are drawn from `0..UNIVERSE` (`0..BIG_UNIVERSE` in the larger-capacity runs).
 const UNIVERSE: u64 = 12;
+const BIG_UNIVERSE: u64 = 40;
 
 // ---------------------------------------------------------------------------------------------
 // Reference model
@@ -713,12 +714,17 @@ fn resolve<K: Clone + Eq + Debug>(md: &Model<K>, universe: &[K], s: &[Sel]) -> V
 }
 
 #[allow(clippy::too_many_lines)]
-fn run<K, P>(cfg: &ManagerConfig, ops: &[Op], mk: fn(u64) -> K) -> Result<(), TestCaseError>
+fn run<K, P>(
+    cfg: &ManagerConfig,
+    ops: &[Op],
+    mk: fn(u64) -> K,
+    universe_size: u64,
+) -> Result<(), TestCaseError>
 where
     K: Hash + Eq + Clone + Debug + Ord,
     P: PolicyExt,
 {
-    let universe: Vec<K> = (0..UNIVERSE).map(mk).collect();
+    let universe: Vec<K> = (0..universe_size).map(mk).collect();
     let mut m: Manager<K, P> = Manager::try_new(cfg.clone()).unwrap();
     let mut md: Model<K> = Model::new(P::IS_ARC, cfg);
     // Keys reproduced by replaying the events taken so far.
@@ -949,12 +955,12 @@ proptest! {
 
     #[test]
     fn lru_matches_model(cfg in config(), ops in ops()) {
-        run::<u64, Lru>(&cfg, &ops, key_u64)?;
+        run::<u64, Lru>(&cfg, &ops, key_u64, UNIVERSE)?;
     }
 
     #[test]
     fn arc_matches_model(cfg in config(), ops in ops()) {
-        run::<u64, Arc>(&cfg, &ops, key_u64)?;
+        run::<u64, Arc>(&cfg, &ops, key_u64, UNIVERSE)?;
     }
 }
 
@@ -963,12 +969,50 @@ proptest! {
 
     #[test]
     fn lru_matches_model_bytes_keys(cfg in config(), ops in ops()) {
-        run::<Vec<u8>, Lru>(&cfg, &ops, key_bytes)?;
+        run::<Vec<u8>, Lru>(&cfg, &ops, key_bytes, UNIVERSE)?;
     }
 
     #[test]
     fn arc_matches_model_bytes_keys(cfg in config(), ops in ops()) {
-        run::<Vec<u8>, Arc>(&cfg, &ops, key_bytes)?;
+        run::<Vec<u8>, Arc>(&cfg, &ops, key_bytes, UNIVERSE)?;
+    }
+}
+
+/// Larger capacities (8..=24) over 40 keys and longer sequences with bigger batches: long
+/// recency lists, ghost lists of different sizes (fractional ARC adaptation steps), many evictions
+/// per call.
+fn big_config() -> impl Strategy<Value = ManagerConfig> {
+    (8usize..=24, prop_oneof![3 => Just(0usize), 1 => Just(2)]).prop_map(|(cap, threshold)| {
+        let mut c = ManagerConfig::new(cap);
+        c.store_threshold = threshold;
+        c.max_tracker_size = 16;
+        c.enable_events = true;
+        c
+    })
+}
+
+fn big_ops() -> impl Strategy<Value = Vec<Op>> {
+    let big_op = prop_oneof![
+        3 => op(),
+        1 => (sels(W_STORE, 12), proptest::bool::weighted(0.1))
+            .prop_map(|(keys, check_stats)| Op::PrepareStore { keys, check_stats }),
+        1 => sels(W_CSTORE, 12).prop_map(|keys| Op::CompleteStore { keys, success: true }),
+        1 => sels(W_TOUCH, 10).prop_map(Op::Touch),
+    ];
+    proptest::collection::vec(big_op, 1..=150)
+}
+
+proptest! {
+    #![proptest_config(prop_config(64))]
+
+    #[test]
+    fn lru_matches_model_big(cfg in big_config(), ops in big_ops()) {
+        run::<u64, Lru>(&cfg, &ops, key_u64, BIG_UNIVERSE)?;
+    }
+
+    #[test]
+    fn arc_matches_model_big(cfg in big_config(), ops in big_ops()) {
+        run::<u64, Arc>(&cfg, &ops, key_u64, BIG_UNIVERSE)?;
     }
 }
 
