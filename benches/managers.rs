@@ -1,7 +1,7 @@
 //! Manager throughput (key-ops/s, single thread) for LRU and ARC at 10^4, 10^5 and 10^6 blocks.
 //!
 //! Keys are real offload keys: a 32-byte block hash ‖ 4-byte group index (`make_offload_key`,
-//! `Vec<u8>`, 36 bytes), as the Python layer hands them over. Every case starts from a full manager
+//! 36 bytes) held as `ByteKey` (inline, no allocation), the type the Python bindings use. Every case starts from a full manager
 //! (all blocks ready) and passes batches of 64 keys, the way a scheduler step does; criterion's
 //! throughput is the number of keys passed to the measured call per iteration:
 //!
@@ -18,8 +18,7 @@
 //! stores ago) and, for ARC, usually a ghost hit.
 //!
 //! For comparison, the `*-inline36` cases run the lookup_prefix, touch and store cases with the same
-//! 36 bytes held inline as a `[u8; 36]` key (no heap pointer per key), to measure what the
-//! `Vec<u8>` representation costs.
+//! 36 bytes held as a plain `[u8; 36]` key, to measure what `ByteKey`'s length tag costs.
 //!
 //! `baseline/hashmap_get` (64 `get`s on a `std` `HashMap<Vec<u8>, u32>` with foldhash, same keys and
 //! order) calibrates what one hash-table probe costs on the machine at each size: no manager can
@@ -33,10 +32,10 @@ use std::hint::black_box;
 use std::time::Duration;
 
 use criterion::{criterion_group, criterion_main, BenchmarkGroup, Criterion, Throughput};
-use kvoff::key::make_offload_key;
+use kvoff::key::{make_offload_key, ByteKey};
 use kvoff::manager::{Arc, Lru, Manager, ManagerConfig, OffloadingManager, Policy};
 
-type Key = Vec<u8>;
+type Key = ByteKey;
 
 const BATCH: usize = 64;
 const SIZES: [usize; 3] = [10_000, 100_000, 1_000_000];
@@ -52,7 +51,7 @@ fn splitmix64(x: &mut u64) -> u64 {
 /// Key `i` held inline.
 fn key_inline(i: u64) -> [u8; 36] {
     let mut k = [0u8; 36];
-    k.copy_from_slice(&key(i));
+    k.copy_from_slice(key(i).as_bytes());
     k
 }
 
@@ -63,7 +62,7 @@ fn key(i: u64) -> Key {
     for chunk in hash.chunks_exact_mut(8) {
         chunk.copy_from_slice(&splitmix64(&mut s).to_le_bytes());
     }
-    make_offload_key(&hash, 0)
+    ByteKey::new(&make_offload_key(&hash, 0))
 }
 
 /// Fisher–Yates with splitmix64.
