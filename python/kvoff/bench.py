@@ -11,8 +11,9 @@ import hashlib
 import platform
 import random
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, Callable
+from typing import Any
 
 import kvoff
 from kvoff._progress import Progress
@@ -132,8 +133,8 @@ def bench_managers(num_requests: int = 2000, capacity: int = 20_000, reps: int =
     rows = []
     for policy, ref_cls in (("lru", PyLRU), ("arc", PyARC)):
         show = bool(show_progress)
-        ref = _time(lambda: ref_cls(capacity), _run_ref, wl, ref_reps, f"python reference {policy}", show)
-        kv = _time(lambda: kvoff.create_manager(policy, capacity, enable_events=True, block_size=16),
+        ref = _time(lambda c=ref_cls: c(capacity), _run_ref, wl, ref_reps, f"python reference {policy}", show)
+        kv = _time(lambda p=policy: kvoff.create_manager(p, capacity, enable_events=True, block_size=16),
                    _run_kvoff, wl, reps, f"kvoff {policy}", show)
         rows.append({"policy": policy, "impl": "python-ref", **ref, "ratio": 1.0})
         rows.append({"policy": policy, "impl": "kvoff", **kv,
@@ -143,8 +144,10 @@ def bench_managers(num_requests: int = 2000, capacity: int = 20_000, reps: int =
 
 def format_manager_rows(rows: list[dict[str, Any]]) -> str:
     lines = [
-        f"manager workload (PERF.md): {platform.processor() or platform.machine()}, "
-        f"Python {platform.python_version()}, kvoff {kvoff.__version__}",
+        (
+            f"manager workload (PERF.md): {platform.processor() or platform.machine()}, "
+            f"Python {platform.python_version()}, kvoff {kvoff.__version__}"
+        ),
         f"{'policy':<7}{'impl':<12}{'M key-ops/s':>13}{'hit rate':>10}{'vs python':>11}",
     ]
     for r in rows:
