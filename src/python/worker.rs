@@ -19,6 +19,7 @@
 //! `HostRegion.close()` releases the region's own hold and unmaps at once when no view is alive,
 //! otherwise when the last view is garbage-collected.
 
+use std::collections::HashSet;
 use std::sync::{Arc, Mutex, MutexGuard, PoisonError, TryLockError};
 use std::time::Duration;
 
@@ -875,12 +876,43 @@ fn result_tuple(py: Python<'_>, r: JobResult) -> PyResult<Bound<'_, PyTuple>> {
     (r.job_id, r.success, r.bytes, r.seconds, r.error).into_pyobject(py)
 }
 
+/// The engine and the handler's own record of unreported jobs.
+struct EngineState {
+    engine: Box<dyn TransferEngine>,
+    /// Ids submitted and not yet returned by `get_finished`.
+    unreported: HashSet<i64>,
+    /// Results collected while shutting down, returned before anything else.
+    stash: Vec<JobResult>,
+}
+
+impl EngineState {
+    fn poll(&mut self) -> Vec<JobResult> {
+        let mut out = std::mem::take(&mut self.stash);
+        out.extend(self.engine.poll());
+        for r in &out {
+            self.unreported.remove(&r.job_id);
+        }
+        out
+    }
+
+    /// Waits for every unreported job, keeps their results, then stops the engine. The results
+    /// are collected first because an engine may release in-flight bookkeeping when it stops.
+    fn shutdown(&mut self) {
+        let ids: Vec<i64> = self.unreported.iter().copied().collect();
+        let _ = self.engine.wait(&ids);
+        let mut done = self.engine.poll();
+        self.engine.shutdown();
+        done.extend(self.engine.poll());
+        self.stash.extend(done);
+    }
+}
+
 /// One direction's transfers over a fixed set of tensors: a [`CopyPlanner`] and an engine.
 #[pyclass(name = "TransferHandler", module = "kvoff._native", frozen)]
 pub struct PyTransferHandler {
     direction: Direction,
     planner: CopyPlanner,
-    engine: Mutex<Box<dyn TransferEngine>>,
+    engine: Mutex<EngineState>,
     engine_name: String,
     /// The tensors the planner's descriptors were taken from; released only after the engine has
     /// been shut down (see `Drop`).
@@ -888,7 +920,7 @@ pub struct PyTransferHandler {
 }
 
 impl PyTransferHandler {
-    fn lock(&self) -> MutexGuard<'_, Box<dyn TransferEngine>> {
+    fn lock(&self) -> MutexGuard<'_, EngineState> {
         // Engine calls run under `guard`; a panic there leaves the engine's own state consistent
         // (its contract reports failures as results), so recover the guard.
         self.engine.lock().unwrap_or_else(PoisonError::into_inner)
@@ -979,7 +1011,11 @@ impl PyTransferHandler {
             Ok(Self {
                 direction,
                 planner,
-                engine: Mutex::new(engine),
+                engine: Mutex::new(EngineState {
+                    engine,
+                    unreported: HashSet::new(),
+                    stash: Vec::new(),
+                }),
                 engine_name,
                 keepalive,
             })
@@ -1029,7 +1065,7 @@ impl PyTransferHandler {
                 plan,
                 stream,
             };
-            let mut engine = self.lock();
+            let mut st = self.lock();
             // SAFETY: obligation 1 — every copy was validated by the planner against descriptors
             // taken from torch tensors whose extents lie inside their storages, and `keepalive`
             // holds those tensors until the engine is shut down (`shutdown`/`Drop` drain first);
@@ -1037,7 +1073,9 @@ impl PyTransferHandler {
             // (`check_disjoint`) and the planner rejects duplicate destinations and GPU/CPU overlap;
             // concurrent use of the same blocks by the caller is excluded by the offloading
             // protocol (a block being stored or loaded is not read/written by anyone else).
-            unsafe { engine.submit(job) }.py()
+            unsafe { st.engine.submit(job) }.py()?;
+            st.unreported.insert(jid);
+            Ok(())
         })
     }
 
@@ -1064,7 +1102,7 @@ impl PyTransferHandler {
             Err(_) if job_ids.is_instance_of::<PyInt>() => vec![job_ids.extract()?],
             Err(e) => return Err(e),
         };
-        py.detach(|| guard(|| self.lock().wait(&ids).py()))
+        py.detach(|| guard(|| self.lock().engine.wait(&ids).py()))
     }
 
     /// Drains in-flight work and stops the engine; idempotent. Results stay available.
