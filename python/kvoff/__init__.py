@@ -9,6 +9,22 @@ from __future__ import annotations
 
 from typing import Any
 
+from kvoff._native import (
+    ARCOffloadingManager,
+    CPULoadStoreSpec,
+    HostRegion,
+    LRUOffloadingManager,
+    OffloadingEvent,
+    OffloadingManager,
+    PrepareStoreOutput,
+    __version__,
+    compute_sub_block_ptrs,
+    cuda_available,
+    expand_block_ids,
+    get_offload_block_hash,
+    get_offload_group_idx,
+    make_offload_key,
+)
 from kvoff.errors import (
     ConfigError,
     CudaError,
@@ -17,17 +33,17 @@ from kvoff.errors import (
     KvoffError,
     RegionError,
 )
-from kvoff._native import (
-    ARCOffloadingManager,
-    CPULoadStoreSpec,
-    LRUOffloadingManager,
-    OffloadingEvent,
-    OffloadingManager,
-    PrepareStoreOutput,
-    __version__,
-    get_offload_block_hash,
-    get_offload_group_idx,
-    make_offload_key,
+from kvoff.handlers import (
+    CanonicalKVCacheRef,
+    CanonicalKVCaches,
+    CanonicalKVCacheTensor,
+    CpuGpuOffloadingHandlers,
+    CpuSizing,
+    GPULoadStoreSpec,
+    SingleDirectionOffloadingHandler,
+    TransferResult,
+    canonicalize_kv_caches,
+    cpu_sizing,
 )
 
 OffloadKey = bytes
@@ -55,9 +71,16 @@ def create_manager(policy: str, num_blocks: int, **kwargs: Any) -> OffloadingMan
 __all__ = [
     "ARCOffloadingManager",
     "CPULoadStoreSpec",
+    "CanonicalKVCacheRef",
+    "CanonicalKVCacheTensor",
+    "CanonicalKVCaches",
     "ConfigError",
+    "CpuGpuOffloadingHandlers",
+    "CpuSizing",
     "CudaError",
     "CudaUnavailableError",
+    "GPULoadStoreSpec",
+    "HostRegion",
     "InvalidStateError",
     "KvoffError",
     "LRUOffloadingManager",
@@ -66,8 +89,15 @@ __all__ = [
     "OffloadingManager",
     "PrepareStoreOutput",
     "RegionError",
+    "SingleDirectionOffloadingHandler",
+    "TransferResult",
     "__version__",
+    "canonicalize_kv_caches",
+    "compute_sub_block_ptrs",
+    "cpu_sizing",
     "create_manager",
+    "cuda_available",
+    "expand_block_ids",
     "get_offload_block_hash",
     "get_offload_group_idx",
     "make_offload_key",

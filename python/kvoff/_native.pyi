@@ -1,5 +1,6 @@
 """Type stubs of the native module ``kvoff._native`` (checked by ``mypy.stubtest``)."""
 
+import os
 from collections.abc import Iterable
 from typing import Any, final
 
@@ -10,11 +11,18 @@ from typing_extensions import disjoint_base
 __all__ = [
     "ARCOffloadingManager",
     "CPULoadStoreSpec",
+    "HostRegion",
     "LRUOffloadingManager",
     "OffloadingEvent",
     "OffloadingManager",
     "PrepareStoreOutput",
+    "RegionBuffer",
+    "TransferHandler",
     "__version__",
+    "compute_sub_block_ptrs",
+    "cpu_sizing",
+    "cuda_available",
+    "expand_block_ids",
     "get_offload_block_hash",
     "get_offload_group_idx",
     "make_offload_key",
@@ -104,3 +112,111 @@ class ARCOffloadingManager(OffloadingManager):
         store_threshold: int | None = None,
         max_tracker_size: int | None = None,
     ) -> ARCOffloadingManager: ...
+
+# ---- worker side -------------------------------------------------------------------------------
+
+def cpu_sizing(
+    page_size_bytes: Iterable[int],
+    block_size_factor: int,
+    world_size: int | None = None,
+    cpu_bytes_to_use: float | None = None,
+) -> tuple[int, int, int]: ...
+def expand_block_ids(
+    block_ids: npt.ArrayLike, block_size_factor: int, skip_count: int | None = None, count: int | None = None
+) -> npt.NDArray[np.int64]: ...
+def compute_sub_block_ptrs(
+    block_ids: npt.ArrayLike,
+    block_size_factor: int,
+    base_ptr: int,
+    row_stride: int,
+    row_bytes: int,
+    skip_count: int | None = None,
+    count: int | None = None,
+) -> npt.NDArray[np.int64]: ...
+def cuda_available() -> bool: ...
+
+@final
+class HostRegion:
+    @staticmethod
+    def private(num_cpu_blocks: int, slot_bytes: int, world_size: int | None = None) -> HostRegion: ...
+    @staticmethod
+    def shared(
+        name: str,
+        num_cpu_blocks: int,
+        slot_bytes: int,
+        world_size: int,
+        rank: int,
+        timeout: float = 60.0,
+        directory: str | os.PathLike[str] | None = None,
+        unlink_when_all_joined: bool = True,
+        prefault: bool = True,
+    ) -> HostRegion: ...
+    @property
+    def num_cpu_blocks(self) -> int: ...
+    @property
+    def slot_bytes(self) -> int: ...
+    @property
+    def world_size(self) -> int: ...
+    @property
+    def rank(self) -> int | None: ...
+    @property
+    def row_stride_bytes(self) -> int: ...
+    @property
+    def len_bytes(self) -> int: ...
+    @property
+    def path(self) -> str | None: ...
+    @property
+    def closed(self) -> bool: ...
+    @property
+    def ptr(self) -> int: ...
+    @property
+    def is_pinned(self) -> bool: ...
+    @property
+    def pin_error(self) -> str | None: ...
+    def view(self, rank: int, offset: int, nbytes: int) -> Any: ...
+    def view_numpy(self, rank: int, offset: int, nbytes: int) -> npt.NDArray[np.uint8]: ...
+    def pin(self, device: int = 0) -> None: ...
+    def unpin(self) -> None: ...
+    def unlink(self) -> bool: ...
+    def close(self) -> None: ...
+    def __enter__(self) -> HostRegion: ...
+    def __exit__(self, exc_type: object, exc: object, tb: object) -> bool: ...
+
+@final
+class RegionBuffer:
+    @property
+    def __array_interface__(self) -> dict[str, Any]: ...
+    @property
+    def ptr(self) -> int: ...
+
+@final
+class TransferHandler:
+    def __new__(
+        cls,
+        direction: str,
+        gpu_tensors: list[Any] | tuple[Any, ...],
+        cpu_tensors: list[Any] | tuple[Any, ...],
+        group_refs: list[list[tuple[int, int]]] | tuple[Any, ...],
+        block_size_factor: int,
+        engine: str = "auto",
+    ) -> TransferHandler: ...
+    def submit(
+        self,
+        job_id: int,
+        gpu_block_ids: npt.ArrayLike,
+        group_sizes: npt.ArrayLike | None,
+        block_indices: npt.ArrayLike | None,
+        cpu_block_ids: npt.ArrayLike,
+        stream: int | None = None,
+    ) -> None: ...
+    def get_finished(self) -> list[tuple[int, bool, int, float, str | None]]: ...
+    def wait(self, job_ids: Iterable[int] | int) -> None: ...
+    def shutdown(self) -> None: ...
+    @property
+    def direction(self) -> str: ...
+    @property
+    def transfer_type(self) -> tuple[str, str]: ...
+    @property
+    def engine(self) -> str: ...
+    @property
+    def num_tensors(self) -> int: ...

@@ -20,7 +20,7 @@ class Progress:
             enabled = sys.stderr.isatty() or os.environ.get("KVOFF_PROGRESS") == "1"
         self.enabled = enabled
 
-    def __enter__(self) -> Progress:
+    def __enter__(self) -> Progress:  # noqa: PYI034 (Self needs typing_extensions on 3.10)
         self._draw(force=True)
         return self
 

@@ -13,7 +13,7 @@ from collections.abc import Iterable
 
 
 class _Block:
-    __slots__ = ("block_id", "ref_cnt", "ready")
+    __slots__ = ("block_id", "ready", "ref_cnt")
 
     def __init__(self, block_id: int) -> None:
         self.block_id = block_id

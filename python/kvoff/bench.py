@@ -1,5 +1,8 @@
 """Benchmarks behind ``kvoff bench``.
 
+``transfers``: PERF.md's scattered-block scenarios through the handler API (CUDA engine methods on
+a GPU, the host engine otherwise), against one contiguous copy of the same bytes in the same run.
+
 ``managers``: the manager workload of PERF.md through the Python API, for both policies, with the
 pure-Python reference managers (``kvoff._pyref``, built like vLLM's) measured in the same run as the
 baseline. Every figure is a ratio against that same-run reference.
@@ -11,10 +14,12 @@ import hashlib
 import platform
 import random
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, Callable
+from typing import Any
 
 import kvoff
+from kvoff._native import CPULoadStoreSpec
 from kvoff._progress import Progress
 from kvoff._pyref import PyARC, PyLRU
 
@@ -132,8 +137,8 @@ def bench_managers(num_requests: int = 2000, capacity: int = 20_000, reps: int =
     rows = []
     for policy, ref_cls in (("lru", PyLRU), ("arc", PyARC)):
         show = bool(show_progress)
-        ref = _time(lambda: ref_cls(capacity), _run_ref, wl, ref_reps, f"python reference {policy}", show)
-        kv = _time(lambda: kvoff.create_manager(policy, capacity, enable_events=True, block_size=16),
+        ref = _time(lambda c=ref_cls: c(capacity), _run_ref, wl, ref_reps, f"python reference {policy}", show)
+        kv = _time(lambda p=policy: kvoff.create_manager(p, capacity, enable_events=True, block_size=16),
                    _run_kvoff, wl, reps, f"kvoff {policy}", show)
         rows.append({"policy": policy, "impl": "python-ref", **ref, "ratio": 1.0})
         rows.append({"policy": policy, "impl": "kvoff", **kv,
@@ -143,13 +148,191 @@ def bench_managers(num_requests: int = 2000, capacity: int = 20_000, reps: int =
 
 def format_manager_rows(rows: list[dict[str, Any]]) -> str:
     lines = [
-        f"manager workload (PERF.md): {platform.processor() or platform.machine()}, "
-        f"Python {platform.python_version()}, kvoff {kvoff.__version__}",
+        (
+            f"manager workload (PERF.md): {platform.processor() or platform.machine()}, "
+            f"Python {platform.python_version()}, kvoff {kvoff.__version__}"
+        ),
         f"{'policy':<7}{'impl':<12}{'M key-ops/s':>13}{'hit rate':>10}{'vs python':>11}",
     ]
     for r in rows:
         lines.append(
             f"{r['policy']:<7}{r['impl']:<12}{r['key_ops_per_s'] / 1e6:>13.2f}"
             f"{r['hit_rate']:>10.3f}{r['ratio']:>10.1f}x"
+        )
+    return "\n".join(lines)
+
+
+# ---------------------------------------------------------------------------------------------
+# transfers
+# ---------------------------------------------------------------------------------------------
+
+#: PERF.md's scattered-block scenarios: (page bytes, tensors).
+TRANSFER_SCENARIOS = [(4 << 10, 64), (32 << 10, 64), (128 << 10, 64), (2 << 20, 1)]
+MIN_BLOCKS = 256
+
+
+def _available_memory() -> int:
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return 8 << 30
+
+
+def _fill_pattern(t: Any, seed: int) -> None:
+    """Non-zero, block-distinct bytes, fast on CPU and GPU (no RNG over gigabytes)."""
+    import torch
+
+    flat = t.view(-1)
+    n4 = flat.numel() // 4
+    x = torch.arange(seed, seed + n4, dtype=torch.int32, device=t.device)
+    x.mul_(-1640531535).bitwise_xor_(x >> 13)
+    flat[: n4 * 4].copy_(x.view(torch.uint8))
+
+
+def _median(xs: list[float]) -> float:
+    s = sorted(xs)
+    return s[len(s) // 2]
+
+
+def _time_contiguous(torch: Any, nbytes: int, cuda: bool, reps: int) -> dict[str, float]:
+    """GB/s of one contiguous copy of ``nbytes`` per direction (the same-run limit)."""
+    if cuda:
+        dev = torch.empty(nbytes, dtype=torch.uint8, device="cuda")
+        host = torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
+        _fill_pattern(dev, 1)
+        _fill_pattern(host, 2)
+        out = {}
+        for name, dst, src in (("GPU->CPU", host, dev), ("CPU->GPU", dev, host)):
+            ts = []
+            for i in range(reps + 1):
+                a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+                a.record()
+                dst.copy_(src, non_blocking=True)
+                b.record()
+                b.synchronize()
+                if i:
+                    ts.append(a.elapsed_time(b) / 1e3)
+            out[name] = nbytes / _median(ts) / 1e9
+        return out
+    src = torch.empty(nbytes, dtype=torch.uint8)
+    dst = torch.empty(nbytes, dtype=torch.uint8)
+    _fill_pattern(src, 1)
+    _fill_pattern(dst, 2)
+    ts = []
+    for i in range(reps + 1):
+        t0 = time.perf_counter()
+        dst.copy_(src)
+        dt = time.perf_counter() - t0
+        if i:
+            ts.append(dt)
+    gbs = nbytes / _median(ts) / 1e9
+    return {"GPU->CPU": gbs, "CPU->GPU": gbs}
+
+
+def bench_transfers(job_mib: int | None = None, reps: int = 5, methods: list[str] | None = None,
+                    show_progress: bool | None = None, seed: int = 0) -> list[dict[str, Any]]:
+    """Scattered-block transfers through the handler API (PERF.md scenarios, scaled to the machine).
+
+    Each job moves ``blocks`` random GPU blocks of every tensor to random CPU blocks (and back);
+    figures are GB/s from the engine's own timing (CUDA events on a GPU), with the median of
+    ``reps`` repetitions, and the ratio to one contiguous copy of the same bytes measured in the
+    same run. The bytes of the last repetition of each direction are verified.
+    """
+    import torch
+
+    from kvoff.handlers import CpuGpuOffloadingHandlers, GPULoadStoreSpec
+
+    cuda = torch.cuda.is_available() and kvoff.cuda_available()
+    device = "cuda" if cuda else "cpu"
+    if methods is None:
+        methods = ["auto", "dma", "kernel", "staged"] if cuda else ["host"]
+    if job_mib is None:
+        job_mib = 512 if cuda else int(max(32, min(128, _available_memory() // (24 << 20))))
+    job_target = job_mib << 20
+    rng = random.Random(seed)
+    rows: list[dict[str, Any]] = []
+    steps = len(TRANSFER_SCENARIOS) * len(methods) * 2 * (reps + 1)
+    with Progress(steps, "kvoff transfers", enabled=show_progress or None) as bar:
+        for page, max_tensors in TRANSFER_SCENARIOS:
+            ntensors = max(1, min(max_tensors, job_target // (page * MIN_BLOCKS)))
+            blocks = max(MIN_BLOCKS, job_target // (page * ntensors))
+            job_bytes = blocks * page * ntensors
+            pool = 2 * blocks
+            kv = [torch.empty(pool, page, dtype=torch.uint8, device=device) for _ in range(ntensors)]
+            for i, t in enumerate(kv):
+                _fill_pattern(t, 7919 * i + 1)
+            ref = _time_contiguous(torch, job_bytes, cuda, reps)
+            for method in methods:
+                h = CpuGpuOffloadingHandlers(kv, 1, pool, engine=method)
+                try:
+                    for direction, handler in (("GPU->CPU", h.gpu_to_cpu_handler), ("CPU->GPU", h.cpu_to_gpu_handler)):
+                        secs, walls = [], []
+                        gids: list[int] = []
+                        cids: list[int] = []
+                        for r in range(reps + 1):
+                            gids = rng.sample(range(pool), blocks)
+                            cids = rng.sample(range(pool), blocks)
+                            src, dst = (GPULoadStoreSpec(gids), CPULoadStoreSpec(cids))
+                            spec = (src, dst) if direction == "GPU->CPU" else (dst, src)
+                            if cuda:
+                                torch.cuda.synchronize()
+                            t0 = time.perf_counter()
+                            handler.transfer_async(r, spec)
+                            handler.wait([r])
+                            wall = time.perf_counter() - t0
+                            (res,) = handler.get_finished()
+                            if not res.success:
+                                raise RuntimeError(f"transfer failed: {res.error}")
+                            if r:
+                                secs.append(res.transfer_time)
+                                walls.append(wall)
+                            bar.update(1)
+                        _verify(torch, h, gids, cids)
+                        gbs = job_bytes / _median(secs) / 1e9
+                        rows.append({
+                            "device": torch.cuda.get_device_name() if cuda else platform.processor() or platform.machine(),
+                            "engine": h.engine if method in ("host", "auto") else f"cuda:{method}",
+                            "page_bytes": page, "tensors": ntensors, "blocks": blocks, "job_bytes": job_bytes,
+                            "direction": direction, "gb_s": gbs,
+                            "wall_gb_s": job_bytes / _median(walls) / 1e9,
+                            "contiguous_gb_s": ref[direction], "ratio": gbs / ref[direction],
+                        })
+                finally:
+                    h.shutdown()
+            del kv
+    return rows
+
+
+def _verify(torch: Any, h: Any, gids: list[int], cids: list[int]) -> None:
+    """The GPU-side blocks ``gids`` and the CPU blocks ``cids`` hold the same bytes (after either
+    direction's last job)."""
+    g = torch.tensor(gids, dtype=torch.long)
+    c = torch.tensor(cids, dtype=torch.long)
+    for gt, ct in zip(h.gpu_tensors, h.cpu_tensors):
+        a = gt.index_select(0, g.to(gt.device)).cpu()
+        b = ct.index_select(0, c)
+        if not torch.equal(a, b):
+            raise RuntimeError("transferred bytes differ from their source: kvoff bug, please report")
+
+
+def format_transfer_rows(rows: list[dict[str, Any]]) -> str:
+    if not rows:
+        return "no transfer results"
+    lines = [
+        f"scattered block transfers (PERF.md scenarios, scaled): {rows[0]['device']}, kvoff {kvoff.__version__}",
+        (f"{'engine':<14}{'page':>9}{'tensors':>8}{'blocks':>7}{'MiB':>6}  {'direction':<9}{'GB/s':>8}"
+        f"{'wall GB/s':>10}{'contig GB/s':>12}{'ratio':>7}"),
+    ]
+    for r in rows:
+        page = r["page_bytes"]
+        p = f"{page >> 20} MiB" if page >= 1 << 20 else f"{page >> 10} KiB"
+        lines.append(
+            f"{r['engine']:<14}{p:>9}{r['tensors']:>8}{r['blocks']:>7}{r['job_bytes'] >> 20:>6}  "
+            f"{r['direction']:<9}{r['gb_s']:>8.2f}{r['wall_gb_s']:>10.2f}{r['contiguous_gb_s']:>12.2f}"
+            f"{r['ratio'] * 100:>6.0f}%"
         )
     return "\n".join(lines)

@@ -7,12 +7,12 @@ built-in ``ValueError``/``TypeError`` (``ConfigError`` is both a ``KvoffError`` 
 from __future__ import annotations
 
 __all__ = [
-    "KvoffError",
-    "InvalidStateError",
     "ConfigError",
-    "RegionError",
-    "CudaUnavailableError",
     "CudaError",
+    "CudaUnavailableError",
+    "InvalidStateError",
+    "KvoffError",
+    "RegionError",
 ]
 
 

@@ -7,6 +7,7 @@
 mod errors;
 mod keys;
 mod manager;
+mod worker;
 
 use pyo3::prelude::*;
 
@@ -16,5 +17,6 @@ fn _native(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add("__version__", env!("CARGO_PKG_VERSION"))?;
     keys::register(m)?;
     manager::register(m)?;
+    worker::register(m)?;
     Ok(())
 }

@@ -1,0 +1,161 @@
+"""Transfer handlers on a CUDA GPU (SPEC §6). Marked ``gpu``; skipped without CUDA.
+
+Byte-exact randomized round trips per engine method with bf16/fp8 KV caches, a shared 2-rank
+region, ordering against the caller's current stream (loads land after queued work, stores read
+after queued writes), concurrent store and load handlers, shutdown with jobs in flight.
+"""
+
+from __future__ import annotations
+
+import random
+import uuid
+
+import pytest
+
+torch = pytest.importorskip("torch")
+import kvoff
+from kvoff import CpuGpuOffloadingHandlers, CPULoadStoreSpec, GPULoadStoreSpec, HostRegion
+from test_worker_handlers import run_round_trip
+
+pytestmark = [
+    pytest.mark.gpu,
+    pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU (torch.cuda.is_available() is false)"),
+]
+G, C = GPULoadStoreSpec, CPULoadStoreSpec
+METHODS = ["auto", "dma", "kernel", "staged"]
+SLEEP_CYCLES = 200_000_000  # ~0.1 s of GPU time queued before the transfer
+
+
+
+
+@pytest.mark.parametrize("method", METHODS)
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float8_e4m3fn], ids=["bf16", "fp8"])
+@pytest.mark.parametrize("seed", range(4))
+def test_gpu_round_trip(method, dtype, seed):
+    assert kvoff.cuda_available()
+    run_round_trip(
+        seed,
+        h_kwargs={"engine": method},
+        layout_kwargs={"device": "cuda", "dtypes": [dtype], "pages": (16, 4096, 32768, 128 << 10, 2 << 20)},
+        expect_engine="cuda",
+    )
+
+
+@pytest.mark.parametrize("method", METHODS)
+def test_gpu_round_trip_shared_region(method):
+    name = f"kvoff-test-{uuid.uuid4().hex[:12]}"
+    kv = [torch.randint(-100, 100, (2, 64, 16, 8, 64), dtype=torch.int8, device="cuda").to(torch.bfloat16)
+          for _ in range(2)]
+    slot = 2 * 16 * 8 * 64 * 2 * 4  # K and V pages × factor 4
+    regions = [HostRegion.shared(name, 16, slot, 2, r, timeout=10.0) for r in (0, 1)]
+    try:
+        hs = [CpuGpuOffloadingHandlers([kv[r]], 4, 16, region=regions[r], engine=method) for r in (0, 1)]
+        for r, h in enumerate(hs):
+            assert regions[r].is_pinned, regions[r].pin_error
+            ids = list(range(8 * r, 8 * r + 8))
+            h.gpu_to_cpu_handler.transfer_async(1, (G(ids), C([3, 9])))
+            h.gpu_to_cpu_handler.wait([1])
+            assert h.gpu_to_cpu_handler.get_finished()[0].success
+        for r, h in enumerate(hs):
+            dst = list(range(40, 48))
+            h.cpu_to_gpu_handler.transfer_async(2, (C([3, 9]), G(dst)))
+            h.cpu_to_gpu_handler.wait([2])
+            assert h.cpu_to_gpu_handler.get_finished()[0].success
+            src = list(range(8 * r, 8 * r + 8))
+            assert torch.equal(kv[r][:, dst], kv[r][:, src])
+        for h in hs:
+            h.shutdown()
+    finally:
+        for reg in regions:
+            reg.close()
+
+
+def _handlers(method, blocks=256, page_elems=16 * 1024, ncpu=256):
+    kv = torch.randint(-100, 100, (2, blocks, page_elems), dtype=torch.int16, device="cuda").to(torch.bfloat16)
+    return kv, CpuGpuOffloadingHandlers([kv], 1, ncpu, engine=method)
+
+
+@pytest.mark.parametrize("method", METHODS)
+def test_load_lands_after_queued_work_on_current_stream(method):
+    kv, h = _handlers(method)
+    src = list(range(64))
+    dst = list(range(100, 164))
+    h.gpu_to_cpu_handler.transfer_async(1, (G(src), C(list(range(64)))))
+    h.gpu_to_cpu_handler.wait([1])
+    assert h.gpu_to_cpu_handler.get_finished()[0].success
+    stream = torch.cuda.Stream()
+    with torch.cuda.stream(stream):  # the caller's current stream is a non-default stream
+        torch.cuda._sleep(SLEEP_CYCLES)
+        kv[:, dst] = 0  # queued after the sleep: must not overwrite the loaded bytes
+        h.cpu_to_gpu_handler.transfer_async(2, (C(list(range(64))), G(dst)))
+    h.cpu_to_gpu_handler.wait([2])
+    assert h.cpu_to_gpu_handler.get_finished()[0].success
+    torch.cuda.synchronize()
+    assert torch.equal(kv[:, dst], kv[:, src])
+    h.shutdown()
+
+
+@pytest.mark.parametrize("method", METHODS)
+def test_store_reads_after_queued_writes(method):
+    kv, h = _handlers(method)
+    ids = list(range(10, 74))
+    torch.cuda._sleep(SLEEP_CYCLES)
+    kv[:, ids] = 3.0  # queued on the current (default) stream after the sleep
+    h.gpu_to_cpu_handler.transfer_async(1, (G(ids), C(list(range(64)))))
+    h.gpu_to_cpu_handler.wait([1])
+    assert h.gpu_to_cpu_handler.get_finished()[0].success
+    expect = torch.full((64, 16 * 1024), 3.0, dtype=torch.bfloat16).view(torch.uint8)
+    for t in h.cpu_tensors:  # K and V
+        assert torch.equal(t[:64], expect)
+    h.shutdown()
+
+
+@pytest.mark.parametrize("method", METHODS)
+def test_concurrent_store_and_load_many_jobs(method):
+    kv, h = _handlers(method, blocks=512, page_elems=8 * 1024, ncpu=512)
+    rng = random.Random(3)
+    snap = kv.clone()
+    st, ld = h.gpu_to_cpu_handler, h.cpu_to_gpu_handler
+    # Pre-store blocks 0..127 into CPU 0..127, then load them to 256..383 while storing 128..255.
+    st.transfer_async(0, (G(list(range(128))), C(list(range(128)))))
+    st.wait([0])
+    st.get_finished()
+    order = list(range(128))
+    rng.shuffle(order)
+    for j in range(64):
+        a, b = order[2 * j], order[2 * j + 1]
+        st.transfer_async(100 + j, (G([128 + a, 128 + b]), C([128 + a, 128 + b])))
+        ld.transfer_async(200 + j, (C([a, b]), G([256 + a, 256 + b])))
+    st.wait(range(100, 164))
+    ld.wait(range(200, 264))
+    rs, rl = st.get_finished(), ld.get_finished()
+    assert [r.job_id for r in rs] == list(range(100, 164)) and all(r.success for r in rs)
+    assert [r.job_id for r in rl] == list(range(200, 264)) and all(r.success for r in rl)
+    torch.cuda.synchronize()
+    assert torch.equal(kv[:, 256:384], snap[:, 0:128])
+    assert torch.equal(kv[:, :256], snap[:, :256])
+    cpu = torch.stack([t[128:256].view(torch.bfloat16) for t in h.cpu_tensors])
+    assert torch.equal(cpu.cuda(), snap[:, 128:256])
+    h.shutdown()
+
+
+@pytest.mark.parametrize("method", METHODS)
+def test_gpu_shutdown_with_jobs_in_flight(method):
+    kv, h = _handlers(method)
+    st = h.gpu_to_cpu_handler
+    torch.cuda._sleep(SLEEP_CYCLES)
+    for j in range(16):
+        st.transfer_async(j, (G(list(range(16 * j, 16 * j + 16))), C(list(range(16 * j, 16 * j + 16)))))
+    h.shutdown()
+    res = st.get_finished()
+    assert [r.job_id for r in res] == list(range(16)) and all(r.success for r in res)
+    cpu = torch.stack([t.view(torch.bfloat16) for t in h.cpu_tensors])
+    assert torch.equal(cpu.cuda(), kv)
+    h.shutdown()
+
+
+def test_engine_auto_picks_cuda_and_pins():
+    kv = torch.zeros(8, 4096, dtype=torch.uint8, device="cuda")
+    h = CpuGpuOffloadingHandlers([kv], 1, 4)
+    assert h.engine.startswith("cuda") and h.region.is_pinned
+    h.shutdown()
