@@ -7,6 +7,7 @@
 //! `cargo bench --bench transfers` (skips without a GPU). `KVOFF_BENCH_QUICK=1` runs one small
 //! scenario. Set `KVOFF_BENCH_JSON=path` to also write the rows as JSON lines.
 #![allow(clippy::cast_precision_loss, clippy::cast_possible_truncation)]
+#![cfg_attr(not(feature = "cuda"), allow(unused))]
 
 use std::fmt::Write as _;
 use std::sync::Arc;

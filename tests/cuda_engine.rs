@@ -306,9 +306,13 @@ fn concurrent_directions_and_shutdown_in_flight() {
         .iter()
         .enumerate()
         .all(|(i, r)| r.job_id == i as i64 && r.success));
-    // Shutdown with jobs in flight: drains, no hang, no errors.
+    // Shutdown with jobs in flight: drains, no hang, no errors, and every job is still reported.
     store.shutdown();
     load.shutdown();
+    let rest = store.poll();
+    assert_eq!(first.len() + rest.len(), 32);
+    assert!(rest.iter().all(|r| r.success));
+    assert_eq!(load.poll().len(), 32);
     assert!(store.close_errors().is_empty() && load.close_errors().is_empty());
     assert!(host_b.as_slice() == &init[..]);
     let mut got = vec![0u8; len];

@@ -519,6 +519,8 @@ pub struct CudaEngine {
     scratch_runs: Vec<(u64, u64, u64)>,
     last_pack_ns: u64,
     last_submit_ns: u64,
+    /// Results of jobs drained by `shutdown`, returned by the next `poll`.
+    drained: Vec<JobResult>,
 }
 
 impl std::fmt::Debug for CudaEngine {
@@ -590,6 +592,7 @@ impl CudaEngine {
             scratch_runs: Vec::new(),
             last_pack_ns: 0,
             last_submit_ns: 0,
+            drained: Vec::new(),
         })
     }
 
@@ -605,7 +608,8 @@ impl CudaEngine {
         &self.cfg
     }
 
-    /// Jobs run per method since creation: `[dma, kernel, loop, staged]`.
+    /// Jobs run per method since creation: `[dma (batched, or per-copy loop without the batch API),
+    /// kernel, loop, staged]`.
     #[must_use]
     pub fn method_counts(&self) -> [u64; 4] {
         self.method_counts
@@ -1123,7 +1127,10 @@ impl TransferEngine for CudaEngine {
     }
 
     fn poll(&mut self) -> Vec<JobResult> {
-        let mut out = Vec::new();
+        let mut out = std::mem::take(&mut self.drained);
+        if self.closed {
+            return out;
+        }
         if self.device.bind().is_err() {
             return out;
         }
@@ -1183,12 +1190,21 @@ impl TransferEngine for CudaEngine {
             }
         }
         self.release_staging();
-        for j in std::mem::take(&mut self.inflight) {
-            self.events.push(j.start);
-            self.events.push(j.end);
-            if let Some(d) = j.desc {
-                self.descs.push(d);
-            }
+        // Keep the drained jobs' results for `poll` (the TransferEngine contract: shutdown
+        // completes in-flight jobs or reports them failed).
+        while let Some(job) = self.inflight.pop_front() {
+            let err = if job.failed.is_some() {
+                None
+            } else {
+                // SAFETY: a live pooled event; the stream has drained.
+                match unsafe { ffi::event_done(job.end.0) } {
+                    Ok(true) => None,
+                    Ok(false) => Some("the job did not finish before shutdown".to_owned()),
+                    Err(e) => Some(e.to_string()),
+                }
+            };
+            let r = self.finish(job, err);
+            self.drained.push(r);
         }
         for e in self.events.drain(..) {
             // SAFETY: pooled events are unused once the stream drained.
@@ -1218,7 +1234,7 @@ impl TransferEngine for CudaEngine {
 }
 
 impl CudaEngine {
-    /// Results of the jobs drained by a shutdown are lost; call `poll` before `shutdown` to keep them.
+    /// Jobs submitted and not yet reported by `poll`.
     #[must_use]
     pub fn in_flight(&self) -> usize {
         self.inflight.len()
