@@ -70,15 +70,17 @@ fn run_job(
 fn round_trip_every_method_byte_exact() {
     let Some(dev) = device() else { return };
     let mut rng = Rng(0x9e37_79b9_7f4a_7c15);
-    for method in [
-        CopyMethod::Auto,
-        CopyMethod::Dma,
-        CopyMethod::Kernel,
-        CopyMethod::Staged,
-        CopyMethod::Loop,
+    for (method, read_only_loads) in [
+        (CopyMethod::Auto, false),
+        (CopyMethod::Dma, false),
+        (CopyMethod::Kernel, false),
+        (CopyMethod::Kernel, true),
+        (CopyMethod::Staged, false),
+        (CopyMethod::Loop, false),
     ] {
         let cfg = CudaEngineConfig {
             method,
+            read_only_loads,
             ..CudaEngineConfig::default()
         };
         let mut store =

@@ -103,6 +103,7 @@ pub struct CudaDevice {
     ctx: SendPtr<ffi::CUcontext>,
     module: SendPtr<ffi::CUmodule>,
     kernel: SendPtr<ffi::CUfunction>,
+    kernel_nc: SendPtr<ffi::CUfunction>,
     sleep_kernel: SendPtr<ffi::CUfunction>,
     batch: Option<ffi::MemcpyBatchFn>,
     name: String,
@@ -174,8 +175,10 @@ impl CudaDevice {
         });
         let loaded = loaded.and_then(|(m, k)| {
             // SAFETY: the module was just loaded in the current context.
-            match unsafe { ffi::get_function(m, c"kvoff_sleep") } {
-                Ok(sl) => Ok((m, k, sl)),
+            match unsafe { ffi::get_function(m, c"kvoff_sleep") }
+                .and_then(|sl| Ok((sl, unsafe { ffi::get_function(m, c"kvoff_copy_nc") }?)))
+            {
+                Ok((sl, nc)) => Ok((m, k, sl, nc)),
                 Err(e) => {
                     // SAFETY: loaded above, nothing launched.
                     let _ = unsafe { ffi::unload_module(m) };
@@ -183,7 +186,7 @@ impl CudaDevice {
                 }
             }
         });
-        let (module, kernel, sleep_kernel) = match loaded {
+        let (module, kernel, sleep_kernel, kernel_nc) = match loaded {
             Ok(mk) => mk,
             Err(e) => {
                 // SAFETY: retained above, released once.
@@ -199,6 +202,7 @@ impl CudaDevice {
             ctx: SendPtr(ctx),
             module: SendPtr(module),
             kernel: SendPtr(kernel),
+            kernel_nc: SendPtr(kernel_nc),
             sleep_kernel: SendPtr(sleep_kernel),
             batch,
             name,
@@ -342,6 +346,8 @@ pub struct CudaEngineConfig {
     pub staging_slots: usize,
     /// Average host-contiguous run from which `Auto` uses `Staged`.
     pub staged_min_run_bytes: u64,
+    /// Read through the non-coherent (read-only) load path in the copy kernel.
+    pub read_only_loads: bool,
 }
 
 impl Default for CudaEngineConfig {
@@ -355,6 +361,7 @@ impl Default for CudaEngineConfig {
             staging_slot_bytes: 8 << 20,
             staging_slots: 4,
             staged_min_run_bytes: 1 << 20,
+            read_only_loads: false,
         }
     }
 }
@@ -773,16 +780,13 @@ impl CudaEngine {
         // SAFETY: descriptors live in a device buffer held by the job; they name memory the plan
         // validated and the caller keeps alive (TransferEngine::submit contract), or staging slots
         // owned by this engine.
-        unsafe {
-            ffi::launch_copy(
-                self.device.kernel.0,
-                grid,
-                self.cfg.kernel_threads,
-                descs,
-                n,
-                s,
-            )
-        }
+        let f = if self.cfg.read_only_loads {
+            self.device.kernel_nc.0
+        } else {
+            self.device.kernel.0
+        };
+        // SAFETY: as above; both kernels take the same parameters.
+        unsafe { ffi::launch_copy(f, grid, self.cfg.kernel_threads, descs, n, s) }
     }
 
     /// Batched DMA of `(src, dst, bytes)` triples on `s` (a per-copy loop without the batch API).
@@ -963,30 +967,39 @@ impl CudaEngine {
         match method {
             CopyMethod::Staged => self.enqueue_staged(copies, s),
             CopyMethod::Kernel => {
-                let mut descs: Vec<u64> = Vec::with_capacity(copies.len() * 3);
+                // Count the pieces, then write the descriptors straight into the pinned staging
+                // buffer (no intermediate vector).
+                let n: usize = copies
+                    .iter()
+                    .map(|c| {
+                        usize::try_from(c.bytes.div_ceil(KERNEL_CHUNK_BYTES).max(1))
+                            .unwrap_or(usize::MAX)
+                    })
+                    .fold(0usize, usize::saturating_add);
+                let nbytes = n
+                    .checked_mul(DESC_BYTES)
+                    .ok_or_else(|| KvoffError::arg("too many copies for one job"))?;
+                let buf = self.take_desc(nbytes)?;
+                // SAFETY: `buf.host` is a pinned allocation of ≥ nbytes bytes (8-byte aligned, from
+                // cuMemAllocHost) owned by this engine and not used by any in-flight job (it came
+                // from the free pool); nothing else aliases it while this slice lives.
+                let words =
+                    unsafe { std::slice::from_raw_parts_mut(buf.host.0.cast::<u64>(), n * 3) };
+                let mut out = words.chunks_exact_mut(3);
                 for c in copies {
                     let mut off = 0;
                     loop {
                         let len = (c.bytes - off).min(KERNEL_CHUNK_BYTES);
-                        descs.extend_from_slice(&[c.src_ptr + off, c.dst_ptr + off, len]);
+                        if let Some(d) = out.next() {
+                            d.copy_from_slice(&[c.src_ptr + off, c.dst_ptr + off, len]);
+                        }
                         off += len;
                         if off >= c.bytes {
                             break;
                         }
                     }
                 }
-                let n = (descs.len() / 3) as u64;
-                let nbytes = descs.len() * 8;
-                let buf = self.take_desc(nbytes)?;
-                // SAFETY: `buf.host` is a pinned allocation of ≥ nbytes owned by this engine and not
-                // in use by any in-flight job (it came from the free pool).
-                unsafe {
-                    std::ptr::copy_nonoverlapping(
-                        descs.as_ptr(),
-                        buf.host.0.cast::<u64>(),
-                        descs.len(),
-                    )
-                };
+                let n = n as u64;
                 let r = (|| {
                     // SAFETY: staging holds `nbytes` of descriptors and stays untouched until this
                     // job completes (the buffer travels with the job); dev buffer is as large.
