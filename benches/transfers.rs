@@ -176,7 +176,7 @@ fn main() {
         return;
     }
     let dev = CudaDevice::open(0).expect("device");
-    let quick = std::env::var("KVOFF_BENCH_QUICK").is_ok();
+    let quick = std::env::var("KVOFF_BENCH_QUICK").is_ok_and(|v| v == "1");
     let scenarios: Vec<Scenario> = if quick {
         vec![Scenario {
             name: "32KiB x 64 tensors",
@@ -422,18 +422,24 @@ fn main() {
 /// Engine defaults, with `KVOFF_KERNEL_THREADS` / `KVOFF_MAX_CTAS` overrides for sweeps.
 #[cfg(feature = "cuda")]
 fn cfg_default() -> CudaEngineConfig {
+    fn env<T: std::str::FromStr>(name: &str) -> Option<T> {
+        std::env::var(name).ok().and_then(|v| v.parse().ok())
+    }
     let mut c = CudaEngineConfig::default();
-    if let Some(t) = std::env::var("KVOFF_KERNEL_THREADS")
-        .ok()
-        .and_then(|v| v.parse().ok())
-    {
+    if let Some(t) = env("KVOFF_KERNEL_THREADS") {
         c.kernel_threads = t;
     }
-    if let Some(t) = std::env::var("KVOFF_MAX_CTAS")
-        .ok()
-        .and_then(|v| v.parse().ok())
-    {
+    if let Some(t) = env("KVOFF_MAX_CTAS") {
         c.max_ctas = t;
+    }
+    if let Some(t) = env::<u64>("KVOFF_STAGING_SLOT_MB") {
+        c.staging_slot_bytes = t << 20;
+    }
+    if let Some(t) = env("KVOFF_STAGING_SLOTS") {
+        c.staging_slots = t;
+    }
+    if let Some(t) = env::<u8>("KVOFF_KERNEL_NC") {
+        c.read_only_loads = t == 1;
     }
     c
 }
