@@ -346,7 +346,10 @@ def run_demo(cfg: DemoConfig | None = None, metrics: TransferMetrics | None = No
                         pool.fill(load_gids, load_keys)  # recompute what could not be loaded
                     else:
                         # 5. Verify every reloaded block, and the GPU hits, byte for byte.
-                        res.mismatched_blocks += pool.mismatches(load_gids, load_keys)
+                        bad = pool.mismatches(load_gids, load_keys)
+                        if bad:  # report, then recompute so the damage does not spread
+                            res.mismatched_blocks += bad
+                            pool.fill(load_gids, load_keys)
                         res.verified_loaded_blocks += c
                         res.cpu_hit_blocks += c
                 res.mismatched_blocks += pool.mismatches(hit_blocks, keys[:g])
