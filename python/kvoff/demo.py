@@ -375,25 +375,25 @@ def _mib(n: float) -> str:
 
 def format_result(r: DemoResult) -> str:
     """The human-readable report of a demo run."""
-    pct = lambda x: f"{100 * x / max(r.blocks_requested, 1):5.1f}%"  # noqa: E731
+    pct = lambda x: f"{100 * x / max(r.blocks_requested, 1):5.1f}%"
     lines = [
         f"kvoff {kvoff.__version__} demo: simulated serving loop with Llama-3-8B KV shapes",
-        f"  KV cache  32 layers x (K, V), 8 KV heads x 128, {BLOCK_TOKENS}-token blocks, bf16: 64 tensors of "
-        f"{PAGE_BYTES >> 10} KiB pages = {_mib(BLOCK_BYTES)} per block",
+        (f"  KV cache  32 layers x (K, V), 8 KV heads x 128, {BLOCK_TOKENS}-token blocks, bf16: 64 tensors of "
+        f"{PAGE_BYTES >> 10} KiB pages = {_mib(BLOCK_BYTES)} per block"),
         f"  device    {r.device}, engine {r.engine}"
         + ("" if r.device.startswith("cuda") else "  (no GPU: host memory stands in for GPU memory)"),
-        f"  pools     GPU {r.gpu_blocks} blocks ({_mib(r.gpu_blocks * BLOCK_BYTES)}, LRU prefix cache), "
-        f"host {r.cpu_blocks} blocks ({_mib(r.cpu_blocks * BLOCK_BYTES)}, kvoff {r.policy.upper()} manager)",
-        f"  workload  {r.requests} requests x {r.blocks_requested // max(r.requests, 1)} blocks, "
-        f"Pareto-shared prefixes (PERF.md's manager workload, in blocks)",
+        (f"  pools     GPU {r.gpu_blocks} blocks ({_mib(r.gpu_blocks * BLOCK_BYTES)}, LRU prefix cache), "
+        f"host {r.cpu_blocks} blocks ({_mib(r.cpu_blocks * BLOCK_BYTES)}, kvoff {r.policy.upper()} manager)"),
+        (f"  workload  {r.requests} requests x {r.blocks_requested // max(r.requests, 1)} blocks, "
+        f"Pareto-shared prefixes (PERF.md's manager workload, in blocks)"),
         "",
         f"  blocks requested     {r.blocks_requested:>7}",
         f"  GPU prefix hits      {r.gpu_hit_blocks:>7}  {pct(r.gpu_hit_blocks)}",
         f"  loaded from host     {r.cpu_hit_blocks:>7}  {pct(r.cpu_hit_blocks)}   (offload hit rate)",
         f"  computed             {r.computed_blocks:>7}  {pct(r.computed_blocks)}",
         f"  hit rate             {100 * r.hit_rate:6.1f}%   (GPU + host)",
-        f"  evicted from GPU     {r.evicted_from_gpu:>7}  -> stored {r.stored_blocks}, already on host "
-        f"{r.already_on_host}, rejected (host full) {r.store_rejected}",
+        (f"  evicted from GPU     {r.evicted_from_gpu:>7}  -> stored {r.stored_blocks}, already on host "
+        f"{r.already_on_host}, rejected (host full) {r.store_rejected}"),
     ]
     for d, label in (("GPU_to_CPU", "stores GPU->CPU"), ("CPU_to_GPU", "loads  CPU->GPU")):
         t = r.transfers.get(d, {})
@@ -403,13 +403,14 @@ def format_result(r: DemoResult) -> str:
         )
     verdict = "OK" if r.verified else "FAILED"
     lines += [
-        f"  verification         {verdict}: {r.verified_loaded_blocks} reloaded + {r.verified_gpu_blocks} "
+        (f"  verification         {verdict}: {r.verified_loaded_blocks} reloaded + {r.verified_gpu_blocks} "
         f"GPU-resident blocks compared byte for byte; {r.mismatched_blocks} mismatched, "
-        f"{r.failed_transfers} failed transfers",
-        f"  prefill saved        ~{r.saved_s:.2f} s: {r.cpu_hit_blocks * BLOCK_TOKENS:,} tokens loaded instead of "
-        f"recomputed ({r.recompute_s:.2f} s at an assumed {r.prefill_tokens_per_s:,.0f} tokens/s "
-        f"prefill for an 8B model on an H100-class GPU, --prefill-tokens-per-s) minus "
-        f"{r.transfers.get('CPU_to_GPU', {}).get('seconds', 0.0):.2f} s of loads",
+        f"{r.failed_transfers} failed transfers"),
+        (f"  prefill time saved   ~{r.saved_s:.2f} s = {r.cpu_hit_blocks * BLOCK_TOKENS:,} tokens loaded instead of "
+         f"recomputed ({r.recompute_s:.2f} s) - {r.transfers.get('CPU_to_GPU', {}).get('seconds', 0.0):.2f} s "
+         f"of loads"),
+        (f"                       assumption: prefill at {r.prefill_tokens_per_s:,.0f} tokens/s, an 8B model on "
+         f"one H100-class GPU (--prefill-tokens-per-s)"),
         f"  wall time            {r.wall_s:.1f} s",
     ]
     return "\n".join(lines)

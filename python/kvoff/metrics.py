@@ -288,7 +288,7 @@ class MetricsServer(ThreadingHTTPServer):
 class _MetricsHandler(BaseHTTPRequestHandler):
     server: MetricsServer
 
-    def do_GET(self) -> None:  # noqa: N802 (http.server's naming)
+    def do_GET(self) -> None:
         if self.path.split("?", 1)[0] not in ("/metrics", "/metrics/"):
             self.send_error(404, "only /metrics is served here")
             return
@@ -303,7 +303,7 @@ class _MetricsHandler(BaseHTTPRequestHandler):
         self.end_headers()
         self.wfile.write(body)
 
-    def log_message(self, format: str, *args: Any) -> None:  # noqa: A002 - quiet: kvoff logs nothing
+    def log_message(self, format: str, *args: Any) -> None:
         pass
 
 

@@ -10,11 +10,11 @@ import kvoff
 import pytest
 
 torch = pytest.importorskip("torch")
-from kvoff import demo  # noqa: E402
-from kvoff.cli import main  # noqa: E402
+from kvoff import demo
+from kvoff.cli import main
 
-TINY = dict(requests=30, blocks_per_request=4, min_prefix_blocks=2, num_prefixes=4, gpu_blocks=8,
-            cpu_blocks=24, device="cpu", engine="host", show_progress=False)
+TINY = {"requests": 30, "blocks_per_request": 4, "min_prefix_blocks": 2, "num_prefixes": 4, "gpu_blocks": 8,
+            "cpu_blocks": 24, "device": "cpu", "engine": "host", "show_progress": False}
 
 
 def test_tiny_demo_verifies_and_hits():

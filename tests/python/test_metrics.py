@@ -11,10 +11,9 @@ import urllib.request
 
 import kvoff
 import pytest
+from helpers import ks
 from kvoff import TransferMetrics, TransferResult, serve_metrics
 from kvoff.metrics import SIZE_BUCKETS_BYTES, _go_float
-
-from helpers import ks
 
 G2C = ("GPU", "CPU")
 C2G = ("CPU", "GPU")
