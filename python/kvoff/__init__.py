@@ -45,6 +45,7 @@ from kvoff.handlers import (
     canonicalize_kv_caches,
     cpu_sizing,
 )
+from kvoff.metrics import TransferMetrics, serve_metrics
 
 OffloadKey = bytes
 """An offload key: block hash bytes followed by the group index as 4-byte big-endian."""
@@ -90,6 +91,7 @@ __all__ = [
     "PrepareStoreOutput",
     "RegionError",
     "SingleDirectionOffloadingHandler",
+    "TransferMetrics",
     "TransferResult",
     "__version__",
     "canonicalize_kv_caches",
@@ -101,4 +103,5 @@ __all__ = [
     "get_offload_block_hash",
     "get_offload_group_idx",
     "make_offload_key",
+    "serve_metrics",
 ]

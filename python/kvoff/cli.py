@@ -1,4 +1,5 @@
-"""The ``kvoff`` command line: ``kvoff bench [managers|transfers]`` (no subcommand: all of them)."""
+"""The ``kvoff`` command line: ``kvoff bench [managers|transfers]`` (no subcommand: all of them) and
+``kvoff demo`` (a simulated serving loop offloading a model-shaped KV cache)."""
 
 from __future__ import annotations
 
@@ -46,6 +47,64 @@ def _bench_all(args: argparse.Namespace) -> int:
     return rc or _bench_transfers(args)
 
 
+def _demo(args: argparse.Namespace) -> int:
+    from kvoff.demo import (
+        DemoConfig,
+        format_result,
+        format_sweep,
+        plot_sweep,
+        require_matplotlib,
+        run_demo,
+        sweep_page_sizes,
+    )
+    from kvoff.metrics import TransferMetrics, serve_metrics
+
+    if args.plot:
+        try:
+            require_matplotlib()
+        except ImportError as e:
+            print(f"kvoff demo: {e}", file=sys.stderr)
+            return 2
+    cfg = DemoConfig(
+        requests=args.requests, blocks_per_request=args.blocks_per_request, gpu_blocks=args.gpu_blocks,
+        cpu_blocks=args.cpu_blocks, policy=args.policy, engine=args.engine, device=args.device,
+        prefill_tokens_per_s=args.prefill_tokens_per_s, seed=args.seed,
+        show_progress=False if args.quiet else None,
+    )
+    metrics = TransferMetrics()
+    server = None
+    if args.metrics_port is not None:
+        server = serve_metrics(metrics, args.metrics_port)
+        print(f"serving metrics at {server.url}", file=sys.stderr)
+    try:
+        sys.stdout.flush()
+        result = run_demo(cfg, metrics)
+        prom = metrics.prometheus_text() if args.prometheus else None
+    finally:
+        if server is not None:
+            server.close()
+    sweep = None
+    if args.plot:
+        sweep = sweep_page_sizes(job_mib=args.sweep_mib, engine=args.engine, device=args.device,
+                                 show_progress=False if args.quiet else None)
+        plot_sweep(sweep, args.plot)
+    sys.stderr.flush()
+    if args.json:
+        out = result.as_dict()
+        if sweep is not None:
+            out["sweep"] = sweep
+        print(json.dumps(out, indent=2))
+    else:
+        print(format_result(result))
+        if sweep is not None:
+            print(format_sweep(sweep))
+            print(f"  plot written to {args.plot}")
+        if prom is not None:
+            print()
+            print(prom, end="")
+    return 0 if result.verified else 1
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="kvoff", description="kvoff: KV-cache offloading tools")
     sub = parser.add_subparsers(dest="cmd", required=True)
@@ -69,6 +128,33 @@ def main(argv: list[str] | None = None) -> int:
     t.add_argument("--json", action="store_true", help="print rows as JSON")
     t.add_argument("--quiet", action="store_true", help="no progress bar")
     t.set_defaults(func=_bench_transfers)
+    d = sub.add_parser("demo", help="simulated serving loop: offload a Llama-3-8B-shaped KV cache, verify "
+                       "every reloaded block, report hit rate, GB/s and prefill time saved")
+    d.add_argument("--requests", type=int, default=160)
+    d.add_argument("--blocks-per-request", dest="blocks_per_request", type=int, default=24,
+                   help="16-token blocks per request (default 24 = 384 tokens)")
+    d.add_argument("--gpu-blocks", dest="gpu_blocks", type=int, default=None,
+                   help="GPU KV pool in blocks of 2 MiB (default 64, less when memory is short)")
+    d.add_argument("--cpu-blocks", dest="cpu_blocks", type=int, default=None,
+                   help="host offload capacity in blocks (default 192, less when memory is short)")
+    d.add_argument("--policy", choices=["lru", "arc"], default="arc")
+    d.add_argument("--engine", default="auto", help="handler engine (auto, host, cuda, dma, kernel, staged)")
+    d.add_argument("--device", choices=["auto", "cpu", "cuda"], default="auto",
+                   help="where the KV cache lives (auto: the GPU when there is one)")
+    d.add_argument("--prefill-tokens-per-s", dest="prefill_tokens_per_s", type=float, default=20_000.0,
+                   help="assumed prefill rate of an 8B model, for the time-saved estimate (default 20000, "
+                   "an H100-class GPU)")
+    d.add_argument("--seed", type=int, default=0)
+    d.add_argument("--plot", metavar="FILE.png", default=None,
+                   help="also sweep page sizes and plot GB/s per page size and direction (needs matplotlib)")
+    d.add_argument("--sweep-mib", dest="sweep_mib", type=int, default=None,
+                   help="MiB per job in the page-size sweep (default 16 on the host, 256 on a GPU)")
+    d.add_argument("--metrics-port", dest="metrics_port", type=int, default=None,
+                   help="serve Prometheus metrics at http://127.0.0.1:PORT/metrics while the demo runs")
+    d.add_argument("--prometheus", action="store_true", help="print the Prometheus metrics at the end")
+    d.add_argument("--json", action="store_true", help="print the results as JSON")
+    d.add_argument("--quiet", action="store_true", help="no progress bar")
+    d.set_defaults(func=_demo)
     args = parser.parse_args(argv)
     return int(args.func(args))
 

@@ -27,6 +27,7 @@ import numpy as np
 from kvoff import _native
 from kvoff._native import HostRegion, cuda_available
 from kvoff.errors import CudaUnavailableError, KvoffError
+from kvoff.metrics import TransferMetrics
 
 __all__ = [
     "CanonicalKVCacheRef",
@@ -296,11 +297,13 @@ class SingleDirectionOffloadingHandler:
     """Transfers of one direction (GPU→CPU stores or CPU→GPU loads); see SPEC §6.
 
     Jobs run and complete in submission order. On a CUDA engine every transfer is ordered after
-    the work already queued on the caller's current CUDA stream.
+    the work already queued on the caller's current CUDA stream. With ``metrics`` (a
+    :class:`kvoff.TransferMetrics`), every result returned by :meth:`get_finished` is observed there.
     """
 
-    def __init__(self, native: Any, device: Any = None) -> None:
+    def __init__(self, native: Any, device: Any = None, metrics: TransferMetrics | None = None) -> None:
         self._native = native
+        self.metrics = metrics
         self._store = native.direction == "gpu_to_cpu"
         self._transfer_type: tuple[str, str] = tuple(native.transfer_type)  # type: ignore[assignment]
         self._cuda = native.engine.startswith("cuda")
@@ -348,7 +351,10 @@ class SingleDirectionOffloadingHandler:
     def get_finished(self) -> list[TransferResult]:
         """Results of finished transfers not returned before, in submission order. Never blocks."""
         tt = self._transfer_type
-        return [TransferResult(j, ok, n, t, tt, err) for (j, ok, n, t, err) in self._native.get_finished()]
+        out = [TransferResult(j, ok, n, t, tt, err) for (j, ok, n, t, err) in self._native.get_finished()]
+        if self.metrics is not None and out:
+            self.metrics.observe_all(out)
+        return out
 
     def wait(self, job_ids: Iterable[int] | int) -> None:
         """Blocks until the jobs ``job_ids`` finished (unknown ids are ignored); releases the GIL."""
@@ -386,6 +392,8 @@ class CpuGpuOffloadingHandlers:
         engine: ``"auto"`` (CUDA when the KV caches are on a GPU and CUDA is usable, else host
             memcpy), ``"host"``, ``"cuda"`` (= CUDA, method chosen per job), ``"dma"``,
             ``"kernel"``, ``"staged"`` or ``"loop"``.
+        metrics: a :class:`kvoff.TransferMetrics` that observes every result of both handlers'
+            ``get_finished()``; ``None`` creates one (``self.metrics``).
 
     Raises:
         CudaUnavailableError: a CUDA engine was asked for without CUDA.
@@ -399,8 +407,12 @@ class CpuGpuOffloadingHandlers:
         num_cpu_blocks: int,
         region: HostRegion | None = None,
         engine: str = "auto",
+        metrics: TransferMetrics | None = None,
     ) -> None:
         torch = _torch()
+        if metrics is not None and not isinstance(metrics, TransferMetrics):
+            raise TypeError(f"metrics must be a kvoff.TransferMetrics or None, got {type(metrics).__name__}")
+        self.metrics: TransferMetrics = TransferMetrics() if metrics is None else metrics
         if not isinstance(engine, str) or engine not in ENGINES:
             raise ValueError(f"unknown engine {engine!r}; valid choices: {list(ENGINES)}")
         for name, v in (("block_size_factor", block_size_factor), ("num_cpu_blocks", num_cpu_blocks)):
@@ -483,10 +495,12 @@ class CpuGpuOffloadingHandlers:
         self.gpu_to_cpu_handler = SingleDirectionOffloadingHandler(
             _native.TransferHandler("gpu_to_cpu", gpu_views, cpu_tensors, group_refs, block_size_factor, engine),
             device,
+            self.metrics,
         )
         self.cpu_to_gpu_handler = SingleDirectionOffloadingHandler(
             _native.TransferHandler("cpu_to_gpu", gpu_views, cpu_tensors, group_refs, block_size_factor, engine),
             device,
+            self.metrics,
         )
 
     @property
