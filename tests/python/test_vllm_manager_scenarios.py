@@ -18,6 +18,7 @@ try:
 except ImportError as e:  # pragma: no cover - depends on the environment
     pytest.skip(f"vLLM 0.33 is not importable: {e}", allow_module_level=True)
 
+from kvoff.vllm import KvoffOffloadingManager
 from vllm.v1.kv_offload.base import (
     LookupResult,
     Medium,
@@ -29,8 +30,6 @@ from vllm.v1.kv_offload.base import (
 )
 from vllm.v1.kv_offload.cpu.common import CPULoadStoreSpec, CPUOffloadingMetrics
 from vllm.v1.kv_offload.factory import OffloadingSpecFactory
-
-from kvoff.vllm import KvoffOffloadingManager
 from vllm_helpers import kvoff_extra, make_offloading_config
 
 HIT, MISS, PENDING = LookupResult.HIT, LookupResult.MISS, LookupResult.HIT_PENDING

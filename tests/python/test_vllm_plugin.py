@@ -19,7 +19,9 @@ try:
 except ImportError as e:  # pragma: no cover - depends on the environment
     pytest.skip(f"vLLM 0.33 is not importable: {e}", allow_module_level=True)
 
+import kvoff
 import torch
+from kvoff.vllm import KvoffOffloadConfig, KvoffOffloadingSpec
 from vllm.v1.kv_offload.base import (
     CanonicalKVCacheRef,
     CanonicalKVCaches,
@@ -34,11 +36,7 @@ from vllm.v1.kv_offload.base import (
 )
 from vllm.v1.kv_offload.cpu.common import CPULoadStoreSpec
 from vllm.v1.kv_offload.factory import OffloadingSpecFactory
-
-import kvoff
-from kvoff.vllm import KvoffOffloadConfig, KvoffOffloadingSpec
 from vllm_helpers import kvoff_extra, make_offloading_config
-
 
 # ---------------------------------------------------------------------------------------------
 # Version gate
@@ -53,7 +51,9 @@ def test_supported_version_constant() -> None:
 def test_other_vllm_version_raises_or_warns(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.delenv("KVOFF_ALLOW_UNSUPPORTED_VLLM", raising=False)
     for v in ("0.32.1", "0.34.0", "1.0.0"):
-        with pytest.raises(ImportError, match=r"supports vLLM >=0\.33,<0\.34, but vLLM " + v.replace(".", r"\.")):
+        with pytest.raises(
+            ImportError, match=r"supports vLLM >=0\.33,<0\.34, but vLLM " + v.replace(".", r"\.")
+        ):
             kv._check_version(v)
     kv._check_version("0.33.0")
     kv._check_version("0.33.2+cu130")
@@ -135,7 +135,9 @@ def test_config_reads_all_settings() -> None:
 
 
 def test_config_unknown_key_lists_valid_keys() -> None:
-    with pytest.raises(kvoff.ConfigError, match=r"unknown .*\['evicton_policy'\].*valid keys: .*'eviction_policy'"):
+    with pytest.raises(
+        kvoff.ConfigError, match=r"unknown .*\['evicton_policy'\].*valid keys: .*'eviction_policy'"
+    ):
         KvoffOffloadConfig.from_extra_config(kvoff_extra(evicton_policy="lru"))
     # also through vLLM's factory: the spec refuses to start
     with pytest.raises(kvoff.ConfigError, match="cpu_bytes_to_use"):
@@ -268,7 +270,9 @@ def test_worker_two_groups_byte_exact() -> None:
 
 def test_worker_rejects_out_of_range_ids() -> None:
     caches, _ = _canonical(4, [64], [[0]])
-    spec = OffloadingSpecFactory.create_spec(make_offloading_config(kvoff_extra(engine="host"), worker_kv_bytes_per_block=64))
+    spec = OffloadingSpecFactory.create_spec(
+        make_offloading_config(kvoff_extra(engine="host"), worker_kv_bytes_per_block=64)
+    )
     spec.num_chunks = 2
     worker = spec.get_worker(caches)
     with pytest.raises(ValueError):

@@ -54,10 +54,10 @@ VLLM_VERSION = _vllm_version()
 _check_version(VLLM_VERSION)
 
 try:
-    from kvoff.vllm.config import KvoffOffloadConfig  # noqa: E402
-    from kvoff.vllm.manager import KvoffOffloadingManager  # noqa: E402
-    from kvoff.vllm.spec import KvoffOffloadingSpec  # noqa: E402
-    from kvoff.vllm.worker import KvoffOffloadingWorker  # noqa: E402
+    from kvoff.vllm.config import KvoffOffloadConfig
+    from kvoff.vllm.manager import KvoffOffloadingManager
+    from kvoff.vllm.spec import KvoffOffloadingSpec
+    from kvoff.vllm.worker import KvoffOffloadingWorker
 except ImportError as e:  # an installed vLLM whose offloading interface is not the one expected
     raise ImportError(
         f"kvoff.vllm could not load vLLM {VLLM_VERSION}'s offloading interface ({e}); kvoff.vllm "

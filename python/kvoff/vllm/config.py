@@ -103,7 +103,7 @@ class KvoffOffloadConfig:
         if d.get("cpu_bytes_to_use") is None:
             raise ConfigError(
                 "kv_connector_extra_config must set 'cpu_bytes_to_use' (host bytes for offloaded KV, all "
-                "ranks together), e.g. \"cpu_bytes_to_use\": 8000000000"
+                'ranks together), e.g. "cpu_bytes_to_use": 8000000000'
             )
         cpu_bytes = _int(d, "cpu_bytes_to_use", None, 1)
         assert cpu_bytes is not None
@@ -129,7 +129,9 @@ class KvoffOffloadConfig:
             )
         shared = d.get("shared_region")
         if shared is not None and not isinstance(shared, bool):
-            raise ConfigError(f"kv_connector_extra_config['shared_region'] must be true/false, got {shared!r}")
+            raise ConfigError(
+                f"kv_connector_extra_config['shared_region'] must be true/false, got {shared!r}"
+            )
         timeout = d.get("region_timeout_s", 60.0)
         if isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or timeout <= 0:
             raise ConfigError(f"kv_connector_extra_config['region_timeout_s'] must be > 0, got {timeout!r}")
