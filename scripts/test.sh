@@ -26,4 +26,16 @@ step "pytest"
 "$VENV/bin/python" -m pytest -q -p no:cacheprovider
 step "stub check (mypy.stubtest kvoff._native)"
 "$VENV/bin/python" -m mypy.stubtest kvoff._native
+
+# The vLLM plug-in's tests need vLLM 0.33 (and its torch), which live in their own virtualenv
+# (.ci/run makes it; KVOFF_VLLM_VENV points elsewhere). Without it they are skipped, saying so.
+VLLM_VENV=${KVOFF_VLLM_VENV:-.venv-vllm}
+if [ -x "$VLLM_VENV/bin/python" ] && "$VLLM_VENV/bin/python" -c 'import vllm' >/dev/null 2>&1; then
+  step "kvoff into the vLLM env ($VLLM_VENV)"
+  "$VLLM_VENV/bin/python" -m pip install -q --disable-pip-version-check --no-deps --force-reinstall .
+  step "pytest -m vllm (vLLM env)"
+  "$VLLM_VENV/bin/python" -m pytest -q -p no:cacheprovider -m vllm tests/python/test_vllm_*.py
+else
+  step "pytest -m vllm: skipped (no vLLM env at $VLLM_VENV; .ci/run creates it)"
+fi
 step "all tests passed"

@@ -1,0 +1,74 @@
+"""kvoff as a vLLM KV-offloading spec (vLLM 0.33).
+
+Load it with::
+
+    vllm serve MODEL --kv-transfer-config '{"kv_connector": "OffloadingConnector",
+        "kv_role": "kv_both", "kv_connector_extra_config": {"spec_name": "KvoffOffloadingSpec",
+        "spec_module_path": "kvoff.vllm", "cpu_bytes_to_use": 8000000000}}'
+
+Settings: :class:`KvoffOffloadConfig`. Scheduler side: :class:`KvoffOffloadingManager` (kvoff's
+LRU/ARC managers behind vLLM's ``OffloadingManager``). Worker side: :class:`KvoffOffloadingWorker`
+(kvoff's transfer handlers behind vLLM's ``OffloadingWorker``).
+
+``import kvoff`` never needs vLLM; importing this module does, and checks its version: another
+version raises ``ImportError`` unless ``KVOFF_ALLOW_UNSUPPORTED_VLLM=1`` is set, which turns that
+into a warning (the interface may have changed).
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import warnings
+from importlib import metadata
+
+SUPPORTED_VLLM = ">=0.33,<0.34"
+_SUPPORTED_MINOR = (0, 33)
+
+
+def _vllm_version() -> str:
+    try:
+        return metadata.version("vllm")
+    except metadata.PackageNotFoundError:
+        raise ImportError(
+            f"kvoff.vllm is kvoff's plug-in for vLLM and needs vLLM {SUPPORTED_VLLM} "
+            f"(pip install 'vllm{SUPPORTED_VLLM}'), but vLLM is not installed"
+        ) from None
+
+
+def _check_version(version: str) -> None:
+    m = re.match(r"(\d+)\.(\d+)", version)
+    if m and (int(m.group(1)), int(m.group(2))) == _SUPPORTED_MINOR:
+        return
+    msg = (
+        f"kvoff.vllm supports vLLM {SUPPORTED_VLLM}, but vLLM {version} is installed; install "
+        f"'vllm{SUPPORTED_VLLM}' (or set KVOFF_ALLOW_UNSUPPORTED_VLLM=1 to try anyway)"
+    )
+    if os.environ.get("KVOFF_ALLOW_UNSUPPORTED_VLLM") == "1":
+        warnings.warn(msg, RuntimeWarning, stacklevel=3)
+        return
+    raise ImportError(msg)
+
+
+VLLM_VERSION = _vllm_version()
+_check_version(VLLM_VERSION)
+
+try:
+    from kvoff.vllm.config import KvoffOffloadConfig
+    from kvoff.vllm.manager import KvoffOffloadingManager
+    from kvoff.vllm.spec import KvoffOffloadingSpec
+    from kvoff.vllm.worker import KvoffOffloadingWorker
+except ImportError as e:  # an installed vLLM whose offloading interface is not the one expected
+    raise ImportError(
+        f"kvoff.vllm could not load vLLM {VLLM_VERSION}'s offloading interface ({e}); kvoff.vllm "
+        f"supports vLLM {SUPPORTED_VLLM}"
+    ) from e
+
+__all__ = [
+    "SUPPORTED_VLLM",
+    "VLLM_VERSION",
+    "KvoffOffloadConfig",
+    "KvoffOffloadingManager",
+    "KvoffOffloadingSpec",
+    "KvoffOffloadingWorker",
+]

@@ -1,0 +1,156 @@
+"""The one place that reads kvoff's settings from vLLM's ``kv_connector_extra_config``.
+
+Keys are of two kinds: kvoff's own (the dataclass fields below) and the keys vLLM's offloading
+connector itself reads from the same dict (``spec_name``, ``spec_module_path``, ``block_size``,
+``blocks_per_chunk``, …), which are accepted and left to vLLM. Anything else is rejected with a
+:class:`~kvoff.ConfigError` that lists the valid keys, so a typo never silently falls back to a
+default.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass, fields
+from typing import Any
+
+from kvoff.errors import ConfigError
+from kvoff.handlers import ENGINES
+
+__all__ = ["ENGINE_CHOICES", "POLICIES", "VLLM_KEYS", "KvoffOffloadConfig"]
+
+POLICIES = ("lru", "arc")
+ENGINE_CHOICES = tuple(e for e in ENGINES if e != "loop")
+
+#: Keys of ``kv_connector_extra_config`` that vLLM 0.33's offloading connector (not the spec)
+#: reads; kvoff accepts them and leaves them to vLLM.
+VLLM_KEYS = (
+    "spec_name",
+    "spec_module_path",
+    "self_describing_kv_events",
+    "offload_prompt_only",
+    "sync_load_budget_bytes",
+    "canonical_layout",
+)
+
+
+def _int(d: Mapping[str, Any], key: str, default: int | None, minimum: int) -> int | None:
+    v = d.get(key, default)
+    if v is None:
+        return None
+    if isinstance(v, bool) or not isinstance(v, (int, float, str)):
+        raise ConfigError(f"kv_connector_extra_config[{key!r}] must be an integer, got {v!r}")
+    try:
+        f = float(v)
+    except ValueError:
+        raise ConfigError(f"kv_connector_extra_config[{key!r}] must be an integer, got {v!r}") from None
+    if f != int(f):
+        raise ConfigError(f"kv_connector_extra_config[{key!r}] must be an integer, got {v!r}")
+    if int(f) < minimum:
+        raise ConfigError(f"kv_connector_extra_config[{key!r}] must be >= {minimum}, got {v!r}")
+    return int(f)
+
+
+@dataclass(frozen=True)
+class KvoffOffloadConfig:
+    """kvoff's settings inside vLLM (``kv_connector_extra_config``).
+
+    Attributes:
+        cpu_bytes_to_use: host memory for offloaded KV, in bytes, for all ranks together
+            (required; numbers such as ``8e9`` are accepted).
+        eviction_policy: ``"lru"`` or ``"arc"``.
+        store_threshold: a block is stored only once it has been offered this many times
+            (values < 2 store everything).
+        max_tracker_size: how many offered keys the store-threshold tracker remembers.
+        engine: kvoff's transfer engine: ``"auto"`` (CUDA when the KV caches are on a GPU, else
+            host memcpy), ``"host"``, ``"cuda"``, ``"dma"``, ``"kernel"`` or ``"staged"``.
+        block_size: tokens per offloaded (CPU) block; a multiple of vLLM's GPU block size.
+            vLLM derives the block size factor from it. Exclusive with ``blocks_per_chunk``.
+        blocks_per_chunk: GPU blocks per offloaded block (the block size factor).
+        shared_region: place the host memory of all ranks in one shared mapping in /dev/shm
+            (``None``: when the engine has more than one rank).
+        region_timeout_s: how long a rank waits for the others to size the shared region.
+    """
+
+    cpu_bytes_to_use: int
+    eviction_policy: str = "lru"
+    store_threshold: int = 0
+    max_tracker_size: int = 64_000
+    engine: str = "auto"
+    block_size: int | None = None
+    blocks_per_chunk: int | None = None
+    shared_region: bool | None = None
+    region_timeout_s: float = 60.0
+
+    @classmethod
+    def valid_keys(cls) -> tuple[str, ...]:
+        return tuple(f.name for f in fields(cls)) + VLLM_KEYS
+
+    @classmethod
+    def from_extra_config(cls, extra_config: Mapping[str, Any] | None) -> KvoffOffloadConfig:
+        """Reads and validates the settings.
+
+        Raises:
+            ConfigError: an unknown key (the message lists the valid ones), a missing or
+                non-positive ``cpu_bytes_to_use``, or a bad value.
+        """
+        d = dict(extra_config or {})
+        valid = cls.valid_keys()
+        unknown = sorted(k for k in d if k not in valid)
+        if unknown:
+            raise ConfigError(
+                f"unknown kv_connector_extra_config key(s) {unknown} for kvoff; valid keys: {sorted(valid)}"
+            )
+        if d.get("cpu_bytes_to_use") is None:
+            raise ConfigError(
+                "kv_connector_extra_config must set 'cpu_bytes_to_use' (host bytes for offloaded KV, all "
+                'ranks together), e.g. "cpu_bytes_to_use": 8000000000'
+            )
+        cpu_bytes = _int(d, "cpu_bytes_to_use", None, 1)
+        assert cpu_bytes is not None
+
+        policy = d.get("eviction_policy", "lru")
+        if not isinstance(policy, str) or policy.lower() not in POLICIES:
+            raise ConfigError(
+                f"kv_connector_extra_config['eviction_policy'] = {policy!r} is not a kvoff policy; "
+                f"valid choices: {list(POLICIES)}"
+            )
+        engine = d.get("engine", "auto")
+        if not isinstance(engine, str) or engine not in ENGINE_CHOICES:
+            raise ConfigError(
+                f"kv_connector_extra_config['engine'] = {engine!r} is not a kvoff engine; valid choices: "
+                f"{list(ENGINE_CHOICES)}"
+            )
+        block_size = _int(d, "block_size", None, 1)
+        blocks_per_chunk = _int(d, "blocks_per_chunk", None, 1)
+        if block_size is not None and blocks_per_chunk is not None:
+            raise ConfigError(
+                "kv_connector_extra_config: set only one of 'block_size' (tokens per offloaded block) and "
+                "'blocks_per_chunk' (GPU blocks per offloaded block)"
+            )
+        shared = d.get("shared_region")
+        if shared is not None and not isinstance(shared, bool):
+            raise ConfigError(
+                f"kv_connector_extra_config['shared_region'] must be true/false, got {shared!r}"
+            )
+        timeout = d.get("region_timeout_s", 60.0)
+        if isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or timeout <= 0:
+            raise ConfigError(f"kv_connector_extra_config['region_timeout_s'] must be > 0, got {timeout!r}")
+        if d.get("canonical_layout"):
+            raise ConfigError(
+                "kvoff does not support vLLM's canonical_layout; remove 'canonical_layout' from "
+                "kv_connector_extra_config (or set it to false)"
+            )
+        store_threshold = _int(d, "store_threshold", 0, 0)
+        max_tracker_size = _int(d, "max_tracker_size", 64_000, 1)
+        assert store_threshold is not None and max_tracker_size is not None
+        return cls(
+            cpu_bytes_to_use=cpu_bytes,
+            eviction_policy=policy.lower(),
+            store_threshold=store_threshold,
+            max_tracker_size=max_tracker_size,
+            engine=engine,
+            block_size=block_size,
+            blocks_per_chunk=blocks_per_chunk,
+            shared_region=shared,
+            region_timeout_s=float(timeout),
+        )

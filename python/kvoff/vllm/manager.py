@@ -1,0 +1,203 @@
+"""vLLM 0.33's ``OffloadingManager`` on top of a kvoff manager (LRU or ARC).
+
+Mapping of the interface (vLLM → kvoff):
+
+- keys: vLLM's ``OffloadKey`` is already ``block hash ‖ group idx (4 bytes, big-endian)``, kvoff's
+  key format, so keys pass through unchanged;
+- ``lookup`` → ``True``/``None``/``False`` become ``HIT``/``HIT_PENDING``/``MISS``;
+- ``prepare_load``/``prepare_store`` return vLLM's ``CPULoadStoreSpec``/``PrepareStoreOutput``
+  (block ids co-indexed with the keys);
+- ``complete_*``, ``touch``, ``reset_cache``, ``shutdown`` delegate;
+- events become vLLM ``OffloadingEvent``s on ``Medium.CPU`` (a failed store emits none: kvoff
+  never announced its keys);
+- ``get_stats`` reports the gauges and counters vLLM's CPU spec reports (usage, write/read usage,
+  allocation sizes, stores skipped);
+- recency: vLLM 0.33's scheduler no longer calls ``touch``; it tells the manager which keys a
+  request used and, in ``on_request_finished``, commits that access. The adapter records the
+  keys each request loads or offers and touches them head-to-tail when the request finishes
+  (so the head of the prompt ends most recently used). For ARC only the keys the request
+  *reused* (loaded, or offered while already stored) are touched: a store alone is not a
+  second access and must not promote a block to T2.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Collection, Iterable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from vllm.distributed.kv_transfer.kv_connector.v1.offloading.metrics import OffloadingConnectorStats
+from vllm.v1.kv_offload.base import (
+    ConfigInfoMapping,
+    LookupResult,
+    Medium,
+    OffloadingEvent,
+    OffloadingManager,
+    OffloadKey,
+    PrepareStoreOutput,
+    ReqContext,
+    RequestOffloadingContext,
+)
+from vllm.v1.kv_offload.cpu.common import CPULoadStoreSpec, CPUOffloadingInfo, CPUOffloadingMetrics
+
+import kvoff
+
+__all__ = ["KvoffOffloadingManager"]
+
+
+@dataclass
+class _RequestAccess:
+    """Keys one request used, in the order first seen, and which of them it reused."""
+
+    owner: object
+    generation: int
+    keys: dict[bytes, None] = field(default_factory=dict)
+    reused: set[bytes] = field(default_factory=set)
+    finished: bool = False
+
+
+class KvoffOffloadingManager(OffloadingManager):
+    """A vLLM ``OffloadingManager`` backed by ``kvoff.create_manager(policy, num_chunks)``."""
+
+    def __init__(
+        self,
+        num_chunks: int,
+        eviction_policy: str = "lru",
+        enable_events: bool = False,
+        store_threshold: int = 0,
+        max_tracker_size: int = 64_000,
+        info: CPUOffloadingInfo | None = None,
+    ) -> None:
+        self.medium = Medium.CPU
+        self.policy = eviction_policy.lower()
+        self.store_threshold = store_threshold
+        self.kvoff_manager = kvoff.create_manager(
+            self.policy,
+            num_chunks,
+            enable_events=enable_events,
+            store_threshold=store_threshold,
+            max_tracker_size=max_tracker_size,
+        )
+        self._config_info: ConfigInfoMapping = info.as_config_info() if info is not None else {}
+        self._allocation_sizes: list[int] = []
+        self._generation = 0
+
+    @property
+    def num_chunks(self) -> int:
+        return int(self.kvoff_manager.num_blocks)
+
+    # --- per-request access tracking ---------------------------------------------------------
+
+    def _access(self, req_context: ReqContext) -> _RequestAccess:
+        state = req_context.get_state(_RequestAccess)
+        if state is None or state.owner is not self or state.generation != self._generation:
+            state = _RequestAccess(owner=self, generation=self._generation)
+            req_context.set_state(state)
+        return state
+
+    def _record(self, keys: Iterable[bytes], req_context: ReqContext, reused: Iterable[bytes] = ()) -> None:
+        state = self._access(req_context)
+        if state.finished:
+            return
+        for k in keys:
+            state.keys.setdefault(k, None)
+        state.reused.update(reused)
+
+    # --- OffloadingManager -------------------------------------------------------------------
+
+    def on_new_request(self, req_context: ReqContext) -> RequestOffloadingContext:
+        self._access(req_context)
+        return RequestOffloadingContext()
+
+    def lookup(self, key: OffloadKey, req_context: ReqContext) -> LookupResult:
+        r = self.kvoff_manager.lookup(key)
+        if r is None:
+            return LookupResult.HIT_PENDING
+        return LookupResult.HIT if r else LookupResult.MISS
+
+    def prepare_load(self, keys: Collection[OffloadKey], req_context: ReqContext) -> CPULoadStoreSpec:
+        keys = list(keys)
+        spec = self.kvoff_manager.prepare_load(keys)
+        self._record(keys, req_context, reused=keys)
+        return CPULoadStoreSpec(spec.block_ids.tolist())
+
+    def touch(self, keys: Collection[OffloadKey], req_context: ReqContext) -> None:
+        self.kvoff_manager.touch(list(keys))
+
+    def complete_load(self, keys: Collection[OffloadKey], req_context: ReqContext) -> None:
+        self.kvoff_manager.complete_load(list(keys))
+
+    def prepare_store(
+        self, keys: Collection[OffloadKey], req_context: ReqContext
+    ) -> PrepareStoreOutput | None:
+        keys = list(keys)
+        ready = [k for k in keys if self.kvoff_manager.lookup(k)]
+        out = self.kvoff_manager.prepare_store(keys)
+        self._record(keys, req_context, reused=ready)
+        if out is None:
+            return None
+        to_store = list(out.keys_to_store)
+        if to_store:
+            self._allocation_sizes.append(len(to_store))
+        return PrepareStoreOutput(
+            keys_to_store=to_store,
+            store_spec=CPULoadStoreSpec(out.store_spec.block_ids.tolist()),
+            evicted_keys=list(out.evicted_keys),
+        )
+
+    def complete_store(
+        self, keys: Collection[OffloadKey], req_context: ReqContext, success: bool = True
+    ) -> None:
+        self.kvoff_manager.complete_store(list(keys), success)
+
+    def on_request_finished(self, req_context: ReqContext) -> None:
+        state = req_context.get_state(_RequestAccess)
+        if state is None or state.owner is not self or state.generation != self._generation or state.finished:
+            return
+        state.finished = True
+        keys = list(state.keys)
+        positions = {k: req_context.get_offload_key_position(k) for k in keys}
+        if keys and all(p is not None for p in positions.values()):
+            keys.sort(key=lambda k: positions[k])  # type: ignore[arg-type, return-value]
+        if self.policy == "arc":
+            keys = [k for k in keys if k in state.reused]
+        if keys:
+            # kvoff's touch processes keys in reverse: the request's head ends most recently used.
+            self.kvoff_manager.touch(keys)
+
+    def take_events(self) -> Iterable[OffloadingEvent]:
+        for ev in self.kvoff_manager.take_events():
+            yield OffloadingEvent(keys=list(ev.keys), medium=self.medium, removed=bool(ev.removed))
+
+    def reset_cache(self) -> None:
+        self.kvoff_manager.reset()
+        self._generation += 1
+        self._allocation_sizes.clear()
+
+    def get_stats(self) -> OffloadingConnectorStats | None:
+        s = self.kvoff_manager.get_stats()
+        stats = OffloadingConnectorStats()
+        stats.set_gauge(CPUOffloadingMetrics.CPU_CACHE_USAGE_PERC, float(s["usage"]))
+        stats.set_gauge(CPUOffloadingMetrics.CPU_CACHE_WRITE_USAGE_PERC, float(s["write_usage"]))
+        stats.set_gauge(CPUOffloadingMetrics.CPU_CACHE_READ_USAGE_PERC, float(s["read_usage"]))
+        for n in self._allocation_sizes:
+            stats.observe_histogram(CPUOffloadingMetrics.CPU_ALLOCATION_SIZE, n)
+        self._allocation_sizes.clear()
+        if self.store_threshold >= 2:
+            stats.increase_counter(CPUOffloadingMetrics.STORES_SKIPPED, int(s["stores_skipped"]))
+        return stats
+
+    def config_info(self) -> Sequence[ConfigInfoMapping]:
+        return [self._config_info]
+
+    def shutdown(self) -> None:
+        self.kvoff_manager.shutdown()
+
+    def __len__(self) -> int:
+        return len(self.kvoff_manager)
+
+    def __repr__(self) -> str:
+        return f"KvoffOffloadingManager(policy={self.policy!r}, num_chunks={self.num_chunks})"
+
+    def __getstate__(self) -> Any:  # pragma: no cover - managers live in one process
+        raise TypeError("KvoffOffloadingManager cannot be pickled")
