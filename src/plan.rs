@@ -771,30 +771,34 @@ impl CopyPlanner {
             let info = &self.groups[g];
             let gids = &gpu.block_ids[goff..goff + size];
             let cids = &cpu_ids[coff..];
-            for r in &self.refs[info.refs.clone()] {
-                let t = r.tensor_idx;
-                let (gd, cd, csub) = (&self.gpu[t], &self.cpu[t], self.cpu_sub_bytes[t]);
-                let p = r.page_size_bytes;
-                let mut ci = 0usize;
-                let mut j = skip;
-                let mut crow = cd.base_ptr + cids[0].unsigned_abs() * cd.row_stride_bytes;
-                for &gid in gids {
-                    let gptr = gd.base_ptr + gid.unsigned_abs() * gd.row_stride_bytes;
-                    let cptr = crow + j * csub;
-                    if to_cpu {
-                        out.push_merged(gptr, cptr, p);
-                    } else {
-                        out.push_merged(cptr, gptr, p);
-                    }
-                    j += 1;
-                    if j == f {
-                        j = 0;
-                        ci += 1;
-                        if let Some(&c) = cids.get(ci) {
-                            crow = cd.base_ptr + c.unsigned_abs() * cd.row_stride_bytes;
+            let refs = &self.refs[info.refs.clone()];
+            // CPU-block-major: for each CPU block, every ref's sub-blocks in row order. With
+            // kvoff's block-major host rows this makes each CPU block one host-contiguous run,
+            // which the CUDA engine's staged method moves with one large DMA.
+            let (mut pos, mut ci, mut j0) = (0usize, 0usize, skip);
+            while pos < size {
+                let n = usize::try_from(f - j0)
+                    .unwrap_or(usize::MAX)
+                    .min(size - pos);
+                let c = cids[ci].unsigned_abs();
+                for r in refs {
+                    let t = r.tensor_idx;
+                    let (gd, cd, csub) = (&self.gpu[t], &self.cpu[t], self.cpu_sub_bytes[t]);
+                    let p = r.page_size_bytes;
+                    let crow = cd.base_ptr + c * cd.row_stride_bytes;
+                    for (k, &gid) in gids[pos..pos + n].iter().enumerate() {
+                        let gptr = gd.base_ptr + gid.unsigned_abs() * gd.row_stride_bytes;
+                        let cptr = crow + (j0 + k as u64) * csub;
+                        if to_cpu {
+                            out.push_merged(gptr, cptr, p);
+                        } else {
+                            out.push_merged(cptr, gptr, p);
                         }
                     }
                 }
+                pos += n;
+                ci += 1;
+                j0 = 0;
             }
             out.total_bytes += size as u64 * info.bytes_per_block;
             out.num_block_copies += (size * info.refs.len()) as u64;
@@ -920,6 +924,40 @@ mod tests {
             .map(|t| TensorDesc::contiguous(0x9000_0000 + t as u64 * 0x10_0000, 10, PAGE * f))
             .collect();
         CopyPlanner::new(gpu, cpu, groups, f).unwrap()
+    }
+
+    /// Copies come out CPU-block-major: with block-major host rows (all tensors' sub-blocks of a
+    /// CPU block side by side) every CPU block is one host-contiguous run.
+    #[test]
+    fn emission_is_cpu_block_major() {
+        let f = 2;
+        let row = 2 * PAGE * f; // two tensors per row, block-major
+        let gpu = (0..2)
+            .map(|t| TensorDesc::contiguous(0x1000_0000 + t * 0x10_0000, 100, PAGE))
+            .collect();
+        let cpu = (0..2)
+            .map(|t| TensorDesc::new(0x9000_0000 + t * PAGE * f, 10, row, PAGE * f))
+            .collect();
+        let refs = vec![vec![PlanRef::new(0, PAGE), PlanRef::new(1, PAGE)]];
+        let p = CopyPlanner::new(gpu, cpu, refs, f).unwrap();
+        let plan = p
+            .plan(Direction::GpuToCpu, &GpuSpec::new(&[7, 3, 50, 20]), &[4, 1])
+            .unwrap();
+        let dsts: Vec<u64> = plan.copies().iter().map(|c| c.dst_ptr).collect();
+        let base = 0x9000_0000u64;
+        assert_eq!(
+            dsts,
+            vec![
+                base + 4 * row,
+                base + 4 * row + PAGE,
+                base + 4 * row + 2 * PAGE,
+                base + 4 * row + 3 * PAGE,
+                base + row,
+                base + row + PAGE,
+                base + row + 2 * PAGE,
+                base + row + 3 * PAGE,
+            ]
+        );
     }
 
     #[test]
