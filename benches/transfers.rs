@@ -238,6 +238,22 @@ fn main() {
         "CTAs",
         "submit"
     );
+    if let Some(cal) = dev.calibration() {
+        let _ = writeln!(
+            out,
+            "calibration (auto's table, GB/s by copy size / staged run):"
+        );
+        for r in &cal.rows {
+            let _ = writeln!(
+                out,
+                "    {:?} {:<7} {:>8} B {:>6.1}",
+                r.direction,
+                r.method.name(),
+                r.bytes,
+                r.gbps
+            );
+        }
+    }
     let mut rng = Rng(42);
     for sc in &scenarios {
         let rows = sc.blocks * 4;

@@ -345,3 +345,24 @@ fn no_driver_is_a_typed_error() {
         Err(KvoffError::CudaUnavailable(_))
     ));
 }
+
+/// `Auto`'s calibration is measured on the device (or loaded from the cache), covers every method
+/// and direction, and is printed for the record.
+#[test]
+fn calibration_covers_methods_and_directions() {
+    let Some(dev) = device() else { return };
+    let cal = dev.calibration().expect("calibration measured");
+    for dir in [Direction::GpuToCpu, Direction::CpuToGpu] {
+        for m in [CopyMethod::Kernel, CopyMethod::Dma, CopyMethod::Staged] {
+            let n = cal
+                .rows
+                .iter()
+                .filter(|r| r.direction == dir && r.method == m && r.gbps > 0.5)
+                .count();
+            assert!(n >= 4, "{dir:?} {m:?}: {n} rows");
+        }
+    }
+    eprintln!("{}", cal.to_text());
+    // A second call returns the same (cached) calibration.
+    assert!(Arc::ptr_eq(&cal, &dev.calibration().unwrap()));
+}

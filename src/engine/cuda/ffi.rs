@@ -514,3 +514,31 @@ pub(crate) unsafe fn memcpy_batch(
         "cuMemcpyBatchAsync",
     )
 }
+
+/// The device's UUID as 32 hex digits, and the driver version (e.g. 13000).
+///
+/// # Safety
+/// 1. [`init`] succeeded and `dev` came from [`open_device`].
+pub(crate) unsafe fn device_identity(dev: CUdevice) -> Result<(String, i32)> {
+    // SAFETY: all-zero is a valid CUuuid.
+    let mut uuid: sys::CUuuid = unsafe { std::mem::zeroed() };
+    check(
+        unsafe { sys::cuDeviceGetUuid_v2(&raw mut uuid, dev) },
+        "cuDeviceGetUuid",
+    )?;
+    let mut version = 0;
+    check(
+        unsafe { sys::cuDriverGetVersion(&raw mut version) },
+        "cuDriverGetVersion",
+    )?;
+    let hex = uuid
+        .bytes
+        .iter()
+        .fold(String::with_capacity(32), |mut s, b| {
+            use std::fmt::Write as _;
+            #[allow(clippy::cast_sign_loss)] // c_char bytes, printed as unsigned
+            let _ = write!(s, "{:02x}", *b as u8);
+            s
+        });
+    Ok((hex, version))
+}

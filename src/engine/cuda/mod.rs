@@ -17,7 +17,10 @@
 #![allow(unsafe_code)]
 #![deny(unsafe_op_in_unsafe_fn)]
 
+mod calibrate;
 mod ffi;
+
+pub use calibrate::{CalRow, Calibration};
 
 use std::collections::VecDeque;
 use std::ffi::c_void;
@@ -25,7 +28,7 @@ use std::sync::{Arc, Mutex, OnceLock};
 
 use super::{Job, JobResult, TransferEngine};
 use crate::error::{KvoffError, Result};
-use crate::plan::{CopyOp, Direction};
+use crate::plan::{CopyOp, CopyPlan, Direction};
 use crate::region::HostRegistrar;
 
 /// PTX of `kernels/copy.cu` (built by `kernels/build_ptx.py`).
@@ -114,6 +117,8 @@ pub struct CudaDevice {
     /// Time of the last submission per direction, in µs since `epoch` (0 = never).
     last_submit_us: [std::sync::atomic::AtomicU64; 2],
     epoch: std::time::Instant,
+    /// `Auto`'s calibration (measured or loaded once per process; `None` if disabled or failed).
+    calibration: OnceLock<Option<Arc<Calibration>>>,
 }
 
 impl std::fmt::Debug for CudaDevice {
@@ -222,9 +227,50 @@ impl CudaDevice {
                 std::sync::atomic::AtomicU64::new(0),
             ],
             epoch: std::time::Instant::now(),
+            calibration: OnceLock::new(),
         });
         devs.push(Arc::clone(&d));
         Ok(d)
+    }
+
+    /// The calibration `Auto` uses on this device: loaded from the on-disk cache, or measured now
+    /// (≈ 0.3 s, see the `calibrate` module) and cached. `None` when `KVOFF_CALIBRATION=off` or
+    /// the measurement failed (then `Auto` uses its built-in thresholds).
+    pub fn calibration(self: &Arc<Self>) -> Option<Arc<Calibration>> {
+        self.calibration
+            .get_or_init(|| {
+                let mode = std::env::var("KVOFF_CALIBRATION").unwrap_or_default();
+                if mode == "off" {
+                    return None;
+                }
+                self.bind().ok()?;
+                // SAFETY: the device was opened by `open`.
+                let path = unsafe { ffi::device_identity(self.dev) }
+                    .ok()
+                    .and_then(|(uuid, driver)| calibrate::cache_path(&uuid, driver));
+                if mode != "force" {
+                    if let Some(c) = path
+                        .as_ref()
+                        .and_then(|p| std::fs::read_to_string(p).ok())
+                        .and_then(|t| Calibration::from_text(&t))
+                    {
+                        return Some(Arc::new(c));
+                    }
+                }
+                let c = measure_calibration(self).ok()?;
+                if let Some(p) = path {
+                    if let Some(dir) = p.parent() {
+                        let _ = std::fs::create_dir_all(dir);
+                    }
+                    // Write then rename, so a concurrent reader never sees half a file.
+                    let tmp = p.with_extension(format!("tmp{}", std::process::id()));
+                    if std::fs::write(&tmp, c.to_text()).is_ok() {
+                        let _ = std::fs::rename(&tmp, &p);
+                    }
+                }
+                Some(Arc::new(c))
+            })
+            .clone()
     }
 
     /// Records a submission in `dir` (for [`CudaDevice::other_direction_active`]).
@@ -389,6 +435,9 @@ pub struct CudaEngineConfig {
     pub staged_min_run_bytes_load: u64,
     /// Read through the non-coherent (read-only) load path in the copy kernel.
     pub read_only_loads: bool,
+    /// Let `Auto` use the device's calibration ([`CudaDevice::calibration`]); the thresholds above
+    /// are the fallback.
+    pub calibrate: bool,
 }
 
 impl Default for CudaEngineConfig {
@@ -404,6 +453,7 @@ impl Default for CudaEngineConfig {
             staged_min_run_bytes: 1 << 20,
             staged_min_run_bytes_load: 256 << 10,
             read_only_loads: false,
+            calibrate: true,
         }
     }
 }
@@ -578,6 +628,8 @@ pub struct CudaEngine {
     last_submit_ns: u64,
     /// Results of jobs drained by `shutdown`, returned by the next `poll`.
     drained: Vec<JobResult>,
+    /// The device's calibration when `method` is `Auto` and calibration is on.
+    calibration: Option<Arc<Calibration>>,
 }
 
 impl std::fmt::Debug for CudaEngine {
@@ -619,6 +671,11 @@ impl CudaEngine {
                 "staging needs at least one slot of at least 64 KiB",
             ));
         }
+        let calibration = if cfg.method == CopyMethod::Auto && cfg.calibrate {
+            device.calibration()
+        } else {
+            None
+        };
         device.bind()?;
         // SAFETY: the context is current.
         let stream = unsafe { ffi::stream_create(direction == Direction::CpuToGpu) }?;
@@ -650,6 +707,7 @@ impl CudaEngine {
             last_pack_ns: 0,
             last_submit_ns: 0,
             drained: Vec::new(),
+            calibration,
         })
     }
 
@@ -740,12 +798,23 @@ impl CudaEngine {
                 // When the other direction is busy, staging both ways is the best pair from 256 KiB
                 // runs (82–99 GB/s total vs 58–75 for any pair with the kernel).
                 let other_busy = self.device.other_direction_active(self.direction);
+                let runs = host_runs(self.direction, copies);
+                if let Some(m) = self.calibration.as_ref().and_then(|c| {
+                    c.choose(
+                        self.direction,
+                        avg,
+                        bytes / runs.max(1),
+                        self.cfg.host_mapped,
+                        other_busy,
+                    )
+                }) {
+                    return m;
+                }
                 let min_run = match self.direction {
                     _ if other_busy => self.cfg.staged_min_run_bytes_load,
                     Direction::GpuToCpu => self.cfg.staged_min_run_bytes,
                     Direction::CpuToGpu => self.cfg.staged_min_run_bytes_load,
                 };
-                let runs = host_runs(self.direction, copies);
                 if runs > 0 && bytes / runs >= min_run {
                     CopyMethod::Staged
                 } else {
@@ -1555,6 +1624,108 @@ impl Drop for CudaStream {
             let _ = unsafe { ffi::stream_destroy(self.stream.0) };
         }
     }
+}
+
+/// Measures the copy methods on `dev` for [`Calibration`]: 16 MiB jobs of scattered copies (kernel,
+/// DMA) or of scattered 32 KiB pages grouped into host-contiguous runs (staged), each direction,
+/// median of three after a warm-up.
+fn measure_calibration(dev: &Arc<CudaDevice>) -> Result<Calibration> {
+    const BUF: u64 = 64 << 20;
+    const JOB: u64 = 16 << 20;
+    let gpu = DeviceBuffer::new(dev, BUF as usize)?;
+    let host = PinnedBuffer::new(dev, BUF as usize)?;
+    let mut seed = 0x9e37_79b9_7f4a_7c15u64;
+    let mut next = move || {
+        seed ^= seed << 13;
+        seed ^= seed >> 7;
+        seed ^= seed << 17;
+        seed
+    };
+    // `k` distinct slots of `unit` bytes in the buffer, shuffled.
+    let mut slots = |unit: u64, k: usize| -> Vec<u64> {
+        let n = (BUF / unit) as usize;
+        let mut v: Vec<u64> = (0..n as u64).collect();
+        for i in 0..k.min(n) {
+            let j = i + (next() % (n - i) as u64) as usize;
+            v.swap(i, j);
+        }
+        v.truncate(k);
+        v
+    };
+    let mut rows = Vec::new();
+    for dir in [Direction::GpuToCpu, Direction::CpuToGpu] {
+        for (method, sizes) in [
+            (CopyMethod::Kernel, &calibrate::COPY_SIZES[..]),
+            (CopyMethod::Dma, &calibrate::COPY_SIZES[..]),
+            (CopyMethod::Staged, &calibrate::RUN_SIZES[..]),
+        ] {
+            let cfg = CudaEngineConfig {
+                method,
+                calibrate: false,
+                ..CudaEngineConfig::default()
+            };
+            let mut eng = CudaEngine::new(Arc::clone(dev), dir, cfg)?;
+            for &size in sizes {
+                // Kernel/DMA: copies of `size`; staged: 32 KiB pages in host runs of `size`.
+                let page = if method == CopyMethod::Staged {
+                    size.min(32 << 10)
+                } else {
+                    size
+                };
+                let n = (JOB / page) as usize;
+                let gslots = slots(page, n);
+                let per_run = (size / page) as usize;
+                let hruns = slots(size, n.div_ceil(per_run));
+                let copies: Vec<CopyOp> = (0..n)
+                    .map(|i| {
+                        let g = gpu.ptr() + gslots[i] * page;
+                        let h =
+                            host.ptr() + hruns[i / per_run] * size + (i % per_run) as u64 * page;
+                        match dir {
+                            Direction::GpuToCpu => CopyOp {
+                                src_ptr: g,
+                                dst_ptr: h,
+                                bytes: page,
+                            },
+                            Direction::CpuToGpu => CopyOp {
+                                src_ptr: h,
+                                dst_ptr: g,
+                                bytes: page,
+                            },
+                        }
+                    })
+                    .collect();
+                let mut secs = Vec::new();
+                for rep in 0..4i64 {
+                    let plan = CopyPlan::from_copies(dir, copies.clone())?;
+                    // SAFETY: the buffers outlive the engine's jobs (waited for below).
+                    unsafe { eng.submit(super::Job::new(rep, plan)) }?;
+                    eng.wait(&[rep])?;
+                    for r in eng.poll() {
+                        if !r.success {
+                            return Err(KvoffError::Cuda(r.error.unwrap_or_default()));
+                        }
+                        if rep > 0 {
+                            secs.push(r.seconds);
+                        }
+                    }
+                }
+                secs.sort_by(f64::total_cmp);
+                let s = secs.get(secs.len() / 2).copied().unwrap_or(0.0);
+                if s > 0.0 {
+                    #[allow(clippy::cast_precision_loss)]
+                    rows.push(CalRow {
+                        direction: dir,
+                        method,
+                        bytes: size,
+                        gbps: JOB as f64 / s / 1e9,
+                    });
+                }
+            }
+            eng.shutdown();
+        }
+    }
+    Ok(Calibration { rows })
 }
 
 #[cfg(test)]
