@@ -246,10 +246,11 @@ fn main() {
         for r in &cal.rows {
             let _ = writeln!(
                 out,
-                "    {:?} {:<7} {:>8} B {:>6.1}",
+                "    {:?} {:<7} {:>8} B (pages {:>6} B) {:>6.1}",
                 r.direction,
                 r.method.name(),
                 r.bytes,
+                r.page,
                 r.gbps
             );
         }

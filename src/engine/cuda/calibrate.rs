@@ -1,15 +1,15 @@
 //! Per-device calibration of the `Auto` copy method.
 //!
-//! A short measurement on the device itself (≈ 0.3 s, once per device and driver, cached on disk)
+//! A short measurement on the device itself (about a second, once per device and driver, cached on disk)
 //! of how fast each copy method moves scattered blocks in each direction: the kernel and batched DMA
 //! by copy size, the staged pipeline by host-contiguous run length. `Auto` then picks, per job, the
 //! method with the best estimate for the job's average copy size and run length (log-linear
-//! interpolation between the measured sizes). When the other direction is active, kernel pairs are
+//! interpolation between the measured sizes; staging only for jobs of at least two staging slots). When the other direction is active, kernel pairs are
 //! known to share PCIe badly (BENCHMARKS.md: 58–75 GB/s total against 82–100 for staged or DMA
 //! pairs), so only DMA and staging are considered then, from 256 KiB runs.
 //!
 //! Cache: `$KVOFF_CACHE_DIR` or `$XDG_CACHE_HOME/kvoff` or `~/.cache/kvoff`, file
-//! `calibration-<device uuid>-<driver version>.txt`, one `direction method bytes gbps` line per
+//! `calibration-<device uuid>-<driver version>.txt`, one `direction method bytes page gbps` line per
 //! measurement. `KVOFF_CALIBRATION=off` disables calibration (the built-in thresholds are used),
 //! `KVOFF_CALIBRATION=force` measures again.
 
@@ -29,6 +29,8 @@ pub struct CalRow {
     pub method: CopyMethod,
     /// Copy size (kernel, DMA) or host run length (staged), bytes.
     pub bytes: u64,
+    /// Staged rows: the page (copy) size the runs were made of; 0 for kernel and DMA rows.
+    pub page: u64,
     /// Measured throughput, GB/s.
     pub gbps: f64,
 }
@@ -44,6 +46,8 @@ pub struct Calibration {
 pub(crate) const COPY_SIZES: [u64; 6] = [4 << 10, 16 << 10, 64 << 10, 256 << 10, 1 << 20, 4 << 20];
 /// Host run lengths measured for the staged method.
 pub(crate) const RUN_SIZES: [u64; 4] = [64 << 10, 256 << 10, 1 << 20, 4 << 20];
+/// Page sizes the staged runs are made of (its gather/scatter side depends on them).
+pub(crate) const STAGED_PAGES: [u64; 2] = [4 << 10, 32 << 10];
 /// Runs from which staging is considered when the other direction is active.
 const CONCURRENT_MIN_RUN: u64 = 256 << 10;
 
@@ -56,39 +60,58 @@ fn dir_name(d: Direction) -> &'static str {
 
 impl Calibration {
     /// Estimated GB/s of `method` in `direction` at `bytes` (log-linear between measurements,
-    /// clamped at the ends); `None` when nothing was measured.
+    /// clamped at the ends); `None` when nothing was measured. Staged rows of every page size are
+    /// pooled; see [`Calibration::estimate_staged`].
+    #[must_use]
+    pub fn estimate(&self, direction: Direction, method: CopyMethod, bytes: u64) -> Option<f64> {
+        self.estimate_at(direction, method, bytes, None)
+    }
+
+    /// Staged estimate for runs of `run` bytes made of `page`-byte copies: interpolated over the
+    /// run length for each measured page size, then (log-linearly, clamped) over the page size.
     #[must_use]
     #[allow(clippy::cast_precision_loss)] // sizes < 2^53
-    pub fn estimate(&self, direction: Direction, method: CopyMethod, bytes: u64) -> Option<f64> {
+    pub fn estimate_staged(&self, direction: Direction, run: u64, page: u64) -> Option<f64> {
+        let mut pages: Vec<u64> = self
+            .rows
+            .iter()
+            .filter(|r| r.direction == direction && r.method == CopyMethod::Staged)
+            .map(|r| r.page)
+            .collect();
+        pages.sort_unstable();
+        pages.dedup();
+        let pts: Vec<(f64, f64)> = pages
+            .iter()
+            .filter_map(|&p| {
+                self.estimate_at(direction, CopyMethod::Staged, run, Some(p))
+                    .map(|g| ((p.max(1) as f64).log2(), g))
+            })
+            .collect();
+        interpolate(&pts, (page.max(1) as f64).log2())
+    }
+
+    #[allow(clippy::cast_precision_loss)] // sizes < 2^53
+    fn estimate_at(
+        &self,
+        direction: Direction,
+        method: CopyMethod,
+        bytes: u64,
+        page: Option<u64>,
+    ) -> Option<f64> {
         let mut pts: Vec<(f64, f64)> = self
             .rows
             .iter()
-            .filter(|r| r.direction == direction && r.method == method)
+            .filter(|r| {
+                r.direction == direction && r.method == method && page.is_none_or(|p| r.page == p)
+            })
             .map(|r| ((r.bytes.max(1) as f64).log2(), r.gbps))
             .collect();
-        if pts.is_empty() {
-            return None;
-        }
         pts.sort_by(|a, b| a.0.total_cmp(&b.0));
-        let x = (bytes.max(1) as f64).log2();
-        let (first, last) = (pts[0], pts[pts.len() - 1]);
-        if x <= first.0 {
-            return Some(first.1);
-        }
-        if x >= last.0 {
-            return Some(last.1);
-        }
-        for w in pts.windows(2) {
-            let ((x0, y0), (x1, y1)) = (w[0], w[1]);
-            if x >= x0 && x <= x1 {
-                let t = if x1 > x0 { (x - x0) / (x1 - x0) } else { 0.0 };
-                return Some(y0 + t * (y1 - y0));
-            }
-        }
-        Some(last.1)
+        interpolate(&pts, (bytes.max(1) as f64).log2())
     }
 
-    /// The method to use for a job with this average copy size and host run length.
+    /// The method to use for a job with this average copy size and host run length (0 when the
+    /// job cannot be staged usefully).
     #[must_use]
     pub fn choose(
         &self,
@@ -102,7 +125,7 @@ impl Calibration {
         let staged_ok =
             avg_run_bytes >= RUN_SIZES[0] && (!other_busy || avg_run_bytes >= CONCURRENT_MIN_RUN);
         let staged = staged_ok
-            .then(|| self.estimate(direction, CopyMethod::Staged, avg_run_bytes))
+            .then(|| self.estimate_staged(direction, avg_run_bytes, avg_copy_bytes))
             .flatten();
         let kernel = (host_mapped && !(other_busy && staged.is_some()))
             .then(|| self.estimate(direction, CopyMethod::Kernel, avg_copy_bytes))
@@ -121,14 +144,15 @@ impl Calibration {
     /// The cache file's text.
     #[must_use]
     pub fn to_text(&self) -> String {
-        let mut s = String::from("# kvoff calibration: direction method bytes gbps\n");
+        let mut s = String::from("# kvoff calibration: direction method bytes page gbps\n");
         for r in &self.rows {
             let _ = writeln!(
                 s,
-                "{} {} {} {:.3}",
+                "{} {} {} {} {:.3}",
                 dir_name(r.direction),
                 r.method.name(),
                 r.bytes,
+                r.page,
                 r.gbps
             );
         }
@@ -152,6 +176,7 @@ impl Calibration {
             };
             let method = CopyMethod::parse(it.next()?).ok()?;
             let bytes = it.next()?.parse().ok()?;
+            let page = it.next()?.parse().ok()?;
             let gbps: f64 = it.next()?.parse().ok()?;
             if it.next().is_some() || !gbps.is_finite() {
                 return None;
@@ -160,11 +185,31 @@ impl Calibration {
                 direction,
                 method,
                 bytes,
+                page,
                 gbps,
             });
         }
         (!rows.is_empty()).then_some(Self { rows })
     }
+}
+
+/// Piecewise-linear interpolation through points sorted by x, clamped at the ends.
+fn interpolate(pts: &[(f64, f64)], x: f64) -> Option<f64> {
+    let (first, last) = (*pts.first()?, *pts.last()?);
+    if x <= first.0 {
+        return Some(first.1);
+    }
+    if x >= last.0 {
+        return Some(last.1);
+    }
+    for w in pts.windows(2) {
+        let ((x0, y0), (x1, y1)) = (w[0], w[1]);
+        if x >= x0 && x <= x1 {
+            let t = if x1 > x0 { (x - x0) / (x1 - x0) } else { 0.0 };
+            return Some(y0 + t * (y1 - y0));
+        }
+    }
+    Some(last.1)
 }
 
 /// Where the calibration of a device is cached.
@@ -188,42 +233,22 @@ mod tests {
             (Direction::GpuToCpu, 50.0, 52.0, 12.0, 55.0, 40.0, 54.0),
             (Direction::CpuToGpu, 49.0, 51.0, 3.5, 55.0, 45.0, 54.5),
         ] {
-            rows.push(CalRow {
+            let row = |method, bytes, page, gbps| CalRow {
                 direction: dir,
-                method: CopyMethod::Kernel,
-                bytes: 4 << 10,
-                gbps: k4,
-            });
-            rows.push(CalRow {
-                direction: dir,
-                method: CopyMethod::Kernel,
-                bytes: 4 << 20,
-                gbps: kbig,
-            });
-            rows.push(CalRow {
-                direction: dir,
-                method: CopyMethod::Dma,
-                bytes: 4 << 10,
-                gbps: d4,
-            });
-            rows.push(CalRow {
-                direction: dir,
-                method: CopyMethod::Dma,
-                bytes: 4 << 20,
-                gbps: dbig,
-            });
-            rows.push(CalRow {
-                direction: dir,
-                method: CopyMethod::Staged,
-                bytes: 64 << 10,
-                gbps: s64,
-            });
-            rows.push(CalRow {
-                direction: dir,
-                method: CopyMethod::Staged,
-                bytes: 4 << 20,
-                gbps: sbig,
-            });
+                method,
+                bytes,
+                page,
+                gbps,
+            };
+            rows.push(row(CopyMethod::Kernel, 4 << 10, 0, k4));
+            rows.push(row(CopyMethod::Kernel, 4 << 20, 0, kbig));
+            rows.push(row(CopyMethod::Dma, 4 << 10, 0, d4));
+            rows.push(row(CopyMethod::Dma, 4 << 20, 0, dbig));
+            // Staged from 32 KiB pages as given; from 4 KiB pages 5 GB/s slower.
+            rows.push(row(CopyMethod::Staged, 64 << 10, 32 << 10, s64));
+            rows.push(row(CopyMethod::Staged, 4 << 20, 32 << 10, sbig));
+            rows.push(row(CopyMethod::Staged, 64 << 10, 4 << 10, s64 - 5.0));
+            rows.push(row(CopyMethod::Staged, 4 << 20, 4 << 10, sbig - 5.0));
         }
         Calibration { rows }
     }
@@ -253,6 +278,9 @@ mod tests {
             c.choose(d, 4 << 10, 4 << 10, false, false),
             Some(CopyMethod::Dma)
         );
+        // Staged estimates depend on the page size too.
+        assert_eq!(c.estimate_staged(d, 4 << 20, 32 << 10), Some(54.0));
+        assert_eq!(c.estimate_staged(d, 4 << 20, 4 << 10), Some(49.0));
         // Long runs: staged; huge copies: DMA.
         assert_eq!(
             c.choose(d, 32 << 10, 4 << 20, true, false),
@@ -286,7 +314,7 @@ mod tests {
     fn text_round_trip() {
         let c = table();
         assert_eq!(Calibration::from_text(&c.to_text()), Some(c));
-        assert_eq!(Calibration::from_text("d2h kernel 4096"), None);
+        assert_eq!(Calibration::from_text("d2h kernel 4096 0"), None);
         assert_eq!(Calibration::from_text("x kernel 1 2"), None);
         assert_eq!(Calibration::from_text("# only a comment\n"), None);
     }

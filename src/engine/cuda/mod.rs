@@ -234,7 +234,7 @@ impl CudaDevice {
     }
 
     /// The calibration `Auto` uses on this device: loaded from the on-disk cache, or measured now
-    /// (≈ 0.3 s, see the `calibrate` module) and cached. `None` when `KVOFF_CALIBRATION=off` or
+    /// (about a second, see the `calibrate` module) and cached. `None` when `KVOFF_CALIBRATION=off` or
     /// the measurement failed (then `Auto` uses its built-in thresholds).
     pub fn calibration(self: &Arc<Self>) -> Option<Arc<Calibration>> {
         self.calibration
@@ -799,11 +799,17 @@ impl CudaEngine {
                 // runs (82–99 GB/s total vs 58–75 for any pair with the kernel).
                 let other_busy = self.device.other_direction_active(self.direction);
                 let runs = host_runs(self.direction, copies);
+                // The staged pipeline needs at least two slots of work to overlap its two stages.
+                let run_for_staging = if bytes >= 2 * self.cfg.staging_slot_bytes {
+                    bytes / runs.max(1)
+                } else {
+                    0
+                };
                 if let Some(m) = self.calibration.as_ref().and_then(|c| {
                     c.choose(
                         self.direction,
                         avg,
-                        bytes / runs.max(1),
+                        run_for_staging,
                         self.cfg.host_mapped,
                         other_busy,
                     )
@@ -1626,12 +1632,14 @@ impl Drop for CudaStream {
     }
 }
 
-/// Measures the copy methods on `dev` for [`Calibration`]: 16 MiB jobs of scattered copies (kernel,
+/// Measures the copy methods on `dev` for [`Calibration`]: 128 MiB jobs of scattered copies (kernel,
 /// DMA) or of scattered 32 KiB pages grouped into host-contiguous runs (staged), each direction,
 /// median of three after a warm-up.
 fn measure_calibration(dev: &Arc<CudaDevice>) -> Result<Calibration> {
-    const BUF: u64 = 64 << 20;
-    const JOB: u64 = 16 << 20;
+    // Jobs large enough that launch and pipeline ramp-up do not dominate (16 MiB jobs measured
+    // the staged pipeline at 44 GB/s where 512 MiB jobs reach 54).
+    const BUF: u64 = 256 << 20;
+    const JOB: u64 = 128 << 20;
     let gpu = DeviceBuffer::new(dev, BUF as usize)?;
     let host = PinnedBuffer::new(dev, BUF as usize)?;
     let mut seed = 0x9e37_79b9_7f4a_7c15u64;
@@ -1654,21 +1662,29 @@ fn measure_calibration(dev: &Arc<CudaDevice>) -> Result<Calibration> {
     };
     let mut rows = Vec::new();
     for dir in [Direction::GpuToCpu, Direction::CpuToGpu] {
-        for (method, sizes) in [
-            (CopyMethod::Kernel, &calibrate::COPY_SIZES[..]),
-            (CopyMethod::Dma, &calibrate::COPY_SIZES[..]),
-            (CopyMethod::Staged, &calibrate::RUN_SIZES[..]),
-        ] {
+        // (method, copy size or run length, page size of staged runs)
+        let mut points: Vec<(CopyMethod, u64, u64)> = Vec::new();
+        for m in [CopyMethod::Kernel, CopyMethod::Dma] {
+            points.extend(calibrate::COPY_SIZES.iter().map(|&b| (m, b, 0)));
+        }
+        for &p in &calibrate::STAGED_PAGES {
+            points.extend(
+                calibrate::RUN_SIZES
+                    .iter()
+                    .map(|&b| (CopyMethod::Staged, b, p)),
+            );
+        }
+        for method in [CopyMethod::Kernel, CopyMethod::Dma, CopyMethod::Staged] {
             let cfg = CudaEngineConfig {
                 method,
                 calibrate: false,
                 ..CudaEngineConfig::default()
             };
             let mut eng = CudaEngine::new(Arc::clone(dev), dir, cfg)?;
-            for &size in sizes {
-                // Kernel/DMA: copies of `size`; staged: 32 KiB pages in host runs of `size`.
+            for &(_, size, staged_page) in points.iter().filter(|p| p.0 == method) {
+                // Kernel/DMA: copies of `size`; staged: `staged_page` pages in host runs of `size`.
                 let page = if method == CopyMethod::Staged {
-                    size.min(32 << 10)
+                    size.min(staged_page)
                 } else {
                     size
                 };
@@ -1718,6 +1734,11 @@ fn measure_calibration(dev: &Arc<CudaDevice>) -> Result<Calibration> {
                         direction: dir,
                         method,
                         bytes: size,
+                        page: if method == CopyMethod::Staged {
+                            staged_page
+                        } else {
+                            0
+                        },
                         gbps: JOB as f64 / s / 1e9,
                     });
                 }
