@@ -1,5 +1,6 @@
 //! GPU ↔ host transfer benchmark (PERF.md's scattered-block scenarios), one run, every column
-//! measured side by side: kvoff auto / dma / kernel, the per-copy `cuMemcpyAsync` loop, one
+//! measured side by side (device work only: each timed job waits behind a gate kernel until the
+//! CPU has enqueued all of it): kvoff auto / dma / kernel, the per-copy `cuMemcpyAsync` loop, one
 //! `cuMemcpyBatchAsync` call over the same descriptors (= kvoff dma), and one contiguous copy of the
 //! same byte count (the limit). Device-timed with CUDA events, median of 5 after a warm-up; the
 //! destination of every timed method is verified byte for byte afterwards.
@@ -127,14 +128,25 @@ fn time_method(
         ..cfg_default()
     };
     let mut eng = CudaEngine::new(Arc::clone(&setup.dev), dir, cfg).expect("engine");
+    // The gate: a sleep kernel on the "caller's" stream that every timed job waits on, so the GPU
+    // starts a job only after the CPU has enqueued all of it and the events time device work only
+    // (the batch and loop baselines spend milliseconds of CPU inside the driver per job).
+    let gate = setup.dev.create_stream().expect("stream");
     let mut secs = Vec::new();
     let mut submit_us = Vec::new();
     let mut pack_us = Vec::new();
     for r in 0..=reps {
         let plan = CopyPlan::from_copies(dir, copies.to_vec()).expect("plan");
+        if r > 0 {
+            let last: f64 = submit_us.last().copied().unwrap_or(0.0);
+            gate.sleep((3.0 * last * 1e3).max(2e6) as u64)
+                .expect("gate");
+        }
+        let mut job = Job::new(r as i64, plan);
+        job.stream = (r > 0).then(|| gate.handle());
         let t0 = Instant::now();
         // SAFETY: buffers live in `setup` for the whole run.
-        unsafe { eng.submit(Job::new(r as i64, plan)) }.expect("submit");
+        unsafe { eng.submit(job) }.expect("submit");
         submit_us.push(t0.elapsed().as_secs_f64() * 1e6);
         pack_us.push(eng.last_submit_timing_ns().1 as f64 / 1e3);
         eng.wait(&[r as i64]).expect("wait");

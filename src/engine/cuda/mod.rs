@@ -465,6 +465,21 @@ struct DescBuf {
     cap: usize,
 }
 
+/// CPU-side preparation of a job (see `CudaEngine::prepare`).
+enum Prepared {
+    /// Nothing to prepare (DMA, loop, empty job).
+    Nothing,
+    /// Kernel descriptors in a pinned buffer.
+    Kernel { buf: DescBuf, n: u64, nbytes: usize },
+    /// A packed staged job; its DMA runs are in the engine's `scratch_runs`.
+    Staged {
+        buf: DescBuf,
+        nbytes: usize,
+        chunks: Vec<Chunk>,
+        first_slot: usize,
+    },
+}
+
 /// Resources of one submitted job.
 struct InFlight {
     job_id: i64,
@@ -956,7 +971,9 @@ impl CudaEngine {
 
     /// The `Staged` method (see [`CopyMethod::Staged`]): enqueues on the main stream `s` and the
     /// auxiliary stream, forked from and joined back into `s`.
-    fn enqueue_staged(&mut self, copies: &[CopyOp], s: ffi::CUstream) -> Result<Option<DescBuf>> {
+    /// CPU side of the `Staged` method (see [`CopyMethod::Staged`]): packs the job into chunks of
+    /// one staging slot and writes the kernel descriptors into a pinned buffer.
+    fn prepare_staged(&mut self, copies: &[CopyOp]) -> Result<Prepared> {
         self.ensure_staging()?;
         let d2h = self.direction == Direction::GpuToCpu;
         let (cap, first_slot, slot_bases) = {
@@ -970,7 +987,6 @@ impl CudaEngine {
                 st.slots.iter().map(|sl| sl.dev).collect::<Vec<_>>(),
             )
         };
-        let nslots = slot_bases.len();
         let t0 = std::time::Instant::now();
         let mut descs = std::mem::take(&mut self.scratch_descs);
         let mut runs = std::mem::take(&mut self.scratch_runs);
@@ -986,30 +1002,30 @@ impl CudaEngine {
             &mut chunks,
         );
         self.last_pack_ns = u64::try_from(t0.elapsed().as_nanos()).unwrap_or(u64::MAX);
+        self.scratch_runs = runs;
         if chunks.is_empty() {
             self.scratch_descs = descs;
-            self.scratch_runs = runs;
-            return Ok(None);
+            return Ok(Prepared::Nothing);
         }
         let nbytes = descs.len() * 8;
-        let buf = self.take_desc(nbytes)?;
-        // SAFETY: `buf.host` is a pinned allocation of ≥ nbytes owned by this engine, not in use.
-        unsafe {
-            std::ptr::copy_nonoverlapping(descs.as_ptr(), buf.host.0.cast::<u64>(), descs.len());
-        }
-        let r = self.enqueue_chunks(&chunks, &runs, &buf, nbytes, d2h, s);
-        self.scratch_descs = descs;
-        self.scratch_runs = runs;
-        if let Some(st) = self.staging.as_mut() {
-            st.next = (first_slot + chunks.len()) % nslots;
-        }
-        match r {
-            Ok(()) => Ok(Some(buf)),
-            Err(e) => {
-                self.descs.push(buf);
-                Err(e)
+        let buf = self.take_desc(nbytes);
+        if let Ok(buf) = &buf {
+            // SAFETY: `buf.host` is a pinned allocation of ≥ nbytes owned by this engine, not in use.
+            unsafe {
+                std::ptr::copy_nonoverlapping(
+                    descs.as_ptr(),
+                    buf.host.0.cast::<u64>(),
+                    descs.len(),
+                );
             }
         }
+        self.scratch_descs = descs;
+        Ok(Prepared::Staged {
+            buf: buf?,
+            nbytes,
+            chunks,
+            first_slot,
+        })
     }
 
     fn enqueue_chunks(
@@ -1093,17 +1109,20 @@ impl CudaEngine {
         }
     }
 
-    /// Enqueues the copies of one job on the stream (between the timing events).
-    fn enqueue(&mut self, method: CopyMethod, copies: &[CopyOp]) -> Result<Option<DescBuf>> {
-        let s = self.stream.0;
-        if method == CopyMethod::Kernel && !self.cfg.host_mapped {
-            return Err(KvoffError::arg(
-                "the copy kernel needs pinned, device-mapped host memory; use engine \"dma\" or pin the region",
-            ));
+    /// CPU-side work of a job (descriptor building, packing), done before its start event so
+    /// that the device-timed `transfer_time` covers device work only.
+    fn prepare(&mut self, method: CopyMethod, copies: &[CopyOp]) -> Result<Prepared> {
+        if copies.is_empty() {
+            return Ok(Prepared::Nothing);
         }
         match method {
-            CopyMethod::Staged => self.enqueue_staged(copies, s),
+            CopyMethod::Staged => self.prepare_staged(copies),
             CopyMethod::Kernel => {
+                if !self.cfg.host_mapped {
+                    return Err(KvoffError::arg(
+                        "the copy kernel needs pinned, device-mapped host memory; use engine \"dma\" or pin the region",
+                    ));
+                }
                 // Count the pieces, then write the descriptors straight into the pinned staging
                 // buffer (no intermediate vector).
                 let n: usize = copies
@@ -1136,36 +1155,56 @@ impl CudaEngine {
                         }
                     }
                 }
-                let n = n as u64;
-                let r = (|| {
-                    // SAFETY: staging holds `nbytes` of descriptors and stays untouched until this
-                    // job completes (the buffer travels with the job); dev buffer is as large.
-                    unsafe { ffi::memcpy_htod_async(buf.dev, buf.host.0, nbytes, s) }?;
-                    self.launch(buf.dev, n, s)
-                })();
-                match r {
-                    Ok(()) => Ok(Some(buf)),
-                    Err(e) => {
-                        self.descs.push(buf);
-                        Err(e)
-                    }
-                }
+                Ok(Prepared::Kernel {
+                    buf,
+                    n: n as u64,
+                    nbytes,
+                })
             }
-            CopyMethod::Dma | CopyMethod::Auto => {
-                self.dma(
+            CopyMethod::Dma | CopyMethod::Auto | CopyMethod::Loop => Ok(Prepared::Nothing),
+        }
+    }
+
+    /// Enqueues the device work of one job on the stream (between the timing events).
+    fn issue(&mut self, method: CopyMethod, copies: &[CopyOp], prep: &Prepared) -> Result<()> {
+        let s = self.stream.0;
+        match prep {
+            Prepared::Kernel { buf, n, nbytes } => {
+                // SAFETY: the pinned buffer holds `nbytes` of descriptors and stays untouched until
+                // this job completes (it travels with the job); the device buffer is as large.
+                unsafe { ffi::memcpy_htod_async(buf.dev, buf.host.0, *nbytes, s) }?;
+                self.launch(buf.dev, *n, s)
+            }
+            Prepared::Staged {
+                buf,
+                nbytes,
+                chunks,
+                first_slot,
+            } => {
+                let runs = std::mem::take(&mut self.scratch_runs);
+                let d2h = self.direction == Direction::GpuToCpu;
+                let r = self.enqueue_chunks(chunks, &runs, buf, *nbytes, d2h, s);
+                self.scratch_runs = runs;
+                if let Some(st) = self.staging.as_mut() {
+                    st.next = (first_slot + chunks.len()) % st.slots.len().max(1);
+                }
+                r
+            }
+            Prepared::Nothing => match method {
+                CopyMethod::Dma | CopyMethod::Auto => self.dma(
                     copies.iter().map(|c| (c.src_ptr, c.dst_ptr, c.bytes)),
                     self.direction == Direction::CpuToGpu,
                     s,
-                )?;
-                Ok(None)
-            }
-            CopyMethod::Loop => {
-                for c in copies {
-                    // SAFETY: memory validated by the plan and kept alive by the caller.
-                    unsafe { ffi::memcpy_async(c.dst_ptr, c.src_ptr, c.bytes, s) }?;
+                ),
+                CopyMethod::Loop => {
+                    for c in copies {
+                        // SAFETY: memory validated by the plan and kept alive by the caller.
+                        unsafe { ffi::memcpy_async(c.dst_ptr, c.src_ptr, c.bytes, s) }?;
+                    }
+                    Ok(())
                 }
-                Ok(None)
-            }
+                CopyMethod::Kernel | CopyMethod::Staged => Ok(()),
+            },
         }
     }
 
@@ -1240,7 +1279,14 @@ impl TransferEngine for CudaEngine {
         let bytes = job.plan.total_bytes();
         let method = self.choose(copies, bytes);
         let s = self.stream.0;
-        let mut desc = None;
+        let prepared = match self.prepare(method, copies) {
+            Ok(p) => p,
+            Err(e) => {
+                self.events.push(SendPtr(start));
+                self.events.push(SendPtr(end));
+                return Err(e);
+            }
+        };
         let r = (|| {
             if let Some(caller) = job.stream {
                 // SAFETY: the caller passes a live stream of this device (the torch shim passes
@@ -1251,9 +1297,7 @@ impl TransferEngine for CudaEngine {
             }
             // SAFETY: live events and stream.
             unsafe { ffi::event_record(start, s) }?;
-            if !copies.is_empty() {
-                desc = self.enqueue(method, copies)?;
-            }
+            self.issue(method, copies, &prepared)?;
             // SAFETY: as above.
             unsafe { ffi::event_record(end, s) }
         })();
@@ -1270,7 +1314,10 @@ impl TransferEngine for CudaEngine {
             direction: self.direction,
             start: SendPtr(start),
             end: SendPtr(end),
-            desc,
+            desc: match prepared {
+                Prepared::Kernel { buf, .. } | Prepared::Staged { buf, .. } => Some(buf),
+                Prepared::Nothing => None,
+            },
             method,
             failed: r.err().map(|e| e.to_string()),
         });
@@ -1681,6 +1728,9 @@ fn measure_calibration(dev: &Arc<CudaDevice>) -> Result<Calibration> {
                 ..CudaEngineConfig::default()
             };
             let mut eng = CudaEngine::new(Arc::clone(dev), dir, cfg)?;
+            // Each timed job waits behind a sleep kernel on `gate` until the CPU has enqueued all
+            // of it, so the events time device work only.
+            let gate = dev.create_stream()?;
             for &(_, size, staged_page) in points.iter().filter(|p| p.0 == method) {
                 // Kernel/DMA: copies of `size`; staged: `staged_page` pages in host runs of `size`.
                 let page = if method == CopyMethod::Staged {
@@ -1712,10 +1762,18 @@ fn measure_calibration(dev: &Arc<CudaDevice>) -> Result<Calibration> {
                     })
                     .collect();
                 let mut secs = Vec::new();
+                let mut submit_ns = 0u64;
                 for rep in 0..4i64 {
                     let plan = CopyPlan::from_copies(dir, copies.clone())?;
+                    let mut job = super::Job::new(rep, plan);
+                    if rep > 0 {
+                        gate.sleep((3 * submit_ns).max(2_000_000))?;
+                        job.stream = Some(gate.handle());
+                    }
+                    let t0 = std::time::Instant::now();
                     // SAFETY: the buffers outlive the engine's jobs (waited for below).
-                    unsafe { eng.submit(super::Job::new(rep, plan)) }?;
+                    unsafe { eng.submit(job) }?;
+                    submit_ns = u64::try_from(t0.elapsed().as_nanos()).unwrap_or(u64::MAX);
                     eng.wait(&[rep])?;
                     for r in eng.poll() {
                         if !r.success {
