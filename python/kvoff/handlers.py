@@ -585,8 +585,11 @@ class CpuGpuOffloadingHandlers:
             ``get_finished()``; ``None`` creates one (``self.metrics``).
 
     Raises:
-        CudaUnavailableError: a CUDA engine was asked for without CUDA.
-        ValueError: bad shapes, devices, sizes; the region is too small.
+        CudaUnavailableError: a CUDA engine was asked for where there is no CUDA driver or device
+            (also when the KV caches are CPU tensors; the message names their device).
+        ValueError: bad shapes, devices, sizes; the region is too small; a CUDA engine
+            (``"cuda"``, ``"dma"``, ``"kernel"``, ``"staged"``, ``"loop"``) with KV caches that
+            are not CUDA tensors where CUDA is available (the message names the tensor and device).
     """
 
     def __init__(
