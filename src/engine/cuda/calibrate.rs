@@ -9,7 +9,7 @@
 //! pairs), so only DMA and staging are considered then, from 256 KiB runs.
 //!
 //! Cache: `$KVOFF_CACHE_DIR` or `$XDG_CACHE_HOME/kvoff` or `~/.cache/kvoff`, file
-//! `calibration-<device uuid>-<driver version>.txt`, one `direction method bytes page gbps` line per
+//! `calibration-<device uuid>-<driver version>[-debug].txt`, one `direction method bytes page gbps` line per
 //! measurement. `KVOFF_CALIBRATION=off` disables calibration (the built-in thresholds are used),
 //! `KVOFF_CALIBRATION=force` measures again.
 
@@ -220,7 +220,10 @@ pub(crate) fn cache_path(uuid: &str, driver: i32) -> Option<PathBuf> {
         .or_else(|| {
             std::env::var_os("HOME").map(|h| PathBuf::from(h).join(".cache").join("kvoff"))
         })?;
-    Some(dir.join(format!("calibration-{uuid}-{driver}.txt")))
+    // Debug builds prepare jobs far slower on the CPU, which end-to-end timing sees: keep their
+    // measurements apart.
+    let profile = if cfg!(debug_assertions) { "-debug" } else { "" };
+    Some(dir.join(format!("calibration-{uuid}-{driver}{profile}.txt")))
 }
 
 #[cfg(test)]
