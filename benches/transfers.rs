@@ -6,7 +6,8 @@
 //! destination of every timed method is verified byte for byte afterwards.
 //!
 //! `cargo bench --bench transfers` (skips without a GPU). `KVOFF_BENCH_QUICK=1` runs one small
-//! scenario. Set `KVOFF_BENCH_JSON=path` to also write the rows as JSON lines.
+//! scenario, `KVOFF_BENCH_ONLY=4KiB` the scenarios whose name contains that text. Set
+//! `KVOFF_BENCH_JSON=path` to also write the rows as JSON lines.
 #![allow(clippy::cast_precision_loss, clippy::cast_possible_truncation)]
 #![cfg_attr(not(feature = "cuda"), allow(unused))]
 
@@ -139,7 +140,7 @@ fn time_method(
         let plan = CopyPlan::from_copies(dir, copies.to_vec()).expect("plan");
         if r > 0 {
             let last: f64 = submit_us.last().copied().unwrap_or(0.0);
-            gate.sleep((3.0 * last * 1e3).max(2e6) as u64)
+            gate.sleep((3.0 * last * 1e3).clamp(2e6, 1e8) as u64)
                 .expect("gate");
         }
         let mut job = Job::new(r as i64, plan);
@@ -291,7 +292,11 @@ fn main() {
         }
     }
     let mut rng = Rng(42);
-    for sc in &scenarios {
+    let only = std::env::var("KVOFF_BENCH_ONLY").unwrap_or_default();
+    for sc in scenarios
+        .iter()
+        .filter(|sc| sc.name.contains(only.as_str()))
+    {
         let rows = sc.blocks * 4;
         let total = (rows * sc.page * sc.tensors) as usize;
         let gpu = DeviceBuffer::new(&dev, total).expect("gpu alloc");

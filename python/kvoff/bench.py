@@ -171,7 +171,8 @@ TRANSFER_SCENARIOS = [(4 << 10, 64), (32 << 10, 64), (128 << 10, 64), (2 << 20, 
 MIN_BLOCKS = 256
 
 
-def _available_memory() -> int:
+def available_memory(default: int = 8 << 30) -> int:
+    """Bytes of host memory available now (``MemAvailable``), or ``default`` where unknown."""
     try:
         with open("/proc/meminfo") as f:
             for line in f:
@@ -179,7 +180,10 @@ def _available_memory() -> int:
                     return int(line.split()[1]) * 1024
     except OSError:
         pass
-    return 8 << 30
+    return default
+
+
+_available_memory = available_memory
 
 
 def _fill_pattern(t: Any, seed: int) -> None:

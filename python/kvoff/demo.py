@@ -145,14 +145,9 @@ def _torch() -> Any:
 
 
 def _available_memory() -> int:
-    try:
-        with open("/proc/meminfo") as f:
-            for line in f:
-                if line.startswith("MemAvailable:"):
-                    return int(line.split()[1]) * 1024
-    except OSError:
-        pass
-    return 4 << 30
+    from kvoff.bench import available_memory
+
+    return available_memory(default=4 << 30)
 
 
 def _key(*parts: object) -> bytes:

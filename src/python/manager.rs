@@ -378,61 +378,51 @@ impl PyManager {
     }
 }
 
-/// LRU offloading manager (SPEC §2.4).
-#[pyclass(name = "LRUOffloadingManager", module = "kvoff._native", extends = PyManager, frozen)]
-pub struct PyLru;
+/// Defines one policy's Python class: a subclass of `OffloadingManager` with SPEC §2's constructor.
+macro_rules! policy_class {
+    ($(#[$doc:meta])* $ty:ident, $pyname:literal, $policy:literal) => {
+        $(#[$doc])*
+        #[pyclass(name = $pyname, module = "kvoff._native", extends = PyManager, frozen)]
+        pub struct $ty;
 
-#[pymethods]
-impl PyLru {
-    #[new]
-    #[pyo3(signature = (num_blocks, *, block_size=None, enable_events=false, store_threshold=None, max_tracker_size=None))]
-    fn new(
-        py: Python<'_>,
-        num_blocks: &Bound<'_, PyAny>,
-        block_size: Option<&Bound<'_, PyAny>>,
-        enable_events: bool,
-        store_threshold: Option<&Bound<'_, PyAny>>,
-        max_tracker_size: Option<&Bound<'_, PyAny>>,
-    ) -> PyResult<PyClassInitializer<Self>> {
-        let cfg = kw_config(
-            py,
-            num_blocks,
-            block_size,
-            enable_events,
-            store_threshold,
-            max_tracker_size,
-        )?;
-        Ok(PyClassInitializer::from(PyManager::new_with("lru", cfg)?).add_subclass(PyLru))
-    }
+        #[pymethods]
+        impl $ty {
+            #[new]
+            #[pyo3(signature = (num_blocks, *, block_size=None, enable_events=false, store_threshold=None, max_tracker_size=None))]
+            fn new(
+                py: Python<'_>,
+                num_blocks: &Bound<'_, PyAny>,
+                block_size: Option<&Bound<'_, PyAny>>,
+                enable_events: bool,
+                store_threshold: Option<&Bound<'_, PyAny>>,
+                max_tracker_size: Option<&Bound<'_, PyAny>>,
+            ) -> PyResult<PyClassInitializer<Self>> {
+                let cfg = kw_config(
+                    py,
+                    num_blocks,
+                    block_size,
+                    enable_events,
+                    store_threshold,
+                    max_tracker_size,
+                )?;
+                Ok(PyClassInitializer::from(PyManager::new_with($policy, cfg)?).add_subclass($ty))
+            }
+        }
+    };
 }
 
-/// ARC offloading manager (SPEC §2.5).
-#[pyclass(name = "ARCOffloadingManager", module = "kvoff._native", extends = PyManager, frozen)]
-pub struct PyArc;
-
-#[pymethods]
-impl PyArc {
-    #[new]
-    #[pyo3(signature = (num_blocks, *, block_size=None, enable_events=false, store_threshold=None, max_tracker_size=None))]
-    fn new(
-        py: Python<'_>,
-        num_blocks: &Bound<'_, PyAny>,
-        block_size: Option<&Bound<'_, PyAny>>,
-        enable_events: bool,
-        store_threshold: Option<&Bound<'_, PyAny>>,
-        max_tracker_size: Option<&Bound<'_, PyAny>>,
-    ) -> PyResult<PyClassInitializer<Self>> {
-        let cfg = kw_config(
-            py,
-            num_blocks,
-            block_size,
-            enable_events,
-            store_threshold,
-            max_tracker_size,
-        )?;
-        Ok(PyClassInitializer::from(PyManager::new_with("arc", cfg)?).add_subclass(PyArc))
-    }
-}
+policy_class!(
+    /// LRU offloading manager (SPEC §2.4).
+    PyLru,
+    "LRUOffloadingManager",
+    "lru"
+);
+policy_class!(
+    /// ARC offloading manager (SPEC §2.5).
+    PyArc,
+    "ARCOffloadingManager",
+    "arc"
+);
 
 fn kw_config(
     py: Python<'_>,
