@@ -130,8 +130,15 @@ impl Policy for Arc {
         }
     }
 
-    fn on_evicted<K: Hash + Eq>(&mut self, slab: &mut Slab<K>, victims: &[u32], cap: usize) {
+    fn on_evicted<K: Hash + Eq + Clone>(
+        &mut self,
+        slab: &mut Slab<K>,
+        victims: &[u32],
+        cap: usize,
+        evicted: &mut Vec<K>,
+    ) {
         for &v in victims {
+            evicted.push(slab.node(v).key.clone());
             let ghost = if slab.node(v).list == ListTag::T1 {
                 ListTag::B1
             } else {

@@ -46,9 +46,15 @@ impl Policy for Lru {
         }
     }
 
-    fn on_evicted<K: Hash + Eq>(&mut self, slab: &mut Slab<K>, victims: &[u32], _cap: usize) {
+    fn on_evicted<K: Hash + Eq + Clone>(
+        &mut self,
+        slab: &mut Slab<K>,
+        victims: &[u32],
+        _cap: usize,
+        evicted: &mut Vec<K>,
+    ) {
         for &v in victims {
-            slab.remove(v);
+            evicted.push(slab.remove(v).key);
         }
     }
 

@@ -243,9 +243,16 @@ pub trait Policy: Default {
         epoch: u32,
         out: &mut Vec<u32>,
     );
-    /// Removes (or turns into ghosts) the victims, already accounted for by the caller.
+    /// Removes (or turns into ghosts) the victims, already accounted for by the caller, and
+    /// appends their keys to `evicted` in victim order (moved out where the node goes away).
     #[doc(hidden)]
-    fn on_evicted<K: Hash + Eq>(&mut self, slab: &mut Slab<K>, victims: &[u32], cap: usize);
+    fn on_evicted<K: Hash + Eq + Clone>(
+        &mut self,
+        slab: &mut Slab<K>,
+        victims: &[u32],
+        cap: usize,
+        evicted: &mut Vec<K>,
+    );
     #[doc(hidden)]
     fn reset(&mut self);
 }
@@ -401,14 +408,17 @@ impl<K: Hash + Eq + Clone, P: Policy> Manager<K, P> {
         let epoch = self.next_epoch();
         // 1–2: dedup and partition. Present keys are marked (protected); absent keys (including
         // ghosts) are candidates, each once.
-        let mut candidates: Vec<usize> = Vec::with_capacity(keys.len());
+        // (position, was a ghost): only ghosts need a second lookup at insertion, since eviction
+        // may trim them; a key absent now stays absent (eviction only touches present keys).
+        let mut candidates: Vec<(usize, bool)> = Vec::with_capacity(keys.len());
         let mut protected_evictable = 0usize;
         self.scratch_hashes.clear();
         self.scratch_dedup.clear();
         for (pos, key) in keys.iter().enumerate() {
             let h = self.slab.hash_of(key);
             self.scratch_hashes.push(h);
-            match self.slab.find_hashed(key, h) {
+            let found = self.slab.find_hashed(key, h);
+            match found {
                 Some(i) if !self.slab.node(i).list.is_ghost() => {
                     let n = self.slab.node_mut(i);
                     if n.mark != epoch {
@@ -430,7 +440,7 @@ impl<K: Hash + Eq + Clone, P: Policy> Manager<K, P> {
                         })?;
                         self.scratch_dedup
                             .insert_unique(h, p, |&q| hashes[q as usize]);
-                        candidates.push(pos);
+                        candidates.push((pos, found.is_some()));
                     }
                 }
             }
@@ -441,7 +451,7 @@ impl<K: Hash + Eq + Clone, P: Policy> Manager<K, P> {
         if admit_threshold >= 2 {
             let tracker = &self.tracker;
             let before = candidates.len();
-            candidates.retain(|&pos| tracker.count(&keys[pos]) + 1 >= admit_threshold);
+            candidates.retain(|&(pos, _)| tracker.count(&keys[pos]) + 1 >= admit_threshold);
             skipped = (before - candidates.len()) as u64;
         }
         // 5: room.
@@ -463,26 +473,32 @@ impl<K: Hash + Eq + Clone, P: Policy> Manager<K, P> {
         }
         let mut evicted_keys = Vec::with_capacity(victims.len());
         for &v in &victims {
-            let n = self.slab.node(v);
-            evicted_keys.push(n.key.clone());
-            self.freed.push(n.block_id);
-            self.num_present -= 1;
-            self.num_evictable -= 1;
+            self.freed.push(self.slab.node(v).block_id);
         }
-        self.policy
-            .on_evicted(&mut self.slab, &victims, self.cfg.num_blocks);
+        self.num_present -= victims.len();
+        self.num_evictable -= victims.len();
+        self.policy.on_evicted(
+            &mut self.slab,
+            &victims,
+            self.cfg.num_blocks,
+            &mut evicted_keys,
+        );
         self.scratch_victims = victims;
-        if !evicted_keys.is_empty() {
+        if self.cfg.enable_events && !evicted_keys.is_empty() {
             self.push_event(evicted_keys.clone(), true);
         }
         // 6–7: allocate and insert.
         let mut block_ids = Vec::with_capacity(candidates.len());
-        for &pos in &candidates {
+        for &(pos, was_ghost) in &candidates {
             let id = self.alloc_id();
             block_ids.push(id);
             let key = &keys[pos];
             let h = self.scratch_hashes[pos];
-            let ghost = self.slab.find_hashed(key, h);
+            let ghost = if was_ghost {
+                self.slab.find_hashed(key, h)
+            } else {
+                None
+            };
             let (i, ghost_tag) = match ghost {
                 Some(i) => {
                     let tag = self.slab.node(i).list;
@@ -506,7 +522,7 @@ impl<K: Hash + Eq + Clone, P: Policy> Manager<K, P> {
             self.num_pending += 1;
         }
         Ok(Some(PrepareStoreIndexed {
-            positions: candidates,
+            positions: candidates.iter().map(|&(pos, _)| pos).collect(),
             block_ids,
             evicted_keys,
         }))
