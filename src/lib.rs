@@ -26,6 +26,16 @@
 //! | [`plan`] | specs × tensor descriptors → bounds-checked, merged [`plan::CopyPlan`] | no |
 //! | [`region`] | host memory: private or shared-by-name mmap, rank slots, prefault, pinning hook | yes |
 //! | [`engine`] | transfer engines: job queue, results, host memcpy engine | yes |
+//! | `engine::cuda` (feature `cuda`, default) | CUDA engine: batched DMA, copy kernel, staged pipeline, calibration | yes |
+//!
+//! ## Moving bytes
+//! A worker describes its tensors once ([`plan::TensorDesc`], [`plan::PlanRef`]) in a
+//! [`plan::CopyPlanner`], turns each job's block ids into a validated [`plan::CopyPlan`]
+//! (every copy inside its tensor, ids consumed exactly) and submits it to a
+//! [`engine::TransferEngine`]: [`engine::HostEngine`] (memcpy on all cores) or, with a GPU,
+//! `engine::cuda::CudaEngine`, which picks per job between batched DMA, a gather/scatter copy kernel
+//! and a staged kernel + DMA pipeline from a calibration measured on the device. Results come back
+//! in submission order from `poll`. `examples/server_loop.rs` wires it all together.
 //!
 //! ## Safety model
 //! Unsafe code lives only in the modules that touch raw memory or FFI (`region`, `engine`); every other
