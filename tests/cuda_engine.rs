@@ -70,17 +70,25 @@ fn run_job(
 fn round_trip_every_method_byte_exact() {
     let Some(dev) = device() else { return };
     let mut rng = Rng(0x9e37_79b9_7f4a_7c15);
-    for (method, read_only_loads) in [
-        (CopyMethod::Auto, false),
-        (CopyMethod::Dma, false),
-        (CopyMethod::Kernel, false),
-        (CopyMethod::Kernel, true),
-        (CopyMethod::Staged, false),
-        (CopyMethod::Loop, false),
+    // (method, read-only loads, staging slot bytes and slots: small odd rings make many chunks
+    // that reuse slots on both streams).
+    let dflt = CudaEngineConfig::default();
+    let ring = (dflt.staging_slot_bytes, dflt.staging_slots);
+    for (method, read_only_loads, (slot_bytes, slots)) in [
+        (CopyMethod::Auto, false, ring),
+        (CopyMethod::Dma, false, ring),
+        (CopyMethod::Kernel, false, ring),
+        (CopyMethod::Kernel, true, ring),
+        (CopyMethod::Staged, false, ring),
+        (CopyMethod::Staged, false, (64 << 10, 3)),
+        (CopyMethod::Staged, false, (1 << 20, 1)),
+        (CopyMethod::Loop, false, ring),
     ] {
         let cfg = CudaEngineConfig {
             method,
             read_only_loads,
+            staging_slot_bytes: slot_bytes,
+            staging_slots: slots,
             ..CudaEngineConfig::default()
         };
         let mut store =

@@ -51,10 +51,13 @@ pub enum CopyMethod {
     Kernel,
     /// One `cuMemcpyAsync` per copy (a baseline for benchmarks).
     Loop,
-    /// Staged: the kernel gathers (stores) or scatters (loads) the GPU side through a small ring of
-    /// device staging slots, and the copy engines move host-contiguous runs over PCIe with batched
-    /// DMA, pipelined on two streams. Best when host-side runs are long (kvoff's block-major host
-    /// layout) and especially when stores and loads run at the same time.
+    /// Staged: the kernel gathers (stores) or scatters (loads) the GPU side through device staging
+    /// slots, and the copy engines move host-contiguous runs over PCIe with batched DMA. The job
+    /// is cut into chunks (2, 4, 8 … MiB up to a slot) that alternate between two streams, so one
+    /// stream's kernel overlaps the other's DMA; each chunk is packed on the CPU just before it is
+    /// enqueued, so the device starts after little CPU work. Two driver calls per chunk. Best when
+    /// host-side runs are long (kvoff's block-major host layout) and especially when stores and
+    /// loads run at the same time.
     Staged,
 }
 
@@ -448,8 +451,8 @@ impl Default for CudaEngineConfig {
             host_mapped: true,
             dma_min_avg_copy_bytes: 1 << 20,
             kernel_threads: 1024,
-            staging_slot_bytes: 16 << 20,
-            staging_slots: 4,
+            staging_slot_bytes: 32 << 20,
+            staging_slots: 2,
             staged_min_run_bytes: 1 << 20,
             staged_min_run_bytes_load: 256 << 10,
             read_only_loads: false,
@@ -470,12 +473,20 @@ enum Prepared {
     /// Nothing to prepare (DMA, loop, empty job).
     Nothing,
     /// Kernel descriptors in a pinned buffer.
-    Kernel { buf: DescBuf, n: u64, nbytes: usize },
-    /// A packed staged job; its DMA runs are in the engine's `scratch_runs`.
+    /// Kernel descriptors in a pinned buffer sized for the whole job; those of the first `head`
+    /// copies (`head_n` descriptors) are written, the rest are written at issue time while the
+    /// device already copies the head.
+    Kernel {
+        buf: DescBuf,
+        head: usize,
+        head_n: usize,
+    },
+    /// A staged job: a pinned descriptor buffer sized for the whole job; the chunks are packed
+    /// and enqueued one by one at issue time, so the device starts on the first chunk while the
+    /// CPU packs the next.
     Staged {
         buf: DescBuf,
-        nbytes: usize,
-        chunks: Vec<Chunk>,
+        n_chunks: usize,
         first_slot: usize,
     },
 }
@@ -493,11 +504,11 @@ struct InFlight {
     failed: Option<String>,
 }
 
-/// One device staging slot of the `Staged` method, with the events that hand it between streams.
+/// One device staging slot of the `Staged` method. A slot is always used by the same stream
+/// (even slots: the engine's stream; odd slots: the auxiliary stream), so stream order alone keeps
+/// a chunk from overwriting a slot before its previous chunk was consumed.
 struct Slot {
     dev: u64,
-    ready: SendPtr<ffi::CUevent>,
-    free: SendPtr<ffi::CUevent>,
 }
 
 /// Second stream and staging ring of the `Staged` method (created on first use).
@@ -509,90 +520,147 @@ struct Staging {
     next: usize,
 }
 
-/// One chunk of a staged job: a slot, its kernel descriptors and its DMA runs (ranges of the
-/// job's flat descriptor and run lists).
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub(crate) struct Chunk {
-    slot: usize,
-    desc_start: usize,
-    desc_count: usize,
-    run_start: usize,
-    run_count: usize,
+/// First chunk of a staged job. Chunks double from here up to the slot size (2, 4, 8, 16, 32 MiB,
+/// then slot-sized), so that the device starts after little CPU work and the two-stage pipeline
+/// fills quickly, while long jobs still move in few, large chunks.
+const STAGED_FIRST_CHUNK: u64 = 2 << 20;
+
+/// Bytes of chunk `k` of a staged job whose slots hold `cap` bytes.
+pub(crate) fn staged_chunk_len(k: usize, cap: u64) -> u64 {
+    let first = STAGED_FIRST_CHUNK.min(cap);
+    if k >= 40 {
+        cap
+    } else {
+        (first << k).min(cap)
+    }
 }
 
-/// Packs a staged job: copies (split where a slot fills, kernel pieces of at most
-/// [`KERNEL_CHUNK_BYTES`]) into chunks of one staging slot each, in emission order. Fills `descs`
-/// with kernel descriptor triples (GPU side ↔ staging), `runs` with `(src, dst, bytes)` DMA runs
-/// (staging ↔ host, merged while host-contiguous) and `chunks` with their ranges.
-#[allow(clippy::too_many_arguments)] // plain data in, three reused buffers out
-pub(crate) fn pack_staged(
-    copies: &[CopyOp],
-    d2h: bool,
-    cap: u64,
-    slot_bases: &[u64],
-    first_slot: usize,
-    descs: &mut Vec<u64>,
-    runs: &mut Vec<(u64, u64, u64)>,
-    chunks: &mut Vec<Chunk>,
-) {
-    descs.clear();
-    runs.clear();
-    chunks.clear();
-    let nslots = slot_bases.len();
-    if nslots == 0 || cap == 0 {
-        return;
+/// Number of chunks of a staged job of `total` bytes (see [`staged_chunk_len`]).
+pub(crate) fn staged_chunk_count(total: u64, cap: u64) -> usize {
+    if cap == 0 {
+        return 0;
     }
-    descs.reserve(copies.len() * 3);
-    let mut fill = cap; // forces a new chunk at the first piece
-    let mut base = 0u64;
-    for c in copies {
-        let host = if d2h { c.dst_ptr } else { c.src_ptr };
-        let mut off = 0;
-        while off < c.bytes {
-            if fill == cap {
-                if let Some(ch) = chunks.last_mut() {
-                    ch.desc_count = descs.len() / 3 - ch.desc_start;
-                    ch.run_count = runs.len() - ch.run_start;
-                }
-                let slot = (first_slot + chunks.len()) % nslots;
-                base = slot_bases[slot];
-                chunks.push(Chunk {
-                    slot,
-                    desc_start: descs.len() / 3,
-                    desc_count: 0,
-                    run_start: runs.len(),
-                    run_count: 0,
-                });
-                fill = 0;
-            }
-            let take = (c.bytes - off).min(cap - fill);
+    let mut left = total;
+    let mut k = 0usize;
+    while left > 0 {
+        let c = staged_chunk_len(k, cap);
+        if c >= cap {
+            return k.saturating_add(usize::try_from(left.div_ceil(cap)).unwrap_or(usize::MAX));
+        }
+        left = left.saturating_sub(c);
+        k += 1;
+    }
+    k
+}
+
+/// Most kernel descriptors a staged job can need: chunk boundaries cut the copies into at most
+/// `copies + chunks` segments, and a segment of `s` bytes gives at most `s / KERNEL_CHUNK_BYTES + 1`
+/// pieces.
+pub(crate) fn staged_desc_bound(n_copies: usize, total: u64, n_chunks: usize) -> usize {
+    usize::try_from(total / KERNEL_CHUNK_BYTES)
+        .unwrap_or(usize::MAX)
+        .saturating_add(n_copies)
+        .saturating_add(n_chunks)
+}
+
+/// Packs a staged job chunk by chunk, in emission order (see [`CopyMethod::Staged`]).
+#[derive(Debug, Default)]
+pub(crate) struct StagedPacker {
+    /// Next copy to pack, and the bytes of it already packed.
+    copy: usize,
+    off: u64,
+}
+
+impl StagedPacker {
+    /// Packs up to `len` more bytes of `copies` into the staging slot at device address `base`:
+    /// kernel descriptor triples (GPU side ↔ staging, pieces of at most [`KERNEL_CHUNK_BYTES`])
+    /// are written to `descs` from triple `*nd` on (advancing `*nd`), and the DMA runs
+    /// `(src, dst, bytes)` (staging ↔ host, merged while host-contiguous) replace `runs`.
+    /// Returns the bytes packed (fewer than `len` only at the end of the job), or `None` if
+    /// `descs` is too small (callers size it with [`staged_desc_bound`]).
+    #[allow(clippy::too_many_arguments)] // plain data in, two reused buffers out
+    pub(crate) fn pack_chunk(
+        &mut self,
+        copies: &[CopyOp],
+        d2h: bool,
+        len: u64,
+        base: u64,
+        descs: &mut [u64],
+        nd: &mut usize,
+        runs: &mut Vec<(u64, u64, u64)>,
+    ) -> Option<u64> {
+        if d2h {
+            self.pack::<true>(copies, len, base, descs, nd, runs)
+        } else {
+            self.pack::<false>(copies, len, base, descs, nd, runs)
+        }
+    }
+
+    fn pack<const D2H: bool>(
+        &mut self,
+        copies: &[CopyOp],
+        len: u64,
+        base: u64,
+        descs: &mut [u64],
+        nd: &mut usize,
+        runs: &mut Vec<(u64, u64, u64)>,
+    ) -> Option<u64> {
+        runs.clear();
+        let (mut ci, mut off, mut n) = (self.copy, self.off, *nd);
+        let mut fill = 0u64;
+        // The open run: (host start, staging start, bytes).
+        let mut run: Option<(u64, u64, u64)> = None;
+        while fill < len {
+            let Some(c) = copies.get(ci) else {
+                break;
+            };
+            let take = (c.bytes - off).min(len - fill);
             let stage = base + fill;
+            let (gpu, host) = if D2H {
+                (c.src_ptr + off, c.dst_ptr + off)
+            } else {
+                (c.dst_ptr + off, c.src_ptr + off)
+            };
             let mut k = 0;
             while k < take {
-                let len = (take - k).min(KERNEL_CHUNK_BYTES);
-                if d2h {
-                    descs.extend_from_slice(&[c.src_ptr + off + k, stage + k, len]);
+                let l = (take - k).min(KERNEL_CHUNK_BYTES);
+                let d = descs.get_mut(n * 3..n * 3 + 3)?;
+                if D2H {
+                    d[0] = gpu + k;
+                    d[1] = stage + k;
                 } else {
-                    descs.extend_from_slice(&[stage + k, c.dst_ptr + off + k, len]);
+                    d[0] = stage + k;
+                    d[1] = gpu + k;
                 }
-                k += len;
+                d[2] = l;
+                n += 1;
+                k += l;
             }
-            let h = host + off;
-            let (rs, rd) = if d2h { (stage, h) } else { (h, stage) };
-            // A run never spans two chunks (two slots may be adjacent in device memory, but the
-            // next slot's DMA must wait for its own kernel).
-            let chunk_has_runs = chunks.last().is_some_and(|ch| runs.len() > ch.run_start);
-            match runs.last_mut() {
-                Some(r) if chunk_has_runs && r.0 + r.2 == rs && r.1 + r.2 == rd => r.2 += take,
-                _ => runs.push((rs, rd, take)),
+            // Staging is filled contiguously, so a run continues while the host side does.
+            if take > 0 {
+                run = match run {
+                    Some((h, st, b)) if h + b == host => Some((h, st, b + take)),
+                    Some((h, st, b)) => {
+                        runs.push(if D2H { (st, h, b) } else { (h, st, b) });
+                        Some((host, stage, take))
+                    }
+                    None => Some((host, stage, take)),
+                };
             }
             fill += take;
             off += take;
+            if off >= c.bytes {
+                ci += 1;
+                off = 0;
+            }
         }
-    }
-    if let Some(ch) = chunks.last_mut() {
-        ch.desc_count = descs.len() / 3 - ch.desc_start;
-        ch.run_count = runs.len() - ch.run_start;
+        if let Some((h, st, b)) = run {
+            runs.push(if D2H { (st, h, b) } else { (h, st, b) });
+        }
+        self.copy = ci;
+        self.off = off;
+        *nd = n;
+        Some(fill)
     }
 }
 
@@ -621,6 +689,42 @@ fn host_runs(direction: Direction, copies: &[CopyOp]) -> u64 {
     runs
 }
 
+/// Copies of a kernel job whose descriptors are written before its start event; the rest are
+/// written while the device copies these (a head of a few hundred microseconds of work).
+const KERNEL_HEAD_COPIES: usize = 2048;
+
+/// Writes the kernel descriptors of `copies` (pieces of at most [`KERNEL_CHUNK_BYTES`]) into
+/// `buf`'s pinned host side from descriptor `first` on; returns how many were written.
+fn write_kernel_descs(copies: &[CopyOp], buf: &DescBuf, first: usize) -> Result<usize> {
+    let cap = buf.cap / DESC_BYTES;
+    // SAFETY: `buf.host` is a pinned allocation of `buf.cap` bytes (8-byte aligned, from
+    // cuMemAllocHost) owned by the job being prepared; descriptors from `first` on are not
+    // read by the device until they are uploaded after this returns, and nothing else aliases
+    // this memory while the slice lives.
+    let words = unsafe { std::slice::from_raw_parts_mut(buf.host.0.cast::<u64>(), cap * 3) };
+    let mut out = words
+        .get_mut(first * 3..)
+        .unwrap_or_default()
+        .chunks_exact_mut(3);
+    let mut n = 0usize;
+    for c in copies {
+        let mut off = 0;
+        loop {
+            let len = (c.bytes - off).min(KERNEL_CHUNK_BYTES);
+            let d = out.next().ok_or_else(|| {
+                KvoffError::state("kernel descriptor buffer too small (a kvoff bug)")
+            })?;
+            d.copy_from_slice(&[c.src_ptr + off, c.dst_ptr + off, len]);
+            n += 1;
+            off += len;
+            if off >= c.bytes {
+                break;
+            }
+        }
+    }
+    Ok(n)
+}
+
 /// The CUDA engine of one direction (one handler): its stream, event pool and in-flight FIFO.
 pub struct CudaEngine {
     device: Arc<CudaDevice>,
@@ -637,7 +741,8 @@ pub struct CudaEngine {
     method_counts: [u64; 4],
     last_ctas: u32,
     staging: Option<Staging>,
-    scratch_descs: Vec<u64>,
+    /// Reused argument arrays of the batch call: sources, destinations, sizes.
+    scratch_dma: (Vec<u64>, Vec<u64>, Vec<usize>),
     scratch_runs: Vec<(u64, u64, u64)>,
     last_pack_ns: u64,
     last_submit_ns: u64,
@@ -717,7 +822,7 @@ impl CudaEngine {
             method_counts: [0; 4],
             last_ctas: 0,
             staging: None,
-            scratch_descs: Vec::new(),
+            scratch_dma: (Vec::new(), Vec::new(), Vec::new()),
             scratch_runs: Vec::new(),
             last_pack_ns: 0,
             last_submit_ns: 0,
@@ -870,16 +975,7 @@ impl CudaEngine {
             for _ in 0..self.cfg.staging_slots {
                 // SAFETY: as above.
                 let dev = unsafe { ffi::mem_alloc(slot_bytes) }?;
-                st.slots.push(Slot {
-                    dev,
-                    ready: SendPtr(std::ptr::null_mut()),
-                    free: SendPtr(std::ptr::null_mut()),
-                });
-                let last = st.slots.len() - 1;
-                // SAFETY: as above.
-                st.slots[last].ready = SendPtr(unsafe { ffi::event_create(false) }?);
-                // SAFETY: as above.
-                st.slots[last].free = SendPtr(unsafe { ffi::event_create(false) }?);
+                st.slots.push(Slot { dev });
             }
             Ok(())
         })();
@@ -901,12 +997,6 @@ impl CudaEngine {
         for sl in &st.slots {
             // SAFETY: idle streams; each handle is released once.
             errs.push(unsafe { ffi::mem_free(sl.dev) });
-            for e in [sl.ready.0, sl.free.0] {
-                if !e.is_null() {
-                    // SAFETY: as above.
-                    errs.push(unsafe { ffi::event_destroy(e) });
-                }
-            }
         }
         for e in [st.fork.0, st.join.0] {
             if !e.is_null() {
@@ -923,9 +1013,9 @@ impl CudaEngine {
     }
 
     /// Launches the copy kernel over `n` descriptors at device address `descs` on `s`.
-    fn launch(&mut self, descs: u64, n: u64, s: ffi::CUstream) -> Result<()> {
+    fn launch(&mut self, descs: u64, n: u64, max_ctas: u32, s: ffi::CUstream) -> Result<()> {
         let warps_per_cta = u64::from(self.cfg.kernel_threads / 32);
-        let grid = u32::try_from(n.div_ceil(warps_per_cta).min(u64::from(self.cfg.max_ctas)))
+        let grid = u32::try_from(n.div_ceil(warps_per_cta).min(u64::from(max_ctas)))
             .unwrap_or(1)
             .max(1);
         self.last_ctas = grid;
@@ -943,23 +1033,30 @@ impl CudaEngine {
 
     /// Batched DMA of `(src, dst, bytes)` triples on `s` (a per-copy loop without the batch API).
     fn dma(
-        &self,
+        &mut self,
         runs: impl Iterator<Item = (u64, u64, u64)> + Clone,
         host_to_device: bool,
         s: ffi::CUstream,
     ) -> Result<()> {
         if let Some(f) = self.device.batch {
-            let mut srcs: Vec<u64> = runs.clone().map(|r| r.0).collect();
-            let mut dsts: Vec<u64> = runs.clone().map(|r| r.1).collect();
-            let mut sizes: Vec<usize> = runs
-                .map(|r| usize::try_from(r.2).unwrap_or(usize::MAX))
-                .collect();
-            if sizes.is_empty() {
-                return Ok(());
+            let (mut srcs, mut dsts, mut sizes) = std::mem::take(&mut self.scratch_dma);
+            srcs.clear();
+            dsts.clear();
+            sizes.clear();
+            for (src, dst, n) in runs {
+                srcs.push(src);
+                dsts.push(dst);
+                sizes.push(usize::try_from(n).unwrap_or(usize::MAX));
             }
-            // SAFETY: co-indexed arrays; memory validated by the plan (or staging owned by this
-            // engine) and kept alive until the job completes; `s` is a created stream.
-            unsafe { ffi::memcpy_batch(f, &mut dsts, &mut srcs, &mut sizes, host_to_device, s) }
+            let r = if sizes.is_empty() {
+                Ok(())
+            } else {
+                // SAFETY: co-indexed arrays; memory validated by the plan (or staging owned by
+                // this engine) and kept alive until the job completes; `s` is a created stream.
+                unsafe { ffi::memcpy_batch(f, &mut dsts, &mut srcs, &mut sizes, host_to_device, s) }
+            };
+            self.scratch_dma = (srcs, dsts, sizes);
+            r
         } else {
             for (src, dst, n) in runs {
                 // SAFETY: as above.
@@ -969,224 +1066,225 @@ impl CudaEngine {
         }
     }
 
-    /// The `Staged` method (see [`CopyMethod::Staged`]): enqueues on the main stream `s` and the
-    /// auxiliary stream, forked from and joined back into `s`.
-    /// CPU side of the `Staged` method (see [`CopyMethod::Staged`]): packs the job into chunks of
-    /// one staging slot and writes the kernel descriptors into a pinned buffer.
-    fn prepare_staged(&mut self, copies: &[CopyOp]) -> Result<Prepared> {
+    /// CPU side of the `Staged` method (see [`CopyMethod::Staged`]) before the start event: the
+    /// staging ring and a pinned descriptor buffer large enough for the whole job. The chunks are
+    /// packed at issue time ([`CudaEngine::enqueue_staged`]).
+    fn prepare_staged(&mut self, copies: &[CopyOp], total: u64) -> Result<Prepared> {
         self.ensure_staging()?;
-        let d2h = self.direction == Direction::GpuToCpu;
-        let (cap, first_slot, slot_bases) = {
+        let (cap, first_slot) = {
             let st = self
                 .staging
                 .as_ref()
                 .ok_or_else(|| KvoffError::state("staging missing"))?;
-            (
-                self.cfg.staging_slot_bytes,
-                st.next,
-                st.slots.iter().map(|sl| sl.dev).collect::<Vec<_>>(),
-            )
+            (self.cfg.staging_slot_bytes, st.next)
         };
-        let t0 = std::time::Instant::now();
-        let mut descs = std::mem::take(&mut self.scratch_descs);
-        let mut runs = std::mem::take(&mut self.scratch_runs);
-        let mut chunks = Vec::new();
-        pack_staged(
-            copies,
-            d2h,
-            cap,
-            &slot_bases,
-            first_slot,
-            &mut descs,
-            &mut runs,
-            &mut chunks,
-        );
-        self.last_pack_ns = u64::try_from(t0.elapsed().as_nanos()).unwrap_or(u64::MAX);
-        self.scratch_runs = runs;
-        if chunks.is_empty() {
-            self.scratch_descs = descs;
+        let n_chunks = staged_chunk_count(total, cap);
+        if n_chunks == 0 {
             return Ok(Prepared::Nothing);
         }
-        let nbytes = descs.len() * 8;
-        let buf = self.take_desc(nbytes);
-        if let Ok(buf) = &buf {
-            // SAFETY: `buf.host` is a pinned allocation of ≥ nbytes owned by this engine, not in use.
-            unsafe {
-                std::ptr::copy_nonoverlapping(
-                    descs.as_ptr(),
-                    buf.host.0.cast::<u64>(),
-                    descs.len(),
-                );
-            }
-        }
-        self.scratch_descs = descs;
+        let nbytes = staged_desc_bound(copies.len(), total, n_chunks)
+            .checked_mul(DESC_BYTES)
+            .ok_or_else(|| KvoffError::arg("too many copies for one job"))?;
         Ok(Prepared::Staged {
-            buf: buf?,
-            nbytes,
-            chunks,
+            buf: self.take_desc(nbytes)?,
+            n_chunks,
             first_slot,
         })
     }
 
-    fn enqueue_chunks(
+    /// Enqueues a staged job on the main stream `s` and the auxiliary stream (forked from `s` and
+    /// joined back into it, also after an error, so the job's end event covers both): per chunk,
+    /// packs its descriptors straight into the job's pinned buffer (the kernel reads them from
+    /// there, through the device mapping of pinned memory), then enqueues the kernel and the
+    /// batched DMA of its runs, handing the slot between the streams with events. The device
+    /// works on chunk `k` while the CPU packs chunk `k + 1`.
+    fn enqueue_staged(
         &mut self,
-        chunks: &[Chunk],
-        runs: &[(u64, u64, u64)],
+        copies: &[CopyOp],
         buf: &DescBuf,
-        nbytes: usize,
-        d2h: bool,
+        n_chunks: usize,
+        first_slot: usize,
         s: ffi::CUstream,
     ) -> Result<()> {
-        // SAFETY: the staging buffer stays untouched until the job completes.
-        unsafe { ffi::memcpy_htod_async(buf.dev, buf.host.0, nbytes, s) }?;
-        let (aux, fork, join, slots) = {
+        let (aux, fork, join) = {
             let st = self
                 .staging
                 .as_ref()
                 .ok_or_else(|| KvoffError::state("staging missing"))?;
-            (
-                st.aux.0,
-                st.fork.0,
-                st.join.0,
-                st.slots
-                    .iter()
-                    .map(|sl| (sl.ready.0, sl.free.0))
-                    .collect::<Vec<_>>(),
-            )
+            (st.aux.0, st.fork.0, st.join.0)
         };
-        // SAFETY (every driver call below): live handles of the current context. Staging slots
-        // are handed between the streams by their ready/free events, so a slot is rewritten only
-        // after its previous contents were consumed.
+        // SAFETY: live handles of the current context.
         unsafe {
             ffi::event_record(fork, s)?;
             ffi::stream_wait(aux, fork)?;
         }
-        for ch in chunks {
-            let (ready, free) = slots[ch.slot];
-            let kdesc = buf.dev + (ch.desc_start * DESC_BYTES) as u64;
-            if d2h {
-                // SAFETY: as above.
-                unsafe { ffi::stream_wait(s, free) }?;
-                self.launch(kdesc, ch.desc_count as u64, s)?;
-                // SAFETY: as above.
-                unsafe {
-                    ffi::event_record(ready, s)?;
-                    ffi::stream_wait(aux, ready)?;
-                }
-                self.dma(
-                    runs[ch.run_start..ch.run_start + ch.run_count]
-                        .iter()
-                        .copied(),
-                    false,
-                    aux,
-                )?;
-                // SAFETY: as above.
-                unsafe { ffi::event_record(free, aux) }?;
-            } else {
-                // SAFETY: as above.
-                unsafe { ffi::stream_wait(aux, free) }?;
-                self.dma(
-                    runs[ch.run_start..ch.run_start + ch.run_count]
-                        .iter()
-                        .copied(),
-                    true,
-                    aux,
-                )?;
-                // SAFETY: as above.
-                unsafe {
-                    ffi::event_record(ready, aux)?;
-                    ffi::stream_wait(s, ready)?;
-                }
-                self.launch(kdesc, ch.desc_count as u64, s)?;
-                // SAFETY: as above.
-                unsafe { ffi::event_record(free, s) }?;
-            }
-        }
+        let r = self.enqueue_staged_chunks(copies, buf, n_chunks, first_slot, s, aux);
         // SAFETY: as above.
-        unsafe {
-            ffi::event_record(join, aux)?;
-            ffi::stream_wait(s, join)
-        }
+        let j = unsafe { ffi::event_record(join, aux).and_then(|()| ffi::stream_wait(s, join)) };
+        r.and(j)
     }
 
-    /// CPU-side work of a job (descriptor building, packing), done before its start event so
-    /// that the device-timed `transfer_time` covers device work only.
-    fn prepare(&mut self, method: CopyMethod, copies: &[CopyOp]) -> Result<Prepared> {
+    #[allow(clippy::too_many_arguments)] // the two streams and the job's parts
+    fn enqueue_staged_chunks(
+        &mut self,
+        copies: &[CopyOp],
+        buf: &DescBuf,
+        n_chunks: usize,
+        first_slot: usize,
+        s: ffi::CUstream,
+        aux: ffi::CUstream,
+    ) -> Result<()> {
+        let d2h = self.direction == Direction::GpuToCpu;
+        let cap = self.cfg.staging_slot_bytes;
+        let slots: Vec<u64> = self
+            .staging
+            .as_ref()
+            .ok_or_else(|| KvoffError::state("staging missing"))?
+            .slots
+            .iter()
+            .map(|sl| sl.dev)
+            .collect();
+        let nslots = slots.len();
+        if nslots == 0 {
+            return Err(KvoffError::state("no staging slots"));
+        }
+        // Two kernels (one per stream) may run at once: each gets half the CTA budget.
+        let ctas = (self.cfg.max_ctas / 2).max(1);
+        // SAFETY: `buf.host` is a pinned allocation of `buf.cap` bytes (8-byte aligned, from
+        // cuMemAllocHost) owned by this job and used by nothing else until the job completes;
+        // nothing else aliases it while this slice lives. The kernel reads a chunk's descriptors
+        // only after they were written here (its launch is enqueued afterwards).
+        let words =
+            unsafe { std::slice::from_raw_parts_mut(buf.host.0.cast::<u64>(), buf.cap / 8) };
+        let host_base = buf.host.0 as u64;
+        let mut runs = std::mem::take(&mut self.scratch_runs);
+        let mut packer = StagedPacker::default();
+        let mut nd = 0usize;
+        let mut pack = std::time::Duration::ZERO;
+        let r = (|| {
+            for k in 0..n_chunks {
+                let slot = (first_slot + k) % nslots;
+                // Chunks alternate between the two streams: while one stream gathers (scatters)
+                // a chunk with the kernel, the other moves its chunk over PCIe, and each stream
+                // runs its own chunks strictly in order.
+                let st = if slot % 2 == 0 { s } else { aux };
+                let t = std::time::Instant::now();
+                let d0 = nd;
+                let got = packer
+                    .pack_chunk(
+                        copies,
+                        d2h,
+                        staged_chunk_len(k, cap),
+                        slots[slot],
+                        words,
+                        &mut nd,
+                        &mut runs,
+                    )
+                    .ok_or_else(|| {
+                        KvoffError::state("staged descriptor buffer too small (a kvoff bug)")
+                    })?;
+                pack += t.elapsed();
+                if got == 0 {
+                    break;
+                }
+                let kdesc = host_base + (d0 * DESC_BYTES) as u64;
+                let ndesc = (nd - d0) as u64;
+                if d2h {
+                    self.launch(kdesc, ndesc, ctas, st)?;
+                    self.dma(runs.iter().copied(), false, st)?;
+                } else {
+                    self.dma(runs.iter().copied(), true, st)?;
+                    self.launch(kdesc, ndesc, ctas, st)?;
+                }
+            }
+            Ok(())
+        })();
+        self.scratch_runs = runs;
+        self.last_pack_ns = u64::try_from(pack.as_nanos()).unwrap_or(u64::MAX);
+        r
+    }
+
+    /// CPU-side work of a job before its start event: buffers, and the kernel descriptors of the
+    /// job's head. The rest (the kernel job's tail, the staged chunks) is written while the device
+    /// already works on what was enqueued, so a job starts after a few microseconds of CPU work;
+    /// the device-timed `transfer_time` still covers device work only as long as the CPU keeps
+    /// ahead of the device (it packs several times faster than PCIe moves the bytes).
+    fn prepare(&mut self, method: CopyMethod, copies: &[CopyOp], total: u64) -> Result<Prepared> {
         if copies.is_empty() {
             return Ok(Prepared::Nothing);
         }
         match method {
-            CopyMethod::Staged => self.prepare_staged(copies),
+            CopyMethod::Staged => self.prepare_staged(copies, total),
             CopyMethod::Kernel => {
                 if !self.cfg.host_mapped {
                     return Err(KvoffError::arg(
                         "the copy kernel needs pinned, device-mapped host memory; use engine \"dma\" or pin the region",
                     ));
                 }
-                // Count the pieces, then write the descriptors straight into the pinned staging
-                // buffer (no intermediate vector).
-                let n: usize = copies
-                    .iter()
-                    .map(|c| {
-                        usize::try_from(c.bytes.div_ceil(KERNEL_CHUNK_BYTES).max(1))
-                            .unwrap_or(usize::MAX)
-                    })
-                    .fold(0usize, usize::saturating_add);
-                let nbytes = n
+                let bound = usize::try_from(total / KERNEL_CHUNK_BYTES)
+                    .unwrap_or(usize::MAX)
+                    .saturating_add(copies.len());
+                let nbytes = bound
                     .checked_mul(DESC_BYTES)
                     .ok_or_else(|| KvoffError::arg("too many copies for one job"))?;
                 let buf = self.take_desc(nbytes)?;
-                // SAFETY: `buf.host` is a pinned allocation of ≥ nbytes bytes (8-byte aligned, from
-                // cuMemAllocHost) owned by this engine and not used by any in-flight job (it came
-                // from the free pool); nothing else aliases it while this slice lives.
-                let words =
-                    unsafe { std::slice::from_raw_parts_mut(buf.host.0.cast::<u64>(), n * 3) };
-                let mut out = words.chunks_exact_mut(3);
-                for c in copies {
-                    let mut off = 0;
-                    loop {
-                        let len = (c.bytes - off).min(KERNEL_CHUNK_BYTES);
-                        if let Some(d) = out.next() {
-                            d.copy_from_slice(&[c.src_ptr + off, c.dst_ptr + off, len]);
-                        }
-                        off += len;
-                        if off >= c.bytes {
-                            break;
-                        }
-                    }
-                }
-                Ok(Prepared::Kernel {
-                    buf,
-                    n: n as u64,
-                    nbytes,
-                })
+                let head = copies.len().min(KERNEL_HEAD_COPIES);
+                let head_n = write_kernel_descs(&copies[..head], &buf, 0)?;
+                Ok(Prepared::Kernel { buf, head, head_n })
             }
             CopyMethod::Dma | CopyMethod::Auto | CopyMethod::Loop => Ok(Prepared::Nothing),
         }
+    }
+
+    /// Uploads descriptors `first..first + n` of a kernel job's pinned buffer to its device buffer
+    /// and launches the copy kernel over them.
+    fn upload_and_launch(
+        &mut self,
+        buf: &DescBuf,
+        first: usize,
+        n: usize,
+        s: ffi::CUstream,
+    ) -> Result<()> {
+        if n == 0 {
+            return Ok(());
+        }
+        let off = first * DESC_BYTES;
+        // SAFETY: the pinned buffer holds these descriptors and stays untouched until this job
+        // completes (it travels with the job; later writes go to other descriptors); the device
+        // buffer is as large.
+        unsafe {
+            ffi::memcpy_htod_async(
+                buf.dev + off as u64,
+                buf.host.0.cast::<u8>().add(off).cast(),
+                n * DESC_BYTES,
+                s,
+            )
+        }?;
+        self.launch(buf.dev + off as u64, n as u64, self.cfg.max_ctas, s)
     }
 
     /// Enqueues the device work of one job on the stream (between the timing events).
     fn issue(&mut self, method: CopyMethod, copies: &[CopyOp], prep: &Prepared) -> Result<()> {
         let s = self.stream.0;
         match prep {
-            Prepared::Kernel { buf, n, nbytes } => {
-                // SAFETY: the pinned buffer holds `nbytes` of descriptors and stays untouched until
-                // this job completes (it travels with the job); the device buffer is as large.
-                unsafe { ffi::memcpy_htod_async(buf.dev, buf.host.0, *nbytes, s) }?;
-                self.launch(buf.dev, *n, s)
+            Prepared::Kernel { buf, head, head_n } => {
+                self.upload_and_launch(buf, 0, *head_n, s)?;
+                if *head < copies.len() {
+                    let t = std::time::Instant::now();
+                    let tail_n = write_kernel_descs(&copies[*head..], buf, *head_n)?;
+                    self.last_pack_ns = u64::try_from(t.elapsed().as_nanos()).unwrap_or(u64::MAX);
+                    self.upload_and_launch(buf, *head_n, tail_n, s)?;
+                }
+                Ok(())
             }
             Prepared::Staged {
                 buf,
-                nbytes,
-                chunks,
+                n_chunks,
                 first_slot,
             } => {
-                let runs = std::mem::take(&mut self.scratch_runs);
-                let d2h = self.direction == Direction::GpuToCpu;
-                let r = self.enqueue_chunks(chunks, &runs, buf, *nbytes, d2h, s);
-                self.scratch_runs = runs;
+                let r = self.enqueue_staged(copies, buf, *n_chunks, *first_slot, s);
                 if let Some(st) = self.staging.as_mut() {
-                    st.next = (first_slot + chunks.len()) % st.slots.len().max(1);
+                    st.next = (first_slot + n_chunks) % st.slots.len().max(1);
                 }
                 r
             }
@@ -1279,7 +1377,7 @@ impl TransferEngine for CudaEngine {
         let bytes = job.plan.total_bytes();
         let method = self.choose(copies, bytes);
         let s = self.stream.0;
-        let prepared = match self.prepare(method, copies) {
+        let prepared = match self.prepare(method, copies, bytes) {
             Ok(p) => p,
             Err(e) => {
                 self.events.push(SendPtr(start));
@@ -1804,16 +1902,102 @@ fn measure_calibration(dev: &Arc<CudaDevice>) -> Result<Calibration> {
 
 #[cfg(test)]
 mod pack_tests {
-    use super::{pack_staged, CopyOp, KERNEL_CHUNK_BYTES};
+    use super::{
+        staged_chunk_count, staged_chunk_len, staged_desc_bound, CopyOp, StagedPacker,
+        KERNEL_CHUNK_BYTES,
+    };
+
+    /// A packed chunk: its slot and its ranges of the flat descriptor and run lists.
+    struct Chunk {
+        slot: usize,
+        desc_start: usize,
+        desc_count: usize,
+        run_start: usize,
+        run_count: usize,
+    }
+
+    /// Descriptor words, DMA runs and chunks of a whole packed job.
+    type Packed = (Vec<u64>, Vec<(u64, u64, u64)>, Vec<Chunk>);
+
+    /// Packs a whole job the way `enqueue_staged` does, collecting every chunk.
+    fn pack_all(
+        copies: &[CopyOp],
+        d2h: bool,
+        cap: u64,
+        bases: &[u64],
+        first_slot: usize,
+    ) -> Packed {
+        let total: u64 = copies.iter().map(|c| c.bytes).sum();
+        let n_chunks = staged_chunk_count(total, cap);
+        let mut descs = vec![0u64; 3 * staged_desc_bound(copies.len(), total, n_chunks)];
+        let (mut runs, mut chunks) = (Vec::new(), Vec::new());
+        let mut packer = StagedPacker::default();
+        let (mut nd, mut packed) = (0usize, 0u64);
+        let mut chunk_runs = Vec::new();
+        for k in 0..n_chunks {
+            let slot = (first_slot + k) % bases.len();
+            let d0 = nd;
+            let len = staged_chunk_len(k, cap);
+            let got = packer
+                .pack_chunk(
+                    copies,
+                    d2h,
+                    len,
+                    bases[slot],
+                    &mut descs,
+                    &mut nd,
+                    &mut chunk_runs,
+                )
+                .expect("the bound holds");
+            assert!(
+                got == len || packed + got == total,
+                "short chunk before the end"
+            );
+            packed += got;
+            chunks.push(Chunk {
+                slot,
+                desc_start: d0,
+                desc_count: nd - d0,
+                run_start: runs.len(),
+                run_count: chunk_runs.len(),
+            });
+            runs.extend_from_slice(&chunk_runs);
+        }
+        assert_eq!(packed, total, "chunk count covers the job");
+        descs.truncate(nd * 3);
+        (descs, runs, chunks)
+    }
+
+    #[test]
+    fn chunk_schedule_ramps_to_the_slot_size() {
+        let mib = 1u64 << 20;
+        let lens: Vec<u64> = (0..6)
+            .map(|k| staged_chunk_len(k, 16 * mib) / mib)
+            .collect();
+        assert_eq!(lens, [2, 4, 8, 16, 16, 16]);
+        assert_eq!(staged_chunk_len(0, mib), mib);
+        assert_eq!(staged_chunk_len(100, 16 * mib), 16 * mib);
+        assert_eq!(staged_chunk_count(0, 16 * mib), 0);
+        assert_eq!(staged_chunk_count(1, 16 * mib), 1);
+        assert_eq!(staged_chunk_count(2 * mib, 16 * mib), 1);
+        assert_eq!(staged_chunk_count(2 * mib + 1, 16 * mib), 2);
+        assert_eq!(staged_chunk_count(30 * mib, 16 * mib), 4);
+        assert_eq!(staged_chunk_count(512 * mib, 16 * mib), 3 + 32); // 2 + 4 + 8, then 498 MiB
+        assert_eq!(staged_chunk_count(5 * mib, mib), 5);
+    }
 
     /// Every byte of every copy is staged exactly once, kernel pieces are at most 64 KiB, runs stay
     /// inside their chunk's slot, and staging ↔ GPU (descriptors) composed with staging ↔ host
     /// (runs) gives back exactly the copies.
     #[test]
     fn pack_covers_every_byte_once() {
-        let cap = 1 << 20;
-        let bases = [1u64 << 40, (1u64 << 40) + cap, 1 << 41]; // slots 0 and 1 adjacent
-        for d2h in [true, false] {
+        for (cap, d2h) in [
+            (1u64 << 20, true),
+            (1 << 20, false),
+            (8 << 20, true),
+            (8 << 20, false),
+        ] {
+            let bases = [1u64 << 40, (1u64 << 40) + cap, 1 << 41]; // slots 0 and 1 adjacent
             let mut copies = Vec::new();
             let mut host = 1u64 << 30;
             for i in 0..200u64 {
@@ -1837,17 +2021,7 @@ mod pack_tests {
                 });
                 host += bytes;
             }
-            let (mut descs, mut runs, mut chunks) = (Vec::new(), Vec::new(), Vec::new());
-            pack_staged(
-                &copies,
-                d2h,
-                cap,
-                &bases,
-                1,
-                &mut descs,
-                &mut runs,
-                &mut chunks,
-            );
+            let (descs, runs, chunks) = pack_all(&copies, d2h, cap, &bases, 1);
             let total: u64 = copies.iter().map(|c| c.bytes).sum();
             assert_eq!(descs.chunks(3).map(|d| d[2]).sum::<u64>(), total);
             assert_eq!(runs.iter().map(|r| r.2).sum::<u64>(), total);
