@@ -525,6 +525,9 @@ struct Staging {
 /// fills quickly, while long jobs still move in few, large chunks.
 const STAGED_FIRST_CHUNK: u64 = 2 << 20;
 
+/// Smallest job for which `Auto` considers the staged method.
+const STAGED_MIN_JOB_BYTES: u64 = 32 << 20;
+
 /// Bytes of chunk `k` of a staged job whose slots hold `cap` bytes.
 pub(crate) fn staged_chunk_len(k: usize, cap: u64) -> u64 {
     let first = STAGED_FIRST_CHUNK.min(cap);
@@ -919,8 +922,9 @@ impl CudaEngine {
                 // runs (82–99 GB/s total vs 58–75 for any pair with the kernel).
                 let other_busy = self.device.other_direction_active(self.direction);
                 let runs = host_runs(self.direction, copies);
-                // The staged pipeline needs at least two slots of work to overlap its two stages.
-                let run_for_staging = if bytes >= 2 * self.cfg.staging_slot_bytes {
+                // The staged pipeline needs a few chunks to overlap its two stages (measured from
+                // 32 MiB jobs; below, the kernel or DMA is as fast).
+                let run_for_staging = if bytes >= STAGED_MIN_JOB_BYTES {
                     bytes / runs.max(1)
                 } else {
                     0
