@@ -180,6 +180,16 @@ impl<K: Hash + Eq> Arena<K> {
         black_box(acc);
     }
 
+    /// Loads the cache lines of the index home slots of the given hashes (before inserting them).
+    #[inline]
+    pub fn warm_index_homes(&self, hashes: impl Iterator<Item = u64>) {
+        let mut acc = 0u64;
+        for h in hashes {
+            acc ^= self.index.home_entry(tag_of(h));
+        }
+        black_box(acc);
+    }
+
     /// Loads the cache lines of the index home slots of the given nodes (before removing them).
     #[inline]
     pub fn warm_index_of(&self, nodes: &[u32]) {

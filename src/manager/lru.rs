@@ -54,6 +54,7 @@ impl Policy for Lru {
         _evicted: &mut Vec<K>,
     ) {
         arena.warm_index_of(victims);
+        arena.warm_stamps(victims);
         for &v in victims {
             arena.detach(v);
         }

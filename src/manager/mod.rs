@@ -298,6 +298,9 @@ pub struct Manager<K, P> {
     scratch_dedup: Index,
 }
 
+/// Calls of at most this many keys filter duplicates without a hash index.
+const SMALL_CALL: usize = 256;
+
 /// A key `prepare_store` will store: its position, hash, and its ghost node or [`NIL`].
 #[derive(Clone, Copy, Debug)]
 struct Candidate {
@@ -458,7 +461,13 @@ impl<K: Hash + Eq + Clone, P: Policy> Manager<K, P> {
         let mut protected = std::mem::take(&mut self.scratch_nodes);
         cands.clear();
         protected.clear();
-        self.scratch_dedup.clear_for(keys.len());
+        // Duplicate filter for the candidates: a 1024-bit filter plus an exact scan of the
+        // candidates on a hit for small calls, a hash index of positions for large ones.
+        let small = keys.len() <= SMALL_CALL;
+        let mut filter = [0u64; 16];
+        if !small {
+            self.scratch_dedup.clear_for(keys.len());
+        }
         let mut protected_evictable = 0usize;
         let mut hashes = [0u64; CHUNK];
         let mut found = [NIL; CHUNK];
@@ -477,18 +486,34 @@ impl<K: Hash + Eq + Clone, P: Policy> Manager<K, P> {
                     }
                 } else {
                     let pos = c * CHUNK + k;
-                    let tag = tag_of(hashes[k]);
-                    if self
-                        .scratch_dedup
-                        .find(tag, |p| keys[p as usize] == *key)
-                        .is_none()
-                    {
-                        // pos < 2^32: checked above.
-                        self.scratch_dedup
-                            .insert(tag, u32::try_from(pos).unwrap_or(u32::MAX));
+                    let h = hashes[k];
+                    let dup = if small {
+                        // A clear filter bit proves the key new; a set one is checked exactly.
+                        let b = (h & 1023) as usize;
+                        let (word, bit) = (b >> 6, 1u64 << (b & 63));
+                        if filter[word] & bit == 0 {
+                            filter[word] |= bit;
+                            false
+                        } else {
+                            cands.iter().any(|c| c.hash == h && keys[c.pos] == *key)
+                        }
+                    } else {
+                        let tag = tag_of(h);
+                        let dup = self
+                            .scratch_dedup
+                            .find(tag, |p| keys[p as usize] == *key)
+                            .is_some();
+                        if !dup {
+                            // pos < 2^32: checked above.
+                            self.scratch_dedup
+                                .insert(tag, u32::try_from(pos).unwrap_or(u32::MAX));
+                        }
+                        dup
+                    };
+                    if !dup {
                         cands.push(Candidate {
                             pos,
-                            hash: hashes[k],
+                            hash: h,
                             ghost: i,
                         });
                     }
@@ -534,6 +559,7 @@ impl<K: Hash + Eq + Clone, P: Policy> Manager<K, P> {
         let mut evicted_keys = Vec::with_capacity(victims.len());
         self.policy
             .on_evicted(&mut self.arena, &victims, cap, &mut evicted_keys);
+        self.arena.warm_index_homes(cands.iter().map(|c| c.hash));
         // 6–7: allocate and insert. LRU victims' nodes take the first candidates (there are at
         // least as many candidates as victims), which moves the evicted keys out in order.
         let reuse = if P::GHOSTS { 0 } else { victims.len() };
@@ -814,5 +840,45 @@ impl<K: Hash + Eq + Clone, P: Policy> OffloadingManager<K> for Manager<K, P> {
 
     fn num_blocks(&self) -> usize {
         self.cfg.num_blocks
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// Large calls (more than `SMALL_CALL` keys) filter duplicates through the position index,
+    /// small ones through the bit filter: both give what the duplicate-free call gives.
+    fn dedup_case<P: Policy>(n_keys: u64) {
+        let cfg = ManagerConfig::new(2000);
+        let mut a: Manager<u64, P> = Manager::new(cfg.clone());
+        let mut b: Manager<u64, P> = Manager::new(cfg);
+        for m in [&mut a, &mut b] {
+            m.prepare_store(&[3, 5]).unwrap().unwrap();
+        }
+        // Every key three times, interleaved, plus present keys.
+        let with_dups: Vec<u64> = (0..3 * n_keys).map(|i| (i * 7) % n_keys).collect();
+        let mut seen = std::collections::HashSet::new();
+        let unique: Vec<u64> = with_dups
+            .iter()
+            .copied()
+            .filter(|k| seen.insert(*k))
+            .collect();
+        let out_a = a.prepare_store_indexed(&with_dups).unwrap().unwrap();
+        let out_b = b.prepare_store(&unique).unwrap().unwrap();
+        let stored_a: Vec<u64> = out_a.positions.iter().map(|&p| with_dups[p]).collect();
+        assert_eq!(stored_a, out_b.keys_to_store);
+        assert_eq!(out_a.block_ids, out_b.block_ids);
+        assert_eq!(a.len(), b.len());
+        assert_eq!(a.debug_lists(), b.debug_lists());
+        assert!(!stored_a.contains(&3) && !stored_a.contains(&5));
+    }
+
+    #[test]
+    fn duplicates_small_and_large_calls() {
+        for n in [10, 85, 300, 1000] {
+            dedup_case::<Lru>(n);
+            dedup_case::<Arc>(n);
+        }
     }
 }
