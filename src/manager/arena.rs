@@ -225,8 +225,8 @@ impl<K: Hash + Eq> Arena<K> {
             self.nodes[i as usize] = node;
             i
         } else {
-            // `ManagerConfig::validate` bounds the capacity far below 2^32 − 1 live nodes
-            // (present keys + ghosts ≤ 3 × num_blocks); NIL would fail loudly in `node`.
+            // More than 2^32 − 1 nodes (> 256 GiB of them) is out of reach in practice; NIL would
+            // fail loudly at its first use, as the slab's index did before.
             let i = u32::try_from(self.nodes.len()).unwrap_or(NIL);
             self.nodes.push(node);
             i
@@ -258,6 +258,12 @@ impl<K: Hash + Eq> Arena<K> {
         n.list = ListTag::Free;
         self.lists.remove(list.idx(), i);
         self.index.remove(tag, i);
+    }
+
+    /// Frees a node taken out by [`Arena::detach`] (its key stays in place until the slot is
+    /// reused).
+    pub fn free_detached(&mut self, i: u32) {
+        self.free.push(i);
     }
 
     /// Takes node `i` off its list and out of the index and frees it (its key stays in place until

@@ -563,9 +563,10 @@ impl<K: Hash + Eq + Clone, P: Policy> Manager<K, P> {
         // 6–7: allocate and insert. LRU victims' nodes take the first candidates (there are at
         // least as many candidates as victims), which moves the evicted keys out in order.
         let reuse = if P::GHOSTS { 0 } else { victims.len() };
+        let mut reused = 0usize;
         let mut positions = Vec::with_capacity(cands.len());
         let mut block_ids = Vec::with_capacity(cands.len());
-        for (j, c) in cands.iter().enumerate() {
+        for c in &cands {
             let id = self.alloc_id();
             positions.push(c.pos);
             block_ids.push(id);
@@ -584,8 +585,9 @@ impl<K: Hash + Eq + Clone, P: Policy> Manager<K, P> {
                     .on_insert(&mut self.arena, c.ghost, Some(g), cap);
             } else {
                 let tag = tag_of(c.hash);
-                let i = if j < reuse {
-                    let v = victims[j];
+                let i = if reused < reuse {
+                    let v = victims[reused];
+                    reused += 1;
                     evicted_keys.push(self.arena.reuse(v, key.clone(), tag, id));
                     v
                 } else {
@@ -593,6 +595,12 @@ impl<K: Hash + Eq + Clone, P: Policy> Manager<K, P> {
                 };
                 self.policy.on_insert(&mut self.arena, i, None, cap);
             }
+        }
+        // Not reached while only LRU detaches victims (it has no ghosts, so every candidate takes
+        // a victim's node); kept so that a detached node can never leak.
+        for &v in &victims[reused..reuse] {
+            evicted_keys.push(self.arena.node(v).key.clone());
+            self.arena.free_detached(v);
         }
         self.num_present += cands.len();
         self.num_pending += cands.len();
