@@ -226,7 +226,7 @@ impl<K: Hash + Eq> Arena<K> {
             i
         } else {
             // More than 2^32 − 1 nodes (> 256 GiB of them) is out of reach in practice; NIL would
-            // fail loudly at its first use, as the slab's index did before.
+            // fail loudly at its first use.
             let i = u32::try_from(self.nodes.len()).unwrap_or(NIL);
             self.nodes.push(node);
             i
