@@ -1,35 +1,43 @@
 //! Manager throughput (key-ops/s, single thread) for LRU and ARC at 10^4, 10^5 and 10^6 blocks.
 //!
 //! Keys are real offload keys: a 32-byte block hash ‖ 4-byte group index (`make_offload_key`,
-//! 36 bytes) held as `ByteKey` (inline, no allocation), the type the Python bindings use. Every case starts from a full manager
-//! (all blocks ready) and passes batches of 64 keys, the way a scheduler step does; criterion's
-//! throughput is the number of keys passed to the measured call per iteration:
+//! 36 bytes) held as `ByteKey` (inline, no allocation), the type the Python bindings use. Every case
+//! starts from a full manager (all blocks ready) and passes batches of 64 keys, the way a scheduler
+//! step does.
+//!
+//! **Key-ops** (PERF.md): the number of keys passed to the measured calls. Criterion's throughput
+//! is set to exactly that per iteration:
 //!
 //! - `lookup_prefix`: one `lookup_prefix` over 64 present keys (64 key-ops);
 //! - `lookup`: 64 single `lookup` calls on present keys (64 key-ops);
 //! - `touch`: one `touch` of 64 present keys (64 key-ops);
-//! - `store`: `prepare_store` of 64 new keys on a full manager (64 evictions) + `complete_store` of
-//!   them (counted as 64 key-ops: one per stored key, although 128 keys are passed in total);
-//! - `store_indexed`: the same with `prepare_store_indexed` (positions instead of cloned keys, what
-//!   the bindings use).
+//! - `prepare_store`: only `prepare_store` of 64 new keys on a full manager, which evicts 64 keys
+//!   (64 key-ops); timed per call with `iter_custom`, the `complete_store` of the batch runs
+//!   untimed;
+//! - `complete_store`: only `complete_store` of the 64 keys just prepared (64 key-ops); the
+//!   `prepare_store` runs untimed;
+//! - `store`: the whole cycle, `prepare_store` of 64 new keys (64 evictions) + `complete_store` of
+//!   them (128 key-ops: 64 keys passed to each call);
+//! - `store_indexed`: the same cycle with `prepare_store_indexed` (positions instead of cloned keys,
+//!   what the bindings use; 128 key-ops).
 //!
-//! Present keys are visited in a shuffled order so that hash-table and slab accesses are not
+//! Present keys are visited in a shuffled order so that hash-table and node accesses are not
 //! sequential. Stored keys cycle through a ring of 2·N keys, so each batch is absent (evicted N
 //! stores ago) and, for ARC, usually a ghost hit.
 //!
 //! For comparison, the `*-inline36` cases run the lookup_prefix, touch and store cases with the same
 //! 36 bytes held as a plain `[u8; 36]` key, to measure what `ByteKey`'s length tag costs.
 //!
-//! `baseline/hashmap_get` (64 `get`s on a `std` `HashMap<Vec<u8>, u32>` with foldhash, same keys and
-//! order) calibrates what one hash-table probe costs on the machine at each size: no manager can
-//! look keys up faster than that without batching/prefetching.
+//! `baseline/hashmap_get` (64 `get`s on a `std` `HashMap<ByteKey, u32>` with foldhash, same keys and
+//! order) calibrates what one unbatched hash-table probe costs on the machine at each size.
 //!
-//! Run: `cargo bench --bench managers` (about three minutes).
+//! Run: `cargo bench --bench managers` (about five minutes; append `-- <filter>` to run a subset,
+//! e.g. `-- lru/touch`).
 
 use std::collections::HashMap;
 use std::hash::Hash;
 use std::hint::black_box;
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 use criterion::{criterion_group, criterion_main, BenchmarkGroup, Criterion, Throughput};
 use kvoff::key::{make_offload_key, ByteKey};
@@ -138,8 +146,7 @@ fn bench_policy<K: Hash + Eq + Clone, P: Policy>(
     let name = format!("{}{suffix}", P::NAME);
     let full = suffix.is_empty();
     let present = &ring[..n];
-    let elems = Throughput::Elements(BATCH as u64);
-    g.throughput(elems);
+    g.throughput(Throughput::Elements(BATCH as u64));
 
     // Read-only cases share one manager.
     {
@@ -177,11 +184,12 @@ fn bench_policy<K: Hash + Eq + Clone, P: Policy>(
             assert_eq!(out.evicted_keys.len(), BATCH);
             m.complete_store(keys, true).expect("live");
         }
+        g.throughput(Throughput::Elements(2 * BATCH as u64));
         g.bench_function(format!("{name}/store/{n}"), |b| {
             b.iter(|| {
                 let keys = r.next();
                 let out = m.prepare_store(black_box(keys)).ok().flatten();
-                m.complete_store(keys, true).ok();
+                m.complete_store(black_box(keys), true).ok();
                 out
             });
         });
@@ -190,8 +198,39 @@ fn bench_policy<K: Hash + Eq + Clone, P: Policy>(
                 b.iter(|| {
                     let keys = r.next();
                     let out = m.prepare_store_indexed(black_box(keys)).ok().flatten();
-                    m.complete_store(keys, true).ok();
+                    m.complete_store(black_box(keys), true).ok();
                     out
+                });
+            });
+        }
+        g.throughput(Throughput::Elements(BATCH as u64));
+        if full {
+            g.bench_function(format!("{name}/prepare_store/{n}"), |b| {
+                b.iter_custom(|iters| {
+                    let mut timed = Duration::ZERO;
+                    for _ in 0..iters {
+                        let keys = r.next();
+                        let t0 = Instant::now();
+                        let out = m.prepare_store(black_box(keys)).ok().flatten();
+                        timed += t0.elapsed();
+                        debug_assert_eq!(out.as_ref().map(|o| o.evicted_keys.len()), Some(BATCH));
+                        drop(black_box(out));
+                        m.complete_store(keys, true).ok();
+                    }
+                    timed
+                });
+            });
+            g.bench_function(format!("{name}/complete_store/{n}"), |b| {
+                b.iter_custom(|iters| {
+                    let mut timed = Duration::ZERO;
+                    for _ in 0..iters {
+                        let keys = r.next();
+                        drop(black_box(m.prepare_store(keys).ok().flatten()));
+                        let t0 = Instant::now();
+                        black_box(m.complete_store(black_box(keys), true).ok());
+                        timed += t0.elapsed();
+                    }
+                    timed
                 });
             });
         }

@@ -9,7 +9,7 @@
 
 use std::hash::Hash;
 
-use super::slab::{ListTag, Slab, NIL};
+use super::arena::{Arena, ListTag};
 use super::Policy;
 
 /// Adaptive replacement.
@@ -20,134 +20,123 @@ pub struct Arc {
 }
 
 impl Arc {
+    /// Adapts `p` for a hit in ghost list `ghost` (sizes taken with the key still on it).
     #[allow(clippy::cast_precision_loss)] // list lengths < 2^32 are exact in f64
-    fn adapt<K: Hash + Eq>(&mut self, slab: &Slab<K>, ghost: ListTag, cap: usize) {
-        let b1 = slab.lists[ListTag::B1 as usize].len as f64;
-        let b2 = slab.lists[ListTag::B2 as usize].len as f64;
+    fn adapt<K: Hash + Eq>(&mut self, arena: &Arena<K>, ghost: ListTag, cap: usize) {
+        let b1 = arena.len(ListTag::B1) as f64;
+        let b2 = arena.len(ListTag::B2) as f64;
         match ghost {
             ListTag::B1 => self.p = (self.p + (b2 / b1).max(1.0)).min(cap as f64),
             ListTag::B2 => self.p = (self.p - (b1 / b2).max(1.0)).max(0.0),
-            ListTag::T1 | ListTag::T2 => {}
+            ListTag::T1 | ListTag::T2 | ListTag::Free => {}
         }
     }
 
-    fn trim<K: Hash + Eq>(slab: &mut Slab<K>, tag: ListTag, cap: usize) {
-        while slab.lists[tag as usize].len > cap {
-            let h = slab.head_of(tag);
-            slab.remove(h);
+    fn trim<K: Hash + Eq>(arena: &mut Arena<K>, tag: ListTag, cap: usize) {
+        while arena.len(tag) > cap {
+            match arena.pop_lru(tag) {
+                Some(i) => arena.unindex_and_free(i),
+                None => break,
+            }
         }
     }
-}
-
-/// Next evictable, unprotected node of a list starting at `i`.
-fn next_eligible<K: Hash + Eq>(slab: &Slab<K>, mut i: u32, epoch: u32) -> u32 {
-    while i != NIL {
-        let n = slab.node(i);
-        if n.is_evictable() && n.mark != epoch {
-            return i;
-        }
-        i = n.next;
-    }
-    NIL
 }
 
 impl Policy for Arc {
     const NAME: &'static str = "arc";
+    const GHOSTS: bool = true;
 
     fn on_insert<K: Hash + Eq>(
         &mut self,
-        slab: &mut Slab<K>,
+        arena: &mut Arena<K>,
         i: u32,
         ghost: Option<ListTag>,
         cap: usize,
     ) {
-        if let Some(g) = ghost {
-            // Ghost sizes are taken before the deletion; the node was unlinked by the caller, so
-            // count it back in.
-            let mut b = [
-                slab.lists[ListTag::B1 as usize].len,
-                slab.lists[ListTag::B2 as usize].len,
-            ];
-            match g {
-                ListTag::B1 => b[0] += 1,
-                ListTag::B2 => b[1] += 1,
-                _ => {}
+        match ghost {
+            Some(g) => {
+                // Ghost sizes are taken before the deletion: the node is still on its ghost list.
+                self.adapt(arena, g, cap);
+                arena.move_to_mru(i, ListTag::T1);
             }
-            #[allow(clippy::cast_precision_loss)]
-            let (b1, b2) = (b[0] as f64, b[1] as f64);
-            #[allow(clippy::cast_precision_loss)]
-            match g {
-                ListTag::B1 => self.p = (self.p + (b2 / b1).max(1.0)).min(cap as f64),
-                ListTag::B2 => self.p = (self.p - (b1 / b2).max(1.0)).max(0.0),
-                _ => {}
-            }
+            None => arena.push_mru(i, ListTag::T1),
         }
-        slab.push_mru(i, ListTag::T1);
     }
 
-    fn on_touch<K: Hash + Eq>(&mut self, slab: &mut Slab<K>, i: u32, cap: usize) {
-        let n = slab.node(i);
+    #[inline]
+    fn on_touch<K: Hash + Eq>(&mut self, arena: &mut Arena<K>, i: u32, cap: usize) {
+        let n = arena.node(i);
         match n.list {
-            ListTag::T1 if n.pending => slab.move_to_mru(i, ListTag::T1),
-            ListTag::T1 | ListTag::T2 => slab.move_to_mru(i, ListTag::T2),
+            ListTag::T1 if n.pending => arena.move_to_mru(i, ListTag::T1),
+            ListTag::T1 | ListTag::T2 => arena.move_to_mru(i, ListTag::T2),
             g @ (ListTag::B1 | ListTag::B2) => {
-                self.adapt(slab, g, cap);
-                slab.move_to_mru(i, g);
+                self.adapt(arena, g, cap);
+                arena.move_to_mru(i, g);
             }
+            ListTag::Free => {}
         }
     }
 
     #[allow(clippy::cast_possible_truncation, clippy::cast_sign_loss)] // p is in [0, num_blocks]
-    fn select_victims<K: Hash + Eq>(
-        &self,
-        slab: &Slab<K>,
-        need: usize,
-        epoch: u32,
-        out: &mut Vec<u32>,
-    ) {
+    fn select_victims<K: Hash + Eq>(&self, arena: &Arena<K>, need: usize, out: &mut Vec<u32>) {
         let target = self.p.floor() as usize;
-        let t1_len = slab.lists[ListTag::T1 as usize].len;
-        let mut c1 = next_eligible(slab, slab.head_of(ListTag::T1), epoch);
-        let mut c2 = next_eligible(slab, slab.head_of(ListTag::T2), epoch);
+        let t1_len = arena.len(ListTag::T1);
+        let eligible = |i: &u32| {
+            let n = arena.node(*i);
+            n.is_evictable() && !n.prot
+        };
+        let mut it1 = arena.iter(ListTag::T1).filter(eligible);
+        let mut it2 = arena.iter(ListTag::T2).filter(eligible);
+        let mut c1 = it1.next();
+        let mut c2 = it2.next();
         let mut t1_chosen = 0usize;
         while out.len() < need {
             let prefer_t1 = t1_len - t1_chosen >= target;
-            let take_t1 = if prefer_t1 { c1 != NIL } else { c2 == NIL };
-            if take_t1 {
-                if c1 == NIL {
-                    return; // cannot happen: the caller checked there are enough
-                }
-                out.push(c1);
-                t1_chosen += 1;
-                c1 = next_eligible(slab, slab.node(c1).next, epoch);
+            let take_t1 = if prefer_t1 {
+                c1.is_some()
             } else {
-                if c2 == NIL {
+                c2.is_none()
+            };
+            if take_t1 {
+                let Some(v) = c1 else {
+                    return; // cannot happen: the caller checked there are enough
+                };
+                out.push(v);
+                t1_chosen += 1;
+                c1 = it1.next();
+            } else {
+                let Some(v) = c2 else {
                     return;
-                }
-                out.push(c2);
-                c2 = next_eligible(slab, slab.node(c2).next, epoch);
+                };
+                out.push(v);
+                c2 = it2.next();
             }
         }
     }
 
+    /// Victims become ghosts (T1 → MRU of B1, T2 → MRU of B2; their keys are cloned into
+    /// `evicted`), then each ghost list is trimmed to `cap` from its LRU end.
     fn on_evicted<K: Hash + Eq + Clone>(
         &mut self,
-        slab: &mut Slab<K>,
+        arena: &mut Arena<K>,
         victims: &[u32],
         cap: usize,
         evicted: &mut Vec<K>,
     ) {
         for &v in victims {
-            evicted.push(slab.node(v).key.clone());
-            let ghost = if slab.node(v).list == ListTag::T1 {
+            let n = arena.node(v);
+            evicted.push(n.key.clone());
+            let ghost = if n.list == ListTag::T1 {
                 ListTag::B1
             } else {
                 ListTag::B2
             };
-            slab.move_to_mru(v, ghost);
+            arena.move_to_mru(v, ghost);
         }
-        Self::trim(slab, ListTag::B1, cap);
-        Self::trim(slab, ListTag::B2, cap);
+        Self::trim(arena, ListTag::B1, cap);
+        Self::trim(arena, ListTag::B2, cap);
+        arena.trim_front(ListTag::T1);
+        arena.trim_front(ListTag::T2);
     }
 
     fn reset(&mut self) {

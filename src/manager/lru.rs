@@ -5,7 +5,7 @@
 
 use std::hash::Hash;
 
-use super::slab::{ListTag, Slab, NIL};
+use super::arena::{Arena, ListTag};
 use super::Policy;
 
 /// Least-recently-used eviction.
@@ -14,48 +14,51 @@ pub struct Lru;
 
 impl Policy for Lru {
     const NAME: &'static str = "lru";
+    const GHOSTS: bool = false;
 
+    #[inline]
     fn on_insert<K: Hash + Eq>(
         &mut self,
-        slab: &mut Slab<K>,
+        arena: &mut Arena<K>,
         i: u32,
         _ghost: Option<ListTag>,
         _cap: usize,
     ) {
-        slab.push_mru(i, ListTag::T1);
+        arena.push_mru(i, ListTag::T1);
     }
 
-    fn on_touch<K: Hash + Eq>(&mut self, slab: &mut Slab<K>, i: u32, _cap: usize) {
-        slab.move_to_mru(i, ListTag::T1);
+    #[inline]
+    fn on_touch<K: Hash + Eq>(&mut self, arena: &mut Arena<K>, i: u32, _cap: usize) {
+        arena.move_to_mru(i, ListTag::T1);
     }
 
-    fn select_victims<K: Hash + Eq>(
-        &self,
-        slab: &Slab<K>,
-        need: usize,
-        epoch: u32,
-        out: &mut Vec<u32>,
-    ) {
-        let mut i = slab.head_of(ListTag::T1);
-        while i != NIL && out.len() < need {
-            let n = slab.node(i);
-            if n.is_evictable() && n.mark != epoch {
+    fn select_victims<K: Hash + Eq>(&self, arena: &Arena<K>, need: usize, out: &mut Vec<u32>) {
+        for i in arena.iter(ListTag::T1) {
+            let n = arena.node(i);
+            if n.is_evictable() && !n.prot {
                 out.push(i);
+                if out.len() == need {
+                    break;
+                }
             }
-            i = n.next;
         }
     }
 
+    /// Detaches the victims (off the list and the index); the manager reuses their nodes for the
+    /// keys it stores and moves the evicted keys out then.
     fn on_evicted<K: Hash + Eq + Clone>(
         &mut self,
-        slab: &mut Slab<K>,
+        arena: &mut Arena<K>,
         victims: &[u32],
         _cap: usize,
-        evicted: &mut Vec<K>,
+        _evicted: &mut Vec<K>,
     ) {
+        arena.warm_index_of(victims);
+        arena.warm_stamps(victims);
         for &v in victims {
-            evicted.push(slab.remove(v).key);
+            arena.detach(v);
         }
+        arena.trim_front(ListTag::T1);
     }
 
     fn reset(&mut self) {}

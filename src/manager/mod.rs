@@ -13,9 +13,16 @@
 //!
 //! Two policies share one engine, [`Manager`], generic over the key type and the [`Policy`]:
 //! [`LruManager`] (§2.4) and [`ArcManager`] (§2.5, Megiddo & Modha's ARC as adapted in vLLM's
-//! `ARCOffloadingManager`). Entries live in an index-linked slab (no raw pointers); every operation is
-//! O(1) per key, except that eviction walks past pinned (pending/loading) or protected entries, whose
-//! number is bounded by the work in flight.
+//! `ARCOffloadingManager`). Entries live in a node arena addressed by `u32` indices (no raw
+//! pointers) with an open-addressing hash index and recency lists kept as FIFO queues with lazy
+//! deletion ([`arena`], [`index`], [`lists`]); every operation is amortised O(1) per key, except
+//! that eviction walks past pinned (pending/loading) or protected entries, whose number is bounded
+//! by the work in flight.
+//!
+//! Speed: every call gets a batch of keys and probes them in chunks of 64 in stages (hash all, load
+//! every index slot, load every candidate node, then compare and apply in the original order), so
+//! that the cache misses of different keys overlap; the stages only read, so the effect of a call
+//! is exactly that of processing its keys one by one.
 //!
 //! Invariants kept after every call (checked by the property tests in `tests/manager_props.rs`):
 //! present ≤ capacity; block ids unique and in range; pending, loading and offered keys never evicted;
@@ -24,15 +31,18 @@
 #![forbid(unsafe_code)]
 
 mod arc;
+mod arena;
+mod index;
+mod lists;
 mod lru;
-mod slab;
 mod tracker;
 
 use std::hash::Hash;
 
 pub use arc::Arc;
+use arena::{Arena, ListTag, CHUNK, NIL};
+use index::{tag_of, Index};
 pub use lru::Lru;
-use slab::{ListTag, Slab, NIL};
 use tracker::Tracker;
 
 use crate::error::{KvoffError, Result};
@@ -223,32 +233,32 @@ pub trait OffloadingManager<K> {
 pub trait Policy: Default {
     /// `"lru"` or `"arc"`.
     const NAME: &'static str;
+    /// Evicted keys stay as ghosts (ARC); otherwise (LRU) their nodes are detached by
+    /// [`Policy::on_evicted`] and reused by the manager for the keys it stores.
+    #[doc(hidden)]
+    const GHOSTS: bool;
+    /// Puts a node just stored (new, or a ghost hit of list `ghost`, still on it) on its list.
     #[doc(hidden)]
     fn on_insert<K: Hash + Eq>(
         &mut self,
-        slab: &mut Slab<K>,
+        arena: &mut Arena<K>,
         i: u32,
         ghost: Option<ListTag>,
         cap: usize,
     );
     #[doc(hidden)]
-    fn on_touch<K: Hash + Eq>(&mut self, slab: &mut Slab<K>, i: u32, cap: usize);
-    /// Appends `need` victims (evictable, mark ≠ `epoch`) to `out` in eviction order without
+    fn on_touch<K: Hash + Eq>(&mut self, arena: &mut Arena<K>, i: u32, cap: usize);
+    /// Appends `need` victims (evictable, not protected) to `out` in eviction order without
     /// mutating; the caller has checked that enough exist.
     #[doc(hidden)]
-    fn select_victims<K: Hash + Eq>(
-        &self,
-        slab: &Slab<K>,
-        need: usize,
-        epoch: u32,
-        out: &mut Vec<u32>,
-    );
-    /// Removes (or turns into ghosts) the victims, already accounted for by the caller, and
-    /// appends their keys to `evicted` in victim order (moved out where the node goes away).
+    fn select_victims<K: Hash + Eq>(&self, arena: &Arena<K>, need: usize, out: &mut Vec<u32>);
+    /// Removes the victims from the resident lists, already accounted for by the caller: into
+    /// ghosts, their keys cloned into `evicted` (ARC), or detached for reuse (LRU, see
+    /// [`Policy::GHOSTS`]).
     #[doc(hidden)]
     fn on_evicted<K: Hash + Eq + Clone>(
         &mut self,
-        slab: &mut Slab<K>,
+        arena: &mut Arena<K>,
         victims: &[u32],
         cap: usize,
         evicted: &mut Vec<K>,
@@ -265,7 +275,7 @@ pub type ArcManager<K> = Manager<K, Arc>;
 /// A manager: shared bookkeeping plus a [`Policy`].
 pub struct Manager<K, P> {
     cfg: ManagerConfig,
-    slab: Slab<K>,
+    arena: Arena<K>,
     policy: P,
     /// Next never-used block id.
     next_fresh: u32,
@@ -282,8 +292,21 @@ pub struct Manager<K, P> {
     shut_down: bool,
     // Scratch buffers reused across calls.
     scratch_victims: Vec<u32>,
-    scratch_hashes: Vec<u64>,
-    scratch_dedup: hashbrown::HashTable<u32>,
+    scratch_nodes: Vec<u32>,
+    scratch_cands: Vec<Candidate>,
+    /// Positions of the candidates of the `prepare_store` call being processed (duplicate filter).
+    scratch_dedup: Index,
+}
+
+/// Calls of at most this many keys filter duplicates without a hash index.
+const SMALL_CALL: usize = 256;
+
+/// A key `prepare_store` will store: its position, hash, and its ghost node or [`NIL`].
+#[derive(Clone, Copy, Debug)]
+struct Candidate {
+    pos: usize,
+    hash: u64,
+    ghost: u32,
 }
 
 impl<K: Hash + Eq + Clone, P: Policy> Manager<K, P> {
@@ -295,7 +318,7 @@ impl<K: Hash + Eq + Clone, P: Policy> Manager<K, P> {
         cfg.validate()?;
         let cap = cfg.num_blocks;
         Ok(Self {
-            slab: Slab::with_capacity(cap.min(1 << 20)),
+            arena: Arena::with_capacity(cap.min(1 << 20)),
             policy: P::default(),
             next_fresh: 0,
             freed: Vec::new(),
@@ -309,8 +332,9 @@ impl<K: Hash + Eq + Clone, P: Policy> Manager<K, P> {
             epoch: 1,
             shut_down: false,
             scratch_victims: Vec::new(),
-            scratch_hashes: Vec::new(),
-            scratch_dedup: hashbrown::HashTable::new(),
+            scratch_nodes: Vec::new(),
+            scratch_cands: Vec::new(),
+            scratch_dedup: Index::new(),
             cfg,
         })
     }
@@ -350,22 +374,41 @@ impl<K: Hash + Eq + Clone, P: Policy> Manager<K, P> {
     /// The node of a resident (non-ghost) key.
     #[inline]
     fn resident(&self, key: &K) -> Option<u32> {
-        self.slab
+        self.arena
             .find(key)
-            .filter(|&i| !self.slab.node(i).list.is_ghost())
+            .filter(|&i| self.arena.node(i).list.is_resident())
     }
 
-    fn presence_of(&self, key: &K) -> Presence {
-        match self.resident(key) {
-            None => Presence::Absent,
-            Some(i) if self.slab.node(i).pending => Presence::Pending,
-            Some(_) => Presence::Ready,
+    /// Presence of the key held by node `i` ([`NIL`]: absent).
+    #[inline]
+    fn presence_of_node(&self, i: u32) -> Presence {
+        if i == NIL {
+            return Presence::Absent;
+        }
+        let n = self.arena.node(i);
+        if !n.list.is_resident() {
+            Presence::Absent
+        } else if n.pending {
+            Presence::Pending
+        } else {
+            Presence::Ready
         }
     }
 
+    /// Nodes of `keys` (resident or ghost, [`NIL`] when absent) into `out`, probed in chunks.
+    fn find_all(&self, keys: &[K], out: &mut Vec<u32>) {
+        out.clear();
+        let mut hashes = [0u64; CHUNK];
+        let mut found = [NIL; CHUNK];
+        for chunk in keys.chunks(CHUNK) {
+            self.arena.find_chunk(chunk, &mut hashes, &mut found);
+            out.extend_from_slice(&found[..chunk.len()]);
+        }
+    }
+
+    /// Epoch of the admission tracker's marks.
     fn next_epoch(&mut self) -> u32 {
         if self.epoch == u32::MAX {
-            self.slab.for_each_node_mut(|n| n.mark = 0);
             self.tracker.clear_marks();
             self.epoch = 0;
         }
@@ -405,42 +448,74 @@ impl<K: Hash + Eq + Clone, P: Policy> Manager<K, P> {
     /// Only after shutdown.
     pub fn prepare_store_indexed(&mut self, keys: &[K]) -> Result<Option<PrepareStoreIndexed<K>>> {
         self.check_live()?;
+        if u64::try_from(keys.len()).map_or(true, |n| n > 1 << 32) {
+            return Err(KvoffError::arg(
+                "prepare_store takes at most 2^32 keys per call",
+            ));
+        }
         let epoch = self.next_epoch();
-        // 1–2: dedup and partition. Present keys are marked (protected); absent keys (including
-        // ghosts) are candidates, each once.
-        // (position, was a ghost): only ghosts need a second lookup at insertion, since eviction
-        // may trim them; a key absent now stays absent (eviction only touches present keys).
-        let mut candidates: Vec<(usize, bool)> = Vec::with_capacity(keys.len());
+        let cap = self.cfg.num_blocks;
+        // 1–2: dedup and partition. Present keys are protected (`prot`, cleared before this call
+        // returns); absent keys (including ghosts) are candidates, each once.
+        let mut cands = std::mem::take(&mut self.scratch_cands);
+        let mut protected = std::mem::take(&mut self.scratch_nodes);
+        cands.clear();
+        protected.clear();
+        // Duplicate filter for the candidates: a 1024-bit filter plus an exact scan of the
+        // candidates on a hit for small calls, a hash index of positions for large ones.
+        let small = keys.len() <= SMALL_CALL;
+        let mut filter = [0u64; 16];
+        if !small {
+            self.scratch_dedup.clear_for(keys.len());
+        }
         let mut protected_evictable = 0usize;
-        self.scratch_hashes.clear();
-        self.scratch_dedup.clear();
-        for (pos, key) in keys.iter().enumerate() {
-            let h = self.slab.hash_of(key);
-            self.scratch_hashes.push(h);
-            let found = self.slab.find_hashed(key, h);
-            match found {
-                Some(i) if !self.slab.node(i).list.is_ghost() => {
-                    let n = self.slab.node_mut(i);
-                    if n.mark != epoch {
-                        n.mark = epoch;
+        let mut hashes = [0u64; CHUNK];
+        let mut found = [NIL; CHUNK];
+        for (c, chunk) in keys.chunks(CHUNK).enumerate() {
+            self.arena.find_chunk(chunk, &mut hashes, &mut found);
+            for (k, key) in chunk.iter().enumerate() {
+                let i = found[k];
+                if i != NIL && self.arena.node(i).list.is_resident() {
+                    let n = self.arena.node_mut(i);
+                    if !n.prot {
+                        n.prot = true;
+                        protected.push(i);
                         if n.is_evictable() {
                             protected_evictable += 1;
                         }
                     }
-                }
-                _ => {
-                    let hashes = &self.scratch_hashes;
-                    let dup = self
-                        .scratch_dedup
-                        .find(h, |&p| hashes[p as usize] == h && keys[p as usize] == *key)
-                        .is_some();
+                } else {
+                    let pos = c * CHUNK + k;
+                    let h = hashes[k];
+                    let dup = if small {
+                        // A clear filter bit proves the key new; a set one is checked exactly.
+                        let b = (h & 1023) as usize;
+                        let (word, bit) = (b >> 6, 1u64 << (b & 63));
+                        if filter[word] & bit == 0 {
+                            filter[word] |= bit;
+                            false
+                        } else {
+                            cands.iter().any(|c| c.hash == h && keys[c.pos] == *key)
+                        }
+                    } else {
+                        let tag = tag_of(h);
+                        let dup = self
+                            .scratch_dedup
+                            .find(tag, |p| keys[p as usize] == *key)
+                            .is_some();
+                        if !dup {
+                            // pos < 2^32: checked above.
+                            self.scratch_dedup
+                                .insert(tag, u32::try_from(pos).unwrap_or(u32::MAX));
+                        }
+                        dup
+                    };
                     if !dup {
-                        let p = u32::try_from(pos).map_err(|_| {
-                            KvoffError::arg("prepare_store takes at most 2^32 keys per call")
-                        })?;
-                        self.scratch_dedup
-                            .insert_unique(h, p, |&q| hashes[q as usize]);
-                        candidates.push((pos, found.is_some()));
+                        cands.push(Candidate {
+                            pos,
+                            hash: h,
+                            ghost: i,
+                        });
                     }
                 }
             }
@@ -450,87 +525,101 @@ impl<K: Hash + Eq + Clone, P: Policy> Manager<K, P> {
         let mut skipped = 0u64;
         if admit_threshold >= 2 {
             let tracker = &self.tracker;
-            let before = candidates.len();
-            candidates.retain(|&(pos, _)| tracker.count(&keys[pos]) + 1 >= admit_threshold);
-            skipped = (before - candidates.len()) as u64;
+            let before = cands.len();
+            cands.retain(|c| tracker.count(&keys[c.pos], c.hash) + 1 >= admit_threshold);
+            skipped = (before - cands.len()) as u64;
         }
         // 5: room.
-        let need = candidates.len().saturating_sub(self.num_free());
+        let need = cands.len().saturating_sub(self.num_free());
         let mut victims = std::mem::take(&mut self.scratch_victims);
         victims.clear();
-        if need > 0 {
-            if self.num_evictable - protected_evictable < need {
-                self.scratch_victims = victims;
-                return Ok(None);
-            }
-            self.policy
-                .select_victims(&self.slab, need, epoch, &mut victims);
+        let enough = need == 0 || self.num_evictable - protected_evictable >= need;
+        if need > 0 && enough {
+            self.policy.select_victims(&self.arena, need, &mut victims);
+        }
+        for &i in &protected {
+            self.arena.node_mut(i).prot = false;
+        }
+        self.scratch_nodes = protected;
+        if !enough {
+            self.scratch_cands = cands;
+            self.scratch_victims = victims;
+            return Ok(None);
         }
         // From here on the call succeeds: commit.
         if admit_threshold >= 2 {
             self.commit_offers(keys, epoch);
             self.stores_skipped += skipped;
         }
-        let mut evicted_keys = Vec::with_capacity(victims.len());
         for &v in &victims {
-            self.freed.push(self.slab.node(v).block_id);
+            self.freed.push(self.arena.node(v).block_id);
         }
         self.num_present -= victims.len();
         self.num_evictable -= victims.len();
-        self.policy.on_evicted(
-            &mut self.slab,
-            &victims,
-            self.cfg.num_blocks,
-            &mut evicted_keys,
-        );
+        let mut evicted_keys = Vec::with_capacity(victims.len());
+        self.policy
+            .on_evicted(&mut self.arena, &victims, cap, &mut evicted_keys);
+        self.arena.warm_index_homes(cands.iter().map(|c| c.hash));
+        // 6–7: allocate and insert. LRU victims' nodes take the first candidates (there are at
+        // least as many candidates as victims), which moves the evicted keys out in order.
+        let reuse = if P::GHOSTS { 0 } else { victims.len() };
+        let mut reused = 0usize;
+        let mut positions = Vec::with_capacity(cands.len());
+        let mut block_ids = Vec::with_capacity(cands.len());
+        for c in &cands {
+            let id = self.alloc_id();
+            positions.push(c.pos);
+            block_ids.push(id);
+            let key = &keys[c.pos];
+            // A ghost found above may have been trimmed by the eviction.
+            let ghost = (c.ghost != NIL)
+                .then(|| self.arena.node(c.ghost))
+                .filter(|n| n.list.is_ghost() && n.key == *key)
+                .map(|n| n.list);
+            if let Some(g) = ghost {
+                let n = self.arena.node_mut(c.ghost);
+                n.block_id = id;
+                n.pending = true;
+                n.loads = 0;
+                self.policy
+                    .on_insert(&mut self.arena, c.ghost, Some(g), cap);
+            } else {
+                let tag = tag_of(c.hash);
+                let i = if reused < reuse {
+                    let v = victims[reused];
+                    reused += 1;
+                    evicted_keys.push(self.arena.reuse(v, key.clone(), tag, id));
+                    v
+                } else {
+                    self.arena.insert(key.clone(), tag, id)
+                };
+                self.policy.on_insert(&mut self.arena, i, None, cap);
+            }
+        }
+        // Not reached while only LRU detaches victims (it has no ghosts, so every candidate takes
+        // a victim's node); kept so that a detached node can never leak.
+        for &v in &victims[reused..reuse] {
+            evicted_keys.push(self.arena.node(v).key.clone());
+            self.arena.free_detached(v);
+        }
+        self.num_present += cands.len();
+        self.num_pending += cands.len();
         self.scratch_victims = victims;
+        self.scratch_cands = cands;
         if self.cfg.enable_events && !evicted_keys.is_empty() {
             self.push_event(evicted_keys.clone(), true);
         }
-        // 6–7: allocate and insert.
-        let mut block_ids = Vec::with_capacity(candidates.len());
-        for &(pos, was_ghost) in &candidates {
-            let id = self.alloc_id();
-            block_ids.push(id);
-            let key = &keys[pos];
-            let h = self.scratch_hashes[pos];
-            let ghost = if was_ghost {
-                self.slab.find_hashed(key, h)
-            } else {
-                None
-            };
-            let (i, ghost_tag) = match ghost {
-                Some(i) => {
-                    let tag = self.slab.node(i).list;
-                    self.slab.unlink(i);
-                    let n = self.slab.node_mut(i);
-                    n.block_id = id;
-                    n.pending = true;
-                    n.loads = 0;
-                    n.mark = epoch;
-                    (i, Some(tag))
-                }
-                None => {
-                    let i = self.slab.insert(key.clone(), h, id);
-                    self.slab.node_mut(i).mark = epoch;
-                    (i, None)
-                }
-            };
-            self.policy
-                .on_insert(&mut self.slab, i, ghost_tag, self.cfg.num_blocks);
-            self.num_present += 1;
-            self.num_pending += 1;
-        }
         Ok(Some(PrepareStoreIndexed {
-            positions: candidates.iter().map(|&(pos, _)| pos).collect(),
+            positions,
             block_ids,
             evicted_keys,
         }))
     }
 
     fn commit_offers(&mut self, keys: &[K], epoch: u32) {
-        for (pos, key) in keys.iter().enumerate() {
-            self.tracker.offer(key, self.scratch_hashes[pos], epoch);
+        for key in keys {
+            let h = self.arena.hash_of(key);
+            self.tracker.offer(key, h, epoch);
         }
         self.tracker.trim(self.cfg.max_tracker_size, epoch);
     }
@@ -540,29 +629,34 @@ impl<K: Hash + Eq + Clone, P: Policy> Manager<K, P> {
     #[must_use]
     pub fn debug_lists(&self) -> [Vec<K>; 4] {
         [ListTag::T1, ListTag::T2, ListTag::B1, ListTag::B2]
-            .map(|t| self.slab.list_keys(t).into_iter().cloned().collect())
+            .map(|t| self.arena.list_keys(t).into_iter().cloned().collect())
     }
 
     /// Block id of a present key.
     #[must_use]
     pub fn block_id(&self, key: &K) -> Option<BlockId> {
-        self.resident(key).map(|i| self.slab.node(i).block_id)
+        self.resident(key).map(|i| self.arena.node(i).block_id)
     }
 }
 
 impl<K: Hash + Eq + Clone, P: Policy> OffloadingManager<K> for Manager<K, P> {
     fn lookup(&self, key: &K) -> Result<Presence> {
         self.check_live()?;
-        Ok(self.presence_of(key))
+        Ok(self.presence_of_node(self.arena.find(key).unwrap_or(NIL)))
     }
 
     fn lookup_prefix(&self, keys: &[K]) -> Result<Option<usize>> {
         self.check_live()?;
-        for (n, key) in keys.iter().enumerate() {
-            match self.presence_of(key) {
-                Presence::Ready => {}
-                Presence::Pending => return Ok(None),
-                Presence::Absent => return Ok(Some(n)),
+        let mut hashes = [0u64; CHUNK];
+        let mut found = [NIL; CHUNK];
+        for (c, chunk) in keys.chunks(CHUNK).enumerate() {
+            self.arena.find_chunk(chunk, &mut hashes, &mut found);
+            for (k, &i) in found[..chunk.len()].iter().enumerate() {
+                match self.presence_of_node(i) {
+                    Presence::Ready => {}
+                    Presence::Pending => return Ok(None),
+                    Presence::Absent => return Ok(Some(c * CHUNK + k)),
+                }
             }
         }
         Ok(Some(keys.len()))
@@ -570,25 +664,22 @@ impl<K: Hash + Eq + Clone, P: Policy> OffloadingManager<K> for Manager<K, P> {
 
     fn prepare_load(&mut self, keys: &[K]) -> Result<Vec<BlockId>> {
         self.check_live()?;
-        let mut nodes = Vec::with_capacity(keys.len());
-        for (pos, key) in keys.iter().enumerate() {
-            match self.resident(key) {
-                Some(i) if !self.slab.node(i).pending => nodes.push(i),
-                other => {
-                    let what = if other.is_some() {
-                        "pending (store in flight)"
-                    } else {
-                        "not present"
-                    };
-                    return Err(KvoffError::state(format!(
-                        "prepare_load: key #{pos} is {what}; only ready keys can be loaded"
-                    )));
-                }
-            }
+        let mut nodes = std::mem::take(&mut self.scratch_nodes);
+        self.find_all(keys, &mut nodes);
+        for (pos, &i) in nodes.iter().enumerate() {
+            let what = match self.presence_of_node(i) {
+                Presence::Ready => continue,
+                Presence::Pending => "pending (store in flight)",
+                Presence::Absent => "not present",
+            };
+            self.scratch_nodes = nodes;
+            return Err(KvoffError::state(format!(
+                "prepare_load: key #{pos} is {what}; only ready keys can be loaded"
+            )));
         }
         let mut ids = Vec::with_capacity(nodes.len());
         for &i in &nodes {
-            let n = self.slab.node_mut(i);
+            let n = self.arena.node_mut(i);
             if n.loads == 0 {
                 self.num_loading += 1;
                 self.num_evictable -= 1;
@@ -596,44 +687,58 @@ impl<K: Hash + Eq + Clone, P: Policy> OffloadingManager<K> for Manager<K, P> {
             n.loads += 1;
             ids.push(n.block_id);
         }
+        self.scratch_nodes = nodes;
         Ok(ids)
     }
 
     fn touch(&mut self, keys: &[K]) -> Result<()> {
         self.check_live()?;
-        for key in keys.iter().rev() {
-            if let Some(i) = self.slab.find(key) {
-                self.policy.on_touch(&mut self.slab, i, self.cfg.num_blocks);
+        let cap = self.cfg.num_blocks;
+        let mut hashes = [0u64; CHUNK];
+        let mut found = [NIL; CHUNK];
+        // Last key first: chunks from the end, each in reverse. Touches never change the index,
+        // so probing a chunk before applying the later ones finds the same nodes.
+        let mut end = keys.len();
+        while end > 0 {
+            let start = end.saturating_sub(CHUNK);
+            let chunk = &keys[start..end];
+            self.arena.find_chunk(chunk, &mut hashes, &mut found);
+            let found = &found[..chunk.len()];
+            self.arena.warm_stamps(found);
+            for &i in found.iter().rev() {
+                if i != NIL {
+                    self.policy.on_touch(&mut self.arena, i, cap);
+                }
             }
+            end = start;
         }
         Ok(())
     }
 
     fn complete_load(&mut self, keys: &[K]) -> Result<()> {
         self.check_live()?;
-        let mut done: Vec<u32> = Vec::with_capacity(keys.len());
+        let mut nodes = std::mem::take(&mut self.scratch_nodes);
+        self.find_all(keys, &mut nodes);
         let mut unpinned = 0usize;
-        for (pos, key) in keys.iter().enumerate() {
-            match self.resident(key) {
-                Some(i) if self.slab.node(i).loads > 0 => {
-                    let n = self.slab.node_mut(i);
-                    n.loads -= 1;
-                    if n.loads == 0 {
-                        unpinned += 1;
-                    }
-                    done.push(i);
+        for (pos, &i) in nodes.iter().enumerate() {
+            if i != NIL && self.arena.node(i).list.is_resident() && self.arena.node(i).loads > 0 {
+                let n = self.arena.node_mut(i);
+                n.loads -= 1;
+                if n.loads == 0 {
+                    unpinned += 1;
                 }
-                _ => {
-                    // Roll back the decrements made so far: nothing changes on error.
-                    for &j in &done {
-                        self.slab.node_mut(j).loads += 1;
-                    }
-                    return Err(KvoffError::state(format!(
-                        "complete_load: key #{pos} has no load in flight"
-                    )));
+            } else {
+                // Roll back the decrements made so far: nothing changes on error.
+                for &j in &nodes[..pos] {
+                    self.arena.node_mut(j).loads += 1;
                 }
+                self.scratch_nodes = nodes;
+                return Err(KvoffError::state(format!(
+                    "complete_load: key #{pos} has no load in flight"
+                )));
             }
         }
+        self.scratch_nodes = nodes;
         // A node reaches 0 loads at most once per call, so `unpinned` counts distinct keys.
         self.num_loading -= unpinned;
         self.num_evictable += unpinned;
@@ -652,34 +757,33 @@ impl<K: Hash + Eq + Clone, P: Policy> OffloadingManager<K> for Manager<K, P> {
 
     fn complete_store(&mut self, keys: &[K], success: bool) -> Result<()> {
         self.check_live()?;
+        let mut nodes = std::mem::take(&mut self.scratch_nodes);
+        self.find_all(keys, &mut nodes);
         if success {
             let mut stored = Vec::new();
-            for key in keys {
-                if let Some(i) = self.resident(key) {
-                    let n = self.slab.node_mut(i);
-                    if n.pending {
-                        n.pending = false;
-                        self.num_pending -= 1;
-                        self.num_evictable += 1;
-                        if self.cfg.enable_events {
-                            stored.push(key.clone());
-                        }
+            for (k, &i) in nodes.iter().enumerate() {
+                if self.presence_of_node(i) == Presence::Pending {
+                    self.arena.node_mut(i).pending = false;
+                    self.num_pending -= 1;
+                    self.num_evictable += 1;
+                    if self.cfg.enable_events {
+                        stored.push(keys[k].clone());
                     }
                 }
             }
             self.push_event(stored, false);
         } else {
-            for key in keys {
-                if let Some(i) = self.resident(key) {
-                    if self.slab.node(i).pending {
-                        let n = self.slab.remove(i);
-                        self.freed.push(n.block_id);
-                        self.num_pending -= 1;
-                        self.num_present -= 1;
-                    }
+            // A key listed twice finds its node freed (list Free) the second time: ignored.
+            for &i in &nodes {
+                if self.presence_of_node(i) == Presence::Pending {
+                    self.freed.push(self.arena.node(i).block_id);
+                    self.arena.remove(i);
+                    self.num_pending -= 1;
+                    self.num_present -= 1;
                 }
             }
         }
+        self.scratch_nodes = nodes;
         Ok(())
     }
 
@@ -715,7 +819,7 @@ impl<K: Hash + Eq + Clone, P: Policy> OffloadingManager<K> for Manager<K, P> {
 
     fn reset(&mut self) -> Result<()> {
         self.check_live()?;
-        self.slab.clear();
+        self.arena.clear();
         self.policy.reset();
         self.next_fresh = 0;
         self.freed.clear();
@@ -731,7 +835,7 @@ impl<K: Hash + Eq + Clone, P: Policy> OffloadingManager<K> for Manager<K, P> {
     fn shutdown(&mut self) {
         if !self.shut_down {
             self.shut_down = true;
-            self.slab.clear();
+            self.arena.clear();
             self.tracker.clear();
             self.freed = Vec::new();
             self.num_present = 0;
@@ -744,5 +848,45 @@ impl<K: Hash + Eq + Clone, P: Policy> OffloadingManager<K> for Manager<K, P> {
 
     fn num_blocks(&self) -> usize {
         self.cfg.num_blocks
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// Large calls (more than `SMALL_CALL` keys) filter duplicates through the position index,
+    /// small ones through the bit filter: both give what the duplicate-free call gives.
+    fn dedup_case<P: Policy>(n_keys: u64) {
+        let cfg = ManagerConfig::new(2000);
+        let mut a: Manager<u64, P> = Manager::new(cfg.clone());
+        let mut b: Manager<u64, P> = Manager::new(cfg);
+        for m in [&mut a, &mut b] {
+            m.prepare_store(&[3, 5]).unwrap().unwrap();
+        }
+        // Every key three times, interleaved, plus present keys.
+        let with_dups: Vec<u64> = (0..3 * n_keys).map(|i| (i * 7) % n_keys).collect();
+        let mut seen = std::collections::HashSet::new();
+        let unique: Vec<u64> = with_dups
+            .iter()
+            .copied()
+            .filter(|k| seen.insert(*k))
+            .collect();
+        let out_a = a.prepare_store_indexed(&with_dups).unwrap().unwrap();
+        let out_b = b.prepare_store(&unique).unwrap().unwrap();
+        let stored_a: Vec<u64> = out_a.positions.iter().map(|&p| with_dups[p]).collect();
+        assert_eq!(stored_a, out_b.keys_to_store);
+        assert_eq!(out_a.block_ids, out_b.block_ids);
+        assert_eq!(a.len(), b.len());
+        assert_eq!(a.debug_lists(), b.debug_lists());
+        assert!(!stored_a.contains(&3) && !stored_a.contains(&5));
+    }
+
+    #[test]
+    fn duplicates_small_and_large_calls() {
+        for n in [10, 85, 300, 1000] {
+            dedup_case::<Lru>(n);
+            dedup_case::<Arc>(n);
+        }
     }
 }

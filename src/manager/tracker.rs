@@ -1,64 +1,110 @@
 //! Admission tracker for `store_threshold` (SPEC §2.3 step 3): an LRU-ordered map from key to the
 //! number of times it was offered, bounded by `max_tracker_size`. Keys offered by the call being
 //! processed (mark = that call's epoch) are never dropped by it.
+//!
+//! Built from the managers' pieces: an [`Index`] from the key's hash tag to a slot, and one
+//! [`Lists`] queue for the offer order. Hashes come from the manager (same hasher).
 #![forbid(unsafe_code)]
 
-use std::hash::Hash;
+use super::index::{tag_of, Index};
+use super::lists::Lists;
 
-use super::slab::{ListTag, Slab};
+const ORDER: usize = 0;
 
-pub(crate) struct Tracker<K> {
-    slab: Slab<K>,
+struct Slot<K> {
+    key: K,
+    tag: u32,
+    offers: u32,
+    mark: u32,
 }
 
-impl<K: Hash + Eq + Clone> Tracker<K> {
+pub(crate) struct Tracker<K> {
+    slots: Vec<Slot<K>>,
+    free: Vec<u32>,
+    index: Index,
+    order: Lists,
+}
+
+impl<K: Eq + Clone> Tracker<K> {
     pub(crate) fn new() -> Self {
-        Self { slab: Slab::new() }
+        Self {
+            slots: Vec::new(),
+            free: Vec::new(),
+            index: Index::new(),
+            order: Lists::new(),
+        }
     }
 
-    /// Offers recorded so far for `key`.
-    pub(crate) fn count(&self, key: &K) -> usize {
-        self.slab
-            .find(key)
-            .map_or(0, |i| self.slab.node(i).loads as usize)
+    fn find(&self, key: &K, hash: u64) -> Option<u32> {
+        let slots = &self.slots;
+        self.index
+            .find(tag_of(hash), |i| slots[i as usize].key == *key)
+    }
+
+    /// Offers recorded so far for `key` (whose manager hash is `hash`).
+    pub(crate) fn count(&self, key: &K, hash: u64) -> usize {
+        self.find(key, hash)
+            .map_or(0, |i| self.slots[i as usize].offers as usize)
     }
 
     /// Counts one more offer of `key` (once per call: a key already marked with `epoch` is skipped,
     /// so duplicates within a call count once) and makes it most recently offered.
-    pub(crate) fn offer(&mut self, key: &K, _hint: u64, epoch: u32) {
-        let i = match self.slab.find(key) {
-            Some(i) => i,
-            None => {
-                let h = self.slab.hash_of(key);
-                let i = self.slab.insert(key.clone(), h, 0);
-                self.slab.push_mru(i, ListTag::T1);
+    pub(crate) fn offer(&mut self, key: &K, hash: u64, epoch: u32) {
+        let i = if let Some(i) = self.find(key, hash) {
+            i
+        } else {
+            let tag = tag_of(hash);
+            let slot = Slot {
+                key: key.clone(),
+                tag,
+                offers: 0,
+                mark: 0,
+            };
+            let i = if let Some(i) = self.free.pop() {
+                self.slots[i as usize] = slot;
                 i
-            }
+            } else {
+                let i = u32::try_from(self.slots.len()).unwrap_or(u32::MAX);
+                self.slots.push(slot);
+                i
+            };
+            self.index.insert(tag, i);
+            self.order.push_back(ORDER, i);
+            i
         };
-        let n = self.slab.node_mut(i);
-        if n.mark != epoch {
-            n.mark = epoch;
-            n.loads = n.loads.saturating_add(1);
-            self.slab.move_to_mru(i, ListTag::T1);
+        let s = &mut self.slots[i as usize];
+        if s.mark != epoch {
+            s.mark = epoch;
+            s.offers = s.offers.saturating_add(1);
+            self.order.move_to_back(ORDER, ORDER, i);
         }
     }
 
     /// Drops least recently offered keys beyond `max`, never those marked with `epoch`.
     pub(crate) fn trim(&mut self, max: usize, epoch: u32) {
-        while self.slab.lists[ListTag::T1 as usize].len > max {
-            let h = self.slab.head_of(ListTag::T1);
-            if self.slab.node(h).mark == epoch {
+        while self.order.len(ORDER) > max {
+            let Some(h) = self.order.iter(ORDER).next() else {
+                break;
+            };
+            if self.slots[h as usize].mark == epoch {
                 break; // everything left was offered by this call
             }
-            self.slab.remove(h);
+            self.order.pop_front(ORDER);
+            self.index.remove(self.slots[h as usize].tag, h);
+            self.free.push(h);
         }
     }
 
     pub(crate) fn clear_marks(&mut self) {
-        self.slab.for_each_node_mut(|n| n.mark = 0);
+        for s in &mut self.slots {
+            s.mark = 0;
+        }
     }
 
     pub(crate) fn clear(&mut self) {
-        self.slab.clear();
+        self.slots.clear();
+        self.free.clear();
+        self.index.clear();
+        self.order.clear();
     }
 }
