@@ -183,6 +183,13 @@ fn time_method(
             pack_us[pack_us.len() / 2],
         ));
     });
+    if method == CopyMethod::Auto {
+        // The method `auto` picked for this job (every job of the scenario is the same).
+        let counts = eng.method_counts();
+        let names = ["dma", "kernel", "loop", "staged"];
+        let best = (0..4).max_by_key(|&i| counts[i]).unwrap_or(0);
+        AUTO_METHOD.with(|m| *m.borrow_mut() = names[best]);
+    }
     let ok = setup.verify(dir, copies);
     let bytes: u64 = copies.iter().map(|c| c.bytes).sum();
     E2E_LOG.with(|l| {
@@ -198,6 +205,8 @@ fn time_method(
 }
 
 thread_local! {
+    /// The method the last timed `auto` engine used.
+    static AUTO_METHOD: std::cell::RefCell<&'static str> = const { std::cell::RefCell::new("") };
     /// (method, end-to-end GB/s: host clock from submission to completion, ungated).
     static E2E_LOG: std::cell::RefCell<Vec<(&'static str, f64)>> = const { std::cell::RefCell::new(Vec::new()) };
     /// (method, median submit µs, median staged-pack µs) of every timed method, for the report.
@@ -374,9 +383,10 @@ fn main() {
             );
             let _ = writeln!(
                 json,
-                "{{\"scenario\":\"{}\",\"dir\":\"{d}\",\"copies\":{},\"auto\":{:.2},\"dma\":{:.2},\"kernel\":{:.2},\"staged\":{:.2},\"loop\":{:.2},\"contiguous\":{:.2},\"kernel_ctas\":{ctas},\"submit_us\":{submit:.1},\"verified\":{all_ok}}}",
-                sc.name, copies.len(), gbs[0], gbs[1], gbs[2], gbs[3], gbs[4], gc
+                "{{\"scenario\":\"{}\",\"dir\":\"{d}\",\"copies\":{},\"auto_method\":\"{}\",\"auto\":{:.2},\"dma\":{:.2},\"kernel\":{:.2},\"staged\":{:.2},\"loop\":{:.2},\"contiguous\":{:.2},\"kernel_ctas\":{ctas},\"submit_us\":{submit:.1},\"verified\":{all_ok}}}",
+                sc.name, copies.len(), AUTO_METHOD.with(|m| *m.borrow()), gbs[0], gbs[1], gbs[2], gbs[3], gbs[4], gc
             );
+            let _ = writeln!(out, "    auto used: {}", AUTO_METHOD.with(|m| *m.borrow()));
             let log = SUBMIT_LOG.with(|l| std::mem::take(&mut *l.borrow_mut()));
             let mut line = String::from("    submit CPU µs (pack µs):");
             for (m, sub, pack) in &log[..log.len() - 1] {
