@@ -298,6 +298,9 @@ pub struct Manager<K, P> {
     scratch_dedup: Index,
 }
 
+/// What [`Manager::prepare_store_with`] returns: (stored, block ids, evicted keys).
+type StoreParts<T, K> = (Vec<T>, Vec<BlockId>, Vec<K>);
+
 /// Calls of at most this many keys filter duplicates without a hash index.
 const SMALL_CALL: usize = 256;
 
@@ -447,6 +450,24 @@ impl<K: Hash + Eq + Clone, P: Policy> Manager<K, P> {
     /// # Errors
     /// Only after shutdown.
     pub fn prepare_store_indexed(&mut self, keys: &[K]) -> Result<Option<PrepareStoreIndexed<K>>> {
+        Ok(self.prepare_store_with(keys, |pos, _| pos)?.map(
+            |(positions, block_ids, evicted_keys)| PrepareStoreIndexed {
+                positions,
+                block_ids,
+                evicted_keys,
+            },
+        ))
+    }
+
+    /// The body of `prepare_store`: each stored key is reported as `stored(position, key)`, in
+    /// input order, so that `prepare_store` clones the keys while they are at hand instead of
+    /// going through a vector of positions. Returns (stored, block ids, evicted keys).
+    #[inline]
+    fn prepare_store_with<T>(
+        &mut self,
+        keys: &[K],
+        stored: impl Fn(usize, &K) -> T,
+    ) -> Result<Option<StoreParts<T, K>>> {
         self.check_live()?;
         if u64::try_from(keys.len()).map_or(true, |n| n > 1 << 32) {
             return Err(KvoffError::arg(
@@ -564,13 +585,13 @@ impl<K: Hash + Eq + Clone, P: Policy> Manager<K, P> {
         // least as many candidates as victims), which moves the evicted keys out in order.
         let reuse = if P::GHOSTS { 0 } else { victims.len() };
         let mut reused = 0usize;
-        let mut positions = Vec::with_capacity(cands.len());
+        let mut stored_out: Vec<T> = Vec::with_capacity(cands.len());
         let mut block_ids = Vec::with_capacity(cands.len());
         for c in &cands {
             let id = self.alloc_id();
-            positions.push(c.pos);
-            block_ids.push(id);
             let key = &keys[c.pos];
+            stored_out.push(stored(c.pos, key));
+            block_ids.push(id);
             // A ghost found above may have been trimmed by the eviction.
             let ghost = (c.ghost != NIL)
                 .then(|| self.arena.node(c.ghost))
@@ -609,11 +630,7 @@ impl<K: Hash + Eq + Clone, P: Policy> Manager<K, P> {
         if self.cfg.enable_events && !evicted_keys.is_empty() {
             self.push_event(evicted_keys.clone(), true);
         }
-        Ok(Some(PrepareStoreIndexed {
-            positions,
-            block_ids,
-            evicted_keys,
-        }))
+        Ok(Some((stored_out, block_ids, evicted_keys)))
     }
 
     fn commit_offers(&mut self, keys: &[K], epoch: u32) {
@@ -746,13 +763,13 @@ impl<K: Hash + Eq + Clone, P: Policy> OffloadingManager<K> for Manager<K, P> {
     }
 
     fn prepare_store(&mut self, keys: &[K]) -> Result<Option<PrepareStoreOutput<K>>> {
-        Ok(self
-            .prepare_store_indexed(keys)?
-            .map(|out| PrepareStoreOutput {
-                keys_to_store: out.positions.iter().map(|&p| keys[p].clone()).collect(),
-                block_ids: out.block_ids,
-                evicted_keys: out.evicted_keys,
-            }))
+        Ok(self.prepare_store_with(keys, |_, key| key.clone())?.map(
+            |(keys_to_store, block_ids, evicted_keys)| PrepareStoreOutput {
+                keys_to_store,
+                block_ids,
+                evicted_keys,
+            },
+        ))
     }
 
     fn complete_store(&mut self, keys: &[K], success: bool) -> Result<()> {
