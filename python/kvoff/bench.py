@@ -5,7 +5,8 @@ a GPU, the host engine otherwise), against one contiguous copy of the same bytes
 
 ``managers``: the manager workload of PERF.md through the Python API, for both policies, with the
 pure-Python reference managers (``kvoff._pyref``, built like vLLM's) measured in the same run as the
-baseline. Every figure is a ratio against that same-run reference.
+baseline, and vLLM's own offloading managers (``CPUOffloadingManager``) too where vLLM is installed.
+Every figure is a ratio against a reference measured in the same run.
 """
 
 from __future__ import annotations
@@ -114,6 +115,68 @@ def _run_ref(m: Any, wl: Workload, progress: Progress | None) -> tuple[int, int,
     return ops, hits, looked
 
 
+def _run_vllm(m: Any, wl: Workload, progress: Progress | None) -> tuple[int, int, int]:
+    """One pass through vLLM's ``CPUOffloadingManager`` API (per-key ``lookup`` until the first
+    non-hit, a ``ReqContext`` per request), counting key-ops exactly as :func:`_run_kvoff` does."""
+    from vllm.v1.kv_offload.base import LookupResult, ReqContext
+
+    hit = LookupResult.HIT
+    ops = hits = looked = 0
+    for i, keys in enumerate(wl.requests):
+        ctx = ReqContext(req_id=str(i))
+        m.on_new_request(ctx)
+        h = 0
+        for k in keys:
+            if m.lookup(k, ctx) != hit:
+                break
+            h += 1
+        ops += min(h + 1, KEYS_PER_REQUEST)
+        looked += KEYS_PER_REQUEST
+        hits += h
+        if h:
+            prefix = keys[:h]
+            m.prepare_load(prefix, ctx)
+            m.complete_load(prefix, ctx)
+            ops += 2 * h
+        rest = keys[h:]
+        if rest:
+            out = m.prepare_store(rest, ctx)
+            ops += len(rest)
+            if out is not None:
+                m.complete_store(out.keys_to_store, ctx)
+                ops += len(out.keys_to_store)
+        m.touch(keys, ctx)
+        ops += KEYS_PER_REQUEST
+        for _ in m.take_events():
+            pass
+        m.on_request_finished(ctx)
+        if progress is not None and i % 100 == 99:
+            progress.update(100)
+    return ops, hits, looked
+
+
+def vllm_manager_factory() -> tuple[str, Callable[[str, int], Any]] | None:
+    """``(version, make(policy, capacity))`` for vLLM's own offloading managers, or ``None`` where
+    vLLM (with ``vllm.v1.kv_offload.cpu.manager``) cannot be imported."""
+    try:
+        import vllm
+        from vllm.v1.kv_offload.cpu.manager import CPUOffloadingManager
+    except Exception:  # noqa: BLE001 - any import failure means "not available"
+        return None
+
+    def make(policy: str, capacity: int) -> Any:
+        return CPUOffloadingManager(capacity, cache_policy=policy, enable_events=True)
+
+    return str(getattr(vllm, "__version__", "?")), make
+
+
+#: kvoff's targets against vLLM's managers on this workload (PERF.md), by policy.
+VLLM_RATIO_TARGETS = {"lru": 10.0, "arc": 5.0}
+#: vLLM 0.33's managers on this workload as PERF.md recorded them (M key-ops/s), used for the
+#: targets when vLLM is not installed.
+VLLM_RECORDED = {"lru": 0.70, "arc": 1.84}
+
+
 def _time(make: Callable[[], Any], run: Callable[..., tuple[int, int, int]], wl: Workload,
           reps: int, label: str, show: bool) -> dict[str, float]:
     rates = []
@@ -131,18 +194,39 @@ def _time(make: Callable[[], Any], run: Callable[..., tuple[int, int, int]], wl:
 
 
 def bench_managers(num_requests: int = 2000, capacity: int = 20_000, reps: int = 5,
-                   ref_reps: int = 3, show_progress: bool | None = None) -> list[dict[str, Any]]:
-    """Runs the manager workload; returns one row per (policy, implementation)."""
+                   ref_reps: int = 3, show_progress: bool | None = None,
+                   vllm: bool | None = None) -> list[dict[str, Any]]:
+    """Runs the manager workload; returns one row per (policy, implementation).
+
+    ``vllm``: also run vLLM's own managers (``None``: where vLLM is installed; ``True``: raise
+    ``RuntimeError`` if it is not). Rows: ``policy``, ``impl`` (``python-ref``, ``vllm``,
+    ``kvoff``), ``key_ops``, ``key_ops_per_s``, ``hit_rate``, ``ratio`` (to the Python reference)
+    and, on kvoff rows, ``vs_vllm`` (to vLLM in the same run, ``None`` without vLLM),
+    ``vllm_target`` and ``target_met``."""
     wl = make_workload(num_requests, capacity)
+    factory = vllm_manager_factory() if vllm is not False else None
+    if vllm and factory is None:
+        raise RuntimeError("vLLM's offloading managers (vllm.v1.kv_offload) cannot be imported here")
     rows = []
     for policy, ref_cls in (("lru", PyLRU), ("arc", PyARC)):
         show = bool(show_progress)
         ref = _time(lambda c=ref_cls: c(capacity), _run_ref, wl, ref_reps, f"python reference {policy}", show)
+        rows.append({"policy": policy, "impl": "python-ref", **ref, "ratio": 1.0})
+        vl = None
+        if factory is not None:
+            version, make = factory
+            vl = _time(lambda p=policy: make(p, capacity), _run_vllm, wl, ref_reps, f"vllm {policy}", show)
+            rows.append({"policy": policy, "impl": "vllm", "version": version, **vl,
+                         "ratio": vl["key_ops_per_s"] / ref["key_ops_per_s"]})
         kv = _time(lambda p=policy: kvoff.create_manager(p, capacity, enable_events=True, block_size=16),
                    _run_kvoff, wl, reps, f"kvoff {policy}", show)
-        rows.append({"policy": policy, "impl": "python-ref", **ref, "ratio": 1.0})
+        target = VLLM_RATIO_TARGETS[policy]
+        vs_vllm = kv["key_ops_per_s"] / vl["key_ops_per_s"] if vl is not None else None
+        met = (vs_vllm >= target if vs_vllm is not None
+               else kv["key_ops_per_s"] >= target * VLLM_RECORDED[policy] * 1e6)
         rows.append({"policy": policy, "impl": "kvoff", **kv,
-                     "ratio": kv["key_ops_per_s"] / ref["key_ops_per_s"]})
+                     "ratio": kv["key_ops_per_s"] / ref["key_ops_per_s"],
+                     "vs_vllm": vs_vllm, "vllm_target": target, "target_met": met})
     return rows
 
 
@@ -152,13 +236,28 @@ def format_manager_rows(rows: list[dict[str, Any]]) -> str:
             f"manager workload (PERF.md): {platform.processor() or platform.machine()}, "
             f"Python {platform.python_version()}, kvoff {kvoff.__version__}"
         ),
-        f"{'policy':<7}{'impl':<12}{'M key-ops/s':>13}{'hit rate':>10}{'vs python':>11}",
+        f"{'policy':<7}{'impl':<12}{'M key-ops/s':>13}{'hit rate':>10}{'vs python':>11}{'vs vLLM':>9}",
     ]
     for r in rows:
+        vs = r.get("vs_vllm")
         lines.append(
             f"{r['policy']:<7}{r['impl']:<12}{r['key_ops_per_s'] / 1e6:>13.2f}"
-            f"{r['hit_rate']:>10.3f}{r['ratio']:>10.1f}x"
+            f"{r['hit_rate']:>10.3f}{r['ratio']:>10.1f}x{'' if vs is None else f'{vs:>8.1f}x'}"
         )
+    for r in rows:
+        if r["impl"] != "kvoff":
+            continue
+        policy, target = r["policy"], r["vllm_target"]
+        verdict = "met" if r["target_met"] else "NOT met"
+        if r["vs_vllm"] is not None:
+            version = next((v.get("version", "?") for v in rows
+                            if v["impl"] == "vllm" and v["policy"] == policy), "?")
+            lines.append(f"target {policy}: >= {target:g}x vLLM {version} in the same run: "
+                         f"{r['vs_vllm']:.1f}x, {verdict}")
+        else:
+            need = target * VLLM_RECORDED[policy]
+            lines.append(f"target {policy}: >= {need:.2f} M key-ops/s ({target:g}x vLLM 0.33 as PERF.md "
+                         f"recorded it; vLLM not installed here): {r['key_ops_per_s'] / 1e6:.2f}, {verdict}")
     return "\n".join(lines)
 
 

@@ -12,7 +12,13 @@ def _bench_managers(args: argparse.Namespace) -> int:
     from kvoff.bench import bench_managers, format_manager_rows
 
     sys.stdout.flush()
-    rows = bench_managers(args.requests, args.capacity, args.reps, show_progress=not args.quiet)
+    vllm = {"auto": None, "on": True, "off": False}[getattr(args, "vllm", "auto")]
+    try:
+        rows = bench_managers(args.requests, args.capacity, args.reps, show_progress=not args.quiet,
+                              vllm=vllm)
+    except RuntimeError as e:
+        print(f"kvoff bench managers: {e}", file=sys.stderr)
+        return 2
     if args.json:
         print(json.dumps(rows, indent=2))
     else:
@@ -111,13 +117,16 @@ def main(argv: list[str] | None = None) -> int:
     bench = sub.add_parser("bench", help="run benchmarks")
     bsub = bench.add_subparsers(dest="what")
     bench.set_defaults(func=_bench_all, requests=2000, capacity=20_000, reps=5, json=False, quiet=False,
-                       job_mib=None, transfer_reps=5, methods=None)
-    m = bsub.add_parser("managers", help="manager workload of PERF.md, both policies, vs a Python reference")
+                       job_mib=None, transfer_reps=5, methods=None, vllm="auto")
+    m = bsub.add_parser("managers", help="manager workload of PERF.md, both policies, vs a Python reference "
+                        "and vLLM's own managers where vLLM is installed")
     m.add_argument("--requests", type=int, default=2000)
     m.add_argument("--capacity", type=int, default=20_000)
     m.add_argument("--reps", type=int, default=5, help="repetitions (median reported)")
     m.add_argument("--json", action="store_true", help="print rows as JSON")
     m.add_argument("--quiet", action="store_true", help="no progress bar")
+    m.add_argument("--vllm", choices=["auto", "on", "off"], default="auto",
+                   help="also run vLLM's own managers: auto = where vLLM is installed (default)")
     m.set_defaults(func=_bench_managers)
     t = bsub.add_parser("transfers", help="scattered KV-block transfers (PERF.md scenarios) vs a contiguous copy")
     t.add_argument("--job-mib", dest="job_mib", type=int, default=None,

@@ -1,0 +1,72 @@
+"""``kvoff bench``: the manager benchmark's rows, its cross-checks against the Python reference,
+the target lines, the command line, and the host transfer benchmark on a small job.
+
+vLLM's own managers as a same-run baseline are tested in ``test_vllm_bench.py`` (vLLM env)."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from kvoff import bench, cli
+
+
+def _small(**kw: object) -> list[dict[str, object]]:
+    return bench.bench_managers(num_requests=80, capacity=600, reps=1, ref_reps=1,
+                                show_progress=False, **kw)  # type: ignore[arg-type]
+
+
+def test_manager_rows_agree_with_the_reference() -> None:
+    rows = _small(vllm=False)
+    assert [(r["policy"], r["impl"]) for r in rows] == [
+        ("lru", "python-ref"), ("lru", "kvoff"), ("arc", "python-ref"), ("arc", "kvoff")]
+    for policy in ("lru", "arc"):
+        ref, kv = (r for r in rows if r["policy"] == policy)
+        # Same protocol on the same workload: the same hits and the same keys passed.
+        assert kv["hit_rate"] == ref["hit_rate"]
+        assert kv["key_ops"] == ref["key_ops"]
+        assert 0.0 < kv["hit_rate"] < 1.0
+        assert kv["key_ops_per_s"] > 0 and ref["ratio"] == 1.0
+        assert kv["ratio"] == pytest.approx(kv["key_ops_per_s"] / ref["key_ops_per_s"])
+        # Without vLLM the target is judged against PERF.md's recorded vLLM figure.
+        assert kv["vs_vllm"] is None
+        need = bench.VLLM_RATIO_TARGETS[policy] * bench.VLLM_RECORDED[policy] * 1e6
+        assert kv["target_met"] == (kv["key_ops_per_s"] >= need)
+
+
+def test_format_manager_rows_states_each_target() -> None:
+    text = bench.format_manager_rows(_small(vllm=False))
+    assert "target lru: >= 7.00 M key-ops/s" in text
+    assert "target arc: >= 9.20 M key-ops/s" in text
+    assert text.count("python-ref") == 2 and text.count("kvoff ") >= 2
+
+
+def test_vllm_required_but_missing_raises(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(bench, "vllm_manager_factory", lambda: None)
+    with pytest.raises(RuntimeError, match="vLLM"):
+        _small(vllm=True)
+    assert cli.main(["bench", "managers", "--requests", "10", "--reps", "1", "--quiet",
+                     "--vllm", "on"]) == 2
+
+
+def test_cli_bench_managers_json(capsys: pytest.CaptureFixture[str]) -> None:
+    rc = cli.main(["bench", "managers", "--requests", "40", "--capacity", "300", "--reps", "1",
+                   "--quiet", "--json", "--vllm", "off"])
+    assert rc == 0
+    rows = json.loads(capsys.readouterr().out)
+    assert {r["impl"] for r in rows} == {"python-ref", "kvoff"}
+    assert all(r["key_ops"] > 0 for r in rows)
+
+
+def test_bench_transfers_host_small_job() -> None:
+    pytest.importorskip("torch")
+    rows = bench.bench_transfers(job_mib=2, reps=1, methods=["host"], show_progress=False)
+    assert len(rows) == 2 * len(bench.TRANSFER_SCENARIOS)
+    for r in rows:
+        assert r["engine"] == "host"
+        assert r["gb_s"] > 0 and r["contiguous_gb_s"] > 0
+        assert r["blocks"] >= bench.MIN_BLOCKS
+        assert r["job_bytes"] == r["blocks"] * r["page_bytes"] * r["tensors"]
+    text = bench.format_transfer_rows(rows).splitlines()
+    assert "contig GB/s" in text[1] and len(text) == 2 + len(rows)
