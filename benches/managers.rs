@@ -29,7 +29,10 @@
 //! 36 bytes held as a plain `[u8; 36]` key, to measure what `ByteKey`'s length tag costs.
 //!
 //! `baseline/hashmap_get` (64 `get`s on a `std` `HashMap<ByteKey, u32>` with foldhash, same keys and
-//! order) calibrates what one unbatched hash-table probe costs on the machine at each size.
+//! order) calibrates what one unbatched hash-table probe costs on the machine at each size, and
+//! `baseline/hashmap_evict` what the bare hash-table work of a store with eviction costs: per new
+//! key, `remove_entry` of the oldest key (moved out, as an evicted key is) and `insert` of the new
+//! one, on a full map of N keys (64 key-ops per iteration, no recency list, no ids, no checks).
 //!
 //! Run: `cargo bench --bench managers` (about five minutes; append `-- <filter>` to run a subset,
 //! e.g. `-- lru/touch`).
@@ -240,13 +243,39 @@ fn bench_policy<K: Hash + Eq + Clone, P: Policy>(
     }
 }
 
-/// A plain hash map of the same keys: the cost of one probe.
+/// A plain hash map of the same keys: the cost of one probe, and of one remove + insert.
 fn baseline(g: &mut BenchmarkGroup<'_, criterion::measurement::WallTime>, n: usize, ring: &[Key]) {
     let present = &ring[..n];
     let mut map: HashMap<Key, u32, foldhash::fast::RandomState> =
         HashMap::with_capacity_and_hasher(n, foldhash::fast::RandomState::default());
     for (i, k) in present.iter().enumerate() {
         map.insert(k.clone(), u32::try_from(i).expect("small"));
+    }
+    {
+        // Remove the oldest key and insert a new one, 64 times per iteration: the ring of new keys
+        // and the FIFO of present ones are those of the managers' store cases.
+        let mut map = map.clone();
+        let mut r = Ring { ring, pos: n };
+        let mut fifo: std::collections::VecDeque<usize> = (0..n).collect();
+        let mut evicted: Vec<Key> = Vec::with_capacity(BATCH);
+        g.throughput(Throughput::Elements(BATCH as u64));
+        g.bench_function(format!("baseline/hashmap_evict/{n}"), |b| {
+            b.iter(|| {
+                let start = r.pos;
+                let keys = r.next();
+                let start = if start + BATCH > ring.len() { 0 } else { start };
+                evicted.clear();
+                for (j, k) in keys.iter().enumerate() {
+                    let old = fifo.pop_front().expect("full");
+                    let (key, v) = map.remove_entry(&ring[old]).expect("present");
+                    evicted.push(key);
+                    map.insert(black_box(k).clone(), v);
+                    fifo.push_back(start + j);
+                }
+                black_box(&evicted);
+            });
+        });
+        assert_eq!(map.len(), n);
     }
     let mut batches = Batches::new(present);
     g.throughput(Throughput::Elements(BATCH as u64));
