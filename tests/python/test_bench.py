@@ -9,6 +9,7 @@ import json
 
 import pytest
 
+import kvoff
 from kvoff import bench, cli
 
 
@@ -59,12 +60,15 @@ def test_cli_bench_managers_json(capsys: pytest.CaptureFixture[str]) -> None:
     assert all(r["key_ops"] > 0 for r in rows)
 
 
-def test_bench_transfers_host_small_job() -> None:
-    pytest.importorskip("torch")
-    rows = bench.bench_transfers(job_mib=2, reps=1, methods=["host"], show_progress=False)
+def test_bench_transfers_small_job() -> None:
+    """The transfer benchmark end to end on a small job: ``auto`` picks the host engine without a
+    GPU and a CUDA method with one; every row is verified byte for byte inside the benchmark."""
+    torch = pytest.importorskip("torch")
+    cuda = torch.cuda.is_available() and kvoff.cuda_available()
+    rows = bench.bench_transfers(job_mib=2, reps=1, methods=["auto"], show_progress=False)
     assert len(rows) == 2 * len(bench.TRANSFER_SCENARIOS)
     for r in rows:
-        assert r["engine"] == "host"
+        assert r["engine"].startswith("cuda:") if cuda else r["engine"] == "host"
         assert r["gb_s"] > 0 and r["contiguous_gb_s"] > 0
         assert r["blocks"] >= bench.MIN_BLOCKS
         assert r["job_bytes"] == r["blocks"] * r["page_bytes"] * r["tensors"]
