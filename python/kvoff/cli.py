@@ -9,16 +9,16 @@ import sys
 
 
 def _bench_managers(args: argparse.Namespace) -> int:
-    from kvoff.bench import bench_managers, format_manager_rows
+    from kvoff.bench import bench_managers, format_manager_rows, vllm_manager_factory
 
     sys.stdout.flush()
     vllm = {"auto": None, "on": True, "off": False}[getattr(args, "vllm", "auto")]
-    try:
-        rows = bench_managers(args.requests, args.capacity, args.reps, show_progress=not args.quiet,
-                              vllm=vllm)
-    except RuntimeError as e:
-        print(f"kvoff bench managers: {e}", file=sys.stderr)
+    if vllm and vllm_manager_factory() is None:
+        print("kvoff bench managers: --vllm on, but vLLM's offloading managers (vllm.v1.kv_offload) "
+              "cannot be imported here", file=sys.stderr)
         return 2
+    rows = bench_managers(args.requests, args.capacity, args.reps, show_progress=not args.quiet,
+                          vllm=vllm)
     if args.json:
         print(json.dumps(rows, indent=2))
     else:
