@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # kvoff's whole test suite, as the README documents it: Rust formatting, lints (with and without the
 # python feature), Rust tests, then the Python package built and installed into a virtualenv,
-# pytest, and a check of the native module's type stub.
+# pytest, a check of the native module's type stub, and ruff over the Python code.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 VENV=${KVOFF_VENV:-.venv}
@@ -26,6 +26,8 @@ step "pytest"
 "$VENV/bin/python" -m pytest -q -p no:cacheprovider
 step "stub check (mypy.stubtest kvoff._native)"
 "$VENV/bin/python" -m mypy.stubtest kvoff._native
+step "ruff check (python package and tests)"
+"$VENV/bin/python" -m ruff check python tests/python
 
 # The vLLM plug-in's tests need vLLM 0.33 (and its torch), which live in their own virtualenv
 # (.ci/run makes it; KVOFF_VLLM_VENV points elsewhere). Without it they are skipped, saying so.

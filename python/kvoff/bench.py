@@ -215,7 +215,7 @@ def bench_managers(num_requests: int = 2000, capacity: int = 20_000, reps: int =
         vl = None
         if factory is not None:
             version, make = factory
-            vl = _time(lambda p=policy: make(p, capacity), _run_vllm, wl, ref_reps, f"vllm {policy}", show)
+            vl = _time(lambda p=policy, f=make: f(p, capacity), _run_vllm, wl, ref_reps, f"vllm {policy}", show)
             rows.append({"policy": policy, "impl": "vllm", "version": version, **vl,
                          "ratio": vl["key_ops_per_s"] / ref["key_ops_per_s"]})
         kv = _time(lambda p=policy: kvoff.create_manager(p, capacity, enable_events=True, block_size=16),

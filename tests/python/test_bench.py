@@ -7,9 +7,8 @@ from __future__ import annotations
 
 import json
 
-import pytest
-
 import kvoff
+import pytest
 from kvoff import bench, cli
 
 

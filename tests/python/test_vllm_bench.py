@@ -7,7 +7,6 @@ with ``pytest -m vllm`` (scripts/test.sh does)."""
 from __future__ import annotations
 
 import pytest
-
 from kvoff import bench
 
 pytestmark = pytest.mark.vllm
