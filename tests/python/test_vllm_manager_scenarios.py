@@ -16,7 +16,7 @@ pytestmark = pytest.mark.vllm
 try:
     import kvoff.vllm  # noqa: F401
 except ImportError as e:  # pragma: no cover - depends on the environment
-    pytest.skip(f"vLLM 0.33 is not importable: {e}", allow_module_level=True)
+    pytest.skip(f"vLLM (0.32 or 0.33) is not importable: {e}", allow_module_level=True)
 
 from kvoff.vllm import KvoffOffloadingManager
 from vllm.v1.kv_offload.base import (

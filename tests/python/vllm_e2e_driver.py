@@ -178,7 +178,11 @@ def main() -> None:
         flush=True,
     )
     sys.stdout.flush()
-    os._exit(0)  # skip vLLM's slow interpreter teardown
+    # Stop the engine-core process, then skip vLLM's slow interpreter teardown.
+    try:
+        llm.llm_engine.engine_core.shutdown()
+    finally:
+        os._exit(0)
 
 
 if __name__ == "__main__":

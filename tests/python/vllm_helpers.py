@@ -1,4 +1,4 @@
-"""Shared helpers of the vLLM plug-in tests: the real vLLM 0.33 config objects they need."""
+"""Shared helpers of the vLLM plug-in tests: the real vLLM (0.32/0.33) config objects they need."""
 
 from __future__ import annotations
 
@@ -25,13 +25,16 @@ def make_offloading_config(
         OffloadingParallelConfig,
     )
 
+    model_fields = OffloadingModelConfig.__dataclass_fields__
+    model_kw = {"name": "tiny", "dtype": "float16", "max_model_len": 1024}
     return OffloadingConfig(
         groups=(OffloadingGroupConfig(tokens_per_block=16, layer_names=("layer.0",), group_id=0),),
         worker_kv_bytes_per_block=worker_kv_bytes_per_block,
         enable_kv_cache_events=enable_events,
         extra_config=extra,
         engine_id=engine_id,
-        model=OffloadingModelConfig(name="tiny", dtype="float16", max_model_len=1024),
+        # max_model_len: vLLM 0.33 only
+        model=OffloadingModelConfig(**{k: v for k, v in model_kw.items() if k in model_fields}),
         cache=OffloadingCacheConfig(tokens_per_hash=16, blocks_per_chunk=blocks_per_chunk),
         parallel=OffloadingParallelConfig(
             rank=rank,

