@@ -45,8 +45,14 @@ ROUNDS = 3
 TIMEOUT_S = 300
 
 
+#: vLLM device blocks per model: enough for one request, too few to keep the shared prefixes
+#: (Gemma-2's two KV-cache groups share the pool).
+GPU_BLOCKS = {"llama": 10, "gemma2": 20}
+
+
 def _run(model_dir: Path, arch: str, kvoff: dict[str, Any] | None) -> tuple[dict[str, Any], str]:
     cmd = [sys.executable, str(DRIVER), "--model-dir", str(model_dir), "--arch", arch, "--rounds", str(ROUNDS)]
+    cmd += ["--gpu-blocks", str(GPU_BLOCKS[arch])]
     if kvoff is not None:
         cmd += ["--kvoff", json.dumps(kvoff)]
     env = dict(os.environ, HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1", VLLM_LOGGING_LEVEL="INFO")
@@ -125,6 +131,7 @@ def _check(models: Path, arch: str, kvoff: dict[str, Any]) -> dict[str, Any]:
     assert m["vllm:prompt_tokens_cached"] > base["metrics"]["vllm:prompt_tokens_cached"]
     problems = _kvoff_problems(log)
     assert not problems, "kvoff warned or failed:\n" + "\n".join(problems[:20])
+    res["log"] = log
     return res
 
 
@@ -143,8 +150,8 @@ def test_arc_larger_offloaded_blocks_shared_region(models: Path) -> None:
 
 
 def test_store_threshold(models: Path) -> None:
-    # A block is stored only on its second offer: round 1 stores nothing of the prefixes, round 2
-    # stores them, round 3 loads them.
+    # A block is stored only on its second offer (the second request sharing its prefix); first
+    # offers are skipped and counted by vLLM's vllm:kv_offload_stores_skipped.
     res = _check(models, "llama", {"cpu_bytes_to_use": 100_000_000, "store_threshold": 2})
     assert res["metrics"].get("vllm:kv_offload_stores_skipped", 0) > 0
 
@@ -152,4 +159,6 @@ def test_store_threshold(models: Path) -> None:
 def test_two_kv_cache_groups(models: Path) -> None:
     # Gemma-2 style: sliding-window and full-attention layers alternate, so vLLM keeps two
     # KV-cache groups with their own block tables; kvoff stores and loads both.
-    _check(models, "gemma2", {"cpu_bytes_to_use": 100_000_000})
+    res = _check(models, "gemma2", {"cpu_bytes_to_use": 100_000_000})
+    groups = re.findall(r"kv cache group sizes \(([^)]*)\)", res["log"])
+    assert groups and len(groups[-1].split(",")) == 2, f"expected two KV-cache groups, vLLM logged {groups}"

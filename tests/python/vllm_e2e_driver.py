@@ -57,8 +57,9 @@ def build_model(model_dir: str, arch: str, seed: int = 0) -> None:
         model = transformers.LlamaForCausalLM(config)
     elif arch == "gemma2":
         # Alternating sliding-window and full-attention layers: two KV-cache groups in vLLM.
+        # vLLM's Gemma-2 always ties the output head to the embeddings.
         config = transformers.Gemma2Config(
-            **common,
+            **{**common, "tie_word_embeddings": True},
             sliding_window=32,
             query_pre_attn_scalar=32,
             attn_logit_softcapping=None,
