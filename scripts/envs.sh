@@ -18,7 +18,7 @@ set -euo pipefail
 
 KVOFF_ENV_CACHE=${KVOFF_ENV_CACHE:-$HOME/.cache/kvoff/envs}
 PIP_FLAGS=(-q --disable-pip-version-check)
-TEST_TOOLS=(pytest hypothesis mypy ruff numpy)
+TEST_TOOLS=(pytest hypothesis mypy ruff numpy matplotlib)
 
 # install_vllm_env VENV DIST VERSION [EXTRA...]: make VENV with DIST==VERSION and EXTRA packages.
 install_vllm_env() {

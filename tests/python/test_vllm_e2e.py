@@ -90,9 +90,7 @@ def _kvoff_problems(log: str) -> list[str]:
         if "Traceback" in ln:
             if any("kvoff" in t for t in lines[i : i + 60]):
                 bad.append(ln)
-        elif re.search(r"\b(WARNING|ERROR|CRITICAL)\b", ln) and "kvoff" in ln.lower():
-            bad.append(ln)
-        elif ln.startswith("kvoff"):
+        elif re.search(r"\b(WARNING|ERROR|CRITICAL)\b", ln) and "kvoff" in ln.lower() or ln.startswith("kvoff"):
             bad.append(ln)
     return bad
 

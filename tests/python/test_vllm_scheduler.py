@@ -23,7 +23,7 @@ import pytest
 pytestmark = pytest.mark.vllm
 
 try:
-    import kvoff.vllm  # noqa: F401  (checks the vLLM version)
+    import kvoff.vllm
     import torch
     from vllm.config import (
         CacheConfig,
@@ -40,7 +40,11 @@ try:
     from vllm.forward_context import ForwardContext
     from vllm.sampling_params import SamplingParams
     from vllm.utils.hashing import sha256
-    from vllm.v1.core.kv_cache_utils import get_request_block_hasher, init_none_hash, resolve_kv_cache_block_sizes
+    from vllm.v1.core.kv_cache_utils import (
+        get_request_block_hasher,
+        init_none_hash,
+        resolve_kv_cache_block_sizes,
+    )
     from vllm.v1.core.sched.scheduler import Scheduler
     from vllm.v1.kv_cache_interface import FullAttentionSpec, KVCacheConfig, KVCacheGroupSpec, KVCacheTensor
     from vllm.v1.outputs import KVConnectorOutput, ModelRunnerOutput
@@ -267,13 +271,13 @@ def test_kvoff_reloads_evicted_prefixes_byte_exact(tmp_path_factory: pytest.Temp
     checked_round1 = eng.blocks_checked
     for p in prompts:  # round 2: the prefixes come back from kvoff
         eng.run_request(p[: 4 * BLOCK] + [11] * (BLOCK // 2))
-    summary = dict(
-        external_hits=eng.external_hits,
-        blocks_checked=eng.blocks_checked,
-        blocks_written=eng.blocks_written,
-        load_bytes=eng.load_bytes,
-        store_bytes=eng.store_bytes,
-    )
+    summary = {
+        "external_hits": eng.external_hits,
+        "blocks_checked": eng.blocks_checked,
+        "blocks_written": eng.blocks_written,
+        "load_bytes": eng.load_bytes,
+        "store_bytes": eng.store_bytes,
+    }
     print(f"\n{extra}: {summary}")
     assert hits_round1 == 0
     assert eng.external_hits >= 4 * BLOCK * (len(prompts) - 2), summary

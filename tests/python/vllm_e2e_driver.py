@@ -37,21 +37,21 @@ def build_model(model_dir: str, arch: str, seed: int = 0) -> None:
     if os.path.exists(os.path.join(model_dir, "config.json")):
         return
     torch.manual_seed(seed)
-    common: dict[str, Any] = dict(
-        vocab_size=512,
-        hidden_size=128,
-        intermediate_size=256,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        head_dim=32,
-        max_position_embeddings=1024,
-        initializer_range=0.5,
-        tie_word_embeddings=False,
-        torch_dtype="float32",
-        bos_token_id=1,
-        eos_token_id=2,
-    )
+    common: dict[str, Any] = {
+        "vocab_size": 512,
+        "hidden_size": 128,
+        "intermediate_size": 256,
+        "num_hidden_layers": 2,
+        "num_attention_heads": 4,
+        "num_key_value_heads": 2,
+        "head_dim": 32,
+        "max_position_embeddings": 1024,
+        "initializer_range": 0.5,
+        "tie_word_embeddings": False,
+        "torch_dtype": "float32",
+        "bos_token_id": 1,
+        "eos_token_id": 2,
+    }
     if arch == "llama":
         config = transformers.LlamaConfig(**common)
         model = transformers.LlamaForCausalLM(config)
