@@ -1,0 +1,253 @@
+//! File I/O of the tier: 4 KiB-aligned buffers, `O_DIRECT` where the filesystem takes it (buffered
+//! otherwise), whole-file reads and atomic publication (temporary file, optional `fsync`, `rename`).
+//!
+//! The only `unsafe` of the tier lives here: viewing an aligned allocation as bytes, and [`RawRows`],
+//! host memory given as a raw pointer by a caller that promises it stays mapped (the Python bindings,
+//! which get the pointer of a `HostRegion` view, as the transfer engines do).
+
+use std::fs::{File, OpenOptions};
+use std::io;
+use std::os::unix::fs::{FileExt, OpenOptionsExt};
+use std::path::Path;
+
+use crate::error::{KvoffError, Result};
+use crate::manager::BlockId;
+
+use super::BlockMemory;
+
+/// Alignment (and length unit) of every `O_DIRECT` transfer.
+pub const ALIGN: usize = 4096;
+
+#[derive(Clone, Copy)]
+#[repr(C, align(4096))]
+struct Chunk([u8; ALIGN]);
+
+/// A zero-initialised byte buffer whose start is 4 KiB-aligned and whose length is a multiple of
+/// 4 KiB.
+pub struct AlignedBuf {
+    chunks: Vec<Chunk>,
+}
+
+impl AlignedBuf {
+    /// A buffer of at least `len` bytes (rounded up to 4 KiB).
+    #[must_use]
+    pub fn new(len: usize) -> Self {
+        Self {
+            chunks: vec![Chunk([0; ALIGN]); len.div_ceil(ALIGN)],
+        }
+    }
+
+    /// Length in bytes.
+    #[must_use]
+    pub fn len(&self) -> usize {
+        self.chunks.len() * ALIGN
+    }
+
+    /// `true` for a zero-length buffer.
+    #[must_use]
+    pub fn is_empty(&self) -> bool {
+        self.chunks.is_empty()
+    }
+
+    /// The bytes.
+    #[must_use]
+    pub fn as_slice(&self) -> &[u8] {
+        // SAFETY: `Chunk` is `repr(C)` around `[u8; ALIGN]` with size = align = ALIGN, so the Vec's
+        // storage is `len()` initialised, contiguous bytes, borrowed immutably through `&self`.
+        unsafe { std::slice::from_raw_parts(self.chunks.as_ptr().cast::<u8>(), self.len()) }
+    }
+
+    /// The bytes, mutably.
+    pub fn as_mut_slice(&mut self) -> &mut [u8] {
+        let len = self.len();
+        // SAFETY: as in `as_slice`; `&mut self` makes the borrow unique.
+        unsafe { std::slice::from_raw_parts_mut(self.chunks.as_mut_ptr().cast::<u8>(), len) }
+    }
+}
+
+/// Opens `path` for reading, with `O_DIRECT` when `direct`.
+///
+/// # Errors
+/// The OS error.
+pub fn open_read(path: &Path, direct: bool) -> io::Result<File> {
+    let mut o = OpenOptions::new();
+    o.read(true)
+        .custom_flags(libc::O_NOFOLLOW | libc::O_CLOEXEC);
+    if direct {
+        o.custom_flags(libc::O_DIRECT | libc::O_NOFOLLOW | libc::O_CLOEXEC);
+    }
+    o.open(path)
+}
+
+fn open_new(path: &Path, direct: bool, mode: u32) -> io::Result<File> {
+    let mut o = OpenOptions::new();
+    let base = libc::O_NOFOLLOW | libc::O_CLOEXEC;
+    o.write(true)
+        .create_new(true)
+        .mode(mode)
+        .custom_flags(if direct { base | libc::O_DIRECT } else { base });
+    o.open(path)
+}
+
+/// Reads exactly `buf.len()` bytes from offset 0 of `f`. A short file is `UnexpectedEof`.
+///
+/// # Errors
+/// The OS error, or `UnexpectedEof`.
+pub fn read_full(f: &File, buf: &mut [u8]) -> io::Result<()> {
+    f.read_exact_at(buf, 0)
+}
+
+/// Writes `data` (a whole file image) to a new file `tmp`, optionally `fsync`s it, and renames it
+/// to `dst`. On any failure the temporary file is removed. With `direct`, `data` must be 4 KiB
+/// aligned and a multiple of 4 KiB long.
+///
+/// # Errors
+/// The OS error of the step that failed.
+pub fn publish(
+    tmp: &Path,
+    dst: &Path,
+    data: &[u8],
+    direct: bool,
+    fsync: bool,
+    mode: u32,
+) -> io::Result<()> {
+    let r = (|| {
+        let f = open_new(tmp, direct, mode)?;
+        f.write_all_at(data, 0)?;
+        if fsync {
+            f.sync_data()?;
+        }
+        drop(f);
+        std::fs::rename(tmp, dst)
+    })();
+    if r.is_err() {
+        let _ = std::fs::remove_file(tmp);
+    }
+    r
+}
+
+/// Whether `dir` accepts `O_DIRECT` writes and reads of 4 KiB (tmpfs does not). Creates and removes
+/// the file `probe` (a name inside `dir`).
+///
+/// # Errors
+/// Any error other than `EINVAL` from `O_DIRECT` (the directory is not writable, …).
+pub fn probe_direct(probe: &Path) -> io::Result<bool> {
+    let buf = AlignedBuf::new(ALIGN);
+    let direct = match open_new(probe, true, 0o600) {
+        Ok(f) => {
+            let ok = match f.write_all_at(buf.as_slice(), 0) {
+                Ok(()) => true,
+                Err(e) if e.raw_os_error() == Some(libc::EINVAL) => false,
+                Err(e) => {
+                    drop(f);
+                    let _ = std::fs::remove_file(probe);
+                    return Err(e);
+                }
+            };
+            drop(f);
+            ok
+        }
+        Err(e) if e.raw_os_error() == Some(libc::EINVAL) => false,
+        Err(e) => return Err(e),
+    };
+    if !direct {
+        // Plain write access still has to work.
+        let _ = std::fs::remove_file(probe);
+        let f = open_new(probe, false, 0o600)?;
+        f.write_all_at(buf.as_slice(), 0)?;
+    }
+    std::fs::remove_file(probe)?;
+    Ok(direct)
+}
+
+/// Host memory given as a raw pointer: `num_rows` rows, `row_stride_bytes` apart, of which the
+/// first `block_bytes` of each row are one block. Copies use `memcpy` without locks; the tier's
+/// protocol guarantees that no one else writes a block while it is copied out (it is pinned by a
+/// load) and no one reads a block while it is copied in (it is a pending store).
+#[derive(Debug)]
+pub struct RawRows {
+    ptr: u64,
+    num_rows: u64,
+    row_stride_bytes: u64,
+    block_bytes: usize,
+}
+
+impl RawRows {
+    /// Describes host memory at `ptr`.
+    ///
+    /// # Safety
+    /// 1. `ptr .. ptr + (num_rows - 1) * row_stride_bytes + block_bytes` is mapped, readable and
+    ///    writable for as long as this value (and every tier using it) lives.
+    /// 2. No one else writes a block while the tier copies it out, nor reads or writes a block while
+    ///    the tier copies into it (the tiered manager's pins and pending stores guarantee this).
+    ///
+    /// # Errors
+    /// [`KvoffError::InvalidArgument`] for a null pointer, a zero block size, or a block larger
+    /// than the row stride.
+    pub unsafe fn new(
+        ptr: u64,
+        num_rows: u64,
+        row_stride_bytes: u64,
+        block_bytes: usize,
+    ) -> Result<Self> {
+        if ptr == 0 || block_bytes == 0 || block_bytes as u64 > row_stride_bytes {
+            return Err(KvoffError::arg(format!(
+                "host rows need a non-null pointer and 0 < block_bytes <= row_stride_bytes \
+                 (ptr {ptr:#x}, block_bytes {block_bytes}, row_stride_bytes {row_stride_bytes})"
+            )));
+        }
+        Ok(Self {
+            ptr,
+            num_rows,
+            row_stride_bytes,
+            block_bytes,
+        })
+    }
+
+    fn row_ptr(&self, block: BlockId, len: usize) -> Result<u64> {
+        if u64::from(block) >= self.num_rows || len != self.block_bytes {
+            return Err(KvoffError::arg(format!(
+                "block {block} (of {} rows) with {len} bytes (block is {} bytes)",
+                self.num_rows, self.block_bytes
+            )));
+        }
+        Ok(self.ptr + u64::from(block) * self.row_stride_bytes)
+    }
+}
+
+impl BlockMemory for RawRows {
+    fn block_bytes(&self) -> usize {
+        self.block_bytes
+    }
+    fn num_blocks(&self) -> u64 {
+        self.num_rows
+    }
+    fn copy_out(&self, block: BlockId, out: &mut [u8]) -> Result<()> {
+        let src = self.row_ptr(block, out.len())?;
+        // SAFETY: obligation 1 (the row is mapped; `row_ptr` checked the bounds) and 2 (no writer
+        // while the block is copied out); `out` is a distinct Rust buffer.
+        unsafe { std::ptr::copy_nonoverlapping(src as *const u8, out.as_mut_ptr(), out.len()) };
+        Ok(())
+    }
+    fn copy_in(&self, block: BlockId, data: &[u8]) -> Result<()> {
+        let dst = self.row_ptr(block, data.len())?;
+        // SAFETY: obligation 1 (mapped and writable, bounds checked) and 2 (no other reader or
+        // writer of a pending block); `data` is a distinct Rust buffer.
+        unsafe { std::ptr::copy_nonoverlapping(data.as_ptr(), dst as *mut u8, data.len()) };
+        Ok(())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn aligned() {
+        let mut b = AlignedBuf::new(5000);
+        assert_eq!(b.len(), 8192);
+        assert_eq!(b.as_slice().as_ptr() as usize % ALIGN, 0);
+        b.as_mut_slice()[8191] = 3;
+        assert_eq!(b.as_slice()[8191], 3);
+    }
+}
