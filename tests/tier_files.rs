@@ -25,6 +25,22 @@ fn tmpdir(tag: &str) -> PathBuf {
     d
 }
 
+/// Every file under `dir` (one level of shard directories).
+fn files_in(dir: &Path) -> Vec<PathBuf> {
+    let mut v = Vec::new();
+    for shard in std::fs::read_dir(dir).unwrap().flatten() {
+        if shard.path().is_dir() {
+            v.extend(
+                std::fs::read_dir(shard.path())
+                    .unwrap()
+                    .flatten()
+                    .map(|e| e.path()),
+            );
+        }
+    }
+    v
+}
+
 fn layout(rank: u32) -> Layout {
     Layout {
         namespace: "test-model".into(),
@@ -245,7 +261,7 @@ fn capacity_evicts_own_lru_files() {
     assert_eq!(t.stats().own_files, 1);
     t.flush();
     assert_eq!(
-        std::fs::read_dir(t.dir()).unwrap().count(),
+        files_in(t.dir()).len(),
         1,
         "files beyond the capacity removed at start"
     );
@@ -391,13 +407,13 @@ fn sigkill_during_writes_never_serves_a_torn_block() {
     let n = t.stats().indexed_files;
     assert!(n > 16, "the children wrote only {n} files");
     let mut any = None;
-    for e in std::fs::read_dir(t.dir()).unwrap().flatten() {
-        let name = e.file_name().into_string().unwrap();
+    for p in files_in(t.dir()) {
+        let name = p.file_name().unwrap().to_str().unwrap().to_owned();
         assert!(
             !name.starts_with(".tmp."),
             "stale temporary file {name} left after restart"
         );
-        any.get_or_insert(e.path());
+        any.get_or_insert(p);
     }
     let torn = any.unwrap();
     std::fs::OpenOptions::new()
@@ -532,8 +548,12 @@ fn full_disk_skips_stores_and_keeps_serving() {
         }
     }
     assert_eq!(served, s.files_written);
-    for e in std::fs::read_dir(t.dir()).unwrap().flatten() {
-        assert!(!e.file_name().to_string_lossy().starts_with(".tmp."));
+    for p in files_in(t.dir()) {
+        assert!(!p
+            .file_name()
+            .unwrap()
+            .to_string_lossy()
+            .starts_with(".tmp."));
     }
 }
 

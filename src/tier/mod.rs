@@ -1,8 +1,10 @@
 //! The file tier behind host memory (SPEC §9): offloaded blocks kept as files in a directory on
 //! local NVMe or a shared filesystem, persistent across restarts and shared between engines.
 //!
-//! **Files.** One file per block and rank, `<dir>/kvoff-<layout fingerprint>/<key hex>.r<rank>.<owner>.kvb`
-//! (keys longer than 100 bytes are named by their xxh3-128). Each file is a 4 KiB header (magic, format
+//! **Files.** One file per block and rank,
+//! `<dir>/kvoff-<layout fingerprint>/<shard>/<key hex>.r<rank>.<owner>.kvb`, where `<shard>` is one of
+//! 256 subdirectories chosen by a hash of the key (keys longer than 100 bytes are named by their
+//! xxh3-128). Each file is a 4 KiB header (magic, format
 //! version, layout fingerprint, rank, world size, payload length, xxh3-64 of the payload, owner tag,
 //! the key, a header checksum; see [`format`]) followed by the block's bytes padded to 4 KiB. The
 //! fingerprint covers a user namespace id, the page sizes, `block_size_factor`, dtype, world size and
@@ -43,6 +45,7 @@
 //! [`tiered::TieredManager`] puts a tier behind an offloading manager (the protocol of SPEC §9).
 #![deny(unsafe_code)]
 
+pub mod bench;
 mod format;
 #[allow(unsafe_code)]
 mod io;
@@ -434,6 +437,16 @@ fn unhex(s: &str) -> Option<Vec<u8>> {
         .collect()
 }
 
+/// Files are spread over 256 subdirectories `00`..`ff` (by a hash of the key), so that directory
+/// locks taken by create and rename are not shared by all I/O threads and directories stay small.
+const SHARD_LEN: usize = 2;
+
+fn is_shard(n: &str) -> bool {
+    n.len() == SHARD_LEN
+        && n.bytes()
+            .all(|b| b.is_ascii_hexdigit() && !b.is_ascii_uppercase())
+}
+
 /// Longest key named by its hex bytes (longer keys are named by their hash).
 const MAX_HEX_KEY: usize = 100;
 
@@ -467,7 +480,13 @@ impl Shared {
         } else {
             format!("h{:032x}", xxh3_128(k))
         };
-        format!("{stem}.r{}.{}.kvb", self.rank, self.owner_hex).into_boxed_str()
+        format!(
+            "{:02x}/{stem}.r{}.{}.kvb",
+            xxh3_64(k) & 0xff,
+            self.rank,
+            self.owner_hex
+        )
+        .into_boxed_str()
     }
 
     /// `(key, owned)` of a file name of this rank; `None` for other names. Hashed names need the
@@ -518,39 +537,48 @@ impl Shared {
         let mut found: Vec<(ByteKey, Box<str>, bool)> = Vec::new();
         let mut own_times: Vec<(std::time::SystemTime, usize)> = Vec::new();
         let tmp_prefix = format!(".tmp.{}.", self.host_tag);
-        for ent in rd.flatten() {
-            let os_name = ent.file_name();
-            let Some(name) = os_name.to_str() else {
+        for shard in rd.flatten() {
+            let shard_name = shard.file_name();
+            let Some(shard_name) = shard_name.to_str().filter(|n| is_shard(n)) else {
                 continue;
             };
-            if initial {
-                if let Some(rest) = name.strip_prefix(&tmp_prefix) {
-                    let pid = rest.split('.').next().unwrap_or("");
-                    let alive = !pid.is_empty() && Path::new("/proc").join(pid).exists();
-                    if !alive {
-                        let _ = std::fs::remove_file(ent.path());
-                    }
+            let Ok(files) = std::fs::read_dir(shard.path()) else {
+                continue;
+            };
+            for ent in files.flatten() {
+                let os_name = ent.file_name();
+                let Some(name) = os_name.to_str() else {
                     continue;
+                };
+                if initial {
+                    if let Some(rest) = name.strip_prefix(&tmp_prefix) {
+                        let pid = rest.split('.').next().unwrap_or("");
+                        let alive = !pid.is_empty() && Path::new("/proc").join(pid).exists();
+                        if !alive {
+                            let _ = std::fs::remove_file(ent.path());
+                        }
+                        continue;
+                    }
                 }
-            }
-            let Some((key, owned)) = self.parse_name(name) else {
-                continue;
-            };
-            let key = match key {
-                Some(k) => ByteKey::new(&k),
-                None => match self.read_header_key(&ent.path()) {
+                let Some((key, owned)) = self.parse_name(name) else {
+                    continue;
+                };
+                let key = match key {
                     Some(k) => ByteKey::new(&k),
-                    None => continue,
-                },
-            };
-            if initial && owned {
-                let t = ent
-                    .metadata()
-                    .and_then(|m| m.modified())
-                    .unwrap_or(std::time::UNIX_EPOCH);
-                own_times.push((t, found.len()));
+                    None => match self.read_header_key(&ent.path()) {
+                        Some(k) => ByteKey::new(&k),
+                        None => continue,
+                    },
+                };
+                if initial && owned {
+                    let t = ent
+                        .metadata()
+                        .and_then(|m| m.modified())
+                        .unwrap_or(std::time::UNIX_EPOCH);
+                    own_times.push((t, found.len()));
+                }
+                found.push((key, format!("{shard_name}/{name}").into_boxed_str(), owned));
             }
-            found.push((key, name.into(), owned));
         }
         own_times.sort();
         let mut st = lock(&self.state);
@@ -632,9 +660,10 @@ impl Shared {
                 ));
             }
             let n = self.tmp_seq.fetch_add(1, Relaxed);
-            let tmp =
-                self.ns_dir
-                    .join(format!(".tmp.{}.{}.{n}", self.host_tag, std::process::id()));
+            let tmp = self
+                .ns_dir
+                .join(name.get(..SHARD_LEN).unwrap_or(""))
+                .join(format!(".tmp.{}.{}.{n}", self.host_tag, std::process::id()));
             io::publish(
                 &tmp,
                 &self.ns_dir.join(name),
@@ -843,6 +872,14 @@ impl FileTier {
                 "disk tier: {} is not a directory",
                 ns_dir.display()
             )));
+        }
+        for i in 0..=255u8 {
+            let d = ns_dir.join(format!("{i:02x}"));
+            match std::fs::create_dir(&d) {
+                Ok(()) => {}
+                Err(e) if e.kind() == std::io::ErrorKind::AlreadyExists => {}
+                Err(e) => return Err(config_err("cannot create", &d, &e)),
+            }
         }
         let host_tag = host_name();
         let probe = ns_dir.join(format!(".tmp.{host_tag}.{}.probe", std::process::id()));

@@ -1,0 +1,428 @@
+//! The disk benchmark (`kvoff bench disk`, `benches/disk.rs`): the tier's write and read GB/s
+//! against a plain sequential `O_DIRECT` write and read of the same bytes on the same filesystem in
+//! the same run, promotion latency per block, CPU time per block, and the scheduler-side cost of a
+//! lookup that hits a file.
+//!
+//! Method: `num_blocks` blocks of random bytes in host memory ([`VecMemory`]); per repetition, in
+//! turn: the tier writes them all (submitted at once, `io_threads` threads, fresh directory, every
+//! write waited for), then promotes them all into a second set of blocks (checked byte for byte
+//! after timing); the baseline writes the same bytes as one file sequentially with `O_DIRECT` (one
+//! thread, requests of `block_bytes` and of 16 MiB; the faster is the reference) and reads it back.
+//! Medians over `reps`. CPU time is the process's user + system time (`/proc/self/stat`, 10 ms
+//! ticks) over the phase, divided by the blocks. Promotion latency: one block at a time, submit →
+//! completion seen by `poll`, idle tier. Lookup cost: a [`TieredManager`] over the files just
+//! written, each key's first `lookup` (host miss, file hit: `prepare_store` + queued read).
+#![forbid(unsafe_code)]
+
+use std::path::{Path, PathBuf};
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use super::tiered::{TieredConfig, TieredManager};
+use super::{AlignedBuf, Completion, DirectIo, FileTier, Layout, TierConfig, VecMemory};
+use crate::error::{KvoffError, Result};
+use crate::key::ByteKey;
+use crate::manager::{LruManager, ManagerConfig, Presence};
+
+/// What to measure.
+#[derive(Clone, Debug)]
+pub struct DiskBenchConfig {
+    /// Directory on the filesystem to measure (a scratch subdirectory is made and removed).
+    pub dir: PathBuf,
+    /// Name of the layout in the report.
+    pub label: String,
+    /// Page sizes of the layout (their sum is the block).
+    pub page_sizes_bytes: Vec<u64>,
+    /// Blocks per repetition.
+    pub num_blocks: usize,
+    /// Repetitions (median reported).
+    pub reps: usize,
+    /// I/O threads of the tier.
+    pub io_threads: usize,
+    /// `O_DIRECT` policy of the tier (the baseline always uses `O_DIRECT` where possible).
+    pub direct_io: DirectIo,
+}
+
+/// One row of results.
+#[derive(Clone, Debug, Default, PartialEq)]
+pub struct DiskBenchRow {
+    /// Layout name.
+    pub label: String,
+    /// Bytes per block.
+    pub block_bytes: u64,
+    /// Blocks per repetition.
+    pub num_blocks: u64,
+    /// I/O threads of the tier.
+    pub io_threads: u64,
+    /// Whether the tier used `O_DIRECT`.
+    pub direct_io: bool,
+    /// Whether the baseline used `O_DIRECT`.
+    pub baseline_direct_io: bool,
+    /// Tier write GB/s (1e9 B/s, payload bytes).
+    pub tier_write_gbps: f64,
+    /// Tier read (promotion) GB/s.
+    pub tier_read_gbps: f64,
+    /// Sequential write GB/s of the same bytes (best request size).
+    pub seq_write_gbps: f64,
+    /// Sequential read GB/s of the same bytes (best request size).
+    pub seq_read_gbps: f64,
+    /// `tier_write_gbps / seq_write_gbps`.
+    pub write_ratio: f64,
+    /// `tier_read_gbps / seq_read_gbps`.
+    pub read_ratio: f64,
+    /// Median latency of one promotion (submit → completion), microseconds.
+    pub promotion_p50_us: f64,
+    /// 90th percentile of the same.
+    pub promotion_p90_us: f64,
+    /// Process CPU time per block written, microseconds.
+    pub write_cpu_us_per_block: f64,
+    /// Process CPU time per block promoted, microseconds.
+    pub read_cpu_us_per_block: f64,
+    /// Process CPU time per block of the sequential baseline (write + read) / 2, microseconds.
+    pub seq_cpu_us_per_block: f64,
+    /// Scheduler-side nanoseconds per key of a lookup that hits a file.
+    pub lookup_hit_ns_per_key: f64,
+}
+
+fn cpu_seconds() -> f64 {
+    // utime and stime are fields 14 and 15 of /proc/self/stat, in clock ticks (USER_HZ = 100).
+    let Ok(s) = std::fs::read_to_string("/proc/self/stat") else {
+        return 0.0;
+    };
+    let Some(after) = s.rsplit_once(')').map(|x| x.1) else {
+        return 0.0;
+    };
+    let f: Vec<&str> = after.split_whitespace().collect();
+    let tick = |i: usize| f.get(i).and_then(|v| v.parse::<u64>().ok()).unwrap_or(0);
+    // After ")": state is field 3, so utime (14) is index 11 and stime (15) index 12.
+    #[allow(clippy::cast_precision_loss)]
+    let t = (tick(11) + tick(12)) as f64 / 100.0;
+    t
+}
+
+fn median(v: &mut [f64]) -> f64 {
+    v.sort_by(f64::total_cmp);
+    v.get(v.len() / 2).copied().unwrap_or(0.0)
+}
+
+fn io_err(what: &str, e: &std::io::Error) -> KvoffError {
+    KvoffError::Config(format!("disk bench: {what}: {e}"))
+}
+
+fn fill_random(mem: &VecMemory, n: usize, bytes: usize, seed: u64) -> Result<()> {
+    let mut x = seed | 1;
+    let mut buf = vec![0u8; bytes];
+    for b in 0..n {
+        for c in buf.chunks_mut(8) {
+            x ^= x << 13;
+            x ^= x >> 7;
+            x ^= x << 17;
+            let w = x.to_le_bytes();
+            c.copy_from_slice(&w[..c.len()]);
+        }
+        mem.set_block(
+            u32::try_from(b).map_err(|_| KvoffError::arg("too many blocks"))?,
+            &buf,
+        )?;
+    }
+    Ok(())
+}
+
+fn key(i: usize) -> ByteKey {
+    let mut k = [0u8; 36];
+    k[..8].copy_from_slice(&(i as u64).to_le_bytes());
+    k[8..16].copy_from_slice(&0x6b76_6f66_6662_656e_u64.to_le_bytes());
+    ByteKey::new(&k)
+}
+
+fn wait_all(t: &FileTier, want: usize) -> usize {
+    let mut seen = 0;
+    let mut ok = 0;
+    while seen < want {
+        let done = t.poll();
+        if done.is_empty() {
+            std::thread::sleep(Duration::from_micros(50));
+        }
+        for c in done {
+            seen += 1;
+            if matches!(
+                c,
+                Completion::Promoted { ok: true, .. } | Completion::Released { .. }
+            ) {
+                ok += 1;
+            }
+        }
+    }
+    ok
+}
+
+/// Sequential baseline: one file, `O_DIRECT` when accepted, requests of `req` bytes. Returns
+/// (write s, read s, direct).
+fn sequential(path: &Path, total: usize, req: usize, src: &AlignedBuf) -> Result<(f64, f64, bool)> {
+    use std::os::unix::fs::{FileExt, OpenOptionsExt};
+    let open = |direct: bool, write: bool| {
+        let mut o = std::fs::OpenOptions::new();
+        if write {
+            o.write(true).create(true).truncate(true);
+        } else {
+            o.read(true);
+        }
+        if direct {
+            o.custom_flags(libc::O_DIRECT);
+        }
+        o.open(path)
+    };
+    let _ = std::fs::remove_file(path);
+    let (f, direct) = match open(true, true) {
+        Ok(f) => (f, true),
+        Err(_) => (
+            open(false, true).map_err(|e| io_err("baseline file", &e))?,
+            false,
+        ),
+    };
+    let data = &src.as_slice()[..req];
+    let t0 = Instant::now();
+    let mut off = 0;
+    while off < total {
+        let n = req.min(total - off);
+        f.write_all_at(&data[..n], off as u64)
+            .map_err(|e| io_err("baseline write", &e))?;
+        off += n;
+    }
+    let w = t0.elapsed().as_secs_f64();
+    drop(f);
+    let f = open(direct, false).map_err(|e| io_err("baseline open", &e))?;
+    let mut dst = AlignedBuf::new(req);
+    let t0 = Instant::now();
+    let mut off = 0;
+    while off < total {
+        let n = req.min(total - off);
+        f.read_exact_at(&mut dst.as_mut_slice()[..n], off as u64)
+            .map_err(|e| io_err("baseline read", &e))?;
+        off += n;
+    }
+    let r = t0.elapsed().as_secs_f64();
+    drop(f);
+    let _ = std::fs::remove_file(path);
+    Ok((w, r, direct))
+}
+
+/// Runs the benchmark for one layout.
+///
+/// # Errors
+/// [`KvoffError::Config`] when the directory cannot be used; [`KvoffError::InvalidState`] when a
+/// write or read failed or a promoted block differs from what was written.
+#[allow(clippy::too_many_lines, clippy::cast_precision_loss)]
+pub fn run(cfg: &DiskBenchConfig) -> Result<DiskBenchRow> {
+    let block: usize = cfg
+        .page_sizes_bytes
+        .iter()
+        .map(|&p| usize::try_from(p).unwrap_or(usize::MAX))
+        .fold(0usize, usize::saturating_add);
+    let n = cfg.num_blocks.max(1);
+    let reps = cfg.reps.max(1);
+    if block == 0 || block > (1 << 30) {
+        return Err(KvoffError::arg("block size must be in 1 B..1 GiB"));
+    }
+    let scratch = cfg
+        .dir
+        .join(format!("kvoff-disk-bench-{}", std::process::id()));
+    std::fs::create_dir_all(&scratch).map_err(|e| io_err("scratch directory", &e))?;
+    let result = run_in(cfg, &scratch, block, n, reps);
+    let _ = std::fs::remove_dir_all(&scratch);
+    result
+}
+
+#[allow(clippy::too_many_lines, clippy::cast_precision_loss)]
+fn run_in(
+    cfg: &DiskBenchConfig,
+    scratch: &Path,
+    block: usize,
+    n: usize,
+    reps: usize,
+) -> Result<DiskBenchRow> {
+    let src = Arc::new(VecMemory::new(n, block));
+    fill_random(&src, n, block, 0x5eed)?;
+    let dst = Arc::new(VecMemory::new(n, block));
+    let layout = Layout {
+        namespace: format!("bench-{}", cfg.label),
+        page_sizes_bytes: cfg.page_sizes_bytes.clone(),
+        block_size_factor: 1,
+        dtype: "bytes".into(),
+        world_size: 1,
+        rank: 0,
+    };
+    let total = n * block;
+    let bytes = total as f64;
+    let mut seq_src = AlignedBuf::new(16 << 20);
+    for (i, b) in seq_src.as_mut_slice().iter_mut().enumerate() {
+        *b = (i as u64).wrapping_mul(0x9E37_79B9_7F4A_7C15).to_le_bytes()[7];
+    }
+    let (mut tw, mut tr, mut sw, mut sr) = (Vec::new(), Vec::new(), Vec::new(), Vec::new());
+    let (mut wcpu, mut rcpu, mut scpu) = (Vec::new(), Vec::new(), Vec::new());
+    let mut direct = false;
+    let mut seq_direct = false;
+    for rep in 0..reps {
+        let dir = scratch.join(format!("rep{rep}"));
+        let mut tc = TierConfig::new(&dir, u64::MAX, layout.clone());
+        tc.io_threads = cfg.io_threads;
+        tc.max_queued_writes = n + 1;
+        tc.direct_io = cfg.direct_io;
+        tc.rescan_interval = None;
+        let src_dyn: Arc<dyn super::BlockMemory> = src.clone();
+        let mut t = FileTier::open(tc, src_dyn)?;
+        direct = t.direct_io();
+        // Write.
+        let c0 = cpu_seconds();
+        let t0 = Instant::now();
+        for i in 0..n {
+            #[allow(clippy::cast_possible_truncation)]
+            if !t.submit_write(&key(i), i as u32) {
+                return Err(KvoffError::state("disk bench: a write was refused"));
+            }
+        }
+        wait_all(&t, n);
+        t.flush();
+        let dt = t0.elapsed().as_secs_f64();
+        wcpu.push((cpu_seconds() - c0) / n as f64 * 1e6);
+        let s = t.stats();
+        if s.files_written != n as u64 {
+            return Err(KvoffError::state(format!(
+                "disk bench: {} of {n} writes failed: {:?}",
+                s.write_errors, s.last_error
+            )));
+        }
+        tw.push(bytes / dt / 1e9);
+        t.shutdown();
+        drop(t);
+        // Read (promote) into the second memory.
+        let mut tc = TierConfig::new(&dir, u64::MAX, layout.clone());
+        tc.io_threads = cfg.io_threads;
+        tc.direct_io = cfg.direct_io;
+        tc.rescan_interval = None;
+        let dst_dyn: Arc<dyn super::BlockMemory> = dst.clone();
+        let t = FileTier::open(tc, dst_dyn)?;
+        let c0 = cpu_seconds();
+        let t0 = Instant::now();
+        for i in 0..n {
+            #[allow(clippy::cast_possible_truncation)]
+            if !t.submit_read(&key(i), i as u32) {
+                return Err(KvoffError::state(
+                    "disk bench: a file was not indexed after restart",
+                ));
+            }
+        }
+        let ok = wait_all(&t, n);
+        let dt = t0.elapsed().as_secs_f64();
+        rcpu.push((cpu_seconds() - c0) / n as f64 * 1e6);
+        if ok != n {
+            return Err(KvoffError::state(format!(
+                "disk bench: {} of {n} promotions failed",
+                n - ok
+            )));
+        }
+        tr.push(bytes / dt / 1e9);
+        for i in 0..n {
+            #[allow(clippy::cast_possible_truncation)]
+            if src.block(i as u32)? != dst.block(i as u32)? {
+                return Err(KvoffError::state(format!(
+                    "disk bench: promoted block {i} differs"
+                )));
+            }
+        }
+        drop(t);
+        let _ = std::fs::remove_dir_all(&dir);
+        // Sequential baseline, two request sizes; the faster is the reference.
+        let c0 = cpu_seconds();
+        let mut best = (f64::MAX, f64::MAX);
+        for req in [block.next_multiple_of(4096).min(16 << 20), 16 << 20] {
+            let (w, r, d) = sequential(
+                &scratch.join("seq.bin"),
+                total.next_multiple_of(4096),
+                req,
+                &seq_src,
+            )?;
+            seq_direct = d;
+            best = (best.0.min(w), best.1.min(r));
+        }
+        scpu.push((cpu_seconds() - c0) / (4 * n) as f64 * 1e6);
+        sw.push(bytes / best.0 / 1e9);
+        sr.push(bytes / best.1 / 1e9);
+    }
+    // Promotion latency, one block at a time, and the lookup cost, over one more set of files.
+    let dir = scratch.join("latency");
+    let mut tc = TierConfig::new(&dir, u64::MAX, layout.clone());
+    tc.io_threads = cfg.io_threads;
+    tc.max_queued_writes = n + 1;
+    tc.direct_io = cfg.direct_io;
+    tc.rescan_interval = None;
+    let src_dyn: Arc<dyn super::BlockMemory> = src.clone();
+    let mut t = FileTier::open(tc.clone(), src_dyn)?;
+    for i in 0..n {
+        #[allow(clippy::cast_possible_truncation)]
+        let _ = t.submit_write(&key(i), i as u32);
+    }
+    wait_all(&t, n);
+    t.flush();
+    t.shutdown();
+    drop(t);
+    let dst_dyn: Arc<dyn super::BlockMemory> = dst.clone();
+    let t = FileTier::open(tc.clone(), dst_dyn)?;
+    let mut lat = Vec::new();
+    for i in 0..n.min(64) {
+        let t0 = Instant::now();
+        #[allow(clippy::cast_possible_truncation)]
+        let _ = t.submit_read(&key(i), i as u32);
+        wait_all(&t, 1);
+        lat.push(t0.elapsed().as_secs_f64() * 1e6);
+    }
+    drop(t);
+    lat.sort_by(f64::total_cmp);
+    let p = |q: f64| {
+        lat.get(((lat.len() as f64 - 1.0) * q) as usize)
+            .copied()
+            .unwrap_or(0.0)
+    };
+    let dst_dyn: Arc<dyn super::BlockMemory> = dst.clone();
+    let tier = FileTier::open(tc, dst_dyn)?;
+    let host = LruManager::new(ManagerConfig::new(n));
+    let mut m = TieredManager::new(host, tier, TieredConfig::default());
+    let keys: Vec<ByteKey> = (0..n).map(key).collect();
+    let t0 = Instant::now();
+    for k in &keys {
+        if m.lookup(k)? != Presence::Pending {
+            return Err(KvoffError::state(
+                "disk bench: a lookup of a file did not answer pending",
+            ));
+        }
+    }
+    let lookup_ns = t0.elapsed().as_secs_f64() * 1e9 / n as f64;
+    m.shutdown();
+    let _ = std::fs::remove_dir_all(&dir);
+    let (tw, tr, sw, sr) = (
+        median(&mut tw),
+        median(&mut tr),
+        median(&mut sw),
+        median(&mut sr),
+    );
+    Ok(DiskBenchRow {
+        label: cfg.label.clone(),
+        block_bytes: block as u64,
+        num_blocks: n as u64,
+        io_threads: cfg.io_threads as u64,
+        direct_io: direct,
+        baseline_direct_io: seq_direct,
+        tier_write_gbps: tw,
+        tier_read_gbps: tr,
+        seq_write_gbps: sw,
+        seq_read_gbps: sr,
+        write_ratio: if sw > 0.0 { tw / sw } else { 0.0 },
+        read_ratio: if sr > 0.0 { tr / sr } else { 0.0 },
+        promotion_p50_us: p(0.5),
+        promotion_p90_us: p(0.9),
+        write_cpu_us_per_block: median(&mut wcpu),
+        read_cpu_us_per_block: median(&mut rcpu),
+        seq_cpu_us_per_block: median(&mut scpu),
+        lookup_hit_ns_per_key: lookup_ns,
+    })
+}
