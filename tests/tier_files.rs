@@ -250,6 +250,11 @@ fn capacity_evicts_own_lru_files() {
         assert_eq!(t.contains(&key(i)), present, "key {i}");
         assert_eq!(t.path_of(&key(i)).exists(), present, "file of key {i}");
     }
+    // 4 and 5 overwrote the evicted files of 2 and 3 in place: their bytes are exact.
+    assert_eq!(files_in(t.dir()).len(), 3);
+    for i in [1, 4, 5] {
+        assert_eq!(read_key(&t, &mem, i), Some(true), "key {i}");
+    }
     // A capacity below one file drops every write.
     let (t2, mem2) = open(&tmpdir("cap0"), flen - 1, 1);
     mem2.set_block(0, &content(1, BLOCK)).unwrap();
@@ -601,5 +606,30 @@ fn buffered_io_roundtrip() {
     write_keys(&t, &mem, &[7, 8]);
     assert_eq!(read_key(&t, &mem, 7), Some(true));
     assert_eq!(read_key(&t, &mem, 8), Some(true));
+    let _ = std::fs::remove_dir_all(&dir);
+}
+
+#[test]
+fn at_capacity_restart_reuse() {
+    let dir = tmpdir("atcap");
+    let flen = kvoff::tier::file_len(BLOCK as u64);
+    let ids: Vec<u64> = (100..108).collect();
+    {
+        let (t, mem) = open(&dir, 8 * flen, 8);
+        write_keys(&t, &mem, &ids);
+    }
+    let ids2: Vec<u64> = (0..8).collect();
+    {
+        let (t, mem) = open(&dir, 8 * flen, 8);
+        assert_eq!(t.stats().own_files, 8);
+        write_keys(&t, &mem, &ids2);
+        let s = t.stats();
+        assert_eq!((s.own_files, s.evicted_files, s.write_errors), (8, 8, 0), "{s:?}");
+    }
+    let (t, mem) = open(&dir, 8 * flen, 1);
+    assert_eq!(files_in(t.dir()).len(), 8);
+    for &i in &ids2 {
+        assert_eq!(read_key(&t, &mem, i), Some(true), "key {i}");
+    }
     let _ = std::fs::remove_dir_all(&dir);
 }

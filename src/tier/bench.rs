@@ -58,7 +58,10 @@ pub struct DiskBenchRow {
     pub direct_io: bool,
     /// Whether the baseline used `O_DIRECT`.
     pub baseline_direct_io: bool,
-    /// Tier write GB/s (1e9 B/s, payload bytes).
+    /// Tier write GB/s into an empty directory (new files).
+    pub fill_write_gbps: f64,
+    /// Tier write GB/s at capacity (each write evicts an own file and overwrites it; 1e9 B/s,
+    /// payload bytes).
     pub tier_write_gbps: f64,
     /// Tier read (promotion) GB/s.
     pub tier_read_gbps: f64,
@@ -163,7 +166,7 @@ fn sequential(path: &Path, total: usize, req: usize, src: &AlignedBuf) -> Result
     let open = |direct: bool, write: bool| {
         let mut o = std::fs::OpenOptions::new();
         if write {
-            o.write(true).create(true).truncate(true);
+            o.write(true).create(true).truncate(false);
         } else {
             o.read(true);
         }
@@ -172,23 +175,28 @@ fn sequential(path: &Path, total: usize, req: usize, src: &AlignedBuf) -> Result
         }
         o.open(path)
     };
-    let _ = std::fs::remove_file(path);
+    // The file is written once untimed (allocation), then overwritten in place (timed): the same
+    // situation as the tier's writes at capacity, which overwrite evicted files.
     let (f, direct) = match open(true, true) {
         Ok(f) => (f, true),
-        Err(_) => (
-            open(false, true).map_err(|e| io_err("baseline file", &e))?,
-            false,
-        ),
+        Err(_) => (open(false, true).map_err(|e| io_err("baseline file", &e))?, false),
     };
     let data = &src.as_slice()[..req];
-    let t0 = Instant::now();
-    let mut off = 0;
-    while off < total {
-        let n = req.min(total - off);
-        f.write_all_at(&data[..n], off as u64)
-            .map_err(|e| io_err("baseline write", &e))?;
-        off += n;
+    let write_pass = || -> Result<()> {
+        let mut off = 0;
+        while off < total {
+            let n = req.min(total - off);
+            f.write_all_at(&data[..n], off as u64)
+                .map_err(|e| io_err("baseline write", &e))?;
+            off += n;
+        }
+        Ok(())
+    };
+    if std::fs::metadata(path).map(|m| m.len()).unwrap_or(0) < total as u64 {
+        write_pass()?;
     }
+    let t0 = Instant::now();
+    write_pass()?;
     let w = t0.elapsed().as_secs_f64();
     drop(f);
     let f = open(direct, false).map_err(|e| io_err("baseline open", &e))?;
@@ -203,7 +211,6 @@ fn sequential(path: &Path, total: usize, req: usize, src: &AlignedBuf) -> Result
     }
     let r = t0.elapsed().as_secs_f64();
     drop(f);
-    let _ = std::fs::remove_file(path);
     Ok((w, r, direct))
 }
 
@@ -260,56 +267,70 @@ fn run_in(
     }
     let (mut tw, mut tr, mut sw, mut sr) = (Vec::new(), Vec::new(), Vec::new(), Vec::new());
     let (mut wcpu, mut rcpu, mut scpu) = (Vec::new(), Vec::new(), Vec::new());
-    let mut direct = false;
+    let direct;
     let mut seq_direct = false;
-    for rep in 0..reps {
-        let dir = scratch.join(format!("rep{rep}"));
-        let mut tc = TierConfig::new(&dir, u64::MAX, layout.clone());
+    // The tier runs at its capacity (n files), as a long-running engine's does: every timed write
+    // evicts an own file and overwrites it. The first fill (new files) is timed separately.
+    let dir = scratch.join("tier");
+    let flen = super::file_len(block as u64);
+    let tier_cfg = |mem: Arc<dyn super::BlockMemory>| {
+        let mut tc = TierConfig::new(&dir, flen * n as u64, layout.clone());
         tc.io_threads = cfg.io_threads;
         tc.max_queued_writes = n + 1;
         tc.direct_io = cfg.direct_io;
         tc.rescan_interval = None;
-        let src_dyn: Arc<dyn super::BlockMemory> = src.clone();
-        let mut t = FileTier::open(tc, src_dyn)?;
-        direct = t.direct_io();
-        // Write.
-        let c0 = cpu_seconds();
+        FileTier::open(tc, mem)
+    };
+    let write_all = |t: &FileTier, base: usize| -> Result<f64> {
         let t0 = Instant::now();
         for i in 0..n {
             #[allow(clippy::cast_possible_truncation)]
-            if !t.submit_write(&key(i), i as u32) {
+            if !t.submit_write(&key(base + i), i as u32) {
                 return Err(KvoffError::state("disk bench: a write was refused"));
             }
         }
-        wait_all(&t, n);
+        wait_all(t, n);
         t.flush();
         let dt = t0.elapsed().as_secs_f64();
-        wcpu.push((cpu_seconds() - c0) / n as f64 * 1e6);
         let s = t.stats();
-        if s.files_written != n as u64 {
+        if s.write_errors > 0 || s.writes_dropped > 0 {
             return Err(KvoffError::state(format!(
-                "disk bench: {} of {n} writes failed: {:?}",
-                s.write_errors, s.last_error
+                "disk bench: {} writes failed, {} dropped: {:?}",
+                s.write_errors, s.writes_dropped, s.last_error
             )));
         }
-        tw.push(bytes / dt / 1e9);
+        Ok(bytes / dt / 1e9)
+    };
+    let fill_write_gbps = {
+        let mut t = tier_cfg(src.clone())?;
+        direct = t.direct_io();
+        let g = write_all(&t, 1 << 40)?;
+        t.shutdown();
+        g
+    };
+    for rep in 0..reps {
+        let mut t = tier_cfg(src.clone())?;
+        // Write.
+        let c0 = cpu_seconds();
+        tw.push(write_all(&t, rep * n)?);
+        wcpu.push((cpu_seconds() - c0) / n as f64 * 1e6);
+        if t.stats().own_files != n as u64 {
+            return Err(KvoffError::state(
+                "disk bench: the tier is not at its capacity",
+            ));
+        }
         t.shutdown();
         drop(t);
         // Read (promote) into the second memory.
-        let mut tc = TierConfig::new(&dir, u64::MAX, layout.clone());
-        tc.io_threads = cfg.io_threads;
-        tc.direct_io = cfg.direct_io;
-        tc.rescan_interval = None;
-        let dst_dyn: Arc<dyn super::BlockMemory> = dst.clone();
-        let t = FileTier::open(tc, dst_dyn)?;
+        let t = tier_cfg(dst.clone())?;
         let c0 = cpu_seconds();
         let t0 = Instant::now();
         for i in 0..n {
             #[allow(clippy::cast_possible_truncation)]
-            if !t.submit_read(&key(i), i as u32) {
-                return Err(KvoffError::state(
-                    "disk bench: a file was not indexed after restart",
-                ));
+            if !t.submit_read(&key(rep * n + i), i as u32) {
+                return Err(KvoffError::state(format!(
+                    "disk bench: the file of block {i} was not indexed after restart"
+                )));
             }
         }
         let ok = wait_all(&t, n);
@@ -331,7 +352,6 @@ fn run_in(
             }
         }
         drop(t);
-        let _ = std::fs::remove_dir_all(&dir);
         // Sequential baseline, two request sizes; the faster is the reference.
         let c0 = cpu_seconds();
         let mut best = (f64::MAX, f64::MAX);
@@ -412,6 +432,7 @@ fn run_in(
         io_threads: cfg.io_threads as u64,
         direct_io: direct,
         baseline_direct_io: seq_direct,
+        fill_write_gbps,
         tier_write_gbps: tw,
         tier_read_gbps: tr,
         seq_write_gbps: sw,

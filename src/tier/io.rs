@@ -97,9 +97,11 @@ pub fn read_full(f: &File, buf: &mut [u8]) -> io::Result<()> {
     f.read_exact_at(buf, 0)
 }
 
-/// Writes `data` (a whole file image) to a new file `tmp`, optionally `fsync`s it, and renames it
-/// to `dst`. On any failure the temporary file is removed. With `direct`, `data` must be 4 KiB
-/// aligned and a multiple of 4 KiB long.
+/// Writes `data` (a whole file image) under the temporary name `tmp`, optionally `fsync`s it, and
+/// renames it to `dst`. With `reuse`, an existing file (an evicted one of the same length) is first
+/// renamed to `tmp` and overwritten in place, which spares the filesystem an inode and block
+/// allocation per file; if that rename fails a new file is created. On any failure the temporary
+/// file is removed. With `direct`, `data` must be 4 KiB aligned and a multiple of 4 KiB long.
 ///
 /// # Errors
 /// The OS error of the step that failed.
@@ -107,12 +109,26 @@ pub fn publish(
     tmp: &Path,
     dst: &Path,
     data: &[u8],
+    reuse: Option<&Path>,
     direct: bool,
     fsync: bool,
     mode: u32,
 ) -> io::Result<()> {
     let r = (|| {
-        let f = open_new(tmp, direct, mode)?;
+        let reused = reuse.is_some_and(|old| std::fs::rename(old, tmp).is_ok());
+        let f = if reused {
+            let mut o = OpenOptions::new();
+            let base = libc::O_NOFOLLOW | libc::O_CLOEXEC;
+            o.write(true)
+                .custom_flags(if direct { base | libc::O_DIRECT } else { base });
+            let f = o.open(tmp)?;
+            if f.metadata()?.len() != data.len() as u64 {
+                f.set_len(data.len() as u64)?;
+            }
+            f
+        } else {
+            open_new(tmp, direct, mode)?
+        };
         f.write_all_at(data, 0)?;
         if fsync {
             f.sync_data()?;

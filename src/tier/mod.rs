@@ -332,6 +332,8 @@ enum Job {
         key: ByteKey,
         block: BlockId,
         name: Box<str>,
+        /// An evicted own file to overwrite instead of creating a new one.
+        reuse: Option<Box<str>>,
     },
     Read {
         key: ByteKey,
@@ -635,7 +637,14 @@ impl Shared {
         (h.fingerprint == self.fingerprint && h.rank == self.rank).then_some(h.key)
     }
 
-    fn run_write(&self, key: &ByteKey, block: BlockId, name: &str, buf: &mut AlignedBuf) {
+    fn run_write(
+        &self,
+        key: &ByteKey,
+        block: BlockId,
+        name: &str,
+        reuse: Option<&str>,
+        buf: &mut AlignedBuf,
+    ) {
         let t0 = Instant::now();
         let flen = usize::try_from(self.file_len).unwrap_or(usize::MAX);
         let copied = {
@@ -668,6 +677,7 @@ impl Shared {
                 &tmp,
                 &self.ns_dir.join(name),
                 &b[..flen],
+                reuse.map(|r| self.ns_dir.join(r)).as_deref(),
                 self.direct,
                 self.fsync,
                 self.file_mode,
@@ -684,8 +694,10 @@ impl Shared {
                     .bytes_written
                     .fetch_add(self.payload_len as u64, Relaxed);
                 self.counters.write_ns.fetch_add(ns, Relaxed);
-                if let Some(e) = st.index.get_mut(key) {
-                    e.state = FileState::Published;
+                match st.index.get_mut(key) {
+                    Some(e) if e.state == FileState::Writing => e.state = FileState::Published,
+                    // Forgotten meanwhile (reset of the index): do not leave an unaccounted file.
+                    _ => st.unlinks.push_back(Job::Unlink { name: name.into() }),
                 }
             }
             Err(msg) => {
@@ -825,9 +837,12 @@ impl Shared {
                 Some(Job::Unlink { name }) => {
                     let _ = std::fs::remove_file(self.ns_dir.join(&*name));
                 }
-                Some(Job::Write { key, block, name }) => {
-                    self.run_write(&key, block, &name, &mut buf)
-                }
+                Some(Job::Write {
+                    key,
+                    block,
+                    name,
+                    reuse,
+                }) => self.run_write(&key, block, &name, reuse.as_deref(), &mut buf),
                 Some(Job::Read { key, block, name }) => self.run_read(&key, block, &name, &mut buf),
             }
         }
@@ -928,9 +943,10 @@ impl FileTier {
         {
             let mut st = lock(&shared.state);
             while st.own_bytes > shared.capacity_bytes {
-                if !Self::evict_one(&shared, &mut st) {
+                let Some(name) = Self::evict_one(&shared, &mut st) else {
                     break;
-                }
+                };
+                st.unlinks.push_back(Job::Unlink { name });
             }
         }
         let mut threads = Vec::with_capacity(cfg.io_threads);
@@ -999,19 +1015,24 @@ impl FileTier {
         lock(&self.shared.state).index.contains_key(key)
     }
 
-    fn evict_one(shared: &Shared, st: &mut State) -> bool {
-        let Some((&stamp, _)) = st.own_lru.iter().next() else {
-            return false;
-        };
-        let Some(key) = st.own_lru.remove(&stamp) else {
-            return false;
-        };
-        if let Some(e) = st.index.remove(&key) {
-            st.unlinks.push_back(Job::Unlink { name: e.name });
-        }
+    /// Drops the least-recently-used own file from the index and the byte count; returns its name
+    /// (the caller removes or reuses the file).
+    fn evict_one(shared: &Shared, st: &mut State) -> Option<Box<str>> {
+        // Files still being written are skipped (they are the most recent anyway).
+        let index = &st.index;
+        let stamp = st
+            .own_lru
+            .iter()
+            .find(|(_, k)| {
+                index
+                    .get(*k)
+                    .is_some_and(|e| e.state == FileState::Published)
+            })
+            .map(|(s, _)| *s)?;
+        let key = st.own_lru.remove(&stamp)?;
         st.own_bytes = st.own_bytes.saturating_sub(shared.file_len);
         shared.counters.evicted_files.fetch_add(1, Relaxed);
-        true
+        st.index.remove(&key).map(|e| e.name)
     }
 
     /// Queues a write of host block `block` as `key`'s file. Returns `false` (queuing nothing) when
@@ -1033,11 +1054,20 @@ impl FileTier {
             sh.counters.writes_dropped.fetch_add(1, Relaxed);
             return false;
         }
+        // Make room by evicting own LRU files; the last victim's file is overwritten by this write.
+        let mut reuse = None;
         while st.own_bytes + sh.file_len > sh.capacity_bytes {
-            if !Self::evict_one(sh, &mut st) {
+            let Some(name) = Self::evict_one(sh, &mut st) else {
                 // Only files being written are left: they cannot be removed yet.
                 sh.counters.writes_dropped.fetch_add(1, Relaxed);
+                if let Some(name) = reuse.take() {
+                    st.unlinks.push_back(Job::Unlink { name });
+                }
+                sh.cv.notify_one();
                 return false;
+            };
+            if let Some(prev) = reuse.replace(name) {
+                st.unlinks.push_back(Job::Unlink { name: prev });
             }
         }
         st.stamp += 1;
@@ -1057,6 +1087,7 @@ impl FileTier {
             key: key.clone(),
             block,
             name,
+            reuse,
         });
         drop(st);
         sh.cv.notify_one();
