@@ -624,7 +624,11 @@ fn at_capacity_restart_reuse() {
         assert_eq!(t.stats().own_files, 8);
         write_keys(&t, &mem, &ids2);
         let s = t.stats();
-        assert_eq!((s.own_files, s.evicted_files, s.write_errors), (8, 8, 0), "{s:?}");
+        assert_eq!(
+            (s.own_files, s.evicted_files, s.write_errors),
+            (8, 8, 0),
+            "{s:?}"
+        );
     }
     let (t, mem) = open(&dir, 8 * flen, 1);
     assert_eq!(files_in(t.dir()).len(), 8);

@@ -179,7 +179,10 @@ fn sequential(path: &Path, total: usize, req: usize, src: &AlignedBuf) -> Result
     // situation as the tier's writes at capacity, which overwrite evicted files.
     let (f, direct) = match open(true, true) {
         Ok(f) => (f, true),
-        Err(_) => (open(false, true).map_err(|e| io_err("baseline file", &e))?, false),
+        Err(_) => (
+            open(false, true).map_err(|e| io_err("baseline file", &e))?,
+            false,
+        ),
     };
     let data = &src.as_slice()[..req];
     let write_pass = || -> Result<()> {
