@@ -2,8 +2,8 @@
 //! and read of the same bytes on the same filesystem in the same run, promotion latency, CPU time
 //! per block, and the scheduler-side cost of a lookup that hits a file. See `kvoff::tier::bench`.
 //!
-//! `cargo bench --bench disk -- [DIR] [BLOCKS] [REPS] [IO_THREADS]` (defaults: `$TMPDIR` or /tmp,
-//! 256 blocks, 5 repetitions, 4 threads).
+//! `cargo bench --bench disk -- [DIR] [BLOCKS] [REPS] [IO_THREADS] [LAYOUT]` (defaults: `$TMPDIR` or
+//! /tmp, 256 blocks, 5 repetitions, 16 threads, every layout).
 
 use kvoff::tier::bench::{run, DiskBenchConfig};
 use kvoff::tier::DirectIo;
@@ -19,7 +19,8 @@ fn main() {
         .unwrap_or_else(|| std::env::temp_dir().display().to_string());
     let blocks: usize = args.get(1).and_then(|s| s.parse().ok()).unwrap_or(256);
     let reps: usize = args.get(2).and_then(|s| s.parse().ok()).unwrap_or(5);
-    let threads: usize = args.get(3).and_then(|s| s.parse().ok()).unwrap_or(4);
+    let threads: usize = args.get(3).and_then(|s| s.parse().ok()).unwrap_or(16);
+    let only: Option<&str> = args.get(4).map(String::as_str);
     println!("disk tier on {dir}: {blocks} blocks per repetition, {reps} repetitions, {threads} I/O threads");
     println!(
         "{:<16} {:>9} {:>6} {:>9} {:>9} {:>9} {:>9} {:>9} {:>6} {:>6} {:>9} {:>9} {:>8} {:>8} {:>8} {:>8}",
@@ -32,6 +33,9 @@ fn main() {
         ("64x4KiB", vec![4 << 10; 64]),
     ];
     for (label, pages) in layouts {
+        if only.is_some_and(|o| o != label) {
+            continue;
+        }
         let nb = if label == "64x4KiB" {
             blocks * 8
         } else {

@@ -6,9 +6,11 @@
 //! Method: `num_blocks` blocks of random bytes in host memory ([`VecMemory`]); per repetition, in
 //! turn: the tier writes them all (submitted at once, `io_threads` threads, fresh directory, every
 //! write waited for), then promotes them all into a second set of blocks (checked byte for byte
-//! after timing); the baseline writes the same bytes as one file sequentially with `O_DIRECT` (one
-//! thread, requests of `block_bytes` and of 16 MiB; the faster is the reference) and reads it back.
-//! Medians over `reps`. CPU time is the process's user + system time (`/proc/self/stat`, 10 ms
+//! after timing); right before each tier pass, the baseline writes (overwrites) or reads the same
+//! bytes as one file sequentially with `O_DIRECT` (one thread, requests of `block_bytes` and of
+//! 16 MiB; the faster is the reference). The tier runs at its capacity, so its timed writes
+//! overwrite evicted files as the baseline overwrites its file; the first fill of the empty tier
+//! (new files) is reported separately. Ratios are taken per repetition; medians over `reps`. CPU time is the process's user + system time (`/proc/self/stat`, 10 ms
 //! ticks) over the phase, divided by the blocks. Promotion latency: one block at a time, submit →
 //! completion seen by `poll`, idle tier. Lookup cost: a [`TieredManager`] over the files just
 //! written, each key's first `lookup` (host miss, file hit: `prepare_store` + queued read).
@@ -69,9 +71,9 @@ pub struct DiskBenchRow {
     pub seq_write_gbps: f64,
     /// Sequential read GB/s of the same bytes (best request size).
     pub seq_read_gbps: f64,
-    /// `tier_write_gbps / seq_write_gbps`.
+    /// Median over the repetitions of tier write / sequential write GB/s (same repetition).
     pub write_ratio: f64,
-    /// `tier_read_gbps / seq_read_gbps`.
+    /// Median over the repetitions of tier read / sequential read GB/s (same repetition).
     pub read_ratio: f64,
     /// Median latency of one promotion (submit → completion), microseconds.
     pub promotion_p50_us: f64,
@@ -138,13 +140,13 @@ fn key(i: usize) -> ByteKey {
     ByteKey::new(&k)
 }
 
-fn wait_all(t: &FileTier, want: usize) -> usize {
+fn wait_all(t: &FileTier, want: usize, nap: Duration) -> usize {
     let mut seen = 0;
     let mut ok = 0;
     while seen < want {
         let done = t.poll();
         if done.is_empty() {
-            std::thread::sleep(Duration::from_micros(50));
+            std::thread::sleep(nap);
         }
         for c in done {
             seen += 1;
@@ -159,11 +161,19 @@ fn wait_all(t: &FileTier, want: usize) -> usize {
     ok
 }
 
-/// Sequential baseline: one file, `O_DIRECT` when accepted, requests of `req` bytes. Returns
-/// (write s, read s, direct).
-fn sequential(path: &Path, total: usize, req: usize, src: &AlignedBuf) -> Result<(f64, f64, bool)> {
+/// Sequential baseline: one file, `O_DIRECT` when accepted, requests of `req` bytes, one thread.
+/// `write`: the file is written once untimed if it is new (allocation), then overwritten in place
+/// (timed), the same situation as the tier's writes at capacity, which overwrite evicted files.
+/// Otherwise the file is read (timed). Returns (seconds, direct).
+fn sequential(
+    path: &Path,
+    total: usize,
+    req: usize,
+    src: &AlignedBuf,
+    write: bool,
+) -> Result<(f64, bool)> {
     use std::os::unix::fs::{FileExt, OpenOptionsExt};
-    let open = |direct: bool, write: bool| {
+    let open = |direct: bool| {
         let mut o = std::fs::OpenOptions::new();
         if write {
             o.write(true).create(true).truncate(false);
@@ -175,34 +185,29 @@ fn sequential(path: &Path, total: usize, req: usize, src: &AlignedBuf) -> Result
         }
         o.open(path)
     };
-    // The file is written once untimed (allocation), then overwritten in place (timed): the same
-    // situation as the tier's writes at capacity, which overwrite evicted files.
-    let (f, direct) = match open(true, true) {
+    let (f, direct) = match open(true) {
         Ok(f) => (f, true),
-        Err(_) => (
-            open(false, true).map_err(|e| io_err("baseline file", &e))?,
-            false,
-        ),
+        Err(_) => (open(false).map_err(|e| io_err("baseline file", &e))?, false),
     };
-    let data = &src.as_slice()[..req];
-    let write_pass = || -> Result<()> {
-        let mut off = 0;
-        while off < total {
-            let n = req.min(total - off);
-            f.write_all_at(&data[..n], off as u64)
-                .map_err(|e| io_err("baseline write", &e))?;
-            off += n;
+    if write {
+        let data = &src.as_slice()[..req];
+        let write_pass = || -> Result<()> {
+            let mut off = 0;
+            while off < total {
+                let n = req.min(total - off);
+                f.write_all_at(&data[..n], off as u64)
+                    .map_err(|e| io_err("baseline write", &e))?;
+                off += n;
+            }
+            Ok(())
+        };
+        if f.metadata().map(|m| m.len()).unwrap_or(0) < total as u64 {
+            write_pass()?;
         }
-        Ok(())
-    };
-    if std::fs::metadata(path).map(|m| m.len()).unwrap_or(0) < total as u64 {
+        let t0 = Instant::now();
         write_pass()?;
+        return Ok((t0.elapsed().as_secs_f64(), direct));
     }
-    let t0 = Instant::now();
-    write_pass()?;
-    let w = t0.elapsed().as_secs_f64();
-    drop(f);
-    let f = open(direct, false).map_err(|e| io_err("baseline open", &e))?;
     let mut dst = AlignedBuf::new(req);
     let t0 = Instant::now();
     let mut off = 0;
@@ -212,9 +217,7 @@ fn sequential(path: &Path, total: usize, req: usize, src: &AlignedBuf) -> Result
             .map_err(|e| io_err("baseline read", &e))?;
         off += n;
     }
-    let r = t0.elapsed().as_secs_f64();
-    drop(f);
-    Ok((w, r, direct))
+    Ok((t0.elapsed().as_secs_f64(), direct))
 }
 
 /// Runs the benchmark for one layout.
@@ -292,7 +295,7 @@ fn run_in(
                 return Err(KvoffError::state("disk bench: a write was refused"));
             }
         }
-        wait_all(t, n);
+        wait_all(t, n, Duration::from_micros(500));
         t.flush();
         let dt = t0.elapsed().as_secs_f64();
         let s = t.stats();
@@ -311,7 +314,25 @@ fn run_in(
         t.shutdown();
         g
     };
+    let seq_path = scratch.join("seq.bin");
+    let seq_total = total.next_multiple_of(4096);
+    let seq_reqs = [block.next_multiple_of(4096).min(16 << 20), 16 << 20];
+    // Sequential baseline, two request sizes; the faster is the reference. Measured next to the
+    // tier's pass of the same direction in every repetition; the ratio is taken per repetition.
+    let mut seq = |write: bool, cpu: &mut Vec<f64>| -> Result<f64> {
+        let c0 = cpu_seconds();
+        let mut best = f64::MAX;
+        for req in seq_reqs {
+            let (t, d) = sequential(&seq_path, seq_total, req, &seq_src, write)?;
+            seq_direct = d;
+            best = best.min(t);
+        }
+        cpu.push((cpu_seconds() - c0) / (2 * n) as f64 * 1e6);
+        Ok(bytes / best / 1e9)
+    };
+    let (mut wr, mut rr) = (Vec::new(), Vec::new());
     for rep in 0..reps {
+        sw.push(seq(true, &mut scpu)?);
         let mut t = tier_cfg(src.clone())?;
         // Write.
         let c0 = cpu_seconds();
@@ -325,6 +346,7 @@ fn run_in(
         t.shutdown();
         drop(t);
         // Read (promote) into the second memory.
+        sr.push(seq(false, &mut scpu)?);
         let t = tier_cfg(dst.clone())?;
         let c0 = cpu_seconds();
         let t0 = Instant::now();
@@ -336,7 +358,7 @@ fn run_in(
                 )));
             }
         }
-        let ok = wait_all(&t, n);
+        let ok = wait_all(&t, n, Duration::from_micros(500));
         let dt = t0.elapsed().as_secs_f64();
         rcpu.push((cpu_seconds() - c0) / n as f64 * 1e6);
         if ok != n {
@@ -355,22 +377,8 @@ fn run_in(
             }
         }
         drop(t);
-        // Sequential baseline, two request sizes; the faster is the reference.
-        let c0 = cpu_seconds();
-        let mut best = (f64::MAX, f64::MAX);
-        for req in [block.next_multiple_of(4096).min(16 << 20), 16 << 20] {
-            let (w, r, d) = sequential(
-                &scratch.join("seq.bin"),
-                total.next_multiple_of(4096),
-                req,
-                &seq_src,
-            )?;
-            seq_direct = d;
-            best = (best.0.min(w), best.1.min(r));
-        }
-        scpu.push((cpu_seconds() - c0) / (4 * n) as f64 * 1e6);
-        sw.push(bytes / best.0 / 1e9);
-        sr.push(bytes / best.1 / 1e9);
+        wr.push(tw[rep] / sw[rep]);
+        rr.push(tr[rep] / sr[rep]);
     }
     // Promotion latency, one block at a time, and the lookup cost, over one more set of files.
     let dir = scratch.join("latency");
@@ -385,7 +393,7 @@ fn run_in(
         #[allow(clippy::cast_possible_truncation)]
         let _ = t.submit_write(&key(i), i as u32);
     }
-    wait_all(&t, n);
+    wait_all(&t, n, Duration::from_micros(500));
     t.flush();
     t.shutdown();
     drop(t);
@@ -396,7 +404,7 @@ fn run_in(
         let t0 = Instant::now();
         #[allow(clippy::cast_possible_truncation)]
         let _ = t.submit_read(&key(i), i as u32);
-        wait_all(&t, 1);
+        wait_all(&t, 1, Duration::from_micros(20));
         lat.push(t0.elapsed().as_secs_f64() * 1e6);
     }
     drop(t);
@@ -440,8 +448,8 @@ fn run_in(
         tier_read_gbps: tr,
         seq_write_gbps: sw,
         seq_read_gbps: sr,
-        write_ratio: if sw > 0.0 { tw / sw } else { 0.0 },
-        read_ratio: if sr > 0.0 { tr / sr } else { 0.0 },
+        write_ratio: median(&mut wr),
+        read_ratio: median(&mut rr),
         promotion_p50_us: p(0.5),
         promotion_p90_us: p(0.9),
         write_cpu_us_per_block: median(&mut wcpu),

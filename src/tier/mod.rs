@@ -789,8 +789,7 @@ impl Shared {
         }
     }
 
-    fn worker(self: &Arc<Self>) {
-        let mut buf = AlignedBuf::new(usize::try_from(self.file_len).unwrap_or(0));
+    fn worker(self: &Arc<Self>, mut buf: AlignedBuf) {
         loop {
             let mut st = lock(&self.state);
             let job = loop {
@@ -952,9 +951,11 @@ impl FileTier {
         let mut threads = Vec::with_capacity(cfg.io_threads);
         for i in 0..cfg.io_threads {
             let s = Arc::clone(&shared);
+            // Allocated (and its pages touched) here, so that the first writes do not pay for it.
+            let buf = AlignedBuf::new(usize::try_from(shared.file_len).unwrap_or(0));
             let t = std::thread::Builder::new()
                 .name(format!("kvoff-disk-{i}"))
-                .spawn(move || s.worker());
+                .spawn(move || s.worker(buf));
             match t {
                 Ok(t) => threads.push(t),
                 Err(e) => {
