@@ -3,7 +3,7 @@
 //! per block, and the scheduler-side cost of a lookup that hits a file. See `kvoff::tier::bench`.
 //!
 //! `cargo bench --bench disk -- [DIR] [BLOCKS] [REPS] [IO_THREADS] [LAYOUT]` (defaults: `$TMPDIR` or
-//! /tmp, 256 blocks, 5 repetitions, 16 threads, every layout).
+//! /tmp, 256 blocks, 5 repetitions, 8 threads, every layout).
 
 use kvoff::tier::bench::{run, DiskBenchConfig};
 use kvoff::tier::DirectIo;
@@ -19,7 +19,7 @@ fn main() {
         .unwrap_or_else(|| std::env::temp_dir().display().to_string());
     let blocks: usize = args.get(1).and_then(|s| s.parse().ok()).unwrap_or(256);
     let reps: usize = args.get(2).and_then(|s| s.parse().ok()).unwrap_or(5);
-    let threads: usize = args.get(3).and_then(|s| s.parse().ok()).unwrap_or(16);
+    let threads: usize = args.get(3).and_then(|s| s.parse().ok()).unwrap_or(8);
     let only: Option<&str> = args.get(4).map(String::as_str);
     println!("disk tier on {dir}: {blocks} blocks per repetition, {reps} repetitions, {threads} I/O threads");
     println!(

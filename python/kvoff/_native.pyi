@@ -250,7 +250,7 @@ class TieredManagerCore:
         store_threshold: int = 0,
         max_tracker_size: int = 64000,
         disk_store_threshold: int = 0,
-        io_threads: int = 4,
+        io_threads: int = 8,
         max_queued_writes: int = 256,
         fsync: bool = False,
         direct_io: str = "auto",
@@ -287,6 +287,6 @@ def bench_disk(
     page_sizes: list[int],
     num_blocks: int = 256,
     reps: int = 5,
-    io_threads: int = 16,
+    io_threads: int = 8,
     direct_io: str = "auto",
 ) -> dict[str, Any]: ...

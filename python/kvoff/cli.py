@@ -155,7 +155,7 @@ def main(argv: list[str] | None = None) -> int:
     k.add_argument("--dir", default=None, help="a directory on the filesystem to measure (default: $TMPDIR)")
     k.add_argument("--blocks", type=int, default=256, help="2 MiB blocks per repetition (default 256)")
     k.add_argument("--reps", type=int, default=5, help="repetitions (median reported)")
-    k.add_argument("--io-threads", dest="io_threads", type=int, default=16)
+    k.add_argument("--io-threads", dest="io_threads", type=int, default=8)
     k.add_argument("--direct-io", dest="direct_io", choices=["auto", "on", "off"], default="auto")
     k.add_argument("--json", action="store_true", help="print rows as JSON")
     k.set_defaults(func=_bench_disk)

@@ -105,7 +105,7 @@ class TieredOffloadingManager:
         store_threshold: int = 0,
         max_tracker_size: int = 64000,
         disk_store_threshold: int = 0,
-        io_threads: int = 4,
+        io_threads: int = 8,
         max_queued_writes: int = 256,
         fsync: bool = False,
         direct_io: str = "auto",
@@ -261,7 +261,7 @@ DISK_LAYOUTS: list[tuple[str, list[int]]] = [
 
 
 def bench_disk_rows(
-    dir: str, num_blocks: int = 256, reps: int = 5, io_threads: int = 16, direct_io: str = "auto"
+    dir: str, num_blocks: int = 256, reps: int = 5, io_threads: int = 8, direct_io: str = "auto"
 ) -> list[dict[str, Any]]:
     """Runs :func:`bench_disk` for every layout of :data:`DISK_LAYOUTS` (the 4 KiB-page layout with
     8× as many blocks, so that every layout moves the same bytes)."""

@@ -199,7 +199,7 @@ impl PyTieredCore {
         block_bytes, memory_owner, *, namespace = String::new(), page_sizes = Vec::new(),
         block_size_factor = 1, dtype = String::new(), world_size = 1, rank = 0, block_size = 0,
         enable_events = false, store_threshold = 0, max_tracker_size = 64000, disk_store_threshold = 0,
-        io_threads = 4, max_queued_writes = 256, fsync = false, direct_io = "auto",
+        io_threads = 8, max_queued_writes = 256, fsync = false, direct_io = "auto",
         rescan_interval_s = Some(2.0), owner = None, max_promotions = 256
     ))]
     #[allow(clippy::too_many_arguments, clippy::fn_params_excessive_bools)]
@@ -480,7 +480,7 @@ impl PyTieredCore {
 
 /// Runs the disk benchmark for one layout (GIL released) and returns its row as a dict.
 #[pyfunction]
-#[pyo3(signature = (dir, label, page_sizes, num_blocks = 256, reps = 5, io_threads = 16, direct_io = "auto"))]
+#[pyo3(signature = (dir, label, page_sizes, num_blocks = 256, reps = 5, io_threads = 8, direct_io = "auto"))]
 #[allow(clippy::too_many_arguments)]
 fn bench_disk<'py>(
     py: Python<'py>,

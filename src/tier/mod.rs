@@ -232,7 +232,7 @@ pub struct TierConfig {
 }
 
 impl TierConfig {
-    /// Defaults: 4 I/O threads, 256 queued writes, no fsync, `O_DIRECT` where possible, rescan every
+    /// Defaults: 8 I/O threads, 256 queued writes, no fsync, `O_DIRECT` where possible, rescan every
     /// 2 s, files 0600.
     #[must_use]
     pub fn new(dir: impl Into<PathBuf>, capacity_bytes: u64, layout: Layout) -> Self {
@@ -240,7 +240,7 @@ impl TierConfig {
             dir: dir.into(),
             capacity_bytes,
             layout,
-            io_threads: 4,
+            io_threads: 8,
             max_queued_writes: 256,
             fsync: false,
             direct_io: DirectIo::Auto,
