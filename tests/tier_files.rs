@@ -637,3 +637,54 @@ fn at_capacity_restart_reuse() {
     }
     let _ = std::fs::remove_dir_all(&dir);
 }
+
+/// Promotions read straight into 4 KiB-aligned host rows (the `HostRegion` case) and check the
+/// bytes there; corrupt and short files are still rejected.
+#[test]
+fn direct_reads_into_aligned_rows() {
+    use kvoff::tier::{AlignedRows, BlockMemory};
+    const B: usize = 64 * 1024;
+    let dir = tmpdir("direct");
+    let mut c = TierConfig::new(&dir, 1 << 30, layout(0));
+    c.rescan_interval = None;
+    let src = Arc::new(AlignedRows::new(4, B).unwrap());
+    let t = FileTier::open(c.clone(), src.clone()).unwrap();
+    for i in 0..4u64 {
+        src.copy_in(i as u32, &content(i, B)).unwrap();
+        assert!(t.submit_write(&key(i), i as u32));
+    }
+    t.flush();
+    let direct = t.direct_io();
+    let p1 = t.path_of(&key(1));
+    let p2 = t.path_of(&key(2));
+    drop(t);
+    flip_byte(&p1, 4096 + 5000);
+    std::fs::OpenOptions::new()
+        .write(true)
+        .open(&p2)
+        .unwrap()
+        .set_len(4096 + B as u64 / 2)
+        .unwrap();
+    let dst = Arc::new(AlignedRows::new(4, B).unwrap());
+    let t = FileTier::open(c, dst.clone()).unwrap();
+    for i in 0..4u64 {
+        assert!(t.submit_read(&key(i), i as u32));
+    }
+    t.flush();
+    let mut done = t.poll();
+    done.sort_by_key(|c| match c {
+        Completion::Promoted { block, .. } | Completion::Released { block, .. } => *block,
+    });
+    let oks: Vec<bool> = done
+        .iter()
+        .map(|c| matches!(c, Completion::Promoted { ok: true, .. }))
+        .collect();
+    assert_eq!(oks, vec![true, false, false, true], "direct_io = {direct}");
+    let mut got = vec![0u8; B];
+    for i in [0u64, 3] {
+        dst.copy_out(i as u32, &mut got).unwrap();
+        assert_eq!(got, content(i, B));
+    }
+    assert_eq!(t.stats().corrupt_files, 2);
+    let _ = std::fs::remove_dir_all(&dir);
+}

@@ -3,7 +3,8 @@
 //! the same run, promotion latency per block, CPU time per block, and the scheduler-side cost of a
 //! lookup that hits a file.
 //!
-//! Method: `num_blocks` blocks of random bytes in host memory ([`VecMemory`]); per repetition, in
+//! Method: `num_blocks` blocks of random bytes in host memory ([`AlignedRows`], 4 KiB-aligned rows as
+//! in a `HostRegion`, so promotions read straight into the blocks); per repetition, in
 //! turn: the tier writes them all (submitted at once, `io_threads` threads, fresh directory, every
 //! write waited for), then promotes them all into a second set of blocks (checked byte for byte
 //! after timing); right before each tier pass, the baseline writes (overwrites) or reads the same
@@ -21,7 +22,9 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use super::tiered::{TieredConfig, TieredManager};
-use super::{AlignedBuf, Completion, DirectIo, FileTier, Layout, TierConfig, VecMemory};
+use super::{
+    AlignedBuf, AlignedRows, BlockMemory, Completion, DirectIo, FileTier, Layout, TierConfig,
+};
 use crate::error::{KvoffError, Result};
 use crate::key::ByteKey;
 use crate::manager::{LruManager, ManagerConfig, Presence};
@@ -114,7 +117,7 @@ fn io_err(what: &str, e: &std::io::Error) -> KvoffError {
     KvoffError::Config(format!("disk bench: {what}: {e}"))
 }
 
-fn fill_random(mem: &VecMemory, n: usize, bytes: usize, seed: u64) -> Result<()> {
+fn fill_random(mem: &AlignedRows, n: usize, bytes: usize, seed: u64) -> Result<()> {
     let mut x = seed | 1;
     let mut buf = vec![0u8; bytes];
     for b in 0..n {
@@ -125,7 +128,7 @@ fn fill_random(mem: &VecMemory, n: usize, bytes: usize, seed: u64) -> Result<()>
             let w = x.to_le_bytes();
             c.copy_from_slice(&w[..c.len()]);
         }
-        mem.set_block(
+        mem.copy_in(
             u32::try_from(b).map_err(|_| KvoffError::arg("too many blocks"))?,
             &buf,
         )?;
@@ -254,9 +257,9 @@ fn run_in(
     n: usize,
     reps: usize,
 ) -> Result<DiskBenchRow> {
-    let src = Arc::new(VecMemory::new(n, block));
+    let src = Arc::new(AlignedRows::new(n, block)?);
     fill_random(&src, n, block, 0x5eed)?;
-    let dst = Arc::new(VecMemory::new(n, block));
+    let dst = Arc::new(AlignedRows::new(n, block)?);
     let layout = Layout {
         namespace: format!("bench-{}", cfg.label),
         page_sizes_bytes: cfg.page_sizes_bytes.clone(),
@@ -370,7 +373,10 @@ fn run_in(
         tr.push(bytes / dt / 1e9);
         for i in 0..n {
             #[allow(clippy::cast_possible_truncation)]
-            if src.block(i as u32)? != dst.block(i as u32)? {
+            let (mut a, mut b) = (vec![0u8; block], vec![0u8; block]);
+            src.copy_out(i as u32, &mut a)?;
+            dst.copy_out(i as u32, &mut b)?;
+            if a != b {
                 return Err(KvoffError::state(format!(
                     "disk bench: promoted block {i} differs"
                 )));

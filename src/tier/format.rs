@@ -145,14 +145,13 @@ pub fn decode(b: &[u8]) -> Result<Header, Reject> {
     })
 }
 
-/// Checks a whole file image (`buf` = the bytes read, `expect` = what the reader wants, with
-/// `payload_sum` ignored) and returns the payload slice.
+/// Checks a header against what the reader expects (fingerprint, rank, world size, payload length,
+/// key); the payload checksum is the caller's to compare with the returned `payload_sum`.
 ///
 /// # Errors
-/// [`Reject::Damaged`] for a bad header, a short file or a payload checksum mismatch;
-/// [`Reject::Mismatch`] for a valid header of another layout, rank, key or payload length.
-pub fn verify<'a>(buf: &'a [u8], expect: &Header) -> Result<&'a [u8], Reject> {
-    let h = decode(buf)?;
+/// [`Reject::Damaged`] for a bad header; [`Reject::Mismatch`] for another layout, rank, key or length.
+pub fn verify_header(b: &[u8], expect: &Header) -> Result<Header, Reject> {
+    let h = decode(b)?;
     if h.fingerprint != expect.fingerprint
         || h.rank != expect.rank
         || h.world_size != expect.world_size
@@ -161,6 +160,17 @@ pub fn verify<'a>(buf: &'a [u8], expect: &Header) -> Result<&'a [u8], Reject> {
     {
         return Err(Reject::Mismatch);
     }
+    Ok(h)
+}
+
+/// Checks a whole file image (`buf` = the bytes read, `expect` = what the reader wants, with
+/// `payload_sum` ignored) and returns the payload slice.
+///
+/// # Errors
+/// [`Reject::Damaged`] for a bad header, a short file or a payload checksum mismatch;
+/// [`Reject::Mismatch`] for a valid header of another layout, rank, key or payload length.
+pub fn verify<'a>(buf: &'a [u8], expect: &Header) -> Result<&'a [u8], Reject> {
+    let h = verify_header(buf, expect)?;
     let len = usize::try_from(h.payload_len).map_err(|_| Reject::Damaged)?;
     let payload = buf
         .get(HEADER_BYTES..HEADER_BYTES + len)

@@ -7,6 +7,7 @@
 
 use std::fs::{File, OpenOptions};
 use std::io;
+use std::os::fd::AsRawFd;
 use std::os::unix::fs::{FileExt, OpenOptionsExt};
 use std::path::Path;
 
@@ -231,6 +232,43 @@ impl RawRows {
     }
 }
 
+impl RawRows {
+    /// Reads a whole file: `header.len()` bytes into `header`, then the block's bytes straight into
+    /// block `block` (one `preadv`), and returns the xxh3-64 of what landed in the block.
+    fn read_file(&self, block: BlockId, file: &File, header: &mut [u8]) -> io::Result<u64> {
+        let dst = self
+            .row_ptr(block, self.block_bytes)
+            .map_err(|e| io::Error::new(io::ErrorKind::InvalidInput, e.to_string()))?;
+        // SAFETY: obligation 1 (the block's bytes are mapped and writable; `row_ptr` checked the
+        // bounds) and 2 (the block is a pending store: no one else reads or writes it while this
+        // slice lives, which ends with this function).
+        let payload = unsafe { std::slice::from_raw_parts_mut(dst as *mut u8, self.block_bytes) };
+        let iov = [
+            libc::iovec {
+                iov_base: header.as_mut_ptr().cast(),
+                iov_len: header.len(),
+            },
+            libc::iovec {
+                iov_base: payload.as_mut_ptr().cast(),
+                iov_len: payload.len(),
+            },
+        ];
+        // SAFETY: both iovecs describe live, writable, distinct buffers of the given lengths (the
+        // header slice and `payload` above); the fd is open for the duration of the call.
+        let n = unsafe { libc::preadv(file.as_raw_fd(), iov.as_ptr(), 2, 0) };
+        let want = header.len() + payload.len();
+        if n < 0 {
+            return Err(io::Error::last_os_error());
+        }
+        if usize::try_from(n).unwrap_or(0) < want {
+            // Short read (end of file, or a signal): read each part again to the end.
+            file.read_exact_at(header, 0)?;
+            file.read_exact_at(payload, header.len() as u64)?;
+        }
+        Ok(xxhash_rust::xxh3::xxh3_64(payload))
+    }
+}
+
 impl BlockMemory for RawRows {
     fn block_bytes(&self) -> usize {
         self.block_bytes
@@ -245,12 +283,83 @@ impl BlockMemory for RawRows {
         unsafe { std::ptr::copy_nonoverlapping(src as *const u8, out.as_mut_ptr(), out.len()) };
         Ok(())
     }
+    fn read_file_into(
+        &self,
+        block: BlockId,
+        file: &File,
+        header: &mut [u8],
+    ) -> Option<io::Result<u64>> {
+        // `O_DIRECT` needs 4 KiB-aligned memory and lengths; otherwise the tier uses its buffer.
+        let aligned = (self.ptr + u64::from(block) * self.row_stride_bytes) % ALIGN as u64 == 0
+            && self.block_bytes % ALIGN == 0
+            && header.len() % ALIGN == 0;
+        aligned.then(|| self.read_file(block, file, header))
+    }
     fn copy_in(&self, block: BlockId, data: &[u8]) -> Result<()> {
         let dst = self.row_ptr(block, data.len())?;
         // SAFETY: obligation 1 (mapped and writable, bounds checked) and 2 (no other reader or
         // writer of a pending block); `data` is a distinct Rust buffer.
         unsafe { std::ptr::copy_nonoverlapping(data.as_ptr(), dst as *mut u8, data.len()) };
         Ok(())
+    }
+}
+
+/// Host memory owned by the tier's user: `num_blocks` blocks of `block_bytes` in one 4 KiB-aligned
+/// allocation, rows 4 KiB-aligned, so that promotions read straight into it (as into a
+/// `HostRegion`). For tools, benchmarks and tests.
+pub struct AlignedRows {
+    rows: RawRows,
+    _buf: AlignedBuf,
+}
+
+impl std::fmt::Debug for AlignedRows {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("AlignedRows")
+            .field("rows", &self.rows)
+            .finish_non_exhaustive()
+    }
+}
+
+impl AlignedRows {
+    /// `num_blocks` zeroed blocks of `block_bytes`.
+    ///
+    /// # Errors
+    /// [`KvoffError::InvalidArgument`] for a zero block size or a size that overflows.
+    pub fn new(num_blocks: usize, block_bytes: usize) -> Result<Self> {
+        let stride = block_bytes.next_multiple_of(ALIGN);
+        let total = stride
+            .checked_mul(num_blocks.max(1))
+            .ok_or_else(|| KvoffError::arg("host rows too large"))?;
+        let mut buf = AlignedBuf::new(total);
+        let ptr = buf.as_mut_slice().as_mut_ptr() as u64;
+        // SAFETY: obligation 1: the allocation of `buf` (owned by the returned value, never
+        // reallocated or otherwise borrowed) holds `num_blocks` rows of `stride` bytes.
+        // Obligation 2 is the tier's protocol, as for any `RawRows`.
+        let rows = unsafe { RawRows::new(ptr, num_blocks as u64, stride as u64, block_bytes)? };
+        Ok(Self { rows, _buf: buf })
+    }
+}
+
+impl BlockMemory for AlignedRows {
+    fn block_bytes(&self) -> usize {
+        self.rows.block_bytes()
+    }
+    fn num_blocks(&self) -> u64 {
+        self.rows.num_blocks()
+    }
+    fn copy_out(&self, block: BlockId, out: &mut [u8]) -> Result<()> {
+        self.rows.copy_out(block, out)
+    }
+    fn copy_in(&self, block: BlockId, data: &[u8]) -> Result<()> {
+        self.rows.copy_in(block, data)
+    }
+    fn read_file_into(
+        &self,
+        block: BlockId,
+        file: &File,
+        header: &mut [u8],
+    ) -> Option<io::Result<u64>> {
+        self.rows.read_file_into(block, file, header)
     }
 }
 

@@ -62,7 +62,7 @@ use std::time::{Duration, Instant};
 use xxhash_rust::xxh3::{xxh3_128, xxh3_64};
 
 pub use format::{file_len, HEADER_BYTES};
-pub use io::{AlignedBuf, RawRows};
+pub use io::{AlignedBuf, AlignedRows, RawRows};
 
 use crate::error::{KvoffError, Result};
 use crate::key::ByteKey;
@@ -87,6 +87,19 @@ pub trait BlockMemory: Send + Sync {
     /// # Errors
     /// A block out of range or a wrong length.
     fn copy_in(&self, block: BlockId, data: &[u8]) -> Result<()>;
+    /// Reads a whole tier file from `file` (opened with `O_DIRECT`): the first `header.len()` bytes
+    /// into `header`, the next `block_bytes()` straight into block `block`; returns the xxh3-64 of
+    /// the bytes that landed in the block. `None` (the default) when the memory cannot take such a
+    /// read (alignment): the tier then reads into its own buffer and uses [`BlockMemory::copy_in`].
+    fn read_file_into(
+        &self,
+        block: BlockId,
+        file: &std::fs::File,
+        header: &mut [u8],
+    ) -> Option<std::io::Result<u64>> {
+        let _ = (block, file, header);
+        None
+    }
 }
 
 /// Host memory as one `Vec` per block behind a lock: for tests and tools.
@@ -724,24 +737,41 @@ impl Shared {
         }
         let outcome = match io::open_read(&path, self.direct) {
             Err(e) => Outcome::Missing(format!("opening {}: {e}", path.display())),
-            Ok(f) => match io::read_full(&f, &mut buf.as_mut_slice()[..flen]) {
-                Err(e) if e.kind() == std::io::ErrorKind::UnexpectedEof => Outcome::Corrupt,
-                Err(e) => Outcome::Missing(format!("reading {}: {e}", path.display())),
-                Ok(()) => {
-                    // A longer file is not ours either.
-                    let longer = f
-                        .metadata()
-                        .map(|m| m.len() != self.file_len)
-                        .unwrap_or(false);
-                    match format::verify(&buf.as_slice()[..flen], &self.expect_header(key)) {
-                        Ok(payload) if !longer => match self.memory.copy_in(block, payload) {
-                            Ok(()) => Outcome::Ok,
-                            Err(e) => Outcome::Missing(e.to_string()),
-                        },
-                        _ => Outcome::Corrupt,
+            Ok(f) => {
+                // A longer file is not ours either.
+                let longer = f.metadata().is_ok_and(|m| m.len() != self.file_len);
+                let expect = self.expect_header(key);
+                let direct_read = if self.direct && !longer {
+                    self.memory
+                        .read_file_into(block, &f, &mut buf.as_mut_slice()[..HEADER_BYTES])
+                } else {
+                    None
+                };
+                match direct_read {
+                    // Straight into the (pending) host block: check header and checksum there.
+                    Some(Ok(sum)) => {
+                        match format::verify_header(&buf.as_slice()[..HEADER_BYTES], &expect) {
+                            Ok(h) if h.payload_sum == sum => Outcome::Ok,
+                            _ => Outcome::Corrupt,
+                        }
                     }
+                    Some(Err(e)) if e.kind() == std::io::ErrorKind::UnexpectedEof => {
+                        Outcome::Corrupt
+                    }
+                    Some(Err(e)) => Outcome::Missing(format!("reading {}: {e}", path.display())),
+                    None => match io::read_full(&f, &mut buf.as_mut_slice()[..flen]) {
+                        Err(e) if e.kind() == std::io::ErrorKind::UnexpectedEof => Outcome::Corrupt,
+                        Err(e) => Outcome::Missing(format!("reading {}: {e}", path.display())),
+                        Ok(()) => match format::verify(&buf.as_slice()[..flen], &expect) {
+                            Ok(payload) if !longer => match self.memory.copy_in(block, payload) {
+                                Ok(()) => Outcome::Ok,
+                                Err(e) => Outcome::Missing(e.to_string()),
+                            },
+                            _ => Outcome::Corrupt,
+                        },
+                    },
                 }
-            },
+            }
         };
         let ns = u64::try_from(t0.elapsed().as_nanos()).unwrap_or(u64::MAX);
         let ok = matches!(outcome, Outcome::Ok);
