@@ -117,7 +117,7 @@ fn io_err(what: &str, e: &std::io::Error) -> KvoffError {
     KvoffError::Config(format!("disk bench: {what}: {e}"))
 }
 
-fn fill_random(mem: &AlignedRows, n: usize, bytes: usize, seed: u64) -> Result<()> {
+fn fill_random(mem: &dyn BlockMemory, n: usize, bytes: usize, seed: u64) -> Result<()> {
     let mut x = seed | 1;
     let mut buf = vec![0u8; bytes];
     for b in 0..n {
@@ -258,7 +258,7 @@ fn run_in(
     reps: usize,
 ) -> Result<DiskBenchRow> {
     let src = Arc::new(AlignedRows::new(n, block)?);
-    fill_random(&src, n, block, 0x5eed)?;
+    fill_random(src.as_ref(), n, block, 0x5eed)?;
     let dst = Arc::new(AlignedRows::new(n, block)?);
     let layout = Layout {
         namespace: format!("bench-{}", cfg.label),
