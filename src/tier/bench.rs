@@ -74,6 +74,10 @@ pub struct DiskBenchRow {
     pub seq_write_gbps: f64,
     /// Sequential read GB/s of the same bytes (best request size).
     pub seq_read_gbps: f64,
+    /// Sequential write GB/s with requests of one block (part of the reference above).
+    pub seq_write_block_req_gbps: f64,
+    /// Sequential read GB/s with requests of one block (part of the reference above).
+    pub seq_read_block_req_gbps: f64,
     /// Median over the repetitions of tier write / sequential write GB/s (same repetition).
     pub write_ratio: f64,
     /// Median over the repetitions of tier read / sequential read GB/s (same repetition).
@@ -322,20 +326,24 @@ fn run_in(
     let seq_reqs = [block.next_multiple_of(4096).min(16 << 20), 16 << 20];
     // Sequential baseline, two request sizes; the faster is the reference. Measured next to the
     // tier's pass of the same direction in every repetition; the ratio is taken per repetition.
-    let mut seq = |write: bool, cpu: &mut Vec<f64>| -> Result<f64> {
+    let (mut sw_block, mut sr_block) = (Vec::new(), Vec::new());
+    let mut seq = |write: bool, cpu: &mut Vec<f64>, at_block: &mut Vec<f64>| -> Result<f64> {
         let c0 = cpu_seconds();
         let mut best = f64::MAX;
-        for req in seq_reqs {
+        for (i, req) in seq_reqs.into_iter().enumerate() {
             let (t, d) = sequential(&seq_path, seq_total, req, &seq_src, write)?;
             seq_direct = d;
             best = best.min(t);
+            if i == 0 {
+                at_block.push(bytes / t / 1e9);
+            }
         }
         cpu.push((cpu_seconds() - c0) / (2 * n) as f64 * 1e6);
         Ok(bytes / best / 1e9)
     };
     let (mut wr, mut rr) = (Vec::new(), Vec::new());
     for rep in 0..reps {
-        sw.push(seq(true, &mut scpu)?);
+        sw.push(seq(true, &mut scpu, &mut sw_block)?);
         let mut t = tier_cfg(src.clone())?;
         // Write.
         let c0 = cpu_seconds();
@@ -349,7 +357,7 @@ fn run_in(
         t.shutdown();
         drop(t);
         // Read (promote) into the second memory.
-        sr.push(seq(false, &mut scpu)?);
+        sr.push(seq(false, &mut scpu, &mut sr_block)?);
         let t = tier_cfg(dst.clone())?;
         let c0 = cpu_seconds();
         let t0 = Instant::now();
@@ -454,6 +462,8 @@ fn run_in(
         tier_read_gbps: tr,
         seq_write_gbps: sw,
         seq_read_gbps: sr,
+        seq_write_block_req_gbps: median(&mut sw_block),
+        seq_read_block_req_gbps: median(&mut sr_block),
         write_ratio: median(&mut wr),
         read_ratio: median(&mut rr),
         promotion_p50_us: p(0.5),
