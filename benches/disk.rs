@@ -23,8 +23,8 @@ fn main() {
     let only: Option<&str> = args.get(4).map(String::as_str);
     println!("disk tier on {dir}: {blocks} blocks per repetition, {reps} repetitions, {threads} I/O threads");
     println!(
-        "{:<16} {:>9} {:>6} {:>9} {:>9} {:>9} {:>9} {:>9} {:>9} {:>9} {:>6} {:>6} {:>9} {:>9} {:>8} {:>8} {:>8} {:>8}",
-        "layout", "block", "direct", "fill_w", "tier_w", "seq_w", "seq_w_b", "tier_r", "seq_r", "seq_r_b", "w%", "r%",
+        "{:<16} {:>9} {:>6} {:>9} {:>9} {:>9} {:>9} {:>9} {:>9} {:>9} {:>9} {:>9} {:>6} {:>6} {:>9} {:>9} {:>8} {:>8} {:>8} {:>8}",
+        "layout", "block", "direct", "fill_w", "tier_w", "seq_w", "seq_w_b", "scat_w", "tier_r", "seq_r", "seq_r_b", "scat_r", "w%", "r%",
         "prom_p50", "prom_p90", "cpu_w", "cpu_r", "cpu_seq", "lookup"
     );
     let layouts: [(&str, Vec<u64>); 3] = [
@@ -52,9 +52,10 @@ fn main() {
         };
         match run(&cfg) {
             Ok(r) => println!(
-                "{:<16} {:>9} {:>6} {:>9.2} {:>9.2} {:>9.2} {:>9.2} {:>9.2} {:>9.2} {:>9.2} {:>6.0} {:>6.0} {:>8.0}us {:>8.0}us {:>6.0}us {:>6.0}us {:>6.0}us {:>6.0}ns",
+                "{:<16} {:>9} {:>6} {:>9.2} {:>9.2} {:>9.2} {:>9.2} {:>9.2} {:>9.2} {:>9.2} {:>9.2} {:>9.2} {:>6.0} {:>6.0} {:>8.0}us {:>8.0}us {:>6.0}us {:>6.0}us {:>6.0}us {:>6.0}ns",
                 r.label, r.block_bytes, r.direct_io, r.fill_write_gbps, r.tier_write_gbps, r.seq_write_gbps,
-                r.seq_write_block_req_gbps, r.tier_read_gbps, r.seq_read_gbps, r.seq_read_block_req_gbps, r.write_ratio * 100.0, r.read_ratio * 100.0,
+                r.seq_write_block_req_gbps, r.scattered_write_gbps, r.tier_read_gbps, r.seq_read_gbps,
+                r.seq_read_block_req_gbps, r.scattered_read_gbps, r.write_ratio * 100.0, r.read_ratio * 100.0,
                 r.promotion_p50_us, r.promotion_p90_us, r.write_cpu_us_per_block,
                 r.read_cpu_us_per_block, r.seq_cpu_us_per_block, r.lookup_hit_ns_per_key
             ),

@@ -516,6 +516,8 @@ fn bench_disk<'py>(
     d.set_item("seq_read_gbps", r.seq_read_gbps)?;
     d.set_item("seq_write_block_req_gbps", r.seq_write_block_req_gbps)?;
     d.set_item("seq_read_block_req_gbps", r.seq_read_block_req_gbps)?;
+    d.set_item("scattered_write_gbps", r.scattered_write_gbps)?;
+    d.set_item("scattered_read_gbps", r.scattered_read_gbps)?;
     d.set_item("write_ratio", r.write_ratio)?;
     d.set_item("read_ratio", r.read_ratio)?;
     d.set_item("promotion_p50_us", r.promotion_p50_us)?;

@@ -78,6 +78,11 @@ pub struct DiskBenchRow {
     pub seq_write_block_req_gbps: f64,
     /// Sequential read GB/s with requests of one block (part of the reference above).
     pub seq_read_block_req_gbps: f64,
+    /// Scattered reference: `io_threads` threads overwriting the baseline file with block-size
+    /// `O_DIRECT` requests at shuffled offsets (0 without `O_DIRECT`).
+    pub scattered_write_gbps: f64,
+    /// The same, reading.
+    pub scattered_read_gbps: f64,
     /// Median over the repetitions of tier write / sequential write GB/s (same repetition).
     pub write_ratio: f64,
     /// Median over the repetitions of tier read / sequential read GB/s (same repetition).
@@ -227,6 +232,64 @@ fn sequential(
     Ok((t0.elapsed().as_secs_f64(), direct))
 }
 
+/// Second reference: `threads` threads read or overwrite the sequential baseline's file with
+/// `O_DIRECT` requests of `req` bytes at shuffled offsets (the access pattern of one file per block,
+/// without the files). Returns GB/s.
+fn scattered(path: &Path, total: usize, req: usize, threads: usize, write: bool) -> Result<f64> {
+    use std::os::unix::fs::{FileExt, OpenOptionsExt};
+    use std::sync::atomic::{AtomicUsize, Ordering};
+    let mut offs: Vec<usize> = (0..total / req).map(|i| i * req).collect();
+    let mut x = 0x2545_f491_4f6c_dd1d_u64;
+    for i in (1..offs.len()).rev() {
+        x ^= x << 13;
+        x ^= x >> 7;
+        x ^= x << 17;
+        #[allow(clippy::cast_possible_truncation)]
+        offs.swap(i, (x % (i as u64 + 1)) as usize);
+    }
+    let next = AtomicUsize::new(0);
+    let mut o = std::fs::OpenOptions::new();
+    if write {
+        o.write(true);
+    } else {
+        o.read(true);
+    }
+    o.custom_flags(libc::O_DIRECT);
+    let f = o.open(path).map_err(|e| io_err("scattered baseline", &e))?;
+    let t0 = Instant::now();
+    let failed = std::thread::scope(|sc| {
+        let hs: Vec<_> = (0..threads.max(1))
+            .map(|_| {
+                sc.spawn(|| {
+                    let mut b = AlignedBuf::new(req);
+                    loop {
+                        let i = next.fetch_add(1, Ordering::Relaxed);
+                        let Some(&off) = offs.get(i) else {
+                            return false;
+                        };
+                        let r = if write {
+                            f.write_all_at(&b.as_slice()[..req], off as u64)
+                        } else {
+                            f.read_exact_at(&mut b.as_mut_slice()[..req], off as u64)
+                        };
+                        if r.is_err() {
+                            return true;
+                        }
+                    }
+                })
+            })
+            .collect();
+        hs.into_iter().any(|h| h.join().unwrap_or(true))
+    });
+    if failed {
+        return Err(KvoffError::state(
+            "disk bench: the scattered baseline failed",
+        ));
+    }
+    #[allow(clippy::cast_precision_loss)]
+    Ok((offs.len() * req) as f64 / t0.elapsed().as_secs_f64() / 1e9)
+}
+
 /// Runs the benchmark for one layout.
 ///
 /// # Errors
@@ -281,7 +344,7 @@ fn run_in(
     let (mut tw, mut tr, mut sw, mut sr) = (Vec::new(), Vec::new(), Vec::new(), Vec::new());
     let (mut wcpu, mut rcpu, mut scpu) = (Vec::new(), Vec::new(), Vec::new());
     let direct;
-    let mut seq_direct = false;
+    let seq_direct = std::cell::Cell::new(false);
     // The tier runs at its capacity (n files), as a long-running engine's does: every timed write
     // evicts an own file and overwrites it. The first fill (new files) is timed separately.
     let dir = scratch.join("tier");
@@ -327,12 +390,12 @@ fn run_in(
     // Sequential baseline, two request sizes; the faster is the reference. Measured next to the
     // tier's pass of the same direction in every repetition; the ratio is taken per repetition.
     let (mut sw_block, mut sr_block) = (Vec::new(), Vec::new());
-    let mut seq = |write: bool, cpu: &mut Vec<f64>, at_block: &mut Vec<f64>| -> Result<f64> {
+    let seq = |write: bool, cpu: &mut Vec<f64>, at_block: &mut Vec<f64>| -> Result<f64> {
         let c0 = cpu_seconds();
         let mut best = f64::MAX;
         for (i, req) in seq_reqs.into_iter().enumerate() {
             let (t, d) = sequential(&seq_path, seq_total, req, &seq_src, write)?;
-            seq_direct = d;
+            seq_direct.set(d);
             best = best.min(t);
             if i == 0 {
                 at_block.push(bytes / t / 1e9);
@@ -342,8 +405,13 @@ fn run_in(
         Ok(bytes / best / 1e9)
     };
     let (mut wr, mut rr) = (Vec::new(), Vec::new());
+    let (mut xw, mut xr) = (Vec::new(), Vec::new());
+    let xreq = block.next_multiple_of(4096);
     for rep in 0..reps {
         sw.push(seq(true, &mut scpu, &mut sw_block)?);
+        if seq_direct.get() {
+            xw.push(scattered(&seq_path, seq_total, xreq, cfg.io_threads, true)?);
+        }
         let mut t = tier_cfg(src.clone())?;
         // Write.
         let c0 = cpu_seconds();
@@ -358,6 +426,15 @@ fn run_in(
         drop(t);
         // Read (promote) into the second memory.
         sr.push(seq(false, &mut scpu, &mut sr_block)?);
+        if seq_direct.get() {
+            xr.push(scattered(
+                &seq_path,
+                seq_total,
+                xreq,
+                cfg.io_threads,
+                false,
+            )?);
+        }
         let t = tier_cfg(dst.clone())?;
         let c0 = cpu_seconds();
         let t0 = Instant::now();
@@ -456,7 +533,7 @@ fn run_in(
         num_blocks: n as u64,
         io_threads: cfg.io_threads as u64,
         direct_io: direct,
-        baseline_direct_io: seq_direct,
+        baseline_direct_io: seq_direct.get(),
         fill_write_gbps,
         tier_write_gbps: tw,
         tier_read_gbps: tr,
@@ -464,6 +541,8 @@ fn run_in(
         seq_read_gbps: sr,
         seq_write_block_req_gbps: median(&mut sw_block),
         seq_read_block_req_gbps: median(&mut sr_block),
+        scattered_write_gbps: median(&mut xw),
+        scattered_read_gbps: median(&mut xr),
         write_ratio: median(&mut wr),
         read_ratio: median(&mut rr),
         promotion_p50_us: p(0.5),
