@@ -98,18 +98,19 @@ pub fn read_full(f: &File, buf: &mut [u8]) -> io::Result<()> {
     f.read_exact_at(buf, 0)
 }
 
-/// Writes `data` (a whole file image) under the temporary name `tmp`, optionally `fsync`s it, and
+/// Writes a whole file of `len` bytes (by calling `write` on it) under the temporary name `tmp`, optionally `fsync`s it, and
 /// renames it to `dst`. With `reuse`, an existing file (an evicted one of the same length) is first
 /// renamed to `tmp` and overwritten in place, which spares the filesystem an inode and block
 /// allocation per file; if that rename fails a new file is created. On any failure the temporary
-/// file is removed. With `direct`, `data` must be 4 KiB aligned and a multiple of 4 KiB long.
+/// file is removed. With `direct`, `write` must write 4 KiB-aligned memory in multiples of 4 KiB.
 ///
 /// # Errors
 /// The OS error of the step that failed.
 pub fn publish(
     tmp: &Path,
     dst: &Path,
-    data: &[u8],
+    len: u64,
+    write: &mut dyn FnMut(&File) -> io::Result<()>,
     reuse: Option<&Path>,
     direct: bool,
     fsync: bool,
@@ -123,14 +124,14 @@ pub fn publish(
             o.write(true)
                 .custom_flags(if direct { base | libc::O_DIRECT } else { base });
             let f = o.open(tmp)?;
-            if f.metadata()?.len() != data.len() as u64 {
-                f.set_len(data.len() as u64)?;
+            if f.metadata()?.len() != len {
+                f.set_len(len)?;
             }
             f
         } else {
             open_new(tmp, direct, mode)?
         };
-        f.write_all_at(data, 0)?;
+        write(&f)?;
         if fsync {
             f.sync_data()?;
         }
@@ -269,6 +270,48 @@ impl RawRows {
     }
 }
 
+impl RawRows {
+    fn aligned(&self, block: BlockId) -> bool {
+        (self.ptr + u64::from(block) * self.row_stride_bytes) % ALIGN as u64 == 0
+            && self.block_bytes % ALIGN == 0
+    }
+
+    fn block_slice(&self, block: BlockId) -> io::Result<&[u8]> {
+        let src = self
+            .row_ptr(block, self.block_bytes)
+            .map_err(|e| io::Error::new(io::ErrorKind::InvalidInput, e.to_string()))?;
+        // SAFETY: obligation 1 (mapped; `row_ptr` checked the bounds) and 2 (the block is pinned:
+        // no one writes it while the tier reads it, and the slice does not outlive the caller's use
+        // within one write job).
+        Ok(unsafe { std::slice::from_raw_parts(src as *const u8, self.block_bytes) })
+    }
+
+    fn write_file(&self, block: BlockId, file: &File, header: &[u8]) -> io::Result<()> {
+        let payload = self.block_slice(block)?;
+        let iov = [
+            libc::iovec {
+                iov_base: header.as_ptr().cast_mut().cast(),
+                iov_len: header.len(),
+            },
+            libc::iovec {
+                iov_base: payload.as_ptr().cast_mut().cast(),
+                iov_len: payload.len(),
+            },
+        ];
+        // SAFETY: both iovecs describe live buffers of the given lengths that `pwritev` only reads;
+        // the fd is open for the duration of the call.
+        let n = unsafe { libc::pwritev(file.as_raw_fd(), iov.as_ptr(), 2, 0) };
+        if n < 0 {
+            return Err(io::Error::last_os_error());
+        }
+        if usize::try_from(n).unwrap_or(0) < header.len() + payload.len() {
+            file.write_all_at(header, 0)?;
+            file.write_all_at(payload, header.len() as u64)?;
+        }
+        Ok(())
+    }
+}
+
 impl BlockMemory for RawRows {
     fn block_bytes(&self) -> usize {
         self.block_bytes
@@ -290,10 +333,21 @@ impl BlockMemory for RawRows {
         header: &mut [u8],
     ) -> Option<io::Result<u64>> {
         // `O_DIRECT` needs 4 KiB-aligned memory and lengths; otherwise the tier uses its buffer.
-        let aligned = (self.ptr + u64::from(block) * self.row_stride_bytes) % ALIGN as u64 == 0
-            && self.block_bytes % ALIGN == 0
-            && header.len() % ALIGN == 0;
-        aligned.then(|| self.read_file(block, file, header))
+        (self.aligned(block) && header.len() % ALIGN == 0)
+            .then(|| self.read_file(block, file, header))
+    }
+    fn payload_sum(&self, block: BlockId) -> Option<io::Result<u64>> {
+        self.aligned(block)
+            .then(|| self.block_slice(block).map(xxhash_rust::xxh3::xxh3_64))
+    }
+    fn write_file_from(
+        &self,
+        block: BlockId,
+        file: &File,
+        header: &[u8],
+    ) -> Option<io::Result<()>> {
+        (self.aligned(block) && header.len() % ALIGN == 0)
+            .then(|| self.write_file(block, file, header))
     }
     fn copy_in(&self, block: BlockId, data: &[u8]) -> Result<()> {
         let dst = self.row_ptr(block, data.len())?;
@@ -360,6 +414,17 @@ impl BlockMemory for AlignedRows {
         header: &mut [u8],
     ) -> Option<io::Result<u64>> {
         self.rows.read_file_into(block, file, header)
+    }
+    fn payload_sum(&self, block: BlockId) -> Option<io::Result<u64>> {
+        self.rows.payload_sum(block)
+    }
+    fn write_file_from(
+        &self,
+        block: BlockId,
+        file: &File,
+        header: &[u8],
+    ) -> Option<io::Result<()>> {
+        self.rows.write_file_from(block, file, header)
     }
 }
 

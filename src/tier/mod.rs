@@ -100,6 +100,24 @@ pub trait BlockMemory: Send + Sync {
         let _ = (block, file, header);
         None
     }
+    /// The xxh3-64 of block `block`, computed in place, when the memory supports writes straight
+    /// from the block ([`BlockMemory::write_file_from`]); `None` (the default) otherwise.
+    fn payload_sum(&self, block: BlockId) -> Option<std::io::Result<u64>> {
+        let _ = block;
+        None
+    }
+    /// Writes a whole tier file to `file` (opened with `O_DIRECT`): `header`, then block `block`'s
+    /// bytes straight from host memory. `None` (the default) when not supported; then the tier
+    /// copies the block into its buffer first. Supported exactly when `payload_sum` is.
+    fn write_file_from(
+        &self,
+        block: BlockId,
+        file: &std::fs::File,
+        header: &[u8],
+    ) -> Option<std::io::Result<()>> {
+        let _ = (block, file, header);
+        None
+    }
 }
 
 /// Host memory as one `Vec` per block behind a lock: for tests and tools.
@@ -666,21 +684,39 @@ impl Shared {
     ) {
         let t0 = Instant::now();
         let flen = usize::try_from(self.file_len).unwrap_or(usize::MAX);
-        let copied = {
-            let b = buf.as_mut_slice();
-            self.memory
-                .copy_out(block, &mut b[HEADER_BYTES..HEADER_BYTES + self.payload_len])
+        let release = || {
+            lock(&self.state).completions.push(Completion::Released {
+                key: key.clone(),
+                block,
+            });
         };
-        // The host block is free again whatever happens next.
-        lock(&self.state).completions.push(Completion::Released {
-            key: key.clone(),
-            block,
-        });
-        let result = copied.map_err(|e| e.to_string()).and_then(|()| {
+        // Straight from host memory when it is aligned for `O_DIRECT` (the block stays pinned
+        // until the write is done); else copy it into the buffer and release it at once.
+        let in_place = if self.direct {
+            self.memory.payload_sum(block)
+        } else {
+            None
+        };
+        let zero_copy = in_place.is_some();
+        let sum = match in_place {
+            Some(r) => r.map_err(|e| e.to_string()),
+            None => {
+                let b = buf.as_mut_slice();
+                let r = self
+                    .memory
+                    .copy_out(block, &mut b[HEADER_BYTES..HEADER_BYTES + self.payload_len]);
+                // The host block is free again whatever happens next.
+                release();
+                r.map_err(|e| e.to_string()).map(|()| {
+                    b[HEADER_BYTES + self.payload_len..flen].fill(0);
+                    format::payload_sum(&b[HEADER_BYTES..HEADER_BYTES + self.payload_len])
+                })
+            }
+        };
+        let result = sum.and_then(|sum| {
             let b = buf.as_mut_slice();
-            b[HEADER_BYTES + self.payload_len..flen].fill(0);
             let mut h = self.expect_header(key);
-            h.payload_sum = format::payload_sum(&b[HEADER_BYTES..HEADER_BYTES + self.payload_len]);
+            h.payload_sum = sum;
             if !format::encode(&h, b) {
                 return Err(format!(
                     "key of {} bytes is too long for the file header",
@@ -692,10 +728,21 @@ impl Shared {
                 .ns_dir
                 .join(name.get(..SHARD_LEN).unwrap_or(""))
                 .join(format!(".tmp.{}.{}.{n}", self.host_tag, std::process::id()));
+            let image: &[u8] = b;
+            let mut write = |f: &std::fs::File| -> std::io::Result<()> {
+                if zero_copy {
+                    self.memory
+                        .write_file_from(block, f, &image[..HEADER_BYTES])
+                        .unwrap_or_else(|| Err(std::io::Error::other("direct write not supported")))
+                } else {
+                    std::os::unix::fs::FileExt::write_all_at(f, &image[..flen], 0)
+                }
+            };
             io::publish(
                 &tmp,
                 &self.ns_dir.join(name),
-                &b[..flen],
+                self.file_len,
+                &mut write,
                 reuse.map(|r| self.ns_dir.join(r)).as_deref(),
                 self.direct,
                 self.fsync,
@@ -703,6 +750,9 @@ impl Shared {
             )
             .map_err(|e| format!("writing {}: {e}", self.ns_dir.join(name).display()))
         });
+        if zero_copy {
+            release();
+        }
         let ns = u64::try_from(t0.elapsed().as_nanos()).unwrap_or(u64::MAX);
         let mut st = lock(&self.state);
         st.running_writes = st.running_writes.saturating_sub(1);
