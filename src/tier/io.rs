@@ -98,6 +98,17 @@ pub fn read_full(f: &File, buf: &mut [u8]) -> io::Result<()> {
     f.read_exact_at(buf, 0)
 }
 
+/// How [`publish`] opens and finishes files.
+#[derive(Clone, Copy, Debug)]
+pub struct PublishOpts {
+    /// Open with `O_DIRECT`.
+    pub direct: bool,
+    /// `fdatasync` before the rename.
+    pub fsync: bool,
+    /// Mode of new files.
+    pub mode: u32,
+}
+
 /// Writes a whole file of `len` bytes (by calling `write` on it) under the temporary name `tmp`, optionally `fsync`s it, and
 /// renames it to `dst`. With `reuse`, an existing file (an evicted one of the same length) is first
 /// renamed to `tmp` and overwritten in place, which spares the filesystem an inode and block
@@ -112,10 +123,13 @@ pub fn publish(
     len: u64,
     write: &mut dyn FnMut(&File) -> io::Result<()>,
     reuse: Option<&Path>,
-    direct: bool,
-    fsync: bool,
-    mode: u32,
+    opts: PublishOpts,
 ) -> io::Result<()> {
+    let PublishOpts {
+        direct,
+        fsync,
+        mode,
+    } = opts;
     let r = (|| {
         let reused = reuse.is_some_and(|old| std::fs::rename(old, tmp).is_ok());
         let f = if reused {

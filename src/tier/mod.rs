@@ -744,9 +744,11 @@ impl Shared {
                 self.file_len,
                 &mut write,
                 reuse.map(|r| self.ns_dir.join(r)).as_deref(),
-                self.direct,
-                self.fsync,
-                self.file_mode,
+                io::PublishOpts {
+                    direct: self.direct,
+                    fsync: self.fsync,
+                    mode: self.file_mode,
+                },
             )
             .map_err(|e| format!("writing {}: {e}", self.ns_dir.join(name).display()))
         });
