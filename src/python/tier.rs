@@ -447,7 +447,7 @@ impl PyTieredCore {
         py.detach(|| self.with(TieredManager::reset))
     }
 
-    /// Waits for disk I/O, stops the I/O threads; idempotent. Later calls raise InvalidStateError.
+    /// Waits for disk I/O, stops the I/O threads; idempotent. Later calls raise `InvalidStateError`.
     fn shutdown(&self, py: Python<'_>) -> PyResult<()> {
         let m = self.lock().take();
         if let Some(mut m) = m {

@@ -213,7 +213,7 @@ fn sequential(
             }
             Ok(())
         };
-        if f.metadata().map(|m| m.len()).unwrap_or(0) < total as u64 {
+        if f.metadata().map_or(0, |m| m.len()) < total as u64 {
             write_pass()?;
         }
         let t0 = Instant::now();
@@ -235,6 +235,7 @@ fn sequential(
 /// Second reference: `threads` threads read or overwrite the sequential baseline's file with
 /// `O_DIRECT` requests of `req` bytes at shuffled offsets (the access pattern of one file per block,
 /// without the files). Returns GB/s.
+#[allow(clippy::many_single_char_names)]
 fn scattered(path: &Path, total: usize, req: usize, threads: usize, write: bool) -> Result<f64> {
     use std::os::unix::fs::{FileExt, OpenOptionsExt};
     use std::sync::atomic::{AtomicUsize, Ordering};
@@ -316,7 +317,13 @@ pub fn run(cfg: &DiskBenchConfig) -> Result<DiskBenchRow> {
     result
 }
 
-#[allow(clippy::too_many_lines, clippy::cast_precision_loss)]
+#[allow(
+    clippy::too_many_lines,
+    clippy::cast_precision_loss,
+    clippy::cast_possible_truncation,
+    clippy::cast_sign_loss,
+    clippy::similar_names
+)]
 fn run_in(
     cfg: &DiskBenchConfig,
     scratch: &Path,

@@ -1,5 +1,5 @@
 //! The file tier behind host memory (SPEC §9): offloaded blocks kept as files in a directory on
-//! local NVMe or a shared filesystem, persistent across restarts and shared between engines.
+//! a local `NVMe` drive or a shared filesystem, persistent across restarts and shared between engines.
 //!
 //! **Files.** One file per block and rank,
 //! `<dir>/kvoff-<layout fingerprint>/<shard>/<key hex>.r<rank>.<owner>.kvb`, where `<shard>` is one of
@@ -532,12 +532,12 @@ impl Shared {
     /// header: `Some((None, owned))`.
     fn parse_name(&self, name: &str) -> Option<(Option<Vec<u8>>, bool)> {
         let rest = name.strip_suffix(".kvb")?;
-        let (rest, owner) = rest.rsplit_once('.')?;
+        let (rest, owner_tag) = rest.rsplit_once('.')?;
         let (stem, rank) = rest.rsplit_once('.')?;
         if rank.strip_prefix('r')?.parse::<u32>().ok()? != self.rank {
             return None;
         }
-        let owned = owner == self.owner_hex;
+        let owned = owner_tag == self.owner_hex;
         if let Some(h) = stem.strip_prefix('h') {
             if h.len() == 32 && h.bytes().all(|b| b.is_ascii_hexdigit()) {
                 return Some((None, owned));
@@ -642,7 +642,10 @@ impl Shared {
             }
         }
         let mut seen: std::collections::HashSet<&ByteKey, foldhash::fast::RandomState> =
-            std::collections::HashSet::with_capacity_and_hasher(found.len(), Default::default());
+            std::collections::HashSet::with_capacity_and_hasher(
+                found.len(),
+                foldhash::fast::RandomState::default(),
+            );
         for (key, name, owned) in &found {
             seen.insert(key);
             if *owned || st.index.contains_key(key) {
@@ -788,14 +791,14 @@ impl Shared {
     }
 
     fn run_read(&self, key: &ByteKey, block: BlockId, name: &str, buf: &mut AlignedBuf) {
-        let t0 = Instant::now();
-        let path = self.ns_dir.join(name);
-        let flen = usize::try_from(self.file_len).unwrap_or(usize::MAX);
         enum Outcome {
             Ok,
             Missing(String),
             Corrupt,
         }
+        let t0 = Instant::now();
+        let path = self.ns_dir.join(name);
+        let flen = usize::try_from(self.file_len).unwrap_or(usize::MAX);
         let outcome = match io::open_read(&path, self.direct) {
             Err(e) => Outcome::Missing(format!("opening {}: {e}", path.display())),
             Ok(f) => {
@@ -949,6 +952,7 @@ impl FileTier {
     /// [`KvoffError::Config`] when the directory cannot be created, is not a directory or is not
     /// writable, or `O_DIRECT` was required and is refused; [`KvoffError::InvalidArgument`] for zero
     /// I/O threads, a zero block size or a zero world size.
+    #[allow(clippy::too_many_lines, clippy::needless_pass_by_value)] // one linear start-up sequence
     pub fn open(cfg: TierConfig, memory: Arc<dyn BlockMemory>) -> Result<Self> {
         if cfg.io_threads == 0 || cfg.io_threads > 256 {
             return Err(KvoffError::arg(format!(
@@ -1225,6 +1229,7 @@ impl FileTier {
     }
 
     /// Removes `key`'s file if this instance owns it (queued; no I/O here). Returns whether it did.
+    #[must_use]
     pub fn remove_own(&self, key: &ByteKey) -> bool {
         let sh = &self.shared;
         let mut st = lock(&sh.state);
