@@ -130,6 +130,12 @@ impl PyTieredCore {
         guard(|| {
             let mut g = self.lock();
             let m = g.as_mut().ok_or_else(shut)?;
+            if m.tier().forked() {
+                return Err(to_py(KvoffError::state(
+                    "this tiered manager was created in another process (before fork()); \
+                     create a new one in this process",
+                )));
+            }
             f(m).py()
         })
     }

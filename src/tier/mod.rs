@@ -19,8 +19,10 @@
 //! rename for filesystems where that matters (some network filesystems).
 //!
 //! **I/O.** `O_DIRECT` with 4 KiB-aligned buffers where the filesystem accepts it (probed at start),
-//! buffered I/O otherwise (tmpfs). A fixed pool of I/O threads does every file operation, the copy
-//! between host memory and its buffer, and the checksums; the caller's thread only updates the
+//! buffered I/O otherwise. With 4 KiB-aligned host memory ([`RawRows`] over a `HostRegion`,
+//! [`AlignedRows`]) a file's header and block move in one `pwritev`/`preadv` straight between the file
+//! and the host block; other memory is copied through the I/O thread's buffer. A fixed pool of I/O
+//! threads does every file operation, copy and checksum; the caller's thread only updates the
 //! in-memory index and queues jobs, never waits. Promotions (reads) go before writes. Writes are
 //! bounded by [`TierConfig::max_queued_writes`]: beyond it a write is dropped and counted.
 //!
@@ -436,6 +438,8 @@ struct Shared {
     cv: Condvar,
     counters: Counters,
     tmp_seq: AtomicU64,
+    /// The process that started the I/O threads (a `fork()`ed child has none of them).
+    pid: u32,
 }
 
 /// The file tier. See the module docs.
@@ -1034,6 +1038,7 @@ impl FileTier {
             cv: Condvar::new(),
             counters: Counters::default(),
             tmp_seq: AtomicU64::new(0),
+            pid: std::process::id(),
         });
         shared.scan(true);
         // Enforce the capacity over the adopted files (e.g. after the capacity was lowered).
@@ -1068,6 +1073,13 @@ impl FileTier {
         let tier = Self { shared, threads };
         tier.shared.cv.notify_all();
         Ok(tier)
+    }
+
+    /// Whether this is a `fork()`ed copy of the tier (no I/O threads here: submissions are refused,
+    /// `flush` returns at once, `shutdown` only marks it shut).
+    #[must_use]
+    pub fn forked(&self) -> bool {
+        std::process::id() != self.shared.pid
     }
 
     /// The directory holding this layout's files.
@@ -1142,6 +1154,9 @@ impl FileTier {
     #[must_use]
     pub fn submit_write(&self, key: &ByteKey, block: BlockId) -> bool {
         let sh = &self.shared;
+        if self.forked() {
+            return false;
+        }
         let mut st = lock(&sh.state);
         if st.shutdown || st.index.contains_key(key) {
             return false;
@@ -1200,6 +1215,9 @@ impl FileTier {
     #[must_use]
     pub fn submit_read(&self, key: &ByteKey, block: BlockId) -> bool {
         let sh = &self.shared;
+        if self.forked() {
+            return false;
+        }
         let mut st = lock(&sh.state);
         if st.shutdown {
             return false;
@@ -1277,6 +1295,9 @@ impl FileTier {
     /// Blocks until every queued job has run (for tests, tools and shutdown; never call it on a
     /// scheduler thread). Completions stay for [`FileTier::poll`].
     pub fn flush(&self) {
+        if self.forked() {
+            return;
+        }
         loop {
             {
                 let st = lock(&self.shared.state);
@@ -1333,6 +1354,14 @@ impl FileTier {
     /// Finishes the queued jobs and stops the I/O threads. Idempotent; later submissions return
     /// `false`.
     pub fn shutdown(&mut self) {
+        if self.forked() {
+            // The I/O threads exist only in the parent: never join (or detach) them here.
+            for t in self.threads.drain(..) {
+                std::mem::forget(t);
+            }
+            lock(&self.shared.state).shutdown = true;
+            return;
+        }
         lock(&self.shared.state).shutdown = true;
         self.shared.cv.notify_all();
         for t in self.threads.drain(..) {

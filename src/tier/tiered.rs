@@ -3,12 +3,13 @@
 //!
 //! - **Write-through.** When `complete_store(keys, true)` makes a key ready, the key is pinned in the
 //!   host manager as a load (`prepare_load`) and a write of its block is queued; the pin is released
-//!   (`complete_load`) as soon as an I/O thread has copied the block into its own buffer, before the
-//!   disk write, so a block stays pinned for one memcpy (~0.1–0.3 ms for 2 MiB), not for the disk
-//!   write. Write-back on host eviction was not chosen: the victim's block is handed to the new store
-//!   in the same `prepare_store` call (SPEC §2.3 is atomic), so write-back would either delay that
-//!   call by the copy of every victim or need a staging copy of every victim anyway — the same copy
-//!   as write-through, but on the scheduler's critical path. Write-through also means a block is on
+//!   (`complete_load`) when the tier no longer reads the block: after the `O_DIRECT` write straight
+//!   from 4 KiB-aligned host memory, or, for other memory, as soon as an I/O thread has copied the
+//!   block into its own buffer (before the disk write). Write-back on host eviction was not chosen:
+//!   the victim's block is handed to the new store in the same `prepare_store` call (SPEC §2.3 is
+//!   atomic), so write-back would either delay that call by the write (or a copy) of every victim or
+//!   break the atomicity — the same work as write-through, but on the scheduler's critical path at
+//!   the moment host memory is short. Write-through also means a block is on
 //!   disk before host memory needs its space, and is shared with other engines at once.
 //! - **Admission.** With `disk_store_threshold ≥ 2`, a key is written only once it has been stored to
 //!   host memory that many times (a bounded counter map, cleared when it holds `max_tracker_size`

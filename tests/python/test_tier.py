@@ -288,3 +288,34 @@ def test_lookup_that_hits_a_file_costs_at_most_5us_per_key(tmp_path: Path) -> No
     assert best <= 5e-6, f"{best * 1e6:.2f} us per key"
     m.shutdown()
     region.close()
+
+
+def test_use_after_fork_is_a_clear_error(tmp_path: Path) -> None:
+    m, region = make(tmp_path)
+    store(m, region, [1])
+    m.flush()
+    pid = os.fork()
+    if pid == 0:  # child: no I/O threads here
+        code = 1
+        try:
+            try:
+                m.lookup(K(1))
+            except kvoff.InvalidStateError as e:
+                code = 0 if "fork" in str(e) else 2
+            m.shutdown()  # must not wait for the parent's threads
+            del m
+        finally:
+            os._exit(code)
+    t0 = time.monotonic()
+    while True:
+        done, status = os.waitpid(pid, os.WNOHANG)
+        if done:
+            break
+        if time.monotonic() - t0 > 30:
+            os.kill(pid, signal.SIGKILL)
+            raise AssertionError("the forked child hung")
+        time.sleep(0.01)
+    assert os.WIFEXITED(status) and os.WEXITSTATUS(status) == 0
+    assert m.lookup(K(1)) is True, "the parent keeps working"
+    m.shutdown()
+    region.close()
