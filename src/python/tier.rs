@@ -405,14 +405,12 @@ impl PyTieredCore {
         self.with(TieredManager::poll)
     }
 
-    /// Waits (GIL released) until the queued disk I/O has run, then applies it.
+    /// Waits (GIL released, manager lock not held) until the queued disk I/O has run, then
+    /// applies it.
     fn flush(&self, py: Python<'_>) -> PyResult<()> {
-        py.detach(|| {
-            self.with(|m| {
-                m.tier().flush();
-                m.poll()
-            })
-        })
+        let waiter = self.with(|m| Ok(m.tier().idle_waiter()))?;
+        py.detach(|| waiter.wait());
+        self.with(TieredManager::poll)
     }
 
     /// Number of promotions in flight.
@@ -450,6 +448,10 @@ impl PyTieredCore {
 
     /// Waits for disk I/O, then forgets every host key (files stay).
     fn reset(&self, py: Python<'_>) -> PyResult<()> {
+        // Wait without the lock first, so other threads are not held up for the whole wait; the
+        // reset itself then finds (almost) nothing in flight.
+        let waiter = self.with(|m| Ok(m.tier().idle_waiter()))?;
+        py.detach(|| waiter.wait());
         py.detach(|| self.with(TieredManager::reset))
     }
 

@@ -442,6 +442,41 @@ struct Shared {
     pid: u32,
 }
 
+/// Waits until a tier's queued jobs have run; see [`FileTier::idle_waiter`].
+pub struct IdleWaiter(Arc<Shared>);
+
+impl std::fmt::Debug for IdleWaiter {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("IdleWaiter").finish_non_exhaustive()
+    }
+}
+
+impl IdleWaiter {
+    /// Blocks until no job is queued or running (returns at once in a `fork()`ed child or after
+    /// shutdown, where no thread runs them). Completions stay for [`FileTier::poll`].
+    pub fn wait(&self) {
+        let sh = &self.0;
+        if std::process::id() != sh.pid {
+            return;
+        }
+        loop {
+            {
+                let st = lock(&sh.state);
+                let idle = st.reads.is_empty()
+                    && st.writes.is_empty()
+                    && st.unlinks.is_empty()
+                    && st.running_reads == 0
+                    && st.running_writes == 0;
+                if idle || (st.shutdown && st.running_reads == 0 && st.running_writes == 0) {
+                    return;
+                }
+            }
+            sh.cv.notify_all();
+            std::thread::sleep(Duration::from_micros(200));
+        }
+    }
+}
+
 /// The file tier. See the module docs.
 pub struct FileTier {
     shared: Arc<Shared>,
@@ -1295,27 +1330,17 @@ impl FileTier {
     /// Blocks until every queued job has run (for tests, tools and shutdown; never call it on a
     /// scheduler thread). Completions stay for [`FileTier::poll`].
     pub fn flush(&self) {
-        if self.forked() {
+        if self.threads.is_empty() {
             return;
         }
-        loop {
-            {
-                let st = lock(&self.shared.state);
-                if st.reads.is_empty()
-                    && st.writes.is_empty()
-                    && st.unlinks.is_empty()
-                    && st.running_reads == 0
-                    && st.running_writes == 0
-                {
-                    return;
-                }
-                if self.threads.is_empty() {
-                    return;
-                }
-            }
-            self.shared.cv.notify_all();
-            std::thread::sleep(Duration::from_micros(200));
-        }
+        self.idle_waiter().wait();
+    }
+
+    /// A handle that waits for the queued jobs without borrowing the tier (so a caller can wait
+    /// without holding the lock that guards the tier).
+    #[must_use]
+    pub fn idle_waiter(&self) -> IdleWaiter {
+        IdleWaiter(Arc::clone(&self.shared))
     }
 
     /// Counters and gauges.

@@ -319,3 +319,58 @@ def test_use_after_fork_is_a_clear_error(tmp_path: Path) -> None:
     assert m.lookup(K(1)) is True, "the parent keeps working"
     m.shutdown()
     region.close()
+
+
+def test_concurrent_use_from_threads(tmp_path: Path) -> None:
+    """Stores, lookups (promotions), flushes and stats from several threads at once: no error, no
+    hang, and every block that reads back ready has its bytes."""
+    import threading
+
+    m, region = make(tmp_path, max_queued_writes=4096)
+    errors: list[BaseException] = []
+    lock = threading.Lock()  # the host rows are written by the storing threads only under it
+
+    def storer(base: int) -> None:
+        try:
+            for i in range(base, base + 40):
+                out = m.prepare_store([K(i)])
+                if out is None or not out.keys_to_store:
+                    continue
+                with lock:
+                    rows(region)[int(out.store_spec.block_ids[0])] = content(i)
+                m.complete_store(out.keys_to_store)
+        except BaseException as e:  # noqa: BLE001
+            errors.append(e)
+
+    def looker() -> None:
+        try:
+            for _ in range(200):
+                for i in range(0, 80, 7):
+                    m.lookup(K(i))
+                m.get_stats()
+        except BaseException as e:  # noqa: BLE001
+            errors.append(e)
+
+    def flusher() -> None:
+        try:
+            for _ in range(20):
+                m.flush()
+        except BaseException as e:  # noqa: BLE001
+            errors.append(e)
+
+    threads = [threading.Thread(target=f, args=a) for f, a in
+               [(storer, (0,)), (storer, (40,)), (looker, ()), (flusher, ())]]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=120)
+        assert not t.is_alive(), "a thread hung"
+    assert errors == []
+    m.flush()
+    for i in range(80):
+        if m.lookup(K(i)) is None:
+            wait_ready(m, K(i))
+        if m.lookup(K(i)) is True:
+            assert np.array_equal(load_bytes(m, region, K(i)), content(i)), f"block {i}"
+    m.shutdown()
+    region.close()
