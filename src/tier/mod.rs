@@ -45,6 +45,41 @@
 //! promotion fails, and the tier keeps working.
 //!
 //! [`tiered::TieredManager`] puts a tier behind an offloading manager (the protocol of SPEC §9).
+//!
+//! ```
+//! use std::sync::Arc;
+//! use kvoff::key::ByteKey;
+//! use kvoff::manager::{LruManager, ManagerConfig, Presence};
+//! use kvoff::tier::{tiered::{TieredConfig, TieredManager}, FileTier, Layout, TierConfig, VecMemory};
+//!
+//! let dir = std::env::temp_dir().join(format!("kvoff-doc-{}", std::process::id()));
+//! let layout = Layout { namespace: "my-model".into(), world_size: 1, ..Layout::default() };
+//! let open = |mem: Arc<VecMemory>| -> kvoff::Result<TieredManager<LruManager<ByteKey>>> {
+//!     let tier = FileTier::open(TierConfig::new(&dir, 1 << 30, layout.clone()), mem)?;
+//!     Ok(TieredManager::new(LruManager::new(ManagerConfig::new(4)), tier, TieredConfig::default()))
+//! };
+//! let key = ByteKey::new(b"block-hash\0\0\0\0");
+//! {
+//!     let mem = Arc::new(VecMemory::new(4, 4096));
+//!     let mut m = open(mem.clone())?;
+//!     let out = m.prepare_store(&[key.clone()])?.expect("room");
+//!     mem.set_block(out.block_ids[0], &[7; 4096])?;          // the engine fills the host block
+//!     m.complete_store(&out.keys_to_store, true)?;           // ready, and written through to disk
+//!     m.shutdown();                                          // waits for the write
+//! }
+//! // A restart: host memory is empty, the file is found, promoted, then served.
+//! let mem = Arc::new(VecMemory::new(4, 4096));
+//! let mut m = open(mem.clone())?;
+//! assert_eq!(m.lookup(&key)?, Presence::Pending);
+//! m.tier().flush();
+//! assert_eq!(m.lookup(&key)?, Presence::Ready);
+//! let ids = m.prepare_load(&[key.clone()])?;
+//! assert_eq!(mem.block(ids[0])?, vec![7; 4096]);
+//! m.complete_load(&[key])?;
+//! # m.shutdown();
+//! # let _ = std::fs::remove_dir_all(&dir);
+//! # Ok::<(), kvoff::KvoffError>(())
+//! ```
 #![deny(unsafe_code)]
 
 pub mod bench;
