@@ -306,6 +306,24 @@ fn two_instances_share_a_directory() {
     let _ = std::fs::remove_dir_all(&dir);
 }
 
+#[test]
+fn same_owner_in_two_live_instances_still_shares() {
+    let dir = tmpdir("sameowner");
+    let (a, mem_a) = open(&dir, 1 << 30, 4);
+    let (b, mem_b) = open(&dir, 1 << 30, 4); // same default owner tag
+    write_keys(&a, &mem_a, &[1, 2]);
+    assert!(!b.contains(&key(1)));
+    b.rescan();
+    assert!(b.contains(&key(1)) && b.contains(&key(2)));
+    assert_eq!(read_key(&b, &mem_b, 1), Some(true));
+    assert_eq!(
+        b.stats().own_files,
+        0,
+        "found after the start: not counted as its own"
+    );
+    let _ = std::fs::remove_dir_all(&dir);
+}
+
 // ---------- child processes ----------
 
 fn child(mode: &str, dir: &Path) -> Command {

@@ -33,7 +33,10 @@
 //! removed are forgotten. The capacity ([`TierConfig::capacity_bytes`]) bounds the bytes of the files
 //! *this instance* owns (its owner tag, which survives restarts): before a write, least-recently-used
 //! own files (recency = written or promoted) are removed to make room. Other engines' files are
-//! never removed except when they are corrupt.
+//! never removed except when they are corrupt. Files with this instance's owner tag found at start
+//! are adopted as its own; found later (another live process with the same tag) they are readable
+//! but not counted, so two engines with the same tag still share files, but their capacities
+//! overlap: give engines on one host and namespace distinct [`TierConfig::owner`]s.
 //!
 //! **Validation.** A read checks header and payload checksum, the fingerprint, rank and key before a
 //! byte reaches host memory; a file that fails is never served: the read is a miss, the file is
@@ -720,9 +723,12 @@ impl Shared {
                 found.len(),
                 foldhash::fast::RandomState::default(),
             );
-        for (key, name, owned) in &found {
+        // Files of other owners, and (after the start) files with this owner's tag that this
+        // instance does not know (another live process with the same owner tag): readable, but not
+        // counted in this instance's capacity.
+        for (key, name, _) in &found {
             seen.insert(key);
-            if *owned || st.index.contains_key(key) {
+            if st.index.contains_key(key) {
                 continue;
             }
             st.index.insert(
