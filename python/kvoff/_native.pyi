@@ -251,6 +251,7 @@ class TieredManagerCore:
         max_tracker_size: int = 64000,
         disk_store_threshold: int = 0,
         io_threads: int = 8,
+        write_threads: int = 4,
         max_queued_writes: int = 256,
         fsync: bool = False,
         direct_io: str = "auto",

@@ -81,7 +81,8 @@ class TieredOffloadingManager:
         block_size, enable_events, store_threshold, max_tracker_size: as for the host managers.
         disk_store_threshold: write a block to disk only once it was stored this many times (< 2:
             always).
-        io_threads, max_queued_writes, fsync, direct_io (``"auto"``, ``"on"``, ``"off"``),
+        io_threads, write_threads (most I/O threads writing at once), max_queued_writes, fsync,
+        direct_io (``"auto"``, ``"on"``, ``"off"``),
         rescan_interval_s (``None``: index only at start), owner: see ``kvoff::tier::TierConfig``.
     """
 
@@ -106,6 +107,7 @@ class TieredOffloadingManager:
         max_tracker_size: int = 64000,
         disk_store_threshold: int = 0,
         io_threads: int = 8,
+        write_threads: int = 4,
         max_queued_writes: int = 256,
         fsync: bool = False,
         direct_io: str = "auto",
@@ -151,6 +153,7 @@ class TieredOffloadingManager:
             max_tracker_size=max_tracker_size,
             disk_store_threshold=disk_store_threshold,
             io_threads=io_threads,
+            write_threads=write_threads,
             max_queued_writes=max_queued_writes,
             fsync=fsync,
             direct_io=direct_io,

@@ -205,7 +205,7 @@ impl PyTieredCore {
         block_bytes, memory_owner, *, namespace = String::new(), page_sizes = Vec::new(),
         block_size_factor = 1, dtype = String::new(), world_size = 1, rank = 0, block_size = 0,
         enable_events = false, store_threshold = 0, max_tracker_size = 64000, disk_store_threshold = 0,
-        io_threads = 8, max_queued_writes = 256, fsync = false, direct_io = "auto",
+        io_threads = 8, write_threads = 4, max_queued_writes = 256, fsync = false, direct_io = "auto",
         rescan_interval_s = Some(2.0), owner = None, max_promotions = 256
     ))]
     #[allow(clippy::too_many_arguments, clippy::fn_params_excessive_bools)]
@@ -232,6 +232,7 @@ impl PyTieredCore {
         max_tracker_size: usize,
         disk_store_threshold: u32,
         io_threads: usize,
+        write_threads: usize,
         max_queued_writes: usize,
         fsync: bool,
         direct_io: &str,
@@ -288,6 +289,7 @@ impl PyTieredCore {
             },
         );
         tc.io_threads = io_threads;
+        tc.write_threads = write_threads;
         tc.max_queued_writes = max_queued_writes;
         tc.fsync = fsync;
         tc.direct_io = direct;
