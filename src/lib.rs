@@ -26,6 +26,7 @@
 //! | [`plan`] | specs × tensor descriptors → bounds-checked, merged [`plan::CopyPlan`] | no |
 //! | [`region`] | host memory: private or shared-by-name mmap, rank slots, prefault, pinning hook | yes |
 //! | [`engine`] | transfer engines: job queue, results, host memcpy engine | yes |
+//! | [`tier`] | file tier behind host memory (SPEC §9): one file per block, I/O threads, tiered manager | only `tier::io` (aligned buffers, raw host rows) |
 //! | `engine::cuda` (feature `cuda`, default) | CUDA engine: batched DMA, copy kernel, staged pipeline, calibration | yes |
 //!
 //! ## Moving bytes
@@ -38,7 +39,7 @@
 //! in submission order from `poll`. `examples/server_loop.rs` wires it all together.
 //!
 //! ## Safety model
-//! Unsafe code lives only in the modules that touch raw memory or FFI (`region`, `engine`); every other
+//! Unsafe code lives only in the modules that touch raw memory or FFI (`region`, `engine`, `tier::io`); every other
 //! module is `#![forbid(unsafe_code)]`. Every `unsafe fn` has a numbered `# Safety` list and every
 //! `unsafe {}` block a `// SAFETY:` comment naming the obligation it meets. No library code panics on
 //! bad input: errors are [`KvoffError`] values, which the Python bindings map to exception classes.
@@ -62,6 +63,7 @@ pub mod manager;
 pub mod plan;
 pub mod region;
 pub mod sizing;
+pub mod tier;
 
 #[cfg(feature = "python")]
 mod python;

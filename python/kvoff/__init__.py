@@ -46,6 +46,7 @@ from kvoff.handlers import (
     cpu_sizing,
 )
 from kvoff.metrics import TransferMetrics, serve_metrics
+from kvoff.tier import TieredOffloadingManager
 
 OffloadKey = bytes
 """An offload key: block hash bytes followed by the group index as 4-byte big-endian."""
@@ -91,6 +92,7 @@ __all__ = [
     "PrepareStoreOutput",
     "RegionError",
     "SingleDirectionOffloadingHandler",
+    "TieredOffloadingManager",
     "TransferMetrics",
     "TransferResult",
     "__version__",

@@ -17,8 +17,10 @@ __all__ = [
     "OffloadingManager",
     "PrepareStoreOutput",
     "RegionBuffer",
+    "TieredManagerCore",
     "TransferHandler",
     "__version__",
+    "bench_disk",
     "compute_sub_block_ptrs",
     "cpu_sizing",
     "cuda_available",
@@ -220,3 +222,72 @@ class TransferHandler:
     def engine(self) -> str: ...
     @property
     def num_tensors(self) -> int: ...
+
+# --- file tier (src/python/tier.rs); the public wrapper is kvoff.tier.TieredOffloadingManager ---
+
+@final
+class TieredManagerCore:
+    def __new__(
+        cls,
+        policy: str,
+        num_blocks: int,
+        disk_path: str | os.PathLike[str],
+        disk_bytes_to_use: int,
+        memory_ptr: int,
+        memory_rows: int,
+        row_stride_bytes: int,
+        block_bytes: int,
+        memory_owner: object,
+        *,
+        namespace: str = ...,
+        page_sizes: list[int] = ...,
+        block_size_factor: int = 1,
+        dtype: str = ...,
+        world_size: int = 1,
+        rank: int = 0,
+        block_size: int = 0,
+        enable_events: bool = False,
+        store_threshold: int = 0,
+        max_tracker_size: int = 64000,
+        disk_store_threshold: int = 0,
+        io_threads: int = 8,
+        write_threads: int = 4,
+        max_queued_writes: int = 256,
+        fsync: bool = False,
+        direct_io: str = "auto",
+        rescan_interval_s: float | None = ...,
+        owner: str | None = None,
+        max_promotions: int = 256,
+    ) -> TieredManagerCore: ...
+    def lookup(self, key: bytes) -> bool | None: ...
+    def lookup_prefix(self, keys: Iterable[bytes]) -> int | None: ...
+    def prepare_load(self, keys: Iterable[bytes]) -> list[int]: ...
+    def touch(self, keys: Iterable[bytes]) -> None: ...
+    def complete_load(self, keys: Iterable[bytes]) -> None: ...
+    def prepare_store(self, keys: Iterable[bytes]) -> tuple[list[bytes], list[int], list[bytes]] | None: ...
+    def complete_store(self, keys: Iterable[bytes], success: bool = True) -> None: ...
+    def take_events(self) -> list[tuple[list[bytes], bool]]: ...
+    def get_stats(self) -> dict[str, Any]: ...
+    def poll(self) -> None: ...
+    def flush(self) -> None: ...
+    def num_promoting(self) -> int: ...
+    @property
+    def disk_dir(self) -> str: ...
+    def disk_path_of(self, key: bytes) -> str: ...
+    def disk_contains(self, key: bytes) -> bool: ...
+    def disk_rescan(self) -> None: ...
+    def reset(self) -> None: ...
+    def shutdown(self) -> None: ...
+    def __len__(self) -> int: ...
+    @property
+    def num_blocks(self) -> int: ...
+
+def bench_disk(
+    dir: str | os.PathLike[str],
+    label: str,
+    page_sizes: list[int],
+    num_blocks: int = 256,
+    reps: int = 5,
+    io_threads: int = 8,
+    direct_io: str = "auto",
+) -> dict[str, Any]: ...

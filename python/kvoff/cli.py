@@ -1,5 +1,5 @@
-"""The ``kvoff`` command line: ``kvoff bench [managers|transfers]`` (no subcommand: all of them) and
-``kvoff demo`` (a simulated serving loop offloading a model-shaped KV cache)."""
+"""The ``kvoff`` command line: ``kvoff bench [managers|transfers|disk]`` (no subcommand: managers and
+transfers) and ``kvoff demo`` (a simulated serving loop offloading a model-shaped KV cache)."""
 
 from __future__ import annotations
 
@@ -38,6 +38,19 @@ def _bench_transfers(args: argparse.Namespace) -> int:
     else:
         sys.stderr.flush()
         print(format_transfer_rows(rows))
+    return 0
+
+
+def _bench_disk(args: argparse.Namespace) -> int:
+    import tempfile
+
+    from kvoff.tier import bench_disk_rows, format_disk_rows
+
+    d = args.dir or tempfile.gettempdir()
+    print(f"disk tier on {d}: {args.blocks} blocks of 2 MiB per repetition, {args.reps} repetitions, "
+          f"{args.io_threads} I/O threads", file=sys.stderr)
+    rows = bench_disk_rows(d, args.blocks, args.reps, args.io_threads, args.direct_io)
+    print(json.dumps(rows, indent=2) if args.json else format_disk_rows(rows))
     return 0
 
 
@@ -137,6 +150,15 @@ def main(argv: list[str] | None = None) -> int:
     t.add_argument("--json", action="store_true", help="print rows as JSON")
     t.add_argument("--quiet", action="store_true", help="no progress bar")
     t.set_defaults(func=_bench_transfers)
+    k = bsub.add_parser("disk", help="file tier (SPEC §9) write/read GB/s vs a sequential O_DIRECT write/read "
+                        "of the same bytes on the same filesystem, promotion latency, CPU per block")
+    k.add_argument("--dir", default=None, help="a directory on the filesystem to measure (default: $TMPDIR)")
+    k.add_argument("--blocks", type=int, default=256, help="2 MiB blocks per repetition (default 256)")
+    k.add_argument("--reps", type=int, default=5, help="repetitions (median reported)")
+    k.add_argument("--io-threads", dest="io_threads", type=int, default=8)
+    k.add_argument("--direct-io", dest="direct_io", choices=["auto", "on", "off"], default="auto")
+    k.add_argument("--json", action="store_true", help="print rows as JSON")
+    k.set_defaults(func=_bench_disk)
     d = sub.add_parser("demo", help="simulated serving loop: offload a Llama-3-8B-shaped KV cache, verify "
                        "every reloaded block, report hit rate, GB/s and prefill time saved")
     d.add_argument("--requests", type=int, default=160)

@@ -7,6 +7,7 @@
 mod errors;
 mod keys;
 mod manager;
+mod tier;
 mod worker;
 
 use pyo3::prelude::*;
@@ -18,5 +19,6 @@ fn _native(m: &Bound<'_, PyModule>) -> PyResult<()> {
     keys::register(m)?;
     manager::register(m)?;
     worker::register(m)?;
+    tier::register(m)?;
     Ok(())
 }

@@ -1,0 +1,546 @@
+//! Bindings of the file tier (SPEC §9): `TieredManagerCore`, a [`TieredManager`] over an LRU or ARC
+//! manager with plain return values (the Python class `kvoff.tier.TieredOffloadingManager` wraps it
+//! into SPEC §2's types), and `bench_disk`.
+//!
+//! Keys are extracted before the lock is taken and Python objects are built after it is released;
+//! calls that wait for I/O (`flush`, `reset`, `shutdown`, `bench_disk`) release the GIL.
+
+use std::sync::{Arc, Mutex, MutexGuard};
+use std::time::Duration;
+
+use pyo3::prelude::*;
+use pyo3::types::{PyBytes, PyDict};
+
+use super::errors::{guard, to_py, IntoPyResult};
+use crate::key::ByteKey;
+use crate::manager::{
+    ArcManager, BlockId, LruManager, ManagerConfig, ManagerStats, OffloadingEvent,
+    OffloadingManager, PrepareStoreOutput, Presence,
+};
+use crate::tier::bench::{run as run_bench, DiskBenchConfig};
+use crate::tier::tiered::{TieredConfig, TieredCounters, TieredManager};
+use crate::tier::{BlockMemory, DirectIo, FileTier, Layout, RawRows, TierConfig, TierStats};
+use crate::KvoffError;
+
+/// The host manager behind the tier: LRU or ARC.
+enum Host {
+    Lru(LruManager<ByteKey>),
+    Arc(ArcManager<ByteKey>),
+}
+
+macro_rules! host {
+    ($h:expr, $m:ident => $e:expr) => {
+        match $h {
+            Host::Lru($m) => $e,
+            Host::Arc($m) => $e,
+        }
+    };
+}
+
+impl OffloadingManager<ByteKey> for Host {
+    fn lookup(&self, key: &ByteKey) -> crate::Result<Presence> {
+        host!(self, m => m.lookup(key))
+    }
+    fn lookup_prefix(&self, keys: &[ByteKey]) -> crate::Result<Option<usize>> {
+        host!(self, m => m.lookup_prefix(keys))
+    }
+    fn prepare_load(&mut self, keys: &[ByteKey]) -> crate::Result<Vec<BlockId>> {
+        host!(self, m => m.prepare_load(keys))
+    }
+    fn touch(&mut self, keys: &[ByteKey]) -> crate::Result<()> {
+        host!(self, m => m.touch(keys))
+    }
+    fn complete_load(&mut self, keys: &[ByteKey]) -> crate::Result<()> {
+        host!(self, m => m.complete_load(keys))
+    }
+    fn prepare_store(
+        &mut self,
+        keys: &[ByteKey],
+    ) -> crate::Result<Option<PrepareStoreOutput<ByteKey>>> {
+        host!(self, m => m.prepare_store(keys))
+    }
+    fn complete_store(&mut self, keys: &[ByteKey], success: bool) -> crate::Result<()> {
+        host!(self, m => m.complete_store(keys, success))
+    }
+    fn take_events(&mut self) -> crate::Result<Vec<OffloadingEvent<ByteKey>>> {
+        host!(self, m => m.take_events())
+    }
+    fn get_stats(&mut self) -> crate::Result<ManagerStats> {
+        host!(self, m => m.get_stats())
+    }
+    fn reset(&mut self) -> crate::Result<()> {
+        host!(self, m => m.reset())
+    }
+    fn shutdown(&mut self) {
+        host!(self, m => m.shutdown());
+    }
+    fn len(&self) -> usize {
+        host!(self, m => m.len())
+    }
+    fn num_blocks(&self) -> usize {
+        host!(self, m => m.num_blocks())
+    }
+}
+
+/// A tiered manager for Python: see the module docs.
+#[pyclass(name = "TieredManagerCore", module = "kvoff._native", frozen)]
+pub struct PyTieredCore {
+    inner: Mutex<Option<TieredManager<Host>>>,
+    /// Keeps the object that owns the host memory alive while the tier may copy into it.
+    owner: Mutex<Option<Py<PyAny>>>,
+}
+
+fn keys_of(keys: &Bound<'_, PyAny>) -> PyResult<Vec<ByteKey>> {
+    let mut v = Vec::new();
+    for k in keys.try_iter()? {
+        let k = k?;
+        let b = k.cast::<PyBytes>().map_err(|_| {
+            pyo3::exceptions::PyTypeError::new_err(format!(
+                "keys must be bytes, got {}",
+                k.get_type()
+                    .name()
+                    .map(|n| n.to_string())
+                    .unwrap_or_default()
+            ))
+        })?;
+        v.push(ByteKey::new(b.as_bytes()));
+    }
+    Ok(v)
+}
+
+fn key_of(key: &Bound<'_, PyAny>) -> PyResult<ByteKey> {
+    let b = key
+        .cast::<PyBytes>()
+        .map_err(|_| pyo3::exceptions::PyTypeError::new_err("a key must be bytes"))?;
+    Ok(ByteKey::new(b.as_bytes()))
+}
+
+fn shut() -> PyErr {
+    to_py(KvoffError::state("the tiered manager is shut down"))
+}
+
+impl PyTieredCore {
+    fn lock(&self) -> MutexGuard<'_, Option<TieredManager<Host>>> {
+        self.inner
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner)
+    }
+
+    fn with<R>(&self, f: impl FnOnce(&mut TieredManager<Host>) -> crate::Result<R>) -> PyResult<R> {
+        guard(|| {
+            let mut g = self.lock();
+            let m = g.as_mut().ok_or_else(shut)?;
+            if m.tier().forked() {
+                return Err(to_py(KvoffError::state(
+                    "this tiered manager was created in another process (before fork()); \
+                     create a new one in this process",
+                )));
+            }
+            f(m).py()
+        })
+    }
+}
+
+fn stats_dict<'py>(
+    py: Python<'py>,
+    h: Option<&ManagerStats>,
+    t: &TierStats,
+    c: &TieredCounters,
+) -> PyResult<Bound<'py, PyDict>> {
+    let d = PyDict::new(py);
+    if let Some(s) = h {
+        d.set_item("usage", s.usage)?;
+        d.set_item("write_usage", s.write_usage)?;
+        d.set_item("read_usage", s.read_usage)?;
+        d.set_item("num_blocks", s.num_blocks)?;
+        d.set_item("num_present", s.num_present)?;
+        d.set_item("num_free", s.num_free)?;
+        d.set_item("num_evictable", s.num_evictable)?;
+        d.set_item("stores_skipped", s.stores_skipped)?;
+    }
+    d.set_item("disk_files_written", t.files_written)?;
+    d.set_item("disk_bytes_written", t.bytes_written)?;
+    d.set_item("disk_write_seconds", t.write_seconds)?;
+    d.set_item("disk_write_errors", t.write_errors)?;
+    d.set_item("disk_writes_dropped", t.writes_dropped)?;
+    d.set_item("disk_promotions", t.promotions)?;
+    d.set_item("disk_bytes_read", t.bytes_read)?;
+    d.set_item("disk_read_seconds", t.read_seconds)?;
+    d.set_item("disk_read_errors", t.read_errors)?;
+    d.set_item("disk_corrupt_files", t.corrupt_files)?;
+    d.set_item("disk_evicted_files", t.evicted_files)?;
+    d.set_item("disk_indexed_files", t.indexed_files)?;
+    d.set_item("disk_own_files", t.own_files)?;
+    d.set_item("disk_own_bytes", t.own_bytes)?;
+    d.set_item("disk_queued_reads", t.queued_reads)?;
+    d.set_item("disk_queued_writes", t.queued_writes)?;
+    d.set_item("disk_direct_io", t.direct_io)?;
+    d.set_item("disk_last_error", t.last_error.clone())?;
+    d.set_item("disk_hits", c.disk_hits)?;
+    d.set_item("disk_promotions_started", c.promotions_started)?;
+    d.set_item("disk_promotions_failed", c.promotions_failed)?;
+    d.set_item("disk_promotions_no_room", c.promotions_no_room)?;
+    d.set_item("disk_writes_started", c.writes_started)?;
+    d.set_item("disk_writes_below_threshold", c.writes_below_threshold)?;
+    Ok(d)
+}
+
+fn parse_direct(s: &str) -> PyResult<DirectIo> {
+    match s {
+        "auto" => Ok(DirectIo::Auto),
+        "on" => Ok(DirectIo::On),
+        "off" => Ok(DirectIo::Off),
+        _ => Err(to_py(KvoffError::Config(format!(
+            "direct_io must be 'auto', 'on' or 'off', got {s:?}"
+        )))),
+    }
+}
+
+#[pymethods]
+impl PyTieredCore {
+    /// See `kvoff.tier.TieredOffloadingManager`.
+    #[new]
+    #[pyo3(signature = (
+        policy, num_blocks, disk_path, disk_bytes_to_use, memory_ptr, memory_rows, row_stride_bytes,
+        block_bytes, memory_owner, *, namespace = String::new(), page_sizes = Vec::new(),
+        block_size_factor = 1, dtype = String::new(), world_size = 1, rank = 0, block_size = 0,
+        enable_events = false, store_threshold = 0, max_tracker_size = 64000, disk_store_threshold = 0,
+        io_threads = 8, write_threads = 4, max_queued_writes = 256, fsync = false, direct_io = "auto",
+        rescan_interval_s = Some(2.0), owner = None, max_promotions = 256
+    ))]
+    #[allow(clippy::too_many_arguments, clippy::fn_params_excessive_bools)]
+    fn new(
+        py: Python<'_>,
+        policy: &str,
+        num_blocks: usize,
+        disk_path: std::path::PathBuf,
+        disk_bytes_to_use: u64,
+        memory_ptr: u64,
+        memory_rows: u64,
+        row_stride_bytes: u64,
+        block_bytes: usize,
+        memory_owner: Py<PyAny>,
+        namespace: String,
+        page_sizes: Vec<u64>,
+        block_size_factor: u64,
+        dtype: String,
+        world_size: u32,
+        rank: u32,
+        block_size: usize,
+        enable_events: bool,
+        store_threshold: usize,
+        max_tracker_size: usize,
+        disk_store_threshold: u32,
+        io_threads: usize,
+        write_threads: usize,
+        max_queued_writes: usize,
+        fsync: bool,
+        direct_io: &str,
+        rescan_interval_s: Option<f64>,
+        owner: Option<String>,
+        max_promotions: usize,
+    ) -> PyResult<Self> {
+        let direct = parse_direct(direct_io)?;
+        if memory_rows < num_blocks as u64 {
+            return Err(to_py(KvoffError::arg(format!(
+                "the host memory has {memory_rows} rows but num_blocks = {num_blocks}"
+            ))));
+        }
+        let rescan = match rescan_interval_s {
+            None => None,
+            Some(s) if s.is_finite() && s > 0.0 && s < 1e6 => Some(Duration::from_secs_f64(s)),
+            Some(s) => {
+                return Err(to_py(KvoffError::arg(format!(
+                    "rescan_interval_s must be > 0 and finite, or None; got {s}"
+                ))))
+            }
+        };
+        // SAFETY: obligation 1 of `RawRows::new` is the caller's, documented on
+        // `kvoff.tier.TieredOffloadingManager` (as for the tensor pointers given to transfer
+        // engines): the memory belongs to `memory_owner`, which this object keeps alive until
+        // `shutdown`, and it is not closed before that. Obligation 2 is kept by `TieredManager`
+        // (write pins, pending promotions).
+        let memory =
+            unsafe { RawRows::new(memory_ptr, memory_rows, row_stride_bytes, block_bytes) }.py()?;
+        let mut mc = ManagerConfig::new(num_blocks);
+        mc.block_size = block_size;
+        mc.enable_events = enable_events;
+        mc.store_threshold = store_threshold;
+        mc.max_tracker_size = max_tracker_size;
+        let host = match policy {
+            "lru" => Host::Lru(LruManager::try_new(mc).py()?),
+            "arc" => Host::Arc(ArcManager::try_new(mc).py()?),
+            _ => {
+                return Err(pyo3::exceptions::PyValueError::new_err(format!(
+                    "policy must be 'lru' or 'arc', got {policy:?}"
+                )))
+            }
+        };
+        let mut tc = TierConfig::new(
+            disk_path,
+            disk_bytes_to_use,
+            Layout {
+                namespace,
+                page_sizes_bytes: page_sizes,
+                block_size_factor,
+                dtype,
+                world_size,
+                rank,
+            },
+        );
+        tc.io_threads = io_threads;
+        tc.write_threads = write_threads;
+        tc.max_queued_writes = max_queued_writes;
+        tc.fsync = fsync;
+        tc.direct_io = direct;
+        tc.rescan_interval = rescan;
+        tc.owner = owner;
+        let mem: Arc<dyn BlockMemory> = Arc::new(memory);
+        let tier = py.detach(|| guard(|| FileTier::open(tc, mem).py()))?;
+        let cfg = TieredConfig {
+            disk_store_threshold,
+            max_tracker_size,
+            max_promotions,
+        };
+        Ok(Self {
+            inner: Mutex::new(Some(TieredManager::new(host, tier, cfg))),
+            owner: Mutex::new(Some(memory_owner)),
+        })
+    }
+
+    /// `True` ready, `None` pending (store or promotion in flight), `False` absent.
+    fn lookup(&self, key: &Bound<'_, PyAny>) -> PyResult<Option<bool>> {
+        let k = key_of(key)?;
+        Ok(match self.with(|m| m.lookup(&k))? {
+            Presence::Ready => Some(true),
+            Presence::Pending => None,
+            Presence::Absent => Some(false),
+        })
+    }
+
+    /// Leading ready keys, or `None` when the first non-ready one is pending or being promoted.
+    fn lookup_prefix(&self, keys: &Bound<'_, PyAny>) -> PyResult<Option<usize>> {
+        let k = keys_of(keys)?;
+        self.with(|m| m.lookup_prefix(&k))
+    }
+
+    /// Pins the keys for a load; returns their block ids.
+    fn prepare_load(&self, keys: &Bound<'_, PyAny>) -> PyResult<Vec<BlockId>> {
+        let k = keys_of(keys)?;
+        self.with(|m| m.prepare_load(&k))
+    }
+
+    /// Recency update.
+    fn touch(&self, keys: &Bound<'_, PyAny>) -> PyResult<()> {
+        let k = keys_of(keys)?;
+        self.with(|m| m.touch(&k))
+    }
+
+    /// Unpins loaded keys.
+    fn complete_load(&self, keys: &Bound<'_, PyAny>) -> PyResult<()> {
+        let k = keys_of(keys)?;
+        self.with(|m| m.complete_load(&k))
+    }
+
+    /// `(keys_to_store, block_ids, evicted_keys)` or `None`.
+    #[allow(clippy::type_complexity)]
+    fn prepare_store<'py>(
+        &self,
+        py: Python<'py>,
+        keys: &Bound<'_, PyAny>,
+    ) -> PyResult<
+        Option<(
+            Vec<Bound<'py, PyBytes>>,
+            Vec<BlockId>,
+            Vec<Bound<'py, PyBytes>>,
+        )>,
+    > {
+        let k = keys_of(keys)?;
+        let out = self.with(|m| m.prepare_store(&k))?;
+        Ok(out.map(|o| {
+            (
+                o.keys_to_store
+                    .iter()
+                    .map(|k| PyBytes::new(py, k.as_bytes()))
+                    .collect(),
+                o.block_ids,
+                o.evicted_keys
+                    .iter()
+                    .map(|k| PyBytes::new(py, k.as_bytes()))
+                    .collect(),
+            )
+        }))
+    }
+
+    /// Finishes stores (and writes the stored blocks through to the disk tier).
+    #[pyo3(signature = (keys, success = true))]
+    fn complete_store(&self, keys: &Bound<'_, PyAny>, success: bool) -> PyResult<()> {
+        let k = keys_of(keys)?;
+        self.with(|m| m.complete_store(&k, success))
+    }
+
+    /// Events as `(keys, removed)` pairs, in order.
+    fn take_events<'py>(&self, py: Python<'py>) -> PyResult<Vec<(Vec<Bound<'py, PyBytes>>, bool)>> {
+        let evs = self.with(TieredManager::take_events)?;
+        Ok(evs
+            .into_iter()
+            .map(|e| {
+                (
+                    e.keys
+                        .iter()
+                        .map(|k| PyBytes::new(py, k.as_bytes()))
+                        .collect(),
+                    e.removed,
+                )
+            })
+            .collect())
+    }
+
+    /// Host gauges (SPEC §2.2) plus `disk_*` counters and gauges.
+    fn get_stats<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyDict>> {
+        let (h, t, c) = self.with(TieredManager::get_stats)?;
+        stats_dict(py, Some(&h), &t, &c)
+    }
+
+    /// Applies finished disk I/O (never blocks).
+    fn poll(&self) -> PyResult<()> {
+        self.with(TieredManager::poll)
+    }
+
+    /// Waits (GIL released, manager lock not held) until the queued disk I/O has run, then
+    /// applies it.
+    fn flush(&self, py: Python<'_>) -> PyResult<()> {
+        let waiter = self.with(|m| Ok(m.tier().idle_waiter()))?;
+        py.detach(|| waiter.wait());
+        self.with(TieredManager::poll)
+    }
+
+    /// Number of promotions in flight.
+    fn num_promoting(&self) -> PyResult<usize> {
+        self.with(|m| Ok(m.num_promoting()))
+    }
+
+    /// The directory of this layout's files.
+    #[getter]
+    fn disk_dir(&self) -> PyResult<String> {
+        self.with(|m| Ok(m.tier().dir().display().to_string()))
+    }
+
+    /// Path of a key's file (whether or not it exists).
+    fn disk_path_of(&self, key: &Bound<'_, PyAny>) -> PyResult<String> {
+        let k = key_of(key)?;
+        self.with(|m| Ok(m.tier().path_of(&k).display().to_string()))
+    }
+
+    /// Whether a key has a published file (no I/O).
+    fn disk_contains(&self, key: &Bound<'_, PyAny>) -> PyResult<bool> {
+        let k = key_of(key)?;
+        self.with(|m| Ok(m.tier().contains(&k)))
+    }
+
+    /// Lists the disk directory again now (GIL released).
+    fn disk_rescan(&self, py: Python<'_>) -> PyResult<()> {
+        py.detach(|| {
+            self.with(|m| {
+                m.tier().rescan();
+                Ok(())
+            })
+        })
+    }
+
+    /// Waits for disk I/O, then forgets every host key (files stay).
+    fn reset(&self, py: Python<'_>) -> PyResult<()> {
+        // Wait without the lock first, so other threads are not held up for the whole wait; the
+        // reset itself then finds (almost) nothing in flight.
+        let waiter = self.with(|m| Ok(m.tier().idle_waiter()))?;
+        py.detach(|| waiter.wait());
+        py.detach(|| self.with(TieredManager::reset))
+    }
+
+    /// Waits for disk I/O, stops the I/O threads; idempotent. Later calls raise `InvalidStateError`.
+    fn shutdown(&self, py: Python<'_>) -> PyResult<()> {
+        let m = self.lock().take();
+        if let Some(mut m) = m {
+            py.detach(|| {
+                guard(|| {
+                    m.shutdown();
+                    Ok(())
+                })
+            })?;
+        }
+        let owner = self
+            .owner
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner)
+            .take();
+        drop(owner);
+        Ok(())
+    }
+
+    fn __len__(&self) -> PyResult<usize> {
+        self.with(|m| Ok(m.len()))
+    }
+
+    /// Host capacity in blocks.
+    #[getter]
+    fn num_blocks(&self) -> PyResult<usize> {
+        self.with(|m| Ok(m.num_blocks()))
+    }
+}
+
+/// Runs the disk benchmark for one layout (GIL released) and returns its row as a dict.
+#[pyfunction]
+#[pyo3(signature = (dir, label, page_sizes, num_blocks = 256, reps = 5, io_threads = 8, direct_io = "auto"))]
+#[allow(clippy::too_many_arguments)]
+fn bench_disk<'py>(
+    py: Python<'py>,
+    dir: std::path::PathBuf,
+    label: String,
+    page_sizes: Vec<u64>,
+    num_blocks: usize,
+    reps: usize,
+    io_threads: usize,
+    direct_io: &str,
+) -> PyResult<Bound<'py, PyDict>> {
+    let cfg = DiskBenchConfig {
+        dir,
+        label,
+        page_sizes_bytes: page_sizes,
+        num_blocks,
+        reps,
+        io_threads,
+        direct_io: parse_direct(direct_io)?,
+    };
+    let r = py.detach(|| guard(|| run_bench(&cfg).py()))?;
+    let d = PyDict::new(py);
+    d.set_item("label", r.label)?;
+    d.set_item("block_bytes", r.block_bytes)?;
+    d.set_item("num_blocks", r.num_blocks)?;
+    d.set_item("io_threads", r.io_threads)?;
+    d.set_item("direct_io", r.direct_io)?;
+    d.set_item("baseline_direct_io", r.baseline_direct_io)?;
+    d.set_item("fill_write_gbps", r.fill_write_gbps)?;
+    d.set_item("tier_write_gbps", r.tier_write_gbps)?;
+    d.set_item("tier_read_gbps", r.tier_read_gbps)?;
+    d.set_item("seq_write_gbps", r.seq_write_gbps)?;
+    d.set_item("seq_read_gbps", r.seq_read_gbps)?;
+    d.set_item("seq_write_block_req_gbps", r.seq_write_block_req_gbps)?;
+    d.set_item("seq_read_block_req_gbps", r.seq_read_block_req_gbps)?;
+    d.set_item("scattered_write_gbps", r.scattered_write_gbps)?;
+    d.set_item("scattered_read_gbps", r.scattered_read_gbps)?;
+    d.set_item("write_ratio", r.write_ratio)?;
+    d.set_item("read_ratio", r.read_ratio)?;
+    d.set_item("promotion_p50_us", r.promotion_p50_us)?;
+    d.set_item("promotion_p90_us", r.promotion_p90_us)?;
+    d.set_item("write_cpu_us_per_block", r.write_cpu_us_per_block)?;
+    d.set_item("read_cpu_us_per_block", r.read_cpu_us_per_block)?;
+    d.set_item("seq_cpu_us_per_block", r.seq_cpu_us_per_block)?;
+    d.set_item("lookup_hit_ns_per_key", r.lookup_hit_ns_per_key)?;
+    Ok(d)
+}
+
+pub(crate) fn register(m: &Bound<'_, PyModule>) -> PyResult<()> {
+    m.add_class::<PyTieredCore>()?;
+    m.add_function(wrap_pyfunction!(bench_disk, m)?)?;
+    Ok(())
+}

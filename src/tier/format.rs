@@ -1,0 +1,234 @@
+//! On-disk format of one tier file: a 4 KiB header, then the payload padded to a multiple of 4 KiB.
+//!
+//! Header (little-endian): magic `KVOFFTB1`, format version, header length, layout fingerprint,
+//! rank, world size, payload length, xxh3-64 of the payload, owner tag, key length and key bytes,
+//! and at the end of the used bytes the xxh3-64 of everything before it. A file is served only when
+//! the magic, version, fingerprint, rank, key, lengths and both checksums match; anything else is a
+//! corrupt file. The 4 KiB alignment of header and payload lets the file be read and written with
+//! `O_DIRECT` in one call.
+#![forbid(unsafe_code)]
+
+use xxhash_rust::xxh3::xxh3_64;
+
+/// File magic.
+pub const MAGIC: [u8; 8] = *b"KVOFFTB1";
+/// Format version.
+pub const VERSION: u32 = 1;
+/// Bytes of the header (and the alignment unit of the file).
+pub const HEADER_BYTES: usize = 4096;
+/// Longest key stored in a header.
+pub const MAX_KEY_BYTES: usize = 1024;
+
+const OFF_VERSION: usize = 8;
+const OFF_HEADER_LEN: usize = 12;
+const OFF_FINGERPRINT: usize = 16;
+const OFF_RANK: usize = 24;
+const OFF_WORLD: usize = 28;
+const OFF_PAYLOAD_LEN: usize = 32;
+const OFF_PAYLOAD_SUM: usize = 40;
+const OFF_OWNER: usize = 48;
+const OFF_KEY_LEN: usize = 56;
+const OFF_KEY: usize = 64;
+
+/// What a header says (and what a reader expects).
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Header {
+    /// Layout fingerprint (see [`super::Layout::fingerprint`]).
+    pub fingerprint: u64,
+    /// Rank whose slot the payload is.
+    pub rank: u32,
+    /// Number of ranks of the writer.
+    pub world_size: u32,
+    /// Payload bytes (unpadded).
+    pub payload_len: u64,
+    /// xxh3-64 of the payload.
+    pub payload_sum: u64,
+    /// Tag of the tier instance that wrote the file.
+    pub owner: u64,
+    /// The offload key.
+    pub key: Vec<u8>,
+}
+
+/// Total file length for a payload of `payload_len` bytes: header plus payload rounded up to 4 KiB.
+#[must_use]
+pub const fn file_len(payload_len: u64) -> u64 {
+    HEADER_BYTES as u64 + payload_len.div_ceil(HEADER_BYTES as u64) * HEADER_BYTES as u64
+}
+
+/// Checksum of a payload.
+#[must_use]
+pub fn payload_sum(payload: &[u8]) -> u64 {
+    xxh3_64(payload)
+}
+
+fn put_u32(b: &mut [u8], off: usize, v: u32) {
+    b[off..off + 4].copy_from_slice(&v.to_le_bytes());
+}
+fn put_u64(b: &mut [u8], off: usize, v: u64) {
+    b[off..off + 8].copy_from_slice(&v.to_le_bytes());
+}
+fn get_u32(b: &[u8], off: usize) -> u32 {
+    let mut a = [0u8; 4];
+    a.copy_from_slice(&b[off..off + 4]);
+    u32::from_le_bytes(a)
+}
+fn get_u64(b: &[u8], off: usize) -> u64 {
+    let mut a = [0u8; 8];
+    a.copy_from_slice(&b[off..off + 8]);
+    u64::from_le_bytes(a)
+}
+
+/// Writes `h` into the first [`HEADER_BYTES`] of `out` (the rest of those bytes become zero).
+/// Returns `false` (writing nothing) when the key is longer than [`MAX_KEY_BYTES`] or `out` is
+/// shorter than a header.
+pub fn encode(h: &Header, out: &mut [u8]) -> bool {
+    if h.key.len() > MAX_KEY_BYTES || out.len() < HEADER_BYTES {
+        return false;
+    }
+    let b = &mut out[..HEADER_BYTES];
+    b.fill(0);
+    b[..8].copy_from_slice(&MAGIC);
+    put_u32(b, OFF_VERSION, VERSION);
+    #[allow(clippy::cast_possible_truncation)] // 4096
+    put_u32(b, OFF_HEADER_LEN, HEADER_BYTES as u32);
+    put_u64(b, OFF_FINGERPRINT, h.fingerprint);
+    put_u32(b, OFF_RANK, h.rank);
+    put_u32(b, OFF_WORLD, h.world_size);
+    put_u64(b, OFF_PAYLOAD_LEN, h.payload_len);
+    put_u64(b, OFF_PAYLOAD_SUM, h.payload_sum);
+    put_u64(b, OFF_OWNER, h.owner);
+    #[allow(clippy::cast_possible_truncation)] // ≤ MAX_KEY_BYTES
+    put_u32(b, OFF_KEY_LEN, h.key.len() as u32);
+    b[OFF_KEY..OFF_KEY + h.key.len()].copy_from_slice(&h.key);
+    let end = OFF_KEY + h.key.len();
+    let sum = xxh3_64(&b[..end]);
+    put_u64(b, end, sum);
+    true
+}
+
+/// Why a header was rejected.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Reject {
+    /// Too short, bad magic, version, header length or header checksum.
+    Damaged,
+    /// A valid header of another layout, rank or key (not ours to serve).
+    Mismatch,
+}
+
+/// Decodes and checks a header (magic, version, lengths, header checksum).
+///
+/// # Errors
+/// [`Reject::Damaged`] when any check fails.
+pub fn decode(b: &[u8]) -> Result<Header, Reject> {
+    if b.len() < HEADER_BYTES || b[..8] != MAGIC {
+        return Err(Reject::Damaged);
+    }
+    if get_u32(b, OFF_VERSION) != VERSION || get_u32(b, OFF_HEADER_LEN) as usize != HEADER_BYTES {
+        return Err(Reject::Damaged);
+    }
+    let key_len = get_u32(b, OFF_KEY_LEN) as usize;
+    if key_len > MAX_KEY_BYTES {
+        return Err(Reject::Damaged);
+    }
+    let end = OFF_KEY + key_len;
+    if get_u64(b, end) != xxh3_64(&b[..end]) {
+        return Err(Reject::Damaged);
+    }
+    Ok(Header {
+        fingerprint: get_u64(b, OFF_FINGERPRINT),
+        rank: get_u32(b, OFF_RANK),
+        world_size: get_u32(b, OFF_WORLD),
+        payload_len: get_u64(b, OFF_PAYLOAD_LEN),
+        payload_sum: get_u64(b, OFF_PAYLOAD_SUM),
+        owner: get_u64(b, OFF_OWNER),
+        key: b[OFF_KEY..end].to_vec(),
+    })
+}
+
+/// Checks a header against what the reader expects (fingerprint, rank, world size, payload length,
+/// key); the payload checksum is the caller's to compare with the returned `payload_sum`.
+///
+/// # Errors
+/// [`Reject::Damaged`] for a bad header; [`Reject::Mismatch`] for another layout, rank, key or length.
+pub fn verify_header(b: &[u8], expect: &Header) -> Result<Header, Reject> {
+    let h = decode(b)?;
+    if h.fingerprint != expect.fingerprint
+        || h.rank != expect.rank
+        || h.world_size != expect.world_size
+        || h.payload_len != expect.payload_len
+        || h.key != expect.key
+    {
+        return Err(Reject::Mismatch);
+    }
+    Ok(h)
+}
+
+/// Checks a whole file image (`buf` = the bytes read, `expect` = what the reader wants, with
+/// `payload_sum` ignored) and returns the payload slice.
+///
+/// # Errors
+/// [`Reject::Damaged`] for a bad header, a short file or a payload checksum mismatch;
+/// [`Reject::Mismatch`] for a valid header of another layout, rank, key or payload length.
+pub fn verify<'a>(buf: &'a [u8], expect: &Header) -> Result<&'a [u8], Reject> {
+    let h = verify_header(buf, expect)?;
+    let len = usize::try_from(h.payload_len).map_err(|_| Reject::Damaged)?;
+    let payload = buf
+        .get(HEADER_BYTES..HEADER_BYTES + len)
+        .ok_or(Reject::Damaged)?;
+    if payload_sum(payload) != h.payload_sum {
+        return Err(Reject::Damaged);
+    }
+    Ok(payload)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn hdr() -> Header {
+        Header {
+            fingerprint: 7,
+            rank: 1,
+            world_size: 2,
+            payload_len: 5,
+            payload_sum: payload_sum(b"hello"),
+            owner: 9,
+            key: b"key\0\0\0\0".to_vec(),
+        }
+    }
+
+    #[test]
+    fn roundtrip_and_every_flipped_header_byte_is_caught() {
+        let h = hdr();
+        let mut buf = vec![0u8; file_len(5) as usize];
+        assert!(encode(&h, &mut buf));
+        buf[HEADER_BYTES..HEADER_BYTES + 5].copy_from_slice(b"hello");
+        assert_eq!(decode(&buf).unwrap(), h);
+        assert_eq!(verify(&buf, &h).unwrap(), b"hello");
+        let used = OFF_KEY + h.key.len() + 8;
+        for i in 0..used {
+            let mut b = buf.clone();
+            b[i] ^= 0x10;
+            assert!(verify(&b, &h).is_err(), "flipped header byte {i} accepted");
+        }
+        for i in HEADER_BYTES..HEADER_BYTES + 5 {
+            let mut b = buf.clone();
+            b[i] ^= 1;
+            assert_eq!(verify(&b, &h), Err(Reject::Damaged));
+        }
+        let mut other = h.clone();
+        other.rank = 0;
+        assert_eq!(verify(&buf, &other), Err(Reject::Mismatch));
+        assert_eq!(verify(&buf[..100], &h), Err(Reject::Damaged));
+    }
+
+    #[test]
+    fn lengths() {
+        assert_eq!(file_len(0), 4096);
+        assert_eq!(file_len(1), 8192);
+        assert_eq!(file_len(2 << 20), 4096 + (2 << 20));
+        let mut h = hdr();
+        h.key = vec![0; MAX_KEY_BYTES + 1];
+        assert!(!encode(&h, &mut [0u8; HEADER_BYTES]));
+    }
+}
