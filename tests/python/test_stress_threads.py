@@ -42,7 +42,7 @@ def _run(body: str, policy: str) -> str:
     code = PRELUDE + textwrap.dedent(body)
     try:
         p = subprocess.run(
-            [sys.executable, "-c", code, policy], capture_output=True, text=True, timeout=TIMEOUT_S
+            [sys.executable, "-c", code, policy], capture_output=True, text=True, timeout=TIMEOUT_S, check=False
         )
     except subprocess.TimeoutExpired:
         pytest.fail(f"scenario hung (> {TIMEOUT_S}s): a deadlock")
