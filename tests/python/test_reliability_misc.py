@@ -2,9 +2,8 @@
 
 from __future__ import annotations
 
-import pytest
-
 import kvoff
+import pytest
 
 
 def test_shared_region_timeout_must_be_a_number_not_a_bool() -> None:
