@@ -13,6 +13,20 @@
 use crate::error::{KvoffError, Result};
 
 /// Checks the common arguments and returns `(f, max_id, number of sub-blocks to emit)`.
+/// Most sub-blocks one expansion may produce (2^28: 2 GiB of ids or pointers). Far above any real
+/// job (a 512 MiB job of 4 KiB pages is 2^17 copies); an absurd size is a `ValueError`, never an
+/// allocation that aborts the process.
+pub const MAX_SUB_BLOCKS: usize = 1 << 28;
+
+fn reserve<T>(out: &mut Vec<T>, count: usize) -> Result<()> {
+    out.try_reserve(count).map_err(|_| {
+        KvoffError::arg(format!(
+            "cannot allocate {count} sub-blocks ({} bytes)",
+            count.saturating_mul(std::mem::size_of::<T>())
+        ))
+    })
+}
+
 fn check_args(
     block_ids: &[i64],
     block_size_factor: usize,
@@ -50,6 +64,12 @@ fn check_args(
             )))
         }
     };
+    if count > MAX_SUB_BLOCKS {
+        return Err(KvoffError::arg(format!(
+            "this expansion would produce {count} sub-blocks, more than the {MAX_SUB_BLOCKS} one \
+             call may (a job of that many copies cannot be right; check block_size_factor and count)"
+        )));
+    }
     let mut max_id: i64 = 0;
     for (i, &b) in block_ids.iter().enumerate() {
         if b < 0 {
@@ -104,7 +124,7 @@ pub fn expand_block_ids_into(
             "block id {max_id} x block_size_factor {f} overflows i64"
         )));
     }
-    out.reserve(count);
+    reserve(out, count)?;
     // Both fit in i64: checked above.
     let f = f as i64;
     let mut remaining = count;
@@ -188,7 +208,7 @@ pub fn compute_sub_block_ptrs_into(
              {row_stride_bytes}"
         )));
     }
-    out.reserve(count);
+    reserve(out, count)?;
     let mut remaining = count;
     let mut skip = skip_count as u64;
     for &b in block_ids {

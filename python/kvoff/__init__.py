@@ -64,7 +64,7 @@ def create_manager(policy: str, num_blocks: int, **kwargs: Any) -> OffloadingMan
     """
     if not isinstance(policy, str):
         raise TypeError(f"policy must be a str, got {type(policy).__name__}")
-    cls = _POLICIES.get(policy.lower())
+    cls = _POLICIES.get(policy)  # exact: "LRU" is not a policy name (SPEC §2)
     if cls is None:
         raise ValueError(f"unknown eviction policy {policy!r}; valid choices: {sorted(_POLICIES)}")
     return cls(num_blocks, **kwargs)

@@ -17,6 +17,7 @@ torch is imported lazily: ``import kvoff`` works without it; these classes need 
 from __future__ import annotations
 
 import math
+import os
 import warnings
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
@@ -26,7 +27,7 @@ import numpy as np
 
 from kvoff import _native
 from kvoff._native import HostRegion, cuda_available
-from kvoff.errors import CudaUnavailableError, KvoffError
+from kvoff.errors import CudaUnavailableError, InvalidStateError, KvoffError
 from kvoff.metrics import TransferMetrics
 
 __all__ = [
@@ -490,9 +491,22 @@ class SingleDirectionOffloadingHandler:
     :class:`kvoff.TransferMetrics`), every result returned by :meth:`get_finished` is observed there.
     """
 
-    def __init__(self, native: Any, device: Any = None, metrics: TransferMetrics | None = None) -> None:
+    def __init__(
+        self,
+        native: Any,
+        device: Any = None,
+        metrics: TransferMetrics | None = None,
+        storages: Sequence[tuple[Any, int, int]] = (),
+    ) -> None:
         self._native = native
         self.metrics = metrics
+        # The process that owns the engine (its threads, streams, events): a fork()ed child has
+        # none of them, so there every call fails clearly instead of waiting forever.
+        self._pid = os.getpid()
+        # (storage, data_ptr, bytes needed) of every engine tensor: the engine holds raw pointers,
+        # so a storage resized or reallocated since (``untyped_storage().resize_(0)``) is refused
+        # at submission instead of being written after it was freed.
+        self._storages = tuple(storages)
         self._store = native.direction == "gpu_to_cpu"
         self._transfer_type: tuple[str, str] = tuple(native.transfer_type)  # type: ignore[assignment]
         self._cuda = native.engine.startswith("cuda")
@@ -517,6 +531,8 @@ class SingleDirectionOffloadingHandler:
             TypeError: the specs are of the wrong kind for this direction.
             InvalidStateError: the handler was shut down.
         """
+        self._check_process()
+        self._check_storages()
         try:
             src, dst = spec
         except (TypeError, ValueError):
@@ -539,6 +555,7 @@ class SingleDirectionOffloadingHandler:
 
     def get_finished(self) -> list[TransferResult]:
         """Results of finished transfers not returned before, in submission order. Never blocks."""
+        self._check_process()
         tt = self._transfer_type
         out = [TransferResult(j, ok, n, t, tt, err) for (j, ok, n, t, err) in self._native.get_finished()]
         if self.metrics is not None and out:
@@ -547,15 +564,50 @@ class SingleDirectionOffloadingHandler:
 
     def wait(self, job_ids: Iterable[int] | int) -> None:
         """Blocks until the jobs ``job_ids`` finished (unknown ids are ignored); releases the GIL."""
+        self._check_process()
         ids = [job_ids] if isinstance(job_ids, int) else list(job_ids)
         self._native.wait(ids)
 
     def shutdown(self) -> None:
-        """Drains in-flight transfers and stops the engine. Idempotent."""
+        """Drains in-flight transfers and stops the engine. Idempotent. In a fork()ed child it
+        does nothing: the engine belongs to the parent."""
+        if os.getpid() != self._pid:
+            return
         self._native.shutdown()
+
+    def _check_process(self) -> None:
+        if os.getpid() != self._pid:
+            raise InvalidStateError(
+                f"these kvoff transfer handlers belong to process {self._pid} and cannot be used in "
+                f"a fork()ed child (process {os.getpid()}); create new handlers in the child"
+            )
+
+    def _check_storages(self) -> None:
+        for i, (st, ptr, need) in enumerate(self._storages):
+            if st.data_ptr() != ptr or st.nbytes() < need:
+                raise ValueError(
+                    f"the storage of KV-cache tensor {i} was resized or reallocated since the handlers "
+                    f"were created ({st.nbytes()} bytes at {st.data_ptr():#x}, needed {need} at "
+                    f"{ptr:#x}); create new handlers for the new tensors"
+                )
 
     def __repr__(self) -> str:
         return f"SingleDirectionOffloadingHandler({self._transfer_type}, engine={self.engine!r})"
+
+
+def _storage_extents(views: Sequence[Any]) -> list[tuple[Any, int, int]]:
+    """For each distinct storage under ``views`` (2-D byte views): the storage, its data pointer
+    and the bytes the views reach into it."""
+    need: dict[int, tuple[Any, int, int]] = {}
+    for v in views:
+        st = v.untyped_storage()
+        ptr = int(st.data_ptr())
+        end = v.storage_offset() * v.element_size()
+        if v.numel() > 0:
+            end += ((v.shape[0] - 1) * v.stride(0) + (v.shape[1] - 1) * v.stride(1) + 1) * v.element_size()
+        prev = need.get(ptr)
+        need[ptr] = (st, ptr, max(end, prev[2] if prev else 0))
+    return list(need.values())
 
 
 def _check_medium(spec: Any, medium: str, role: str) -> None:
@@ -700,15 +752,18 @@ class CpuGpuOffloadingHandlers:
         self.gpu_tensors: list[Any] = gpu_views
         self.cpu_tensors: list[Any] = cpu_tensors
         self.kv_caches = caches
+        storages = _storage_extents(gpu_views)
         self.gpu_to_cpu_handler = SingleDirectionOffloadingHandler(
             _native.TransferHandler("gpu_to_cpu", gpu_views, cpu_tensors, group_refs, block_size_factor, engine),
             device,
             self.metrics,
+            storages,
         )
         self.cpu_to_gpu_handler = SingleDirectionOffloadingHandler(
             _native.TransferHandler("cpu_to_gpu", gpu_views, cpu_tensors, group_refs, block_size_factor, engine),
             device,
             self.metrics,
+            storages,
         )
 
     @property

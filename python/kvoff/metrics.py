@@ -105,6 +105,8 @@ class TransferMetrics:
     """
 
     def __init__(self, manager: Any = None) -> None:
+        if manager is not None and not callable(getattr(manager, "get_stats", None)):
+            raise TypeError(f"manager must be a kvoff manager (with get_stats()), got {type(manager).__name__}")
         self._lock = threading.Lock()
         self._dirs = {d: _Direction() for d in DIRECTIONS}
         self._manager = manager

@@ -39,17 +39,22 @@ pub(crate) fn to_py(e: KvoffError) -> PyErr {
 pub(crate) fn guard<R>(f: impl FnOnce() -> PyResult<R>) -> PyResult<R> {
     match catch_unwind(AssertUnwindSafe(f)) {
         Ok(r) => r,
-        Err(payload) => {
-            let what = payload
-                .downcast_ref::<&str>()
-                .map(|s| (*s).to_owned())
-                .or_else(|| payload.downcast_ref::<String>().cloned())
-                .unwrap_or_else(|| "unknown panic".to_owned());
-            Err(exc::KvoffError::new_err(format!(
-                "internal error in kvoff (please report): {what}"
-            )))
-        }
+        Err(payload) => Err(internal_error(&panic_message(&*payload))),
     }
+}
+
+/// The text of a panic payload.
+pub(crate) fn panic_message(payload: &(dyn std::any::Any + Send)) -> String {
+    payload
+        .downcast_ref::<&str>()
+        .map(|s| (*s).to_owned())
+        .or_else(|| payload.downcast_ref::<String>().cloned())
+        .unwrap_or_else(|| "unknown panic".to_owned())
+}
+
+/// The exception for a caught panic: a kvoff bug, reported as such.
+pub(crate) fn internal_error(what: &str) -> PyErr {
+    exc::KvoffError::new_err(format!("internal error in kvoff (please report): {what}"))
 }
 
 /// `Result<T, KvoffError>` → `PyResult<T>`.

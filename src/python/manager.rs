@@ -4,14 +4,15 @@
 //! Each manager object is `frozen` and holds its Rust manager behind a mutex; every call validates
 //! its arguments completely before the Rust manager sees them, so a call that raises changes nothing.
 
-use std::sync::Mutex;
+use std::panic::{catch_unwind, AssertUnwindSafe};
+use std::sync::{Mutex, TryLockError};
 
 use numpy::{PyArray1, PyArrayMethods, PyUntypedArrayMethods};
 use pyo3::exceptions::{PyTypeError, PyValueError};
 use pyo3::prelude::*;
 use pyo3::types::{PyBytes, PyDict, PyList, PyTuple};
 
-use super::errors::{guard, IntoPyResult};
+use super::errors::{internal_error, panic_message, to_py, IntoPyResult};
 use super::keys::{extract_key, extract_keys, type_name};
 use crate::key::ByteKey;
 use crate::manager::{
@@ -34,7 +35,8 @@ macro_rules! dispatch {
 
 struct State {
     mgr: AnyManager,
-    scratch: Vec<ByteKey>,
+    /// Set by `shutdown()`: the accessors (`len`, `num_blocks`, …) refuse too (SPEC §7).
+    shut_down: bool,
 }
 
 /// Base class of the offloading managers.
@@ -95,6 +97,24 @@ fn event_to_py(py: Python<'_>, e: OffloadingEvent<ByteKey>) -> PyResult<Py<PyOff
     )
 }
 
+/// Why a call under the manager's lock failed, in Rust terms: the Python exception is built only
+/// after the lock is released.
+enum Failure {
+    Kvoff(crate::KvoffError),
+    /// A panic (a kvoff bug): the manager has been shut down, its message is reported.
+    Panic(String),
+}
+
+impl From<crate::KvoffError> for Failure {
+    fn from(e: crate::KvoffError) -> Self {
+        Self::Kvoff(e)
+    }
+}
+
+fn shut_down_error() -> crate::KvoffError {
+    crate::KvoffError::state("the manager was shut down; create a new one")
+}
+
 impl PyManager {
     fn new_with(policy: &'static str, cfg: ManagerConfig) -> PyResult<Self> {
         let mgr = match policy {
@@ -104,53 +124,79 @@ impl PyManager {
         Ok(Self {
             state: Mutex::new(State {
                 mgr,
-                scratch: Vec::new(),
+                shut_down: false,
             }),
             policy,
         })
     }
 
-    /// Locks the state and runs `f` under the panic guard. A panic (a kvoff bug) shuts the manager
-    /// down, so that later calls fail cleanly instead of using a half-updated state.
-    fn with<R>(&self, f: impl FnOnce(&mut State) -> PyResult<R>) -> PyResult<R> {
-        let mut st = self.state.lock().map_err(|_| to_broken())?;
-        let res = guard(|| f(&mut st));
-        if res.is_err() && st_is_panic(&res) {
-            dispatch!(&mut st.mgr, m => m.shutdown());
-        }
-        res
-    }
-
-    fn with_keys<R>(
+    /// Runs `f` on the manager under its lock: the one way every method reaches the Rust manager.
+    ///
+    /// Lock and GIL discipline (SPEC §7): `f` is plain Rust (no Python object is touched, no
+    /// Python code can run while the lock is held), arguments are converted before and results
+    /// after; the lock is taken without waiting while the GIL is held (`try_lock`), and when another
+    /// thread holds it, the wait happens with the GIL released, so a thread that holds the lock and
+    /// needs the GIL can always finish. A panic (a kvoff bug) shuts the manager down, so that later
+    /// calls fail cleanly instead of using a half-updated state, and becomes the internal error.
+    fn run<R: Send>(
         &self,
-        keys: &Bound<'_, PyAny>,
-        f: impl FnOnce(&mut AnyManager, &[ByteKey]) -> PyResult<R>,
+        py: Python<'_>,
+        f: impl FnOnce(&mut State) -> Result<R, crate::KvoffError> + Send,
     ) -> PyResult<R> {
-        self.with(|st| {
-            let mut scratch = std::mem::take(&mut st.scratch);
-            let r = extract_keys(keys, &mut scratch).and_then(|()| f(&mut st.mgr, &scratch));
-            st.scratch = scratch;
-            r
+        let locked = |st: &mut State| -> Result<R, Failure> {
+            match catch_unwind(AssertUnwindSafe(|| f(st))) {
+                Ok(r) => r.map_err(Failure::Kvoff),
+                Err(payload) => {
+                    dispatch!(&mut st.mgr, m => m.shutdown());
+                    st.shut_down = true;
+                    Err(Failure::Panic(panic_message(&*payload)))
+                }
+            }
+        };
+        let res = match self.state.try_lock() {
+            Ok(mut st) => locked(&mut st),
+            Err(TryLockError::WouldBlock) => py.detach(|| match self.state.lock() {
+                Ok(mut st) => locked(&mut st),
+                Err(_) => Err(Failure::Kvoff(broken())),
+            }),
+            Err(TryLockError::Poisoned(_)) => Err(Failure::Kvoff(broken())),
+        };
+        res.map_err(|e| match e {
+            Failure::Kvoff(e) => to_py(e),
+            Failure::Panic(what) => internal_error(&what),
         })
     }
-}
 
-fn to_broken() -> PyErr {
-    super::errors::to_py(crate::KvoffError::state(
-        "the manager is broken by an earlier internal error; create a new one",
-    ))
-}
-
-fn st_is_panic<R>(res: &PyResult<R>) -> bool {
-    match res {
-        Err(e) => Python::attach(|py| {
-            e.is_instance_of::<super::errors::exc::KvoffError>(py)
-                && e.value(py)
-                    .to_string()
-                    .starts_with("internal error in kvoff")
-        }),
-        Ok(_) => false,
+    /// Like [`run`](Self::run) for a call that only reads, refusing after `shutdown()`.
+    fn read<R: Send>(
+        &self,
+        py: Python<'_>,
+        f: impl FnOnce(&AnyManager) -> R + Send,
+    ) -> PyResult<R> {
+        self.run(py, |st| {
+            if st.shut_down {
+                return Err(shut_down_error());
+            }
+            Ok(f(&st.mgr))
+        })
     }
+
+    /// Converts `keys` to Rust keys (no lock held: the iterable may run any Python code, even
+    /// call this manager), then runs `f` with them under the lock.
+    fn run_keys<R: Send>(
+        &self,
+        py: Python<'_>,
+        keys: &Bound<'_, PyAny>,
+        f: impl FnOnce(&mut AnyManager, &[ByteKey]) -> Result<R, crate::KvoffError> + Send,
+    ) -> PyResult<R> {
+        let mut ks = Vec::new();
+        extract_keys(keys, &mut ks)?;
+        self.run(py, move |st| f(&mut st.mgr, &ks))
+    }
+}
+
+fn broken() -> crate::KvoffError {
+    crate::KvoffError::state("the manager is broken by an earlier internal error; create a new one")
 }
 
 #[pymethods]
@@ -163,29 +209,29 @@ impl PyManager {
 
     /// Capacity in CPU blocks.
     #[getter]
-    fn num_blocks(&self) -> PyResult<usize> {
-        self.with(|st| Ok(dispatch!(&st.mgr, m => m.num_blocks())))
+    fn num_blocks(&self, py: Python<'_>) -> PyResult<usize> {
+        self.read(py, |m| dispatch!(m, m => m.num_blocks()))
     }
 
-    fn __len__(&self) -> PyResult<usize> {
-        self.with(|st| Ok(dispatch!(&st.mgr, m => m.len())))
+    fn __len__(&self, py: Python<'_>) -> PyResult<usize> {
+        self.read(py, |m| dispatch!(m, m => m.len()))
     }
 
     /// `True` ready/loading, `None` pending, `False` absent.
     #[pyo3(signature = (key, req_context=None))]
     fn lookup(
         &self,
+        py: Python<'_>,
         key: &Bound<'_, PyAny>,
         req_context: Option<&Bound<'_, PyAny>>,
     ) -> PyResult<Option<bool>> {
         let _ = req_context;
         let k = extract_key(key)?;
-        self.with(|st| {
-            Ok(match dispatch!(&st.mgr, m => m.lookup(&k)).py()? {
-                Presence::Ready => Some(true),
-                Presence::Pending => None,
-                Presence::Absent => Some(false),
-            })
+        let p = self.run(py, |st| dispatch!(&st.mgr, m => m.lookup(&k)))?;
+        Ok(match p {
+            Presence::Ready => Some(true),
+            Presence::Pending => None,
+            Presence::Absent => Some(false),
         })
     }
 
@@ -193,11 +239,12 @@ impl PyManager {
     #[pyo3(signature = (keys, req_context=None))]
     fn lookup_prefix(
         &self,
+        py: Python<'_>,
         keys: &Bound<'_, PyAny>,
         req_context: Option<&Bound<'_, PyAny>>,
     ) -> PyResult<Option<usize>> {
         let _ = req_context;
-        self.with_keys(keys, |m, ks| dispatch!(m, m => m.lookup_prefix(ks)).py())
+        self.run_keys(py, keys, |m, ks| dispatch!(m, m => m.lookup_prefix(ks)))
     }
 
     /// Pins ready keys for loading; returns their CPU spec.
@@ -209,7 +256,7 @@ impl PyManager {
         req_context: Option<&Bound<'_, PyAny>>,
     ) -> PyResult<PyCpuSpec> {
         let _ = req_context;
-        let ids = self.with_keys(keys, |m, ks| dispatch!(m, m => m.prepare_load(ks)).py())?;
+        let ids = self.run_keys(py, keys, |m, ks| dispatch!(m, m => m.prepare_load(ks)))?;
         Ok(PyCpuSpec {
             block_ids: ids_array(py, &ids).unbind(),
         })
@@ -219,22 +266,24 @@ impl PyManager {
     #[pyo3(signature = (keys, req_context=None))]
     fn touch(
         &self,
+        py: Python<'_>,
         keys: &Bound<'_, PyAny>,
         req_context: Option<&Bound<'_, PyAny>>,
     ) -> PyResult<()> {
         let _ = req_context;
-        self.with_keys(keys, |m, ks| dispatch!(m, m => m.touch(ks)).py())
+        self.run_keys(py, keys, |m, ks| dispatch!(m, m => m.touch(ks)))
     }
 
     /// Unpins keys whose load finished.
     #[pyo3(signature = (keys, req_context=None))]
     fn complete_load(
         &self,
+        py: Python<'_>,
         keys: &Bound<'_, PyAny>,
         req_context: Option<&Bound<'_, PyAny>>,
     ) -> PyResult<()> {
         let _ = req_context;
-        self.with_keys(keys, |m, ks| dispatch!(m, m => m.complete_load(ks)).py())
+        self.run_keys(py, keys, |m, ks| dispatch!(m, m => m.complete_load(ks)))
     }
 
     /// SPEC §2.3. `None` when there is not enough evictable room (nothing changed).
@@ -259,9 +308,11 @@ impl PyManager {
                 Err(_) => keys.clone(),
             }
         };
-        let out = self.with_keys(&seq, |m, ks| {
-            dispatch!(m, m => m.prepare_store_indexed(ks)).py()
-        })?;
+        let out = self.run_keys(
+            py,
+            &seq,
+            |m, ks| dispatch!(m, m => m.prepare_store_indexed(ks)),
+        )?;
         let Some(out) = out else { return Ok(None) };
         let stored = PyList::empty(py);
         for &p in &out.positions {
@@ -289,14 +340,17 @@ impl PyManager {
     #[pyo3(signature = (keys, success=true, req_context=None))]
     fn complete_store(
         &self,
+        py: Python<'_>,
         keys: &Bound<'_, PyAny>,
         success: bool,
         req_context: Option<&Bound<'_, PyAny>>,
     ) -> PyResult<()> {
         let _ = req_context;
-        self.with_keys(keys, |m, ks| {
-            dispatch!(m, m => m.complete_store(ks, success)).py()
-        })
+        self.run_keys(
+            py,
+            keys,
+            |m, ks| dispatch!(m, m => m.complete_store(ks, success)),
+        )
     }
 
     /// Drains events in order.
@@ -307,7 +361,7 @@ impl PyManager {
         req_context: Option<&Bound<'_, PyAny>>,
     ) -> PyResult<Vec<Py<PyOffloadingEvent>>> {
         let _ = req_context;
-        let evs = self.with(|st| dispatch!(&mut st.mgr, m => m.take_events()).py())?;
+        let evs = self.run(py, |st| dispatch!(&mut st.mgr, m => m.take_events()))?;
         evs.into_iter().map(|e| event_to_py(py, e)).collect()
     }
 
@@ -319,7 +373,7 @@ impl PyManager {
         req_context: Option<&Bound<'_, PyAny>>,
     ) -> PyResult<Bound<'py, PyDict>> {
         let _ = req_context;
-        let s = self.with(|st| dispatch!(&mut st.mgr, m => m.get_stats()).py())?;
+        let s = self.run(py, |st| dispatch!(&mut st.mgr, m => m.get_stats()))?;
         let d = PyDict::new(py);
         d.set_item("usage", s.usage)?;
         d.set_item("write_usage", s.write_usage)?;
@@ -334,43 +388,42 @@ impl PyManager {
 
     /// Forgets every key, ghost and counter; pending events stay.
     #[pyo3(signature = (req_context=None))]
-    fn reset(&self, req_context: Option<&Bound<'_, PyAny>>) -> PyResult<()> {
+    fn reset(&self, py: Python<'_>, req_context: Option<&Bound<'_, PyAny>>) -> PyResult<()> {
         let _ = req_context;
-        self.with(|st| dispatch!(&mut st.mgr, m => m.reset()).py())
+        self.run(py, |st| dispatch!(&mut st.mgr, m => m.reset()))
     }
 
     /// Idempotent; later calls of other methods raise `InvalidStateError`.
     #[pyo3(signature = (req_context=None))]
-    fn shutdown(&self, req_context: Option<&Bound<'_, PyAny>>) -> PyResult<()> {
+    fn shutdown(&self, py: Python<'_>, req_context: Option<&Bound<'_, PyAny>>) -> PyResult<()> {
         let _ = req_context;
-        self.with(|st| {
+        self.run(py, |st| {
             dispatch!(&mut st.mgr, m => m.shutdown());
+            st.shut_down = true;
             Ok(())
         })
     }
 
     /// ARC's target size of T1 (`None` for LRU). Introspection for tests and tuning.
     #[getter]
-    fn arc_target(&self) -> PyResult<Option<f64>> {
-        self.with(|st| {
-            Ok(match &st.mgr {
-                AnyManager::Arc(m) => Some(m.policy().p),
-                AnyManager::Lru(_) => None,
-            })
+    fn arc_target(&self, py: Python<'_>) -> PyResult<Option<f64>> {
+        self.read(py, |m| match m {
+            AnyManager::Arc(m) => Some(m.policy().p),
+            AnyManager::Lru(_) => None,
         })
     }
 
     /// Keys of each list from LRU to MRU: `(T1, T2, B1, B2)` for ARC, `(order, [], [], [])` for LRU.
     fn debug_lists<'py>(&self, py: Python<'py>) -> PyResult<Vec<Vec<Bound<'py, PyBytes>>>> {
-        let lists = self.with(|st| Ok(dispatch!(&st.mgr, m => m.debug_lists())))?;
+        let lists = self.read(py, |m| dispatch!(m, m => m.debug_lists()))?;
         Ok(lists
             .iter()
             .map(|l| l.iter().map(|k| PyBytes::new(py, k.as_bytes())).collect())
             .collect())
     }
 
-    fn __repr__(&self) -> PyResult<String> {
-        let (n, cap) = self.with(|st| Ok(dispatch!(&st.mgr, m => (m.len(), m.num_blocks()))))?;
+    fn __repr__(&self, py: Python<'_>) -> PyResult<String> {
+        let (n, cap) = self.read(py, |m| dispatch!(m, m => (m.len(), m.num_blocks())))?;
         Ok(format!(
             "<{} manager: {n}/{cap} blocks>",
             self.policy.to_uppercase()

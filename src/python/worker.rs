@@ -114,7 +114,30 @@ fn int_arg(o: &Bound<'_, PyAny>, name: &str) -> PyResult<i128> {
             type_name(o)
         )));
     }
+    // Beyond 128 bits is still an int: out of range (ValueError), not an OverflowError.
     o.extract()
+        .map_err(|_| PyValueError::new_err(format!("{name} is out of range: {o}")))
+}
+
+/// A number of seconds from Python: an `int` or a `float`, not a `bool` (`True` is not "one second").
+struct Seconds(f64);
+
+impl<'a, 'py> FromPyObject<'a, 'py> for Seconds {
+    type Error = PyErr;
+
+    fn extract(o: pyo3::Borrowed<'a, 'py, PyAny>) -> PyResult<Self> {
+        if o.is_instance_of::<PyBool>()
+            || !(o.is_instance_of::<PyInt>() || o.is_instance_of::<pyo3::types::PyFloat>())
+        {
+            return Err(PyTypeError::new_err(format!(
+                "timeout must be a number of seconds, got {}",
+                type_name(&o)
+            )));
+        }
+        o.extract::<f64>()
+            .map(Seconds)
+            .map_err(|_| PyValueError::new_err("timeout is out of range"))
+    }
 }
 
 /// A non-negative `int` argument that fits in `u64`.
@@ -261,6 +284,12 @@ fn compute_sub_block_ptrs<'py>(
         crate::expand::compute_sub_block_ptrs(ids.as_slice(), f, base, stride, row, skip, count)
             .py()
     })?;
+    // Returned as int64 (numpy's pointer-sized int): a pointer that would read negative is refused.
+    if let Some(&p) = out.iter().find(|&&p| i64::try_from(p).is_err()) {
+        return Err(PyValueError::new_err(format!(
+            "sub-block pointer {p:#x} is beyond 2**63 (base_ptr, row_stride or the block ids are wrong)"
+        )));
+    }
     Ok(PyArray1::from_vec(py, ptrs_to_i64(out)))
 }
 
@@ -356,7 +385,10 @@ impl PyHostRegion {
     /// Creates or joins the shared region `name` (a file in `directory`, default `/dev/shm`) as
     /// `rank`, waiting up to `timeout` seconds for its creator. Releases the GIL while waiting.
     #[staticmethod]
-    #[pyo3(signature = (name, num_cpu_blocks, slot_bytes, world_size, rank, timeout=60.0, directory=None, unlink_when_all_joined=true, prefault=true))]
+    #[pyo3(signature = (name, num_cpu_blocks, slot_bytes, world_size, rank, timeout=Seconds(60.0), directory=None, unlink_when_all_joined=true, prefault=true))]
+    #[pyo3(
+        text_signature = "(name, num_cpu_blocks, slot_bytes, world_size, rank, timeout=60.0, directory=None, unlink_when_all_joined=True, prefault=True)"
+    )]
     #[allow(clippy::too_many_arguments)] // the Python signature
     fn shared(
         py: Python<'_>,
@@ -365,11 +397,17 @@ impl PyHostRegion {
         slot_bytes: &Bound<'_, PyAny>,
         world_size: &Bound<'_, PyAny>,
         rank: &Bound<'_, PyAny>,
-        timeout: f64,
+        timeout: Seconds,
         directory: Option<std::path::PathBuf>,
         unlink_when_all_joined: bool,
         prefault: bool,
     ) -> PyResult<Self> {
+        let Seconds(timeout) = timeout;
+        if directory.as_ref().is_some_and(|d| d.as_os_str().is_empty()) {
+            return Err(PyValueError::new_err(
+                "directory must name a directory (None: /dev/shm), got ''",
+            ));
+        }
         let n = u64_arg(num_cpu_blocks, "num_cpu_blocks")?;
         let s = u64_arg(slot_bytes, "slot_bytes")?;
         let w = u64_arg(world_size, "world_size")?;
@@ -919,6 +957,13 @@ pub struct PyTransferHandler {
     keepalive: Vec<Py<PyAny>>,
 }
 
+/// Carries the engine's lock guard out of a `detach` closure (which needs `Send`). The guard
+/// stays on the thread that took it: `detach` runs its closure on the calling thread.
+struct SendGuard<'a>(MutexGuard<'a, EngineState>);
+// SAFETY: `Python::detach` runs the closure on the current thread and returns on it, so the
+// guard is created and later dropped on the same thread, as `MutexGuard` requires.
+unsafe impl Send for SendGuard<'_> {}
+
 impl PyTransferHandler {
     fn lock(&self) -> MutexGuard<'_, EngineState> {
         // Engine calls run under `guard`; a panic there leaves the engine's own state consistent
@@ -1024,8 +1069,10 @@ impl PyTransferHandler {
 
     /// Validates and enqueues one job; returns at once. Nothing is enqueued when it raises.
     #[pyo3(signature = (job_id, gpu_block_ids, group_sizes, block_indices, cpu_block_ids, stream=None))]
+    #[allow(clippy::too_many_arguments)] // the Python signature
     fn submit(
         &self,
+        py: Python<'_>,
         job_id: &Bound<'_, PyAny>,
         gpu_block_ids: &Bound<'_, PyAny>,
         group_sizes: Option<&Bound<'_, PyAny>>,
@@ -1065,7 +1112,14 @@ impl PyTransferHandler {
                 plan,
                 stream,
             };
-            let mut st = self.lock();
+            // Never wait for the engine's lock with the GIL held: another thread may hold it in
+            // `wait` (GIL released) for as long as its jobs run, and every Python thread would
+            // stall behind this one.
+            let mut st = match self.engine.try_lock() {
+                Ok(st) => st,
+                Err(TryLockError::Poisoned(p)) => p.into_inner(),
+                Err(TryLockError::WouldBlock) => py.detach(|| SendGuard(self.lock())).0,
+            };
             // SAFETY: obligation 1 — every copy was validated by the planner against descriptors
             // taken from torch tensors whose extents lie inside their storages, and `keepalive`
             // holds those tensors until the engine is shut down (`shutdown`/`Drop` drain first);
