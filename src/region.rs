@@ -5,8 +5,17 @@
 //! `<dir>/<name>` (default `dir` = `/dev/shm`) that the ranks of one engine map together.
 //!
 //! Shared-region protocol (all ranks call [`HostRegion::create_or_join`]):
-//! 1. If `<dir>/<name>` exists, it is complete: **join** it (check geometry, set this rank's flag in the
-//!    header page, increment the join counter).
+//! 0. Trust: region and lock files are opened with `O_NOFOLLOW` (a planted symlink is an error),
+//!    created with mode 0600, and used only if they are regular files of this user with no group or
+//!    other access (checked with `fstat` on the open descriptor); anything else is a
+//!    [`KvoffError::Region`] telling the user to remove it.
+//! 1. If `<dir>/<name>` exists and is **alive**, it is complete: **join** it (check geometry, set
+//!    this rank's flag in the header page, increment the join counter). Alive means some process
+//!    holds a shared `flock` on it: the creator and every rank that joined hold one until they
+//!    close the region, and the kernel drops it when a process dies. A file nobody holds is stale
+//!    (its engine crashed before every rank joined): it is unlinked and the region created anew,
+//!    so no rank ever joins a dead creator's region or reuses its bytes. Recovery after a crash is
+//!    therefore automatic: restart the ranks.
 //! 2. Otherwise try to take the creation lock `<dir>/<name>.lock` (`flock`, non-blocking; the lock
 //!    file's inode is re-checked after locking so that it can be unlinked safely). The winner is the
 //!    **creator**: it builds the file unnamed (`O_TMPFILE`; fallback: a temporary name, unlinked on
@@ -243,7 +252,14 @@ fn open_fd(path: &Path, flags: libc::c_int) -> io::Result<libc::c_int> {
         .map_err(|_| io::Error::from(io::ErrorKind::InvalidInput))?;
     // SAFETY: `c` is a valid NUL-terminated string that outlives the call; open has no other
     // preconditions.
-    let fd = unsafe { libc::open(c.as_ptr(), flags | libc::O_CLOEXEC, 0o600 as libc::c_uint) };
+    // O_NOFOLLOW: a symlink planted at a region or lock path is never followed (ELOOP).
+    let fd = unsafe {
+        libc::open(
+            c.as_ptr(),
+            flags | libc::O_CLOEXEC | libc::O_NOFOLLOW,
+            0o600 as libc::c_uint,
+        )
+    };
     if fd < 0 {
         Err(last_err())
     } else {
@@ -272,6 +288,44 @@ fn fstat_id(fd: libc::c_int) -> io::Result<(u64, u64, u64)> {
         u64::from(st.st_ino),
         u64::try_from(st.st_size).unwrap_or(0),
     ))
+}
+
+/// A region or lock file may be trusted only if this user owns it and nobody else can open it:
+/// another user's file could expose the engine's KV or be truncated under it (SIGBUS).
+fn check_private(fd: libc::c_int, path: &Path) -> Result<()> {
+    // SAFETY: an all-zero `stat` is a valid value of this plain C struct.
+    let mut st: libc::stat = unsafe { std::mem::zeroed() };
+    // SAFETY: `st` is a valid, writable `stat`; fstat only writes into it.
+    if unsafe { libc::fstat(fd, &mut st) } != 0 {
+        return Err(os_err("cannot stat", path, &last_err()));
+    }
+    // SAFETY: geteuid has no preconditions and cannot fail.
+    let uid = unsafe { libc::geteuid() };
+    let mode = st.st_mode & 0o7777;
+    if st.st_uid != uid || mode & 0o077 != 0 || st.st_mode & libc::S_IFMT != libc::S_IFREG {
+        return Err(KvoffError::Region(format!(
+            "refusing to use {}: it is owned by uid {} with mode {mode:o}, but kvoff's shared \
+             region files must be regular files of this user (uid {uid}) with no group or other \
+             access; remove it (or use another name/directory)",
+            path.display(),
+            st.st_uid
+        )));
+    }
+    Ok(())
+}
+
+/// `flock(fd, op)`; `Ok(false)` when a non-blocking request would block.
+fn flock_fd(fd: libc::c_int, op: libc::c_int) -> io::Result<bool> {
+    // SAFETY: callers pass an open descriptor they own; flock has no memory preconditions.
+    if unsafe { libc::flock(fd, op) } == 0 {
+        return Ok(true);
+    }
+    let e = last_err();
+    if e.raw_os_error() == Some(libc::EWOULDBLOCK) {
+        Ok(false)
+    } else {
+        Err(e)
+    }
 }
 
 fn stat_id(path: &Path) -> io::Result<(u64, u64)> {
@@ -341,6 +395,10 @@ fn try_lock(path: &Path, create: bool) -> Result<LockAttempt> {
             }
             Err(e) => return Err(os_err("cannot open lock file", path, &e)),
         };
+        if let Err(e) = check_private(fd, path) {
+            let _ = close_fd(fd);
+            return Err(e);
+        }
         // SAFETY: `fd` is an open descriptor we own.
         if unsafe { libc::flock(fd, libc::LOCK_EX | libc::LOCK_NB) } != 0 {
             let e = last_err();
@@ -559,6 +617,33 @@ impl HostRegion {
         loop {
             match open_fd(&path, libc::O_RDWR) {
                 Ok(fd) => {
+                    if let Err(e) = check_private(fd, &path) {
+                        let _ = close_fd(fd);
+                        return Err(e);
+                    }
+                    // Liveness: every process that created or joined the region holds a shared
+                    // flock on it until it closes the region (the kernel drops it when a process
+                    // dies). Nobody holding it means its creator and every rank that joined are
+                    // gone: a stale file from a crashed engine. It is removed and the region
+                    // created anew, never joined with stale bytes.
+                    match flock_fd(fd, libc::LOCK_EX | libc::LOCK_NB) {
+                        Ok(true) => {
+                            let (dev, ino, _) =
+                                fstat_id(fd).map_err(|e| os_err("cannot stat", &path, &e))?;
+                            let _ = unlink_if_same(&path, dev, ino);
+                            let _ = close_fd(fd);
+                            continue;
+                        }
+                        Ok(false) => {}
+                        Err(e) => {
+                            let _ = close_fd(fd);
+                            return Err(os_err("cannot lock", &path, &e));
+                        }
+                    }
+                    if let Err(e) = flock_fd(fd, libc::LOCK_SH) {
+                        let _ = close_fd(fd);
+                        return Err(os_err("cannot lock", &path, &e));
+                    }
                     region.join(fd, &path, total, opts)?;
                     break;
                 }
@@ -632,7 +717,7 @@ impl HostRegion {
                 n.push(path.file_name().unwrap_or_default());
                 n.push(format!(".{}.tmp", std::process::id()));
                 let t = dir.join(n);
-                let fd = open_fd(&t, libc::O_RDWR | libc::O_CREAT | libc::O_TRUNC)
+                let fd = open_fd(&t, libc::O_RDWR | libc::O_CREAT | libc::O_EXCL)
                     .map_err(|e| os_err("cannot create temporary region file", &t, &e))?;
                 tmp_name = Some(t);
                 fd
@@ -660,6 +745,9 @@ impl HostRegion {
         total: u64,
         opts: &RegionOptions,
     ) -> Result<()> {
+        // Held until the region is closed: tells joiners that this region is alive (see
+        // `create_or_join_with`).
+        flock_fd(fd, libc::LOCK_SH).map_err(|e| os_err("cannot lock", path, &e))?;
         let len = total as usize; // fits: checked by the caller
                                   // SAFETY: `fd` is an open descriptor we own; posix_fallocate has no memory preconditions.
         let rc = unsafe { libc::posix_fallocate(fd, 0, total as libc::off_t) };

@@ -1,6 +1,7 @@
 //! Host regions across processes: the test binary re-invokes itself (`child_entry`, selected by the
 //! `KVOFF_REGION_CHILD` environment variable) to play the other ranks.
 
+use std::ffi::CString;
 use std::path::{Path, PathBuf};
 use std::process::{Child, Command};
 use std::time::{Duration, Instant};
@@ -146,9 +147,12 @@ fn child_entry() {
             r.close().unwrap();
         }
         "hold_lock" => {
-            // Play a creator that takes the creation lock and dies before publishing the region.
+            // Play a creator that takes the creation lock and dies before publishing the region
+            // (created as kvoff creates it: this user's, mode 0600).
             let lock = dir.join(format!("{name}.lock"));
+            use std::os::unix::fs::OpenOptionsExt;
             let f = std::fs::OpenOptions::new()
+                .mode(0o600)
                 .create(true)
                 .truncate(false)
                 .read(true)
@@ -370,5 +374,112 @@ fn join_checks_geometry_and_rank_and_unlink_by_hand() {
     drop(r1);
     r0.close().unwrap();
     r0.close().unwrap();
+    std::fs::remove_dir_all(&dir).unwrap();
+}
+
+// --- hostile files on a shared host (SPEC §5, issue #11) ------------------------------------
+
+/// Makes a complete region file `name` with rank 0 joined, then drops its handle (as a crashed
+/// engine would leave it: the file stays, nobody holds it).
+fn leave_region_behind(dir: &Path, name: &str) {
+    let o = RegionOptions {
+        unlink_when_all_joined: false,
+        ..opts(dir, Duration::from_secs(5))
+    };
+    let r = HostRegion::create_or_join_with(name, 4, 4096, 2, 0, &o).unwrap();
+    // SAFETY: the region's own slot of row 0 (rank 0): inside the mapping, nobody else uses it.
+    unsafe { (r.as_ptr() as *mut u8).write_bytes(0xAB, 4096) };
+    drop(r);
+    assert!(dir.join(name).exists());
+}
+
+#[test]
+fn stale_region_of_a_dead_engine_is_replaced_not_joined() {
+    let dir = test_dir("stale");
+    leave_region_behind(&dir, "kv-stale");
+    // Restarting as rank 0 works (it used to fail with "rank 0 already joined"), and rank 1 joins
+    // the new region, not the dead one: the old bytes are gone.
+    let o = opts(&dir, Duration::from_secs(5));
+    let r0 = HostRegion::create_or_join_with("kv-stale", 4, 4096, 2, 0, &o).unwrap();
+    // SAFETY: reading rank 0's first slot byte inside the mapping.
+    assert_eq!(
+        unsafe { *(r0.as_ptr() as *const u8) },
+        0,
+        "the stale region's bytes were reused"
+    );
+    let r1 = HostRegion::create_or_join_with("kv-stale", 4, 4096, 2, 1, &o).unwrap();
+    drop((r0, r1));
+    std::fs::remove_dir_all(&dir).unwrap();
+}
+
+#[test]
+fn a_live_region_is_joined() {
+    let dir = test_dir("live");
+    let o = RegionOptions {
+        unlink_when_all_joined: false,
+        ..opts(&dir, Duration::from_secs(5))
+    };
+    let r0 = HostRegion::create_or_join_with("kv-live", 4, 4096, 2, 0, &o).unwrap();
+    // SAFETY: rank 0's own slot of row 0.
+    unsafe { (r0.as_ptr() as *mut u8).write_bytes(0x5A, 1) };
+    let r1 = HostRegion::create_or_join_with("kv-live", 4, 4096, 2, 1, &o).unwrap();
+    // SAFETY: row 0 of the shared mapping, written by rank 0 above.
+    assert_eq!(
+        unsafe { *(r1.as_ptr() as *const u8) },
+        0x5A,
+        "rank 1 did not join rank 0's region"
+    );
+    drop((r0, r1));
+    std::fs::remove_dir_all(&dir).unwrap();
+}
+
+fn expect_refused(dir: &Path, name: &str, what: &str) {
+    let o = opts(dir, Duration::from_secs(2));
+    match HostRegion::create_or_join_with(name, 4, 4096, 2, 1, &o) {
+        Err(KvoffError::Region(msg)) => assert!(msg.contains(what), "{msg}"),
+        other => panic!("expected RegionError ({what}), got {other:?}"),
+    }
+}
+
+#[test]
+fn files_of_another_user_or_readable_by_others_are_refused() {
+    use std::os::unix::fs::PermissionsExt;
+    let dir = test_dir("hostile");
+    // A valid region file, made readable by everybody.
+    leave_region_behind(&dir, "kv-mode");
+    std::fs::set_permissions(dir.join("kv-mode"), std::fs::Permissions::from_mode(0o666)).unwrap();
+    expect_refused(&dir, "kv-mode", "no group or other access");
+    // A valid region file owned by another user (the test runs as root where it can chown).
+    leave_region_behind(&dir, "kv-owner");
+    let p = CString::new(dir.join("kv-owner").as_os_str().as_encoded_bytes()).unwrap();
+    // SAFETY: `p` is a valid NUL-terminated path.
+    if unsafe { libc::chown(p.as_ptr(), 12345, 12345) } == 0 {
+        expect_refused(&dir, "kv-owner", "owned by uid 12345");
+    }
+    // A lock file of another user's mode.
+    std::fs::write(dir.join("kv-lock.lock"), b"").unwrap();
+    std::fs::set_permissions(
+        dir.join("kv-lock.lock"),
+        std::fs::Permissions::from_mode(0o644),
+    )
+    .unwrap();
+    expect_refused(&dir, "kv-lock", "kv-lock.lock");
+    std::fs::remove_dir_all(&dir).unwrap();
+}
+
+#[test]
+fn symlinks_are_never_followed() {
+    let dir = test_dir("symlink");
+    let target = dir.join("elsewhere");
+    std::fs::write(&target, vec![0u8; 1 << 16]).unwrap();
+    std::os::unix::fs::symlink(&target, dir.join("kv-link")).unwrap();
+    expect_refused(&dir, "kv-link", "kv-link");
+    std::os::unix::fs::symlink(&target, dir.join("kv-link2.lock")).unwrap();
+    expect_refused(&dir, "kv-link2", "kv-link2.lock");
+    assert_eq!(
+        std::fs::read(&target).unwrap().len(),
+        1 << 16,
+        "the target was touched"
+    );
     std::fs::remove_dir_all(&dir).unwrap();
 }
