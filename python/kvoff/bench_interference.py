@@ -95,7 +95,7 @@ def _transfer_loop(torch: Any, kvoff: Any, h: Any, dirs: str, blocks: int, ngpu:
     t0 = time.perf_counter()
     try:
         _transfer_steps(torch, kvoff, st, ld, dirs, blocks, ngpu, ncpu, stop, stats, rng, side, t0)
-    except BaseException as e:  # noqa: BLE001 - reported by the caller
+    except BaseException as e:  # reported by the caller
         stats["error"] = repr(e)
         raise
 
@@ -279,11 +279,11 @@ def format_row(r: dict[str, Any]) -> str:
 def format_interference(res: dict[str, Any]) -> str:
     refs = res["refs"]
     lines = [
-        f"transfers beside compute: {res['device']}; GEMM 8192³ bf16 {refs['gemm']:.3f} ms "
-        f"(end {refs['gemm_end']:.3f}), 1 GiB device copy {refs['mem']:.3f} ms (end {refs['mem_end']:.3f}); "
-        f"launch latency alone p99 {refs['launch_p99_us']:.0f} µs, max {refs['launch_max_us']:.0f} µs",
-        "idle/GB/s: transfer GB/s (both directions summed) idle and beside each proxy; gemm%/mem%: its slowdown;"
-        " lat99/latmax: a second thread's launch CPU time (µs) while kvoff submits",
+        (f"transfers beside compute: {res['device']}; GEMM 8192³ bf16 {refs['gemm']:.3f} ms "
+         f"(end {refs['gemm_end']:.3f}), 1 GiB device copy {refs['mem']:.3f} ms (end {refs['mem_end']:.3f}); "
+         f"launch latency alone p99 {refs['launch_p99_us']:.0f} µs, max {refs['launch_max_us']:.0f} µs"),
+        ("idle/GB/s: transfer GB/s (both directions summed) idle and beside each proxy; gemm%/mem%: its slowdown;"
+         " lat99/latmax: a second thread's launch CPU time (µs) while kvoff submits"),
         HEADER,
     ]
     lines += [format_row(r) for r in res["rows"]]

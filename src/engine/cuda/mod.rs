@@ -189,9 +189,10 @@ impl CudaDevice {
         });
         let loaded = loaded.and_then(|(m, k)| {
             // SAFETY: the module was just loaded in the current context.
-            match unsafe { ffi::get_function(m, c"kvoff_sleep") }
-                .and_then(|sl| Ok((sl, unsafe { ffi::get_function(m, c"kvoff_copy_nc") }?)))
-            {
+            match unsafe { ffi::get_function(m, c"kvoff_sleep") }.and_then(|sl| {
+                // SAFETY: as above.
+                Ok((sl, unsafe { ffi::get_function(m, c"kvoff_copy_nc") }?))
+            }) {
                 Ok((sl, nc)) => Ok((m, k, sl, nc)),
                 Err(e) => {
                     // SAFETY: loaded above, nothing launched.
@@ -377,10 +378,7 @@ impl CudaDevice {
     pub fn synchronize(&self) -> Result<()> {
         self.bind()?;
         // SAFETY: the context is current.
-        ffi::check(
-            unsafe { cudarc::driver::sys::cuCtxSynchronize() },
-            "cuCtxSynchronize",
-        )
+        unsafe { ffi::ctx_sync() }
     }
 }
 
@@ -1753,16 +1751,7 @@ impl DeviceBuffer {
         self.check(offset, data.len())?;
         self.device.bind()?;
         // SAFETY: range checked; `data` is readable host memory for the synchronous copy.
-        ffi::check(
-            unsafe {
-                cudarc::driver::sys::cuMemcpyHtoD_v2(
-                    self.ptr + offset as u64,
-                    data.as_ptr().cast(),
-                    data.len(),
-                )
-            },
-            "cuMemcpyHtoD",
-        )
+        unsafe { ffi::memcpy_htod(self.ptr + offset as u64, data) }
     }
 
     /// Copies bytes at `offset` into `out` (synchronous).
@@ -1773,16 +1762,7 @@ impl DeviceBuffer {
         self.check(offset, out.len())?;
         self.device.bind()?;
         // SAFETY: range checked; `out` is writable host memory for the synchronous copy.
-        ffi::check(
-            unsafe {
-                cudarc::driver::sys::cuMemcpyDtoH_v2(
-                    out.as_mut_ptr().cast(),
-                    self.ptr + offset as u64,
-                    out.len(),
-                )
-            },
-            "cuMemcpyDtoH",
-        )
+        unsafe { ffi::memcpy_dtoh(out, self.ptr + offset as u64) }
     }
 
     fn check(&self, offset: usize, n: usize) -> Result<()> {
@@ -1879,27 +1859,8 @@ impl CudaStream {
     /// A driver error.
     pub fn sleep(&self, ns: u64) -> Result<()> {
         self.device.bind()?;
-        let mut a0 = ns;
-        let mut params: [*mut c_void; 1] = [(&raw mut a0).cast()];
         // SAFETY: the sleep kernel takes one u64 parameter; the stream is live.
-        ffi::check(
-            unsafe {
-                cudarc::driver::sys::cuLaunchKernel(
-                    self.device.sleep_kernel.0,
-                    1,
-                    1,
-                    1,
-                    1,
-                    1,
-                    1,
-                    0,
-                    self.stream.0,
-                    params.as_mut_ptr(),
-                    std::ptr::null_mut(),
-                )
-            },
-            "cuLaunchKernel(kvoff_sleep)",
-        )
+        unsafe { ffi::launch_sleep(self.device.sleep_kernel.0, ns, self.stream.0) }
     }
 
     /// Queues a byte fill of device or mapped host memory.
@@ -1909,10 +1870,7 @@ impl CudaStream {
     pub unsafe fn memset(&self, ptr: u64, value: u8, len: usize) -> Result<()> {
         self.device.bind()?;
         // SAFETY: obligation 1; the stream is live.
-        ffi::check(
-            unsafe { cudarc::driver::sys::cuMemsetD8Async(ptr, value, len, self.stream.0) },
-            "cuMemsetD8Async",
-        )
+        unsafe { ffi::memset_async(ptr, value, len, self.stream.0) }
     }
 
     /// Waits for everything queued on the stream.
