@@ -2213,3 +2213,42 @@ mod pack_tests {
         }
     }
 }
+
+#[cfg(test)]
+mod config_tests {
+    use super::{CopyMethod, CudaEngineConfig};
+
+    #[test]
+    fn serving_needs_auto_and_a_budget() {
+        let mut c = CudaEngineConfig::default();
+        assert!(!c.serving());
+        c.compute_budget_bp = Some(200);
+        assert!(c.serving());
+        c.method = CopyMethod::Kernel;
+        assert!(!c.serving(), "an explicit method runs as configured");
+    }
+
+    #[test]
+    fn tuning_sets_each_knob_and_rejects_bad_input() {
+        let mut c = CudaEngineConfig::default();
+        c.apply_tuning(
+            "budget=150, batch=32,ctas=3,max_ctas=8,launch=65536,dmamin=4096,small=kernel",
+        )
+        .unwrap();
+        assert_eq!(c.compute_budget_bp, Some(150));
+        assert_eq!(c.max_batch_copies, 32);
+        assert_eq!(c.serving_ctas, 3);
+        assert_eq!(c.max_ctas, 8);
+        assert_eq!(c.serving_launch_bytes, 65536);
+        assert_eq!(c.serving_dma_min_copy_bytes, 4096);
+        assert!(c.serving_small_kernel);
+        c.apply_tuning("budget=off,small=staged,launch=1").unwrap();
+        assert_eq!(c.compute_budget_bp, None);
+        assert!(!c.serving_small_kernel);
+        assert_eq!(c.serving_launch_bytes, 4096, "launches move at least 4 KiB");
+        assert!(c.apply_tuning("batch").is_err());
+        assert!(c.apply_tuning("batch=x").is_err());
+        assert!(c.apply_tuning("nope=1").is_err());
+        c.apply_tuning("").unwrap();
+    }
+}
