@@ -419,11 +419,3 @@ def test_compute_budget_is_validated_and_passed_through():
         h = kvoff.CpuGpuOffloadingHandlers(kv, 1, 4, engine="host", compute_budget=ok)
         h.shutdown()
 
-
-def test_interference_method_specs_parse():
-    from kvoff.bench_interference import parse_method
-
-    assert parse_method("auto") == ("auto", "auto", 0.02, "")
-    assert parse_method("dma") == ("dma", "dma", None, "")
-    assert parse_method("a:auto:none") == ("a", "auto", None, "")
-    assert parse_method("k:auto:0.01:ctas=2,launch=65536") == ("k", "auto", 0.01, "ctas=2,launch=65536")
