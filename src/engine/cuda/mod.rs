@@ -1,4 +1,4 @@
-//! CUDA transfer engine (SPEC §6 on a GPU): moves a [`CopyPlan`] between GPU memory and pinned host
+//! CUDA transfer engine (SPEC §6 on a GPU): moves a [`CopyPlan`](crate::plan::CopyPlan) between GPU memory and pinned host
 //! memory on a pooled stream, choosing per job between batched DMA (`cuMemcpyBatchAsync`, one call
 //! per job; a per-copy `cuMemcpyAsync` loop where the driver lacks it) and a gather/scatter copy
 //! kernel over device-mapped host memory (`kernels/copy.cu`, shipped as PTX).
@@ -19,8 +19,10 @@
 
 mod calibrate;
 mod ffi;
+mod memory;
 
 pub use calibrate::{CalRow, Calibration};
+pub use memory::{CudaStream, DeviceBuffer, PinnedBuffer};
 
 use std::collections::VecDeque;
 use std::ffi::c_void;
@@ -28,7 +30,7 @@ use std::sync::{Arc, Mutex, OnceLock};
 
 use super::{Job, JobResult, TransferEngine};
 use crate::error::{KvoffError, Result};
-use crate::plan::{CopyOp, CopyPlan, Direction};
+use crate::plan::{CopyOp, Direction};
 use crate::region::HostRegistrar;
 
 /// PTX of `kernels/copy.cu` (built by `kernels/build_ptx.py`).
@@ -261,7 +263,7 @@ impl CudaDevice {
                         return Some(Arc::new(c));
                     }
                 }
-                let c = measure_calibration(self).ok()?;
+                let c = calibrate::measure(self).ok()?;
                 if let Some(p) = path {
                     if let Some(dir) = p.parent() {
                         let _ = std::fs::create_dir_all(dir);
@@ -1700,321 +1702,6 @@ impl Drop for CudaEngine {
     fn drop(&mut self) {
         self.shutdown();
     }
-}
-
-/// Device memory owned by Rust (tests, benchmarks and Rust servers without another allocator).
-pub struct DeviceBuffer {
-    device: Arc<CudaDevice>,
-    ptr: u64,
-    len: usize,
-}
-
-impl DeviceBuffer {
-    /// Allocates `len` bytes on `device`.
-    ///
-    /// # Errors
-    /// [`KvoffError::Cuda`] when the allocation fails.
-    pub fn new(device: &Arc<CudaDevice>, len: usize) -> Result<Self> {
-        device.bind()?;
-        // SAFETY: the context is current.
-        let ptr = unsafe { ffi::mem_alloc(len) }?;
-        Ok(Self {
-            device: Arc::clone(device),
-            ptr,
-            len,
-        })
-    }
-
-    /// Device address.
-    #[must_use]
-    pub fn ptr(&self) -> u64 {
-        self.ptr
-    }
-
-    /// Size in bytes.
-    #[must_use]
-    pub fn len(&self) -> usize {
-        self.len
-    }
-
-    /// Whether the buffer is empty.
-    #[must_use]
-    pub fn is_empty(&self) -> bool {
-        self.len == 0
-    }
-
-    /// Copies `data` into the buffer at `offset` (synchronous).
-    ///
-    /// # Errors
-    /// Out of range, or a driver error.
-    pub fn write(&self, offset: usize, data: &[u8]) -> Result<()> {
-        self.check(offset, data.len())?;
-        self.device.bind()?;
-        // SAFETY: range checked; `data` is readable host memory for the synchronous copy.
-        unsafe { ffi::memcpy_htod(self.ptr + offset as u64, data) }
-    }
-
-    /// Copies bytes at `offset` into `out` (synchronous).
-    ///
-    /// # Errors
-    /// Out of range, or a driver error.
-    pub fn read(&self, offset: usize, out: &mut [u8]) -> Result<()> {
-        self.check(offset, out.len())?;
-        self.device.bind()?;
-        // SAFETY: range checked; `out` is writable host memory for the synchronous copy.
-        unsafe { ffi::memcpy_dtoh(out, self.ptr + offset as u64) }
-    }
-
-    fn check(&self, offset: usize, n: usize) -> Result<()> {
-        if offset.checked_add(n).is_none_or(|e| e > self.len) {
-            return Err(KvoffError::arg(format!(
-                "range {offset}+{n} outside the {}-byte device buffer",
-                self.len
-            )));
-        }
-        Ok(())
-    }
-}
-
-impl Drop for DeviceBuffer {
-    fn drop(&mut self) {
-        if self.device.bind().is_ok() {
-            // SAFETY: allocated in `new`, freed once; users synchronize before dropping buffers
-            // that jobs still use (the TransferEngine::submit contract).
-            let _ = unsafe { ffi::mem_free(self.ptr) };
-        }
-    }
-}
-
-/// Pinned, device-mapped host memory owned by Rust.
-pub struct PinnedBuffer {
-    device: Arc<CudaDevice>,
-    ptr: SendPtr<*mut c_void>,
-    len: usize,
-}
-
-impl PinnedBuffer {
-    /// Allocates `len` pinned bytes (zeroed).
-    ///
-    /// # Errors
-    /// [`KvoffError::Cuda`] when the allocation fails.
-    pub fn new(device: &Arc<CudaDevice>, len: usize) -> Result<Self> {
-        device.bind()?;
-        // SAFETY: the context is current.
-        let ptr = unsafe { ffi::mem_alloc_host(len) }?;
-        // SAFETY: fresh allocation of `len.max(1)` bytes.
-        unsafe { std::ptr::write_bytes(ptr.cast::<u8>(), 0, len) };
-        Ok(Self {
-            device: Arc::clone(device),
-            ptr: SendPtr(ptr),
-            len,
-        })
-    }
-
-    /// Host (and device) address.
-    #[must_use]
-    pub fn ptr(&self) -> u64 {
-        self.ptr.0 as u64
-    }
-
-    /// The bytes. Do not hold this while a job writes the buffer.
-    #[must_use]
-    pub fn as_slice(&self) -> &[u8] {
-        // SAFETY: a live allocation of `len` bytes owned by self.
-        unsafe { std::slice::from_raw_parts(self.ptr.0.cast::<u8>(), self.len) }
-    }
-
-    /// The bytes, mutably.
-    pub fn as_mut_slice(&mut self) -> &mut [u8] {
-        // SAFETY: a live allocation of `len` bytes owned exclusively by self.
-        unsafe { std::slice::from_raw_parts_mut(self.ptr.0.cast::<u8>(), self.len) }
-    }
-}
-
-impl Drop for PinnedBuffer {
-    fn drop(&mut self) {
-        if self.device.bind().is_ok() {
-            // SAFETY: allocated in `new`, freed once.
-            let _ = unsafe { ffi::mem_free_host(self.ptr.0) };
-        }
-    }
-}
-
-/// A stream owned by Rust (tests, benchmarks, Rust callers that pass a stream to jobs).
-pub struct CudaStream {
-    device: Arc<CudaDevice>,
-    stream: SendPtr<ffi::CUstream>,
-}
-
-impl CudaStream {
-    /// Raw handle, as [`Job::stream`] takes it.
-    #[must_use]
-    pub fn handle(&self) -> u64 {
-        self.stream.0 as u64
-    }
-
-    /// Queues a kernel that busies one thread for at least `ns` nanoseconds (ordering tests).
-    ///
-    /// # Errors
-    /// A driver error.
-    pub fn sleep(&self, ns: u64) -> Result<()> {
-        self.device.bind()?;
-        // SAFETY: the sleep kernel takes one u64 parameter; the stream is live.
-        unsafe { ffi::launch_sleep(self.device.sleep_kernel.0, ns, self.stream.0) }
-    }
-
-    /// Queues a byte fill of device or mapped host memory.
-    ///
-    /// # Safety
-    /// 1. `[ptr, ptr+len)` is device-accessible memory that stays alive until the fill has run.
-    pub unsafe fn memset(&self, ptr: u64, value: u8, len: usize) -> Result<()> {
-        self.device.bind()?;
-        // SAFETY: obligation 1; the stream is live.
-        unsafe { ffi::memset_async(ptr, value, len, self.stream.0) }
-    }
-
-    /// Waits for everything queued on the stream.
-    ///
-    /// # Errors
-    /// A pending asynchronous error.
-    pub fn synchronize(&self) -> Result<()> {
-        self.device.bind()?;
-        // SAFETY: the stream is live.
-        unsafe { ffi::stream_sync(self.stream.0) }
-    }
-}
-
-impl Drop for CudaStream {
-    fn drop(&mut self) {
-        if self.device.bind().is_ok() {
-            // SAFETY: created in `create_stream`, destroyed once; the driver defers destruction
-            // until queued work has finished.
-            let _ = unsafe { ffi::stream_destroy(self.stream.0) };
-        }
-    }
-}
-
-/// Measures the copy methods on `dev` for [`Calibration`], end to end (host clock from submission to
-/// completion): 128 MiB jobs of scattered copies (kernel,
-/// DMA) or of scattered 32 KiB pages grouped into host-contiguous runs (staged), each direction,
-/// median of three after a warm-up.
-fn measure_calibration(dev: &Arc<CudaDevice>) -> Result<Calibration> {
-    // Jobs large enough that launch and pipeline ramp-up do not dominate (16 MiB jobs measured
-    // the staged pipeline at 44 GB/s where 512 MiB jobs reach 54).
-    const BUF: u64 = 256 << 20;
-    const JOB: u64 = 128 << 20;
-    let gpu = DeviceBuffer::new(dev, BUF as usize)?;
-    let host = PinnedBuffer::new(dev, BUF as usize)?;
-    let mut seed = 0x9e37_79b9_7f4a_7c15u64;
-    let mut next = move || {
-        seed ^= seed << 13;
-        seed ^= seed >> 7;
-        seed ^= seed << 17;
-        seed
-    };
-    // `k` distinct slots of `unit` bytes in the buffer, shuffled.
-    let mut slots = |unit: u64, k: usize| -> Vec<u64> {
-        let n = (BUF / unit) as usize;
-        let mut v: Vec<u64> = (0..n as u64).collect();
-        for i in 0..k.min(n) {
-            let j = i + (next() % (n - i) as u64) as usize;
-            v.swap(i, j);
-        }
-        v.truncate(k);
-        v
-    };
-    let mut rows = Vec::new();
-    for dir in [Direction::GpuToCpu, Direction::CpuToGpu] {
-        // (method, copy size or run length, page size of staged runs)
-        let mut points: Vec<(CopyMethod, u64, u64)> = Vec::new();
-        for m in [CopyMethod::Kernel, CopyMethod::Dma] {
-            points.extend(calibrate::COPY_SIZES.iter().map(|&b| (m, b, 0)));
-        }
-        for &p in &calibrate::STAGED_PAGES {
-            points.extend(
-                calibrate::RUN_SIZES
-                    .iter()
-                    .map(|&b| (CopyMethod::Staged, b, p)),
-            );
-        }
-        for method in [CopyMethod::Kernel, CopyMethod::Dma, CopyMethod::Staged] {
-            let cfg = CudaEngineConfig {
-                method,
-                calibrate: false,
-                ..CudaEngineConfig::default()
-            };
-            let mut eng = CudaEngine::new(Arc::clone(dev), dir, cfg)?;
-            for &(_, size, staged_page) in points.iter().filter(|p| p.0 == method) {
-                // Kernel/DMA: copies of `size`; staged: `staged_page` pages in host runs of `size`.
-                let page = if method == CopyMethod::Staged {
-                    size.min(staged_page)
-                } else {
-                    size
-                };
-                let n = (JOB / page) as usize;
-                let gslots = slots(page, n);
-                let per_run = (size / page) as usize;
-                let hruns = slots(size, n.div_ceil(per_run));
-                let copies: Vec<CopyOp> = (0..n)
-                    .map(|i| {
-                        let g = gpu.ptr() + gslots[i] * page;
-                        let h =
-                            host.ptr() + hruns[i / per_run] * size + (i % per_run) as u64 * page;
-                        match dir {
-                            Direction::GpuToCpu => CopyOp {
-                                src_ptr: g,
-                                dst_ptr: h,
-                                bytes: page,
-                            },
-                            Direction::CpuToGpu => CopyOp {
-                                src_ptr: h,
-                                dst_ptr: g,
-                                bytes: page,
-                            },
-                        }
-                    })
-                    .collect();
-                let mut secs = Vec::new();
-                for rep in 0..4i64 {
-                    let plan = CopyPlan::from_copies(dir, copies.clone())?;
-                    // End to end, from submission to completion: the CPU work of a method (the
-                    // batch call spends milliseconds in the driver for thousands of copies) is
-                    // part of what a waiting request pays.
-                    let t0 = std::time::Instant::now();
-                    // SAFETY: the buffers outlive the engine's jobs (waited for below).
-                    unsafe { eng.submit(super::Job::new(rep, plan)) }?;
-                    eng.wait(&[rep])?;
-                    let wall = t0.elapsed().as_secs_f64();
-                    for r in eng.poll() {
-                        if !r.success {
-                            return Err(KvoffError::Cuda(r.error.unwrap_or_default()));
-                        }
-                        if rep > 0 {
-                            secs.push(wall);
-                        }
-                    }
-                }
-                secs.sort_by(f64::total_cmp);
-                let s = secs.get(secs.len() / 2).copied().unwrap_or(0.0);
-                if s > 0.0 {
-                    #[allow(clippy::cast_precision_loss)]
-                    rows.push(CalRow {
-                        direction: dir,
-                        method,
-                        bytes: size,
-                        page: if method == CopyMethod::Staged {
-                            staged_page
-                        } else {
-                            0
-                        },
-                        gbps: JOB as f64 / s / 1e9,
-                    });
-                }
-            }
-            eng.shutdown();
-        }
-    }
-    Ok(Calibration { rows })
 }
 
 #[cfg(test)]
