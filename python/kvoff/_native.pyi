@@ -201,6 +201,7 @@ class TransferHandler:
         group_refs: list[list[tuple[int, int]]] | tuple[Any, ...],
         block_size_factor: int,
         engine: str = "auto",
+        compute_budget: float | None = None,
     ) -> TransferHandler: ...
     def submit(
         self,

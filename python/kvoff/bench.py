@@ -352,7 +352,7 @@ def bench_transfers(job_mib: int | None = None, reps: int = 5, methods: list[str
     cuda = torch.cuda.is_available() and kvoff.cuda_available()
     device = "cuda" if cuda else "cpu"
     if methods is None:
-        methods = ["auto", "dma", "kernel", "staged"] if cuda else ["host"]
+        methods = ["auto", "auto-idle", "dma", "kernel", "staged"] if cuda else ["host"]
     if job_mib is None:
         job_mib = 512 if cuda else int(max(32, min(128, _available_memory() // (24 << 20))))
     job_target = job_mib << 20
@@ -370,7 +370,9 @@ def bench_transfers(job_mib: int | None = None, reps: int = 5, methods: list[str
                 _fill_pattern(t, 7919 * i + 1)
             ref = _time_contiguous(torch, job_bytes, cuda, reps)
             for method in methods:
-                h = CpuGpuOffloadingHandlers(kv, 1, pool, engine=method)
+                # "auto" is the handlers' default (serving budget 2%); "auto-idle" the idle-GPU policy.
+                h = (CpuGpuOffloadingHandlers(kv, 1, pool, engine="auto", compute_budget=None)
+                     if method == "auto-idle" else CpuGpuOffloadingHandlers(kv, 1, pool, engine=method))
                 try:
                     for direction, handler in (("GPU->CPU", h.gpu_to_cpu_handler), ("CPU->GPU", h.cpu_to_gpu_handler)):
                         secs, walls = [], []
@@ -398,7 +400,8 @@ def bench_transfers(job_mib: int | None = None, reps: int = 5, methods: list[str
                         gbs = job_bytes / _median(secs) / 1e9
                         rows.append({
                             "device": torch.cuda.get_device_name() if cuda else platform.processor() or platform.machine(),
-                            "engine": h.engine if method in ("host", "auto") else f"cuda:{method}",
+                            "engine": (h.engine if method in ("host", "auto") else
+                                       "cuda:auto-idle" if method == "auto-idle" else f"cuda:{method}"),
                             "page_bytes": page, "tensors": ntensors, "blocks": blocks, "job_bytes": job_bytes,
                             "direction": direction, "gb_s": gbs,
                             "wall_gb_s": job_bytes / _median(walls) / 1e9,

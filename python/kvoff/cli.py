@@ -54,6 +54,28 @@ def _bench_disk(args: argparse.Namespace) -> int:
     return 0
 
 
+def _bench_interference(args: argparse.Namespace) -> int:
+    from kvoff.bench_interference import bench_interference, format_interference
+
+    def ints(v: str) -> list[int]:
+        return [int(x) for x in v.split(",")]
+
+    if args.full:
+        pages, jobs, dirs = [4, 32, 256, 2048], [1, 8, 32, 128, 512], ["store", "load", "both"]
+    else:
+        pages, jobs, dirs = [4, 32], [8, 128], ["store", "both"]
+    res = bench_interference(
+        ints(args.pages_kib) if args.pages_kib else pages,
+        ints(args.jobs_mib) if args.jobs_mib else jobs,
+        args.dirs.split(",") if args.dirs else dirs,
+        args.methods.split(";") if args.methods else None,
+        args.seconds,
+        log=None if args.quiet else (lambda s: print(s, file=sys.stderr, flush=True)),
+    )
+    print(json.dumps(res, indent=1) if args.json else format_interference(res))
+    return 0
+
+
 def _bench_all(args: argparse.Namespace) -> int:
     """``kvoff bench`` with no subcommand: every benchmark that this machine can run."""
     rc = _bench_managers(args)
@@ -159,6 +181,18 @@ def main(argv: list[str] | None = None) -> int:
     k.add_argument("--direct-io", dest="direct_io", choices=["auto", "on", "off"], default="auto")
     k.add_argument("--json", action="store_true", help="print rows as JSON")
     k.set_defaults(func=_bench_disk)
+    i = bsub.add_parser("interference", help="transfers beside compute on a GPU: model slowdown, GB/s, "
+                        "other-thread launch latency, per page/job/direction/method")
+    i.add_argument("--pages-kib", default=None, help="page sizes in KiB (default 4,32; --full: 4,32,256,2048)")
+    i.add_argument("--jobs-mib", default=None, help="job sizes in MiB (default 8,128; --full: 1,8,32,128,512)")
+    i.add_argument("--dirs", default=None, help="store,load,both (default store,both; --full: all three)")
+    i.add_argument("--methods", default=None, help="';'-separated label:engine[:budget[:tune]] (default: dma, "
+                   "kernel, staged, auto-idle (budget none), auto (budget 0.02))")
+    i.add_argument("--seconds", type=float, default=0.3, help="seconds per measurement (default 0.3)")
+    i.add_argument("--full", action="store_true", help="the full grid (takes tens of minutes)")
+    i.add_argument("--json", action="store_true", help="print the result as JSON")
+    i.add_argument("--quiet", action="store_true", help="no per-row log on stderr")
+    i.set_defaults(func=_bench_interference)
     d = sub.add_parser("demo", help="simulated serving loop: offload a Llama-3-8B-shaped KV cache, verify "
                        "every reloaded block, report hit rate, GB/s and prefill time saved")
     d.add_argument("--requests", type=int, default=160)

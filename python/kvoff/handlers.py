@@ -635,6 +635,12 @@ class CpuGpuOffloadingHandlers:
             ``"kernel"``, ``"staged"`` or ``"loop"``.
         metrics: a :class:`kvoff.TransferMetrics` that observes every result of both handlers'
             ``get_finished()``; ``None`` creates one (``self.metrics``).
+        compute_budget: the model slowdown that transfers running beside it may cost, as a
+            fraction of a compute-bound kernel's time (default 0.02 = 2%; a memory-bound kernel
+            sees about 2.5× that), used by the CUDA engine's ``"auto"``/``"cuda"`` choice: batched
+            DMA for copies ≥ 32 KiB, else the copy kernel on a few CTAs in short launches, at the
+            lowest stream priority. ``None``: the idle-GPU policy (fastest method, may slow the
+            model by 10–200%; BENCHMARKS.md).
 
     Raises:
         CudaUnavailableError: a CUDA engine was asked for where there is no CUDA driver or device
@@ -652,6 +658,7 @@ class CpuGpuOffloadingHandlers:
         region: HostRegion | None = None,
         engine: str = "auto",
         metrics: TransferMetrics | None = None,
+        compute_budget: float | None = 0.02,
     ) -> None:
         torch = _torch()
         if metrics is not None and not isinstance(metrics, TransferMetrics):
@@ -754,13 +761,17 @@ class CpuGpuOffloadingHandlers:
         self.kv_caches = caches
         storages = _storage_extents(gpu_views)
         self.gpu_to_cpu_handler = SingleDirectionOffloadingHandler(
-            _native.TransferHandler("gpu_to_cpu", gpu_views, cpu_tensors, group_refs, block_size_factor, engine),
+            _native.TransferHandler(
+                "gpu_to_cpu", gpu_views, cpu_tensors, group_refs, block_size_factor, engine, compute_budget
+            ),
             device,
             self.metrics,
             storages,
         )
         self.cpu_to_gpu_handler = SingleDirectionOffloadingHandler(
-            _native.TransferHandler("cpu_to_gpu", gpu_views, cpu_tensors, group_refs, block_size_factor, engine),
+            _native.TransferHandler(
+                "cpu_to_gpu", gpu_views, cpu_tensors, group_refs, block_size_factor, engine, compute_budget
+            ),
             device,
             self.metrics,
             storages,

@@ -795,6 +795,7 @@ fn make_engine(
     direction: Direction,
     gpu: &[TensorInfo],
     cpu: &[TensorInfo],
+    budget_bp: Option<u32>,
 ) -> PyResult<(Box<dyn TransferEngine>, String)> {
     let cuda_method = match engine {
         "host" => None,
@@ -829,7 +830,7 @@ fn make_engine(
         let e = HostEngine::new().py()?;
         return Ok((Box::new(e), "host".to_owned()));
     };
-    cuda_engine(engine, method, direction, gpu, cpu)
+    cuda_engine(engine, method, direction, gpu, cpu, budget_bp)
 }
 
 #[cfg(feature = "cuda")]
@@ -839,6 +840,7 @@ fn cuda_engine(
     direction: Direction,
     gpu: &[TensorInfo],
     cpu: &[TensorInfo],
+    budget_bp: Option<u32>,
 ) -> PyResult<(Box<dyn TransferEngine>, String)> {
     use crate::engine::cuda::{CopyMethod, CudaDevice, CudaEngine, CudaEngineConfig};
     if !crate::engine::cuda::cuda_available() {
@@ -883,6 +885,7 @@ fn cuda_engine(
     let cfg = CudaEngineConfig {
         method,
         host_mapped,
+        compute_budget_bp: budget_bp,
         ..CudaEngineConfig::default()
     };
     let e = CudaEngine::new(dev, direction, cfg).py()?;
@@ -896,6 +899,7 @@ fn cuda_engine(
     _direction: Direction,
     _gpu: &[TensorInfo],
     _cpu: &[TensorInfo],
+    _budget_bp: Option<u32>,
 ) -> PyResult<(Box<dyn TransferEngine>, String)> {
     Err(cuda_unavailable(engine))
 }
@@ -957,13 +961,6 @@ pub struct PyTransferHandler {
     keepalive: Vec<Py<PyAny>>,
 }
 
-/// Carries the engine's lock guard out of a `detach` closure (which needs `Send`). The guard
-/// stays on the thread that took it: `detach` runs its closure on the calling thread.
-struct SendGuard<'a>(MutexGuard<'a, EngineState>);
-// SAFETY: `Python::detach` runs the closure on the current thread and returns on it, so the
-// guard is created and later dropped on the same thread, as `MutexGuard` requires.
-unsafe impl Send for SendGuard<'_> {}
-
 impl PyTransferHandler {
     fn lock(&self) -> MutexGuard<'_, EngineState> {
         // Engine calls run under `guard`; a panic there leaves the engine's own state consistent
@@ -988,9 +985,10 @@ impl PyTransferHandler {
     /// `TransferHandler(direction, gpu_tensors, cpu_tensors, group_refs, block_size_factor,
     /// engine="auto")`: `direction` is `"gpu_to_cpu"` or `"cpu_to_gpu"`; the tensors are 2-D
     /// `torch.uint8` views `(num_blocks, page)` / `(num_cpu_blocks, page × factor)`; `group_refs[g]`
-    /// lists `(tensor_idx, page_size_bytes)` of group `g`.
+    /// lists `(tensor_idx, page_size_bytes)` of group `g`; `compute_budget` (a fraction, e.g.
+    /// 0.02, or `None` for the idle-GPU policy) is the model slowdown a CUDA engine's `auto` may cost.
     #[new]
-    #[pyo3(signature = (direction, gpu_tensors, cpu_tensors, group_refs, block_size_factor, engine="auto"))]
+    #[pyo3(signature = (direction, gpu_tensors, cpu_tensors, group_refs, block_size_factor, engine="auto", compute_budget=None))]
     fn new(
         direction: &str,
         gpu_tensors: &Bound<'_, PyAny>,
@@ -998,7 +996,21 @@ impl PyTransferHandler {
         group_refs: &Bound<'_, PyAny>,
         block_size_factor: &Bound<'_, PyAny>,
         engine: &str,
+        compute_budget: Option<f64>,
     ) -> PyResult<Self> {
+        let budget_bp = match compute_budget {
+            None => None,
+            Some(b) if b.is_finite() && (0.0..=1.0).contains(&b) => {
+                // In 0..=1, so the product fits a u32.
+                #[allow(clippy::cast_possible_truncation, clippy::cast_sign_loss)]
+                Some((b * 10_000.0).round() as u32)
+            }
+            Some(b) => {
+                return Err(PyValueError::new_err(format!(
+                    "compute_budget must be a fraction in [0, 1] or None, got {b}"
+                )))
+            }
+        };
         let direction = match direction {
             "gpu_to_cpu" => Direction::GpuToCpu,
             "cpu_to_gpu" => Direction::CpuToGpu,
@@ -1047,7 +1059,7 @@ impl PyTransferHandler {
             check_disjoint(&gpu_descs, "GPU-side").py()?;
             check_disjoint(&cpu_descs, "CPU-side").py()?;
             let planner = CopyPlanner::new(gpu_descs, cpu_descs, groups, f).py()?;
-            let (engine, engine_name) = make_engine(engine, direction, &gpu, &cpu)?;
+            let (engine, engine_name) = make_engine(engine, direction, &gpu, &cpu, budget_bp)?;
             let keepalive = gpu_objs
                 .iter()
                 .chain(cpu_objs.iter())
@@ -1069,10 +1081,8 @@ impl PyTransferHandler {
 
     /// Validates and enqueues one job; returns at once. Nothing is enqueued when it raises.
     #[pyo3(signature = (job_id, gpu_block_ids, group_sizes, block_indices, cpu_block_ids, stream=None))]
-    #[allow(clippy::too_many_arguments)] // the Python signature
     fn submit(
         &self,
-        py: Python<'_>,
         job_id: &Bound<'_, PyAny>,
         gpu_block_ids: &Bound<'_, PyAny>,
         group_sizes: Option<&Bound<'_, PyAny>>,
@@ -1102,34 +1112,33 @@ impl PyTransferHandler {
             group_sizes: sizes.as_ref().map(Ids::as_slice),
             block_indices: indices.as_ref().map(Ids::as_slice),
         };
-        guard(|| {
-            let plan = self
-                .planner
+        let plan = guard(|| {
+            self.planner
                 .plan(self.direction, &spec, cids.as_slice())
-                .py()?;
-            let job = Job {
-                job_id: jid,
-                plan,
-                stream,
-            };
-            // Never wait for the engine's lock with the GIL held: another thread may hold it in
-            // `wait` (GIL released) for as long as its jobs run, and every Python thread would
-            // stall behind this one.
-            let mut st = match self.engine.try_lock() {
-                Ok(st) => st,
-                Err(TryLockError::Poisoned(p)) => p.into_inner(),
-                Err(TryLockError::WouldBlock) => py.detach(|| SendGuard(self.lock())).0,
-            };
-            // SAFETY: obligation 1 — every copy was validated by the planner against descriptors
-            // taken from torch tensors whose extents lie inside their storages, and `keepalive`
-            // holds those tensors until the engine is shut down (`shutdown`/`Drop` drain first);
-            // obligation 2 — GPU-side and CPU-side tensors were each checked disjoint
-            // (`check_disjoint`) and the planner rejects duplicate destinations and GPU/CPU overlap;
-            // concurrent use of the same blocks by the caller is excluded by the offloading
-            // protocol (a block being stored or loaded is not read/written by anyone else).
-            unsafe { st.engine.submit(job) }.py()?;
-            st.unreported.insert(jid);
-            Ok(())
+                .py()
+        })?;
+        let job = Job {
+            job_id: jid,
+            plan,
+            stream,
+        };
+        // The GIL is released while the engine submits: its driver calls can take milliseconds
+        // (long batches) and must not stall the caller's other threads (a model's launches).
+        job_id.py().detach(|| {
+            guard(|| {
+                let mut st = self.lock();
+                // SAFETY: obligation 1 — every copy was validated by the planner against
+                // descriptors taken from torch tensors whose extents lie inside their storages, and
+                // `keepalive` holds those tensors until the engine is shut down
+                // (`shutdown`/`Drop` drain first); obligation 2 — GPU-side and CPU-side tensors
+                // were each checked disjoint (`check_disjoint`) and the planner rejects duplicate
+                // destinations and GPU/CPU overlap; concurrent use of the same blocks by the caller
+                // is excluded by the offloading protocol (a block being stored or loaded is not
+                // read/written by anyone else).
+                unsafe { st.engine.submit(job) }.py()?;
+                st.unreported.insert(jid);
+                Ok(())
+            })
         })
     }
 

@@ -73,3 +73,22 @@ def test_bench_transfers_small_job() -> None:
         assert r["job_bytes"] == r["blocks"] * r["page_bytes"] * r["tensors"]
     text = bench.format_transfer_rows(rows).splitlines()
     assert "contig GB/s" in text[1] and len(text) == 2 + len(rows)
+
+
+def test_interference_method_specs_parse():
+    from kvoff.bench_interference import parse_method
+
+    assert parse_method("auto") == ("auto", "auto", 0.02, "")
+    assert parse_method("dma") == ("dma", "dma", None, "")
+    assert parse_method("a:auto:none") == ("a", "auto", None, "")
+    assert parse_method("k:auto:0.01:ctas=2,launch=65536") == ("k", "auto", 0.01, "ctas=2,launch=65536")
+
+
+def test_interference_cli_parses_and_needs_a_gpu(capsys):
+    from kvoff import _native
+
+    if _native.cuda_available():
+        pytest.skip("a GPU is here: the benchmark would run")
+    pytest.importorskip("torch")
+    with pytest.raises(RuntimeError, match="needs a CUDA GPU"):
+        cli.main(["bench", "interference", "--pages-kib", "4", "--jobs-mib", "1", "--dirs", "store", "--quiet"])

@@ -408,3 +408,14 @@ def test_engine_selection_without_gpu():
         with pytest.raises(CudaUnavailableError):
             _native.TransferHandler("gpu_to_cpu", [kv[0]], [torch.zeros(2, 64, dtype=torch.uint8)],
                                     [[(0, 64)]], 1, e)
+
+
+def test_compute_budget_is_validated_and_passed_through():
+    kv = [torch.zeros(4, 64, dtype=torch.uint8)]
+    for bad in (-0.1, 1.5, float("nan")):
+        with pytest.raises(ValueError, match="compute_budget"):
+            kvoff.CpuGpuOffloadingHandlers(kv, 1, 4, engine="host", compute_budget=bad)
+    for ok in (None, 0.0, 0.02, 1.0):
+        h = kvoff.CpuGpuOffloadingHandlers(kv, 1, 4, engine="host", compute_budget=ok)
+        h.shutdown()
+

@@ -19,6 +19,11 @@ use std::path::PathBuf;
 use crate::plan::Direction;
 
 use super::CopyMethod;
+use super::{CudaDevice, CudaEngine, CudaEngineConfig, DeviceBuffer, PinnedBuffer};
+use crate::engine::TransferEngine;
+use crate::error::{KvoffError, Result};
+use crate::plan::{CopyOp, CopyPlan};
+use std::sync::Arc;
 
 /// One measurement: `method` moving copies (kernel, DMA) or host runs (staged) of `bytes` each.
 #[derive(Clone, Copy, Debug, PartialEq)]
@@ -224,6 +229,125 @@ pub(crate) fn cache_path(uuid: &str, driver: i32) -> Option<PathBuf> {
     // measurements apart.
     let profile = if cfg!(debug_assertions) { "-debug" } else { "" };
     Some(dir.join(format!("calibration-{uuid}-{driver}{profile}.txt")))
+}
+
+/// Measures the copy methods on `dev` for [`Calibration`], end to end (host clock from submission to
+/// completion): 128 MiB jobs of scattered copies (kernel,
+/// DMA) or of scattered 32 KiB pages grouped into host-contiguous runs (staged), each direction,
+/// median of three after a warm-up.
+pub(super) fn measure(dev: &Arc<CudaDevice>) -> Result<Calibration> {
+    // Jobs large enough that launch and pipeline ramp-up do not dominate (16 MiB jobs measured
+    // the staged pipeline at 44 GB/s where 512 MiB jobs reach 54).
+    const BUF: u64 = 256 << 20;
+    const JOB: u64 = 128 << 20;
+    let gpu = DeviceBuffer::new(dev, BUF as usize)?;
+    let host = PinnedBuffer::new(dev, BUF as usize)?;
+    let mut seed = 0x9e37_79b9_7f4a_7c15u64;
+    let mut next = move || {
+        seed ^= seed << 13;
+        seed ^= seed >> 7;
+        seed ^= seed << 17;
+        seed
+    };
+    // `k` distinct slots of `unit` bytes in the buffer, shuffled.
+    let mut slots = |unit: u64, k: usize| -> Vec<u64> {
+        let n = (BUF / unit) as usize;
+        let mut v: Vec<u64> = (0..n as u64).collect();
+        for i in 0..k.min(n) {
+            let j = i + (next() % (n - i) as u64) as usize;
+            v.swap(i, j);
+        }
+        v.truncate(k);
+        v
+    };
+    let mut rows = Vec::new();
+    for dir in [Direction::GpuToCpu, Direction::CpuToGpu] {
+        // (method, copy size or run length, page size of staged runs)
+        let mut points: Vec<(CopyMethod, u64, u64)> = Vec::new();
+        for m in [CopyMethod::Kernel, CopyMethod::Dma] {
+            points.extend(COPY_SIZES.iter().map(|&b| (m, b, 0)));
+        }
+        for &p in &STAGED_PAGES {
+            points.extend(RUN_SIZES.iter().map(|&b| (CopyMethod::Staged, b, p)));
+        }
+        for method in [CopyMethod::Kernel, CopyMethod::Dma, CopyMethod::Staged] {
+            let cfg = CudaEngineConfig {
+                method,
+                calibrate: false,
+                ..CudaEngineConfig::default()
+            };
+            let mut eng = CudaEngine::new(Arc::clone(dev), dir, cfg)?;
+            for &(_, size, staged_page) in points.iter().filter(|p| p.0 == method) {
+                // Kernel/DMA: copies of `size`; staged: `staged_page` pages in host runs of `size`.
+                let page = if method == CopyMethod::Staged {
+                    size.min(staged_page)
+                } else {
+                    size
+                };
+                let n = (JOB / page) as usize;
+                let gslots = slots(page, n);
+                let per_run = (size / page) as usize;
+                let hruns = slots(size, n.div_ceil(per_run));
+                let copies: Vec<CopyOp> = (0..n)
+                    .map(|i| {
+                        let g = gpu.ptr() + gslots[i] * page;
+                        let h =
+                            host.ptr() + hruns[i / per_run] * size + (i % per_run) as u64 * page;
+                        match dir {
+                            Direction::GpuToCpu => CopyOp {
+                                src_ptr: g,
+                                dst_ptr: h,
+                                bytes: page,
+                            },
+                            Direction::CpuToGpu => CopyOp {
+                                src_ptr: h,
+                                dst_ptr: g,
+                                bytes: page,
+                            },
+                        }
+                    })
+                    .collect();
+                let mut secs = Vec::new();
+                for rep in 0..4i64 {
+                    let plan = CopyPlan::from_copies(dir, copies.clone())?;
+                    // End to end, from submission to completion: the CPU work of a method (the
+                    // batch call spends milliseconds in the driver for thousands of copies) is
+                    // part of what a waiting request pays.
+                    let t0 = std::time::Instant::now();
+                    // SAFETY: the buffers outlive the engine's jobs (waited for below).
+                    unsafe { eng.submit(super::Job::new(rep, plan)) }?;
+                    eng.wait(&[rep])?;
+                    let wall = t0.elapsed().as_secs_f64();
+                    for r in eng.poll() {
+                        if !r.success {
+                            return Err(KvoffError::Cuda(r.error.unwrap_or_default()));
+                        }
+                        if rep > 0 {
+                            secs.push(wall);
+                        }
+                    }
+                }
+                secs.sort_by(f64::total_cmp);
+                let s = secs.get(secs.len() / 2).copied().unwrap_or(0.0);
+                if s > 0.0 {
+                    #[allow(clippy::cast_precision_loss)]
+                    rows.push(CalRow {
+                        direction: dir,
+                        method,
+                        bytes: size,
+                        page: if method == CopyMethod::Staged {
+                            staged_page
+                        } else {
+                            0
+                        },
+                        gbps: JOB as f64 / s / 1e9,
+                    });
+                }
+            }
+            eng.shutdown();
+        }
+    }
+    Ok(Calibration { rows })
 }
 
 #[cfg(test)]

@@ -60,9 +60,11 @@ pub(crate) fn driver_present() -> bool {
 /// # Safety
 /// 1. [`driver_present`] returned `true`.
 pub(crate) unsafe fn init() -> Result<i32> {
+    // SAFETY: the caller upholds this function's `# Safety` obligations.
     check(unsafe { sys::cuInit(0) }, "cuInit")?;
     let mut n = 0;
     check(
+        // SAFETY: the caller upholds this function's `# Safety` obligations.
         unsafe { sys::cuDeviceGetCount(&raw mut n) },
         "cuDeviceGetCount",
     )?;
@@ -76,17 +78,21 @@ pub(crate) unsafe fn init() -> Result<i32> {
 pub(crate) unsafe fn open_device(ordinal: i32) -> Result<(CUdevice, CUcontext, String, i32)> {
     let mut dev: CUdevice = 0;
     check(
+        // SAFETY: the caller upholds this function's `# Safety` obligations.
         unsafe { sys::cuDeviceGet(&raw mut dev, ordinal) },
         "cuDeviceGet",
     )?;
     let mut ctx: CUcontext = ptr::null_mut();
     check(
+        // SAFETY: the caller upholds this function's `# Safety` obligations.
         unsafe { sys::cuDevicePrimaryCtxRetain(&raw mut ctx, dev) },
         "cuDevicePrimaryCtxRetain",
     )?;
     let mut name = [0 as std::ffi::c_char; 256];
     let mut sms = 0;
+    // SAFETY: the caller upholds this function's `# Safety` obligations.
     let r = unsafe { sys::cuDeviceGetName(name.as_mut_ptr(), 255, dev) };
+    // SAFETY: the caller upholds this function's `# Safety` obligations.
     let r2 = unsafe {
         sys::cuDeviceGetAttribute(
             &raw mut sms,
@@ -95,6 +101,7 @@ pub(crate) unsafe fn open_device(ordinal: i32) -> Result<(CUdevice, CUcontext, S
         )
     };
     if let Err(e) = check(r, "cuDeviceGetName").and(check(r2, "cuDeviceGetAttribute")) {
+        // SAFETY: the caller upholds this function's `# Safety` obligations.
         unsafe { sys::cuDevicePrimaryCtxRelease_v2(dev) };
         return Err(e);
     }
@@ -111,6 +118,7 @@ pub(crate) unsafe fn open_device(ordinal: i32) -> Result<(CUdevice, CUcontext, S
 /// 1. `dev` was opened by [`open_device`] and is released once.
 pub(crate) unsafe fn release_device(dev: CUdevice) -> Result<()> {
     check(
+        // SAFETY: the caller upholds this function's `# Safety` obligations.
         unsafe { sys::cuDevicePrimaryCtxRelease_v2(dev) },
         "cuDevicePrimaryCtxRelease",
     )
@@ -121,6 +129,7 @@ pub(crate) unsafe fn release_device(dev: CUdevice) -> Result<()> {
 /// # Safety
 /// 1. `ctx` is a live context.
 pub(crate) unsafe fn set_current(ctx: CUcontext) -> Result<()> {
+    // SAFETY: the caller upholds this function's `# Safety` obligations.
     check(unsafe { sys::cuCtxSetCurrent(ctx) }, "cuCtxSetCurrent")
 }
 
@@ -132,12 +141,14 @@ pub(crate) unsafe fn set_current(ctx: CUcontext) -> Result<()> {
 pub(crate) unsafe fn stream_create(high_priority: bool) -> Result<CUstream> {
     let (mut least, mut greatest) = (0, 0);
     check(
+        // SAFETY: the caller upholds this function's `# Safety` obligations.
         unsafe { sys::cuCtxGetStreamPriorityRange(&raw mut least, &raw mut greatest) },
         "cuCtxGetStreamPriorityRange",
     )?;
     let prio = if high_priority { greatest } else { least };
     let mut s: CUstream = ptr::null_mut();
     check(
+        // SAFETY: the caller upholds this function's `# Safety` obligations.
         unsafe {
             sys::cuStreamCreateWithPriority(
                 &raw mut s,
@@ -153,6 +164,7 @@ pub(crate) unsafe fn stream_create(high_priority: bool) -> Result<CUstream> {
 /// # Safety
 /// 1. `s` was created by [`stream_create`], has no work in flight and is destroyed once.
 pub(crate) unsafe fn stream_destroy(s: CUstream) -> Result<()> {
+    // SAFETY: the caller upholds this function's `# Safety` obligations.
     check(unsafe { sys::cuStreamDestroy_v2(s) }, "cuStreamDestroy")
 }
 
@@ -166,6 +178,7 @@ pub(crate) unsafe fn event_create(timing: bool) -> Result<CUevent> {
     };
     let mut e: CUevent = ptr::null_mut();
     check(
+        // SAFETY: the caller upholds this function's `# Safety` obligations.
         unsafe { sys::cuEventCreate(&raw mut e, flags) },
         "cuEventCreate",
     )?;
@@ -175,6 +188,7 @@ pub(crate) unsafe fn event_create(timing: bool) -> Result<CUevent> {
 /// # Safety
 /// 1. `e` is a live event destroyed once, not used afterwards.
 pub(crate) unsafe fn event_destroy(e: CUevent) -> Result<()> {
+    // SAFETY: the caller upholds this function's `# Safety` obligations.
     check(unsafe { sys::cuEventDestroy_v2(e) }, "cuEventDestroy")
 }
 
@@ -182,6 +196,7 @@ pub(crate) unsafe fn event_destroy(e: CUevent) -> Result<()> {
 /// 1. `e` and `s` are live handles of the current context (`s` may be a foreign stream such as
 ///    torch's current stream, or null for the legacy default stream).
 pub(crate) unsafe fn event_record(e: CUevent, s: CUstream) -> Result<()> {
+    // SAFETY: the caller upholds this function's `# Safety` obligations.
     check(unsafe { sys::cuEventRecord(e, s) }, "cuEventRecord")
 }
 
@@ -190,6 +205,7 @@ pub(crate) unsafe fn event_record(e: CUevent, s: CUstream) -> Result<()> {
 /// # Safety
 /// 1. `e` is a live event.
 pub(crate) unsafe fn event_done(e: CUevent) -> Result<bool> {
+    // SAFETY: the caller upholds this function's `# Safety` obligations.
     let r = unsafe { sys::cuEventQuery(e) };
     if r == sys::CUresult::CUDA_ERROR_NOT_READY {
         return Ok(false);
@@ -200,6 +216,7 @@ pub(crate) unsafe fn event_done(e: CUevent) -> Result<bool> {
 /// # Safety
 /// 1. `e` is a live event.
 pub(crate) unsafe fn event_sync(e: CUevent) -> Result<()> {
+    // SAFETY: the caller upholds this function's `# Safety` obligations.
     check(unsafe { sys::cuEventSynchronize(e) }, "cuEventSynchronize")
 }
 
@@ -210,6 +227,7 @@ pub(crate) unsafe fn event_sync(e: CUevent) -> Result<()> {
 pub(crate) unsafe fn event_elapsed_ms(start: CUevent, end: CUevent) -> Result<f32> {
     let mut ms = 0f32;
     check(
+        // SAFETY: the caller upholds this function's `# Safety` obligations.
         unsafe { sys::cuEventElapsedTime_v2(&raw mut ms, start, end) },
         "cuEventElapsedTime",
     )?;
@@ -222,6 +240,7 @@ pub(crate) unsafe fn event_elapsed_ms(start: CUevent, end: CUevent) -> Result<f3
 /// 1. Both are live handles of the current context.
 pub(crate) unsafe fn stream_wait(s: CUstream, e: CUevent) -> Result<()> {
     check(
+        // SAFETY: the caller upholds this function's `# Safety` obligations.
         unsafe { sys::cuStreamWaitEvent(s, e, 0) },
         "cuStreamWaitEvent",
     )
@@ -231,6 +250,7 @@ pub(crate) unsafe fn stream_wait(s: CUstream, e: CUevent) -> Result<()> {
 /// 1. `s` is live.
 pub(crate) unsafe fn stream_sync(s: CUstream) -> Result<()> {
     check(
+        // SAFETY: the caller upholds this function's `# Safety` obligations.
         unsafe { sys::cuStreamSynchronize(s) },
         "cuStreamSynchronize",
     )
@@ -245,6 +265,7 @@ pub(crate) unsafe fn stream_sync(s: CUstream) -> Result<()> {
 pub(crate) unsafe fn memcpy_async(dst: u64, src: u64, bytes: u64, s: CUstream) -> Result<()> {
     let n = usize::try_from(bytes).map_err(|_| KvoffError::arg("copy size exceeds usize"))?;
     check(
+        // SAFETY: the caller upholds this function's `# Safety` obligations.
         unsafe { sys::cuMemcpyAsync(dst, src, n, s) },
         "cuMemcpyAsync",
     )
@@ -257,6 +278,7 @@ pub(crate) unsafe fn memcpy_async(dst: u64, src: u64, bytes: u64, s: CUstream) -
 pub(crate) unsafe fn mem_alloc(bytes: usize) -> Result<u64> {
     let mut p = 0u64;
     check(
+        // SAFETY: the caller upholds this function's `# Safety` obligations.
         unsafe { sys::cuMemAlloc_v2(&raw mut p, bytes.max(1)) },
         "cuMemAlloc",
     )?;
@@ -266,6 +288,7 @@ pub(crate) unsafe fn mem_alloc(bytes: usize) -> Result<u64> {
 /// # Safety
 /// 1. `p` came from [`mem_alloc`], is freed once and no work using it is in flight.
 pub(crate) unsafe fn mem_free(p: u64) -> Result<()> {
+    // SAFETY: the caller upholds this function's `# Safety` obligations.
     check(unsafe { sys::cuMemFree_v2(p) }, "cuMemFree")
 }
 
@@ -276,6 +299,7 @@ pub(crate) unsafe fn mem_free(p: u64) -> Result<()> {
 pub(crate) unsafe fn mem_alloc_host(bytes: usize) -> Result<*mut c_void> {
     let mut p: *mut c_void = ptr::null_mut();
     check(
+        // SAFETY: the caller upholds this function's `# Safety` obligations.
         unsafe { sys::cuMemAllocHost_v2(&raw mut p, bytes.max(1)) },
         "cuMemAllocHost",
     )?;
@@ -285,6 +309,7 @@ pub(crate) unsafe fn mem_alloc_host(bytes: usize) -> Result<*mut c_void> {
 /// # Safety
 /// 1. `p` came from [`mem_alloc_host`], is freed once and no work using it is in flight.
 pub(crate) unsafe fn mem_free_host(p: *mut c_void) -> Result<()> {
+    // SAFETY: the caller upholds this function's `# Safety` obligations.
     check(unsafe { sys::cuMemFreeHost(p) }, "cuMemFreeHost")
 }
 
@@ -296,6 +321,7 @@ pub(crate) unsafe fn mem_free_host(p: *mut c_void) -> Result<()> {
 pub(crate) unsafe fn host_register(ptr: u64, len: u64) -> Result<()> {
     let n = usize::try_from(len).map_err(|_| KvoffError::arg("region too large"))?;
     check(
+        // SAFETY: the caller upholds this function's `# Safety` obligations.
         unsafe {
             sys::cuMemHostRegister_v2(
                 ptr as *mut c_void,
@@ -311,6 +337,7 @@ pub(crate) unsafe fn host_register(ptr: u64, len: u64) -> Result<()> {
 /// 1. `ptr` was registered by [`host_register`] and no work using it is in flight.
 pub(crate) unsafe fn host_unregister(ptr: u64) -> Result<()> {
     check(
+        // SAFETY: the caller upholds this function's `# Safety` obligations.
         unsafe { sys::cuMemHostUnregister(ptr as *mut c_void) },
         "cuMemHostUnregister",
     )
@@ -323,6 +350,7 @@ pub(crate) unsafe fn host_unregister(ptr: u64) -> Result<()> {
 /// 1. A live context is current.
 pub(crate) unsafe fn host_ptr_is_mapped(ptr: u64) -> bool {
     let mut dptr: u64 = 0;
+    // SAFETY: the caller upholds this function's `# Safety` obligations.
     let r = unsafe {
         sys::cuPointerGetAttribute(
             (&raw mut dptr).cast(),
@@ -339,6 +367,7 @@ pub(crate) unsafe fn host_ptr_is_mapped(ptr: u64) -> bool {
 /// 1. A live context is current.
 pub(crate) unsafe fn is_device_ptr(ptr: u64) -> bool {
     let mut ty: u32 = 0;
+    // SAFETY: the caller upholds this function's `# Safety` obligations.
     let r = unsafe {
         sys::cuPointerGetAttribute(
             (&raw mut ty).cast(),
@@ -356,11 +385,13 @@ pub(crate) unsafe fn is_device_ptr(ptr: u64) -> bool {
 pub(crate) unsafe fn load_kernel(ptx: &CStr, name: &CStr) -> Result<(CUmodule, CUfunction)> {
     let mut m: CUmodule = ptr::null_mut();
     check(
+        // SAFETY: the caller upholds this function's `# Safety` obligations.
         unsafe { sys::cuModuleLoadData(&raw mut m, ptx.as_ptr().cast()) },
         "cuModuleLoadData",
     )?;
     let mut f: CUfunction = ptr::null_mut();
     if let Err(e) = check(
+        // SAFETY: the caller upholds this function's `# Safety` obligations.
         unsafe { sys::cuModuleGetFunction(&raw mut f, m, name.as_ptr()) },
         "cuModuleGetFunction",
     ) {
@@ -377,6 +408,7 @@ pub(crate) unsafe fn load_kernel(ptx: &CStr, name: &CStr) -> Result<(CUmodule, C
 pub(crate) unsafe fn get_function(m: CUmodule, name: &CStr) -> Result<CUfunction> {
     let mut f: CUfunction = ptr::null_mut();
     check(
+        // SAFETY: the caller upholds this function's `# Safety` obligations.
         unsafe { sys::cuModuleGetFunction(&raw mut f, m, name.as_ptr()) },
         "cuModuleGetFunction",
     )?;
@@ -386,6 +418,7 @@ pub(crate) unsafe fn get_function(m: CUmodule, name: &CStr) -> Result<CUfunction
 /// # Safety
 /// 1. `m` was loaded by [`load_kernel`] and no launch of it is in flight.
 pub(crate) unsafe fn unload_module(m: CUmodule) -> Result<()> {
+    // SAFETY: the caller upholds this function's `# Safety` obligations.
     check(unsafe { sys::cuModuleUnload(m) }, "cuModuleUnload")
 }
 
@@ -407,6 +440,7 @@ pub(crate) unsafe fn launch_copy(
     let mut a1 = n;
     let mut params: [*mut c_void; 2] = [(&raw mut a0).cast(), (&raw mut a1).cast()];
     check(
+        // SAFETY: the caller upholds this function's `# Safety` obligations.
         unsafe {
             sys::cuLaunchKernel(
                 f,
@@ -439,6 +473,7 @@ pub(crate) unsafe fn memcpy_htod_async(
     s: CUstream,
 ) -> Result<()> {
     check(
+        // SAFETY: the caller upholds this function's `# Safety` obligations.
         unsafe { sys::cuMemcpyHtoDAsync_v2(dst, src, bytes, s) },
         "cuMemcpyHtoDAsync",
     )
@@ -464,6 +499,7 @@ pub(crate) unsafe fn memcpy_batch_fn() -> Option<MemcpyBatchFn> {
     // SAFETY: the driver library is present (obligation 1); the symbol's type is the documented
     // CUDA 13 signature above.
     let lib = unsafe { sys::culib() };
+    // SAFETY: the caller upholds this function's `# Safety` obligations.
     let sym = unsafe { lib.get::<MemcpyBatchFn>(b"cuMemcpyBatchAsync_v2\0") }.ok()?;
     Some(*sym)
 }
@@ -499,6 +535,7 @@ pub(crate) unsafe fn memcpy_batch(
     attrs.dstLocHint.type_ = if host_to_device { dev } else { host };
     let mut idx0: usize = 0;
     check(
+        // SAFETY: the caller upholds this function's `# Safety` obligations.
         unsafe {
             f(
                 dsts.as_mut_ptr(),
@@ -523,11 +560,13 @@ pub(crate) unsafe fn device_identity(dev: CUdevice) -> Result<(String, i32)> {
     // SAFETY: all-zero is a valid CUuuid.
     let mut uuid: sys::CUuuid = unsafe { std::mem::zeroed() };
     check(
+        // SAFETY: the caller upholds this function's `# Safety` obligations.
         unsafe { sys::cuDeviceGetUuid_v2(&raw mut uuid, dev) },
         "cuDeviceGetUuid",
     )?;
     let mut version = 0;
     check(
+        // SAFETY: the caller upholds this function's `# Safety` obligations.
         unsafe { sys::cuDriverGetVersion(&raw mut version) },
         "cuDriverGetVersion",
     )?;
@@ -541,4 +580,78 @@ pub(crate) unsafe fn device_identity(dev: CUdevice) -> Result<(String, i32)> {
             s
         });
     Ok((hex, version))
+}
+
+/// `cuCtxSynchronize`: waits for all work of the current context.
+///
+/// # Safety
+/// 1. A live context is current on this thread.
+pub(crate) unsafe fn ctx_sync() -> Result<()> {
+    // SAFETY: obligation 1.
+    check(unsafe { sys::cuCtxSynchronize() }, "cuCtxSynchronize")
+}
+
+/// Synchronous copy of `data` to device address `dst`.
+///
+/// # Safety
+/// 1. A live context is current; `[dst, dst + data.len())` is device memory of it.
+pub(crate) unsafe fn memcpy_htod(dst: u64, data: &[u8]) -> Result<()> {
+    // SAFETY: obligation 1; `data` is readable for its length during the synchronous copy.
+    check(
+        unsafe { sys::cuMemcpyHtoD_v2(dst, data.as_ptr().cast(), data.len()) },
+        "cuMemcpyHtoD",
+    )
+}
+
+/// Synchronous copy from device address `src` into `out`.
+///
+/// # Safety
+/// 1. A live context is current; `[src, src + out.len())` is device memory of it.
+pub(crate) unsafe fn memcpy_dtoh(out: &mut [u8], src: u64) -> Result<()> {
+    // SAFETY: obligation 1; `out` is writable for its length during the synchronous copy.
+    check(
+        unsafe { sys::cuMemcpyDtoH_v2(out.as_mut_ptr().cast(), src, out.len()) },
+        "cuMemcpyDtoH",
+    )
+}
+
+/// Queues `kvoff_sleep(ns)` on one thread.
+///
+/// # Safety
+/// 1. A live context is current; `f` is its `kvoff_sleep` function; `s` a live stream of it.
+pub(crate) unsafe fn launch_sleep(f: CUfunction, ns: u64, s: CUstream) -> Result<()> {
+    let mut a0 = ns;
+    let mut params: [*mut c_void; 1] = [(&raw mut a0).cast()];
+    // SAFETY: obligation 1; the kernel takes one u64 parameter, read at launch.
+    check(
+        unsafe {
+            sys::cuLaunchKernel(
+                f,
+                1,
+                1,
+                1,
+                1,
+                1,
+                1,
+                0,
+                s,
+                params.as_mut_ptr(),
+                ptr::null_mut(),
+            )
+        },
+        "cuLaunchKernel(kvoff_sleep)",
+    )
+}
+
+/// Queues a byte fill of `len` bytes at `dst` on `s`.
+///
+/// # Safety
+/// 1. A live context is current; `s` is a live stream of it; `[dst, dst + len)` is
+///    device-accessible memory that stays alive until the fill has run.
+pub(crate) unsafe fn memset_async(dst: u64, value: u8, len: usize, s: CUstream) -> Result<()> {
+    // SAFETY: obligation 1.
+    check(
+        unsafe { sys::cuMemsetD8Async(dst, value, len, s) },
+        "cuMemsetD8Async",
+    )
 }

@@ -1,4 +1,4 @@
-//! CUDA transfer engine (SPEC §6 on a GPU): moves a [`CopyPlan`] between GPU memory and pinned host
+//! CUDA transfer engine (SPEC §6 on a GPU): moves a [`CopyPlan`](crate::plan::CopyPlan) between GPU memory and pinned host
 //! memory on a pooled stream, choosing per job between batched DMA (`cuMemcpyBatchAsync`, one call
 //! per job; a per-copy `cuMemcpyAsync` loop where the driver lacks it) and a gather/scatter copy
 //! kernel over device-mapped host memory (`kernels/copy.cu`, shipped as PTX).
@@ -19,8 +19,14 @@
 
 mod calibrate;
 mod ffi;
+mod memory;
+mod staged;
 
 pub use calibrate::{CalRow, Calibration};
+pub use memory::{CudaStream, DeviceBuffer, PinnedBuffer};
+pub(crate) use staged::{
+    staged_chunk_count, staged_chunk_len, staged_desc_bound, StagedPacker, STAGED_MIN_JOB_BYTES,
+};
 
 use std::collections::VecDeque;
 use std::ffi::c_void;
@@ -28,7 +34,7 @@ use std::sync::{Arc, Mutex, OnceLock};
 
 use super::{Job, JobResult, TransferEngine};
 use crate::error::{KvoffError, Result};
-use crate::plan::{CopyOp, CopyPlan, Direction};
+use crate::plan::{CopyOp, Direction};
 use crate::region::HostRegistrar;
 
 /// PTX of `kernels/copy.cu` (built by `kernels/build_ptx.py`).
@@ -189,9 +195,10 @@ impl CudaDevice {
         });
         let loaded = loaded.and_then(|(m, k)| {
             // SAFETY: the module was just loaded in the current context.
-            match unsafe { ffi::get_function(m, c"kvoff_sleep") }
-                .and_then(|sl| Ok((sl, unsafe { ffi::get_function(m, c"kvoff_copy_nc") }?)))
-            {
+            match unsafe { ffi::get_function(m, c"kvoff_sleep") }.and_then(|sl| {
+                // SAFETY: as above.
+                Ok((sl, unsafe { ffi::get_function(m, c"kvoff_copy_nc") }?))
+            }) {
                 Ok((sl, nc)) => Ok((m, k, sl, nc)),
                 Err(e) => {
                     // SAFETY: loaded above, nothing launched.
@@ -260,7 +267,7 @@ impl CudaDevice {
                         return Some(Arc::new(c));
                     }
                 }
-                let c = measure_calibration(self).ok()?;
+                let c = calibrate::measure(self).ok()?;
                 if let Some(p) = path {
                     if let Some(dir) = p.parent() {
                         let _ = std::fs::create_dir_all(dir);
@@ -377,10 +384,7 @@ impl CudaDevice {
     pub fn synchronize(&self) -> Result<()> {
         self.bind()?;
         // SAFETY: the context is current.
-        ffi::check(
-            unsafe { cudarc::driver::sys::cuCtxSynchronize() },
-            "cuCtxSynchronize",
-        )
+        unsafe { ffi::ctx_sync() }
     }
 }
 
@@ -441,6 +445,29 @@ pub struct CudaEngineConfig {
     /// Let `Auto` use the device's calibration ([`CudaDevice::calibration`]); the thresholds above
     /// are the fallback.
     pub calibrate: bool,
+    /// Slowdown the model may suffer from transfers running beside it, in basis points of a
+    /// compute-bound kernel's time (200 = 2%; a memory-bound kernel sees about 2.5× that). `None`:
+    /// the idle-GPU policy (fastest method, loads on a high-priority stream). `Some`: the
+    /// serving policy of `Auto` (see [`CudaEngineConfig::serving`]): batched DMA for copies of at
+    /// least [`CudaEngineConfig::serving_dma_min_copy_bytes`], else the staged pipeline, both
+    /// directions on the lowest-priority stream. (The value itself sizes the copy kernel only
+    /// with [`CudaEngineConfig::serving_small_kernel`]; the policy was chosen so that the default
+    /// 2% holds in the measured cells.)
+    pub compute_budget_bp: Option<u32>,
+    /// Most copies per batched driver call; longer batches are split so that no call holds the
+    /// driver (and every other thread's launches) for long. 0: no limit.
+    pub max_batch_copies: usize,
+    /// Serving policy: average copy size from which `Auto` uses batched DMA.
+    pub serving_dma_min_copy_bytes: u64,
+    /// Serving policy: smaller copies go through the bounded copy kernel (`serving_ctas`,
+    /// `serving_launch_bytes`) instead of the staged pipeline (measured slower beside compute;
+    /// kept for the benchmark's comparison).
+    pub serving_small_kernel: bool,
+    /// Serving policy: CTAs of the copy kernel (0: derived from the budget and the SM count).
+    pub serving_ctas: u32,
+    /// Serving policy: most bytes one copy-kernel launch moves (so a launch holds its SMs only
+    /// briefly; work queued behind it, the model's kernels, gets them back soon).
+    pub serving_launch_bytes: u64,
 }
 
 impl Default for CudaEngineConfig {
@@ -457,7 +484,60 @@ impl Default for CudaEngineConfig {
             staged_min_run_bytes_load: 256 << 10,
             read_only_loads: false,
             calibrate: true,
+            compute_budget_bp: None,
+            max_batch_copies: 64,
+            serving_dma_min_copy_bytes: 32 << 10,
+            serving_small_kernel: false,
+            serving_ctas: 0,
+            serving_launch_bytes: 1 << 20,
         }
+    }
+}
+
+impl CudaEngineConfig {
+    /// Whether the serving (budgeted) policy is on: `Auto` with a compute budget (an explicit
+    /// method runs as configured).
+    #[must_use]
+    pub fn serving(&self) -> bool {
+        self.method == CopyMethod::Auto && self.compute_budget_bp.is_some()
+    }
+
+    /// Applies `KVOFF_CUDA_TUNE` overrides (`key=value` pairs separated by commas; keys `budget`
+    /// (basis points, or `off`), `batch`, `ctas`, `max_ctas`, `launch`, `dmamin`, `small`
+    /// (`kernel` or `staged`)), used by the
+    /// benchmarks to sweep the serving policy's knobs without rebuilding.
+    ///
+    /// # Errors
+    /// [`KvoffError::InvalidArgument`] for an unknown key or a value that does not parse.
+    pub fn apply_tuning(&mut self, spec: &str) -> Result<()> {
+        for kv in spec.split(',').map(str::trim).filter(|s| !s.is_empty()) {
+            let (k, v) = kv.split_once('=').ok_or_else(|| {
+                KvoffError::arg(format!("KVOFF_CUDA_TUNE: {kv:?} is not key=value"))
+            })?;
+            let num = |v: &str| {
+                v.parse::<u64>().map_err(|_| {
+                    KvoffError::arg(format!("KVOFF_CUDA_TUNE: {k}={v:?} is not a number"))
+                })
+            };
+            match k {
+                "budget" if v == "off" => self.compute_budget_bp = None,
+                "budget" => {
+                    self.compute_budget_bp = Some(u32::try_from(num(v)?).unwrap_or(u32::MAX))
+                }
+                "batch" => self.max_batch_copies = usize::try_from(num(v)?).unwrap_or(usize::MAX),
+                "ctas" => self.serving_ctas = u32::try_from(num(v)?).unwrap_or(u32::MAX),
+                "max_ctas" => self.max_ctas = u32::try_from(num(v)?).unwrap_or(u32::MAX).max(1),
+                "launch" => self.serving_launch_bytes = num(v)?.max(4096),
+                "dmamin" => self.serving_dma_min_copy_bytes = num(v)?,
+                "small" => self.serving_small_kernel = v == "kernel",
+                _ => {
+                    return Err(KvoffError::arg(format!(
+                        "KVOFF_CUDA_TUNE: unknown key {k:?}"
+                    )))
+                }
+            }
+        }
+        Ok(())
     }
 }
 
@@ -518,153 +598,6 @@ struct Staging {
     join: SendPtr<ffi::CUevent>,
     slots: Vec<Slot>,
     next: usize,
-}
-
-/// First chunk of a staged job. Chunks double from here up to the slot size (2, 4, 8, 16, 32 MiB,
-/// then slot-sized), so that the device starts after little CPU work and the two-stage pipeline
-/// fills quickly, while long jobs still move in few, large chunks.
-const STAGED_FIRST_CHUNK: u64 = 2 << 20;
-
-/// Smallest job for which `Auto` considers the staged method.
-const STAGED_MIN_JOB_BYTES: u64 = 32 << 20;
-
-/// Bytes of chunk `k` of a staged job whose slots hold `cap` bytes.
-pub(crate) fn staged_chunk_len(k: usize, cap: u64) -> u64 {
-    let first = STAGED_FIRST_CHUNK.min(cap);
-    if k >= 40 {
-        cap
-    } else {
-        (first << k).min(cap)
-    }
-}
-
-/// Number of chunks of a staged job of `total` bytes (see [`staged_chunk_len`]).
-pub(crate) fn staged_chunk_count(total: u64, cap: u64) -> usize {
-    if cap == 0 {
-        return 0;
-    }
-    let mut left = total;
-    let mut k = 0usize;
-    while left > 0 {
-        let c = staged_chunk_len(k, cap);
-        if c >= cap {
-            return k.saturating_add(usize::try_from(left.div_ceil(cap)).unwrap_or(usize::MAX));
-        }
-        left = left.saturating_sub(c);
-        k += 1;
-    }
-    k
-}
-
-/// Most kernel descriptors a staged job can need: chunk boundaries cut the copies into at most
-/// `copies + chunks` segments, and a segment of `s` bytes gives at most `s / KERNEL_CHUNK_BYTES + 1`
-/// pieces.
-pub(crate) fn staged_desc_bound(n_copies: usize, total: u64, n_chunks: usize) -> usize {
-    usize::try_from(total / KERNEL_CHUNK_BYTES)
-        .unwrap_or(usize::MAX)
-        .saturating_add(n_copies)
-        .saturating_add(n_chunks)
-}
-
-/// Packs a staged job chunk by chunk, in emission order (see [`CopyMethod::Staged`]).
-#[derive(Debug, Default)]
-pub(crate) struct StagedPacker {
-    /// Next copy to pack, and the bytes of it already packed.
-    copy: usize,
-    off: u64,
-}
-
-impl StagedPacker {
-    /// Packs up to `len` more bytes of `copies` into the staging slot at device address `base`:
-    /// kernel descriptor triples (GPU side ↔ staging, pieces of at most [`KERNEL_CHUNK_BYTES`])
-    /// are written to `descs` from triple `*nd` on (advancing `*nd`), and the DMA runs
-    /// `(src, dst, bytes)` (staging ↔ host, merged while host-contiguous) replace `runs`.
-    /// Returns the bytes packed (fewer than `len` only at the end of the job), or `None` if
-    /// `descs` is too small (callers size it with [`staged_desc_bound`]).
-    #[allow(clippy::too_many_arguments)] // plain data in, two reused buffers out
-    pub(crate) fn pack_chunk(
-        &mut self,
-        copies: &[CopyOp],
-        d2h: bool,
-        len: u64,
-        base: u64,
-        descs: &mut [u64],
-        nd: &mut usize,
-        runs: &mut Vec<(u64, u64, u64)>,
-    ) -> Option<u64> {
-        if d2h {
-            self.pack::<true>(copies, len, base, descs, nd, runs)
-        } else {
-            self.pack::<false>(copies, len, base, descs, nd, runs)
-        }
-    }
-
-    fn pack<const D2H: bool>(
-        &mut self,
-        copies: &[CopyOp],
-        len: u64,
-        base: u64,
-        descs: &mut [u64],
-        nd: &mut usize,
-        runs: &mut Vec<(u64, u64, u64)>,
-    ) -> Option<u64> {
-        runs.clear();
-        let (mut ci, mut off, mut n) = (self.copy, self.off, *nd);
-        let mut fill = 0u64;
-        // The open run: (host start, staging start, bytes).
-        let mut run: Option<(u64, u64, u64)> = None;
-        while fill < len {
-            let Some(c) = copies.get(ci) else {
-                break;
-            };
-            let take = (c.bytes - off).min(len - fill);
-            let stage = base + fill;
-            let (gpu, host) = if D2H {
-                (c.src_ptr + off, c.dst_ptr + off)
-            } else {
-                (c.dst_ptr + off, c.src_ptr + off)
-            };
-            let mut k = 0;
-            while k < take {
-                let l = (take - k).min(KERNEL_CHUNK_BYTES);
-                let d = descs.get_mut(n * 3..n * 3 + 3)?;
-                if D2H {
-                    d[0] = gpu + k;
-                    d[1] = stage + k;
-                } else {
-                    d[0] = stage + k;
-                    d[1] = gpu + k;
-                }
-                d[2] = l;
-                n += 1;
-                k += l;
-            }
-            // Staging is filled contiguously, so a run continues while the host side does.
-            if take > 0 {
-                run = match run {
-                    Some((h, st, b)) if h + b == host => Some((h, st, b + take)),
-                    Some((h, st, b)) => {
-                        runs.push(if D2H { (st, h, b) } else { (h, st, b) });
-                        Some((host, stage, take))
-                    }
-                    None => Some((host, stage, take)),
-                };
-            }
-            fill += take;
-            off += take;
-            if off >= c.bytes {
-                ci += 1;
-                off = 0;
-            }
-        }
-        if let Some((h, st, b)) = run {
-            runs.push(if D2H { (st, h, b) } else { (h, st, b) });
-        }
-        self.copy = ci;
-        self.off = off;
-        *nd = n;
-        Some(fill)
-    }
 }
 
 /// Index of a direction in per-direction arrays.
@@ -775,8 +708,11 @@ impl CudaEngine {
     pub fn new(
         device: Arc<CudaDevice>,
         direction: Direction,
-        cfg: CudaEngineConfig,
+        mut cfg: CudaEngineConfig,
     ) -> Result<Self> {
+        if let Ok(spec) = std::env::var("KVOFF_CUDA_TUNE") {
+            cfg.apply_tuning(&spec)?;
+        }
         if cfg.max_ctas == 0 {
             return Err(KvoffError::arg("max_ctas must be at least 1"));
         }
@@ -800,8 +736,11 @@ impl CudaEngine {
             None
         };
         device.bind()?;
+        // Beside a model (serving policy) both directions take the lowest priority, so that the
+        // model's pending CTAs are scheduled before the copy kernel's.
+        let high = direction == Direction::CpuToGpu && !cfg.serving();
         // SAFETY: the context is current.
-        let stream = unsafe { ffi::stream_create(direction == Direction::CpuToGpu) }?;
+        let stream = unsafe { ffi::stream_create(high) }?;
         // SAFETY: the context is current.
         let caller_event = match unsafe { ffi::event_create(false) } {
             Ok(e) => e,
@@ -909,6 +848,23 @@ impl CudaEngine {
 
     fn choose(&self, copies: &[CopyOp], bytes: u64) -> CopyMethod {
         match self.cfg.method {
+            CopyMethod::Auto if self.cfg.serving() => {
+                // Beside a model (measured on an H100 beside a bf16 GEMM and a 1 GiB device copy,
+                // BENCHMARKS.md "Transfers beside compute"): batched DMA uses no SMs and moves
+                // copies of ≥ 32 KiB efficiently (2–3× staging's GB/s there, slowdown within
+                // noise); smaller copies go through the staged pipeline, whose pack kernel runs
+                // device-to-device in short launches and whose PCIe leg is large DMAs (3–6× plain
+                // DMA beside a GEMM at 4 KiB pages, within the budget). The copy kernel over mapped
+                // host memory holds its SMs for the whole job (+10–85% on a GEMM) and is not used.
+                let avg = bytes / (copies.len().max(1) as u64);
+                if !self.cfg.host_mapped || avg >= self.cfg.serving_dma_min_copy_bytes {
+                    CopyMethod::Dma
+                } else if self.cfg.serving_small_kernel {
+                    CopyMethod::Kernel
+                } else {
+                    CopyMethod::Staged
+                }
+            }
             CopyMethod::Auto => {
                 let avg = bytes / (copies.len().max(1) as u64);
                 if !self.cfg.host_mapped || avg >= self.cfg.dma_min_avg_copy_bytes {
@@ -963,7 +919,9 @@ impl CudaEngine {
         let slot_bytes = usize::try_from(self.cfg.staging_slot_bytes)
             .map_err(|_| KvoffError::arg("staging_slot_bytes exceeds usize"))?;
         // SAFETY: the context is current (callers bind first).
-        let aux = unsafe { ffi::stream_create(self.direction == Direction::CpuToGpu) }?;
+        let aux = unsafe {
+            ffi::stream_create(self.direction == Direction::CpuToGpu && !self.cfg.serving())
+        }?;
         let mut st = Staging {
             aux: SendPtr(aux),
             fork: SendPtr(std::ptr::null_mut()),
@@ -1016,6 +974,21 @@ impl CudaEngine {
         );
     }
 
+    /// CTAs of a copy-kernel job: `max_ctas`, or under the serving policy `serving_ctas` (or,
+    /// when 0, about 1.5 × budget × SMs: 4 CTAs of an H100's 132 SMs at 2%).
+    fn kernel_ctas(&self) -> u32 {
+        match self.cfg.compute_budget_bp {
+            _ if !self.cfg.serving() => self.cfg.max_ctas,
+            None => self.cfg.max_ctas,
+            Some(_) if self.cfg.serving_ctas > 0 => self.cfg.serving_ctas.min(self.cfg.max_ctas),
+            Some(bp) => {
+                let sms = u64::try_from(self.device.sm_count()).unwrap_or(1);
+                let c = (sms * u64::from(bp) * 3).div_ceil(2 * 10_000);
+                u32::try_from(c).unwrap_or(1).clamp(1, self.cfg.max_ctas)
+            }
+        }
+    }
+
     /// Launches the copy kernel over `n` descriptors at device address `descs` on `s`.
     fn launch(&mut self, descs: u64, n: u64, max_ctas: u32, s: ffi::CUstream) -> Result<()> {
         let warps_per_cta = u64::from(self.cfg.kernel_threads / 32);
@@ -1055,9 +1028,27 @@ impl CudaEngine {
             let r = if sizes.is_empty() {
                 Ok(())
             } else {
-                // SAFETY: co-indexed arrays; memory validated by the plan (or staging owned by
-                // this engine) and kept alive until the job completes; `s` is a created stream.
-                unsafe { ffi::memcpy_batch(f, &mut dsts, &mut srcs, &mut sizes, host_to_device, s) }
+                // Split so that no call holds the driver for long (32768 copies in one call take
+                // ~100 ms of CPU, stalling every other thread's launches meanwhile).
+                let step = match self.cfg.max_batch_copies {
+                    0 => sizes.len(),
+                    n => n,
+                };
+                let mut r = Ok(());
+                for ((d, sr), sz) in dsts
+                    .chunks_mut(step)
+                    .zip(srcs.chunks_mut(step))
+                    .zip(sizes.chunks_mut(step))
+                {
+                    // SAFETY: co-indexed arrays; memory validated by the plan (or staging owned
+                    // by this engine) and kept alive until the job completes; `s` is a created
+                    // stream.
+                    r = unsafe { ffi::memcpy_batch(f, d, sr, sz, host_to_device, s) };
+                    if r.is_err() {
+                        break;
+                    }
+                }
+                r
             };
             self.scratch_dma = (srcs, dsts, sizes);
             r
@@ -1264,7 +1255,28 @@ impl CudaEngine {
                 s,
             )
         }?;
-        self.launch(buf.dev + off as u64, n as u64, self.cfg.max_ctas, s)
+        let ctas = self.kernel_ctas();
+        if !self.cfg.serving() {
+            return self.launch(buf.dev + off as u64, n as u64, ctas, s);
+        }
+        // Serving policy: launches of at most `serving_launch_bytes` each, so the SMs a launch
+        // holds go back to the model's queued CTAs within tens of microseconds.
+        let cap = buf.cap / DESC_BYTES;
+        // SAFETY: `buf.host` is the job's pinned allocation of `buf.cap` bytes (8-byte aligned);
+        // descriptors `first..first + n` were written before this call and are only read here.
+        let words = unsafe { std::slice::from_raw_parts(buf.host.0.cast::<u64>(), cap * 3) };
+        let limit = self.cfg.serving_launch_bytes.max(1);
+        let (mut i, end) = (first, first + n);
+        while i < end {
+            let (mut j, mut bytes) = (i, 0u64);
+            while j < end && (j == i || bytes < limit) {
+                bytes += words.get(j * 3 + 2).copied().unwrap_or(0);
+                j += 1;
+            }
+            self.launch(buf.dev + (i * DESC_BYTES) as u64, (j - i) as u64, ctas, s)?;
+            i = j;
+        }
+        Ok(())
     }
 
     /// Enqueues the device work of one job on the stream (between the timing events).
@@ -1549,554 +1561,41 @@ impl Drop for CudaEngine {
     }
 }
 
-/// Device memory owned by Rust (tests, benchmarks and Rust servers without another allocator).
-pub struct DeviceBuffer {
-    device: Arc<CudaDevice>,
-    ptr: u64,
-    len: usize,
-}
-
-impl DeviceBuffer {
-    /// Allocates `len` bytes on `device`.
-    ///
-    /// # Errors
-    /// [`KvoffError::Cuda`] when the allocation fails.
-    pub fn new(device: &Arc<CudaDevice>, len: usize) -> Result<Self> {
-        device.bind()?;
-        // SAFETY: the context is current.
-        let ptr = unsafe { ffi::mem_alloc(len) }?;
-        Ok(Self {
-            device: Arc::clone(device),
-            ptr,
-            len,
-        })
-    }
-
-    /// Device address.
-    #[must_use]
-    pub fn ptr(&self) -> u64 {
-        self.ptr
-    }
-
-    /// Size in bytes.
-    #[must_use]
-    pub fn len(&self) -> usize {
-        self.len
-    }
-
-    /// Whether the buffer is empty.
-    #[must_use]
-    pub fn is_empty(&self) -> bool {
-        self.len == 0
-    }
-
-    /// Copies `data` into the buffer at `offset` (synchronous).
-    ///
-    /// # Errors
-    /// Out of range, or a driver error.
-    pub fn write(&self, offset: usize, data: &[u8]) -> Result<()> {
-        self.check(offset, data.len())?;
-        self.device.bind()?;
-        // SAFETY: range checked; `data` is readable host memory for the synchronous copy.
-        ffi::check(
-            unsafe {
-                cudarc::driver::sys::cuMemcpyHtoD_v2(
-                    self.ptr + offset as u64,
-                    data.as_ptr().cast(),
-                    data.len(),
-                )
-            },
-            "cuMemcpyHtoD",
-        )
-    }
-
-    /// Copies bytes at `offset` into `out` (synchronous).
-    ///
-    /// # Errors
-    /// Out of range, or a driver error.
-    pub fn read(&self, offset: usize, out: &mut [u8]) -> Result<()> {
-        self.check(offset, out.len())?;
-        self.device.bind()?;
-        // SAFETY: range checked; `out` is writable host memory for the synchronous copy.
-        ffi::check(
-            unsafe {
-                cudarc::driver::sys::cuMemcpyDtoH_v2(
-                    out.as_mut_ptr().cast(),
-                    self.ptr + offset as u64,
-                    out.len(),
-                )
-            },
-            "cuMemcpyDtoH",
-        )
-    }
-
-    fn check(&self, offset: usize, n: usize) -> Result<()> {
-        if offset.checked_add(n).is_none_or(|e| e > self.len) {
-            return Err(KvoffError::arg(format!(
-                "range {offset}+{n} outside the {}-byte device buffer",
-                self.len
-            )));
-        }
-        Ok(())
-    }
-}
-
-impl Drop for DeviceBuffer {
-    fn drop(&mut self) {
-        if self.device.bind().is_ok() {
-            // SAFETY: allocated in `new`, freed once; users synchronize before dropping buffers
-            // that jobs still use (the TransferEngine::submit contract).
-            let _ = unsafe { ffi::mem_free(self.ptr) };
-        }
-    }
-}
-
-/// Pinned, device-mapped host memory owned by Rust.
-pub struct PinnedBuffer {
-    device: Arc<CudaDevice>,
-    ptr: SendPtr<*mut c_void>,
-    len: usize,
-}
-
-impl PinnedBuffer {
-    /// Allocates `len` pinned bytes (zeroed).
-    ///
-    /// # Errors
-    /// [`KvoffError::Cuda`] when the allocation fails.
-    pub fn new(device: &Arc<CudaDevice>, len: usize) -> Result<Self> {
-        device.bind()?;
-        // SAFETY: the context is current.
-        let ptr = unsafe { ffi::mem_alloc_host(len) }?;
-        // SAFETY: fresh allocation of `len.max(1)` bytes.
-        unsafe { std::ptr::write_bytes(ptr.cast::<u8>(), 0, len) };
-        Ok(Self {
-            device: Arc::clone(device),
-            ptr: SendPtr(ptr),
-            len,
-        })
-    }
-
-    /// Host (and device) address.
-    #[must_use]
-    pub fn ptr(&self) -> u64 {
-        self.ptr.0 as u64
-    }
-
-    /// The bytes. Do not hold this while a job writes the buffer.
-    #[must_use]
-    pub fn as_slice(&self) -> &[u8] {
-        // SAFETY: a live allocation of `len` bytes owned by self.
-        unsafe { std::slice::from_raw_parts(self.ptr.0.cast::<u8>(), self.len) }
-    }
-
-    /// The bytes, mutably.
-    pub fn as_mut_slice(&mut self) -> &mut [u8] {
-        // SAFETY: a live allocation of `len` bytes owned exclusively by self.
-        unsafe { std::slice::from_raw_parts_mut(self.ptr.0.cast::<u8>(), self.len) }
-    }
-}
-
-impl Drop for PinnedBuffer {
-    fn drop(&mut self) {
-        if self.device.bind().is_ok() {
-            // SAFETY: allocated in `new`, freed once.
-            let _ = unsafe { ffi::mem_free_host(self.ptr.0) };
-        }
-    }
-}
-
-/// A stream owned by Rust (tests, benchmarks, Rust callers that pass a stream to jobs).
-pub struct CudaStream {
-    device: Arc<CudaDevice>,
-    stream: SendPtr<ffi::CUstream>,
-}
-
-impl CudaStream {
-    /// Raw handle, as [`Job::stream`] takes it.
-    #[must_use]
-    pub fn handle(&self) -> u64 {
-        self.stream.0 as u64
-    }
-
-    /// Queues a kernel that busies one thread for at least `ns` nanoseconds (ordering tests).
-    ///
-    /// # Errors
-    /// A driver error.
-    pub fn sleep(&self, ns: u64) -> Result<()> {
-        self.device.bind()?;
-        let mut a0 = ns;
-        let mut params: [*mut c_void; 1] = [(&raw mut a0).cast()];
-        // SAFETY: the sleep kernel takes one u64 parameter; the stream is live.
-        ffi::check(
-            unsafe {
-                cudarc::driver::sys::cuLaunchKernel(
-                    self.device.sleep_kernel.0,
-                    1,
-                    1,
-                    1,
-                    1,
-                    1,
-                    1,
-                    0,
-                    self.stream.0,
-                    params.as_mut_ptr(),
-                    std::ptr::null_mut(),
-                )
-            },
-            "cuLaunchKernel(kvoff_sleep)",
-        )
-    }
-
-    /// Queues a byte fill of device or mapped host memory.
-    ///
-    /// # Safety
-    /// 1. `[ptr, ptr+len)` is device-accessible memory that stays alive until the fill has run.
-    pub unsafe fn memset(&self, ptr: u64, value: u8, len: usize) -> Result<()> {
-        self.device.bind()?;
-        // SAFETY: obligation 1; the stream is live.
-        ffi::check(
-            unsafe { cudarc::driver::sys::cuMemsetD8Async(ptr, value, len, self.stream.0) },
-            "cuMemsetD8Async",
-        )
-    }
-
-    /// Waits for everything queued on the stream.
-    ///
-    /// # Errors
-    /// A pending asynchronous error.
-    pub fn synchronize(&self) -> Result<()> {
-        self.device.bind()?;
-        // SAFETY: the stream is live.
-        unsafe { ffi::stream_sync(self.stream.0) }
-    }
-}
-
-impl Drop for CudaStream {
-    fn drop(&mut self) {
-        if self.device.bind().is_ok() {
-            // SAFETY: created in `create_stream`, destroyed once; the driver defers destruction
-            // until queued work has finished.
-            let _ = unsafe { ffi::stream_destroy(self.stream.0) };
-        }
-    }
-}
-
-/// Measures the copy methods on `dev` for [`Calibration`], end to end (host clock from submission to
-/// completion): 128 MiB jobs of scattered copies (kernel,
-/// DMA) or of scattered 32 KiB pages grouped into host-contiguous runs (staged), each direction,
-/// median of three after a warm-up.
-fn measure_calibration(dev: &Arc<CudaDevice>) -> Result<Calibration> {
-    // Jobs large enough that launch and pipeline ramp-up do not dominate (16 MiB jobs measured
-    // the staged pipeline at 44 GB/s where 512 MiB jobs reach 54).
-    const BUF: u64 = 256 << 20;
-    const JOB: u64 = 128 << 20;
-    let gpu = DeviceBuffer::new(dev, BUF as usize)?;
-    let host = PinnedBuffer::new(dev, BUF as usize)?;
-    let mut seed = 0x9e37_79b9_7f4a_7c15u64;
-    let mut next = move || {
-        seed ^= seed << 13;
-        seed ^= seed >> 7;
-        seed ^= seed << 17;
-        seed
-    };
-    // `k` distinct slots of `unit` bytes in the buffer, shuffled.
-    let mut slots = |unit: u64, k: usize| -> Vec<u64> {
-        let n = (BUF / unit) as usize;
-        let mut v: Vec<u64> = (0..n as u64).collect();
-        for i in 0..k.min(n) {
-            let j = i + (next() % (n - i) as u64) as usize;
-            v.swap(i, j);
-        }
-        v.truncate(k);
-        v
-    };
-    let mut rows = Vec::new();
-    for dir in [Direction::GpuToCpu, Direction::CpuToGpu] {
-        // (method, copy size or run length, page size of staged runs)
-        let mut points: Vec<(CopyMethod, u64, u64)> = Vec::new();
-        for m in [CopyMethod::Kernel, CopyMethod::Dma] {
-            points.extend(calibrate::COPY_SIZES.iter().map(|&b| (m, b, 0)));
-        }
-        for &p in &calibrate::STAGED_PAGES {
-            points.extend(
-                calibrate::RUN_SIZES
-                    .iter()
-                    .map(|&b| (CopyMethod::Staged, b, p)),
-            );
-        }
-        for method in [CopyMethod::Kernel, CopyMethod::Dma, CopyMethod::Staged] {
-            let cfg = CudaEngineConfig {
-                method,
-                calibrate: false,
-                ..CudaEngineConfig::default()
-            };
-            let mut eng = CudaEngine::new(Arc::clone(dev), dir, cfg)?;
-            for &(_, size, staged_page) in points.iter().filter(|p| p.0 == method) {
-                // Kernel/DMA: copies of `size`; staged: `staged_page` pages in host runs of `size`.
-                let page = if method == CopyMethod::Staged {
-                    size.min(staged_page)
-                } else {
-                    size
-                };
-                let n = (JOB / page) as usize;
-                let gslots = slots(page, n);
-                let per_run = (size / page) as usize;
-                let hruns = slots(size, n.div_ceil(per_run));
-                let copies: Vec<CopyOp> = (0..n)
-                    .map(|i| {
-                        let g = gpu.ptr() + gslots[i] * page;
-                        let h =
-                            host.ptr() + hruns[i / per_run] * size + (i % per_run) as u64 * page;
-                        match dir {
-                            Direction::GpuToCpu => CopyOp {
-                                src_ptr: g,
-                                dst_ptr: h,
-                                bytes: page,
-                            },
-                            Direction::CpuToGpu => CopyOp {
-                                src_ptr: h,
-                                dst_ptr: g,
-                                bytes: page,
-                            },
-                        }
-                    })
-                    .collect();
-                let mut secs = Vec::new();
-                for rep in 0..4i64 {
-                    let plan = CopyPlan::from_copies(dir, copies.clone())?;
-                    // End to end, from submission to completion: the CPU work of a method (the
-                    // batch call spends milliseconds in the driver for thousands of copies) is
-                    // part of what a waiting request pays.
-                    let t0 = std::time::Instant::now();
-                    // SAFETY: the buffers outlive the engine's jobs (waited for below).
-                    unsafe { eng.submit(super::Job::new(rep, plan)) }?;
-                    eng.wait(&[rep])?;
-                    let wall = t0.elapsed().as_secs_f64();
-                    for r in eng.poll() {
-                        if !r.success {
-                            return Err(KvoffError::Cuda(r.error.unwrap_or_default()));
-                        }
-                        if rep > 0 {
-                            secs.push(wall);
-                        }
-                    }
-                }
-                secs.sort_by(f64::total_cmp);
-                let s = secs.get(secs.len() / 2).copied().unwrap_or(0.0);
-                if s > 0.0 {
-                    #[allow(clippy::cast_precision_loss)]
-                    rows.push(CalRow {
-                        direction: dir,
-                        method,
-                        bytes: size,
-                        page: if method == CopyMethod::Staged {
-                            staged_page
-                        } else {
-                            0
-                        },
-                        gbps: JOB as f64 / s / 1e9,
-                    });
-                }
-            }
-            eng.shutdown();
-        }
-    }
-    Ok(Calibration { rows })
-}
-
 #[cfg(test)]
-mod pack_tests {
-    use super::{
-        staged_chunk_count, staged_chunk_len, staged_desc_bound, CopyOp, StagedPacker,
-        KERNEL_CHUNK_BYTES,
-    };
+mod config_tests {
+    use super::{CopyMethod, CudaEngineConfig};
 
-    /// A packed chunk: its slot and its ranges of the flat descriptor and run lists.
-    struct Chunk {
-        slot: usize,
-        desc_start: usize,
-        desc_count: usize,
-        run_start: usize,
-        run_count: usize,
-    }
-
-    /// Descriptor words, DMA runs and chunks of a whole packed job.
-    type Packed = (Vec<u64>, Vec<(u64, u64, u64)>, Vec<Chunk>);
-
-    /// Packs a whole job the way `enqueue_staged` does, collecting every chunk.
-    fn pack_all(
-        copies: &[CopyOp],
-        d2h: bool,
-        cap: u64,
-        bases: &[u64],
-        first_slot: usize,
-    ) -> Packed {
-        let total: u64 = copies.iter().map(|c| c.bytes).sum();
-        let n_chunks = staged_chunk_count(total, cap);
-        let mut descs = vec![0u64; 3 * staged_desc_bound(copies.len(), total, n_chunks)];
-        let (mut runs, mut chunks) = (Vec::new(), Vec::new());
-        let mut packer = StagedPacker::default();
-        let (mut nd, mut packed) = (0usize, 0u64);
-        let mut chunk_runs = Vec::new();
-        for k in 0..n_chunks {
-            let slot = (first_slot + k) % bases.len();
-            let d0 = nd;
-            let len = staged_chunk_len(k, cap);
-            let got = packer
-                .pack_chunk(
-                    copies,
-                    d2h,
-                    len,
-                    bases[slot],
-                    &mut descs,
-                    &mut nd,
-                    &mut chunk_runs,
-                )
-                .expect("the bound holds");
-            assert!(
-                got == len || packed + got == total,
-                "short chunk before the end"
-            );
-            packed += got;
-            chunks.push(Chunk {
-                slot,
-                desc_start: d0,
-                desc_count: nd - d0,
-                run_start: runs.len(),
-                run_count: chunk_runs.len(),
-            });
-            runs.extend_from_slice(&chunk_runs);
-        }
-        assert_eq!(packed, total, "chunk count covers the job");
-        descs.truncate(nd * 3);
-        (descs, runs, chunks)
+    #[test]
+    fn serving_needs_auto_and_a_budget() {
+        let mut c = CudaEngineConfig::default();
+        assert!(!c.serving());
+        c.compute_budget_bp = Some(200);
+        assert!(c.serving());
+        c.method = CopyMethod::Kernel;
+        assert!(!c.serving(), "an explicit method runs as configured");
     }
 
     #[test]
-    fn chunk_schedule_ramps_to_the_slot_size() {
-        let mib = 1u64 << 20;
-        let lens: Vec<u64> = (0..6)
-            .map(|k| staged_chunk_len(k, 16 * mib) / mib)
-            .collect();
-        assert_eq!(lens, [2, 4, 8, 16, 16, 16]);
-        assert_eq!(staged_chunk_len(0, mib), mib);
-        assert_eq!(staged_chunk_len(100, 16 * mib), 16 * mib);
-        assert_eq!(staged_chunk_count(0, 16 * mib), 0);
-        assert_eq!(staged_chunk_count(1, 16 * mib), 1);
-        assert_eq!(staged_chunk_count(2 * mib, 16 * mib), 1);
-        assert_eq!(staged_chunk_count(2 * mib + 1, 16 * mib), 2);
-        assert_eq!(staged_chunk_count(30 * mib, 16 * mib), 4);
-        assert_eq!(staged_chunk_count(512 * mib, 16 * mib), 3 + 32); // 2 + 4 + 8, then 498 MiB
-        assert_eq!(staged_chunk_count(5 * mib, mib), 5);
-    }
-
-    /// Every byte of every copy is staged exactly once, kernel pieces are at most 64 KiB, runs stay
-    /// inside their chunk's slot, and staging ↔ GPU (descriptors) composed with staging ↔ host
-    /// (runs) gives back exactly the copies.
-    #[test]
-    fn pack_covers_every_byte_once() {
-        for (cap, d2h) in [
-            (1u64 << 20, true),
-            (1 << 20, false),
-            (8 << 20, true),
-            (8 << 20, false),
-        ] {
-            let bases = [1u64 << 40, (1u64 << 40) + cap, 1 << 41]; // slots 0 and 1 adjacent
-            let mut copies = Vec::new();
-            let mut host = 1u64 << 30;
-            for i in 0..200u64 {
-                let bytes = [8, 4096, 100_000, 3 << 20][(i % 4) as usize];
-                let gpu = (1u64 << 35) + i * (4 << 20);
-                if i % 7 == 0 {
-                    host += 4096; // break host contiguity now and then
-                }
-                copies.push(if d2h {
-                    CopyOp {
-                        src_ptr: gpu,
-                        dst_ptr: host,
-                        bytes,
-                    }
-                } else {
-                    CopyOp {
-                        src_ptr: host,
-                        dst_ptr: gpu,
-                        bytes,
-                    }
-                });
-                host += bytes;
-            }
-            let (descs, runs, chunks) = pack_all(&copies, d2h, cap, &bases, 1);
-            let total: u64 = copies.iter().map(|c| c.bytes).sum();
-            assert_eq!(descs.chunks(3).map(|d| d[2]).sum::<u64>(), total);
-            assert_eq!(runs.iter().map(|r| r.2).sum::<u64>(), total);
-            assert!(descs
-                .chunks(3)
-                .all(|d| d[2] <= KERNEL_CHUNK_BYTES && d[2] > 0));
-            for (n, ch) in chunks.iter().enumerate() {
-                assert_eq!(ch.slot, (1 + n) % 3);
-                let base = bases[ch.slot];
-                for r in &runs[ch.run_start..ch.run_start + ch.run_count] {
-                    let stage = if d2h { r.0 } else { r.1 };
-                    assert!(
-                        stage >= base && stage + r.2 <= base + cap,
-                        "run leaves its slot"
-                    );
-                }
-                for d in descs[ch.desc_start * 3..(ch.desc_start + ch.desc_count) * 3].chunks(3) {
-                    let stage = if d2h { d[1] } else { d[0] };
-                    assert!(stage >= base && stage + d[2] <= base + cap);
-                }
-            }
-            // Per chunk (slots are reused), map staging → GPU through the chunk's descriptors and
-            // compose with the chunk's runs (staging ↔ host).
-            let mut pairs = Vec::new();
-            for ch in &chunks {
-                let mut stage_to_gpu = std::collections::BTreeMap::new();
-                for d in descs[ch.desc_start * 3..(ch.desc_start + ch.desc_count) * 3].chunks(3) {
-                    let (stage, gpu) = if d2h { (d[1], d[0]) } else { (d[0], d[1]) };
-                    assert!(
-                        stage_to_gpu.insert(stage, (gpu, d[2])).is_none(),
-                        "staging reused in a chunk"
-                    );
-                }
-                for r in &runs[ch.run_start..ch.run_start + ch.run_count] {
-                    let (stage, hostp) = if d2h { (r.0, r.1) } else { (r.1, r.0) };
-                    let mut off = 0;
-                    while off < r.2 {
-                        let (&k, &(gpu, len)) =
-                            stage_to_gpu.range(..=stage + off).next_back().unwrap();
-                        let within = stage + off - k;
-                        assert!(within < len, "run byte without a descriptor");
-                        let take = (len - within).min(r.2 - off);
-                        pairs.push((gpu + within, hostp + off, take));
-                        off += take;
-                    }
-                }
-            }
-            let mut expect: Vec<(u64, u64, u64)> = copies
-                .iter()
-                .map(|c| {
-                    if d2h {
-                        (c.src_ptr, c.dst_ptr, c.bytes)
-                    } else {
-                        (c.dst_ptr, c.src_ptr, c.bytes)
-                    }
-                })
-                .collect();
-            let merge = |v: &mut Vec<(u64, u64, u64)>| {
-                v.sort_unstable();
-                let mut out: Vec<(u64, u64, u64)> = Vec::new();
-                for p in v.drain(..) {
-                    match out.last_mut() {
-                        Some(l) if l.0 + l.2 == p.0 && l.1 + l.2 == p.1 => l.2 += p.2,
-                        _ => out.push(p),
-                    }
-                }
-                *v = out;
-            };
-            merge(&mut pairs);
-            merge(&mut expect);
-            assert_eq!(pairs, expect);
-        }
+    fn tuning_sets_each_knob_and_rejects_bad_input() {
+        let mut c = CudaEngineConfig::default();
+        c.apply_tuning(
+            "budget=150, batch=32,ctas=3,max_ctas=8,launch=65536,dmamin=4096,small=kernel",
+        )
+        .unwrap();
+        assert_eq!(c.compute_budget_bp, Some(150));
+        assert_eq!(c.max_batch_copies, 32);
+        assert_eq!(c.serving_ctas, 3);
+        assert_eq!(c.max_ctas, 8);
+        assert_eq!(c.serving_launch_bytes, 65536);
+        assert_eq!(c.serving_dma_min_copy_bytes, 4096);
+        assert!(c.serving_small_kernel);
+        c.apply_tuning("budget=off,small=staged,launch=1").unwrap();
+        assert_eq!(c.compute_budget_bp, None);
+        assert!(!c.serving_small_kernel);
+        assert_eq!(c.serving_launch_bytes, 4096, "launches move at least 4 KiB");
+        assert!(c.apply_tuning("batch").is_err());
+        assert!(c.apply_tuning("batch=x").is_err());
+        assert!(c.apply_tuning("nope=1").is_err());
+        c.apply_tuning("").unwrap();
     }
 }

@@ -1,0 +1,290 @@
+"""``kvoff bench interference``: transfers beside compute on one GPU (issue #12).
+
+Per cell (page size, job size, directions, method) it measures, in one run with same-run
+references: the model's slowdown (a persistent bf16 GEMM and a memory-bound device copy, each
+timed alone first, on the main thread's stream) while kvoff moves jobs continuously from another
+thread on a side stream; the transfer GB/s beside each compute proxy and on an idle GPU; the
+launch latency (CPU time of one small kernel launch) that a third thread sees while kvoff submits,
+against its value with kvoff idle; and a byte-exact round trip (store, then load into other GPU
+blocks) with GEMMs queued. Layout: ``TENSORS`` KV tensors (Llama-3-8B: 32 layers × K, V), one page
+per tensor per block.
+"""
+
+from __future__ import annotations
+
+import os
+import random
+import threading
+import time
+from typing import Any
+
+TENSORS = 64
+
+#: (label, engine, compute_budget, KVOFF_CUDA_TUNE) of the default methods: every method with the
+#: idle-GPU policy, and ``auto`` with the default serving budget (2%).
+DEFAULT_METHODS = [
+    ("dma", "dma", None, ""),
+    ("kernel", "kernel", None, ""),
+    ("staged", "staged", None, ""),
+    ("auto-idle", "auto", None, ""),
+    ("auto", "auto", 0.02, ""),
+]
+
+
+def _median(xs: list[float]) -> float:
+    s = sorted(xs)
+    return s[len(s) // 2] if s else float("nan")
+
+
+def _pct(xs: list[float], q: float) -> float:
+    s = sorted(xs)
+    return s[min(len(s) - 1, int(q * len(s)))] if s else float("nan")
+
+
+class _Compute:
+    def __init__(self, torch: Any) -> None:
+        self.torch = torch
+        self.a = torch.randn(8192, 8192, dtype=torch.bfloat16, device="cuda")
+        self.b = torch.randn(8192, 8192, dtype=torch.bfloat16, device="cuda")
+        self.x = torch.empty(1 << 30, dtype=torch.uint8, device="cuda").random_(0, 255)
+        self.y = torch.empty_like(self.x)
+        self.n: dict[str, int] = {}
+
+    def run(self, kind: str, n: int) -> float:
+        """Milliseconds per op of ``n`` back-to-back ops."""
+        torch = self.torch
+        s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        s.record()
+        for _ in range(n):
+            if kind == "gemm":
+                torch.mm(self.a, self.b)
+            else:
+                self.y.copy_(self.x)
+        e.record()
+        e.synchronize()
+        return float(s.elapsed_time(e)) / n
+
+    def calibrate(self, seconds: float) -> None:
+        for kind in ("gemm", "mem"):
+            self.run(kind, 5)
+            ms = self.run(kind, 10)
+            self.n[kind] = max(10, int(seconds * 1e3 / ms))
+
+    def timed(self, kind: str, reps: int = 3) -> float:
+        return _median([self.run(kind, self.n[kind]) for _ in range(reps)])
+
+
+def _launch_latency(torch: Any, stop: threading.Event, out: list[float]) -> None:
+    """CPU seconds of each small kernel launch on its own stream (every ~200 µs) until ``stop``."""
+    s = torch.cuda.Stream()
+    t = torch.zeros(256, device="cuda")
+    with torch.cuda.stream(s):
+        while not stop.is_set():
+            t0 = time.perf_counter()
+            t.add_(1)
+            out.append(time.perf_counter() - t0)
+            time.sleep(0.0002)
+    s.synchronize()
+
+
+def _transfer_loop(torch: Any, kvoff: Any, h: Any, dirs: str, blocks: int, ngpu: int, ncpu: int,
+                   stop: threading.Event, stats: dict[str, Any]) -> None:
+    st, ld = h.gpu_to_cpu_handler, h.cpu_to_gpu_handler
+    rng = random.Random(1)
+    side = torch.cuda.Stream()
+    t0 = time.perf_counter()
+    try:
+        _transfer_steps(torch, kvoff, st, ld, dirs, blocks, ngpu, ncpu, stop, stats, rng, side, t0)
+    except BaseException as e:  # reported by the caller
+        stats["error"] = repr(e)
+        raise
+
+
+def _transfer_steps(torch: Any, kvoff: Any, st: Any, ld: Any, dirs: str, blocks: int, ngpu: int, ncpu: int,
+                    stop: threading.Event, stats: dict[str, Any], rng: random.Random, side: Any, t0: float) -> None:
+    job, nbytes, failed = 1, 0, 0
+    with torch.cuda.stream(side):
+        while not stop.is_set():
+            ids = []
+            if dirs in ("store", "both"):
+                g = rng.sample(range(ngpu // 2), blocks)
+                c = rng.sample(range(ncpu // 2), blocks)
+                st.transfer_async(job, (kvoff.GPULoadStoreSpec(g), kvoff.CPULoadStoreSpec(c)))
+                ids.append((st, job))
+            if dirs in ("load", "both"):
+                c = [ncpu // 2 + i for i in rng.sample(range(ncpu // 2), blocks)]
+                g = [ngpu // 2 + i for i in rng.sample(range(ngpu // 2), blocks)]
+                ld.transfer_async(job + 1, (kvoff.CPULoadStoreSpec(c), kvoff.GPULoadStoreSpec(g)))
+                ids.append((ld, job + 1))
+            for hd, j in ids:
+                hd.wait([j])
+            for r in st.get_finished() + ld.get_finished():
+                failed += not r.success
+                nbytes += r.transfer_size
+            job += 2
+    stats["gb_s"] = nbytes / (time.perf_counter() - t0) / 1e9
+    stats["failed"] = failed
+
+
+def _roundtrip(torch: Any, kvoff: Any, h: Any, comp: _Compute, blocks: int, ngpu: int, ncpu: int) -> bool:
+    """Stores random blocks and loads them into other GPU blocks with GEMMs queued before and
+    between; true when every byte matches."""
+    rng = random.Random(2)
+    src = rng.sample(range(ngpu // 2), blocks)
+    dst = [ngpu // 2 + i for i in rng.sample(range(ngpu // 2), blocks)]
+    cpu = rng.sample(range(ncpu), blocks)
+    before = [t[src].clone() for t in h.gpu_tensors]
+    st, ld = h.gpu_to_cpu_handler, h.cpu_to_gpu_handler
+    side = torch.cuda.Stream()
+    for _ in range(20):
+        torch.mm(comp.a, comp.b)
+    with torch.cuda.stream(side):
+        st.transfer_async(10**9, (kvoff.GPULoadStoreSpec(src), kvoff.CPULoadStoreSpec(cpu)))
+        st.wait([10**9])
+    for _ in range(20):
+        torch.mm(comp.a, comp.b)
+    with torch.cuda.stream(side):
+        ld.transfer_async(10**9 + 1, (kvoff.CPULoadStoreSpec(cpu), kvoff.GPULoadStoreSpec(dst)))
+        ld.wait([10**9 + 1])
+    torch.cuda.synchronize()
+    ok = all(r.success for r in st.get_finished() + ld.get_finished())
+    return ok and all(torch.equal(b, t[dst]) for b, t in zip(before, h.gpu_tensors))
+
+
+def _run_phase(torch: Any, kvoff: Any, h: Any, dirs: str, blocks: int, ngpu: int, ncpu: int,
+               seconds: float, comp: _Compute | None, kind: str, lat: list[float] | None) -> tuple[dict[str, Any], float]:
+    stop, stats = threading.Event(), {}
+    th = threading.Thread(target=_transfer_loop, args=(torch, kvoff, h, dirs, blocks, ngpu, ncpu, stop, stats),
+                          daemon=True)
+    lstop = threading.Event()
+    lt = threading.Thread(target=_launch_latency, args=(torch, lstop, lat), daemon=True) if lat is not None else None
+    th.start()
+    if lt:
+        lt.start()
+    time.sleep(0.1)
+    ms = comp.timed(kind) if comp is not None else (time.sleep(seconds) or 0.0)
+    stop.set()
+    th.join(timeout=60)
+    lstop.set()
+    if lt:
+        lt.join(timeout=10)
+    if th.is_alive() or "gb_s" not in stats:
+        raise RuntimeError(f"transfer loop did not finish ({stats})")
+    return stats, ms
+
+
+def parse_method(s: str) -> tuple[str, str, float | None, str]:
+    """``label:engine[:budget[:tune]]`` (budget a fraction or ``none``)."""
+    parts = s.split(":", 3)
+    if len(parts) == 1:
+        return (s, s, 0.02 if s == "auto" else None, "")
+    budget = None if len(parts) < 3 or parts[2] in ("", "none") else float(parts[2])
+    return (parts[0], parts[1], budget, parts[3] if len(parts) > 3 else "")
+
+
+def bench_interference(pages_kib: list[int] | None = None, jobs_mib: list[int] | None = None,
+                       dirs: list[str] | None = None, methods: list[str] | None = None,
+                       seconds: float = 0.3, log: Any = None) -> dict[str, Any]:
+    """Runs the grid; returns ``{"device", "refs", "rows"}`` (see the module docstring)."""
+    import torch
+
+    import kvoff
+
+    if not (torch.cuda.is_available() and kvoff.cuda_available()):
+        raise RuntimeError("kvoff bench interference needs a CUDA GPU and torch with CUDA")
+    pages_kib = pages_kib or [4, 32]
+    jobs_mib = jobs_mib or [8, 128]
+    dirs = dirs or ["store", "both"]
+    meths = [parse_method(m) for m in methods] if methods else DEFAULT_METHODS
+    say = log or (lambda *_: None)
+    comp = _Compute(torch)
+    comp.calibrate(seconds)
+    refs = {k: comp.timed(k) for k in ("gemm", "mem")}
+    lat0: list[float] = []
+    stop = threading.Event()
+    lt = threading.Thread(target=_launch_latency, args=(torch, stop, lat0), daemon=True)
+    lt.start()
+    time.sleep(max(0.3, seconds))
+    stop.set()
+    lt.join()
+    refs["launch_p50_us"] = _median(lat0) * 1e6
+    refs["launch_p99_us"] = _pct(lat0, 0.99) * 1e6
+    refs["launch_max_us"] = max(lat0) * 1e6
+    say(f"refs: {refs}")
+    rows: list[dict[str, Any]] = []
+    old_tune = os.environ.get("KVOFF_CUDA_TUNE")
+    for page_kib in pages_kib:
+        for job_mib in jobs_mib:
+            page = page_kib << 10
+            blocks = max(1, (job_mib << 20) // (TENSORS * page))
+            job_bytes = blocks * TENSORS * page
+            ngpu, ncpu = 4 * blocks, 4 * blocks
+            kv = [torch.empty(ngpu, page, dtype=torch.uint8, device="cuda") for _ in range(TENSORS)]
+            for t in kv:
+                t.random_(0, 255)
+            group_ref = {k: comp.timed(k) for k in ("gemm", "mem")}
+            for label, engine, budget, tune in meths:
+                if tune:
+                    os.environ["KVOFF_CUDA_TUNE"] = tune
+                else:
+                    os.environ.pop("KVOFF_CUDA_TUNE", None)
+                try:
+                    h = kvoff.CpuGpuOffloadingHandlers(kv, 1, ncpu, engine=engine, compute_budget=budget)
+                finally:
+                    if old_tune is None:
+                        os.environ.pop("KVOFF_CUDA_TUNE", None)
+                    else:
+                        os.environ["KVOFF_CUDA_TUNE"] = old_tune
+                try:
+                    for d in dirs:
+                        row: dict[str, Any] = {"page_kib": page_kib, "job_mib": job_bytes >> 20,
+                                               "copies": blocks * TENSORS, "dirs": d, "method": label}
+                        lat: list[float] = []
+                        st, _ = _run_phase(torch, kvoff, h, d, blocks, ngpu, ncpu, seconds, None, "", lat)
+                        row["idle_gb_s"] = st["gb_s"]
+                        row["launch_p99_us"] = _pct(lat, 0.99) * 1e6
+                        row["launch_max_us"] = max(lat) * 1e6 if lat else float("nan")
+                        failed = st["failed"]
+                        for kind in ("gemm", "mem"):
+                            st, ms = _run_phase(torch, kvoff, h, d, blocks, ngpu, ncpu, seconds, comp, kind, None)
+                            row[f"{kind}_slowdown"] = ms / group_ref[kind] - 1
+                            row[f"{kind}_gb_s"] = st["gb_s"]
+                            failed += st["failed"]
+                        row["failed"] = failed
+                        rows.append(row)
+                        say(format_row(row))
+                    rt = _roundtrip(torch, kvoff, h, comp, blocks, ngpu, ncpu)
+                    for r in rows[-len(dirs):]:
+                        r["roundtrip_ok"] = rt
+                finally:
+                    h.shutdown()
+            del kv
+            torch.cuda.empty_cache()
+    refs["gemm_end"] = comp.timed("gemm")
+    refs["mem_end"] = comp.timed("mem")
+    return {"device": torch.cuda.get_device_name(), "refs": refs, "rows": rows}
+
+
+HEADER = (f"{'page':>6}{'job':>6}{'copies':>8} {'dirs':<6}{'method':<12}{'idle':>7}{'gemm%':>8}{'GB/s':>7}"
+          f"{'mem%':>8}{'GB/s':>7}{'lat99':>8}{'latmax':>9} ok")
+
+
+def format_row(r: dict[str, Any]) -> str:
+    return (f"{r['page_kib']:>5}K{r['job_mib']:>5}M{r['copies']:>8} {r['dirs']:<6}{r['method']:<12}"
+            f"{r['idle_gb_s']:>7.1f}{r['gemm_slowdown'] * 100:>+7.1f}%{r['gemm_gb_s']:>7.1f}"
+            f"{r['mem_slowdown'] * 100:>+7.1f}%{r['mem_gb_s']:>7.1f}{r['launch_p99_us']:>8.0f}"
+            f"{r['launch_max_us']:>9.0f} {'ok' if r.get('roundtrip_ok', True) and not r['failed'] else 'FAIL'}")
+
+
+def format_interference(res: dict[str, Any]) -> str:
+    refs = res["refs"]
+    lines = [
+        (f"transfers beside compute: {res['device']}; GEMM 8192³ bf16 {refs['gemm']:.3f} ms "
+         f"(end {refs['gemm_end']:.3f}), 1 GiB device copy {refs['mem']:.3f} ms (end {refs['mem_end']:.3f}); "
+         f"launch latency alone p99 {refs['launch_p99_us']:.0f} µs, max {refs['launch_max_us']:.0f} µs"),
+        ("idle/GB/s: transfer GB/s (both directions summed) idle and beside each proxy; gemm%/mem%: its slowdown;"
+         " lat99/latmax: a second thread's launch CPU time (µs) while kvoff submits"),
+        HEADER,
+    ]
+    lines += [format_row(r) for r in res["rows"]]
+    return "\n".join(lines)
