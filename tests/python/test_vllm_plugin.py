@@ -162,6 +162,17 @@ def test_config_reads_all_settings() -> None:
     )
 
 
+def test_config_compute_budget() -> None:
+    # The serving-aware transfer policy by default; a user states another budget, or null for
+    # the idle-GPU policy.
+    assert KvoffOffloadConfig.from_extra_config(kvoff_extra()).compute_budget == 0.02
+    assert KvoffOffloadConfig.from_extra_config(kvoff_extra(compute_budget=0.05)).compute_budget == 0.05
+    assert KvoffOffloadConfig.from_extra_config(kvoff_extra(compute_budget=None)).compute_budget is None
+    for bad in (-0.1, 1.5, "0.02", True):
+        with pytest.raises(kvoff.ConfigError, match="compute_budget"):
+            KvoffOffloadConfig.from_extra_config(kvoff_extra(compute_budget=bad))
+
+
 def test_config_unknown_key_lists_valid_keys() -> None:
     with pytest.raises(
         kvoff.ConfigError, match=r"unknown .*\['evicton_policy'\].*valid keys: .*'eviction_policy'"

@@ -69,6 +69,9 @@ class KvoffOffloadConfig:
         shared_region: place the host memory of all ranks in one shared mapping in /dev/shm
             (``None``: when the engine has more than one rank).
         region_timeout_s: how long a rank waits for the others to size the shared region.
+        compute_budget: the model slowdown kvoff's transfers may cost while they run beside it
+            on the GPU (fraction, default 0.02; ``None``: the idle-GPU policy, fastest when
+            nothing else runs). See ``CpuGpuOffloadingHandlers``.
     """
 
     cpu_bytes_to_use: int
@@ -80,6 +83,7 @@ class KvoffOffloadConfig:
     blocks_per_chunk: int | None = None
     shared_region: bool | None = None
     region_timeout_s: float = 60.0
+    compute_budget: float | None = 0.02
 
     @classmethod
     def valid_keys(cls) -> tuple[str, ...]:
@@ -140,6 +144,14 @@ class KvoffOffloadConfig:
                 "kvoff does not support vLLM's canonical_layout; remove 'canonical_layout' from "
                 "kv_connector_extra_config (or set it to false)"
             )
+        budget = d.get("compute_budget", 0.02)
+        if budget is not None and (
+            isinstance(budget, bool) or not isinstance(budget, (int, float)) or not 0 <= budget <= 1
+        ):
+            raise ConfigError(
+                f"kv_connector_extra_config['compute_budget'] must be a fraction in [0, 1] or null, got {budget!r}"
+            )
+        budget = None if budget is None else float(budget)
         store_threshold = _int(d, "store_threshold", 0, 0)
         max_tracker_size = _int(d, "max_tracker_size", 64_000, 1)
         assert store_threshold is not None and max_tracker_size is not None
@@ -153,4 +165,5 @@ class KvoffOffloadConfig:
             blocks_per_chunk=blocks_per_chunk,
             shared_region=shared,
             region_timeout_s=float(timeout),
+            compute_budget=budget,
         )

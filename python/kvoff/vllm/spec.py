@@ -152,6 +152,7 @@ class KvoffOffloadingSpec(OffloadingSpec):
                 self.num_chunks,
                 region=region,
                 engine=self.kvoff_config.engine,
+                compute_budget=self.kvoff_config.compute_budget,
                 canonical_layout=bool(getattr(self.config, "canonical_layout", False)),
             )
         return self._worker

@@ -94,6 +94,8 @@ class KvoffOffloadingWorker(OffloadingWorker):
             closed on shutdown); ``None`` allocates a private one.
         engine: kvoff engine name (``"auto"``: CUDA when the KV caches are on a GPU, else host).
         canonical_layout: vLLM's ``canonical_layout`` setting (not supported: ``ConfigError``).
+        compute_budget: model slowdown the transfers may cost beside compute (see
+            ``CpuGpuOffloadingHandlers``).
     """
 
     def __init__(
@@ -104,6 +106,7 @@ class KvoffOffloadingWorker(OffloadingWorker):
         region: kvoff.HostRegion | None = None,
         engine: str = "auto",
         canonical_layout: bool = False,
+        compute_budget: float | None = 0.02,
     ) -> None:
         try:
             caches = to_kvoff_kv_caches(kv_caches, canonical_layout)
@@ -117,10 +120,20 @@ class KvoffOffloadingWorker(OffloadingWorker):
         self.region = region
         try:
             self._main = kvoff.CpuGpuOffloadingHandlers(
-                caches, blocks_per_chunk, num_cpu_chunks, region=region, engine=engine
+                caches,
+                blocks_per_chunk,
+                num_cpu_chunks,
+                region=region,
+                engine=engine,
+                compute_budget=compute_budget,
             )
             self._expedited = kvoff.CpuGpuOffloadingHandlers(
-                caches, blocks_per_chunk, num_cpu_chunks, region=region, engine=engine
+                caches,
+                blocks_per_chunk,
+                num_cpu_chunks,
+                region=region,
+                engine=engine,
+                compute_budget=compute_budget,
             )
         except BaseException:
             region.close()
