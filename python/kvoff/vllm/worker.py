@@ -118,23 +118,19 @@ class KvoffOffloadingWorker(OffloadingWorker):
             slot = sum(t.page_size_bytes for t in caches.tensors) * blocks_per_chunk
             region = kvoff.HostRegion.private(num_cpu_chunks, slot)
         self.region = region
+        def handlers() -> kvoff.CpuGpuOffloadingHandlers:
+            return kvoff.CpuGpuOffloadingHandlers(
+                caches,
+                blocks_per_chunk,
+                num_cpu_chunks,
+                region=region,
+                engine=engine,
+                compute_budget=compute_budget,
+            )
+
         try:
-            self._main = kvoff.CpuGpuOffloadingHandlers(
-                caches,
-                blocks_per_chunk,
-                num_cpu_chunks,
-                region=region,
-                engine=engine,
-                compute_budget=compute_budget,
-            )
-            self._expedited = kvoff.CpuGpuOffloadingHandlers(
-                caches,
-                blocks_per_chunk,
-                num_cpu_chunks,
-                region=region,
-                engine=engine,
-                compute_budget=compute_budget,
-            )
+            self._main = handlers()
+            self._expedited = handlers()
         except BaseException:
             region.close()
             raise
