@@ -80,6 +80,18 @@ def _run(model_dir: Path, arch: str, kvoff: dict[str, Any] | None) -> tuple[dict
     return json.loads(line.split(" ", 1)[1]), log
 
 
+_PATH = re.compile(r"/[^\s\"':,]+")
+_KVOFF_PACKAGE = re.compile(r"(?:site-packages|dist-packages|/python)/kvoff/")
+
+
+def _mentions_kvoff(line: str) -> bool:
+    """Whether a log line is about kvoff. A file path counts only when it lies inside the kvoff
+    package: the directories above it may be named kvoff too (the test environments live under
+    ~/.cache/kvoff/envs), and vLLM's own tracebacks through them are not kvoff's."""
+    line = _PATH.sub(lambda m: "kvoff-package" if _KVOFF_PACKAGE.search(m.group(0)) else "<path>", line)
+    return "kvoff" in line.lower()
+
+
 def _kvoff_problems(log: str) -> list[str]:
     """Log lines where kvoff warned or failed: vLLM-formatted WARNING/ERROR lines naming kvoff,
     lines of Python's last-resort handler (kvoff's own logger: the message alone, 'kvoff…'),
@@ -88,11 +100,26 @@ def _kvoff_problems(log: str) -> list[str]:
     bad = []
     for i, ln in enumerate(lines):
         if "Traceback" in ln:
-            if any("kvoff" in t for t in lines[i : i + 60]):
+            if any(_mentions_kvoff(t) for t in lines[i : i + 60]):
                 bad.append(ln)
-        elif re.search(r"\b(WARNING|ERROR|CRITICAL)\b", ln) and "kvoff" in ln.lower() or ln.startswith("kvoff"):
+        elif re.search(r"\b(WARNING|ERROR|CRITICAL)\b", ln) and _mentions_kvoff(ln) or ln.startswith("kvoff"):
             bad.append(ln)
     return bad
+
+
+def test_log_filter_ignores_paths_named_kvoff() -> None:
+    # vLLM 0.32 logs a traceback of its own (renderer warm-up without a tokenizer) as warnings; in
+    # an environment under ~/.cache/kvoff/ its frames' paths contain "kvoff" and are not kvoff's.
+    env = "/root/.cache/kvoff/envs/vllm032/lib/python3.11/site-packages"
+    theirs = [
+        "(MainProcess pid=1) WARNING 11-24 01:43:54 [base.py:380] Traceback (most recent call last):",
+        f'(MainProcess pid=1) WARNING 11-24 01:43:54 [base.py:380]   File "{env}/vllm/renderers/base.py", line 373',
+    ]
+    assert _kvoff_problems("\n".join(theirs)) == []
+    ours = theirs + [f'  File "{env}/kvoff/vllm/worker.py", line 10, in f']
+    assert _kvoff_problems("\n".join(ours)) == [theirs[0]]
+    assert _kvoff_problems("WARNING 11-24 [spec.py:1] kvoff: region too small") != []
+    assert _kvoff_problems("kvoff.vllm: store failed") != []
 
 
 @pytest.fixture(scope="session")
