@@ -92,6 +92,22 @@ def _mentions_kvoff(line: str) -> bool:
     return "kvoff" in line.lower()
 
 
+def _traceback_at(lines: list[str], i: int) -> list[str]:
+    """The lines of the traceback whose header is ``lines[i]``: those after it with the same
+    prefix (vLLM prefixes each line of a logged traceback with its log header) that are frames
+    (indented), up to and including the exception line."""
+    prefix = lines[i][: lines[i].index("Traceback")]
+    out = [lines[i]]
+    for ln in lines[i + 1 :]:
+        if not ln.startswith(prefix):
+            break
+        out.append(ln)
+        rest = ln[len(prefix) :]
+        if rest and not rest[0].isspace():
+            break  # the exception line ends the traceback
+    return out
+
+
 def _kvoff_problems(log: str) -> list[str]:
     """Log lines where kvoff warned or failed: vLLM-formatted WARNING/ERROR lines naming kvoff,
     lines of Python's last-resort handler (kvoff's own logger: the message alone, 'kvoff…'),
@@ -99,8 +115,8 @@ def _kvoff_problems(log: str) -> list[str]:
     lines = log.splitlines()
     bad = []
     for i, ln in enumerate(lines):
-        if "Traceback" in ln:
-            if any(_mentions_kvoff(t) for t in lines[i : i + 60]):
+        if "Traceback (most recent call last)" in ln:
+            if any(_mentions_kvoff(t) for t in _traceback_at(lines, i)):
                 bad.append(ln)
         elif re.search(r"\b(WARNING|ERROR|CRITICAL)\b", ln) and _mentions_kvoff(ln) or ln.startswith("kvoff"):
             bad.append(ln)
@@ -115,9 +131,13 @@ def test_log_filter_ignores_paths_named_kvoff() -> None:
         "(MainProcess pid=1) WARNING 11-24 01:43:54 [base.py:380] Traceback (most recent call last):",
         f'(MainProcess pid=1) WARNING 11-24 01:43:54 [base.py:380]   File "{env}/vllm/renderers/base.py", line 373',
     ]
-    assert _kvoff_problems("\n".join(theirs)) == []
-    ours = theirs + [f'  File "{env}/kvoff/vllm/worker.py", line 10, in f']
-    assert _kvoff_problems("\n".join(ours)) == [theirs[0]]
+    theirs.append("(MainProcess pid=1) WARNING 11-24 01:43:54 [base.py:380] ValueError: no tokenizer")
+    after = "(MainProcess pid=1) INFO 11-24 01:43:55 [spec.py:12] kvoff: 1000 CPU blocks"
+    assert _kvoff_problems("\n".join([*theirs, after])) == []
+    frame = f'(MainProcess pid=1) WARNING 11-24 01:43:54 [base.py:380]   File "{env}/kvoff/vllm/worker.py", line 1'
+    assert theirs[0] in _kvoff_problems("\n".join([*theirs[:2], frame, theirs[2], after]))
+    plain = ["Traceback (most recent call last):", f'  File "{env}/kvoff/spec.py", line 3', "KeyError: 1"]
+    assert _kvoff_problems("\n".join(plain)) == [plain[0]]
     assert _kvoff_problems("WARNING 11-24 [spec.py:1] kvoff: region too small") != []
     assert _kvoff_problems("kvoff.vllm: store failed") != []
 
