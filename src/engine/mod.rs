@@ -24,8 +24,10 @@
 #[cfg(feature = "cuda")]
 pub mod cuda;
 pub mod host;
+mod kind;
 
 pub use host::HostEngine;
+pub use kind::EngineKind;
 
 use crate::error::Result;
 use crate::plan::{CopyPlan, Direction};
