@@ -2,7 +2,7 @@
 
 import os
 from collections.abc import Iterable
-from typing import Any, Literal, final
+from typing import Any, Literal, TypeAlias, final
 
 import numpy as np
 import numpy.typing as npt
@@ -35,8 +35,8 @@ __all__ = [
 
 __version__: str
 
-_PolicyName = Literal["lru", "arc"]
-_EngineName = Literal["auto", "host", "cuda", "dma", "kernel", "staged", "loop"]
+_PolicyName: TypeAlias = Literal["lru", "arc"]
+_EngineName: TypeAlias = Literal["auto", "host", "cuda", "dma", "kernel", "staged", "loop"]
 
 #: The eviction policies, from the Rust enum ``PolicyKind``.
 POLICIES: tuple[_PolicyName, ...]
