@@ -135,6 +135,7 @@ impl EngineKind {
 }
 
 #[cfg(test)]
+#[allow(clippy::pedantic)] // tests: style lints are for the library
 mod tests {
     use super::EngineKind;
 

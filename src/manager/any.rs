@@ -162,6 +162,7 @@ impl<K: Hash + Eq + Clone> OffloadingManager<K> for AnyManager<K> {
 }
 
 #[cfg(test)]
+#[allow(clippy::pedantic)] // tests: style lints are for the library
 mod tests {
     use super::{AnyManager, PolicyKind};
     use crate::manager::{ManagerConfig, OffloadingManager};

@@ -871,6 +871,7 @@ impl<K: Hash + Eq + Clone, P: Policy> OffloadingManager<K> for Manager<K, P> {
 }
 
 #[cfg(test)]
+#[allow(clippy::pedantic)] // tests: style lints are for the library
 mod tests {
     use super::*;
 

@@ -3,6 +3,7 @@
 //! not an `OverflowError`), seconds, lists.
 //!
 //! Every converter runs with the GIL held and before any kvoff lock is taken (see [`super::enter`]).
+#![forbid(unsafe_code)]
 
 use numpy::{PyArrayDescrMethods, PyReadonlyArray1, PyUntypedArray, PyUntypedArrayMethods};
 use pyo3::exceptions::{PyTypeError, PyValueError};

@@ -14,6 +14,7 @@
 //!
 //! This is what polars' `enter_polars` does for its calls; here it replaces the
 //! `py.detach(|| guard(..))` pairs the bindings used to write out at every call.
+#![forbid(unsafe_code)]
 
 use std::panic::{catch_unwind, AssertUnwindSafe};
 use std::sync::{Mutex, PoisonError, TryLockError};

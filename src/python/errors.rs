@@ -3,6 +3,7 @@
 //!
 //! The exception classes are defined in Python (`kvoff/errors.py`) so that `ConfigError` can be both
 //! a `KvoffError` and a `ValueError`; they are imported lazily on first use.
+#![forbid(unsafe_code)]
 
 use pyo3::exceptions::{PyTypeError, PyValueError};
 use pyo3::prelude::*;

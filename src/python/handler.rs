@@ -21,6 +21,8 @@
 //! Which engine serves is decided in one place, [`EngineKind::resolve`], reached from Python both
 //! through this class and through `resolve_engine` (which `kvoff.handlers` calls before it
 //! allocates host memory), so both give the same answer and the same errors.
+// Unsafe: the one `TransferEngine::submit` call; the module docs give its argument.
+#![allow(unsafe_code)]
 
 use std::collections::HashSet;
 use std::sync::{Mutex, PoisonError};

@@ -3,6 +3,7 @@
 //!
 //! Each manager object is `frozen` and holds its Rust manager behind a mutex; every call validates
 //! its arguments completely before the Rust manager sees them, so a call that raises changes nothing.
+#![forbid(unsafe_code)]
 
 use std::sync::Mutex;
 
@@ -70,7 +71,7 @@ fn ids_array<'py>(py: Python<'py>, ids: &[u32]) -> Bound<'py, PyArray1<i64>> {
     PyArray1::from_iter(py, ids.iter().map(|&i| i64::from(i)))
 }
 
-fn event_to_py(py: Python<'_>, e: OffloadingEvent<ByteKey>) -> PyResult<Py<PyOffloadingEvent>> {
+fn event_to_py(py: Python<'_>, e: &OffloadingEvent<ByteKey>) -> PyResult<Py<PyOffloadingEvent>> {
     let keys = PyList::new(py, e.keys.iter().map(|k| PyBytes::new(py, k.as_bytes())))?;
     Py::new(
         py,
@@ -158,11 +159,11 @@ impl PyManager {
     /// Capacity in CPU blocks.
     #[getter]
     fn num_blocks(&self, py: Python<'_>) -> PyResult<usize> {
-        self.read(py, |m| m.num_blocks())
+        self.read(py, OffloadingManager::num_blocks)
     }
 
     fn __len__(&self, py: Python<'_>) -> PyResult<usize> {
-        self.read(py, |m| m.len())
+        self.read(py, OffloadingManager::len)
     }
 
     /// `True` ready/loading, `None` pending, `False` absent.
@@ -204,7 +205,7 @@ impl PyManager {
         req_context: Option<&Bound<'_, PyAny>>,
     ) -> PyResult<PyCpuSpec> {
         let _ = req_context;
-        let ids = self.run_keys(py, keys, |m, ks| m.prepare_load(ks))?;
+        let ids = self.run_keys(py, keys, OffloadingManager::prepare_load)?;
         Ok(PyCpuSpec {
             block_ids: ids_array(py, &ids).unbind(),
         })
@@ -219,7 +220,7 @@ impl PyManager {
         req_context: Option<&Bound<'_, PyAny>>,
     ) -> PyResult<()> {
         let _ = req_context;
-        self.run_keys(py, keys, |m, ks| m.touch(ks))
+        self.run_keys(py, keys, OffloadingManager::touch)
     }
 
     /// Unpins keys whose load finished.
@@ -231,7 +232,7 @@ impl PyManager {
         req_context: Option<&Bound<'_, PyAny>>,
     ) -> PyResult<()> {
         let _ = req_context;
-        self.run_keys(py, keys, |m, ks| m.complete_load(ks))
+        self.run_keys(py, keys, OffloadingManager::complete_load)
     }
 
     /// SPEC §2.3. `None` when there is not enough evictable room (nothing changed).
@@ -256,7 +257,7 @@ impl PyManager {
                 Err(_) => keys.clone(),
             }
         };
-        let out = self.run_keys(py, &seq, |m, ks| m.prepare_store_indexed(ks))?;
+        let out = self.run_keys(py, &seq, AnyManager::prepare_store_indexed)?;
         let Some(out) = out else { return Ok(None) };
         let stored = PyList::empty(py);
         for &p in &out.positions {
@@ -302,7 +303,7 @@ impl PyManager {
     ) -> PyResult<Vec<Py<PyOffloadingEvent>>> {
         let _ = req_context;
         let evs = self.run(py, |st| st.mgr.take_events())?;
-        evs.into_iter().map(|e| event_to_py(py, e)).collect()
+        evs.iter().map(|e| event_to_py(py, e)).collect()
     }
 
     /// Gauges and counters; resets `stores_skipped`.
@@ -352,7 +353,7 @@ impl PyManager {
 
     /// Keys of each list from LRU to MRU: `(T1, T2, B1, B2)` for ARC, `(order, [], [], [])` for LRU.
     fn debug_lists<'py>(&self, py: Python<'py>) -> PyResult<Vec<Vec<Bound<'py, PyBytes>>>> {
-        let lists = self.read(py, |m| m.debug_lists())?;
+        let lists = self.read(py, AnyManager::debug_lists)?;
         Ok(lists
             .iter()
             .map(|l| l.iter().map(|k| PyBytes::new(py, k.as_bytes())).collect())

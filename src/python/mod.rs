@@ -1,4 +1,4 @@
-//! PyO3 bindings: the private module `kvoff._native` (only with the `python` feature).
+//! `PyO3` bindings: the private module `kvoff._native` (only with the `python` feature).
 //!
 //! All PyO3 code lives under `src/python/`; the rest of the crate knows nothing of Python. Errors are
 //! mapped to exception classes in one place ([`errors`]); no Rust panic reaches Python: every entry

@@ -6,6 +6,7 @@
 //! region's own hold and unmaps at once when no view is alive, otherwise when the last view is
 //! garbage-collected. Every call that takes the region's lock or may wait (creation, joining,
 //! pinning, unmapping) goes through [`super::enter`].
+#![forbid(unsafe_code)]
 
 use std::sync::{Arc, Mutex, PoisonError};
 use std::time::Duration;
@@ -111,7 +112,7 @@ impl PyHostRegion {
     #[pyo3(
         text_signature = "(name, num_cpu_blocks, slot_bytes, world_size, rank, timeout=60.0, directory=None, unlink_when_all_joined=True, prefault=True)"
     )]
-    #[allow(clippy::too_many_arguments)] // the Python signature
+    #[allow(clippy::too_many_arguments, clippy::needless_pass_by_value)] // the Python signature
     fn shared(
         py: Python<'_>,
         name: &str,

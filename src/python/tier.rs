@@ -4,6 +4,8 @@
 //!
 //! Keys are extracted before the lock is taken and Python objects are built after it is released;
 //! calls that wait for I/O (`flush`, `reset`, `shutdown`, `bench_disk`) release the GIL.
+// Unsafe: the one `RawRows::new` over the caller's host memory (see its SAFETY comment).
+#![allow(unsafe_code)]
 
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
