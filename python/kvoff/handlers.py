@@ -187,7 +187,7 @@ class SingleDirectionOffloadingHandler:
         # at submission instead of being written after it was freed.
         self._storages = tuple(storages)
         self._store = native.direction == "gpu_to_cpu"
-        self._transfer_type: tuple[str, str] = tuple(native.transfer_type)  # type: ignore[assignment]
+        self._transfer_type: tuple[str, str] = native.transfer_type
         self._cuda = native.engine.startswith("cuda")
         self._device = device
 
