@@ -36,6 +36,8 @@
 //!
 //! Run: `cargo bench --bench managers` (about five minutes; append `-- <filter>` to run a subset,
 //! e.g. `-- lru/touch`).
+// Tests and benchmarks: an unwrap that fails is the failure report; pedantic style is for the library.
+#![allow(clippy::unwrap_used, clippy::pedantic)]
 
 use std::collections::HashMap;
 use std::hash::Hash;

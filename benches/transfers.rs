@@ -8,6 +8,10 @@
 //! `cargo bench --bench transfers` (skips without a GPU). `KVOFF_BENCH_QUICK=1` runs one small
 //! scenario, `KVOFF_BENCH_ONLY=4KiB` the scenarios whose name contains that text. Set
 //! `KVOFF_BENCH_JSON=path` to also write the rows as JSON lines.
+// Tests and benchmarks: an unwrap that fails is the failure report; pedantic style is for the library.
+#![allow(clippy::unwrap_used, clippy::pedantic)]
+// Unsafe: submitting plans to engines over memory this file allocates and keeps alive.
+#![allow(unsafe_code)]
 #![allow(clippy::cast_precision_loss, clippy::cast_possible_truncation)]
 #![cfg_attr(not(feature = "cuda"), allow(unused))]
 

@@ -14,6 +14,8 @@
 //! with the pattern its key was filled with.
 //!
 //! Run: `cargo run --release --example server_loop` (a few seconds; `-- --requests N` for more).
+// Unsafe: submitting plans to engines over memory this file allocates and keeps alive.
+#![allow(unsafe_code)]
 
 use std::collections::{HashMap, VecDeque};
 use std::time::Instant;
@@ -59,6 +61,7 @@ impl GpuMemory {
         }
     }
 
+    #[cfg_attr(not(feature = "cuda"), allow(clippy::unnecessary_wraps))] // fails only on a GPU
     fn write(&mut self, offset: usize, data: &[u8]) -> Result<()> {
         match self {
             Self::Host(v) => {
@@ -70,6 +73,7 @@ impl GpuMemory {
         }
     }
 
+    #[cfg_attr(not(feature = "cuda"), allow(clippy::unnecessary_wraps))] // fails only on a GPU
     fn read(&self, offset: usize, out: &mut [u8]) -> Result<()> {
         match self {
             Self::Host(v) => {
@@ -382,7 +386,11 @@ fn main() -> Result<()> {
         if let Some(out) = manager.prepare_store(&vkeys)? {
             if !out.keys_to_store.is_empty() {
                 let where_: HashMap<u64, usize> = victims.iter().copied().collect();
-                let gids: Vec<i64> = out.keys_to_store.iter().map(|k| where_[k] as i64).collect();
+                let gids: Vec<i64> = out
+                    .keys_to_store
+                    .iter()
+                    .map(|k| i64::try_from(where_[k]).expect("block ids are small"))
+                    .collect();
                 let cids: Vec<i64> = out.block_ids.iter().map(|&b| i64::from(b)).collect();
                 let res = worker.transfer(Direction::GpuToCpu, &gids, &cids)?;
                 manager.complete_store(&out.keys_to_store, res.success)?;
@@ -395,7 +403,10 @@ fn main() -> Result<()> {
             .map(|_| free.pop().expect("freed above"))
             .collect();
         if c > 0 {
-            let gids: Vec<i64> = fresh[..c].iter().map(|&b| b as i64).collect();
+            let gids: Vec<i64> = fresh[..c]
+                .iter()
+                .map(|&b| i64::try_from(b).expect("block ids are small"))
+                .collect();
             let res = worker.transfer(Direction::CpuToGpu, &gids, &cpu_ids)?;
             manager.complete_load(load_keys)?;
             assert!(res.success, "load failed: {:?}", res.error);

@@ -126,14 +126,15 @@ pub fn expand_block_ids_into(
     }
     reserve(out, count)?;
     // Both fit in i64: checked above.
-    let f = f as i64;
+    #[allow(clippy::cast_possible_wrap)]
+    let (f, mut skip) = (f as i64, skip_count as i64);
     let mut remaining = count;
-    let mut skip = skip_count as i64;
     for &b in block_ids {
         if remaining == 0 {
             break;
         }
         let first = b * f;
+        #[allow(clippy::cast_possible_truncation, clippy::cast_sign_loss)] // 0 < f - skip ≤ f
         let take = ((f - skip) as usize).min(remaining);
         out.extend((first + skip..).take(take));
         remaining -= take;
@@ -216,7 +217,7 @@ pub fn compute_sub_block_ptrs_into(
             break;
         }
         let row = base_ptr + b.unsigned_abs() * row_stride_bytes;
-        let take = ((f - skip) as usize).min(remaining);
+        let take = crate::usize_from(f - skip).min(remaining);
         out.extend((skip..).take(take).map(|j| row + j * sub));
         remaining -= take;
         skip = 0;
@@ -225,6 +226,7 @@ pub fn compute_sub_block_ptrs_into(
 }
 
 #[cfg(test)]
+#[allow(clippy::pedantic)] // tests: style lints are for the library
 mod tests {
     use super::*;
 

@@ -66,6 +66,7 @@ pub fn get_offload_group_idx(key: &[u8]) -> Result<u32> {
 }
 
 #[cfg(test)]
+#[allow(clippy::pedantic)] // tests: style lints are for the library
 mod tests {
     use super::*;
 

@@ -69,3 +69,18 @@ pub mod tier;
 mod python;
 
 pub use error::{KvoffError, Result};
+
+// kvoff addresses memory with 64-bit sizes and offsets throughout; on a 64-bit target every `u64`
+// converts to `usize` without loss, which `usize_from` relies on.
+#[cfg(not(target_pointer_width = "64"))]
+compile_error!("kvoff needs a 64-bit target");
+
+/// `u64` → `usize` without loss (kvoff builds only for 64-bit targets).
+#[inline]
+#[must_use]
+pub(crate) const fn usize_from(v: u64) -> usize {
+    #[allow(clippy::cast_possible_truncation)] // 64-bit targets only (see above)
+    {
+        v as usize
+    }
+}

@@ -368,6 +368,7 @@ impl CopyPlanner {
     /// overflows; a CPU tensor's `row_bytes` is not a multiple of `block_size_factor`; a ref names a
     /// missing tensor, copies 0 bytes or more than a GPU row or a CPU sub-block; a group references a
     /// tensor twice; or a GPU-side tensor overlaps a CPU-side tensor.
+    #[allow(clippy::needless_pass_by_value)] // owned API: callers hand their descriptors over
     pub fn new(
         gpu_tensors: Vec<TensorDesc>,
         cpu_tensors: Vec<TensorDesc>,
@@ -751,7 +752,7 @@ impl CopyPlanner {
             let span = (goff, coff, size, skip);
             goff += size;
             if size > 0 {
-                coff += (size as u64 + skip).div_ceil(f) as usize;
+                coff += crate::usize_from((size as u64 + skip).div_ceil(f));
             }
             span
         })
@@ -858,7 +859,7 @@ fn dest_unit(
         Direction::CpuToGpu => gids[i].unsigned_abs(),
         Direction::GpuToCpu => {
             let s = skip + i as u64;
-            cpu_ids[(s / f) as usize].unsigned_abs() * f + s % f
+            cpu_ids[crate::usize_from(s / f)].unsigned_abs() * f + s % f
         }
     }
 }
@@ -894,12 +895,13 @@ fn block_index(gpu: &GpuSpec<'_>, g: usize) -> Result<u64> {
 
 fn check_ids(ids: &[i64], limit: u64, side: &str, g: usize, offset: usize) -> Result<()> {
     // Fast path: one branch-free (vectorizable) pass; negative ids become huge as u64.
+    #[allow(clippy::cast_sign_loss, clippy::needless_bitwise_bool)] // on purpose: see above
     let any_bad = ids.iter().fold(false, |bad, &b| bad | (b as u64 >= limit));
     if !any_bad {
         return Ok(());
     }
     for (i, &b) in ids.iter().enumerate() {
-        if b < 0 || b as u64 >= limit {
+        if u64::try_from(b).map_or(true, |b| b >= limit) {
             return Err(KvoffError::arg(format!(
                 "{side} block id {b} (#{} of the {side} ids, group {g}) is out of range: the \
                  group's {side} tensors have {limit} blocks",
@@ -911,6 +913,7 @@ fn check_ids(ids: &[i64], limit: u64, side: &str, g: usize, offset: usize) -> Re
 }
 
 #[cfg(test)]
+#[allow(clippy::pedantic)] // tests: style lints are for the library
 mod tests {
     use super::*;
 

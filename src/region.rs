@@ -42,6 +42,8 @@
 //! Pinning is delegated to a [`HostRegistrar`] (the CUDA engine implements it with
 //! `cuMemHostRegister`): row-aligned pieces of at most [`MAX_REGISTER_PIECE_BYTES`], all or nothing;
 //! on failure the region stays usable and unpinned, and [`HostRegion::pin_error`] says why.
+// Unsafe: mmap/munmap, flock, fstat and views of the mapping (each block says which obligation it meets).
+#![allow(unsafe_code)]
 
 use std::ffi::{CString, OsStr};
 use std::io;
@@ -214,7 +216,7 @@ fn geometry(num_cpu_blocks: u64, slot_bytes: u64, world_size: u64) -> Result<Geo
         .ok_or_else(|| KvoffError::arg("region row size overflows u64"))?;
     let data_bytes = num_cpu_blocks
         .checked_mul(row_stride_bytes)
-        .filter(|&b| usize::try_from(b).is_ok() && b <= i64::MAX as u64)
+        .filter(|&b| usize::try_from(b).is_ok() && i64::try_from(b).is_ok())
         .ok_or_else(|| {
             KvoffError::arg(format!(
                 "region size overflows: {num_cpu_blocks} rows x {row_stride_bytes} bytes"
@@ -279,7 +281,7 @@ fn fstat_id(fd: libc::c_int) -> io::Result<(u64, u64, u64)> {
     // SAFETY: an all-zero `stat` is a valid value of this plain C struct.
     let mut st: libc::stat = unsafe { std::mem::zeroed() };
     // SAFETY: `st` is a valid, writable `stat`; fstat only writes into it.
-    if unsafe { libc::fstat(fd, &mut st) } != 0 {
+    if unsafe { libc::fstat(fd, &raw mut st) } != 0 {
         return Err(last_err());
     }
     #[allow(clippy::useless_conversion)] // field types differ between targets
@@ -296,7 +298,7 @@ fn check_private(fd: libc::c_int, path: &Path) -> Result<()> {
     // SAFETY: an all-zero `stat` is a valid value of this plain C struct.
     let mut st: libc::stat = unsafe { std::mem::zeroed() };
     // SAFETY: `st` is a valid, writable `stat`; fstat only writes into it.
-    if unsafe { libc::fstat(fd, &mut st) } != 0 {
+    if unsafe { libc::fstat(fd, &raw mut st) } != 0 {
         return Err(os_err("cannot stat", path, &last_err()));
     }
     // SAFETY: geteuid has no preconditions and cannot fail.
@@ -334,7 +336,7 @@ fn stat_id(path: &Path) -> io::Result<(u64, u64)> {
     // SAFETY: an all-zero `stat` is a valid value of this plain C struct.
     let mut st: libc::stat = unsafe { std::mem::zeroed() };
     // SAFETY: `c` is NUL-terminated and `st` writable; stat only writes into `st`.
-    if unsafe { libc::stat(c.as_ptr(), &mut st) } != 0 {
+    if unsafe { libc::stat(c.as_ptr(), &raw mut st) } != 0 {
         return Err(last_err());
     }
     #[allow(clippy::useless_conversion)] // field types differ between targets
@@ -477,7 +479,9 @@ fn check_name(name: &str) -> Result<()> {
         && name.len() <= 200
         && !name.starts_with('.')
         && !name.contains(['/', '\0'])
-        && !name.ends_with(".lock");
+        && std::path::Path::new(name)
+            .extension()
+            .is_none_or(|e| e != "lock");
     if ok {
         Ok(())
     } else {
@@ -497,7 +501,7 @@ impl HostRegion {
     /// [`KvoffError::Region`] when the mapping or prefault fails (e.g. not enough memory).
     pub fn private(num_cpu_blocks: u64, slot_bytes: u64, world_size: u64) -> Result<Self> {
         let geo = geometry(num_cpu_blocks, slot_bytes, world_size)?;
-        let len = geo.data_bytes as usize; // fits: checked in `geometry`
+        let len = crate::usize_from(geo.data_bytes); // fits: checked in `geometry`
         let map_ptr = if len == 0 {
             NonNull::dangling()
         } else {
@@ -589,7 +593,7 @@ impl HostRegion {
         let hdr = header_bytes(world_size)?;
         let total = hdr
             .checked_add(geo.data_bytes)
-            .filter(|&t| usize::try_from(t).is_ok() && t <= i64::MAX as u64)
+            .filter(|&t| usize::try_from(t).is_ok() && i64::try_from(t).is_ok())
             .ok_or_else(|| KvoffError::arg("region size overflows"))?;
         let path = opts.dir.join(name);
         let mut lock_name = OsStr::new(name).to_os_string();
@@ -598,7 +602,7 @@ impl HostRegion {
         let mut region = Self {
             map_ptr: NonNull::dangling(),
             map_len: 0,
-            data_offset: hdr as usize,
+            data_offset: crate::usize_from(hdr),
             num_cpu_blocks,
             slot_bytes,
             world_size,
@@ -748,9 +752,11 @@ impl HostRegion {
         // Held until the region is closed: tells joiners that this region is alive (see
         // `create_or_join_with`).
         flock_fd(fd, libc::LOCK_SH).map_err(|e| os_err("cannot lock", path, &e))?;
-        let len = total as usize; // fits: checked by the caller
-                                  // SAFETY: `fd` is an open descriptor we own; posix_fallocate has no memory preconditions.
-        let rc = unsafe { libc::posix_fallocate(fd, 0, total as libc::off_t) };
+        let len = crate::usize_from(total); // fits: checked by the caller
+        let off =
+            libc::off_t::try_from(total).map_err(|_| KvoffError::arg("region size overflows"))?;
+        // SAFETY: `fd` is an open descriptor we own; posix_fallocate has no memory preconditions.
+        let rc = unsafe { libc::posix_fallocate(fd, 0, off) };
         if rc != 0 {
             return Err(KvoffError::Region(format!(
                 "cannot allocate {total} bytes for shared region {} ({} CPU blocks x {} bytes per \
@@ -771,7 +777,7 @@ impl HostRegion {
         w(H_WORLD_SIZE).store(self.world_size, Ordering::Relaxed);
         w(H_ROW_STRIDE).store(self.row_stride_bytes, Ordering::Relaxed);
         w(H_HEADER_BYTES).store(self.data_offset as u64, Ordering::Relaxed);
-        let rank = self.rank.unwrap_or(0) as usize;
+        let rank = crate::usize_from(self.rank.unwrap_or(0));
         w(H_RANK_FLAGS + rank).store(1, Ordering::Relaxed);
         w(H_JOINED).store(1, Ordering::Relaxed);
         w(H_MAGIC).store(MAGIC, Ordering::Release);
@@ -860,8 +866,8 @@ impl HostRegion {
                 self.world_size
             )));
         }
-        self.map_ptr = map_shared(fd, total as usize, path)?;
-        self.map_len = total as usize;
+        self.map_ptr = map_shared(fd, crate::usize_from(total), path)?;
+        self.map_len = crate::usize_from(total);
         let w = |i: usize| self.hdr(i);
         let header_ok = w(H_MAGIC).load(Ordering::Acquire) == MAGIC
             && w(H_VERSION).load(Ordering::Relaxed) == VERSION
@@ -881,7 +887,7 @@ impl HostRegion {
             )));
         }
         let rank = self.rank.unwrap_or(0);
-        if w(H_RANK_FLAGS + rank as usize)
+        if w(H_RANK_FLAGS + crate::usize_from(rank))
             .compare_exchange(0, 1, Ordering::AcqRel, Ordering::Acquire)
             .is_err()
         {
@@ -897,14 +903,17 @@ impl HostRegion {
 
     /// Page-aligned ranges to prefault and the exact byte ranges they stand for.
     fn own_ranges(&self) -> Vec<(usize, usize)> {
-        let data = self.data_ptr() as usize;
-        let len = self.len_bytes() as usize;
+        let data = crate::usize_from(self.data_ptr());
+        let len = crate::usize_from(self.len_bytes());
         match self.rank {
             Some(r) if self.world_size > 1 => {
-                let (slot, stride) = (self.slot_bytes as usize, self.row_stride_bytes as usize);
-                (0..self.num_cpu_blocks as usize)
+                let (slot, stride) = (
+                    crate::usize_from(self.slot_bytes),
+                    crate::usize_from(self.row_stride_bytes),
+                );
+                (0..crate::usize_from(self.num_cpu_blocks))
                     .map(|row| {
-                        let s = data + row * stride + r as usize * slot;
+                        let s = data + row * stride + crate::usize_from(r) * slot;
                         (s, s + slot)
                     })
                     .collect()
@@ -921,7 +930,7 @@ impl HostRegion {
         if slots.is_empty() {
             return Ok(());
         }
-        let page = os_page_size() as usize;
+        let page = crate::usize_from(os_page_size());
         let mut merged: Vec<(usize, usize)> = Vec::new();
         for &(s, e) in &slots {
             let (a, b) = (s / page * page, e.div_ceil(page) * page);
@@ -950,6 +959,7 @@ impl HostRegion {
     }
 
     /// Fallback prefault: one read + write-back per page, only at addresses inside our slots.
+    #[allow(clippy::unused_self)] // `&mut self`: the mapping must not be shared while touched
     fn touch_pages(&mut self, slots: &[(usize, usize)], page: usize) {
         for &(s, e) in slots {
             let mut addr = s;
@@ -971,7 +981,10 @@ impl HostRegion {
         // and so 8-aligned) is live; `word` indexes inside the header (`H_RANK_FLAGS + rank`,
         // rank < world_size, fits `header_bytes`); the reference cannot outlive `&self`, and the
         // mapping is only unmapped through `&mut self`.
-        unsafe { &*self.map_ptr.as_ptr().cast::<AtomicU64>().add(word) }
+        #[allow(clippy::cast_ptr_alignment)] // 8-aligned: see the SAFETY comment
+        let p = self.map_ptr.as_ptr().cast::<AtomicU64>();
+        // SAFETY: as above.
+        unsafe { &*p.add(word) }
     }
 
     fn data_ptr(&self) -> u64 {
@@ -1252,6 +1265,7 @@ impl Drop for HostRegion {
 }
 
 #[cfg(test)]
+#[allow(clippy::pedantic)] // tests: style lints are for the library
 mod tests {
     use super::*;
 

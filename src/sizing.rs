@@ -151,6 +151,7 @@ pub fn cpu_sizing(
 }
 
 #[cfg(test)]
+#[allow(clippy::pedantic)] // tests: style lints are for the library
 mod tests {
     use super::*;
 

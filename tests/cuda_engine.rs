@@ -1,5 +1,9 @@
 //! CUDA engine tests. They run only where a CUDA device exists and print why they skip otherwise;
 //! CI (no GPU) checks the no-driver path instead.
+// Tests and benchmarks: an unwrap that fails is the failure report; pedantic style is for the library.
+#![allow(clippy::unwrap_used, clippy::pedantic)]
+// Unsafe: submitting plans to engines over memory this file allocates and keeps alive.
+#![allow(unsafe_code)]
 #![cfg(feature = "cuda")]
 
 use std::sync::Arc;
@@ -303,10 +307,8 @@ fn concurrent_directions_and_shutdown_in_flight() {
     // A job id still in flight cannot be reused.
     let dup = CopyPlan::from_copies(Direction::GpuToCpu, vec![]).unwrap();
     // SAFETY: empty plan.
-    assert!(matches!(
-        unsafe { store.submit(Job::new(31, dup)) },
-        Err(KvoffError::InvalidArgument(_))
-    ));
+    let r = unsafe { store.submit(Job::new(31, dup)) };
+    assert!(matches!(r, Err(KvoffError::InvalidArgument(_))));
     store
         .wait(&[0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15])
         .unwrap();
@@ -331,10 +333,8 @@ fn concurrent_directions_and_shutdown_in_flight() {
     // After shutdown, submit fails cleanly.
     let plan = CopyPlan::from_copies(Direction::GpuToCpu, vec![]).unwrap();
     // SAFETY: empty plan.
-    assert!(matches!(
-        unsafe { store.submit(Job::new(99, plan)) },
-        Err(KvoffError::InvalidState(_))
-    ));
+    let r = unsafe { store.submit(Job::new(99, plan)) };
+    assert!(matches!(r, Err(KvoffError::InvalidState(_))));
 }
 
 /// Without a driver, asking for CUDA is a typed error, never a panic.

@@ -1,6 +1,10 @@
 //! A device error must fail the job, not the process (a kernel that touches an unmapped device
 //! address raises a sticky CUDA error: the job and later ones report `success = false`). In its own test binary: a fault can poison
 //! the CUDA context of the whole process.
+// Tests and benchmarks: an unwrap that fails is the failure report; pedantic style is for the library.
+#![allow(clippy::unwrap_used, clippy::pedantic)]
+// Unsafe: submitting plans to engines over memory this file allocates and keeps alive.
+#![allow(unsafe_code)]
 #![cfg(feature = "cuda")]
 
 use std::sync::Arc;

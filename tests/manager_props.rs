@@ -14,6 +14,8 @@
 //! key", "a loading key", "a ghost key", …), so that most generated calls are valid and deep states
 //! (full caches, pinned blocks, ghost hits, admission) are reached, while some are deliberately
 //! invalid.
+// Tests and benchmarks: an unwrap that fails is the failure report; pedantic style is for the library.
+#![allow(clippy::unwrap_used, clippy::pedantic)]
 
 use std::collections::BTreeSet;
 use std::fmt::Debug;

@@ -1,5 +1,9 @@
 //! Host regions across processes: the test binary re-invokes itself (`child_entry`, selected by the
 //! `KVOFF_REGION_CHILD` environment variable) to play the other ranks.
+// Tests and benchmarks: an unwrap that fails is the failure report; pedantic style is for the library.
+#![allow(clippy::unwrap_used, clippy::pedantic)]
+// Unsafe: submitting plans to engines over memory this file allocates and keeps alive.
+#![allow(unsafe_code)]
 
 use std::ffi::CString;
 use std::path::{Path, PathBuf};
@@ -402,11 +406,8 @@ fn stale_region_of_a_dead_engine_is_replaced_not_joined() {
     let o = opts(&dir, Duration::from_secs(5));
     let r0 = HostRegion::create_or_join_with("kv-stale", 4, 4096, 2, 0, &o).unwrap();
     // SAFETY: reading rank 0's first slot byte inside the mapping.
-    assert_eq!(
-        unsafe { *(r0.as_ptr() as *const u8) },
-        0,
-        "the stale region's bytes were reused"
-    );
+    let first = unsafe { *(r0.as_ptr() as *const u8) };
+    assert_eq!(first, 0, "the stale region's bytes were reused");
     let r1 = HostRegion::create_or_join_with("kv-stale", 4, 4096, 2, 1, &o).unwrap();
     drop((r0, r1));
     std::fs::remove_dir_all(&dir).unwrap();
@@ -424,11 +425,8 @@ fn a_live_region_is_joined() {
     unsafe { (r0.as_ptr() as *mut u8).write_bytes(0x5A, 1) };
     let r1 = HostRegion::create_or_join_with("kv-live", 4, 4096, 2, 1, &o).unwrap();
     // SAFETY: row 0 of the shared mapping, written by rank 0 above.
-    assert_eq!(
-        unsafe { *(r1.as_ptr() as *const u8) },
-        0x5A,
-        "rank 1 did not join rank 0's region"
-    );
+    let seen = unsafe { *(r1.as_ptr() as *const u8) };
+    assert_eq!(seen, 0x5A, "rank 1 did not join rank 0's region");
     drop((r0, r1));
     std::fs::remove_dir_all(&dir).unwrap();
 }

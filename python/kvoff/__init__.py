@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from kvoff import _native
 from kvoff._native import (
     ARCOffloadingManager,
     CPULoadStoreSpec,
@@ -52,6 +53,7 @@ OffloadKey = bytes
 """An offload key: block hash bytes followed by the group index as 4-byte big-endian."""
 
 _POLICIES = {"lru": LRUOffloadingManager, "arc": ARCOffloadingManager}
+# The names come from the Rust enum PolicyKind (_native.POLICIES); tests check this map covers them.
 
 
 def create_manager(policy: str, num_blocks: int, **kwargs: Any) -> OffloadingManager:
@@ -66,7 +68,7 @@ def create_manager(policy: str, num_blocks: int, **kwargs: Any) -> OffloadingMan
         raise TypeError(f"policy must be a str, got {type(policy).__name__}")
     cls = _POLICIES.get(policy)  # exact: "LRU" is not a policy name (SPEC §2)
     if cls is None:
-        raise ValueError(f"unknown eviction policy {policy!r}; valid choices: {sorted(_POLICIES)}")
+        raise ValueError(f"unknown eviction policy {policy!r}; valid choices: {list(_native.POLICIES)}")
     return cls(num_blocks, **kwargs)
 
 

@@ -2,13 +2,15 @@
 
 import os
 from collections.abc import Iterable
-from typing import Any, final
+from typing import Any, Literal, TypeAlias, final
 
 import numpy as np
 import numpy.typing as npt
 from typing_extensions import disjoint_base
 
 __all__ = [
+    "ENGINES",
+    "POLICIES",
     "ARCOffloadingManager",
     "CPULoadStoreSpec",
     "HostRegion",
@@ -28,9 +30,18 @@ __all__ = [
     "get_offload_block_hash",
     "get_offload_group_idx",
     "make_offload_key",
+    "resolve_engine",
 ]
 
 __version__: str
+
+_PolicyName: TypeAlias = Literal["lru", "arc"]
+_EngineName: TypeAlias = Literal["auto", "host", "cuda", "dma", "kernel", "staged", "loop"]
+
+#: The eviction policies, from the Rust enum ``PolicyKind``.
+POLICIES: tuple[_PolicyName, ...]
+#: The ``engine=`` choices of the transfer handlers, from the Rust enum ``EngineKind``.
+ENGINES: tuple[_EngineName, ...]
 
 def make_offload_key(block_hash: bytes, group_idx: int) -> bytes: ...
 def get_offload_block_hash(key: bytes) -> bytes: ...
@@ -136,6 +147,12 @@ def compute_sub_block_ptrs(
     count: int | None = None,
 ) -> npt.NDArray[np.int64]: ...
 def cuda_available() -> bool: ...
+def resolve_engine(
+    engine: str, placements: list[int | None], names: list[str] | None = None
+) -> Literal["host", "cuda"]:
+    """The engine ``TransferHandler(..., engine)`` will use for GPU-side tensors placed as
+    ``placements`` (per tensor: its CUDA device index, ``None`` for host memory), raising what it
+    would raise; ``names[i]`` describes tensor ``i`` in messages."""
 
 @final
 class HostRegion:

@@ -58,7 +58,7 @@ class PyLRU:
                 self.blocks.move_to_end(k)
 
     def _victims(self, need: int, protect: set[bytes]) -> list[bytes] | None:
-        out = []
+        out: list[bytes] = []
         for k, b in self.blocks.items():
             if len(out) == need:
                 break
@@ -66,7 +66,7 @@ class PyLRU:
                 out.append(k)
         return out if len(out) == need else None
 
-    def prepare_store(self, keys: list[bytes]):
+    def prepare_store(self, keys: list[bytes]) -> tuple[list[bytes], list[int], list[bytes]] | None:
         protect = set(keys)
         cands = list(dict.fromkeys(k for k in keys if k not in self.blocks))
         need = len(cands) - len(self.free)
@@ -160,7 +160,7 @@ class PyARC(PyLRU):
                 self.p = max(self.p - max(1.0, len(self.b1) / len(self.b2)), 0.0)
                 self.b2.move_to_end(k)
 
-    def prepare_store(self, keys: list[bytes]):
+    def prepare_store(self, keys: list[bytes]) -> tuple[list[bytes], list[int], list[bytes]] | None:
         protect = set(keys)
         cands = list(dict.fromkeys(k for k in keys if k not in self.t1 and k not in self.t2))
         need = len(cands) - len(self.free)

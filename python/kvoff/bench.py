@@ -11,6 +11,7 @@ Every figure is a ratio against a reference measured in the same run.
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import platform
 import random
@@ -210,15 +211,15 @@ def bench_managers(num_requests: int = 2000, capacity: int = 20_000, reps: int =
     rows = []
     for policy, ref_cls in (("lru", PyLRU), ("arc", PyARC)):
         show = bool(show_progress)
-        ref = _time(lambda c=ref_cls: c(capacity), _run_ref, wl, ref_reps, f"python reference {policy}", show)
+        ref = _time(functools.partial(ref_cls, capacity), _run_ref, wl, ref_reps, f"python reference {policy}", show)
         rows.append({"policy": policy, "impl": "python-ref", **ref, "ratio": 1.0})
         vl = None
         if factory is not None:
             version, make = factory
-            vl = _time(lambda p=policy, f=make: f(p, capacity), _run_vllm, wl, ref_reps, f"vllm {policy}", show)
+            vl = _time(functools.partial(make, policy, capacity), _run_vllm, wl, ref_reps, f"vllm {policy}", show)
             rows.append({"policy": policy, "impl": "vllm", "version": version, **vl,
                          "ratio": vl["key_ops_per_s"] / ref["key_ops_per_s"]})
-        kv = _time(lambda p=policy: kvoff.create_manager(p, capacity, enable_events=True, block_size=16),
+        kv = _time(functools.partial(kvoff.create_manager, policy, capacity, enable_events=True, block_size=16),
                    _run_kvoff, wl, reps, f"kvoff {policy}", show)
         target = VLLM_RATIO_TARGETS[policy]
         vs_vllm = kv["key_ops_per_s"] / vl["key_ops_per_s"] if vl is not None else None

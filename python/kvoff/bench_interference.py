@@ -153,7 +153,8 @@ def _roundtrip(torch: Any, kvoff: Any, h: Any, comp: _Compute, blocks: int, ngpu
 
 def _run_phase(torch: Any, kvoff: Any, h: Any, dirs: str, blocks: int, ngpu: int, ncpu: int,
                seconds: float, comp: _Compute | None, kind: str, lat: list[float] | None) -> tuple[dict[str, Any], float]:
-    stop, stats = threading.Event(), {}
+    stop = threading.Event()
+    stats: dict[str, Any] = {}
     th = threading.Thread(target=_transfer_loop, args=(torch, kvoff, h, dirs, blocks, ngpu, ncpu, stop, stats),
                           daemon=True)
     lstop = threading.Event()
@@ -162,7 +163,11 @@ def _run_phase(torch: Any, kvoff: Any, h: Any, dirs: str, blocks: int, ngpu: int
     if lt:
         lt.start()
     time.sleep(0.1)
-    ms = comp.timed(kind) if comp is not None else (time.sleep(seconds) or 0.0)
+    if comp is not None:
+        ms = comp.timed(kind)
+    else:
+        time.sleep(seconds)
+        ms = 0.0
     stop.set()
     th.join(timeout=60)
     lstop.set()

@@ -124,7 +124,8 @@ class DemoResult:
     @property
     def saved_s(self) -> float:
         """Estimated prefill time saved: recompute estimate minus the time spent loading."""
-        return self.recompute_s - self.transfers.get("CPU_to_GPU", {}).get("seconds", 0.0)
+        loading: float = self.transfers.get("CPU_to_GPU", {}).get("seconds", 0.0)
+        return self.recompute_s - loading
 
     def as_dict(self) -> dict[str, Any]:
         d = asdict(self)
@@ -370,7 +371,9 @@ def _mib(n: float) -> str:
 
 def format_result(r: DemoResult) -> str:
     """The human-readable report of a demo run."""
-    pct = lambda x: f"{100 * x / max(r.blocks_requested, 1):5.1f}%"
+    def pct(x: int) -> str:
+        return f"{100 * x / max(r.blocks_requested, 1):5.1f}%"
+
     lines = [
         f"kvoff {kvoff.__version__} demo: simulated serving loop with Llama-3-8B KV shapes",
         (f"  KV cache  32 layers x (K, V), 8 KV heads x 128, {BLOCK_TOKENS}-token blocks, bf16: 64 tensors of "

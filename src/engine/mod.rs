@@ -20,12 +20,16 @@
 //!
 //! [`KvoffError::InvalidArgument`]: crate::KvoffError::InvalidArgument
 //! [`KvoffError::InvalidState`]: crate::KvoffError::InvalidState
+// Unsafe: only the declaration of `TransferEngine::submit`, whose caller vouches for the memory.
+#![allow(unsafe_code)]
 
 #[cfg(feature = "cuda")]
 pub mod cuda;
 pub mod host;
+mod kind;
 
 pub use host::HostEngine;
+pub use kind::EngineKind;
 
 use crate::error::Result;
 use crate::plan::{CopyPlan, Direction};

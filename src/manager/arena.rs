@@ -338,6 +338,7 @@ impl<K: Hash + Eq> Arena<K> {
 }
 
 #[cfg(test)]
+#[allow(clippy::pedantic)] // tests: style lints are for the library
 mod tests {
     use super::*;
     use crate::key::ByteKey;

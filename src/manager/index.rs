@@ -292,6 +292,7 @@ impl Index {
 }
 
 #[cfg(test)]
+#[allow(clippy::pedantic)] // tests: style lints are for the library
 mod tests {
     use super::*;
     use proptest::prelude::*;

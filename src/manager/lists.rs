@@ -211,6 +211,7 @@ impl Lists {
 }
 
 #[cfg(test)]
+#[allow(clippy::pedantic)] // tests: style lints are for the library
 mod tests {
     use super::*;
     use proptest::prelude::*;

@@ -30,6 +30,7 @@
 //! ready keys.
 #![forbid(unsafe_code)]
 
+mod any;
 mod arc;
 mod arena;
 mod index;
@@ -39,6 +40,7 @@ mod tracker;
 
 use std::hash::Hash;
 
+pub use any::{AnyManager, PolicyKind};
 pub use arc::Arc;
 use arena::{Arena, ListTag, CHUNK, NIL};
 use index::{tag_of, Index};
@@ -869,6 +871,7 @@ impl<K: Hash + Eq + Clone, P: Policy> OffloadingManager<K> for Manager<K, P> {
 }
 
 #[cfg(test)]
+#[allow(clippy::pedantic)] // tests: style lints are for the library
 mod tests {
     use super::*;
 

@@ -1,9 +1,9 @@
-//! The one mapping from [`KvoffError`] to Python exception classes, and the panic guard.
+//! The one mapping from [`KvoffError`] to Python exception classes, and the internal error a
+//! caught panic becomes (see [`super::enter`]).
 //!
 //! The exception classes are defined in Python (`kvoff/errors.py`) so that `ConfigError` can be both
 //! a `KvoffError` and a `ValueError`; they are imported lazily on first use.
-
-use std::panic::{catch_unwind, AssertUnwindSafe};
+#![forbid(unsafe_code)]
 
 use pyo3::exceptions::{PyTypeError, PyValueError};
 use pyo3::prelude::*;
@@ -31,15 +31,6 @@ pub(crate) fn to_py(e: KvoffError) -> PyErr {
         KvoffError::Region(m) => RegionError::new_err(m),
         KvoffError::CudaUnavailable(m) => CudaUnavailableError::new_err(m),
         KvoffError::Cuda(m) => CudaError::new_err(m),
-    }
-}
-
-/// Runs `f`, turning a panic into a `KvoffError` exception (an internal bug, reported as such)
-/// instead of letting it unwind into Python.
-pub(crate) fn guard<R>(f: impl FnOnce() -> PyResult<R>) -> PyResult<R> {
-    match catch_unwind(AssertUnwindSafe(f)) {
-        Ok(r) => r,
-        Err(payload) => Err(internal_error(&panic_message(&*payload))),
     }
 }
 

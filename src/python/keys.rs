@@ -1,4 +1,5 @@
 //! Key helpers (SPEC §1) and extraction of key lists from Python.
+#![forbid(unsafe_code)]
 
 use pyo3::exceptions::{PyTypeError, PyValueError};
 use pyo3::prelude::*;
@@ -53,7 +54,7 @@ pub(crate) fn type_name(o: &Bound<'_, PyAny>) -> String {
 
 fn bytes_arg<'a>(o: &'a Bound<'_, PyAny>, what: &str) -> PyResult<&'a [u8]> {
     o.cast::<PyBytes>()
-        .map(|b| b.as_bytes())
+        .map(PyBytesMethods::as_bytes)
         .map_err(|_| PyTypeError::new_err(format!("{what} must be bytes, got {}", type_name(o))))
 }
 

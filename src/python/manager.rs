@@ -3,38 +3,25 @@
 //!
 //! Each manager object is `frozen` and holds its Rust manager behind a mutex; every call validates
 //! its arguments completely before the Rust manager sees them, so a call that raises changes nothing.
+#![forbid(unsafe_code)]
 
-use std::panic::{catch_unwind, AssertUnwindSafe};
-use std::sync::{Mutex, TryLockError};
+use std::sync::Mutex;
 
 use numpy::{PyArray1, PyArrayMethods, PyUntypedArrayMethods};
 use pyo3::exceptions::{PyTypeError, PyValueError};
 use pyo3::prelude::*;
 use pyo3::types::{PyBytes, PyDict, PyList, PyTuple};
 
-use super::errors::{internal_error, panic_message, to_py, IntoPyResult};
+use super::enter::{locked, Hold};
+use super::errors::IntoPyResult;
 use super::keys::{extract_key, extract_keys, type_name};
 use crate::key::ByteKey;
 use crate::manager::{
-    ArcManager, LruManager, ManagerConfig, OffloadingEvent, OffloadingManager, Presence,
+    AnyManager, ManagerConfig, OffloadingEvent, OffloadingManager, PolicyKind, Presence,
 };
 
-enum AnyManager {
-    Lru(LruManager<ByteKey>),
-    Arc(ArcManager<ByteKey>),
-}
-
-macro_rules! dispatch {
-    ($m:expr, $v:ident => $e:expr) => {
-        match $m {
-            AnyManager::Lru($v) => $e,
-            AnyManager::Arc($v) => $e,
-        }
-    };
-}
-
 struct State {
-    mgr: AnyManager,
+    mgr: AnyManager<ByteKey>,
     /// Set by `shutdown()`: the accessors (`len`, `num_blocks`, …) refuse too (SPEC §7).
     shut_down: bool,
 }
@@ -43,7 +30,7 @@ struct State {
 #[pyclass(name = "OffloadingManager", module = "kvoff._native", subclass, frozen)]
 pub struct PyManager {
     state: Mutex<State>,
-    policy: &'static str,
+    policy: PolicyKind,
 }
 
 fn config(
@@ -84,7 +71,7 @@ fn ids_array<'py>(py: Python<'py>, ids: &[u32]) -> Bound<'py, PyArray1<i64>> {
     PyArray1::from_iter(py, ids.iter().map(|&i| i64::from(i)))
 }
 
-fn event_to_py(py: Python<'_>, e: OffloadingEvent<ByteKey>) -> PyResult<Py<PyOffloadingEvent>> {
+fn event_to_py(py: Python<'_>, e: &OffloadingEvent<ByteKey>) -> PyResult<Py<PyOffloadingEvent>> {
     let keys = PyList::new(py, e.keys.iter().map(|k| PyBytes::new(py, k.as_bytes())))?;
     Py::new(
         py,
@@ -97,30 +84,13 @@ fn event_to_py(py: Python<'_>, e: OffloadingEvent<ByteKey>) -> PyResult<Py<PyOff
     )
 }
 
-/// Why a call under the manager's lock failed, in Rust terms: the Python exception is built only
-/// after the lock is released.
-enum Failure {
-    Kvoff(crate::KvoffError),
-    /// A panic (a kvoff bug): the manager has been shut down, its message is reported.
-    Panic(String),
-}
-
-impl From<crate::KvoffError> for Failure {
-    fn from(e: crate::KvoffError) -> Self {
-        Self::Kvoff(e)
-    }
-}
-
 fn shut_down_error() -> crate::KvoffError {
     crate::KvoffError::state("the manager was shut down; create a new one")
 }
 
 impl PyManager {
-    fn new_with(policy: &'static str, cfg: ManagerConfig) -> PyResult<Self> {
-        let mgr = match policy {
-            "lru" => AnyManager::Lru(LruManager::try_new(cfg).py()?),
-            _ => AnyManager::Arc(ArcManager::try_new(cfg).py()?),
-        };
+    fn new_with(policy: PolicyKind, cfg: ManagerConfig) -> PyResult<Self> {
+        let mgr = AnyManager::try_new(policy, cfg).py()?;
         Ok(Self {
             state: Mutex::new(State {
                 mgr,
@@ -143,35 +113,18 @@ impl PyManager {
         py: Python<'_>,
         f: impl FnOnce(&mut State) -> Result<R, crate::KvoffError> + Send,
     ) -> PyResult<R> {
-        let locked = |st: &mut State| -> Result<R, Failure> {
-            match catch_unwind(AssertUnwindSafe(|| f(st))) {
-                Ok(r) => r.map_err(Failure::Kvoff),
-                Err(payload) => {
-                    dispatch!(&mut st.mgr, m => m.shutdown());
-                    st.shut_down = true;
-                    Err(Failure::Panic(panic_message(&*payload)))
-                }
-            }
+        let on_panic = |st: &mut State| {
+            st.mgr.shutdown();
+            st.shut_down = true;
         };
-        let res = match self.state.try_lock() {
-            Ok(mut st) => locked(&mut st),
-            Err(TryLockError::WouldBlock) => py.detach(|| match self.state.lock() {
-                Ok(mut st) => locked(&mut st),
-                Err(_) => Err(Failure::Kvoff(broken())),
-            }),
-            Err(TryLockError::Poisoned(_)) => Err(Failure::Kvoff(broken())),
-        };
-        res.map_err(|e| match e {
-            Failure::Kvoff(e) => to_py(e),
-            Failure::Panic(what) => internal_error(&what),
-        })
+        locked(py, &self.state, Hold::Brief, on_panic, f)
     }
 
     /// Like [`run`](Self::run) for a call that only reads, refusing after `shutdown()`.
     fn read<R: Send>(
         &self,
         py: Python<'_>,
-        f: impl FnOnce(&AnyManager) -> R + Send,
+        f: impl FnOnce(&AnyManager<ByteKey>) -> R + Send,
     ) -> PyResult<R> {
         self.run(py, |st| {
             if st.shut_down {
@@ -187,7 +140,7 @@ impl PyManager {
         &self,
         py: Python<'_>,
         keys: &Bound<'_, PyAny>,
-        f: impl FnOnce(&mut AnyManager, &[ByteKey]) -> Result<R, crate::KvoffError> + Send,
+        f: impl FnOnce(&mut AnyManager<ByteKey>, &[ByteKey]) -> Result<R, crate::KvoffError> + Send,
     ) -> PyResult<R> {
         let mut ks = Vec::new();
         extract_keys(keys, &mut ks)?;
@@ -195,26 +148,22 @@ impl PyManager {
     }
 }
 
-fn broken() -> crate::KvoffError {
-    crate::KvoffError::state("the manager is broken by an earlier internal error; create a new one")
-}
-
 #[pymethods]
 impl PyManager {
     /// Policy name, `"lru"` or `"arc"`.
     #[getter]
     fn policy(&self) -> &'static str {
-        self.policy
+        self.policy.name()
     }
 
     /// Capacity in CPU blocks.
     #[getter]
     fn num_blocks(&self, py: Python<'_>) -> PyResult<usize> {
-        self.read(py, |m| dispatch!(m, m => m.num_blocks()))
+        self.read(py, OffloadingManager::num_blocks)
     }
 
     fn __len__(&self, py: Python<'_>) -> PyResult<usize> {
-        self.read(py, |m| dispatch!(m, m => m.len()))
+        self.read(py, OffloadingManager::len)
     }
 
     /// `True` ready/loading, `None` pending, `False` absent.
@@ -227,7 +176,7 @@ impl PyManager {
     ) -> PyResult<Option<bool>> {
         let _ = req_context;
         let k = extract_key(key)?;
-        let p = self.run(py, |st| dispatch!(&st.mgr, m => m.lookup(&k)))?;
+        let p = self.run(py, |st| st.mgr.lookup(&k))?;
         Ok(match p {
             Presence::Ready => Some(true),
             Presence::Pending => None,
@@ -244,7 +193,7 @@ impl PyManager {
         req_context: Option<&Bound<'_, PyAny>>,
     ) -> PyResult<Option<usize>> {
         let _ = req_context;
-        self.run_keys(py, keys, |m, ks| dispatch!(m, m => m.lookup_prefix(ks)))
+        self.run_keys(py, keys, |m, ks| m.lookup_prefix(ks))
     }
 
     /// Pins ready keys for loading; returns their CPU spec.
@@ -256,7 +205,7 @@ impl PyManager {
         req_context: Option<&Bound<'_, PyAny>>,
     ) -> PyResult<PyCpuSpec> {
         let _ = req_context;
-        let ids = self.run_keys(py, keys, |m, ks| dispatch!(m, m => m.prepare_load(ks)))?;
+        let ids = self.run_keys(py, keys, OffloadingManager::prepare_load)?;
         Ok(PyCpuSpec {
             block_ids: ids_array(py, &ids).unbind(),
         })
@@ -271,7 +220,7 @@ impl PyManager {
         req_context: Option<&Bound<'_, PyAny>>,
     ) -> PyResult<()> {
         let _ = req_context;
-        self.run_keys(py, keys, |m, ks| dispatch!(m, m => m.touch(ks)))
+        self.run_keys(py, keys, OffloadingManager::touch)
     }
 
     /// Unpins keys whose load finished.
@@ -283,7 +232,7 @@ impl PyManager {
         req_context: Option<&Bound<'_, PyAny>>,
     ) -> PyResult<()> {
         let _ = req_context;
-        self.run_keys(py, keys, |m, ks| dispatch!(m, m => m.complete_load(ks)))
+        self.run_keys(py, keys, OffloadingManager::complete_load)
     }
 
     /// SPEC §2.3. `None` when there is not enough evictable room (nothing changed).
@@ -308,11 +257,7 @@ impl PyManager {
                 Err(_) => keys.clone(),
             }
         };
-        let out = self.run_keys(
-            py,
-            &seq,
-            |m, ks| dispatch!(m, m => m.prepare_store_indexed(ks)),
-        )?;
+        let out = self.run_keys(py, &seq, AnyManager::prepare_store_indexed)?;
         let Some(out) = out else { return Ok(None) };
         let stored = PyList::empty(py);
         for &p in &out.positions {
@@ -346,11 +291,7 @@ impl PyManager {
         req_context: Option<&Bound<'_, PyAny>>,
     ) -> PyResult<()> {
         let _ = req_context;
-        self.run_keys(
-            py,
-            keys,
-            |m, ks| dispatch!(m, m => m.complete_store(ks, success)),
-        )
+        self.run_keys(py, keys, |m, ks| m.complete_store(ks, success))
     }
 
     /// Drains events in order.
@@ -361,8 +302,8 @@ impl PyManager {
         req_context: Option<&Bound<'_, PyAny>>,
     ) -> PyResult<Vec<Py<PyOffloadingEvent>>> {
         let _ = req_context;
-        let evs = self.run(py, |st| dispatch!(&mut st.mgr, m => m.take_events()))?;
-        evs.into_iter().map(|e| event_to_py(py, e)).collect()
+        let evs = self.run(py, |st| st.mgr.take_events())?;
+        evs.iter().map(|e| event_to_py(py, e)).collect()
     }
 
     /// Gauges and counters; resets `stores_skipped`.
@@ -373,7 +314,7 @@ impl PyManager {
         req_context: Option<&Bound<'_, PyAny>>,
     ) -> PyResult<Bound<'py, PyDict>> {
         let _ = req_context;
-        let s = self.run(py, |st| dispatch!(&mut st.mgr, m => m.get_stats()))?;
+        let s = self.run(py, |st| st.mgr.get_stats())?;
         let d = PyDict::new(py);
         d.set_item("usage", s.usage)?;
         d.set_item("write_usage", s.write_usage)?;
@@ -390,7 +331,7 @@ impl PyManager {
     #[pyo3(signature = (req_context=None))]
     fn reset(&self, py: Python<'_>, req_context: Option<&Bound<'_, PyAny>>) -> PyResult<()> {
         let _ = req_context;
-        self.run(py, |st| dispatch!(&mut st.mgr, m => m.reset()))
+        self.run(py, |st| st.mgr.reset())
     }
 
     /// Idempotent; later calls of other methods raise `InvalidStateError`.
@@ -398,7 +339,7 @@ impl PyManager {
     fn shutdown(&self, py: Python<'_>, req_context: Option<&Bound<'_, PyAny>>) -> PyResult<()> {
         let _ = req_context;
         self.run(py, |st| {
-            dispatch!(&mut st.mgr, m => m.shutdown());
+            st.mgr.shutdown();
             st.shut_down = true;
             Ok(())
         })
@@ -407,15 +348,12 @@ impl PyManager {
     /// ARC's target size of T1 (`None` for LRU). Introspection for tests and tuning.
     #[getter]
     fn arc_target(&self, py: Python<'_>) -> PyResult<Option<f64>> {
-        self.read(py, |m| match m {
-            AnyManager::Arc(m) => Some(m.policy().p),
-            AnyManager::Lru(_) => None,
-        })
+        self.read(py, AnyManager::arc_target)
     }
 
     /// Keys of each list from LRU to MRU: `(T1, T2, B1, B2)` for ARC, `(order, [], [], [])` for LRU.
     fn debug_lists<'py>(&self, py: Python<'py>) -> PyResult<Vec<Vec<Bound<'py, PyBytes>>>> {
-        let lists = self.read(py, |m| dispatch!(m, m => m.debug_lists()))?;
+        let lists = self.read(py, AnyManager::debug_lists)?;
         Ok(lists
             .iter()
             .map(|l| l.iter().map(|k| PyBytes::new(py, k.as_bytes())).collect())
@@ -423,17 +361,17 @@ impl PyManager {
     }
 
     fn __repr__(&self, py: Python<'_>) -> PyResult<String> {
-        let (n, cap) = self.read(py, |m| dispatch!(m, m => (m.len(), m.num_blocks())))?;
+        let (n, cap) = self.read(py, |m| (m.len(), m.num_blocks()))?;
         Ok(format!(
             "<{} manager: {n}/{cap} blocks>",
-            self.policy.to_uppercase()
+            self.policy.name().to_uppercase()
         ))
     }
 }
 
 /// Defines one policy's Python class: a subclass of `OffloadingManager` with SPEC §2's constructor.
 macro_rules! policy_class {
-    ($(#[$doc:meta])* $ty:ident, $pyname:literal, $policy:literal) => {
+    ($(#[$doc:meta])* $ty:ident, $pyname:literal, $policy:expr) => {
         $(#[$doc])*
         #[pyclass(name = $pyname, module = "kvoff._native", extends = PyManager, frozen)]
         pub struct $ty;
@@ -468,13 +406,13 @@ policy_class!(
     /// LRU offloading manager (SPEC §2.4).
     PyLru,
     "LRUOffloadingManager",
-    "lru"
+    PolicyKind::Lru
 );
 policy_class!(
     /// ARC offloading manager (SPEC §2.5).
     PyArc,
     "ARCOffloadingManager",
-    "arc"
+    PolicyKind::Arc
 );
 
 fn kw_config(
@@ -684,6 +622,10 @@ impl PyOffloadingEvent {
 }
 
 pub(crate) fn register(m: &Bound<'_, PyModule>) -> PyResult<()> {
+    m.add(
+        "POLICIES",
+        PyTuple::new(m.py(), PolicyKind::ALL.map(PolicyKind::name))?,
+    )?;
     m.add_class::<PyManager>()?;
     m.add_class::<PyLru>()?;
     m.add_class::<PyArc>()?;

@@ -1,14 +1,23 @@
-//! PyO3 bindings: the private module `kvoff._native` (only with the `python` feature).
+//! `PyO3` bindings: the private module `kvoff._native` (only with the `python` feature).
 //!
 //! All PyO3 code lives under `src/python/`; the rest of the crate knows nothing of Python. Errors are
-//! mapped to exception classes in one place ([`errors`]); no Rust panic reaches Python (every entry
-//! point that runs crate code goes through [`errors::guard`]).
+//! mapped to exception classes in one place ([`errors`]); no Rust panic reaches Python: every entry
+//! point that runs crate code goes through [`enter`], which also keeps the lock and GIL
+//! discipline (no Python object touched under a kvoff lock, no wait with the GIL held).
+//!
+//! Modules by concept: [`args`] (argument conversion), [`functions`] (sizing, expansion),
+//! [`region`] (host regions), [`handler`] (the transfer handler and engine choice), [`manager`]
+//! and [`keys`] (scheduler side), [`tier`] (the file tier).
 
+mod args;
+mod enter;
 mod errors;
+mod functions;
+mod handler;
 mod keys;
 mod manager;
+mod region;
 mod tier;
-mod worker;
 
 use pyo3::prelude::*;
 
@@ -18,7 +27,9 @@ fn _native(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add("__version__", env!("CARGO_PKG_VERSION"))?;
     keys::register(m)?;
     manager::register(m)?;
-    worker::register(m)?;
+    functions::register(m)?;
+    region::register(m)?;
+    handler::register(m)?;
     tier::register(m)?;
     Ok(())
 }

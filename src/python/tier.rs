@@ -4,83 +4,26 @@
 //!
 //! Keys are extracted before the lock is taken and Python objects are built after it is released;
 //! calls that wait for I/O (`flush`, `reset`, `shutdown`, `bench_disk`) release the GIL.
+// Unsafe: the one `RawRows::new` over the caller's host memory (see its SAFETY comment).
+#![allow(unsafe_code)]
 
-use std::sync::{Arc, Mutex, MutexGuard};
+use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use pyo3::prelude::*;
 use pyo3::types::{PyBytes, PyDict};
 
-use super::errors::{guard, to_py, IntoPyResult};
+use super::enter::{blocking, locked, Hold};
+use super::errors::{to_py, IntoPyResult};
 use crate::key::ByteKey;
-use crate::manager::{
-    ArcManager, BlockId, LruManager, ManagerConfig, ManagerStats, OffloadingEvent,
-    OffloadingManager, PrepareStoreOutput, Presence,
-};
+use crate::manager::{AnyManager, BlockId, ManagerConfig, ManagerStats, PolicyKind, Presence};
 use crate::tier::bench::{run as run_bench, DiskBenchConfig};
 use crate::tier::tiered::{TieredConfig, TieredCounters, TieredManager};
 use crate::tier::{BlockMemory, DirectIo, FileTier, Layout, RawRows, TierConfig, TierStats};
 use crate::KvoffError;
 
-/// The host manager behind the tier: LRU or ARC.
-enum Host {
-    Lru(LruManager<ByteKey>),
-    Arc(ArcManager<ByteKey>),
-}
-
-macro_rules! host {
-    ($h:expr, $m:ident => $e:expr) => {
-        match $h {
-            Host::Lru($m) => $e,
-            Host::Arc($m) => $e,
-        }
-    };
-}
-
-impl OffloadingManager<ByteKey> for Host {
-    fn lookup(&self, key: &ByteKey) -> crate::Result<Presence> {
-        host!(self, m => m.lookup(key))
-    }
-    fn lookup_prefix(&self, keys: &[ByteKey]) -> crate::Result<Option<usize>> {
-        host!(self, m => m.lookup_prefix(keys))
-    }
-    fn prepare_load(&mut self, keys: &[ByteKey]) -> crate::Result<Vec<BlockId>> {
-        host!(self, m => m.prepare_load(keys))
-    }
-    fn touch(&mut self, keys: &[ByteKey]) -> crate::Result<()> {
-        host!(self, m => m.touch(keys))
-    }
-    fn complete_load(&mut self, keys: &[ByteKey]) -> crate::Result<()> {
-        host!(self, m => m.complete_load(keys))
-    }
-    fn prepare_store(
-        &mut self,
-        keys: &[ByteKey],
-    ) -> crate::Result<Option<PrepareStoreOutput<ByteKey>>> {
-        host!(self, m => m.prepare_store(keys))
-    }
-    fn complete_store(&mut self, keys: &[ByteKey], success: bool) -> crate::Result<()> {
-        host!(self, m => m.complete_store(keys, success))
-    }
-    fn take_events(&mut self) -> crate::Result<Vec<OffloadingEvent<ByteKey>>> {
-        host!(self, m => m.take_events())
-    }
-    fn get_stats(&mut self) -> crate::Result<ManagerStats> {
-        host!(self, m => m.get_stats())
-    }
-    fn reset(&mut self) -> crate::Result<()> {
-        host!(self, m => m.reset())
-    }
-    fn shutdown(&mut self) {
-        host!(self, m => m.shutdown());
-    }
-    fn len(&self) -> usize {
-        host!(self, m => m.len())
-    }
-    fn num_blocks(&self) -> usize {
-        host!(self, m => m.num_blocks())
-    }
-}
+/// The host manager behind the tier.
+type Host = AnyManager<ByteKey>;
 
 /// A tiered manager for Python: see the module docs.
 #[pyclass(name = "TieredManagerCore", module = "kvoff._native", frozen)]
@@ -115,29 +58,43 @@ fn key_of(key: &Bound<'_, PyAny>) -> PyResult<ByteKey> {
     Ok(ByteKey::new(b.as_bytes()))
 }
 
-fn shut() -> PyErr {
-    to_py(KvoffError::state("the tiered manager is shut down"))
+fn shut() -> KvoffError {
+    KvoffError::state("the tiered manager is shut down")
 }
 
 impl PyTieredCore {
-    fn lock(&self) -> MutexGuard<'_, Option<TieredManager<Host>>> {
-        self.inner
-            .lock()
-            .unwrap_or_else(std::sync::PoisonError::into_inner)
-    }
-
-    fn with<R>(&self, f: impl FnOnce(&mut TieredManager<Host>) -> crate::Result<R>) -> PyResult<R> {
-        guard(|| {
-            let mut g = self.lock();
+    /// Runs `f` on the manager under its lock ([`locked`]): brief calls keep the GIL when the
+    /// lock is free, `Hold::Long` ones (directory scans) always release it. A panic shuts the
+    /// manager down.
+    fn with_hold<R: Send>(
+        &self,
+        py: Python<'_>,
+        hold: Hold,
+        f: impl FnOnce(&mut TieredManager<Host>) -> crate::Result<R> + Send,
+    ) -> PyResult<R> {
+        let on_panic = |m: &mut Option<TieredManager<Host>>| {
+            if let Some(mut m) = m.take() {
+                m.shutdown();
+            }
+        };
+        locked(py, &self.inner, hold, on_panic, |g| {
             let m = g.as_mut().ok_or_else(shut)?;
             if m.tier().forked() {
-                return Err(to_py(KvoffError::state(
+                return Err(KvoffError::state(
                     "this tiered manager was created in another process (before fork()); \
                      create a new one in this process",
-                )));
+                ));
             }
-            f(m).py()
+            f(m)
         })
+    }
+
+    fn with<R: Send>(
+        &self,
+        py: Python<'_>,
+        f: impl FnOnce(&mut TieredManager<Host>) -> crate::Result<R> + Send,
+    ) -> PyResult<R> {
+        self.with_hold(py, Hold::Brief, f)
     }
 }
 
@@ -267,15 +224,7 @@ impl PyTieredCore {
         mc.enable_events = enable_events;
         mc.store_threshold = store_threshold;
         mc.max_tracker_size = max_tracker_size;
-        let host = match policy {
-            "lru" => Host::Lru(LruManager::try_new(mc).py()?),
-            "arc" => Host::Arc(ArcManager::try_new(mc).py()?),
-            _ => {
-                return Err(pyo3::exceptions::PyValueError::new_err(format!(
-                    "policy must be 'lru' or 'arc', got {policy:?}"
-                )))
-            }
-        };
+        let host = Host::try_new(PolicyKind::parse(policy).py()?, mc).py()?;
         let mut tc = TierConfig::new(
             disk_path,
             disk_bytes_to_use,
@@ -296,7 +245,7 @@ impl PyTieredCore {
         tc.rescan_interval = rescan;
         tc.owner = owner;
         let mem: Arc<dyn BlockMemory> = Arc::new(memory);
-        let tier = py.detach(|| guard(|| FileTier::open(tc, mem).py()))?;
+        let tier = blocking(py, move || FileTier::open(tc, mem))?;
         let cfg = TieredConfig {
             disk_store_threshold,
             max_tracker_size,
@@ -309,9 +258,9 @@ impl PyTieredCore {
     }
 
     /// `True` ready, `None` pending (store or promotion in flight), `False` absent.
-    fn lookup(&self, key: &Bound<'_, PyAny>) -> PyResult<Option<bool>> {
+    fn lookup(&self, py: Python<'_>, key: &Bound<'_, PyAny>) -> PyResult<Option<bool>> {
         let k = key_of(key)?;
-        Ok(match self.with(|m| m.lookup(&k))? {
+        Ok(match self.with(py, |m| m.lookup(&k))? {
             Presence::Ready => Some(true),
             Presence::Pending => None,
             Presence::Absent => Some(false),
@@ -319,27 +268,27 @@ impl PyTieredCore {
     }
 
     /// Leading ready keys, or `None` when the first non-ready one is pending or being promoted.
-    fn lookup_prefix(&self, keys: &Bound<'_, PyAny>) -> PyResult<Option<usize>> {
+    fn lookup_prefix(&self, py: Python<'_>, keys: &Bound<'_, PyAny>) -> PyResult<Option<usize>> {
         let k = keys_of(keys)?;
-        self.with(|m| m.lookup_prefix(&k))
+        self.with(py, |m| m.lookup_prefix(&k))
     }
 
     /// Pins the keys for a load; returns their block ids.
-    fn prepare_load(&self, keys: &Bound<'_, PyAny>) -> PyResult<Vec<BlockId>> {
+    fn prepare_load(&self, py: Python<'_>, keys: &Bound<'_, PyAny>) -> PyResult<Vec<BlockId>> {
         let k = keys_of(keys)?;
-        self.with(|m| m.prepare_load(&k))
+        self.with(py, |m| m.prepare_load(&k))
     }
 
     /// Recency update.
-    fn touch(&self, keys: &Bound<'_, PyAny>) -> PyResult<()> {
+    fn touch(&self, py: Python<'_>, keys: &Bound<'_, PyAny>) -> PyResult<()> {
         let k = keys_of(keys)?;
-        self.with(|m| m.touch(&k))
+        self.with(py, |m| m.touch(&k))
     }
 
     /// Unpins loaded keys.
-    fn complete_load(&self, keys: &Bound<'_, PyAny>) -> PyResult<()> {
+    fn complete_load(&self, py: Python<'_>, keys: &Bound<'_, PyAny>) -> PyResult<()> {
         let k = keys_of(keys)?;
-        self.with(|m| m.complete_load(&k))
+        self.with(py, |m| m.complete_load(&k))
     }
 
     /// `(keys_to_store, block_ids, evicted_keys)` or `None`.
@@ -356,7 +305,7 @@ impl PyTieredCore {
         )>,
     > {
         let k = keys_of(keys)?;
-        let out = self.with(|m| m.prepare_store(&k))?;
+        let out = self.with(py, |m| m.prepare_store(&k))?;
         Ok(out.map(|o| {
             (
                 o.keys_to_store
@@ -374,14 +323,19 @@ impl PyTieredCore {
 
     /// Finishes stores (and writes the stored blocks through to the disk tier).
     #[pyo3(signature = (keys, success = true))]
-    fn complete_store(&self, keys: &Bound<'_, PyAny>, success: bool) -> PyResult<()> {
+    fn complete_store(
+        &self,
+        py: Python<'_>,
+        keys: &Bound<'_, PyAny>,
+        success: bool,
+    ) -> PyResult<()> {
         let k = keys_of(keys)?;
-        self.with(|m| m.complete_store(&k, success))
+        self.with(py, |m| m.complete_store(&k, success))
     }
 
     /// Events as `(keys, removed)` pairs, in order.
     fn take_events<'py>(&self, py: Python<'py>) -> PyResult<Vec<(Vec<Bound<'py, PyBytes>>, bool)>> {
-        let evs = self.with(TieredManager::take_events)?;
+        let evs = self.with(py, TieredManager::take_events)?;
         Ok(evs
             .into_iter()
             .map(|e| {
@@ -398,53 +352,54 @@ impl PyTieredCore {
 
     /// Host gauges (SPEC §2.2) plus `disk_*` counters and gauges.
     fn get_stats<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyDict>> {
-        let (h, t, c) = self.with(TieredManager::get_stats)?;
+        let (h, t, c) = self.with(py, TieredManager::get_stats)?;
         stats_dict(py, Some(&h), &t, &c)
     }
 
     /// Applies finished disk I/O (never blocks).
-    fn poll(&self) -> PyResult<()> {
-        self.with(TieredManager::poll)
+    fn poll(&self, py: Python<'_>) -> PyResult<()> {
+        self.with(py, TieredManager::poll)
     }
 
     /// Waits (GIL released, manager lock not held) until the queued disk I/O has run, then
     /// applies it.
     fn flush(&self, py: Python<'_>) -> PyResult<()> {
-        let waiter = self.with(|m| Ok(m.tier().idle_waiter()))?;
-        py.detach(|| waiter.wait());
-        self.with(TieredManager::poll)
+        let waiter = self.with(py, |m| Ok(m.tier().idle_waiter()))?;
+        blocking(py, move || {
+            waiter.wait();
+            Ok(())
+        })?;
+        self.with(py, TieredManager::poll)
     }
 
     /// Number of promotions in flight.
-    fn num_promoting(&self) -> PyResult<usize> {
-        self.with(|m| Ok(m.num_promoting()))
+    fn num_promoting(&self, py: Python<'_>) -> PyResult<usize> {
+        self.with(py, |m| Ok(m.num_promoting()))
     }
 
     /// The directory of this layout's files.
     #[getter]
-    fn disk_dir(&self) -> PyResult<String> {
-        self.with(|m| Ok(m.tier().dir().display().to_string()))
+    fn disk_dir(&self, py: Python<'_>) -> PyResult<String> {
+        self.with(py, |m| Ok(m.tier().dir().display().to_string()))
     }
 
     /// Path of a key's file (whether or not it exists).
-    fn disk_path_of(&self, key: &Bound<'_, PyAny>) -> PyResult<String> {
+    fn disk_path_of(&self, py: Python<'_>, key: &Bound<'_, PyAny>) -> PyResult<String> {
         let k = key_of(key)?;
-        self.with(|m| Ok(m.tier().path_of(&k).display().to_string()))
+        self.with(py, |m| Ok(m.tier().path_of(&k).display().to_string()))
     }
 
     /// Whether a key has a published file (no I/O).
-    fn disk_contains(&self, key: &Bound<'_, PyAny>) -> PyResult<bool> {
+    fn disk_contains(&self, py: Python<'_>, key: &Bound<'_, PyAny>) -> PyResult<bool> {
         let k = key_of(key)?;
-        self.with(|m| Ok(m.tier().contains(&k)))
+        self.with(py, |m| Ok(m.tier().contains(&k)))
     }
 
     /// Lists the disk directory again now (GIL released).
     fn disk_rescan(&self, py: Python<'_>) -> PyResult<()> {
-        py.detach(|| {
-            self.with(|m| {
-                m.tier().rescan();
-                Ok(())
-            })
+        self.with_hold(py, Hold::Long, |m| {
+            m.tier().rescan();
+            Ok(())
         })
     }
 
@@ -452,20 +407,21 @@ impl PyTieredCore {
     fn reset(&self, py: Python<'_>) -> PyResult<()> {
         // Wait without the lock first, so other threads are not held up for the whole wait; the
         // reset itself then finds (almost) nothing in flight.
-        let waiter = self.with(|m| Ok(m.tier().idle_waiter()))?;
-        py.detach(|| waiter.wait());
-        py.detach(|| self.with(TieredManager::reset))
+        let waiter = self.with(py, |m| Ok(m.tier().idle_waiter()))?;
+        blocking(py, move || {
+            waiter.wait();
+            Ok(())
+        })?;
+        self.with_hold(py, Hold::Long, TieredManager::reset)
     }
 
     /// Waits for disk I/O, stops the I/O threads; idempotent. Later calls raise `InvalidStateError`.
     fn shutdown(&self, py: Python<'_>) -> PyResult<()> {
-        let m = self.lock().take();
+        let m = locked(py, &self.inner, Hold::Brief, |_| {}, |g| Ok(g.take()))?;
         if let Some(mut m) = m {
-            py.detach(|| {
-                guard(|| {
-                    m.shutdown();
-                    Ok(())
-                })
+            blocking(py, move || {
+                m.shutdown();
+                Ok(())
             })?;
         }
         let owner = self
@@ -477,14 +433,14 @@ impl PyTieredCore {
         Ok(())
     }
 
-    fn __len__(&self) -> PyResult<usize> {
-        self.with(|m| Ok(m.len()))
+    fn __len__(&self, py: Python<'_>) -> PyResult<usize> {
+        self.with(py, |m| Ok(m.len()))
     }
 
     /// Host capacity in blocks.
     #[getter]
-    fn num_blocks(&self) -> PyResult<usize> {
-        self.with(|m| Ok(m.num_blocks()))
+    fn num_blocks(&self, py: Python<'_>) -> PyResult<usize> {
+        self.with(py, |m| Ok(m.num_blocks()))
     }
 }
 
@@ -511,7 +467,7 @@ fn bench_disk<'py>(
         io_threads,
         direct_io: parse_direct(direct_io)?,
     };
-    let r = py.detach(|| guard(|| run_bench(&cfg).py()))?;
+    let r = blocking(py, || run_bench(&cfg))?;
     let d = PyDict::new(py);
     d.set_item("label", r.label)?;
     d.set_item("block_bytes", r.block_bytes)?;

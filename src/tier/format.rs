@@ -182,6 +182,7 @@ pub fn verify<'a>(buf: &'a [u8], expect: &Header) -> Result<&'a [u8], Reject> {
 }
 
 #[cfg(test)]
+#[allow(clippy::pedantic)] // tests: style lints are for the library
 mod tests {
     use super::*;
 
@@ -200,7 +201,7 @@ mod tests {
     #[test]
     fn roundtrip_and_every_flipped_header_byte_is_caught() {
         let h = hdr();
-        let mut buf = vec![0u8; file_len(5) as usize];
+        let mut buf = vec![0u8; crate::usize_from(file_len(5))];
         assert!(encode(&h, &mut buf));
         buf[HEADER_BYTES..HEADER_BYTES + 5].copy_from_slice(b"hello");
         assert_eq!(decode(&buf).unwrap(), h);

@@ -443,6 +443,7 @@ impl BlockMemory for AlignedRows {
 }
 
 #[cfg(test)]
+#[allow(clippy::pedantic)] // tests: style lints are for the library
 mod tests {
     use super::*;
 

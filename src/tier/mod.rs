@@ -781,20 +781,19 @@ impl Shared {
             None
         };
         let zero_copy = in_place.is_some();
-        let sum = match in_place {
-            Some(r) => r.map_err(|e| e.to_string()),
-            None => {
-                let b = buf.as_mut_slice();
-                let r = self
-                    .memory
-                    .copy_out(block, &mut b[HEADER_BYTES..HEADER_BYTES + self.payload_len]);
-                // The host block is free again whatever happens next.
-                release();
-                r.map_err(|e| e.to_string()).map(|()| {
-                    b[HEADER_BYTES + self.payload_len..flen].fill(0);
-                    format::payload_sum(&b[HEADER_BYTES..HEADER_BYTES + self.payload_len])
-                })
-            }
+        let sum = if let Some(r) = in_place {
+            r.map_err(|e| e.to_string())
+        } else {
+            let b = buf.as_mut_slice();
+            let r = self
+                .memory
+                .copy_out(block, &mut b[HEADER_BYTES..HEADER_BYTES + self.payload_len]);
+            // The host block is free again whatever happens next.
+            release();
+            r.map_err(|e| e.to_string()).map(|()| {
+                b[HEADER_BYTES + self.payload_len..flen].fill(0);
+                format::payload_sum(&b[HEADER_BYTES..HEADER_BYTES + self.payload_len])
+            })
         };
         let result = sum.and_then(|sum| {
             let b = buf.as_mut_slice();

@@ -392,3 +392,23 @@ def test_any_iterable_of_bytes(policy: str) -> None:
         pass
 
     assert mgr.lookup(B(K(1))) is True
+
+
+def test_policy_and_engine_names_come_from_one_list():
+    # The Rust enums PolicyKind / EngineKind are the one source of the names; the Python maps,
+    # create_manager, the vLLM settings and the handlers take theirs from kvoff._native.
+    from kvoff import _native
+    from kvoff.handlers import ENGINES
+
+    assert _native.POLICIES == ("lru", "arc")
+    assert set(kvoff._POLICIES) == set(_native.POLICIES)
+    for name in _native.POLICIES:
+        assert kvoff.create_manager(name, 4).policy == name
+    with pytest.raises(ValueError, match=r"valid choices: \['lru', 'arc'\]"):
+        kvoff.create_manager("LRU", 4)
+    assert ENGINES == _native.ENGINES == ("auto", "host", "cuda", "dma", "kernel", "staged", "loop")
+    with pytest.raises(ValueError, match='unknown engine "warp"; valid choices: "auto", "host"'):
+        _native.resolve_engine("warp", [None])
+    assert _native.resolve_engine("auto", [None, None]) == "host"
+    with pytest.raises(ValueError, match="engine \"host\" copies with memcpy, but t1 is on cuda:0"):
+        _native.resolve_engine("host", [None, 0], ["t0", "t1"])

@@ -13,12 +13,13 @@ from collections.abc import Mapping
 from dataclasses import dataclass, fields
 from typing import Any
 
+from kvoff import _native
 from kvoff.errors import ConfigError
 from kvoff.handlers import ENGINES
 
 __all__ = ["ENGINE_CHOICES", "POLICIES", "VLLM_KEYS", "KvoffOffloadConfig"]
 
-POLICIES = ("lru", "arc")
+POLICIES: tuple[str, ...] = _native.POLICIES
 ENGINE_CHOICES = tuple(e for e in ENGINES if e != "loop")
 
 #: Keys of ``kv_connector_extra_config`` that vLLM 0.33's offloading connector (not the spec)

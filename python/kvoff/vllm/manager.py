@@ -89,7 +89,7 @@ class KvoffOffloadingManager(OffloadingManager):
     # --- per-request access tracking ---------------------------------------------------------
 
     def _access(self, req_context: ReqContext) -> _RequestAccess:
-        state = req_context.get_state(_RequestAccess)
+        state: _RequestAccess | None = req_context.get_state(_RequestAccess)
         if state is None or state.owner is not self or state.generation != self._generation:
             state = _RequestAccess(owner=self, generation=self._generation)
             req_context.set_state(state)

@@ -35,10 +35,7 @@ __all__ = ["KvoffOffloadingWorker", "to_kvoff_kv_caches"]
 
 logger = logging.getLogger("kvoff.vllm")
 
-try:  # optional: kvoff's own transfer metrics (kvoff_* names), when that module exists
-    from kvoff.metrics import TransferMetrics as _TransferMetrics  # type: ignore[import-not-found]
-except ImportError:  # pragma: no cover - depends on the kvoff version
-    _TransferMetrics = None
+from kvoff.metrics import TransferMetrics as _TransferMetrics
 
 
 def to_kvoff_kv_caches(kv_caches: CanonicalKVCaches, canonical_layout: bool = False) -> kvoff.CanonicalKVCaches:
@@ -138,7 +135,7 @@ class KvoffOffloadingWorker(OffloadingWorker):
         self._store = self._main.gpu_to_cpu_handler
         self._load = self._main.cpu_to_gpu_handler
         self._expedited_load = self._expedited.cpu_to_gpu_handler
-        self.metrics = _TransferMetrics() if _TransferMetrics is not None else None
+        self.metrics = _TransferMetrics()
         self._closed = False
         logger.info(
             "kvoff worker: %d tensors, %d CPU blocks x %d GPU blocks, engine %s",

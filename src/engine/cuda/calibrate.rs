@@ -240,8 +240,8 @@ pub(super) fn measure(dev: &Arc<CudaDevice>) -> Result<Calibration> {
     // the staged pipeline at 44 GB/s where 512 MiB jobs reach 54).
     const BUF: u64 = 256 << 20;
     const JOB: u64 = 128 << 20;
-    let gpu = DeviceBuffer::new(dev, BUF as usize)?;
-    let host = PinnedBuffer::new(dev, BUF as usize)?;
+    let gpu = DeviceBuffer::new(dev, crate::usize_from(BUF))?;
+    let host = PinnedBuffer::new(dev, crate::usize_from(BUF))?;
     let mut seed = 0x9e37_79b9_7f4a_7c15u64;
     let mut next = move || {
         seed ^= seed << 13;
@@ -251,10 +251,10 @@ pub(super) fn measure(dev: &Arc<CudaDevice>) -> Result<Calibration> {
     };
     // `k` distinct slots of `unit` bytes in the buffer, shuffled.
     let mut slots = |unit: u64, k: usize| -> Vec<u64> {
-        let n = (BUF / unit) as usize;
+        let n = crate::usize_from(BUF / unit);
         let mut v: Vec<u64> = (0..n as u64).collect();
         for i in 0..k.min(n) {
-            let j = i + (next() % (n - i) as u64) as usize;
+            let j = i + crate::usize_from(next() % (n - i) as u64);
             v.swap(i, j);
         }
         v.truncate(k);
@@ -284,9 +284,9 @@ pub(super) fn measure(dev: &Arc<CudaDevice>) -> Result<Calibration> {
                 } else {
                     size
                 };
-                let n = (JOB / page) as usize;
+                let n = crate::usize_from(JOB / page);
                 let gslots = slots(page, n);
-                let per_run = (size / page) as usize;
+                let per_run = crate::usize_from(size / page);
                 let hruns = slots(size, n.div_ceil(per_run));
                 let copies: Vec<CopyOp> = (0..n)
                     .map(|i| {
@@ -351,6 +351,7 @@ pub(super) fn measure(dev: &Arc<CudaDevice>) -> Result<Calibration> {
 }
 
 #[cfg(test)]
+#[allow(clippy::pedantic)] // tests: style lints are for the library
 mod tests {
     use super::*;
 

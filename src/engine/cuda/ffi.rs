@@ -395,6 +395,7 @@ pub(crate) unsafe fn load_kernel(ptx: &CStr, name: &CStr) -> Result<(CUmodule, C
         unsafe { sys::cuModuleGetFunction(&raw mut f, m, name.as_ptr()) },
         "cuModuleGetFunction",
     ) {
+        // SAFETY: `m` was loaded above and nothing else holds it; it is unloaded once.
         unsafe { sys::cuModuleUnload(m) };
         return Err(e);
     }

@@ -173,6 +173,9 @@ impl CudaStream {
     ///
     /// # Safety
     /// 1. `[ptr, ptr+len)` is device-accessible memory that stays alive until the fill has run.
+    ///
+    /// # Errors
+    /// [`KvoffError::Cuda`](crate::KvoffError::Cuda) when the driver refuses the fill.
     pub unsafe fn memset(&self, ptr: u64, value: u8, len: usize) -> Result<()> {
         self.device.bind()?;
         // SAFETY: obligation 1; the stream is live.

@@ -137,7 +137,7 @@ impl std::fmt::Debug for CudaDevice {
             .field("name", &self.name)
             .field("sm_count", &self.sm_count)
             .field("batch_memcpy", &self.batch.is_some())
-            .finish()
+            .finish_non_exhaustive()
     }
 }
 
@@ -421,6 +421,7 @@ impl HostRegistrar for CudaRegistrar {
 
 /// Engine settings.
 #[derive(Clone, Debug, PartialEq, Eq)]
+#[allow(clippy::struct_excessive_bools)] // independent switches, each documented
 pub struct CudaEngineConfig {
     /// Copy method.
     pub method: CopyMethod,
@@ -522,7 +523,7 @@ impl CudaEngineConfig {
             match k {
                 "budget" if v == "off" => self.compute_budget_bp = None,
                 "budget" => {
-                    self.compute_budget_bp = Some(u32::try_from(num(v)?).unwrap_or(u32::MAX))
+                    self.compute_budget_bp = Some(u32::try_from(num(v)?).unwrap_or(u32::MAX));
                 }
                 "batch" => self.max_batch_copies = usize::try_from(num(v)?).unwrap_or(usize::MAX),
                 "ctas" => self.serving_ctas = u32::try_from(num(v)?).unwrap_or(u32::MAX),

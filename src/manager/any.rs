@@ -1,0 +1,194 @@
+//! Choosing a policy at run time: [`PolicyKind`], the closed set of policy names (the one list the
+//! bindings, `kvoff.create_manager`, the tiered manager and the vLLM plug-in's settings take them
+//! from), and [`AnyManager`], a manager of either policy behind one type.
+//!
+//! Adding a policy: implement [`super::Policy`] in its own module, add a variant to both enums
+//! below (the compiler then points at every `match` to extend), and a Python class in
+//! `src/python/manager.rs` (`policy_class!`); names, parsing and error messages follow.
+
+use std::hash::Hash;
+
+use super::{
+    ArcManager, BlockId, LruManager, ManagerConfig, ManagerStats, OffloadingEvent,
+    OffloadingManager, PrepareStoreIndexed, PrepareStoreOutput, Presence,
+};
+use crate::error::{KvoffError, Result};
+
+/// An eviction policy, by name.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub enum PolicyKind {
+    /// Least recently used (`"lru"`).
+    Lru,
+    /// Adaptive replacement cache (`"arc"`).
+    Arc,
+}
+
+impl PolicyKind {
+    /// Every policy, in the order the documentation lists them.
+    pub const ALL: [Self; 2] = [Self::Lru, Self::Arc];
+
+    /// The policy's name (lower case, as configured).
+    #[must_use]
+    pub const fn name(self) -> &'static str {
+        match self {
+            Self::Lru => "lru",
+            Self::Arc => "arc",
+        }
+    }
+
+    /// Parses a name of [`ALL`](Self::ALL), exactly (`"LRU"` is not a policy name).
+    ///
+    /// # Errors
+    /// [`KvoffError::InvalidArgument`] naming the valid choices.
+    pub fn parse(s: &str) -> Result<Self> {
+        Self::ALL
+            .into_iter()
+            .find(|k| k.name() == s)
+            .ok_or_else(|| {
+                let names: Vec<String> = Self::ALL
+                    .iter()
+                    .map(|k| format!("'{}'", k.name()))
+                    .collect();
+                KvoffError::arg(format!(
+                    "unknown eviction policy {s:?}; valid choices: [{}]",
+                    names.join(", ")
+                ))
+            })
+    }
+}
+
+/// A manager of either policy.
+pub enum AnyManager<K> {
+    /// An LRU manager.
+    Lru(LruManager<K>),
+    /// An ARC manager.
+    Arc(ArcManager<K>),
+}
+
+macro_rules! each {
+    ($m:expr, $v:ident => $e:expr) => {
+        match $m {
+            AnyManager::Lru($v) => $e,
+            AnyManager::Arc($v) => $e,
+        }
+    };
+}
+
+impl<K: Hash + Eq + Clone> AnyManager<K> {
+    /// A manager of policy `kind`.
+    ///
+    /// # Errors
+    /// As [`super::Manager::try_new`].
+    pub fn try_new(kind: PolicyKind, cfg: ManagerConfig) -> Result<Self> {
+        Ok(match kind {
+            PolicyKind::Lru => Self::Lru(LruManager::try_new(cfg)?),
+            PolicyKind::Arc => Self::Arc(ArcManager::try_new(cfg)?),
+        })
+    }
+
+    /// The policy.
+    #[must_use]
+    pub const fn kind(&self) -> PolicyKind {
+        match self {
+            Self::Lru(_) => PolicyKind::Lru,
+            Self::Arc(_) => PolicyKind::Arc,
+        }
+    }
+
+    /// ARC's adaptive target `p` (`None` for other policies).
+    #[must_use]
+    pub fn arc_target(&self) -> Option<f64> {
+        match self {
+            Self::Arc(m) => Some(m.policy().p),
+            Self::Lru(_) => None,
+        }
+    }
+
+    /// As [`super::Manager::prepare_store_indexed`].
+    ///
+    /// # Errors
+    /// As [`super::Manager::prepare_store_indexed`].
+    pub fn prepare_store_indexed(&mut self, keys: &[K]) -> Result<Option<PrepareStoreIndexed<K>>> {
+        each!(self, m => m.prepare_store_indexed(keys))
+    }
+
+    /// As [`super::Manager::debug_lists`].
+    #[must_use]
+    pub fn debug_lists(&self) -> [Vec<K>; 4] {
+        each!(self, m => m.debug_lists())
+    }
+}
+
+impl<K: Hash + Eq + Clone> OffloadingManager<K> for AnyManager<K> {
+    fn lookup(&self, key: &K) -> Result<Presence> {
+        each!(self, m => m.lookup(key))
+    }
+    fn lookup_prefix(&self, keys: &[K]) -> Result<Option<usize>> {
+        each!(self, m => m.lookup_prefix(keys))
+    }
+    fn prepare_load(&mut self, keys: &[K]) -> Result<Vec<BlockId>> {
+        each!(self, m => m.prepare_load(keys))
+    }
+    fn touch(&mut self, keys: &[K]) -> Result<()> {
+        each!(self, m => m.touch(keys))
+    }
+    fn complete_load(&mut self, keys: &[K]) -> Result<()> {
+        each!(self, m => m.complete_load(keys))
+    }
+    fn prepare_store(&mut self, keys: &[K]) -> Result<Option<PrepareStoreOutput<K>>> {
+        each!(self, m => m.prepare_store(keys))
+    }
+    fn complete_store(&mut self, keys: &[K], success: bool) -> Result<()> {
+        each!(self, m => m.complete_store(keys, success))
+    }
+    fn take_events(&mut self) -> Result<Vec<OffloadingEvent<K>>> {
+        each!(self, m => m.take_events())
+    }
+    fn get_stats(&mut self) -> Result<ManagerStats> {
+        each!(self, m => m.get_stats())
+    }
+    fn reset(&mut self) -> Result<()> {
+        each!(self, m => m.reset())
+    }
+    fn shutdown(&mut self) {
+        each!(self, m => m.shutdown());
+    }
+    fn len(&self) -> usize {
+        each!(self, m => m.len())
+    }
+    fn num_blocks(&self) -> usize {
+        each!(self, m => m.num_blocks())
+    }
+}
+
+#[cfg(test)]
+#[allow(clippy::pedantic)] // tests: style lints are for the library
+mod tests {
+    use super::{AnyManager, PolicyKind};
+    use crate::manager::{ManagerConfig, OffloadingManager};
+
+    #[test]
+    fn names_parse_exactly() {
+        for k in PolicyKind::ALL {
+            assert_eq!(PolicyKind::parse(k.name()).unwrap(), k);
+        }
+        for bad in ["LRU", "Arc", "", "fifo"] {
+            let e = PolicyKind::parse(bad).unwrap_err().to_string();
+            assert!(e.contains("valid choices: ['lru', 'arc']"), "{e}");
+        }
+    }
+
+    #[test]
+    fn any_manager_serves_either_policy() {
+        for k in PolicyKind::ALL {
+            let cfg = ManagerConfig::new(4);
+            let mut m = AnyManager::<u64>::try_new(k, cfg).unwrap();
+            assert_eq!(m.kind(), k);
+            assert_eq!(m.arc_target().is_some(), k == PolicyKind::Arc);
+            let out = m.prepare_store(&[1, 2]).unwrap().unwrap();
+            assert_eq!(out.block_ids.len(), 2);
+            m.complete_store(&[1, 2], true).unwrap();
+            assert_eq!(m.len(), 2);
+        }
+    }
+}

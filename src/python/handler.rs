@@ -1,0 +1,596 @@
+//! The native transfer handler (SPEC §6) that `kvoff.handlers` builds its public classes on: torch
+//! tensors → checked descriptors, the engine choice, and one direction's jobs.
+//!
+//! Memory safety at the Python boundary. The only `unsafe` here is [`TransferEngine::submit`]. It is
+//! sound because a [`PyTransferHandler`]:
+//! 1. is built from **torch tensors**, not raw pointers: every descriptor is derived from a tensor's
+//!    `data_ptr`/shape/strides and checked to lie inside that tensor's untyped storage;
+//! 2. keeps every one of those tensors alive (a strong reference) until its engine has been shut
+//!    down (drained), which happens in `shutdown()` or, at the latest, in `Drop` before the
+//!    references are released;
+//! 3. checks that the GPU-side tensors are mutually disjoint, and so are the CPU-side tensors (byte
+//!    exact for equal-stride interleaved views such as the block-major host layout), so that the
+//!    planner's plans satisfy the engine's no-overlap obligation;
+//! 4. plans every job with a [`CopyPlanner`], which validates every copy against those extents before
+//!    anything is enqueued.
+//!
+//! A storage that shrinks after the handler was built (`untyped_storage().resize_(0)`) is caught
+//! by `kvoff.handlers` before each submit (it re-reads the storages' extents); this class keeps the
+//! tensors, not their sizes.
+//!
+//! Which engine serves is decided in one place, [`EngineKind::resolve`], reached from Python both
+//! through this class and through `resolve_engine` (which `kvoff.handlers` calls before it
+//! allocates host memory), so both give the same answer and the same errors.
+// Unsafe: the one `TransferEngine::submit` call; the module docs give its argument.
+#![allow(unsafe_code)]
+
+use std::collections::HashSet;
+use std::sync::{Mutex, PoisonError};
+
+use pyo3::exceptions::{PyTypeError, PyValueError};
+use pyo3::prelude::*;
+use pyo3::types::{PyInt, PyList, PyTuple};
+
+use super::args::{ids_arg, int_arg, list_arg, u64_arg, usize_arg, Ids};
+use super::enter::{blocking, locked, quick, try_locked, Hold};
+use super::errors::IntoPyResult;
+use super::keys::type_name;
+use crate::engine::{EngineKind, HostEngine, Job, JobResult, TransferEngine};
+use crate::error::KvoffError;
+use crate::plan::{CopyPlanner, Direction, GpuSpec, PlanRef, TensorDesc};
+
+/// What the handler needs to know about one byte-view tensor.
+struct TensorInfo {
+    desc: TensorDesc,
+    is_cuda: bool,
+    device_index: i64,
+}
+
+/// Reads a 2-D `torch.uint8` tensor `(num_blocks, row_bytes)` whose rows are contiguous, and checks
+/// that its extent lies inside its untyped storage.
+fn tensor_info(t: &Bound<'_, PyAny>, side: &str, i: usize) -> PyResult<TensorInfo> {
+    let py = t.py();
+    let torch = py.import("torch").map_err(|e| {
+        PyTypeError::new_err(format!("the transfer handler needs torch tensors: {e}"))
+    })?;
+    let what = || format!("{side} tensor {i}");
+    if !t.is_instance(&torch.getattr("Tensor")?)? {
+        return Err(PyTypeError::new_err(format!(
+            "{} must be a torch.Tensor, got {}",
+            what(),
+            type_name(t)
+        )));
+    }
+    let dtype = t.getattr("dtype")?;
+    if !dtype.eq(torch.getattr("uint8")?)? {
+        return Err(PyValueError::new_err(format!(
+            "{} must be a torch.uint8 byte view (num_blocks, page_bytes), got dtype {}; \
+             use kvoff.canonicalize_kv_caches",
+            what(),
+            dtype.str()?
+        )));
+    }
+    let shape: Vec<i64> = t.getattr("shape")?.extract()?;
+    let strides: Vec<i64> = t.call_method0("stride")?.extract()?;
+    if shape.len() != 2 {
+        return Err(PyValueError::new_err(format!(
+            "{} must be 2-D (num_blocks, page_bytes), got shape {shape:?}",
+            what()
+        )));
+    }
+    let (rows, cols) = (shape[0].unsigned_abs(), shape[1].unsigned_abs());
+    if cols > 1 && strides[1] != 1 {
+        return Err(PyValueError::new_err(format!(
+            "{}: the bytes of a block must be contiguous (stride {:?}, shape {shape:?})",
+            what(),
+            strides
+        )));
+    }
+    if strides[0] < 0 || strides[1] < 0 {
+        return Err(PyValueError::new_err(format!(
+            "{}: negative strides {strides:?} are not supported",
+            what()
+        )));
+    }
+    let row_stride = if rows > 1 {
+        strides[0].unsigned_abs()
+    } else {
+        cols
+    };
+    let data_ptr: u64 = t.call_method0("data_ptr")?.extract()?;
+    let storage = t.call_method0("untyped_storage")?;
+    let storage_ptr: u64 = storage.call_method0("data_ptr")?.extract()?;
+    let storage_bytes: u64 = storage.call_method0("nbytes")?.extract()?;
+    let desc = TensorDesc::new(data_ptr, rows, row_stride, cols);
+    if rows > 0 && cols > 0 {
+        let inside = desc
+            .extent_bytes()
+            .and_then(|e| data_ptr.checked_add(e))
+            .zip(storage_ptr.checked_add(storage_bytes))
+            .is_some_and(|(end, send)| data_ptr >= storage_ptr && end <= send);
+        if !inside {
+            return Err(PyValueError::new_err(format!(
+                "{}: shape {shape:?} with strides {strides:?} at {data_ptr:#x} does not lie \
+                 inside its storage ({storage_bytes} bytes at {storage_ptr:#x})",
+                what()
+            )));
+        }
+    }
+    let is_cuda: bool = t.getattr("is_cuda")?.extract()?;
+    let device_index: i64 = t.call_method0("get_device")?.extract()?;
+    Ok(TensorInfo {
+        desc,
+        is_cuda,
+        device_index,
+    })
+}
+
+/// Checks that no two tensors of one side share a byte. Exact for tensors with equal row strides
+/// (interleaved column ranges, like the block-major host layout), conservative otherwise.
+fn check_disjoint(descs: &[TensorDesc], side: &str) -> Result<(), KvoffError> {
+    let range = |d: &TensorDesc| {
+        let e = d.extent_bytes().unwrap_or(u64::MAX);
+        (d.base_ptr, d.base_ptr.saturating_add(e))
+    };
+    for (a, da) in descs.iter().enumerate() {
+        for (b, db) in descs.iter().enumerate().skip(a + 1) {
+            if da.num_blocks == 0 || db.num_blocks == 0 {
+                continue;
+            }
+            let (ra, rb) = (range(da), range(db));
+            if ra.1 <= rb.0 || rb.1 <= ra.0 {
+                continue;
+            }
+            let s = da.row_stride_bytes;
+            let interleaved =
+                s == db.row_stride_bytes && s > 0 && da.row_bytes <= s && db.row_bytes <= s && {
+                    // Column intervals on a circle of circumference s.
+                    let (ca, cb) = (da.base_ptr % s, db.base_ptr % s);
+                    let d = (cb + s - ca) % s; // offset of b's column start after a's
+                    d >= da.row_bytes && s - d >= db.row_bytes
+                };
+            if !interleaved {
+                return Err(KvoffError::arg(format!(
+                    "{side} tensors {a} and {b} overlap ({:#x}..{:#x} and {:#x}..{:#x}): every \
+                     canonical KV-cache tensor must have its own bytes",
+                    ra.0, ra.1, rb.0, rb.1
+                )));
+            }
+        }
+    }
+    Ok(())
+}
+
+// ---------------------------------------------------------------------------------------------
+// Native transfer handler (SPEC §6)
+// ---------------------------------------------------------------------------------------------
+
+/// Placement of each GPU-side tensor as [`EngineKind::resolve`] takes it.
+fn placements(gpu: &[TensorInfo]) -> Vec<Option<i64>> {
+    gpu.iter()
+        .map(|t| t.is_cuda.then_some(t.device_index))
+        .collect()
+}
+
+fn cuda_usable() -> bool {
+    #[cfg(feature = "cuda")]
+    {
+        crate::engine::cuda::cuda_available()
+    }
+    #[cfg(not(feature = "cuda"))]
+    {
+        false
+    }
+}
+
+/// `resolve_engine(engine, placements, names=None) -> "host" | "cuda"`: the engine that
+/// `TransferHandler(..., engine)` will use for GPU-side tensors placed as `placements` (per tensor:
+/// its CUDA device index, `None` for host memory), with the same errors; `names[i]` describes
+/// tensor `i` in messages. `kvoff.handlers` asks before it allocates (and pins) host memory.
+#[pyfunction]
+#[pyo3(signature = (engine, placements, names=None))]
+fn resolve_engine(
+    py: Python<'_>,
+    engine: &str,
+    placements: Vec<Option<i64>>,
+    names: Option<Vec<String>>,
+) -> PyResult<&'static str> {
+    let kind = EngineKind::parse(engine).py()?;
+    let names = names.unwrap_or_default();
+    let cuda = blocking(py, move || kind.resolve(&placements, &names, cuda_usable()))?;
+    Ok(if cuda { "cuda" } else { "host" })
+}
+
+/// The engine for one handler. Runs with the GIL released (opening a device and calibrating make
+/// driver calls).
+fn make_engine(
+    kind: EngineKind,
+    direction: Direction,
+    gpu: &[TensorInfo],
+    cpu: &[TensorInfo],
+    budget_bp: Option<u32>,
+) -> crate::Result<(Box<dyn TransferEngine>, String)> {
+    if let Some(i) = cpu.iter().position(|t| t.is_cuda) {
+        return Err(KvoffError::arg(format!(
+            "CPU-side tensor {i} is on cuda:{}; CPU-side tensors must be host memory",
+            cpu[i].device_index
+        )));
+    }
+    if kind.resolve(&placements(gpu), &[], cuda_usable())? {
+        cuda_engine(kind, direction, gpu, cpu, budget_bp)
+    } else {
+        Ok((
+            Box::new(HostEngine::new()?),
+            EngineKind::Host.name().to_owned(),
+        ))
+    }
+}
+
+#[cfg(feature = "cuda")]
+fn cuda_engine(
+    kind: EngineKind,
+    direction: Direction,
+    gpu: &[TensorInfo],
+    cpu: &[TensorInfo],
+    budget_bp: Option<u32>,
+) -> crate::Result<(Box<dyn TransferEngine>, String)> {
+    use crate::engine::cuda::{CopyMethod, CudaDevice, CudaEngine, CudaEngineConfig};
+    // `resolve` checked: CUDA is usable, every GPU-side tensor is a CUDA tensor, all on one device.
+    let ordinal = gpu.first().map_or(0, |t| t.device_index);
+    let ordinal = i32::try_from(ordinal)
+        .map_err(|_| KvoffError::arg(format!("bad CUDA device index {ordinal}")))?;
+    let dev = CudaDevice::open(ordinal)?;
+    for (i, t) in gpu.iter().enumerate() {
+        if t.desc.num_blocks > 0 && !dev.is_device_ptr(t.desc.base_ptr)? {
+            return Err(KvoffError::arg(format!(
+                "GPU-side tensor {i} ({:#x}) is not device memory of cuda:{ordinal}",
+                t.desc.base_ptr
+            )));
+        }
+    }
+    let mut host_mapped = true;
+    for t in cpu.iter().filter(|t| t.desc.num_blocks > 0) {
+        host_mapped &= dev.host_ptr_is_mapped(t.desc.base_ptr)?;
+    }
+    let method = CopyMethod::parse(kind.name())?;
+    if method == CopyMethod::Kernel && !host_mapped {
+        return Err(KvoffError::arg(
+            "engine \"kernel\" needs pinned, device-mapped host memory (HostRegion.pin); the \
+             CPU tensors are not pinned",
+        ));
+    }
+    let cfg = CudaEngineConfig {
+        method,
+        host_mapped,
+        compute_budget_bp: budget_bp,
+        ..CudaEngineConfig::default()
+    };
+    let e = CudaEngine::new(dev, direction, cfg)?;
+    Ok((Box::new(e), format!("cuda:{}", method.name())))
+}
+
+#[cfg(not(feature = "cuda"))]
+fn cuda_engine(
+    kind: EngineKind,
+    _direction: Direction,
+    _gpu: &[TensorInfo],
+    _cpu: &[TensorInfo],
+    _budget_bp: Option<u32>,
+) -> crate::Result<(Box<dyn TransferEngine>, String)> {
+    Err(KvoffError::CudaUnavailable(format!(
+        "engine {:?} needs CUDA, but kvoff was built without the `cuda` feature",
+        kind.name()
+    )))
+}
+
+fn result_tuple(py: Python<'_>, r: JobResult) -> PyResult<Bound<'_, PyTuple>> {
+    (r.job_id, r.success, r.bytes, r.seconds, r.error).into_pyobject(py)
+}
+
+/// The engine and the handler's own record of unreported jobs.
+struct EngineState {
+    engine: Box<dyn TransferEngine>,
+    /// Ids submitted and not yet returned by `get_finished`.
+    unreported: HashSet<i64>,
+    /// Results collected while shutting down, returned before anything else.
+    stash: Vec<JobResult>,
+}
+
+impl EngineState {
+    fn poll(&mut self) -> Vec<JobResult> {
+        let mut out = std::mem::take(&mut self.stash);
+        out.extend(self.engine.poll());
+        for r in &out {
+            self.unreported.remove(&r.job_id);
+        }
+        out
+    }
+
+    /// Waits for every unreported job, keeps their results, then stops the engine. The results
+    /// are collected first because an engine may release in-flight bookkeeping when it stops.
+    fn shutdown(&mut self) {
+        let ids: Vec<i64> = self.unreported.iter().copied().collect();
+        let _ = self.engine.wait(&ids);
+        let mut done = self.engine.poll();
+        self.engine.shutdown();
+        done.extend(self.engine.poll());
+        self.stash.extend(done);
+    }
+}
+
+/// One direction's transfers over a fixed set of tensors: a [`CopyPlanner`] and an engine.
+#[pyclass(name = "TransferHandler", module = "kvoff._native", frozen)]
+pub struct PyTransferHandler {
+    direction: Direction,
+    planner: CopyPlanner,
+    engine: Mutex<EngineState>,
+    engine_name: String,
+    /// The tensors the planner's descriptors were taken from; released only after the engine has
+    /// been shut down (see `Drop`).
+    keepalive: Vec<Py<PyAny>>,
+}
+
+impl PyTransferHandler {
+    /// Runs `f` on the engine under its lock with the GIL released ([`locked`]). A panic leaves
+    /// the engine's own state consistent (its contract reports failures as results), so nothing
+    /// is put out of service.
+    fn with_engine<R: Send>(
+        &self,
+        py: Python<'_>,
+        f: impl FnOnce(&mut EngineState) -> crate::Result<R> + Send,
+    ) -> PyResult<R> {
+        locked(py, &self.engine, Hold::Long, |_| {}, f)
+    }
+}
+
+impl Drop for PyTransferHandler {
+    fn drop(&mut self) {
+        // Drain before `keepalive` releases the tensors the in-flight jobs point into.
+        let e = self
+            .engine
+            .get_mut()
+            .unwrap_or_else(PoisonError::into_inner);
+        let _ = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| e.shutdown()));
+    }
+}
+
+#[pymethods]
+impl PyTransferHandler {
+    /// `TransferHandler(direction, gpu_tensors, cpu_tensors, group_refs, block_size_factor,
+    /// engine="auto")`: `direction` is `"gpu_to_cpu"` or `"cpu_to_gpu"`; the tensors are 2-D
+    /// `torch.uint8` views `(num_blocks, page)` / `(num_cpu_blocks, page × factor)`; `group_refs[g]`
+    /// lists `(tensor_idx, page_size_bytes)` of group `g`; `compute_budget` (a fraction, e.g.
+    /// 0.02, or `None` for the idle-GPU policy) is the model slowdown a CUDA engine's `auto` may cost.
+    #[new]
+    #[pyo3(signature = (direction, gpu_tensors, cpu_tensors, group_refs, block_size_factor, engine="auto", compute_budget=None))]
+    #[allow(clippy::too_many_arguments)] // the Python signature
+    fn new(
+        py: Python<'_>,
+        direction: &str,
+        gpu_tensors: &Bound<'_, PyAny>,
+        cpu_tensors: &Bound<'_, PyAny>,
+        group_refs: &Bound<'_, PyAny>,
+        block_size_factor: &Bound<'_, PyAny>,
+        engine: &str,
+        compute_budget: Option<f64>,
+    ) -> PyResult<Self> {
+        let kind = EngineKind::parse(engine).py()?;
+        let budget_bp = match compute_budget {
+            None => None,
+            Some(b) if b.is_finite() && (0.0..=1.0).contains(&b) => {
+                // In 0..=1, so the product fits a u32.
+                #[allow(clippy::cast_possible_truncation, clippy::cast_sign_loss)]
+                Some((b * 10_000.0).round() as u32)
+            }
+            Some(b) => {
+                return Err(PyValueError::new_err(format!(
+                    "compute_budget must be a fraction in [0, 1] or None, got {b}"
+                )))
+            }
+        };
+        let direction = match direction {
+            "gpu_to_cpu" => Direction::GpuToCpu,
+            "cpu_to_gpu" => Direction::CpuToGpu,
+            _ => {
+                return Err(PyValueError::new_err(format!(
+                    "direction must be \"gpu_to_cpu\" or \"cpu_to_gpu\", got {direction:?}"
+                )))
+            }
+        };
+        let gpu_objs = list_arg(gpu_tensors, "gpu_tensors")?;
+        let cpu_objs = list_arg(cpu_tensors, "cpu_tensors")?;
+        let gpu: Vec<TensorInfo> = gpu_objs
+            .iter()
+            .enumerate()
+            .map(|(i, t)| tensor_info(t, "GPU-side", i))
+            .collect::<PyResult<_>>()?;
+        let cpu: Vec<TensorInfo> = cpu_objs
+            .iter()
+            .enumerate()
+            .map(|(i, t)| tensor_info(t, "CPU-side", i))
+            .collect::<PyResult<_>>()?;
+        let mut groups: Vec<Vec<PlanRef>> = Vec::new();
+        for (g, refs) in list_arg(group_refs, "group_refs")?.iter().enumerate() {
+            let mut v = Vec::new();
+            for (k, r) in list_arg(refs, &format!("group_refs[{g}]"))?
+                .iter()
+                .enumerate()
+            {
+                let (t, p): (Bound<'_, PyAny>, Bound<'_, PyAny>) = r.extract().map_err(|_| {
+                    PyTypeError::new_err(format!(
+                        "group_refs[{g}][{k}] must be a (tensor_idx, page_size_bytes) pair, got {}",
+                        type_name(r)
+                    ))
+                })?;
+                v.push(PlanRef::new(
+                    usize_arg(&t, "tensor_idx")?,
+                    u64_arg(&p, "page_size_bytes")?,
+                ));
+            }
+            groups.push(v);
+        }
+        let f = u64_arg(block_size_factor, "block_size_factor")?;
+        let gpu_descs: Vec<TensorDesc> = gpu.iter().map(|t| t.desc).collect();
+        let cpu_descs: Vec<TensorDesc> = cpu.iter().map(|t| t.desc).collect();
+        let (planner, engine, engine_name) = blocking(py, move || {
+            check_disjoint(&gpu_descs, "GPU-side")?;
+            check_disjoint(&cpu_descs, "CPU-side")?;
+            let planner = CopyPlanner::new(gpu_descs, cpu_descs, groups, f)?;
+            let (engine, name) = make_engine(kind, direction, &gpu, &cpu, budget_bp)?;
+            Ok((planner, engine, name))
+        })?;
+        let keepalive = gpu_objs
+            .iter()
+            .chain(cpu_objs.iter())
+            .map(|o| o.clone().unbind())
+            .collect();
+        Ok(Self {
+            direction,
+            planner,
+            engine: Mutex::new(EngineState {
+                engine,
+                unreported: HashSet::new(),
+                stash: Vec::new(),
+            }),
+            engine_name,
+            keepalive,
+        })
+    }
+
+    /// Validates and enqueues one job; returns at once. Nothing is enqueued when it raises.
+    #[pyo3(signature = (job_id, gpu_block_ids, group_sizes, block_indices, cpu_block_ids, stream=None))]
+    #[allow(clippy::too_many_arguments)] // the Python signature
+    fn submit(
+        &self,
+        py: Python<'_>,
+        job_id: &Bound<'_, PyAny>,
+        gpu_block_ids: &Bound<'_, PyAny>,
+        group_sizes: Option<&Bound<'_, PyAny>>,
+        block_indices: Option<&Bound<'_, PyAny>>,
+        cpu_block_ids: &Bound<'_, PyAny>,
+        stream: Option<&Bound<'_, PyAny>>,
+    ) -> PyResult<()> {
+        let jid = int_arg(job_id, "job_id")?;
+        let jid = i64::try_from(jid)
+            .map_err(|_| PyValueError::new_err(format!("job_id {jid} does not fit in int64")))?;
+        let gids = ids_arg(gpu_block_ids, "block_ids of the GPU spec")?;
+        let cids = ids_arg(cpu_block_ids, "block_ids of the CPU spec")?;
+        let sizes = match group_sizes {
+            Some(o) if !o.is_none() => Some(ids_arg(o, "group_sizes")?),
+            _ => None,
+        };
+        let indices = match block_indices {
+            Some(o) if !o.is_none() => Some(ids_arg(o, "block_indices")?),
+            _ => None,
+        };
+        let stream = match stream {
+            Some(o) if !o.is_none() => Some(u64_arg(o, "stream")?),
+            _ => None,
+        };
+        let spec = GpuSpec {
+            block_ids: gids.as_slice(),
+            group_sizes: sizes.as_ref().map(Ids::as_slice),
+            block_indices: indices.as_ref().map(Ids::as_slice),
+        };
+        let plan = quick(|| self.planner.plan(self.direction, &spec, cids.as_slice()))?;
+        let job = Job {
+            job_id: jid,
+            plan,
+            stream,
+        };
+        // The GIL is released while the engine submits: its driver calls can take milliseconds
+        // (long batches) and must not stall the caller's other threads (a model's launches).
+        self.with_engine(py, move |st| {
+            // SAFETY: obligation 1 — every copy was validated by the planner against
+            // descriptors taken from torch tensors whose extents lie inside their storages, and
+            // `keepalive` holds those tensors until the engine is shut down
+            // (`shutdown`/`Drop` drain first); obligation 2 — GPU-side and CPU-side tensors
+            // were each checked disjoint (`check_disjoint`) and the planner rejects duplicate
+            // destinations and GPU/CPU overlap; concurrent use of the same blocks by the caller
+            // is excluded by the offloading protocol (a block being stored or loaded is not
+            // read/written by anyone else).
+            unsafe { st.engine.submit(job) }?;
+            st.unreported.insert(jid);
+            Ok(())
+        })
+    }
+
+    /// Finished jobs not returned before, in submission order, as
+    /// `(job_id, success, bytes, seconds, error)`. Never blocks: while another thread is in `wait`,
+    /// returns what is available later.
+    fn get_finished<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyList>> {
+        let results = try_locked(&self.engine, |e| Ok(e.poll()))?.unwrap_or_default();
+        let out = PyList::empty(py);
+        for r in results {
+            out.append(result_tuple(py, r)?)?;
+        }
+        Ok(out)
+    }
+
+    /// Blocks until the jobs `job_ids` finished (unknown ids are ignored), releasing the GIL.
+    fn wait(&self, py: Python<'_>, job_ids: &Bound<'_, PyAny>) -> PyResult<()> {
+        let ids: Vec<i64> = match ids_arg(job_ids, "job_ids") {
+            Ok(ids) => ids.as_slice().to_vec(),
+            Err(_) if job_ids.is_instance_of::<PyInt>() => vec![job_ids.extract()?],
+            Err(e) => return Err(e),
+        };
+        // The engine stays locked while it waits: a submit to this handler from another thread
+        // waits too (with the GIL released; other Python threads run), `get_finished` does not.
+        self.with_engine(py, move |st| st.engine.wait(&ids))
+    }
+
+    /// Drains in-flight work and stops the engine; idempotent. Results stay available.
+    fn shutdown(&self, py: Python<'_>) -> PyResult<()> {
+        self.with_engine(py, |st| {
+            st.shutdown();
+            Ok(())
+        })
+    }
+
+    /// `"gpu_to_cpu"` or `"cpu_to_gpu"`.
+    #[getter]
+    fn direction(&self) -> &'static str {
+        match self.direction {
+            Direction::GpuToCpu => "gpu_to_cpu",
+            Direction::CpuToGpu => "cpu_to_gpu",
+        }
+    }
+
+    /// `("GPU", "CPU")` or `("CPU", "GPU")`.
+    #[getter]
+    fn transfer_type(&self) -> (&'static str, &'static str) {
+        self.direction.transfer_type()
+    }
+
+    /// The engine in use: `"host"` or `"cuda:<method>"`.
+    #[getter]
+    fn engine(&self) -> String {
+        self.engine_name.clone()
+    }
+
+    /// Number of tensors kept alive by the handler (GPU side + CPU side).
+    #[getter]
+    fn num_tensors(&self) -> usize {
+        self.keepalive.len()
+    }
+
+    fn __repr__(&self) -> String {
+        format!(
+            "TransferHandler(direction={:?}, engine={:?}, groups={}, block_size_factor={})",
+            self.direction(),
+            self.engine_name,
+            self.planner.num_groups(),
+            self.planner.block_size_factor()
+        )
+    }
+}
+
+pub(crate) fn register(m: &Bound<'_, PyModule>) -> PyResult<()> {
+    m.add(
+        "ENGINES",
+        PyTuple::new(m.py(), EngineKind::ALL.map(EngineKind::name))?,
+    )?;
+    m.add_function(wrap_pyfunction!(resolve_engine, m)?)?;
+    m.add_class::<PyTransferHandler>()?;
+    Ok(())
+}
