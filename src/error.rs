@@ -5,6 +5,9 @@
 //! Messages say what was wrong and, where it helps, what to do about it.
 #![forbid(unsafe_code)]
 
+use std::fmt;
+use std::sync::Arc;
+
 /// Every error kvoff reports.
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
 pub enum KvoffError {
@@ -22,15 +25,79 @@ pub enum KvoffError {
     #[error("{0}")]
     Config(String),
     /// A host memory region could not be created, joined, sized or mapped. Python: `RegionError`.
-    #[error("{0}")]
-    Region(String),
+    #[error("{message}")]
+    Region {
+        /// What failed, with the path and sizes involved.
+        message: String,
+        /// The operating system's error, when one caused it (`ENOSPC`, `EACCES`, …).
+        #[source]
+        source: Option<IoSource>,
+    },
     /// CUDA was asked for but there is no driver or device. Python: `CudaUnavailableError`.
     #[error("{0}")]
     CudaUnavailable(String),
     /// A CUDA call failed. Python: `CudaError`.
-    #[error("{0}")]
-    Cuda(String),
+    #[error("{message}")]
+    Cuda {
+        /// What failed.
+        message: String,
+        /// The driver call and its result code, when a driver call failed.
+        #[source]
+        source: Option<CudaStatus>,
+    },
 }
+
+/// An [`std::io::Error`] kept as the source of a [`KvoffError`] (shared, so errors stay `Clone`;
+/// equal when kind and OS error number are).
+#[derive(Debug, Clone)]
+pub struct IoSource(pub Arc<std::io::Error>);
+
+impl IoSource {
+    /// The error.
+    #[must_use]
+    pub fn get(&self) -> &std::io::Error {
+        &self.0
+    }
+}
+
+impl PartialEq for IoSource {
+    fn eq(&self, other: &Self) -> bool {
+        self.0.kind() == other.0.kind() && self.0.raw_os_error() == other.0.raw_os_error()
+    }
+}
+
+impl Eq for IoSource {}
+
+impl fmt::Display for IoSource {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        self.0.fmt(f)
+    }
+}
+
+impl std::error::Error for IoSource {
+    fn source(&self) -> Option<&(dyn std::error::Error + 'static)> {
+        Some(&*self.0)
+    }
+}
+
+/// A CUDA driver call that failed: its name and result code (`CUresult`).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct CudaStatus {
+    /// The driver call, e.g. `cuMemcpyBatchAsync`.
+    pub call: String,
+    /// The driver's result code (`CUDA_ERROR_OUT_OF_MEMORY` is 2).
+    pub code: i32,
+    /// The code's name and description, as the driver gives them.
+    pub text: String,
+}
+
+impl fmt::Display for CudaStatus {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(f, "{} returned {} ({})", self.call, self.code, self.text)
+    }
+}
+
+impl std::error::Error for CudaStatus {}
 
 /// Result alias used throughout the crate.
 pub type Result<T, E = KvoffError> = std::result::Result<T, E>;
@@ -43,5 +110,73 @@ impl KvoffError {
     /// Shorthand for [`KvoffError::InvalidState`].
     pub fn state(msg: impl Into<String>) -> Self {
         Self::InvalidState(msg.into())
+    }
+    /// A [`KvoffError::Region`] without an OS error behind it.
+    pub fn region(msg: impl Into<String>) -> Self {
+        Self::Region {
+            message: msg.into(),
+            source: None,
+        }
+    }
+    /// A [`KvoffError::Region`] caused by `e`.
+    pub fn region_io(msg: impl Into<String>, e: std::io::Error) -> Self {
+        Self::Region {
+            message: msg.into(),
+            source: Some(IoSource(Arc::new(e))),
+        }
+    }
+    /// A [`KvoffError::Cuda`] without a driver status (a kvoff-side check).
+    pub fn cuda(msg: impl Into<String>) -> Self {
+        Self::Cuda {
+            message: msg.into(),
+            source: None,
+        }
+    }
+    /// The OS error behind a [`KvoffError::Region`], if any.
+    #[must_use]
+    pub fn io_error(&self) -> Option<&std::io::Error> {
+        match self {
+            Self::Region {
+                source: Some(s), ..
+            } => Some(s.get()),
+            _ => None,
+        }
+    }
+    /// The failed driver call behind a [`KvoffError::Cuda`], if any.
+    #[must_use]
+    pub fn cuda_status(&self) -> Option<&CudaStatus> {
+        match self {
+            Self::Cuda {
+                source: Some(s), ..
+            } => Some(s),
+            _ => None,
+        }
+    }
+}
+
+#[cfg(test)]
+#[allow(clippy::pedantic)] // tests: style lints are for the library
+mod tests {
+    use super::KvoffError;
+    use std::error::Error;
+
+    #[test]
+    fn sources_are_kept() {
+        let e = KvoffError::region_io(
+            "cannot create /dev/shm/x",
+            std::io::Error::from_raw_os_error(libc::ENOSPC),
+        );
+        assert_eq!(
+            e.io_error().and_then(std::io::Error::raw_os_error),
+            Some(libc::ENOSPC)
+        );
+        assert!(e.source().is_some());
+        assert_eq!(e.to_string(), "cannot create /dev/shm/x");
+        let same = KvoffError::region_io(
+            "cannot create /dev/shm/x",
+            std::io::Error::from_raw_os_error(libc::ENOSPC),
+        );
+        assert_eq!(e, same.clone());
+        assert!(KvoffError::region("x").io_error().is_none());
     }
 }

@@ -237,7 +237,15 @@ fn header_bytes(world_size: u64) -> Result<u64> {
 }
 
 fn os_err(what: &str, path: &Path, e: &io::Error) -> KvoffError {
-    KvoffError::Region(format!("{what} {}: {e}", path.display()))
+    KvoffError::region_io(format!("{what} {}: {e}", path.display()), copy_io(e))
+}
+
+/// A copy of an I/O error to keep as a source (`io::Error` is not `Clone`).
+fn copy_io(e: &io::Error) -> io::Error {
+    e.raw_os_error().map_or_else(
+        || io::Error::new(e.kind(), e.to_string()),
+        io::Error::from_raw_os_error,
+    )
 }
 
 fn cpath(p: &Path) -> Result<CString> {
@@ -305,7 +313,7 @@ fn check_private(fd: libc::c_int, path: &Path) -> Result<()> {
     let uid = unsafe { libc::geteuid() };
     let mode = st.st_mode & 0o7777;
     if st.st_uid != uid || mode & 0o077 != 0 || st.st_mode & libc::S_IFMT != libc::S_IFREG {
-        return Err(KvoffError::Region(format!(
+        return Err(KvoffError::region(format!(
             "refusing to use {}: it is owned by uid {} with mode {mode:o}, but kvoff's shared \
              region files must be regular files of this user (uid {uid}) with no group or other \
              access; remove it (or use another name/directory)",
@@ -458,7 +466,7 @@ fn map_shared(fd: libc::c_int, len: usize, path: &Path) -> Result<NonNull<u8>> {
             &last_err(),
         ));
     }
-    NonNull::new(p.cast::<u8>()).ok_or_else(|| KvoffError::Region("mmap returned NULL".into()))
+    NonNull::new(p.cast::<u8>()).ok_or_else(|| KvoffError::region("mmap returned NULL"))
 }
 
 /// Unmaps a mapping made by this module.
@@ -517,15 +525,14 @@ impl HostRegion {
                 )
             };
             if p == libc::MAP_FAILED {
-                return Err(KvoffError::Region(format!(
+                return Err(KvoffError::region(format!(
                     "cannot map a private region of {len} bytes ({num_cpu_blocks} rows x {} \
                      bytes): {}",
                     geo.row_stride_bytes,
                     last_err()
                 )));
             }
-            NonNull::new(p.cast::<u8>())
-                .ok_or_else(|| KvoffError::Region("mmap returned NULL".into()))?
+            NonNull::new(p.cast::<u8>()).ok_or_else(|| KvoffError::region("mmap returned NULL"))?
         };
         let mut region = Self {
             map_ptr,
@@ -666,7 +673,7 @@ impl HostRegion {
                         if path.exists() {
                             continue;
                         }
-                        return Err(KvoffError::Region(format!(
+                        return Err(KvoffError::region(format!(
                             "the creator of shared region {} ({total} bytes) failed or died \
                              before the region was ready",
                             path.display()
@@ -690,7 +697,7 @@ impl HostRegion {
             }
             let now = Instant::now();
             if now >= deadline {
-                return Err(KvoffError::Region(format!(
+                return Err(KvoffError::region(format!(
                     "timed out after {:?} waiting for shared region {} ({total} bytes) to be \
                      created by another rank",
                     opts.timeout,
@@ -758,7 +765,7 @@ impl HostRegion {
         // SAFETY: `fd` is an open descriptor we own; posix_fallocate has no memory preconditions.
         let rc = unsafe { libc::posix_fallocate(fd, 0, off) };
         if rc != 0 {
-            return Err(KvoffError::Region(format!(
+            return Err(KvoffError::region(format!(
                 "cannot allocate {total} bytes for shared region {} ({} CPU blocks x {} bytes per \
                  row + header): {}. Free space in {} or lower cpu_bytes_to_use",
                 path.display(),
@@ -856,7 +863,7 @@ impl HostRegion {
     fn join_inner(&mut self, fd: libc::c_int, path: &Path, total: u64) -> Result<(u64, u64, u64)> {
         let (dev, ino, size) = fstat_id(fd).map_err(|e| os_err("cannot stat", path, &e))?;
         if size != total {
-            return Err(KvoffError::Region(format!(
+            return Err(KvoffError::region(format!(
                 "shared region {} has {size} bytes but {total} were expected for {} CPU blocks x \
                  slot {} bytes x world_size {}: another geometry or a stale file; remove it or use \
                  another name",
@@ -877,7 +884,7 @@ impl HostRegion {
             && w(H_ROW_STRIDE).load(Ordering::Relaxed) == self.row_stride_bytes
             && w(H_HEADER_BYTES).load(Ordering::Relaxed) == self.data_offset as u64;
         if !header_ok {
-            return Err(KvoffError::Region(format!(
+            return Err(KvoffError::region(format!(
                 "shared region {} has another geometry or is not a kvoff region (expected {} CPU \
                  blocks, slot {} bytes, world_size {}); remove it or use another name",
                 path.display(),
@@ -891,7 +898,7 @@ impl HostRegion {
             .compare_exchange(0, 1, Ordering::AcqRel, Ordering::Acquire)
             .is_err()
         {
-            return Err(KvoffError::Region(format!(
+            return Err(KvoffError::region(format!(
                 "rank {rank} already joined shared region {} (stale file from an earlier run? \
                  remove it)",
                 path.display()
@@ -949,10 +956,13 @@ impl HostRegion {
                     self.touch_pages(&slots, page);
                     return Ok(());
                 }
-                return Err(KvoffError::Region(format!(
-                    "cannot prefault {} bytes of host region at {a:#x}: {e}",
-                    b - a
-                )));
+                return Err(KvoffError::region_io(
+                    format!(
+                        "cannot prefault {} bytes of host region at {a:#x}: {e}",
+                        b - a
+                    ),
+                    e,
+                ));
             }
         }
         Ok(())
@@ -1252,7 +1262,7 @@ impl HostRegion {
         self.close_errors.extend(errors);
         match first {
             None => Ok(()),
-            Some(e) => Err(KvoffError::Region(format!("closing host region: {e}"))),
+            Some(e) => Err(KvoffError::region(format!("closing host region: {e}"))),
         }
     }
 }
@@ -1307,7 +1317,7 @@ mod tests {
         fn register(&self, ptr: u64, len: u64) -> Result<()> {
             let mut l = self.log.lock().unwrap();
             if Some(l.iter().filter(|e| e.0).count()) == self.fail_at {
-                return Err(KvoffError::Cuda("fake failure".into()));
+                return Err(KvoffError::cuda("fake failure"));
             }
             l.push((true, ptr, len));
             Ok(())

@@ -227,7 +227,7 @@ fn creator_death_leaves_no_file_and_joiners_fail() {
         .collect();
     for j in joiners {
         match j.join().unwrap() {
-            Err(KvoffError::Region(msg)) => {
+            Err(KvoffError::Region { message: msg, .. }) => {
                 assert!(msg.contains("failed or died"), "{msg}");
                 assert!(msg.contains(name), "{msg}");
             }
@@ -271,7 +271,7 @@ fn join_timeout_then_recovery_from_stale_lock() {
     );
     let elapsed = t0.elapsed();
     match r {
-        Err(KvoffError::Region(msg)) => {
+        Err(KvoffError::Region { message: msg, .. }) => {
             assert!(msg.contains("timed out"), "{msg}");
             assert!(msg.contains(&dir.join(name).display().to_string()), "{msg}");
             let total = os_page_size() + 8 * 2 * 4096u64.next_multiple_of(os_page_size());
@@ -312,7 +312,7 @@ fn too_little_space_names_size_and_path() {
         &opts(&dir, Duration::from_secs(5)),
     );
     match r {
-        Err(KvoffError::Region(msg)) => {
+        Err(KvoffError::Region { message: msg, .. }) => {
             let total = os_page_size() + rows * 4096u64.next_multiple_of(os_page_size());
             assert!(msg.contains(&format!("{total} bytes")), "{msg}");
             assert!(
@@ -342,11 +342,14 @@ fn join_checks_geometry_and_rank_and_unlink_by_hand() {
     assert_eq!(r0.path(), Some(dir.join(name).as_path()));
     let again = HostRegion::create_or_join_with(name, 6, 512, 2, 0, &o);
     assert!(
-        matches!(&again, Err(KvoffError::Region(m)) if m.contains("already joined")),
+        matches!(&again, Err(KvoffError::Region { message: m, .. }) if m.contains("already joined")),
         "{again:?}"
     );
     let other = HostRegion::create_or_join_with(name, 7, 512, 2, 1, &o);
-    assert!(matches!(&other, Err(KvoffError::Region(_))), "{other:?}");
+    assert!(
+        matches!(&other, Err(KvoffError::Region { .. })),
+        "{other:?}"
+    );
     assert!(matches!(
         HostRegion::create_or_join_with(name, 6, 512, 2, 2, &o),
         Err(KvoffError::InvalidArgument(_))
@@ -434,7 +437,7 @@ fn a_live_region_is_joined() {
 fn expect_refused(dir: &Path, name: &str, what: &str) {
     let o = opts(dir, Duration::from_secs(2));
     match HostRegion::create_or_join_with(name, 4, 4096, 2, 1, &o) {
-        Err(KvoffError::Region(msg)) => assert!(msg.contains(what), "{msg}"),
+        Err(KvoffError::Region { message: msg, .. }) => assert!(msg.contains(what), "{msg}"),
         other => panic!("expected RegionError ({what}), got {other:?}"),
     }
 }
@@ -480,4 +483,22 @@ fn symlinks_are_never_followed() {
         "the target was touched"
     );
     std::fs::remove_dir_all(&dir).unwrap();
+}
+
+#[test]
+fn region_errors_keep_the_os_error() {
+    // The OS error stays reachable as the error's source: a missing directory is ENOENT, not
+    // just a message.
+    let o = opts(
+        Path::new("/nonexistent-kvoff-test-dir"),
+        Duration::from_millis(100),
+    );
+    let e = HostRegion::create_or_join_with("kv-noent", 1, 4096, 1, 0, &o).unwrap_err();
+    assert!(matches!(e, KvoffError::Region { .. }), "{e}");
+    assert_eq!(
+        e.io_error().and_then(std::io::Error::raw_os_error),
+        Some(libc::ENOENT),
+        "{e}"
+    );
+    assert!(std::error::Error::source(&e).is_some());
 }

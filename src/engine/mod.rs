@@ -71,7 +71,8 @@ pub struct JobResult {
     pub job_id: i64,
     /// Whether every byte was copied.
     pub success: bool,
-    /// Bytes of the job (its plan's total, whether or not it succeeded).
+    /// Bytes of the job: its plan's total, whether or not it succeeded (every engine; check
+    /// `success` before counting them as moved).
     pub bytes: u64,
     /// Time spent moving the bytes, in seconds.
     pub seconds: f64,

@@ -28,9 +28,9 @@ pub(crate) fn to_py(e: KvoffError) -> PyErr {
         KvoffError::InvalidArgument(m) => PyValueError::new_err(m),
         KvoffError::InvalidType(m) => PyTypeError::new_err(m),
         KvoffError::Config(m) => ConfigError::new_err(m),
-        KvoffError::Region(m) => RegionError::new_err(m),
+        KvoffError::Region { message, .. } => RegionError::new_err(message),
         KvoffError::CudaUnavailable(m) => CudaUnavailableError::new_err(m),
-        KvoffError::Cuda(m) => CudaError::new_err(m),
+        KvoffError::Cuda { message, .. } => CudaError::new_err(message),
     }
 }
 

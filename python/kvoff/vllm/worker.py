@@ -179,7 +179,9 @@ class KvoffOffloadingWorker(OffloadingWorker):
                     TransferResult(
                         job_id=r.job_id,
                         success=r.success,
-                        transfer_size=int(r.transfer_size),
+                        # vLLM counts these as bytes moved: nothing moved for a failed job
+                        # (kvoff's own results carry the job's size either way).
+                        transfer_size=int(r.transfer_size) if r.success else 0,
                         transfer_time=float(r.transfer_time),
                     )
                 )

@@ -320,7 +320,7 @@ pub(super) fn measure(dev: &Arc<CudaDevice>) -> Result<Calibration> {
                     let wall = t0.elapsed().as_secs_f64();
                     for r in eng.poll() {
                         if !r.success {
-                            return Err(KvoffError::Cuda(r.error.unwrap_or_default()));
+                            return Err(KvoffError::cuda(r.error.unwrap_or_default()));
                         }
                         if rep > 0 {
                             secs.push(wall);

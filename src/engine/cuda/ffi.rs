@@ -21,10 +21,15 @@ pub(crate) fn check(r: sys::CUresult, what: &str) -> Result<()> {
     if r == sys::CUresult::CUDA_SUCCESS {
         Ok(())
     } else {
-        Err(KvoffError::Cuda(format!(
-            "{what} failed: {}",
-            error_text(r)
-        )))
+        let text = error_text(r);
+        Err(KvoffError::Cuda {
+            message: format!("{what} failed: {text}"),
+            source: Some(crate::error::CudaStatus {
+                call: what.to_owned(),
+                code: r as i32,
+                text,
+            }),
+        })
     }
 }
 

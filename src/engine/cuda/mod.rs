@@ -189,7 +189,7 @@ impl CudaDevice {
         // SAFETY: ctx was just retained.
         let loaded = unsafe { ffi::set_current(ctx) }.and_then(|()| {
             let ptx = std::ffi::CStr::from_bytes_with_nul(COPY_PTX.as_bytes())
-                .map_err(|_| KvoffError::Cuda("embedded PTX is not NUL-terminated".into()))?;
+                .map_err(|_| KvoffError::cuda("embedded PTX is not NUL-terminated"))?;
             // SAFETY: the context is current.
             unsafe { ffi::load_kernel(ptx, c"kvoff_copy") }
         });
@@ -674,7 +674,7 @@ pub struct CudaEngine {
     inflight: VecDeque<InFlight>,
     closed: bool,
     close_errors: Vec<String>,
-    /// Jobs per method since creation: `[dma, kernel, loop]`.
+    /// Jobs per method since creation: `[dma, kernel, loop, staged]` (see `method_counts()`).
     method_counts: [u64; 4],
     last_ctas: u32,
     staging: Option<Staging>,
@@ -1345,7 +1345,7 @@ impl CudaEngine {
         JobResult {
             job_id: job.job_id,
             success: error.is_none(),
-            bytes: if error.is_none() { job.bytes } else { 0 },
+            bytes: job.bytes, // the plan's total, as every engine reports it (JobResult docs)
             seconds,
             direction: job.direction,
             error,
