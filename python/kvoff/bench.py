@@ -178,8 +178,14 @@ VLLM_RATIO_TARGETS = {"lru": 10.0, "arc": 5.0}
 VLLM_RECORDED = {"lru": 0.70, "arc": 1.84}
 
 
-def _time(make: Callable[[], Any], run: Callable[..., tuple[int, int, int]], wl: Workload,
-          reps: int, label: str, show: bool) -> dict[str, float]:
+def _time(
+    make: Callable[[], Any],
+    run: Callable[..., tuple[int, int, int]],
+    wl: Workload,
+    reps: int,
+    label: str,
+    show: bool,
+) -> dict[str, float]:
     rates = []
     result = (0, 0, 0)
     with Progress(reps * len(wl.requests), label, enabled=show or None) as bar:
@@ -194,9 +200,14 @@ def _time(make: Callable[[], Any], run: Callable[..., tuple[int, int, int]], wl:
     return {"key_ops": ops, "key_ops_per_s": rates[len(rates) // 2], "hit_rate": hits / max(looked, 1)}
 
 
-def bench_managers(num_requests: int = 2000, capacity: int = 20_000, reps: int = 5,
-                   ref_reps: int = 3, show_progress: bool | None = None,
-                   vllm: bool | None = None) -> list[dict[str, Any]]:
+def bench_managers(
+    num_requests: int = 2000,
+    capacity: int = 20_000,
+    reps: int = 5,
+    ref_reps: int = 3,
+    show_progress: bool | None = None,
+    vllm: bool | None = None,
+) -> list[dict[str, Any]]:
     """Runs the manager workload; returns one row per (policy, implementation).
 
     ``vllm``: also run vLLM's own managers (``None``: where vLLM is installed; ``True``: raise
@@ -211,23 +222,51 @@ def bench_managers(num_requests: int = 2000, capacity: int = 20_000, reps: int =
     rows = []
     for policy, ref_cls in (("lru", PyLRU), ("arc", PyARC)):
         show = bool(show_progress)
-        ref = _time(functools.partial(ref_cls, capacity), _run_ref, wl, ref_reps, f"python reference {policy}", show)
+        ref = _time(
+            functools.partial(ref_cls, capacity), _run_ref, wl, ref_reps, f"python reference {policy}", show
+        )
         rows.append({"policy": policy, "impl": "python-ref", **ref, "ratio": 1.0})
         vl = None
         if factory is not None:
             version, make = factory
-            vl = _time(functools.partial(make, policy, capacity), _run_vllm, wl, ref_reps, f"vllm {policy}", show)
-            rows.append({"policy": policy, "impl": "vllm", "version": version, **vl,
-                         "ratio": vl["key_ops_per_s"] / ref["key_ops_per_s"]})
-        kv = _time(functools.partial(kvoff.create_manager, policy, capacity, enable_events=True, block_size=16),
-                   _run_kvoff, wl, reps, f"kvoff {policy}", show)
+            vl = _time(
+                functools.partial(make, policy, capacity), _run_vllm, wl, ref_reps, f"vllm {policy}", show
+            )
+            rows.append(
+                {
+                    "policy": policy,
+                    "impl": "vllm",
+                    "version": version,
+                    **vl,
+                    "ratio": vl["key_ops_per_s"] / ref["key_ops_per_s"],
+                }
+            )
+        kv = _time(
+            functools.partial(kvoff.create_manager, policy, capacity, enable_events=True, block_size=16),
+            _run_kvoff,
+            wl,
+            reps,
+            f"kvoff {policy}",
+            show,
+        )
         target = VLLM_RATIO_TARGETS[policy]
         vs_vllm = kv["key_ops_per_s"] / vl["key_ops_per_s"] if vl is not None else None
-        met = (vs_vllm >= target if vs_vllm is not None
-               else kv["key_ops_per_s"] >= target * VLLM_RECORDED[policy] * 1e6)
-        rows.append({"policy": policy, "impl": "kvoff", **kv,
-                     "ratio": kv["key_ops_per_s"] / ref["key_ops_per_s"],
-                     "vs_vllm": vs_vllm, "vllm_target": target, "target_met": met})
+        met = (
+            vs_vllm >= target
+            if vs_vllm is not None
+            else kv["key_ops_per_s"] >= target * VLLM_RECORDED[policy] * 1e6
+        )
+        rows.append(
+            {
+                "policy": policy,
+                "impl": "kvoff",
+                **kv,
+                "ratio": kv["key_ops_per_s"] / ref["key_ops_per_s"],
+                "vs_vllm": vs_vllm,
+                "vllm_target": target,
+                "target_met": met,
+            }
+        )
     return rows
 
 
@@ -251,14 +290,19 @@ def format_manager_rows(rows: list[dict[str, Any]]) -> str:
         policy, target = r["policy"], r["vllm_target"]
         verdict = "met" if r["target_met"] else "NOT met"
         if r["vs_vllm"] is not None:
-            version = next((v.get("version", "?") for v in rows
-                            if v["impl"] == "vllm" and v["policy"] == policy), "?")
-            lines.append(f"target {policy}: >= {target:g}x vLLM {version} in the same run: "
-                         f"{r['vs_vllm']:.1f}x, {verdict}")
+            version = next(
+                (v.get("version", "?") for v in rows if v["impl"] == "vllm" and v["policy"] == policy), "?"
+            )
+            lines.append(
+                f"target {policy}: >= {target:g}x vLLM {version} in the same run: "
+                f"{r['vs_vllm']:.1f}x, {verdict}"
+            )
         else:
             need = target * VLLM_RECORDED[policy]
-            lines.append(f"target {policy}: >= {need:.2f} M key-ops/s ({target:g}x vLLM 0.33 as PERF.md "
-                         f"recorded it; vLLM not installed here): {r['key_ops_per_s'] / 1e6:.2f}, {verdict}")
+            lines.append(
+                f"target {policy}: >= {need:.2f} M key-ops/s ({target:g}x vLLM 0.33 as PERF.md "
+                f"recorded it; vLLM not installed here): {r['key_ops_per_s'] / 1e6:.2f}, {verdict}"
+            )
     return "\n".join(lines)
 
 
@@ -337,8 +381,13 @@ def _time_contiguous(torch: Any, nbytes: int, cuda: bool, reps: int) -> dict[str
     return {"GPU->CPU": gbs, "CPU->GPU": gbs}
 
 
-def bench_transfers(job_mib: int | None = None, reps: int = 5, methods: list[str] | None = None,
-                    show_progress: bool | None = None, seed: int = 0) -> list[dict[str, Any]]:
+def bench_transfers(
+    job_mib: int | None = None,
+    reps: int = 5,
+    methods: list[str] | None = None,
+    show_progress: bool | None = None,
+    seed: int = 0,
+) -> list[dict[str, Any]]:
     """Scattered-block transfers through the handler API (PERF.md scenarios, scaled to the machine).
 
     Each job moves ``blocks`` random GPU blocks of every tensor to random CPU blocks (and back);
@@ -372,10 +421,16 @@ def bench_transfers(job_mib: int | None = None, reps: int = 5, methods: list[str
             ref = _time_contiguous(torch, job_bytes, cuda, reps)
             for method in methods:
                 # "auto" is the handlers' default (serving budget 2%); "auto-idle" the idle-GPU policy.
-                h = (CpuGpuOffloadingHandlers(kv, 1, pool, engine="auto", compute_budget=None)
-                     if method == "auto-idle" else CpuGpuOffloadingHandlers(kv, 1, pool, engine=method))
+                h = (
+                    CpuGpuOffloadingHandlers(kv, 1, pool, engine="auto", compute_budget=None)
+                    if method == "auto-idle"
+                    else CpuGpuOffloadingHandlers(kv, 1, pool, engine=method)
+                )
                 try:
-                    for direction, handler in (("GPU->CPU", h.gpu_to_cpu_handler), ("CPU->GPU", h.cpu_to_gpu_handler)):
+                    for direction, handler in (
+                        ("GPU->CPU", h.gpu_to_cpu_handler),
+                        ("CPU->GPU", h.cpu_to_gpu_handler),
+                    ):
                         secs, walls = [], []
                         gids: list[int] = []
                         cids: list[int] = []
@@ -399,15 +454,29 @@ def bench_transfers(job_mib: int | None = None, reps: int = 5, methods: list[str
                             bar.update(1)
                         _verify(torch, h, gids, cids)
                         gbs = job_bytes / _median(secs) / 1e9
-                        rows.append({
-                            "device": torch.cuda.get_device_name() if cuda else platform.processor() or platform.machine(),
-                            "engine": (h.engine if method in ("host", "auto") else
-                                       "cuda:auto-idle" if method == "auto-idle" else f"cuda:{method}"),
-                            "page_bytes": page, "tensors": ntensors, "blocks": blocks, "job_bytes": job_bytes,
-                            "direction": direction, "gb_s": gbs,
-                            "wall_gb_s": job_bytes / _median(walls) / 1e9,
-                            "contiguous_gb_s": ref[direction], "ratio": gbs / ref[direction],
-                        })
+                        rows.append(
+                            {
+                                "device": torch.cuda.get_device_name()
+                                if cuda
+                                else platform.processor() or platform.machine(),
+                                "engine": (
+                                    h.engine
+                                    if method in ("host", "auto")
+                                    else "cuda:auto-idle"
+                                    if method == "auto-idle"
+                                    else f"cuda:{method}"
+                                ),
+                                "page_bytes": page,
+                                "tensors": ntensors,
+                                "blocks": blocks,
+                                "job_bytes": job_bytes,
+                                "direction": direction,
+                                "gb_s": gbs,
+                                "wall_gb_s": job_bytes / _median(walls) / 1e9,
+                                "contiguous_gb_s": ref[direction],
+                                "ratio": gbs / ref[direction],
+                            }
+                        )
                 finally:
                     h.shutdown()
             del kv
@@ -431,8 +500,10 @@ def format_transfer_rows(rows: list[dict[str, Any]]) -> str:
         return "no transfer results"
     lines = [
         f"scattered block transfers (PERF.md scenarios, scaled): {rows[0]['device']}, kvoff {kvoff.__version__}",
-        (f"{'engine':<14}{'page':>9}{'tensors':>8}{'blocks':>7}{'MiB':>6}  {'direction':<9}{'GB/s':>8}"
-        f"{'wall GB/s':>10}{'contig GB/s':>12}{'ratio':>7}"),
+        (
+            f"{'engine':<14}{'page':>9}{'tensors':>8}{'blocks':>7}{'MiB':>6}  {'direction':<9}{'GB/s':>8}"
+            f"{'wall GB/s':>10}{'contig GB/s':>12}{'ratio':>7}"
+        ),
     ]
     for r in rows:
         page = r["page_bytes"]

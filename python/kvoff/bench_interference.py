@@ -87,8 +87,17 @@ def _launch_latency(torch: Any, stop: threading.Event, out: list[float]) -> None
     s.synchronize()
 
 
-def _transfer_loop(torch: Any, kvoff: Any, h: Any, dirs: str, blocks: int, ngpu: int, ncpu: int,
-                   stop: threading.Event, stats: dict[str, Any]) -> None:
+def _transfer_loop(
+    torch: Any,
+    kvoff: Any,
+    h: Any,
+    dirs: str,
+    blocks: int,
+    ngpu: int,
+    ncpu: int,
+    stop: threading.Event,
+    stats: dict[str, Any],
+) -> None:
     st, ld = h.gpu_to_cpu_handler, h.cpu_to_gpu_handler
     rng = random.Random(1)
     side = torch.cuda.Stream()
@@ -100,8 +109,21 @@ def _transfer_loop(torch: Any, kvoff: Any, h: Any, dirs: str, blocks: int, ngpu:
         raise
 
 
-def _transfer_steps(torch: Any, kvoff: Any, st: Any, ld: Any, dirs: str, blocks: int, ngpu: int, ncpu: int,
-                    stop: threading.Event, stats: dict[str, Any], rng: random.Random, side: Any, t0: float) -> None:
+def _transfer_steps(
+    torch: Any,
+    kvoff: Any,
+    st: Any,
+    ld: Any,
+    dirs: str,
+    blocks: int,
+    ngpu: int,
+    ncpu: int,
+    stop: threading.Event,
+    stats: dict[str, Any],
+    rng: random.Random,
+    side: Any,
+    t0: float,
+) -> None:
     job, nbytes, failed = 1, 0, 0
     with torch.cuda.stream(side):
         while not stop.is_set():
@@ -151,14 +173,30 @@ def _roundtrip(torch: Any, kvoff: Any, h: Any, comp: _Compute, blocks: int, ngpu
     return ok and all(torch.equal(b, t[dst]) for b, t in zip(before, h.gpu_tensors))
 
 
-def _run_phase(torch: Any, kvoff: Any, h: Any, dirs: str, blocks: int, ngpu: int, ncpu: int,
-               seconds: float, comp: _Compute | None, kind: str, lat: list[float] | None) -> tuple[dict[str, Any], float]:
+def _run_phase(
+    torch: Any,
+    kvoff: Any,
+    h: Any,
+    dirs: str,
+    blocks: int,
+    ngpu: int,
+    ncpu: int,
+    seconds: float,
+    comp: _Compute | None,
+    kind: str,
+    lat: list[float] | None,
+) -> tuple[dict[str, Any], float]:
     stop = threading.Event()
     stats: dict[str, Any] = {}
-    th = threading.Thread(target=_transfer_loop, args=(torch, kvoff, h, dirs, blocks, ngpu, ncpu, stop, stats),
-                          daemon=True)
+    th = threading.Thread(
+        target=_transfer_loop, args=(torch, kvoff, h, dirs, blocks, ngpu, ncpu, stop, stats), daemon=True
+    )
     lstop = threading.Event()
-    lt = threading.Thread(target=_launch_latency, args=(torch, lstop, lat), daemon=True) if lat is not None else None
+    lt = (
+        threading.Thread(target=_launch_latency, args=(torch, lstop, lat), daemon=True)
+        if lat is not None
+        else None
+    )
     th.start()
     if lt:
         lt.start()
@@ -187,9 +225,14 @@ def parse_method(s: str) -> tuple[str, str, float | None, str]:
     return (parts[0], parts[1], budget, parts[3] if len(parts) > 3 else "")
 
 
-def bench_interference(pages_kib: list[int] | None = None, jobs_mib: list[int] | None = None,
-                       dirs: list[str] | None = None, methods: list[str] | None = None,
-                       seconds: float = 0.3, log: Any = None) -> dict[str, Any]:
+def bench_interference(
+    pages_kib: list[int] | None = None,
+    jobs_mib: list[int] | None = None,
+    dirs: list[str] | None = None,
+    methods: list[str] | None = None,
+    seconds: float = 0.3,
+    log: Any = None,
+) -> dict[str, Any]:
     """Runs the grid; returns ``{"device", "refs", "rows"}`` (see the module docstring)."""
     import torch
 
@@ -242,8 +285,13 @@ def bench_interference(pages_kib: list[int] | None = None, jobs_mib: list[int] |
                         os.environ["KVOFF_CUDA_TUNE"] = old_tune
                 try:
                     for d in dirs:
-                        row: dict[str, Any] = {"page_kib": page_kib, "job_mib": job_bytes >> 20,
-                                               "copies": blocks * TENSORS, "dirs": d, "method": label}
+                        row: dict[str, Any] = {
+                            "page_kib": page_kib,
+                            "job_mib": job_bytes >> 20,
+                            "copies": blocks * TENSORS,
+                            "dirs": d,
+                            "method": label,
+                        }
                         lat: list[float] = []
                         st, _ = _run_phase(torch, kvoff, h, d, blocks, ngpu, ncpu, seconds, None, "", lat)
                         row["idle_gb_s"] = st["gb_s"]
@@ -251,7 +299,9 @@ def bench_interference(pages_kib: list[int] | None = None, jobs_mib: list[int] |
                         row["launch_max_us"] = max(lat) * 1e6 if lat else float("nan")
                         failed = st["failed"]
                         for kind in ("gemm", "mem"):
-                            st, ms = _run_phase(torch, kvoff, h, d, blocks, ngpu, ncpu, seconds, comp, kind, None)
+                            st, ms = _run_phase(
+                                torch, kvoff, h, d, blocks, ngpu, ncpu, seconds, comp, kind, None
+                            )
                             row[f"{kind}_slowdown"] = ms / group_ref[kind] - 1
                             row[f"{kind}_gb_s"] = st["gb_s"]
                             failed += st["failed"]
@@ -259,7 +309,7 @@ def bench_interference(pages_kib: list[int] | None = None, jobs_mib: list[int] |
                         rows.append(row)
                         say(format_row(row))
                     rt = _roundtrip(torch, kvoff, h, comp, blocks, ngpu, ncpu)
-                    for r in rows[-len(dirs):]:
+                    for r in rows[-len(dirs) :]:
                         r["roundtrip_ok"] = rt
                 finally:
                     h.shutdown()
@@ -270,25 +320,33 @@ def bench_interference(pages_kib: list[int] | None = None, jobs_mib: list[int] |
     return {"device": torch.cuda.get_device_name(), "refs": refs, "rows": rows}
 
 
-HEADER = (f"{'page':>6}{'job':>6}{'copies':>8} {'dirs':<6}{'method':<12}{'idle':>7}{'gemm%':>8}{'GB/s':>7}"
-          f"{'mem%':>8}{'GB/s':>7}{'lat99':>8}{'latmax':>9} ok")
+HEADER = (
+    f"{'page':>6}{'job':>6}{'copies':>8} {'dirs':<6}{'method':<12}{'idle':>7}{'gemm%':>8}{'GB/s':>7}"
+    f"{'mem%':>8}{'GB/s':>7}{'lat99':>8}{'latmax':>9} ok"
+)
 
 
 def format_row(r: dict[str, Any]) -> str:
-    return (f"{r['page_kib']:>5}K{r['job_mib']:>5}M{r['copies']:>8} {r['dirs']:<6}{r['method']:<12}"
-            f"{r['idle_gb_s']:>7.1f}{r['gemm_slowdown'] * 100:>+7.1f}%{r['gemm_gb_s']:>7.1f}"
-            f"{r['mem_slowdown'] * 100:>+7.1f}%{r['mem_gb_s']:>7.1f}{r['launch_p99_us']:>8.0f}"
-            f"{r['launch_max_us']:>9.0f} {'ok' if r.get('roundtrip_ok', True) and not r['failed'] else 'FAIL'}")
+    return (
+        f"{r['page_kib']:>5}K{r['job_mib']:>5}M{r['copies']:>8} {r['dirs']:<6}{r['method']:<12}"
+        f"{r['idle_gb_s']:>7.1f}{r['gemm_slowdown'] * 100:>+7.1f}%{r['gemm_gb_s']:>7.1f}"
+        f"{r['mem_slowdown'] * 100:>+7.1f}%{r['mem_gb_s']:>7.1f}{r['launch_p99_us']:>8.0f}"
+        f"{r['launch_max_us']:>9.0f} {'ok' if r.get('roundtrip_ok', True) and not r['failed'] else 'FAIL'}"
+    )
 
 
 def format_interference(res: dict[str, Any]) -> str:
     refs = res["refs"]
     lines = [
-        (f"transfers beside compute: {res['device']}; GEMM 8192³ bf16 {refs['gemm']:.3f} ms "
-         f"(end {refs['gemm_end']:.3f}), 1 GiB device copy {refs['mem']:.3f} ms (end {refs['mem_end']:.3f}); "
-         f"launch latency alone p99 {refs['launch_p99_us']:.0f} µs, max {refs['launch_max_us']:.0f} µs"),
-        ("idle/GB/s: transfer GB/s (both directions summed) idle and beside each proxy; gemm%/mem%: its slowdown;"
-         " lat99/latmax: a second thread's launch CPU time (µs) while kvoff submits"),
+        (
+            f"transfers beside compute: {res['device']}; GEMM 8192³ bf16 {refs['gemm']:.3f} ms "
+            f"(end {refs['gemm_end']:.3f}), 1 GiB device copy {refs['mem']:.3f} ms (end {refs['mem_end']:.3f}); "
+            f"launch latency alone p99 {refs['launch_p99_us']:.0f} µs, max {refs['launch_max_us']:.0f} µs"
+        ),
+        (
+            "idle/GB/s: transfer GB/s (both directions summed) idle and beside each proxy; gemm%/mem%: its slowdown;"
+            " lat99/latmax: a second thread's launch CPU time (µs) while kvoff submits"
+        ),
         HEADER,
     ]
     lines += [format_row(r) for r in res["rows"]]

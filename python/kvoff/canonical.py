@@ -32,8 +32,6 @@ def _torch() -> Any:
     return torch
 
 
-
-
 @dataclass(frozen=True)
 class CanonicalKVCacheTensor:
     """One KV-cache tensor viewed as bytes ``(num_blocks, page_size_bytes)``: a ``torch.uint8`` view
@@ -155,8 +153,10 @@ def _group_lists(groups: Any, keys: list[Any], is_dict: bool) -> list[list[Any]]
     elif isinstance(groups, (list, tuple)):
         lists = list(groups)
     else:
-        raise TypeError(f"groups must be a list of lists of layer names or a dict group -> layer names, "
-                        f"got {type(groups).__name__}")
+        raise TypeError(
+            f"groups must be a list of lists of layer names or a dict group -> layer names, "
+            f"got {type(groups).__name__}"
+        )
     known = set(keys)
     seen: dict[Any, int] = {}
     out: list[list[Any]] = []
@@ -169,14 +169,17 @@ def _group_lists(groups: Any, keys: list[Any], is_dict: bool) -> list[list[Any]]
                 valid = "dict keys of kv_caches" if is_dict else f"indices 0..{len(keys) - 1} of kv_caches"
                 raise ValueError(f"groups[{g}] names unknown layer {layer!r}; layers are the {valid}")
             if layer in seen:
-                raise ValueError(f"layer {layer!r} is in KV-cache groups {seen[layer]} and {g}; a layer "
-                                 f"belongs to one group")
+                raise ValueError(
+                    f"layer {layer!r} is in KV-cache groups {seen[layer]} and {g}; a layer "
+                    f"belongs to one group"
+                )
             seen[layer] = g
         out.append(layers)
     missing = [k for k in keys if k not in seen]
     if missing:
-        raise ValueError(f"layers {missing!r} are in no KV-cache group; every layer of kv_caches must be "
-                         f"in one of groups")
+        raise ValueError(
+            f"layers {missing!r} are in no KV-cache group; every layer of kv_caches must be in one of groups"
+        )
     return out
 
 
@@ -345,9 +348,7 @@ def canonicalize_kv_caches(
                     f"{a.owners[0][1]} and {b.owners[0][1]} overlap in memory; every layer's KV cache "
                     f"must have its own bytes (or be the identical view of a layer of another group)"
                 )
-    tensors = [
-        CanonicalKVCacheTensor(e.view, e.width, "; ".join(d for _, d in e.owners)) for e in entries
-    ]
+    tensors = [CanonicalKVCacheTensor(e.view, e.width, "; ".join(d for _, d in e.owners)) for e in entries]
     refs = [
         [CanonicalKVCacheRef(idx, page) for layer in layers for idx, page in layer_parts[layer]]
         for layers in group_lists

@@ -14,11 +14,13 @@ def _bench_managers(args: argparse.Namespace) -> int:
     sys.stdout.flush()
     vllm = {"auto": None, "on": True, "off": False}[getattr(args, "vllm", "auto")]
     if vllm and vllm_manager_factory() is None:
-        print("kvoff bench managers: --vllm on, but vLLM's offloading managers (vllm.v1.kv_offload) "
-              "cannot be imported here", file=sys.stderr)
+        print(
+            "kvoff bench managers: --vllm on, but vLLM's offloading managers (vllm.v1.kv_offload) "
+            "cannot be imported here",
+            file=sys.stderr,
+        )
         return 2
-    rows = bench_managers(args.requests, args.capacity, args.reps, show_progress=not args.quiet,
-                          vllm=vllm)
+    rows = bench_managers(args.requests, args.capacity, args.reps, show_progress=not args.quiet, vllm=vllm)
     if args.json:
         print(json.dumps(rows, indent=2))
     else:
@@ -47,8 +49,11 @@ def _bench_disk(args: argparse.Namespace) -> int:
     from kvoff.tier import bench_disk_rows, format_disk_rows
 
     d = args.dir or tempfile.gettempdir()
-    print(f"disk tier on {d}: {args.blocks} blocks of 2 MiB per repetition, {args.reps} repetitions, "
-          f"{args.io_threads} I/O threads", file=sys.stderr)
+    print(
+        f"disk tier on {d}: {args.blocks} blocks of 2 MiB per repetition, {args.reps} repetitions, "
+        f"{args.io_threads} I/O threads",
+        file=sys.stderr,
+    )
     rows = bench_disk_rows(d, args.blocks, args.reps, args.io_threads, args.direct_io)
     print(json.dumps(rows, indent=2) if args.json else format_disk_rows(rows))
     return 0
@@ -107,9 +112,15 @@ def _demo(args: argparse.Namespace) -> int:
             print(f"kvoff demo: {e}", file=sys.stderr)
             return 2
     cfg = DemoConfig(
-        requests=args.requests, blocks_per_request=args.blocks_per_request, gpu_blocks=args.gpu_blocks,
-        cpu_blocks=args.cpu_blocks, policy=args.policy, engine=args.engine, device=args.device,
-        prefill_tokens_per_s=args.prefill_tokens_per_s, seed=args.seed,
+        requests=args.requests,
+        blocks_per_request=args.blocks_per_request,
+        gpu_blocks=args.gpu_blocks,
+        cpu_blocks=args.cpu_blocks,
+        policy=args.policy,
+        engine=args.engine,
+        device=args.device,
+        prefill_tokens_per_s=args.prefill_tokens_per_s,
+        seed=args.seed,
         show_progress=False if args.quiet else None,
     )
     metrics = TransferMetrics()
@@ -126,8 +137,12 @@ def _demo(args: argparse.Namespace) -> int:
             server.close()
     sweep = None
     if args.plot:
-        sweep = sweep_page_sizes(job_mib=args.sweep_mib, engine=args.engine, device=args.device,
-                                 show_progress=False if args.quiet else None)
+        sweep = sweep_page_sizes(
+            job_mib=args.sweep_mib,
+            engine=args.engine,
+            device=args.device,
+            show_progress=False if args.quiet else None,
+        )
         plot_sweep(sweep, args.plot)
     sys.stderr.flush()
     if args.json:
@@ -151,29 +166,59 @@ def main(argv: list[str] | None = None) -> int:
     sub = parser.add_subparsers(dest="cmd", required=True)
     bench = sub.add_parser("bench", help="run benchmarks")
     bsub = bench.add_subparsers(dest="what")
-    bench.set_defaults(func=_bench_all, requests=2000, capacity=20_000, reps=5, json=False, quiet=False,
-                       job_mib=None, transfer_reps=5, methods=None, vllm="auto")
-    m = bsub.add_parser("managers", help="manager workload of PERF.md, both policies, vs a Python reference "
-                        "and vLLM's own managers where vLLM is installed")
+    bench.set_defaults(
+        func=_bench_all,
+        requests=2000,
+        capacity=20_000,
+        reps=5,
+        json=False,
+        quiet=False,
+        job_mib=None,
+        transfer_reps=5,
+        methods=None,
+        vllm="auto",
+    )
+    m = bsub.add_parser(
+        "managers",
+        help="manager workload of PERF.md, both policies, vs a Python reference "
+        "and vLLM's own managers where vLLM is installed",
+    )
     m.add_argument("--requests", type=int, default=2000)
     m.add_argument("--capacity", type=int, default=20_000)
     m.add_argument("--reps", type=int, default=5, help="repetitions (median reported)")
     m.add_argument("--json", action="store_true", help="print rows as JSON")
     m.add_argument("--quiet", action="store_true", help="no progress bar")
-    m.add_argument("--vllm", choices=["auto", "on", "off"], default="auto",
-                   help="also run vLLM's own managers: auto = where vLLM is installed (default)")
+    m.add_argument(
+        "--vllm",
+        choices=["auto", "on", "off"],
+        default="auto",
+        help="also run vLLM's own managers: auto = where vLLM is installed (default)",
+    )
     m.set_defaults(func=_bench_managers)
-    t = bsub.add_parser("transfers", help="scattered KV-block transfers (PERF.md scenarios) vs a contiguous copy")
-    t.add_argument("--job-mib", dest="job_mib", type=int, default=None,
-                   help="bytes per job in MiB (default: 512 on a GPU, scaled to memory on the host)")
+    t = bsub.add_parser(
+        "transfers", help="scattered KV-block transfers (PERF.md scenarios) vs a contiguous copy"
+    )
+    t.add_argument(
+        "--job-mib",
+        dest="job_mib",
+        type=int,
+        default=None,
+        help="bytes per job in MiB (default: 512 on a GPU, scaled to memory on the host)",
+    )
     t.add_argument("--reps", dest="transfer_reps", type=int, default=5, help="repetitions (median reported)")
-    t.add_argument("--methods", default=None, help="comma-separated engines (default: auto,dma,kernel,staged "
-                   "on a GPU, host otherwise)")
+    t.add_argument(
+        "--methods",
+        default=None,
+        help="comma-separated engines (default: auto,dma,kernel,staged on a GPU, host otherwise)",
+    )
     t.add_argument("--json", action="store_true", help="print rows as JSON")
     t.add_argument("--quiet", action="store_true", help="no progress bar")
     t.set_defaults(func=_bench_transfers)
-    k = bsub.add_parser("disk", help="file tier (SPEC §9) write/read GB/s vs a sequential O_DIRECT write/read "
-                        "of the same bytes on the same filesystem, promotion latency, CPU per block")
+    k = bsub.add_parser(
+        "disk",
+        help="file tier (SPEC §9) write/read GB/s vs a sequential O_DIRECT write/read "
+        "of the same bytes on the same filesystem, promotion latency, CPU per block",
+    )
     k.add_argument("--dir", default=None, help="a directory on the filesystem to measure (default: $TMPDIR)")
     k.add_argument("--blocks", type=int, default=256, help="2 MiB blocks per repetition (default 256)")
     k.add_argument("--reps", type=int, default=5, help="repetitions (median reported)")
@@ -181,41 +226,93 @@ def main(argv: list[str] | None = None) -> int:
     k.add_argument("--direct-io", dest="direct_io", choices=["auto", "on", "off"], default="auto")
     k.add_argument("--json", action="store_true", help="print rows as JSON")
     k.set_defaults(func=_bench_disk)
-    i = bsub.add_parser("interference", help="transfers beside compute on a GPU: model slowdown, GB/s, "
-                        "other-thread launch latency, per page/job/direction/method")
-    i.add_argument("--pages-kib", default=None, help="page sizes in KiB (default 4,32; --full: 4,32,256,2048)")
-    i.add_argument("--jobs-mib", default=None, help="job sizes in MiB (default 8,128; --full: 1,8,32,128,512)")
+    i = bsub.add_parser(
+        "interference",
+        help="transfers beside compute on a GPU: model slowdown, GB/s, "
+        "other-thread launch latency, per page/job/direction/method",
+    )
+    i.add_argument(
+        "--pages-kib", default=None, help="page sizes in KiB (default 4,32; --full: 4,32,256,2048)"
+    )
+    i.add_argument(
+        "--jobs-mib", default=None, help="job sizes in MiB (default 8,128; --full: 1,8,32,128,512)"
+    )
     i.add_argument("--dirs", default=None, help="store,load,both (default store,both; --full: all three)")
-    i.add_argument("--methods", default=None, help="';'-separated label:engine[:budget[:tune]] (default: dma, "
-                   "kernel, staged, auto-idle (budget none), auto (budget 0.02))")
+    i.add_argument(
+        "--methods",
+        default=None,
+        help="';'-separated label:engine[:budget[:tune]] (default: dma, "
+        "kernel, staged, auto-idle (budget none), auto (budget 0.02))",
+    )
     i.add_argument("--seconds", type=float, default=0.3, help="seconds per measurement (default 0.3)")
     i.add_argument("--full", action="store_true", help="the full grid (takes tens of minutes)")
     i.add_argument("--json", action="store_true", help="print the result as JSON")
     i.add_argument("--quiet", action="store_true", help="no per-row log on stderr")
     i.set_defaults(func=_bench_interference)
-    d = sub.add_parser("demo", help="simulated serving loop: offload a Llama-3-8B-shaped KV cache, verify "
-                       "every reloaded block, report hit rate, GB/s and prefill time saved")
+    d = sub.add_parser(
+        "demo",
+        help="simulated serving loop: offload a Llama-3-8B-shaped KV cache, verify "
+        "every reloaded block, report hit rate, GB/s and prefill time saved",
+    )
     d.add_argument("--requests", type=int, default=160)
-    d.add_argument("--blocks-per-request", dest="blocks_per_request", type=int, default=24,
-                   help="16-token blocks per request (default 24 = 384 tokens)")
-    d.add_argument("--gpu-blocks", dest="gpu_blocks", type=int, default=None,
-                   help="GPU KV pool in blocks of 2 MiB (default 64, less when memory is short)")
-    d.add_argument("--cpu-blocks", dest="cpu_blocks", type=int, default=None,
-                   help="host offload capacity in blocks (default 192, less when memory is short)")
+    d.add_argument(
+        "--blocks-per-request",
+        dest="blocks_per_request",
+        type=int,
+        default=24,
+        help="16-token blocks per request (default 24 = 384 tokens)",
+    )
+    d.add_argument(
+        "--gpu-blocks",
+        dest="gpu_blocks",
+        type=int,
+        default=None,
+        help="GPU KV pool in blocks of 2 MiB (default 64, less when memory is short)",
+    )
+    d.add_argument(
+        "--cpu-blocks",
+        dest="cpu_blocks",
+        type=int,
+        default=None,
+        help="host offload capacity in blocks (default 192, less when memory is short)",
+    )
     d.add_argument("--policy", choices=["lru", "arc"], default="arc")
     d.add_argument("--engine", default="auto", help="handler engine (auto, host, cuda, dma, kernel, staged)")
-    d.add_argument("--device", choices=["auto", "cpu", "cuda"], default="auto",
-                   help="where the KV cache lives (auto: the GPU when there is one)")
-    d.add_argument("--prefill-tokens-per-s", dest="prefill_tokens_per_s", type=float, default=20_000.0,
-                   help="assumed prefill rate of an 8B model, for the time-saved estimate (default 20000, "
-                   "an H100-class GPU)")
+    d.add_argument(
+        "--device",
+        choices=["auto", "cpu", "cuda"],
+        default="auto",
+        help="where the KV cache lives (auto: the GPU when there is one)",
+    )
+    d.add_argument(
+        "--prefill-tokens-per-s",
+        dest="prefill_tokens_per_s",
+        type=float,
+        default=20_000.0,
+        help="assumed prefill rate of an 8B model, for the time-saved estimate (default 20000, "
+        "an H100-class GPU)",
+    )
     d.add_argument("--seed", type=int, default=0)
-    d.add_argument("--plot", metavar="FILE.png", default=None,
-                   help="also sweep page sizes and plot GB/s per page size and direction (needs matplotlib)")
-    d.add_argument("--sweep-mib", dest="sweep_mib", type=int, default=None,
-                   help="MiB per job in the page-size sweep (default 16 on the host, 256 on a GPU)")
-    d.add_argument("--metrics-port", dest="metrics_port", type=int, default=None,
-                   help="serve Prometheus metrics at http://127.0.0.1:PORT/metrics while the demo runs")
+    d.add_argument(
+        "--plot",
+        metavar="FILE.png",
+        default=None,
+        help="also sweep page sizes and plot GB/s per page size and direction (needs matplotlib)",
+    )
+    d.add_argument(
+        "--sweep-mib",
+        dest="sweep_mib",
+        type=int,
+        default=None,
+        help="MiB per job in the page-size sweep (default 16 on the host, 256 on a GPU)",
+    )
+    d.add_argument(
+        "--metrics-port",
+        dest="metrics_port",
+        type=int,
+        default=None,
+        help="serve Prometheus metrics at http://127.0.0.1:PORT/metrics while the demo runs",
+    )
     d.add_argument("--prometheus", action="store_true", help="print the Prometheus metrics at the end")
     d.add_argument("--json", action="store_true", help="print the results as JSON")
     d.add_argument("--quiet", action="store_true", help="no progress bar")

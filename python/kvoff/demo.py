@@ -226,9 +226,7 @@ def _default_sizes(cfg: DemoConfig, cuda: bool) -> tuple[int, int]:
         if cpu is None:
             cpu = max(cfg.blocks_per_request, int(192 * scale))
     if gpu < cfg.blocks_per_request:
-        raise ValueError(
-            f"gpu_blocks ({gpu}) must hold one request ({cfg.blocks_per_request} blocks)"
-        )
+        raise ValueError(f"gpu_blocks ({gpu}) must hold one request ({cfg.blocks_per_request} blocks)")
     return gpu, cpu
 
 
@@ -253,12 +251,19 @@ def run_demo(cfg: DemoConfig | None = None, metrics: TransferMetrics | None = No
     manager = kvoff.create_manager(cfg.policy, cpu_blocks, block_size=BLOCK_TOKENS)
     metrics = metrics if metrics is not None else TransferMetrics()
     metrics.attach_manager(manager)
-    handlers = kvoff.CpuGpuOffloadingHandlers(pool.kv_caches, 1, cpu_blocks, engine=cfg.engine, metrics=metrics)
+    handlers = kvoff.CpuGpuOffloadingHandlers(
+        pool.kv_caches, 1, cpu_blocks, engine=cfg.engine, metrics=metrics
+    )
     store_h, load_h = handlers.gpu_to_cpu_handler, handlers.cpu_to_gpu_handler
     dev_name = torch.cuda.get_device_name() if cuda else (platform.processor() or platform.machine() or "cpu")
     res = DemoResult(
-        device=f"{device} ({dev_name})", engine=handlers.engine, policy=cfg.policy, requests=cfg.requests,
-        gpu_blocks=gpu_blocks, cpu_blocks=cpu_blocks, block_bytes=BLOCK_BYTES,
+        device=f"{device} ({dev_name})",
+        engine=handlers.engine,
+        policy=cfg.policy,
+        requests=cfg.requests,
+        gpu_blocks=gpu_blocks,
+        cpu_blocks=cpu_blocks,
+        block_bytes=BLOCK_BYTES,
         prefill_tokens_per_s=cfg.prefill_tokens_per_s,
     )
 
@@ -371,27 +376,36 @@ def _mib(n: float) -> str:
 
 def format_result(r: DemoResult) -> str:
     """The human-readable report of a demo run."""
+
     def pct(x: int) -> str:
         return f"{100 * x / max(r.blocks_requested, 1):5.1f}%"
 
     lines = [
         f"kvoff {kvoff.__version__} demo: simulated serving loop with Llama-3-8B KV shapes",
-        (f"  KV cache  32 layers x (K, V), 8 KV heads x 128, {BLOCK_TOKENS}-token blocks, bf16: 64 tensors of "
-        f"{PAGE_BYTES >> 10} KiB pages = {_mib(BLOCK_BYTES)} per block"),
+        (
+            f"  KV cache  32 layers x (K, V), 8 KV heads x 128, {BLOCK_TOKENS}-token blocks, bf16: 64 tensors of "
+            f"{PAGE_BYTES >> 10} KiB pages = {_mib(BLOCK_BYTES)} per block"
+        ),
         f"  device    {r.device}, engine {r.engine}"
         + ("" if r.device.startswith("cuda") else "  (no GPU: host memory stands in for GPU memory)"),
-        (f"  pools     GPU {r.gpu_blocks} blocks ({_mib(r.gpu_blocks * BLOCK_BYTES)}, LRU prefix cache), "
-        f"host {r.cpu_blocks} blocks ({_mib(r.cpu_blocks * BLOCK_BYTES)}, kvoff {r.policy.upper()} manager)"),
-        (f"  workload  {r.requests} requests x {r.blocks_requested // max(r.requests, 1)} blocks, "
-        f"Pareto-shared prefixes (PERF.md's manager workload, in blocks)"),
+        (
+            f"  pools     GPU {r.gpu_blocks} blocks ({_mib(r.gpu_blocks * BLOCK_BYTES)}, LRU prefix cache), "
+            f"host {r.cpu_blocks} blocks ({_mib(r.cpu_blocks * BLOCK_BYTES)}, kvoff {r.policy.upper()} manager)"
+        ),
+        (
+            f"  workload  {r.requests} requests x {r.blocks_requested // max(r.requests, 1)} blocks, "
+            f"Pareto-shared prefixes (PERF.md's manager workload, in blocks)"
+        ),
         "",
         f"  blocks requested     {r.blocks_requested:>7}",
         f"  GPU prefix hits      {r.gpu_hit_blocks:>7}  {pct(r.gpu_hit_blocks)}",
         f"  loaded from host     {r.cpu_hit_blocks:>7}  {pct(r.cpu_hit_blocks)}   (offload hit rate)",
         f"  computed             {r.computed_blocks:>7}  {pct(r.computed_blocks)}",
         f"  hit rate             {100 * r.hit_rate:6.1f}%   (GPU + host)",
-        (f"  evicted from GPU     {r.evicted_from_gpu:>7}  -> stored {r.stored_blocks}, already on host "
-        f"{r.already_on_host}, rejected (host full) {r.store_rejected}"),
+        (
+            f"  evicted from GPU     {r.evicted_from_gpu:>7}  -> stored {r.stored_blocks}, already on host "
+            f"{r.already_on_host}, rejected (host full) {r.store_rejected}"
+        ),
     ]
     for d, label in (("GPU_to_CPU", "stores GPU->CPU"), ("CPU_to_GPU", "loads  CPU->GPU")):
         t = r.transfers.get(d, {})
@@ -401,14 +415,20 @@ def format_result(r: DemoResult) -> str:
         )
     verdict = "OK" if r.verified else "FAILED"
     lines += [
-        (f"  verification         {verdict}: {r.verified_loaded_blocks} reloaded + {r.verified_gpu_blocks} "
-        f"GPU-resident blocks compared byte for byte; {r.mismatched_blocks} mismatched, "
-        f"{r.failed_transfers} failed transfers"),
-        (f"  prefill time saved   ~{r.saved_s:.2f} s = {r.cpu_hit_blocks * BLOCK_TOKENS:,} tokens loaded instead of "
-         f"recomputed ({r.recompute_s:.2f} s) - {r.transfers.get('CPU_to_GPU', {}).get('seconds', 0.0):.2f} s "
-         f"of loads"),
-        (f"                       assumption: prefill at {r.prefill_tokens_per_s:,.0f} tokens/s, an 8B model on "
-         f"one H100-class GPU (--prefill-tokens-per-s)"),
+        (
+            f"  verification         {verdict}: {r.verified_loaded_blocks} reloaded + {r.verified_gpu_blocks} "
+            f"GPU-resident blocks compared byte for byte; {r.mismatched_blocks} mismatched, "
+            f"{r.failed_transfers} failed transfers"
+        ),
+        (
+            f"  prefill time saved   ~{r.saved_s:.2f} s = {r.cpu_hit_blocks * BLOCK_TOKENS:,} tokens loaded instead of "
+            f"recomputed ({r.recompute_s:.2f} s) - {r.transfers.get('CPU_to_GPU', {}).get('seconds', 0.0):.2f} s "
+            f"of loads"
+        ),
+        (
+            f"                       assumption: prefill at {r.prefill_tokens_per_s:,.0f} tokens/s, an 8B model on "
+            f"one H100-class GPU (--prefill-tokens-per-s)"
+        ),
         f"  wall time            {r.wall_s:.1f} s",
     ]
     return "\n".join(lines)
@@ -419,9 +439,15 @@ def format_result(r: DemoResult) -> str:
 # ---------------------------------------------------------------------------------------------
 
 
-def sweep_page_sizes(pages: tuple[int, ...] = SWEEP_PAGES, job_mib: int | None = None, reps: int = 5,
-                     engine: str = "auto", device: str = "auto", seed: int = 0,
-                     show_progress: bool | None = None) -> list[dict[str, Any]]:
+def sweep_page_sizes(
+    pages: tuple[int, ...] = SWEEP_PAGES,
+    job_mib: int | None = None,
+    reps: int = 5,
+    engine: str = "auto",
+    device: str = "auto",
+    seed: int = 0,
+    show_progress: bool | None = None,
+) -> list[dict[str, Any]]:
     """GB/s per page size and direction: each job moves ``job_mib`` MiB of random blocks of up to 64
     tensors (median of ``reps``, engine-timed). Rows: ``{page_bytes, direction, gb_per_s, engine}``."""
     torch = _torch()
@@ -438,7 +464,10 @@ def sweep_page_sizes(pages: tuple[int, ...] = SWEEP_PAGES, job_mib: int | None =
             kv = [torch.full((pool, page), i + 1, dtype=torch.uint8, device=dev) for i in range(ntensors)]
             h = kvoff.CpuGpuOffloadingHandlers(kv, 1, pool, engine=engine)
             try:
-                for direction, handler in (("GPU_to_CPU", h.gpu_to_cpu_handler), ("CPU_to_GPU", h.cpu_to_gpu_handler)):
+                for direction, handler in (
+                    ("GPU_to_CPU", h.gpu_to_cpu_handler),
+                    ("CPU_to_GPU", h.cpu_to_gpu_handler),
+                ):
                     secs = []
                     for r in range(reps + 1):
                         gids = kvoff.GPULoadStoreSpec(rng.sample(range(pool), blocks))
@@ -453,11 +482,17 @@ def sweep_page_sizes(pages: tuple[int, ...] = SWEEP_PAGES, job_mib: int | None =
                             secs.append(result.transfer_time)
                         bar.update(1)
                     secs.sort()
-                    rows.append({
-                        "page_bytes": page, "tensors": ntensors, "blocks": blocks,
-                        "job_bytes": blocks * page * ntensors, "direction": direction,
-                        "gb_per_s": blocks * page * ntensors / secs[len(secs) // 2] / 1e9, "engine": h.engine,
-                    })
+                    rows.append(
+                        {
+                            "page_bytes": page,
+                            "tensors": ntensors,
+                            "blocks": blocks,
+                            "job_bytes": blocks * page * ntensors,
+                            "direction": direction,
+                            "gb_per_s": blocks * page * ntensors / secs[len(secs) // 2] / 1e9,
+                            "engine": h.engine,
+                        }
+                    )
             finally:
                 h.shutdown()
             del kv
@@ -489,7 +524,9 @@ def plot_sweep(rows: list[dict[str, Any]], path: str, title: str = "") -> None:
     for direction, marker in (("GPU_to_CPU", "o"), ("CPU_to_GPU", "s")):
         pts = sorted((r["page_bytes"], r["gb_per_s"]) for r in rows if r["direction"] == direction)
         if pts:
-            ax.plot([p for p, _ in pts], [v for _, v in pts], marker=marker, label=direction.replace("_", " "))
+            ax.plot(
+                [p for p, _ in pts], [v for _, v in pts], marker=marker, label=direction.replace("_", " ")
+            )
     ax.set_xscale("log", base=2)
     ticks = sorted({r["page_bytes"] for r in rows})
     ax.set_xticks(ticks)

@@ -296,7 +296,9 @@ def _check_medium(spec: Any, medium: str, role: str) -> None:
     if callable(m):
         got = m()
         if str(got).upper() != medium:
-            raise TypeError(f"the {role} spec must be a {medium} spec, got a {got} spec ({type(spec).__name__})")
+            raise TypeError(
+                f"the {role} spec must be a {medium} spec, got a {got} spec ({type(spec).__name__})"
+            )
 
 
 class CpuGpuOffloadingHandlers:
@@ -459,4 +461,3 @@ class CpuGpuOffloadingHandlers:
             f"CpuGpuOffloadingHandlers(tensors={len(self.gpu_tensors)}, block_size_factor="
             f"{self.block_size_factor}, num_cpu_blocks={self.num_cpu_blocks}, engine={self.engine!r})"
         )
-

@@ -65,7 +65,7 @@ def _go_float(x: float) -> str:
     s = repr(x)
     dot = s.find(".")
     if x > 0 and dot > 6:  # Go switches to exponents sooner than Python
-        mantissa = f"{s[0]}.{s[1:dot]}{s[dot + 1:]}".rstrip("0.")
+        mantissa = f"{s[0]}.{s[1:dot]}{s[dot + 1 :]}".rstrip("0.")
         return f"{mantissa}e+0{dot - 1}"
     return s
 
@@ -106,7 +106,9 @@ class TransferMetrics:
 
     def __init__(self, manager: Any = None) -> None:
         if manager is not None and not callable(getattr(manager, "get_stats", None)):
-            raise TypeError(f"manager must be a kvoff manager (with get_stats()), got {type(manager).__name__}")
+            raise TypeError(
+                f"manager must be a kvoff manager (with get_stats()), got {type(manager).__name__}"
+            )
         self._lock = threading.Lock()
         self._dirs = {d: _Direction() for d in DIRECTIONS}
         self._manager = manager
@@ -216,20 +218,29 @@ class TransferMetrics:
                 for d, s in dirs.items():
                     lines.append(f'{full}{{transfer_type="{d}"}} {_go_float(value(s))}')
 
-            per_dir("offload_total_bytes", "counter", "Bytes moved by KV offloading transfers.",
-                    lambda s: s.bytes)
-            per_dir("offload_total_time", "counter",
-                    "Seconds spent in KV offloading transfers (device-timed on a GPU).", lambda s: s.seconds)
-            per_dir("offload_transfers", "counter", "Successful KV offloading transfers.",
-                    lambda s: s.transfers)
-            per_dir("offload_failed_transfers", "counter", "Failed KV offloading transfers.",
-                    lambda s: s.failed)
+            per_dir(
+                "offload_total_bytes", "counter", "Bytes moved by KV offloading transfers.", lambda s: s.bytes
+            )
+            per_dir(
+                "offload_total_time",
+                "counter",
+                "Seconds spent in KV offloading transfers (device-timed on a GPU).",
+                lambda s: s.seconds,
+            )
+            per_dir(
+                "offload_transfers", "counter", "Successful KV offloading transfers.", lambda s: s.transfers
+            )
+            per_dir(
+                "offload_failed_transfers", "counter", "Failed KV offloading transfers.", lambda s: s.failed
+            )
             full = family("offload_size", "histogram", "Bytes per KV offloading transfer.")
             for d, s in dirs.items():
                 cum = 0
                 for le, n in zip((*SIZE_BUCKETS_BYTES, math.inf), s.bucket_counts):
                     cum += n
-                    lines.append(f'{full}_bucket{{transfer_type="{d}",le="{_go_float(le)}"}} {_go_float(cum)}')
+                    lines.append(
+                        f'{full}_bucket{{transfer_type="{d}",le="{_go_float(le)}"}} {_go_float(cum)}'
+                    )
                 lines.append(f'{full}_sum{{transfer_type="{d}"}} {_go_float(s.bytes)}')
                 lines.append(f'{full}_count{{transfer_type="{d}"}} {_go_float(s.transfers)}')
 
@@ -277,6 +288,8 @@ class MetricsServer(ThreadingHTTPServer):
     @property
     def url(self) -> str:
         host = self.server_address[0]
+        if isinstance(host, bytes):
+            host = host.decode()
         return f"http://{host}:{self.port}/metrics"
 
     def close(self) -> None:
@@ -309,8 +322,9 @@ class _MetricsHandler(BaseHTTPRequestHandler):
         pass
 
 
-def serve_metrics(metrics: TransferMetrics, port: int, addr: str = "127.0.0.1", *,
-                  prefix: str = "kvoff") -> MetricsServer:
+def serve_metrics(
+    metrics: TransferMetrics, port: int, addr: str = "127.0.0.1", *, prefix: str = "kvoff"
+) -> MetricsServer:
     """Serves ``metrics`` at ``http://addr:port/metrics`` from a daemon thread (stdlib
     ``http.server``); ``port=0`` picks a free port (see ``server.port``). Call ``server.close()``
     to stop.

@@ -126,9 +126,7 @@ class TieredOffloadingManager:
         if not 0 < nbytes <= region.slot_bytes:
             raise ValueError(f"block_bytes must be in 1..{region.slot_bytes} (the slot), got {nbytes}")
         if num_blocks > region.num_cpu_blocks:
-            raise ValueError(
-                f"num_blocks = {num_blocks} but the region holds {region.num_cpu_blocks} blocks"
-            )
+            raise ValueError(f"num_blocks = {num_blocks} but the region holds {region.num_cpu_blocks} blocks")
         self.region = region
         self.block_size = block_size
         self._core = TieredManagerCore(
@@ -282,9 +280,11 @@ def format_disk_rows(rows: list[dict[str, Any]]) -> str:
         f"{'w%':>5} {'tier_r':>7} {'seq_r':>7} {'scat_r':>7} {'r%':>5} {'prom_p50':>9} {'prom_p90':>9} {'cpu_w':>7} {'cpu_r':>7} "
         f"{'cpu_seq':>7} {'lookup':>7}"
     )
-    note = ("(GB/s = 1e9 B/s; w%/r% = tier / same-run sequential O_DIRECT (one thread); scat = the same "
-            "bytes as block-size O_DIRECT requests at shuffled offsets from io_threads threads; cpu in us "
-            "per block; lookup = scheduler ns per key that hits a file)")
+    note = (
+        "(GB/s = 1e9 B/s; w%/r% = tier / same-run sequential O_DIRECT (one thread); scat = the same "
+        "bytes as block-size O_DIRECT requests at shuffled offsets from io_threads threads; cpu in us "
+        "per block; lookup = scheduler ns per key that hits a file)"
+    )
     lines = [head, note]
     for r in rows:
         lines.append(

@@ -13,14 +13,17 @@ from kvoff import bench, cli
 
 
 def _small(**kw: object) -> list[dict[str, object]]:
-    return bench.bench_managers(num_requests=80, capacity=600, reps=1, ref_reps=1,
-                                show_progress=False, **kw)  # type: ignore[arg-type]
+    return bench.bench_managers(num_requests=80, capacity=600, reps=1, ref_reps=1, show_progress=False, **kw)  # type: ignore[arg-type]
 
 
 def test_manager_rows_agree_with_the_reference() -> None:
     rows = _small(vllm=False)
     assert [(r["policy"], r["impl"]) for r in rows] == [
-        ("lru", "python-ref"), ("lru", "kvoff"), ("arc", "python-ref"), ("arc", "kvoff")]
+        ("lru", "python-ref"),
+        ("lru", "kvoff"),
+        ("arc", "python-ref"),
+        ("arc", "kvoff"),
+    ]
     for policy in ("lru", "arc"):
         ref, kv = (r for r in rows if r["policy"] == policy)
         # Same protocol on the same workload: the same hits and the same keys passed.
@@ -46,13 +49,26 @@ def test_vllm_required_but_missing_raises(monkeypatch: pytest.MonkeyPatch) -> No
     monkeypatch.setattr(bench, "vllm_manager_factory", lambda: None)
     with pytest.raises(RuntimeError, match="vLLM"):
         _small(vllm=True)
-    assert cli.main(["bench", "managers", "--requests", "10", "--reps", "1", "--quiet",
-                     "--vllm", "on"]) == 2
+    assert cli.main(["bench", "managers", "--requests", "10", "--reps", "1", "--quiet", "--vllm", "on"]) == 2
 
 
 def test_cli_bench_managers_json(capsys: pytest.CaptureFixture[str]) -> None:
-    rc = cli.main(["bench", "managers", "--requests", "40", "--capacity", "300", "--reps", "1",
-                   "--quiet", "--json", "--vllm", "off"])
+    rc = cli.main(
+        [
+            "bench",
+            "managers",
+            "--requests",
+            "40",
+            "--capacity",
+            "300",
+            "--reps",
+            "1",
+            "--quiet",
+            "--json",
+            "--vllm",
+            "off",
+        ]
+    )
     assert rc == 0
     rows = json.loads(capsys.readouterr().out)
     assert {r["impl"] for r in rows} == {"python-ref", "kvoff"}
@@ -91,4 +107,6 @@ def test_interference_cli_parses_and_needs_a_gpu(capsys):
         pytest.skip("a GPU is here: the benchmark would run")
     pytest.importorskip("torch")
     with pytest.raises(RuntimeError, match="needs a CUDA GPU"):
-        cli.main(["bench", "interference", "--pages-kib", "4", "--jobs-mib", "1", "--dirs", "store", "--quiet"])
+        cli.main(
+            ["bench", "interference", "--pages-kib", "4", "--jobs-mib", "1", "--dirs", "store", "--quiet"]
+        )

@@ -13,8 +13,17 @@ torch = pytest.importorskip("torch")
 from kvoff import demo
 from kvoff.cli import main
 
-TINY = {"requests": 30, "blocks_per_request": 4, "min_prefix_blocks": 2, "num_prefixes": 4, "gpu_blocks": 8,
-            "cpu_blocks": 24, "device": "cpu", "engine": "host", "show_progress": False}
+TINY = {
+    "requests": 30,
+    "blocks_per_request": 4,
+    "min_prefix_blocks": 2,
+    "num_prefixes": 4,
+    "gpu_blocks": 8,
+    "cpu_blocks": 24,
+    "device": "cpu",
+    "engine": "host",
+    "show_progress": False,
+}
 
 
 def test_tiny_demo_verifies_and_hits():
@@ -93,8 +102,20 @@ def test_bad_settings():
         demo.run_demo(demo.DemoConfig(**{**TINY, "device": "tpu"}))
 
 
-ARGS = ["demo", "--requests", "12", "--blocks-per-request", "4", "--gpu-blocks", "8", "--cpu-blocks", "16",
-        "--device", "cpu", "--quiet"]
+ARGS = [
+    "demo",
+    "--requests",
+    "12",
+    "--blocks-per-request",
+    "4",
+    "--gpu-blocks",
+    "8",
+    "--cpu-blocks",
+    "16",
+    "--device",
+    "cpu",
+    "--quiet",
+]
 
 
 def test_cli_json(capsys):

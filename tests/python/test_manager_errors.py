@@ -410,5 +410,5 @@ def test_policy_and_engine_names_come_from_one_list():
     with pytest.raises(ValueError, match='unknown engine "warp"; valid choices: "auto", "host"'):
         _native.resolve_engine("warp", [None])
     assert _native.resolve_engine("auto", [None, None]) == "host"
-    with pytest.raises(ValueError, match="engine \"host\" copies with memcpy, but t1 is on cuda:0"):
+    with pytest.raises(ValueError, match='engine "host" copies with memcpy, but t1 is on cuda:0'):
         _native.resolve_engine("host", [None, 0], ["t0", "t1"])

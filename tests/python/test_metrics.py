@@ -71,8 +71,6 @@ kvoff_offload_size_count{transfer_type="GPU_to_CPU"} 2.0
 """
 
 
-
-
 def known_sequence() -> TransferMetrics:
     m = TransferMetrics()
     m.observe(res(100_000_000, 1.0))  # exactly on the 1e+08 edge: counted there (le is inclusive)
@@ -92,7 +90,9 @@ def test_snapshot_and_reset():
     g = s["GPU_to_CPU"]
     assert (g["bytes"], g["seconds"], g["transfers"], g["failed_transfers"]) == (350_000_000, 1.5, 2, 0)
     assert g["gb_per_s"] == pytest.approx(350e6 / 1.5 / 1e9)
-    assert g["size_buckets"][100e6] == 1 and g["size_buckets"][200e6] == 1 and g["size_buckets"][math.inf] == 2
+    assert (
+        g["size_buckets"][100e6] == 1 and g["size_buckets"][200e6] == 1 and g["size_buckets"][math.inf] == 2
+    )
     c = s["CPU_to_GPU"]
     assert (c["bytes"], c["transfers"], c["failed_transfers"]) == (3_000_000, 1, 1)
     assert "cache" not in s
@@ -117,7 +117,16 @@ def test_bucket_edges_are_inclusive(edge):
 
 def test_go_float_spelling():
     assert [_go_float(b) for b in SIZE_BUCKETS_BYTES] == [
-        "1e+06", "5e+06", "1e+07", "2e+07", "4e+07", "6e+07", "8e+07", "1e+08", "1.5e+08", "2e+08",
+        "1e+06",
+        "5e+06",
+        "1e+07",
+        "2e+07",
+        "4e+07",
+        "6e+07",
+        "8e+07",
+        "1e+08",
+        "1.5e+08",
+        "2e+08",
     ]
     assert _go_float(math.inf) == "+Inf" and _go_float(0) == "0.0" and _go_float(0.25) == "0.25"
     assert _go_float(123456.0) == "123456.0" and _go_float(1234567.0) == "1.234567e+06"
@@ -228,7 +237,9 @@ def test_handlers_observe_their_results():
     h = kvoff.CpuGpuOffloadingHandlers(kv, 1, 8, engine="host", metrics=m)
     try:
         assert h.metrics is m
-        h.gpu_to_cpu_handler.transfer_async(1, (kvoff.GPULoadStoreSpec([0, 1, 2]), kvoff.CPULoadStoreSpec([5, 6, 7])))
+        h.gpu_to_cpu_handler.transfer_async(
+            1, (kvoff.GPULoadStoreSpec([0, 1, 2]), kvoff.CPULoadStoreSpec([5, 6, 7]))
+        )
         h.gpu_to_cpu_handler.wait([1])
         h.cpu_to_gpu_handler.transfer_async(2, (kvoff.CPULoadStoreSpec([5]), kvoff.GPULoadStoreSpec([7])))
         h.cpu_to_gpu_handler.wait([2])

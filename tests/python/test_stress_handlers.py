@@ -32,7 +32,9 @@ C = kvoff.CPULoadStoreSpec
 def _run(body: str) -> str:
     code = PRELUDE + textwrap.dedent(body)
     try:
-        p = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=TIMEOUT_S, check=False)
+        p = subprocess.run(
+            [sys.executable, "-c", code], capture_output=True, text=True, timeout=TIMEOUT_S, check=False
+        )
     except subprocess.TimeoutExpired:
         pytest.fail(f"scenario hung (> {TIMEOUT_S}s)")
     assert p.returncode == 0, f"rc {p.returncode}\n{p.stdout}\n{p.stderr[-3000:]}"

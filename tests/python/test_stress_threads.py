@@ -42,7 +42,11 @@ def _run(body: str, policy: str) -> str:
     code = PRELUDE + textwrap.dedent(body)
     try:
         p = subprocess.run(
-            [sys.executable, "-c", code, policy], capture_output=True, text=True, timeout=TIMEOUT_S, check=False
+            [sys.executable, "-c", code, policy],
+            capture_output=True,
+            text=True,
+            timeout=TIMEOUT_S,
+            check=False,
         )
     except subprocess.TimeoutExpired:
         pytest.fail(f"scenario hung (> {TIMEOUT_S}s): a deadlock")

@@ -97,7 +97,9 @@ CHILD = textwrap.dedent(
 def child(disk: Path, mode: str, first: int, count: int) -> subprocess.Popen[str]:
     return subprocess.Popen(
         [sys.executable, "-c", CHILD, str(disk), mode, str(first), str(count)],
-        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
     )
 
 
@@ -236,7 +238,10 @@ def test_unusable_directory_is_a_config_error(tmp_path: Path) -> None:
 def test_full_disk_skips_stores_and_keeps_serving(tmp_path: Path) -> None:
     mnt = tmp_path / "small"
     mnt.mkdir()
-    if subprocess.run(["mount", "-t", "tmpfs", "-o", "size=1m", "tmpfs", str(mnt)], check=False).returncode != 0:
+    if (
+        subprocess.run(["mount", "-t", "tmpfs", "-o", "size=1m", "tmpfs", str(mnt)], check=False).returncode
+        != 0
+    ):
         pytest.skip("mount -t tmpfs refused")
     try:
         m, region = make(mnt)
@@ -266,11 +271,12 @@ def test_lookup_that_hits_a_file_costs_at_most_5us_per_key(tmp_path: Path) -> No
     reserves a host block and queues the read, measured through Python (no I/O on this thread)."""
     n = 2000
     region = kvoff.HostRegion.private(n, 4096)
-    m = TieredOffloadingManager("lru", n, region, str(tmp_path), 1 << 40, rescan_interval_s=None,
-                                max_queued_writes=n + 1)
+    m = TieredOffloadingManager(
+        "lru", n, region, str(tmp_path), 1 << 40, rescan_interval_s=None, max_queued_writes=n + 1
+    )
     keys = [K(i) for i in range(n)]
     for start in range(0, n, 256):
-        out = m.prepare_store(keys[start:start + 256])
+        out = m.prepare_store(keys[start : start + 256])
         assert out is not None
         m.complete_store(out.keys_to_store)
     m.flush()
@@ -358,8 +364,10 @@ def test_concurrent_use_from_threads(tmp_path: Path) -> None:
         except BaseException as e:  # noqa: BLE001
             errors.append(e)
 
-    threads = [threading.Thread(target=f, args=a) for f, a in
-               [(storer, (0,)), (storer, (40,)), (looker, ()), (flusher, ())]]
+    threads = [
+        threading.Thread(target=f, args=a)
+        for f, a in [(storer, (0,)), (storer, (40,)), (looker, ()), (flusher, ())]
+    ]
     for t in threads:
         t.start()
     for t in threads:

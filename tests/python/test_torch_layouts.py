@@ -81,7 +81,7 @@ class GpuMemory:
         for gid, (cid, col), p, t in _pairs(caches, job, f):
             k, off, stride = self.loc[t]
             start = off + gid * stride
-            out[k][start:start + p] = cpu[t][cid, col:col + p]
+            out[k][start : start + p] = cpu[t][cid, col : col + p]
         return out
 
 
@@ -148,19 +148,29 @@ def round_trip(kv, bases, seed, f=1, groups=None, engine="host", num_cpu=None):
         while len(job.gpu_ids) == 0:
             job = random_job(rng, ng, NB, num_cpu, f, empty_group=False)
         starts = np.concatenate([[0], np.cumsum(job.group_sizes)])
-        positions = {layer: range(int(starts[g]), int(starts[g + 1]))
-                     for g, layers in enumerate(group_lists) for layer in layers}
+        positions = {
+            layer: range(int(starts[g]), int(starts[g + 1]))
+            for g, layers in enumerate(group_lists)
+            for layer in layers
+        }
         gpu0, cpu0 = mem.snapshot(), cpu_snapshot(h)
         gpu_cur = [c.tensor.cpu().numpy() for c in caches.tensors]
         exp_cpu = expected_store(caches, gpu_cur, cpu0, job, f)
         st, ld = h.gpu_to_cpu_handler, h.cpu_to_gpu_handler
-        st.transfer_async(1, (GPULoadStoreSpec(job.gpu_ids, job.group_sizes, job.block_indices),
-                              CPULoadStoreSpec(job.cpu_ids)))
+        st.transfer_async(
+            1,
+            (
+                GPULoadStoreSpec(job.gpu_ids, job.group_sizes, job.block_indices),
+                CPULoadStoreSpec(job.cpu_ids),
+            ),
+        )
         st.wait([1])
         (r,) = st.get_finished()
         assert r.success, r.error
-        nbytes = sum(int(job.group_sizes[g]) * sum(x.page_size_bytes for x in refs)
-                     for g, refs in enumerate(caches.group_data_refs))
+        nbytes = sum(
+            int(job.group_sizes[g]) * sum(x.page_size_bytes for x in refs)
+            for g, refs in enumerate(caches.group_data_refs)
+        )
         assert r.transfer_size == nbytes
         assert_bytes_equal(cpu_snapshot(h), exp_cpu, "CPU tensor after store")
         assert_bytes_equal(mem.snapshot(), gpu0, "GPU storage (source) after store")
@@ -171,8 +181,9 @@ def round_trip(kv, bases, seed, f=1, groups=None, engine="host", num_cpu=None):
         job2 = Job(ids2, job.group_sizes, job.block_indices, job.cpu_ids)
         gpu1, cpu1 = mem.snapshot(), cpu_snapshot(h)
         exp_gpu = mem.expected_load(caches, gpu1, cpu1, job2, f)
-        ld.transfer_async(2, (CPULoadStoreSpec(job.cpu_ids),
-                              GPULoadStoreSpec(ids2, job.group_sizes, job.block_indices)))
+        ld.transfer_async(
+            2, (CPULoadStoreSpec(job.cpu_ids), GPULoadStoreSpec(ids2, job.group_sizes, job.block_indices))
+        )
         ld.wait([2])
         (r,) = ld.get_finished()
         assert r.success and r.transfer_size == nbytes, r.error
@@ -233,8 +244,16 @@ def make_case(layout: str, dtype, device="cpu") -> Case:
     raise AssertionError(layout)
 
 
-LAYOUTS = ["kv_split", "kv_interleaved", "flashinfer", "mla", "cross_layer", "cross_layer_views",
-           "padded_stride", "padded_runs"]
+LAYOUTS = [
+    "kv_split",
+    "kv_interleaved",
+    "flashinfer",
+    "mla",
+    "cross_layer",
+    "cross_layer_views",
+    "padded_stride",
+    "padded_runs",
+]
 
 
 @pytest.mark.parametrize("dtype", list(DTYPES.values()), ids=list(DTYPES))
@@ -275,8 +294,9 @@ def hybrid(dtype=torch.bfloat16, device="cpu"):
     return {"l0": z(2, NB, BS, H, D), "l1": z(NB, 2, BS, H, D), "l2": z(2, NB, BS, H, D)}
 
 
-@pytest.mark.parametrize("groups", [[["l0", "l2"], ["l1"]], {"full": ["l0", "l2"], "swa": ["l1"]}],
-                         ids=["list", "dict"])
+@pytest.mark.parametrize(
+    "groups", [[["l0", "l2"], ["l1"]], {"full": ["l0", "l2"], "swa": ["l1"]}], ids=["list", "dict"]
+)
 def test_groups_refs(groups):
     kv = hybrid()
     c = canonicalize_kv_caches(kv, groups=groups)
@@ -310,8 +330,11 @@ def test_groups_sharing_a_tensor():
     the attention layer's page is padded, the other layer uses the whole padded page."""
     e = elems_per_block()
     base = torch.zeros(NB, 2 * e + 32, dtype=torch.bfloat16)
-    kv = {"attn0": base[:, : 2 * e].view(NB, 2, BS, H, D), "mamba0": base,
-          "attn1": torch.zeros(NB, 2, BS, H, D, dtype=torch.bfloat16)}
+    kv = {
+        "attn0": base[:, : 2 * e].view(NB, 2, BS, H, D),
+        "mamba0": base,
+        "attn1": torch.zeros(NB, 2, BS, H, D, dtype=torch.bfloat16),
+    }
     groups = [["attn0", "attn1"], ["mamba0"]]
     c = canonicalize_kv_caches(kv, groups=groups)
     padded = (2 * e + 32) * 2
@@ -390,14 +413,20 @@ BAD_LAYOUTS = [
     ({"l": torch.zeros((), dtype=torch.int8)}, r"shape \(\)"),
     ({"a": torch.zeros(NB, 8), "b": torch.zeros(NB + 1, 8)}, r"a: \(12, 8\), b: \(13, 8\)"),
     ({"a": torch.zeros(2, NB, 8, 4), "b": torch.zeros(NB + 1, 2, 8)}, r"num_blocks"),
-    ({"l": torch.zeros(NB, 8, 4, dtype=torch.float16).transpose(1, 2)},
-     r"float16 shape \(12, 4, 8\).*cannot be viewed"),
+    (
+        {"l": torch.zeros(NB, 8, 4, dtype=torch.float16).transpose(1, 2)},
+        r"float16 shape \(12, 4, 8\).*cannot be viewed",
+    ),
     ({"l": torch.zeros(NB, 100, 8, dtype=torch.int8)[:, :, :4]}, r"int8 shape \(12, 100, 4\).*at most 64"),
-    ({"l": torch.zeros(NB, 1, 16, dtype=torch.int8).expand(NB, 2, 16)},
-     r"shape \(12, 2, 16\).*cannot be viewed"),
+    (
+        {"l": torch.zeros(NB, 1, 16, dtype=torch.int8).expand(NB, 2, 16)},
+        r"shape \(12, 2, 16\).*cannot be viewed",
+    ),
     ({"l": torch.zeros(2, 16, dtype=torch.int8).expand(NB, 2, 16)}, r"shape \(12, 2, 16\).*overlap"),
-    ({"l": torch.zeros(NB * 8 + 8, dtype=torch.int8).as_strided((NB, 16), (8, 1))},
-     r"shape \(12, 16\).*overlap"),
+    (
+        {"l": torch.zeros(NB * 8 + 8, dtype=torch.int8).as_strided((NB, 16), (8, 1))},
+        r"shape \(12, 16\).*overlap",
+    ),
     ({"l": torch.zeros(NB, 0, dtype=torch.int8)}, r"\(12, 0\) has empty blocks"),
     ({"l": torch.zeros(NB, 8, device="meta")}, r"on meta"),
 ]

@@ -12,16 +12,21 @@ from kvoff import bench
 pytestmark = pytest.mark.vllm
 
 if bench.vllm_manager_factory() is None:  # pragma: no cover - depends on the environment
-    pytest.skip("vLLM's offloading managers (vllm.v1.kv_offload) are not importable",
-                allow_module_level=True)
+    pytest.skip("vLLM's offloading managers (vllm.v1.kv_offload) are not importable", allow_module_level=True)
 
 
 def test_vllm_rows_follow_the_same_protocol() -> None:
-    rows = bench.bench_managers(num_requests=80, capacity=600, reps=1, ref_reps=1,
-                                show_progress=False, vllm=True)
+    rows = bench.bench_managers(
+        num_requests=80, capacity=600, reps=1, ref_reps=1, show_progress=False, vllm=True
+    )
     assert [(r["policy"], r["impl"]) for r in rows] == [
-        ("lru", "python-ref"), ("lru", "vllm"), ("lru", "kvoff"),
-        ("arc", "python-ref"), ("arc", "vllm"), ("arc", "kvoff")]
+        ("lru", "python-ref"),
+        ("lru", "vllm"),
+        ("lru", "kvoff"),
+        ("arc", "python-ref"),
+        ("arc", "vllm"),
+        ("arc", "kvoff"),
+    ]
     for policy in ("lru", "arc"):
         ref, vl, kv = (r for r in rows if r["policy"] == policy)
         # vLLM's managers, the reference and kvoff make the same decisions on this workload.

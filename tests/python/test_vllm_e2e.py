@@ -51,7 +51,16 @@ GPU_BLOCKS = {"llama": 10, "gemma2": 20}
 
 
 def _run(model_dir: Path, arch: str, kvoff: dict[str, Any] | None) -> tuple[dict[str, Any], str]:
-    cmd = [sys.executable, str(DRIVER), "--model-dir", str(model_dir), "--arch", arch, "--rounds", str(ROUNDS)]
+    cmd = [
+        sys.executable,
+        str(DRIVER),
+        "--model-dir",
+        str(model_dir),
+        "--arch",
+        arch,
+        "--rounds",
+        str(ROUNDS),
+    ]
     cmd += ["--gpu-blocks", str(GPU_BLOCKS[arch])]
     if kvoff is not None:
         cmd += ["--kvoff", json.dumps(kvoff)]
@@ -59,7 +68,9 @@ def _run(model_dir: Path, arch: str, kvoff: dict[str, Any] | None) -> tuple[dict
     # Output goes to a file, not a pipe, and the run gets its own process group: vLLM's
     # engine-core processes must not keep the test waiting, and none may outlive it.
     with tempfile.TemporaryFile("w+") as out:
-        p = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, text=True, env=env, start_new_session=True)
+        p = subprocess.Popen(
+            cmd, stdout=out, stderr=subprocess.STDOUT, text=True, env=env, start_new_session=True
+        )
         try:
             rc = p.wait(timeout=TIMEOUT_S)
         except subprocess.TimeoutExpired:

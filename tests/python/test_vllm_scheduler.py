@@ -99,7 +99,9 @@ class Engine:
                 kv_connector="OffloadingConnector", kv_role="kv_both", kv_connector_extra_config=extra
             ),
         )
-        spec = FullAttentionSpec(block_size=BLOCK, num_kv_heads=HEADS, head_size=HEAD_DIM, dtype=torch.float16)
+        spec = FullAttentionSpec(
+            block_size=BLOCK, num_kv_heads=HEADS, head_size=HEAD_DIM, dtype=torch.float16
+        )
         page = spec.page_size_bytes
         kv_cache_config = KVCacheConfig(
             num_blocks=num_gpu_blocks,
@@ -261,7 +263,9 @@ def _workload(prefixes: int, prefix_blocks: int, seed: int = 0) -> list[list[int
     ],
     ids=["lru", "arc", "block_size_x2"],
 )
-def test_kvoff_reloads_evicted_prefixes_byte_exact(tmp_path_factory: pytest.TempPathFactory, extra: dict) -> None:
+def test_kvoff_reloads_evicted_prefixes_byte_exact(
+    tmp_path_factory: pytest.TempPathFactory, extra: dict
+) -> None:
     model = _model_dir(tmp_path_factory.getbasetemp())
     eng = Engine(model, num_gpu_blocks=12, kvoff_extra={"cpu_bytes_to_use": 50_000_000, **extra})
     prompts = _workload(prefixes=5, prefix_blocks=4)

@@ -19,13 +19,13 @@ from test_worker_handlers import run_round_trip
 
 pytestmark = [
     pytest.mark.gpu,
-    pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU (torch.cuda.is_available() is false)"),
+    pytest.mark.skipif(
+        not torch.cuda.is_available(), reason="needs a CUDA GPU (torch.cuda.is_available() is false)"
+    ),
 ]
 G, C = GPULoadStoreSpec, CPULoadStoreSpec
 METHODS = ["auto", "dma", "kernel", "staged"]
 SLEEP_CYCLES = 200_000_000  # ~0.1 s of GPU time queued before the transfer
-
-
 
 
 @pytest.mark.parametrize("method", METHODS)
@@ -44,8 +44,10 @@ def test_gpu_round_trip(method, dtype, seed):
 @pytest.mark.parametrize("method", METHODS)
 def test_gpu_round_trip_shared_region(method):
     name = f"kvoff-test-{uuid.uuid4().hex[:12]}"
-    kv = [torch.randint(-100, 100, (2, 64, 16, 8, 64), dtype=torch.int8, device="cuda").to(torch.bfloat16)
-          for _ in range(2)]
+    kv = [
+        torch.randint(-100, 100, (2, 64, 16, 8, 64), dtype=torch.int8, device="cuda").to(torch.bfloat16)
+        for _ in range(2)
+    ]
     slot = 2 * 16 * 8 * 64 * 2 * 4  # K and V pages × factor 4
     regions = [HostRegion.shared(name, 16, slot, 2, r, timeout=10.0) for r in (0, 1)]
     try:
@@ -71,7 +73,9 @@ def test_gpu_round_trip_shared_region(method):
 
 
 def _handlers(method, blocks=256, page_elems=16 * 1024, ncpu=256):
-    kv = torch.randint(-100, 100, (2, blocks, page_elems), dtype=torch.int16, device="cuda").to(torch.bfloat16)
+    kv = torch.randint(-100, 100, (2, blocks, page_elems), dtype=torch.int16, device="cuda").to(
+        torch.bfloat16
+    )
     return kv, CpuGpuOffloadingHandlers([kv], 1, ncpu, engine=method)
 
 

@@ -43,8 +43,10 @@ def assert_same(actual, expected, what):
 
 
 def job_bytes(caches, job):
-    return sum(int(job.group_sizes[g]) * sum(r.page_size_bytes for r in refs)
-               for g, refs in enumerate(caches.group_data_refs))
+    return sum(
+        int(job.group_sizes[g]) * sum(r.page_size_bytes for r in refs)
+        for g, refs in enumerate(caches.group_data_refs)
+    )
 
 
 # --- canonicalization (SPEC §6) --------------------------------------------------------------------
@@ -139,8 +141,9 @@ def run_round_trip(seed: int, h_kwargs=None, layout_kwargs=None, expect_engine="
         job2 = Job(ids2, job.group_sizes, job.block_indices, job.cpu_ids)
         gpu1, cpu1 = snapshot(h.gpu_tensors), snapshot(h.cpu_tensors)
         exp_gpu = expected_load(lay.caches, gpu1, cpu1, job2, f)
-        assert ld.transfer_async(11, (CPULoadStoreSpec(job2.cpu_ids),
-                                      GPULoadStoreSpec(ids2, job.group_sizes, job.block_indices)))
+        assert ld.transfer_async(
+            11, (CPULoadStoreSpec(job2.cpu_ids), GPULoadStoreSpec(ids2, job.group_sizes, job.block_indices))
+        )
         ld.wait([11])
         (r,) = ld.get_finished()
         assert r.success and r.transfer_type == ("CPU", "GPU") and r.job_id == 11
@@ -152,7 +155,9 @@ def run_round_trip(seed: int, h_kwargs=None, layout_kwargs=None, expect_engine="
                 for ref in refs:
                     if g_old in _group_ids(lay.caches, job, ref):
                         p = ref.page_size_bytes
-                        assert np.array_equal(exp_gpu[ref.tensor_idx][g_new, :p], gpu0[ref.tensor_idx][g_old, :p])
+                        assert np.array_equal(
+                            exp_gpu[ref.tensor_idx][g_new, :p], gpu0[ref.tensor_idx][g_old, :p]
+                        )
     finally:
         h.shutdown()
 
@@ -162,7 +167,7 @@ def _group_ids(caches, job, ref):
     for g, refs in enumerate(caches.group_data_refs):
         n = int(job.group_sizes[g])
         if ref in refs:
-            return set(job.gpu_ids[off:off + n].tolist())
+            return set(job.gpu_ids[off : off + n].tolist())
         off += n
     return set()
 
@@ -187,7 +192,9 @@ def test_round_trip_in_shared_region_slot():
     name = f"kvoff-test-{uuid.uuid4().hex[:12]}"
     regions = [HostRegion.shared(name, 8, 2 * 256 * 2, 2, r, timeout=5.0) for r in (0, 1)]
     try:
-        hs = [CpuGpuOffloadingHandlers([kv.clone() + r], 2, 8, region=regions[r], engine="host") for r in (0, 1)]
+        hs = [
+            CpuGpuOffloadingHandlers([kv.clone() + r], 2, 8, region=regions[r], engine="host") for r in (0, 1)
+        ]
         for r, h in enumerate(hs):
             h.gpu_to_cpu_handler.transfer_async(1, (GPULoadStoreSpec([4, 5, 6]), CPULoadStoreSpec([7, 0])))
             h.gpu_to_cpu_handler.wait([1])
@@ -211,7 +218,10 @@ def test_round_trip_in_shared_region_slot():
 @pytest.fixture
 def small():
     rng = random.Random(7)
-    kv = {"l0": torch.zeros(2, 16, 32, dtype=torch.bfloat16), "l1": torch.zeros(16, 4, 4, dtype=torch.float32)}
+    kv = {
+        "l0": torch.zeros(2, 16, 32, dtype=torch.bfloat16),
+        "l1": torch.zeros(16, 4, 4, dtype=torch.float32),
+    }
     h = CpuGpuOffloadingHandlers(kv, 4, 6, engine="host")
     for t in h.gpu_tensors + h.cpu_tensors:
         fill_random(t, rng)
@@ -295,8 +305,10 @@ def test_wrong_tensors_are_rejected():
     with pytest.raises(ValueError):
         CpuGpuOffloadingHandlers([torch.zeros(4, 8, device="meta")], 1, 2, engine="host")
     t = torch.zeros(4, 16, dtype=torch.uint8)
-    same = CanonicalKVCaches([CanonicalKVCacheTensor(t, 16), CanonicalKVCacheTensor(t, 16)],
-                             [[CanonicalKVCacheRef(0, 16)], [CanonicalKVCacheRef(1, 16)]])
+    same = CanonicalKVCaches(
+        [CanonicalKVCacheTensor(t, 16), CanonicalKVCacheTensor(t, 16)],
+        [[CanonicalKVCacheRef(0, 16)], [CanonicalKVCacheRef(1, 16)]],
+    )
     with pytest.raises(ValueError, match="overlap"):
         CpuGpuOffloadingHandlers(same, 1, 2, engine="host")
     bad_ref = CanonicalKVCaches([CanonicalKVCacheTensor(t, 16)], [[CanonicalKVCacheRef(3, 16)]])
@@ -322,8 +334,9 @@ def test_native_handler_rejects_non_byte_views():
     with pytest.raises(ValueError, match="direction"):
         _native.TransferHandler("sideways", [c], [c.clone()], [[(0, 16)]], 1, "host")
     with pytest.raises(ValueError, match="contiguous"):
-        _native.TransferHandler("gpu_to_cpu", [torch.zeros(16, 4, dtype=torch.uint8).t()], [c],
-                                [[(0, 4)]], 1, "host")
+        _native.TransferHandler(
+            "gpu_to_cpu", [torch.zeros(16, 4, dtype=torch.uint8).t()], [c], [[(0, 4)]], 1, "host"
+        )
 
 
 def test_region_too_small_or_short():
@@ -406,8 +419,9 @@ def test_engine_selection_without_gpu():
         from kvoff import _native
 
         with pytest.raises(CudaUnavailableError):
-            _native.TransferHandler("gpu_to_cpu", [kv[0]], [torch.zeros(2, 64, dtype=torch.uint8)],
-                                    [[(0, 64)]], 1, e)
+            _native.TransferHandler(
+                "gpu_to_cpu", [kv[0]], [torch.zeros(2, 64, dtype=torch.uint8)], [[(0, 64)]], 1, e
+            )
 
 
 def test_compute_budget_is_validated_and_passed_through():
@@ -418,4 +432,3 @@ def test_compute_budget_is_validated_and_passed_through():
     for ok in (None, 0.0, 0.02, 1.0):
         h = kvoff.CpuGpuOffloadingHandlers(kv, 1, 4, engine="host", compute_budget=ok)
         h.shutdown()
-

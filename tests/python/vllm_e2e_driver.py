@@ -106,7 +106,9 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--model-dir", required=True)
     ap.add_argument("--arch", default="llama")
-    ap.add_argument("--kvoff", default=None, help="JSON of kvoff's kv_connector_extra_config (none: no offloading)")
+    ap.add_argument(
+        "--kvoff", default=None, help="JSON of kvoff's kv_connector_extra_config (none: no offloading)"
+    )
     ap.add_argument("--gpu-blocks", type=int, default=10)
     ap.add_argument("--prefixes", type=int, default=6)
     ap.add_argument("--requests", type=int, default=2)

@@ -27,9 +27,14 @@ class Layout:
     num_gpu_blocks: int
 
 
-def random_layout(rng: random.Random, device: str = "cpu", max_tensors: int = 64,
-                  pages: tuple[int, ...] = (8, 24, 64, 520, 4096, 2 << 20),
-                  dtypes: list[torch.dtype] | None = None, num_groups: int | None = None) -> Layout:
+def random_layout(
+    rng: random.Random,
+    device: str = "cpu",
+    max_tensors: int = 64,
+    pages: tuple[int, ...] = (8, 24, 64, 520, 4096, 2 << 20),
+    dtypes: list[torch.dtype] | None = None,
+    num_groups: int | None = None,
+) -> Layout:
     """1..max_tensors canonical tensors of one page size, in random layouts and dtypes, split into
     random groups (one possibly empty of refs), with some un-padded refs."""
     page = rng.choice(pages)
@@ -77,8 +82,14 @@ class Job:
     cpu_ids: np.ndarray
 
 
-def random_job(rng: random.Random, num_groups: int, num_gpu_blocks: int, num_cpu_blocks: int, f: int,
-               empty_group: bool = True) -> Job:
+def random_job(
+    rng: random.Random,
+    num_groups: int,
+    num_gpu_blocks: int,
+    num_cpu_blocks: int,
+    f: int,
+    empty_group: bool = True,
+) -> Job:
     """Distinct GPU ids and distinct CPU ids across all groups, random sizes (one group may be
     empty) and block indices (unaligned starts/ends)."""
     sizes, indices, cpu_counts = [], [], []
@@ -101,22 +112,24 @@ def random_job(rng: random.Random, num_groups: int, num_gpu_blocks: int, num_cpu
     return Job(a(gpu_ids), a(sizes), a(indices), a(cpu_ids))
 
 
-def expected_store(caches: CanonicalKVCaches, gpu: list[np.ndarray], cpu: list[np.ndarray], job: Job,
-                   f: int) -> list[np.ndarray]:
+def expected_store(
+    caches: CanonicalKVCaches, gpu: list[np.ndarray], cpu: list[np.ndarray], job: Job, f: int
+) -> list[np.ndarray]:
     """CPU tensors after storing ``job`` (copies of ``cpu``)."""
     out = [c.copy() for c in cpu]
     for src, dst, p, t in _pairs(caches, job, f):
         gi, (ci, col) = src, dst
-        out[t][ci, col:col + p] = gpu[t][gi, :p]
+        out[t][ci, col : col + p] = gpu[t][gi, :p]
     return out
 
 
-def expected_load(caches: CanonicalKVCaches, gpu: list[np.ndarray], cpu: list[np.ndarray], job: Job,
-                  f: int) -> list[np.ndarray]:
+def expected_load(
+    caches: CanonicalKVCaches, gpu: list[np.ndarray], cpu: list[np.ndarray], job: Job, f: int
+) -> list[np.ndarray]:
     """GPU tensors after loading ``job`` (copies of ``gpu``)."""
     out = [x.copy() for x in gpu]
     for gi, (ci, col), p, t in _pairs(caches, job, f):
-        out[t][gi, :p] = cpu[t][ci, col:col + p]
+        out[t][gi, :p] = cpu[t][ci, col : col + p]
     return out
 
 
@@ -127,7 +140,7 @@ def _pairs(caches: CanonicalKVCaches, job: Job, f: int):
         skip = int(job.block_indices[g]) % f
         if size == 0:
             continue
-        gids = job.gpu_ids[goff:goff + size]
+        gids = job.gpu_ids[goff : goff + size]
         cids = job.cpu_ids[coff:]
         for r in refs:
             page_t = caches.tensors[r.tensor_idx].page_size_bytes

@@ -38,7 +38,9 @@ logger = logging.getLogger("kvoff.vllm")
 from kvoff.metrics import TransferMetrics as _TransferMetrics
 
 
-def to_kvoff_kv_caches(kv_caches: CanonicalKVCaches, canonical_layout: bool = False) -> kvoff.CanonicalKVCaches:
+def to_kvoff_kv_caches(
+    kv_caches: CanonicalKVCaches, canonical_layout: bool = False
+) -> kvoff.CanonicalKVCaches:
     """vLLM's canonical KV caches as kvoff's (zero-copy; the group layout is kept).
 
     vLLM's connector attaches a canonical page mapping (``ref.mapping``: how this rank's page
@@ -115,6 +117,7 @@ class KvoffOffloadingWorker(OffloadingWorker):
             slot = sum(t.page_size_bytes for t in caches.tensors) * blocks_per_chunk
             region = kvoff.HostRegion.private(num_cpu_chunks, slot)
         self.region = region
+
         def handlers() -> kvoff.CpuGpuOffloadingHandlers:
             return kvoff.CpuGpuOffloadingHandlers(
                 caches,
