@@ -10,6 +10,7 @@ from __future__ import annotations
 from typing import Any
 
 from kvoff import _native
+from kvoff._names import Direction, DirectIoName, EngineName, PolicyName
 from kvoff._native import (
     ARCOffloadingManager,
     CPULoadStoreSpec,
@@ -56,7 +57,7 @@ _POLICIES = {"lru": LRUOffloadingManager, "arc": ARCOffloadingManager}
 # The names come from the Rust enum PolicyKind (_native.POLICIES); tests check this map covers them.
 
 
-def create_manager(policy: str, num_blocks: int, **kwargs: Any) -> OffloadingManager:
+def create_manager(policy: PolicyName, num_blocks: int, **kwargs: Any) -> OffloadingManager:
     """Create a manager by policy name (``"lru"`` or ``"arc"``).
 
     Keyword arguments are those of :class:`LRUOffloadingManager`.
@@ -83,6 +84,9 @@ __all__ = [
     "CpuSizing",
     "CudaError",
     "CudaUnavailableError",
+    "DirectIoName",
+    "Direction",
+    "EngineName",
     "GPULoadStoreSpec",
     "HostRegion",
     "InvalidStateError",
@@ -91,6 +95,7 @@ __all__ = [
     "OffloadKey",
     "OffloadingEvent",
     "OffloadingManager",
+    "PolicyName",
     "PrepareStoreOutput",
     "RegionError",
     "SingleDirectionOffloadingHandler",

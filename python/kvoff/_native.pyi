@@ -2,7 +2,7 @@
 
 import os
 from collections.abc import Iterable
-from typing import Any, Literal, TypeAlias, final
+from typing import Any, Literal, final
 
 import numpy as np
 import numpy.typing as npt
@@ -35,79 +35,115 @@ __all__ = [
 
 __version__: str
 
-_PolicyName: TypeAlias = Literal["lru", "arc"]
-_EngineName: TypeAlias = Literal["auto", "host", "cuda", "dma", "kernel", "staged", "loop"]
+from kvoff._names import Direction as _Direction
+from kvoff._names import DirectIoName as _DirectIoName
+from kvoff._names import EngineName as _EngineName
+from kvoff._names import PolicyName as _PolicyName
 
 #: The eviction policies, from the Rust enum ``PolicyKind``.
 POLICIES: tuple[_PolicyName, ...]
 #: The ``engine=`` choices of the transfer handlers, from the Rust enum ``EngineKind``.
 ENGINES: tuple[_EngineName, ...]
 
-def make_offload_key(block_hash: bytes, group_idx: int) -> bytes: ...
-def get_offload_block_hash(key: bytes) -> bytes: ...
-def get_offload_group_idx(key: bytes) -> int: ...
+def make_offload_key(block_hash: bytes, group_idx: int) -> bytes:
+    """The offload key of a block: `block_hash` followed by `group_idx` as 4 big-endian bytes."""
+
+def get_offload_block_hash(key: bytes) -> bytes:
+    """The block hash part of an offload key (all but its last 4 bytes)."""
+
+def get_offload_group_idx(key: bytes) -> int:
+    """The KV-cache group index of an offload key (its last 4 bytes, big-endian)."""
 
 @final
 class CPULoadStoreSpec:
+    """CPU block ids of a load or store (`block_ids`: int64 numpy array)."""
     def __new__(cls, block_ids: Iterable[int] | npt.ArrayLike) -> CPULoadStoreSpec: ...
     @property
-    def block_ids(self) -> npt.NDArray[np.int64]: ...
+    def block_ids(self) -> npt.NDArray[np.int64]:
+        """The block ids (int64, one dimension)."""
     @staticmethod
-    def medium() -> str: ...
-    def __len__(self) -> int: ...
+    def medium() -> Literal["CPU"]:
+        """The medium name, `"CPU"`."""
+    def __len__(self) -> int:
+        """Return len(self)."""
 
 @final
 class PrepareStoreOutput:
+    """Result of `prepare_store`."""
     def __new__(
         cls, keys_to_store: Iterable[bytes], store_spec: CPULoadStoreSpec, evicted_keys: Iterable[bytes]
     ) -> PrepareStoreOutput: ...
     @property
-    def keys_to_store(self) -> list[bytes]: ...
+    def keys_to_store(self) -> list[bytes]:
+        """Keys to store now, in input order (absent keys that were admitted)."""
     @property
-    def store_spec(self) -> CPULoadStoreSpec: ...
+    def store_spec(self) -> CPULoadStoreSpec:
+        """CPU block ids for `keys_to_store`, co-indexed: where the worker writes them."""
     @property
-    def evicted_keys(self) -> list[bytes]: ...
+    def evicted_keys(self) -> list[bytes]:
+        """Keys evicted to make room, in eviction order."""
 
 @final
 class OffloadingEvent:
+    """A change of the set of ready blocks."""
     def __new__(
         cls, keys: Iterable[bytes], block_size: int, medium: str, removed: bool
     ) -> OffloadingEvent: ...
     @property
-    def keys(self) -> list[bytes]: ...
+    def keys(self) -> list[bytes]:
+        """The keys that became ready (stored) or were removed (evicted)."""
     @property
-    def block_size(self) -> int: ...
+    def block_size(self) -> int:
+        """The manager's `block_size` setting (tokens per block), as configured."""
     @property
-    def medium(self) -> str: ...
+    def medium(self) -> str:
+        """Where the blocks live: `"CPU"`."""
     @property
-    def removed(self) -> bool: ...
+    def removed(self) -> bool:
+        """`True` for removals, `False` for stores."""
 
 @disjoint_base
 class OffloadingManager:
+    """Base class of the offloading managers."""
     @property
-    def policy(self) -> str: ...
+    def policy(self) -> _PolicyName:
+        """Policy name, `"lru"` or `"arc"`."""
     @property
-    def num_blocks(self) -> int: ...
+    def num_blocks(self) -> int:
+        """Capacity in CPU blocks."""
     @property
-    def arc_target(self) -> float | None: ...
-    def __len__(self) -> int: ...
-    def lookup(self, key: bytes, req_context: Any = None) -> bool | None: ...
-    def lookup_prefix(self, keys: Iterable[bytes], req_context: Any = None) -> int | None: ...
-    def prepare_load(self, keys: Iterable[bytes], req_context: Any = None) -> CPULoadStoreSpec: ...
-    def touch(self, keys: Iterable[bytes], req_context: Any = None) -> None: ...
-    def complete_load(self, keys: Iterable[bytes], req_context: Any = None) -> None: ...
-    def prepare_store(self, keys: Iterable[bytes], req_context: Any = None) -> PrepareStoreOutput | None: ...
-    def complete_store(
-        self, keys: Iterable[bytes], success: bool = True, req_context: Any = None
-    ) -> None: ...
-    def take_events(self, req_context: Any = None) -> list[OffloadingEvent]: ...
-    def get_stats(self, req_context: Any = None) -> dict[str, Any]: ...
-    def reset(self, req_context: Any = None) -> None: ...
-    def shutdown(self, req_context: Any = None) -> None: ...
-    def debug_lists(self) -> list[list[bytes]]: ...
+    def arc_target(self) -> float | None:
+        """ARC's target size of T1 (`None` for LRU). Introspection for tests and tuning."""
+    def __len__(self) -> int:
+        """Return len(self)."""
+    def lookup(self, key: bytes, req_context: Any = None) -> bool | None:
+        """`True` ready/loading, `None` pending, `False` absent."""
+    def lookup_prefix(self, keys: Iterable[bytes], req_context: Any = None) -> int | None:
+        """Number of leading ready keys; `None` if the first non-ready key is pending."""
+    def prepare_load(self, keys: Iterable[bytes], req_context: Any = None) -> CPULoadStoreSpec:
+        """Pins ready keys for loading; returns their CPU spec."""
+    def touch(self, keys: Iterable[bytes], req_context: Any = None) -> None:
+        """Recency update (the first key ends most recently used)."""
+    def complete_load(self, keys: Iterable[bytes], req_context: Any = None) -> None:
+        """Unpins keys whose load finished."""
+    def prepare_store(self, keys: Iterable[bytes], req_context: Any = None) -> PrepareStoreOutput | None:
+        """SPEC §2.3. `None` when there is not enough evictable room (nothing changed)."""
+    def complete_store(self, keys: Iterable[bytes], success: bool = True, req_context: Any = None) -> None:
+        """Pending keys become ready (`success`) or are removed (failure)."""
+    def take_events(self, req_context: Any = None) -> list[OffloadingEvent]:
+        """Drains events in order."""
+    def get_stats(self, req_context: Any = None) -> dict[str, Any]:
+        """Gauges and counters; resets `stores_skipped`."""
+    def reset(self, req_context: Any = None) -> None:
+        """Forgets every key, ghost and counter; pending events stay."""
+    def shutdown(self, req_context: Any = None) -> None:
+        """Idempotent; later calls of other methods raise `InvalidStateError`."""
+    def debug_lists(self) -> list[list[bytes]]:
+        """Keys of each list from LRU to MRU: `(T1, T2, B1, B2)` for ARC, `(order, [], [], [])` for LRU."""
 
 @final
 class LRUOffloadingManager(OffloadingManager):
+    """LRU offloading manager (SPEC §2.4)."""
     def __new__(
         cls,
         num_blocks: int,
@@ -120,6 +156,7 @@ class LRUOffloadingManager(OffloadingManager):
 
 @final
 class ARCOffloadingManager(OffloadingManager):
+    """ARC offloading manager (SPEC §2.5)."""
     def __new__(
         cls,
         num_blocks: int,
@@ -137,10 +174,16 @@ def cpu_sizing(
     block_size_factor: int,
     world_size: int | None = None,
     cpu_bytes_to_use: float | None = None,
-) -> tuple[int, int, int]: ...
+) -> tuple[int, int, int]:
+    """`cpu_sizing(page_size_bytes, block_size_factor, world_size=1, cpu_bytes_to_use=None)` →
+    `(slot_bytes, row_stride_bytes, num_cpu_blocks)`.
+    """
+
 def expand_block_ids(
     block_ids: npt.ArrayLike, block_size_factor: int, skip_count: int | None = None, count: int | None = None
-) -> npt.NDArray[np.int64]: ...
+) -> npt.NDArray[np.int64]:
+    """`expand_block_ids(block_ids, block_size_factor, skip_count=0, count=None) -> int64 array`."""
+
 def compute_sub_block_ptrs(
     block_ids: npt.ArrayLike,
     block_size_factor: int,
@@ -149,8 +192,14 @@ def compute_sub_block_ptrs(
     row_bytes: int,
     skip_count: int | None = None,
     count: int | None = None,
-) -> npt.NDArray[np.int64]: ...
-def cuda_available() -> bool: ...
+) -> npt.NDArray[np.int64]:
+    """`compute_sub_block_ptrs(block_ids, block_size_factor, base_ptr, row_stride, row_bytes,
+    skip_count=0, count=None) -> int64 array`.
+    """
+
+def cuda_available() -> bool:
+    """Whether kvoff can use CUDA here (a driver with at least one device)."""
+
 def resolve_engine(
     engine: str, placements: list[int | None], names: list[str] | None = None
 ) -> Literal["host", "cuda"]:
@@ -160,8 +209,10 @@ def resolve_engine(
 
 @final
 class HostRegion:
+    """A host memory region (SPEC §5): private (anonymous) or shared by name in `/dev/shm`."""
     @staticmethod
-    def private(num_cpu_blocks: int, slot_bytes: int, world_size: int | None = None) -> HostRegion: ...
+    def private(num_cpu_blocks: int, slot_bytes: int, world_size: int | None = None) -> HostRegion:
+        """A private region of `num_cpu_blocks` rows of `world_size` slots of `slot_bytes`, prefaulted."""
     @staticmethod
     def shared(
         name: str,
@@ -173,55 +224,88 @@ class HostRegion:
         directory: str | os.PathLike[str] | None = None,
         unlink_when_all_joined: bool = True,
         prefault: bool = True,
-    ) -> HostRegion: ...
+    ) -> HostRegion:
+        """Creates or joins the shared region `name` (a file in `directory`, default `/dev/shm`) as
+        `rank`, waiting up to `timeout` seconds for its creator. Releases the GIL while waiting.
+        """
     @property
-    def num_cpu_blocks(self) -> int: ...
+    def num_cpu_blocks(self) -> int:
+        """Number of rows (CPU blocks)."""
     @property
-    def slot_bytes(self) -> int: ...
+    def slot_bytes(self) -> int:
+        """Bytes of one rank's slot in a row."""
     @property
-    def world_size(self) -> int: ...
+    def world_size(self) -> int:
+        """Number of ranks (slots per row)."""
     @property
-    def rank(self) -> int | None: ...
+    def rank(self) -> int | None:
+        """This process's rank (shared regions); `None` for a private region."""
     @property
-    def row_stride_bytes(self) -> int: ...
+    def row_stride_bytes(self) -> int:
+        """Bytes from one row to the next (a multiple of the OS page size)."""
     @property
-    def len_bytes(self) -> int: ...
+    def len_bytes(self) -> int:
+        """Bytes of all rows."""
     @property
-    def path(self) -> str | None: ...
+    def path(self) -> str | None:
+        """Path of the region file (shared regions), whether or not it is still linked."""
     @property
-    def closed(self) -> bool: ...
+    def closed(self) -> bool:
+        """Whether `close()` was called."""
     @property
-    def ptr(self) -> int: ...
+    def ptr(self) -> int:
+        """Address of row 0."""
     @property
-    def is_pinned(self) -> bool: ...
+    def is_pinned(self) -> bool:
+        """Whether the region is registered (page-locked) with CUDA."""
     @property
-    def pin_error(self) -> str | None: ...
-    def view(self, rank: int, offset: int, nbytes: int) -> Any: ...
-    def view_numpy(self, rank: int, offset: int, nbytes: int) -> npt.NDArray[np.uint8]: ...
-    def pin(self, device: int = 0) -> None: ...
-    def unpin(self) -> None: ...
-    def unlink(self) -> bool: ...
-    def close(self) -> None: ...
+    def pin_error(self) -> str | None:
+        """Why the last `pin` failed, if it did."""
+    def view(self, rank: int, offset: int, nbytes: int) -> Any:
+        """A zero-copy 2-D `torch.uint8` tensor `(num_cpu_blocks, nbytes)` with the region's row stride:
+        bytes `offset..offset+nbytes` of `rank`'s slot in every row. The tensor keeps the mapping
+        alive. Needs torch.
+        """
+    def view_numpy(self, rank: int, offset: int, nbytes: int) -> npt.NDArray[np.uint8]:
+        """As `view`, as a numpy `uint8` array."""
+    def pin(self, device: int = 0) -> None:
+        """Page-locks the region for CUDA device `device` (row-aligned pieces, all or nothing). On
+        failure the region stays usable and unpinned and `pin_error` says why.
+        """
+    def unpin(self) -> None:
+        """Unregisters what `pin` registered (no-op when not pinned)."""
+    def unlink(self) -> bool:
+        """Removes the region's file name (shared regions); the mapping stays. Returns whether a name
+        was removed.
+        """
+    def close(self) -> None:
+        """Releases this object's hold on the mapping: unpins and unmaps now when no view is alive,
+        otherwise when the last view is garbage-collected. Idempotent.
+        """
     def __enter__(self) -> HostRegion: ...
     def __exit__(self, exc_type: object, exc: object, tb: object) -> bool: ...
 
 @final
 class RegionBuffer:
+    """Exporter of one region view to numpy (`__array_interface__`); holds the region alive."""
     @property
-    def __array_interface__(self) -> dict[str, Any]: ...
+    def __array_interface__(self) -> dict[str, Any]:
+        """numpy's array interface (version 3): a writable `uint8` 2-D strided array."""
     @property
-    def ptr(self) -> int: ...
+    def ptr(self) -> int:
+        """Address of row 0 of the view."""
 
 @final
 class TransferHandler:
+    """One direction's transfers over a fixed set of tensors: a [`CopyPlanner`] and an engine."""
     def __new__(
         cls,
-        direction: str,
+        direction: _Direction,
         gpu_tensors: list[Any] | tuple[Any, ...],
         cpu_tensors: list[Any] | tuple[Any, ...],
         group_refs: list[list[tuple[int, int]]] | tuple[Any, ...],
         block_size_factor: int,
-        engine: str = "auto",
+        engine: _EngineName = "auto",
         compute_budget: float | None = None,
     ) -> TransferHandler: ...
     def submit(
@@ -232,26 +316,38 @@ class TransferHandler:
         block_indices: npt.ArrayLike | None,
         cpu_block_ids: npt.ArrayLike,
         stream: int | None = None,
-    ) -> None: ...
-    def get_finished(self) -> list[tuple[int, bool, int, float, str | None]]: ...
-    def wait(self, job_ids: Iterable[int] | int) -> None: ...
-    def shutdown(self) -> None: ...
+    ) -> None:
+        """Validates and enqueues one job; returns at once. Nothing is enqueued when it raises."""
+    def get_finished(self) -> list[tuple[int, bool, int, float, str | None]]:
+        """Finished jobs not returned before, in submission order, as
+        `(job_id, success, bytes, seconds, error)`. Never blocks: while another thread is in `wait`,
+        returns what is available later.
+        """
+    def wait(self, job_ids: Iterable[int] | int) -> None:
+        """Blocks until the jobs `job_ids` finished (unknown ids are ignored), releasing the GIL."""
+    def shutdown(self) -> None:
+        """Drains in-flight work and stops the engine; idempotent. Results stay available."""
     @property
-    def direction(self) -> str: ...
+    def direction(self) -> _Direction:
+        """`"gpu_to_cpu"` or `"cpu_to_gpu"`."""
     @property
-    def transfer_type(self) -> tuple[str, str]: ...
+    def transfer_type(self) -> tuple[Literal["GPU", "CPU"], Literal["GPU", "CPU"]]:
+        """`("GPU", "CPU")` or `("CPU", "GPU")`."""
     @property
-    def engine(self) -> str: ...
+    def engine(self) -> str:
+        """The engine in use: `"host"` or `"cuda:<method>"`."""
     @property
-    def num_tensors(self) -> int: ...
+    def num_tensors(self) -> int:
+        """Number of tensors kept alive by the handler (GPU side + CPU side)."""
 
 # --- file tier (src/python/tier.rs); the public wrapper is kvoff.tier.TieredOffloadingManager ---
 
 @final
 class TieredManagerCore:
+    """A tiered manager for Python: see the module docs."""
     def __new__(
         cls,
-        policy: str,
+        policy: _PolicyName,
         num_blocks: int,
         disk_path: str | os.PathLike[str],
         disk_bytes_to_use: int,
@@ -276,33 +372,55 @@ class TieredManagerCore:
         write_threads: int = 4,
         max_queued_writes: int = 256,
         fsync: bool = False,
-        direct_io: str = "auto",
+        direct_io: _DirectIoName = "auto",
         rescan_interval_s: float | None = ...,
         owner: str | None = None,
         max_promotions: int = 256,
     ) -> TieredManagerCore: ...
-    def lookup(self, key: bytes) -> bool | None: ...
-    def lookup_prefix(self, keys: Iterable[bytes]) -> int | None: ...
-    def prepare_load(self, keys: Iterable[bytes]) -> list[int]: ...
-    def touch(self, keys: Iterable[bytes]) -> None: ...
-    def complete_load(self, keys: Iterable[bytes]) -> None: ...
-    def prepare_store(self, keys: Iterable[bytes]) -> tuple[list[bytes], list[int], list[bytes]] | None: ...
-    def complete_store(self, keys: Iterable[bytes], success: bool = True) -> None: ...
-    def take_events(self) -> list[tuple[list[bytes], bool]]: ...
-    def get_stats(self) -> dict[str, Any]: ...
-    def poll(self) -> None: ...
-    def flush(self) -> None: ...
-    def num_promoting(self) -> int: ...
+    def lookup(self, key: bytes) -> bool | None:
+        """`True` ready, `None` pending (store or promotion in flight), `False` absent."""
+    def lookup_prefix(self, keys: Iterable[bytes]) -> int | None:
+        """Leading ready keys, or `None` when the first non-ready one is pending or being promoted."""
+    def prepare_load(self, keys: Iterable[bytes]) -> list[int]:
+        """Pins the keys for a load; returns their block ids."""
+    def touch(self, keys: Iterable[bytes]) -> None:
+        """Recency update."""
+    def complete_load(self, keys: Iterable[bytes]) -> None:
+        """Unpins loaded keys."""
+    def prepare_store(self, keys: Iterable[bytes]) -> tuple[list[bytes], list[int], list[bytes]] | None:
+        """`(keys_to_store, block_ids, evicted_keys)` or `None`."""
+    def complete_store(self, keys: Iterable[bytes], success: bool = True) -> None:
+        """Finishes stores (and writes the stored blocks through to the disk tier)."""
+    def take_events(self) -> list[tuple[list[bytes], bool]]:
+        """Events as `(keys, removed)` pairs, in order."""
+    def get_stats(self) -> dict[str, Any]:
+        """Host gauges (SPEC §2.2) plus `disk_*` counters and gauges."""
+    def poll(self) -> None:
+        """Applies finished disk I/O (never blocks)."""
+    def flush(self) -> None:
+        """Waits (GIL released, manager lock not held) until the queued disk I/O has run, then
+        applies it.
+        """
+    def num_promoting(self) -> int:
+        """Number of promotions in flight."""
     @property
-    def disk_dir(self) -> str: ...
-    def disk_path_of(self, key: bytes) -> str: ...
-    def disk_contains(self, key: bytes) -> bool: ...
-    def disk_rescan(self) -> None: ...
-    def reset(self) -> None: ...
-    def shutdown(self) -> None: ...
-    def __len__(self) -> int: ...
+    def disk_dir(self) -> str:
+        """The directory of this layout's files."""
+    def disk_path_of(self, key: bytes) -> str:
+        """Path of a key's file (whether or not it exists)."""
+    def disk_contains(self, key: bytes) -> bool:
+        """Whether a key has a published file (no I/O)."""
+    def disk_rescan(self) -> None:
+        """Lists the disk directory again now (GIL released)."""
+    def reset(self) -> None:
+        """Waits for disk I/O, then forgets every host key (files stay)."""
+    def shutdown(self) -> None:
+        """Waits for disk I/O, stops the I/O threads; idempotent. Later calls raise `InvalidStateError`."""
+    def __len__(self) -> int:
+        """Return len(self)."""
     @property
-    def num_blocks(self) -> int: ...
+    def num_blocks(self) -> int:
+        """Host capacity in blocks."""
 
 def bench_disk(
     dir: str | os.PathLike[str],
@@ -311,5 +429,6 @@ def bench_disk(
     num_blocks: int = 256,
     reps: int = 5,
     io_threads: int = 8,
-    direct_io: str = "auto",
-) -> dict[str, Any]: ...
+    direct_io: _DirectIoName = "auto",
+) -> dict[str, Any]:
+    """Runs the disk benchmark for one layout (GIL released) and returns its row as a dict."""

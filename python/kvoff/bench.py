@@ -18,9 +18,10 @@ import random
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, cast
 
 import kvoff
+from kvoff._names import EngineName, PolicyName
 from kvoff._native import CPULoadStoreSpec
 from kvoff._progress import Progress
 from kvoff._pyref import PyARC, PyLRU
@@ -242,7 +243,9 @@ def bench_managers(
                 }
             )
         kv = _time(
-            functools.partial(kvoff.create_manager, policy, capacity, enable_events=True, block_size=16),
+            functools.partial(
+                kvoff.create_manager, cast(PolicyName, policy), capacity, enable_events=True, block_size=16
+            ),
             _run_kvoff,
             wl,
             reps,
@@ -424,7 +427,7 @@ def bench_transfers(
                 h = (
                     CpuGpuOffloadingHandlers(kv, 1, pool, engine="auto", compute_budget=None)
                     if method == "auto-idle"
-                    else CpuGpuOffloadingHandlers(kv, 1, pool, engine=method)
+                    else CpuGpuOffloadingHandlers(kv, 1, pool, engine=cast(EngineName, method))
                 )
                 try:
                     for direction, handler in (

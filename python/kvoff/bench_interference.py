@@ -16,7 +16,9 @@ import os
 import random
 import threading
 import time
-from typing import Any
+from typing import Any, cast
+
+from kvoff._names import EngineName
 
 TENSORS = 64
 
@@ -277,7 +279,9 @@ def bench_interference(
                 else:
                     os.environ.pop("KVOFF_CUDA_TUNE", None)
                 try:
-                    h = kvoff.CpuGpuOffloadingHandlers(kv, 1, ncpu, engine=engine, compute_budget=budget)
+                    h = kvoff.CpuGpuOffloadingHandlers(
+                        kv, 1, ncpu, engine=cast(EngineName, engine), compute_budget=budget
+                    )
                 finally:
                     if old_tune is None:
                         os.environ.pop("KVOFF_CUDA_TUNE", None)

@@ -31,9 +31,10 @@ import random
 import time
 from collections import OrderedDict
 from dataclasses import asdict, dataclass, field
-from typing import Any
+from typing import Any, cast
 
 import kvoff
+from kvoff._names import EngineName, PolicyName
 from kvoff._progress import Progress
 from kvoff.metrics import TransferMetrics
 
@@ -248,11 +249,11 @@ def run_demo(cfg: DemoConfig | None = None, metrics: TransferMetrics | None = No
     requests = make_requests(cfg)
 
     pool = _KVPool(torch, gpu_blocks, device, cfg.seed)
-    manager = kvoff.create_manager(cfg.policy, cpu_blocks, block_size=BLOCK_TOKENS)
+    manager = kvoff.create_manager(cast(PolicyName, cfg.policy), cpu_blocks, block_size=BLOCK_TOKENS)
     metrics = metrics if metrics is not None else TransferMetrics()
     metrics.attach_manager(manager)
     handlers = kvoff.CpuGpuOffloadingHandlers(
-        pool.kv_caches, 1, cpu_blocks, engine=cfg.engine, metrics=metrics
+        pool.kv_caches, 1, cpu_blocks, engine=cast(EngineName, cfg.engine), metrics=metrics
     )
     store_h, load_h = handlers.gpu_to_cpu_handler, handlers.cpu_to_gpu_handler
     dev_name = torch.cuda.get_device_name() if cuda else (platform.processor() or platform.machine() or "cpu")
@@ -462,7 +463,7 @@ def sweep_page_sizes(
             blocks = max(64, job_bytes // (page * ntensors))
             pool = 2 * blocks
             kv = [torch.full((pool, page), i + 1, dtype=torch.uint8, device=dev) for i in range(ntensors)]
-            h = kvoff.CpuGpuOffloadingHandlers(kv, 1, pool, engine=engine)
+            h = kvoff.CpuGpuOffloadingHandlers(kv, 1, pool, engine=cast(EngineName, engine))
             try:
                 for direction, handler in (
                     ("GPU_to_CPU", h.gpu_to_cpu_handler),

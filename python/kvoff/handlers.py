@@ -24,6 +24,7 @@ from typing import Any, NamedTuple
 import numpy as np
 
 from kvoff import _native
+from kvoff._names import EngineName
 from kvoff._native import HostRegion
 from kvoff.canonical import (
     CanonicalKVCacheRef,
@@ -337,7 +338,7 @@ class CpuGpuOffloadingHandlers:
         block_size_factor: int,
         num_cpu_blocks: int,
         region: HostRegion | None = None,
-        engine: str = "auto",
+        engine: EngineName = "auto",
         metrics: TransferMetrics | None = None,
         compute_budget: float | None = 0.02,
     ) -> None:

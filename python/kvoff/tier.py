@@ -27,6 +27,7 @@ from __future__ import annotations
 from collections.abc import Iterable, Sequence
 from typing import Any
 
+from kvoff._names import DirectIoName, PolicyName
 from kvoff._native import (
     CPULoadStoreSpec,
     HostRegion,
@@ -88,7 +89,7 @@ class TieredOffloadingManager:
 
     def __init__(
         self,
-        policy: str,
+        policy: PolicyName,
         num_blocks: int,
         region: HostRegion,
         disk_path: str,
@@ -110,7 +111,7 @@ class TieredOffloadingManager:
         write_threads: int = 4,
         max_queued_writes: int = 256,
         fsync: bool = False,
-        direct_io: str = "auto",
+        direct_io: DirectIoName = "auto",
         rescan_interval_s: float | None = 2.0,
         owner: str | None = None,
         max_promotions: int = 256,
@@ -262,7 +263,7 @@ DISK_LAYOUTS: list[tuple[str, list[int]]] = [
 
 
 def bench_disk_rows(
-    dir: str, num_blocks: int = 256, reps: int = 5, io_threads: int = 8, direct_io: str = "auto"
+    dir: str, num_blocks: int = 256, reps: int = 5, io_threads: int = 8, direct_io: DirectIoName = "auto"
 ) -> list[dict[str, Any]]:
     """Runs :func:`bench_disk` for every layout of :data:`DISK_LAYOUTS` (the 4 KiB-page layout with
     8× as many blocks, so that every layout moves the same bytes)."""

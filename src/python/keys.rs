@@ -8,7 +8,7 @@ use pyo3::types::{PyBytes, PyList, PyTuple};
 use super::errors::IntoPyResult;
 use crate::key::{self, ByteKey};
 
-/// `make_offload_key(block_hash, group_idx) -> bytes`.
+/// The offload key of a block: `block_hash` followed by `group_idx` as 4 big-endian bytes.
 #[pyfunction]
 fn make_offload_key<'py>(
     py: Python<'py>,
@@ -30,7 +30,7 @@ fn make_offload_key<'py>(
     Ok(PyBytes::new(py, &k))
 }
 
-/// `get_offload_block_hash(key) -> bytes`.
+/// The block hash part of an offload key (all but its last 4 bytes).
 #[pyfunction]
 fn get_offload_block_hash<'py>(
     py: Python<'py>,
@@ -40,7 +40,7 @@ fn get_offload_block_hash<'py>(
     Ok(PyBytes::new(py, key::get_offload_block_hash(k).py()?))
 }
 
-/// `get_offload_group_idx(key) -> int`.
+/// The KV-cache group index of an offload key (its last 4 bytes, big-endian).
 #[pyfunction]
 fn get_offload_group_idx(key: &Bound<'_, PyAny>) -> PyResult<u32> {
     key::get_offload_group_idx(bytes_arg(key, "key")?).py()

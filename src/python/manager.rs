@@ -523,10 +523,13 @@ fn check_non_negative(a: &Bound<'_, PyArray1<i64>>, what: &str) -> PyResult<()> 
 /// Result of `prepare_store`.
 #[pyclass(name = "PrepareStoreOutput", module = "kvoff._native", frozen)]
 pub struct PyPrepareStoreOutput {
+    /// Keys to store now, in input order (absent keys that were admitted).
     #[pyo3(get)]
     keys_to_store: Py<PyList>,
+    /// CPU block ids for `keys_to_store`, co-indexed: where the worker writes them.
     #[pyo3(get)]
     store_spec: Py<PyCpuSpec>,
+    /// Keys evicted to make room, in eviction order.
     #[pyo3(get)]
     evicted_keys: Py<PyList>,
 }
@@ -568,12 +571,16 @@ impl PyPrepareStoreOutput {
 /// A change of the set of ready blocks.
 #[pyclass(name = "OffloadingEvent", module = "kvoff._native", frozen)]
 pub struct PyOffloadingEvent {
+    /// The keys that became ready (stored) or were removed (evicted).
     #[pyo3(get)]
     keys: Py<PyList>,
+    /// The manager's `block_size` setting (tokens per block), as configured.
     #[pyo3(get)]
     block_size: usize,
+    /// Where the blocks live: `"CPU"`.
     #[pyo3(get)]
     medium: String,
+    /// `True` for removals, `False` for stores.
     #[pyo3(get)]
     removed: bool,
 }

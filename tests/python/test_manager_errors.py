@@ -412,3 +412,13 @@ def test_policy_and_engine_names_come_from_one_list():
     assert _native.resolve_engine("auto", [None, None]) == "host"
     with pytest.raises(ValueError, match='engine "host" copies with memcpy, but t1 is on cuda:0'):
         _native.resolve_engine("host", [None, 0], ["t0", "t1"])
+
+
+def test_literal_types_spell_the_runtime_lists():
+    # Type checkers read kvoff._names' Literal types; the runtime reads the Rust enums' lists.
+    import typing
+
+    from kvoff import _native
+
+    assert typing.get_args(kvoff.PolicyName) == _native.POLICIES
+    assert typing.get_args(kvoff.EngineName) == _native.ENGINES

@@ -11,9 +11,10 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 from dataclasses import dataclass, fields
-from typing import Any
+from typing import Any, cast
 
 from kvoff import _native
+from kvoff._names import EngineName, PolicyName
 from kvoff.errors import ConfigError
 from kvoff.handlers import ENGINES
 
@@ -76,10 +77,10 @@ class KvoffOffloadConfig:
     """
 
     cpu_bytes_to_use: int
-    eviction_policy: str = "lru"
+    eviction_policy: PolicyName = "lru"
     store_threshold: int = 0
     max_tracker_size: int = 64_000
-    engine: str = "auto"
+    engine: EngineName = "auto"
     block_size: int | None = None
     blocks_per_chunk: int | None = None
     shared_region: bool | None = None
@@ -158,10 +159,10 @@ class KvoffOffloadConfig:
         assert store_threshold is not None and max_tracker_size is not None
         return cls(
             cpu_bytes_to_use=cpu_bytes,
-            eviction_policy=policy.lower(),
+            eviction_policy=cast(PolicyName, policy.lower()),  # checked above
             store_threshold=store_threshold,
             max_tracker_size=max_tracker_size,
-            engine=engine,
+            engine=cast(EngineName, engine),  # checked above
             block_size=block_size,
             blocks_per_chunk=blocks_per_chunk,
             shared_region=shared,

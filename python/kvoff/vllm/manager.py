@@ -24,7 +24,7 @@ from __future__ import annotations
 
 from collections.abc import Collection, Iterable, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, cast
 
 from vllm.distributed.kv_transfer.kv_connector.v1.offloading.metrics import OffloadingConnectorStats
 from vllm.v1.kv_offload.base import (
@@ -40,6 +40,7 @@ from vllm.v1.kv_offload.base import (
 from vllm.v1.kv_offload.cpu.common import CPULoadStoreSpec, CPUOffloadingMetrics
 
 import kvoff
+from kvoff._names import PolicyName
 from kvoff.vllm._compat import ConfigInfoMapping
 
 __all__ = ["KvoffOffloadingManager"]
@@ -62,7 +63,7 @@ class KvoffOffloadingManager(OffloadingManager):
     def __init__(
         self,
         num_chunks: int,
-        eviction_policy: str = "lru",
+        eviction_policy: PolicyName = "lru",
         enable_events: bool = False,
         store_threshold: int = 0,
         max_tracker_size: int = 64_000,
@@ -72,7 +73,7 @@ class KvoffOffloadingManager(OffloadingManager):
         self.policy = eviction_policy.lower()
         self.store_threshold = store_threshold
         self.kvoff_manager = kvoff.create_manager(
-            self.policy,
+            cast(PolicyName, self.policy),
             num_chunks,
             enable_events=enable_events,
             store_threshold=store_threshold,

@@ -29,6 +29,7 @@ from vllm.v1.kv_offload.base import (
 )
 
 import kvoff
+from kvoff._names import EngineName
 from kvoff.errors import ConfigError
 
 __all__ = ["KvoffOffloadingWorker", "to_kvoff_kv_caches"]
@@ -103,7 +104,7 @@ class KvoffOffloadingWorker(OffloadingWorker):
         blocks_per_chunk: int,
         num_cpu_chunks: int,
         region: kvoff.HostRegion | None = None,
-        engine: str = "auto",
+        engine: EngineName = "auto",
         canonical_layout: bool = False,
         compute_budget: float | None = 0.02,
     ) -> None:
