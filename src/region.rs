@@ -164,7 +164,8 @@ pub struct HostRegion {
     slot_bytes: u64,
     world_size: u64,
     row_stride_bytes: u64,
-    /// `Some(rank)` for a shared region; `None` for a private one (all slots are ours).
+    /// `Some(rank)` for a rank of a shared region; `None` for a private region (all slots are ours)
+    /// or an observer of a shared one ([`HostRegion::attach`]).
     rank: Option<u64>,
     shared: Option<SharedFile>,
     registrar: Option<Arc<dyn HostRegistrar>>,
@@ -713,6 +714,137 @@ impl HostRegion {
         Ok(region)
     }
 
+    /// Attaches to the shared region `name` that an engine's ranks created, as an **observer**
+    /// (no rank): the process that runs the scheduler maps the rows to move blocks between host
+    /// memory and a tier behind it (`kvoff::tier`). The geometry is read from the header; the
+    /// observer holds the liveness lock like a rank (the region stays alive while it is attached)
+    /// but takes no rank's flag, does not count as joined and does not prefault. Waits up to
+    /// `opts.timeout` for the file; a stale file (nobody holds it) is left for the ranks to replace
+    /// and waited past. The ranks must not unlink the name before the observer attached
+    /// (`unlink_when_all_joined = false`); the observer may then [`unlink`](Self::unlink) it.
+    ///
+    /// # Errors
+    /// [`KvoffError::Region`] when the file does not appear in time, is not this user's private
+    /// file, or is not a complete kvoff region.
+    pub fn attach(name: &str, opts: &RegionOptions) -> Result<Self> {
+        check_name(name)?;
+        let path = opts.dir.join(name);
+        let deadline = Instant::now() + opts.timeout;
+        let mut backoff = Duration::from_millis(1);
+        let fd = loop {
+            match open_fd(&path, libc::O_RDWR) {
+                Ok(fd) => {
+                    if let Err(e) = check_private(fd, &path) {
+                        let _ = close_fd(fd);
+                        return Err(e);
+                    }
+                    match flock_fd(fd, libc::LOCK_EX | libc::LOCK_NB) {
+                        // Nobody holds it: stale; the ranks will replace it.
+                        Ok(true) => {
+                            let _ = close_fd(fd);
+                        }
+                        Ok(false) => match flock_fd(fd, libc::LOCK_SH) {
+                            Ok(_) => break fd,
+                            Err(e) => {
+                                let _ = close_fd(fd);
+                                return Err(os_err("cannot lock", &path, &e));
+                            }
+                        },
+                        Err(e) => {
+                            let _ = close_fd(fd);
+                            return Err(os_err("cannot lock", &path, &e));
+                        }
+                    }
+                }
+                Err(e) if e.kind() == io::ErrorKind::NotFound => {}
+                Err(e) => return Err(os_err("cannot open region", &path, &e)),
+            }
+            let now = Instant::now();
+            if now >= deadline {
+                return Err(KvoffError::region(format!(
+                    "timed out after {:?} waiting for shared region {} to be created by the \
+                     engine's ranks",
+                    opts.timeout,
+                    path.display()
+                )));
+            }
+            std::thread::sleep(backoff.min(deadline - now));
+            backoff = (backoff * 2).min(Duration::from_millis(20));
+        };
+        let mut region = Self {
+            map_ptr: NonNull::dangling(),
+            map_len: 0,
+            data_offset: 0,
+            num_cpu_blocks: 0,
+            slot_bytes: 0,
+            world_size: 0,
+            row_stride_bytes: 0,
+            rank: None,
+            shared: None,
+            registrar: None,
+            pinned_pieces: Vec::new(),
+            pin_error: None,
+            closed: false,
+            close_errors: Vec::new(),
+        };
+        match region.attach_inner(fd, &path) {
+            Ok((dev, ino)) => {
+                region.shared = Some(SharedFile { fd, path, dev, ino });
+                Ok(region)
+            }
+            Err(e) => {
+                if region.map_len != 0 {
+                    let _ = unmap(region.map_ptr, region.map_len);
+                    region.map_len = 0;
+                }
+                region.closed = true;
+                let _ = close_fd(fd);
+                Err(e)
+            }
+        }
+    }
+
+    /// Maps the whole file and takes the geometry from its header, checking it is consistent.
+    fn attach_inner(&mut self, fd: libc::c_int, path: &Path) -> Result<(u64, u64)> {
+        let (dev, ino, size) = fstat_id(fd).map_err(|e| os_err("cannot stat", path, &e))?;
+        let bad = || {
+            KvoffError::region(format!(
+                "{} ({size} bytes) is not a complete kvoff shared region; remove it or use another \
+                 name",
+                path.display()
+            ))
+        };
+        if size < os_page_size() || usize::try_from(size).is_err() || i64::try_from(size).is_err() {
+            return Err(bad());
+        }
+        self.map_ptr = map_shared(fd, crate::usize_from(size), path)?;
+        self.map_len = crate::usize_from(size);
+        // The header's words are read through `hdr`, which needs `data_offset` ≥ the words read:
+        // the first page holds them all (H_RANK_FLAGS + world_size words are checked below).
+        self.data_offset = crate::usize_from(os_page_size());
+        let w = |i: usize| self.hdr(i).load(Ordering::Acquire);
+        if w(H_MAGIC) != MAGIC || w(H_VERSION) != VERSION {
+            return Err(bad());
+        }
+        let (n, slot, ws) = (w(H_NUM_CPU_BLOCKS), w(H_SLOT_BYTES), w(H_WORLD_SIZE));
+        let (stride, hdr_bytes) = (w(H_ROW_STRIDE), w(H_HEADER_BYTES));
+        let geo = geometry(n, slot, ws).map_err(|_| bad())?;
+        let expect_hdr = header_bytes(ws).map_err(|_| bad())?;
+        if ws == 0
+            || geo.row_stride_bytes != stride
+            || expect_hdr != hdr_bytes
+            || hdr_bytes.checked_add(geo.data_bytes) != Some(size)
+        {
+            return Err(bad());
+        }
+        self.data_offset = crate::usize_from(hdr_bytes);
+        self.num_cpu_blocks = n;
+        self.slot_bytes = slot;
+        self.world_size = ws;
+        self.row_stride_bytes = stride;
+        Ok((dev, ino))
+    }
+
     /// Creator side: unnamed file, fallocate, map, header, link into place. Leaves no file on error.
     fn create(&mut self, path: &Path, total: u64, opts: &RegionOptions) -> Result<()> {
         let dir = &opts.dir;
@@ -1143,8 +1275,8 @@ impl HostRegion {
         Ok(())
     }
 
-    /// Copies `data` into `rank`'s slot in `row` at `offset`. In a shared region only this
-    /// process's own rank may be written.
+    /// Copies `data` into `rank`'s slot in `row` at `offset`. A rank of a shared region may write
+    /// only its own slot (an observer, any).
     ///
     /// # Errors
     /// [`KvoffError::InvalidArgument`] when the bytes are outside the slot or belong to another

@@ -502,3 +502,64 @@ fn region_errors_keep_the_os_error() {
     );
     assert!(std::error::Error::source(&e).is_some());
 }
+
+#[test]
+fn an_observer_attaches_to_the_ranks_region() {
+    let dir = test_dir("observer");
+    let o = RegionOptions {
+        unlink_when_all_joined: false,
+        ..opts(&dir, Duration::from_secs(5))
+    };
+    let mut r0 = HostRegion::create_or_join_with("kv-obs", 3, 4096, 2, 0, &o).unwrap();
+    let r1 = HostRegion::create_or_join_with("kv-obs", 3, 4096, 2, 1, &o).unwrap();
+    let mut obs = HostRegion::attach("kv-obs", &o).unwrap();
+    // The geometry comes from the header.
+    assert_eq!(
+        (
+            obs.num_cpu_blocks(),
+            obs.slot_bytes(),
+            obs.world_size(),
+            obs.rank()
+        ),
+        (3, 4096, 2, None)
+    );
+    assert_eq!(obs.row_stride_bytes(), r0.row_stride_bytes());
+    // The observer writes any rank's slot; the ranks see it, and the other way round.
+    obs.copy_to_slot(1, 2, 10, b"from the scheduler").unwrap();
+    let mut got = [0u8; 18];
+    r1.copy_from_slot(1, 2, 10, &mut got).unwrap();
+    assert_eq!(&got, b"from the scheduler");
+    r0.copy_to_slot(0, 1, 0, b"rank0").unwrap();
+    let mut got = [0u8; 5];
+    obs.copy_from_slot(0, 1, 0, &mut got).unwrap();
+    assert_eq!(&got, b"rank0");
+    // Attaching took no rank: nobody's flag was set twice, and the observer unlinks the name.
+    assert!(obs.unlink().unwrap());
+    assert!(HostRegion::attach("kv-obs", &opts(&dir, Duration::from_millis(50))).is_err());
+    drop((r0, r1, obs));
+    std::fs::remove_dir_all(&dir).unwrap();
+}
+
+#[test]
+fn attach_refuses_what_is_not_a_complete_region() {
+    let dir = test_dir("observer-bad");
+    let o = opts(&dir, Duration::from_millis(100));
+    // Missing: a timeout naming the path.
+    let e = HostRegion::attach("kv-none", &o).unwrap_err();
+    assert!(e.to_string().contains("timed out"), "{e}");
+    // A private file of this user that is not a region (held open, so it is not stale).
+    let path = dir.join("kv-junk");
+    std::fs::write(&path, vec![7u8; 8192]).unwrap();
+    std::fs::set_permissions(&path, std::os::unix::fs::PermissionsExt::from_mode(0o600)).unwrap();
+    let f = std::fs::File::open(&path).unwrap();
+    // SAFETY: flock on a descriptor we own.
+    let rc = unsafe { libc::flock(std::os::fd::AsRawFd::as_raw_fd(&f), libc::LOCK_SH) };
+    assert_eq!(rc, 0);
+    let e = HostRegion::attach("kv-junk", &o).unwrap_err();
+    assert!(
+        e.to_string().contains("not a complete kvoff shared region"),
+        "{e}"
+    );
+    drop(f);
+    std::fs::remove_dir_all(&dir).unwrap();
+}

@@ -228,6 +228,15 @@ class HostRegion:
         """Creates or joins the shared region `name` (a file in `directory`, default `/dev/shm`) as
         `rank`, waiting up to `timeout` seconds for its creator. Releases the GIL while waiting.
         """
+    @staticmethod
+    def attach(
+        name: str, timeout: float = 60.0, directory: str | os.PathLike[str] | None = None
+    ) -> HostRegion:
+        """Attaches to the shared region `name` that an engine's ranks created, as an observer (no
+        rank; the geometry is read from the region), waiting up to `timeout` seconds for it: how the
+        scheduler's process reaches the host rows to move blocks to and from a tier behind them.
+        The ranks must create it with `unlink_when_all_joined=False`; `unlink()` it once attached.
+        """
     @property
     def num_cpu_blocks(self) -> int:
         """Number of rows (CPU blocks)."""

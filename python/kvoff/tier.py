@@ -72,11 +72,13 @@ class TieredOffloadingManager:
         policy: ``"lru"`` or ``"arc"``.
         num_blocks: host capacity in CPU blocks.
         region: the host memory (:class:`kvoff.HostRegion`); block ``b`` is ``block_bytes`` at
-            offset ``rank * slot_bytes`` of row ``b``.
+            offset ``rank * slot_bytes`` of row ``b`` (``rank=None``: offset 0, up to all ranks'
+            slots, one file per block for the whole engine; e.g. the scheduler's
+            :meth:`HostRegion.attach` view of a vLLM engine's region).
         disk_path: directory of the files (created if missing; shared by engines).
         disk_bytes_to_use: bytes of files this instance may own.
         block_bytes: bytes of one block of this rank (default: the region's slot).
-        rank: this process's rank (its slot and file names).
+        rank: this process's rank (its slot and file names), or ``None`` for every rank's slot.
         namespace: model / cache id; engines with different namespaces never share files.
         page_sizes, block_size_factor, dtype, world_size: the layout, part of the fingerprint.
         block_size, enable_events, store_threshold, max_tracker_size: as for the host managers.
@@ -96,7 +98,7 @@ class TieredOffloadingManager:
         disk_bytes_to_use: int,
         *,
         block_bytes: int | None = None,
-        rank: int = 0,
+        rank: int | None = 0,
         namespace: str = "",
         page_sizes: Sequence[int] = (),
         block_size_factor: int = 1,
@@ -121,11 +123,16 @@ class TieredOffloadingManager:
         if region.closed:
             raise ValueError("the host region is closed")
         ws = region.world_size if world_size is None else world_size
-        if not 0 <= rank < region.world_size:
+        if rank is None:
+            # Every rank's slot: the block is the row's first world_size × slot_bytes bytes.
+            offset, limit, what = 0, region.world_size * region.slot_bytes, "the row's slots"
+        elif 0 <= rank < region.world_size:
+            offset, limit, what = rank * region.slot_bytes, region.slot_bytes, "the slot"
+        else:
             raise ValueError(f"rank {rank} out of range for a region of {region.world_size} ranks")
-        nbytes = region.slot_bytes if block_bytes is None else block_bytes
-        if not 0 < nbytes <= region.slot_bytes:
-            raise ValueError(f"block_bytes must be in 1..{region.slot_bytes} (the slot), got {nbytes}")
+        nbytes = limit if block_bytes is None else block_bytes
+        if not 0 < nbytes <= limit:
+            raise ValueError(f"block_bytes must be in 1..{limit} ({what}), got {nbytes}")
         if num_blocks > region.num_cpu_blocks:
             raise ValueError(f"num_blocks = {num_blocks} but the region holds {region.num_cpu_blocks} blocks")
         self.region = region
@@ -135,7 +142,7 @@ class TieredOffloadingManager:
             num_blocks,
             str(disk_path),
             disk_bytes_to_use,
-            region.ptr + rank * region.slot_bytes,
+            region.ptr + offset,
             region.num_cpu_blocks,
             region.row_stride_bytes,
             nbytes,
@@ -145,7 +152,7 @@ class TieredOffloadingManager:
             block_size_factor=block_size_factor,
             dtype=dtype,
             world_size=ws,
-            rank=rank,
+            rank=0 if rank is None else rank,
             block_size=block_size,
             enable_events=enable_events,
             store_threshold=store_threshold,

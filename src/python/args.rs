@@ -91,6 +91,7 @@ pub(crate) fn int_arg(o: &Bound<'_, PyAny>, name: &str) -> PyResult<i128> {
 }
 
 /// A number of seconds from Python: an `int` or a `float`, not a `bool` (`True` is not "one second").
+#[derive(Clone, Copy)]
 pub(crate) struct Seconds(pub(crate) f64);
 
 impl<'a, 'py> FromPyObject<'a, 'py> for Seconds {

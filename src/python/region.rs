@@ -35,6 +35,36 @@ fn with_region<R: Send>(
     locked(py, r, hold, |_| {}, f)
 }
 
+/// Checked [`RegionOptions`] from the Python arguments of `shared`/`attach`.
+fn region_options(
+    timeout: Seconds,
+    directory: Option<std::path::PathBuf>,
+    unlink_when_all_joined: bool,
+    prefault: bool,
+) -> PyResult<RegionOptions> {
+    let Seconds(timeout) = timeout;
+    if directory.as_ref().is_some_and(|d| d.as_os_str().is_empty()) {
+        return Err(PyValueError::new_err(
+            "directory must name a directory (None: /dev/shm), got ''",
+        ));
+    }
+    if !timeout.is_finite() || timeout < 0.0 {
+        return Err(PyValueError::new_err(format!(
+            "timeout must be a finite number of seconds >= 0, got {timeout}"
+        )));
+    }
+    let mut opts = RegionOptions {
+        timeout: Duration::from_secs_f64(timeout.min(1e9)),
+        unlink_when_all_joined,
+        prefault,
+        ..RegionOptions::default()
+    };
+    if let Some(d) = directory {
+        opts.dir = d;
+    }
+    Ok(opts)
+}
+
 /// A host memory region (SPEC §5): private (anonymous) or shared by name in `/dev/shm`.
 #[pyclass(name = "HostRegion", module = "kvoff._native", frozen)]
 pub struct PyHostRegion {
@@ -125,34 +155,35 @@ impl PyHostRegion {
         unlink_when_all_joined: bool,
         prefault: bool,
     ) -> PyResult<Self> {
-        let Seconds(timeout) = timeout;
-        if directory.as_ref().is_some_and(|d| d.as_os_str().is_empty()) {
-            return Err(PyValueError::new_err(
-                "directory must name a directory (None: /dev/shm), got ''",
-            ));
-        }
+        let opts = region_options(timeout, directory, unlink_when_all_joined, prefault)?;
         let n = u64_arg(num_cpu_blocks, "num_cpu_blocks")?;
         let s = u64_arg(slot_bytes, "slot_bytes")?;
         let w = u64_arg(world_size, "world_size")?;
         let r = u64_arg(rank, "rank")?;
-        if !timeout.is_finite() || timeout < 0.0 {
-            return Err(PyValueError::new_err(format!(
-                "timeout must be a finite number of seconds >= 0, got {timeout}"
-            )));
-        }
-        let mut opts = RegionOptions {
-            timeout: Duration::from_secs_f64(timeout.min(1e9)),
-            unlink_when_all_joined,
-            prefault,
-            ..RegionOptions::default()
-        };
-        if let Some(d) = directory {
-            opts.dir = d;
-        }
         let name = name.to_owned();
         let region = blocking(py, || {
             HostRegion::create_or_join_with(&name, n, s, w, r, &opts)
         })?;
+        Ok(Self::wrap(region))
+    }
+
+    /// Attaches to the shared region `name` that an engine's ranks created, as an observer (no
+    /// rank; the geometry is read from the region), waiting up to `timeout` seconds for it: how the
+    /// scheduler's process reaches the host rows to move blocks to and from a tier behind them.
+    /// The ranks must create it with `unlink_when_all_joined=False`; `unlink()` it once attached.
+    #[staticmethod]
+    #[pyo3(signature = (name, timeout=Seconds(60.0), directory=None))]
+    #[pyo3(text_signature = "(name, timeout=60.0, directory=None)")]
+    #[allow(clippy::needless_pass_by_value)] // the Python signature
+    fn attach(
+        py: Python<'_>,
+        name: &str,
+        timeout: Seconds,
+        directory: Option<std::path::PathBuf>,
+    ) -> PyResult<Self> {
+        let opts = region_options(timeout, directory, true, false)?;
+        let name = name.to_owned();
+        let region = blocking(py, move || HostRegion::attach(&name, &opts))?;
         Ok(Self::wrap(region))
     }
 

@@ -50,7 +50,9 @@ TIMEOUT_S = 300
 GPU_BLOCKS = {"llama": 10, "gemma2": 20}
 
 
-def _run(model_dir: Path, arch: str, kvoff: dict[str, Any] | None) -> tuple[dict[str, Any], str]:
+def _run(
+    model_dir: Path, arch: str, kvoff: dict[str, Any] | None, rounds: int = ROUNDS
+) -> tuple[dict[str, Any], str]:
     cmd = [
         sys.executable,
         str(DRIVER),
@@ -59,7 +61,7 @@ def _run(model_dir: Path, arch: str, kvoff: dict[str, Any] | None) -> tuple[dict
         "--arch",
         arch,
         "--rounds",
-        str(ROUNDS),
+        str(rounds),
     ]
     cmd += ["--gpu-blocks", str(GPU_BLOCKS[arch])]
     if kvoff is not None:
@@ -218,3 +220,62 @@ def test_two_kv_cache_groups(models: Path) -> None:
     res = _check(models, "gemma2", {"cpu_bytes_to_use": 100_000_000})
     groups = re.findall(r"kv cache group sizes \(([^)]*)\)", res["log"])
     assert groups and len(groups[-1].split(",")) == 2, f"expected two KV-cache groups, vLLM logged {groups}"
+
+
+def _disk_run(models: Path, cfg: dict[str, Any]) -> dict[str, Any]:
+    res, log = _run(models / "llama", "llama", cfg, rounds=1)
+    problems = _kvoff_problems(log)
+    assert not problems, "kvoff warned or failed:\n" + "\n".join(problems[:20])
+    m = res["metrics"]
+    print({k: v for k, v in m.items() if "kvoff_disk" in k or "external_prefix" in k or "load_bytes" in k})
+    return res
+
+
+def test_second_engine_serves_from_the_files(models: Path, tmp_path: Path) -> None:
+    # The file tier (disk_path): engine A runs round 1 and writes every block it stores through to
+    # one file per block; engine B, a new process with empty host memory, runs the same prompts
+    # and serves their shared prefixes from A's files (lookups answer "pending" while kvoff
+    # promotes the files into host memory; then the blocks load as usual). A restart is warm.
+    base = _baseline(models, "llama")
+    cfg = {
+        "cpu_bytes_to_use": 100_000_000,
+        "disk_path": str(tmp_path / "kv"),
+        "disk_bytes_to_use": 100_000_000,
+    }
+    a = _disk_run(models, cfg)
+    files = list((tmp_path / "kv").rglob("*.kvb"))
+    assert a["metrics"]["vllm:kvoff_disk_files_written"] > 0 and files
+    assert a["metrics"].get("vllm:kvoff_disk_hits", 0) == 0
+    b = _disk_run(models, cfg)
+    mb = b["metrics"]
+    assert a["outputs"] == b["outputs"] == base["outputs"][:1], (
+        "outputs differ from the run without offloading"
+    )
+    assert mb["vllm:kvoff_disk_hits"] > 0 and mb["vllm:kvoff_disk_promotions"] > 0, mb
+    assert mb["vllm:kvoff_disk_bytes_read"] > 0 and mb["vllm:kvoff_disk_corrupt_files"] == 0
+    # What B served from the files, vLLM did not compute.
+    assert mb["vllm:external_prefix_cache_hits"] > 0 and mb["vllm:kv_offload_load_bytes"] > 0
+    assert mb["vllm:prompt_tokens_cached"] > base["metrics"]["vllm:prompt_tokens_cached"] / 3
+
+
+def test_corrupt_files_are_never_served(models: Path, tmp_path: Path) -> None:
+    # A flipped payload byte in every file: engine B rejects each one (checksum), counts it,
+    # recomputes the tokens, and its outputs stay those of the run without offloading.
+    base = _baseline(models, "llama")
+    cfg = {
+        "cpu_bytes_to_use": 100_000_000,
+        "disk_path": str(tmp_path / "kv"),
+        "disk_bytes_to_use": 100_000_000,
+    }
+    _disk_run(models, cfg)
+    files = list((tmp_path / "kv").rglob("*.kvb"))
+    assert files
+    for f in files:
+        data = bytearray(f.read_bytes())
+        data[-100] ^= 0x40  # inside the payload (the header comes first)
+        f.write_bytes(bytes(data))
+    b = _disk_run(models, cfg)
+    mb = b["metrics"]
+    assert b["outputs"] == base["outputs"][:1]
+    assert mb["vllm:kvoff_disk_corrupt_files"] > 0, mb
+    assert mb.get("vllm:kvoff_disk_promotions", 0) == 0 and mb.get("vllm:external_prefix_cache_hits", 0) == 0

@@ -14,7 +14,7 @@ from dataclasses import dataclass, fields
 from typing import Any, cast
 
 from kvoff import _native
-from kvoff._names import EngineName, PolicyName
+from kvoff._names import DirectIoName, EngineName, PolicyName
 from kvoff.errors import ConfigError
 from kvoff.handlers import ENGINES
 
@@ -74,6 +74,20 @@ class KvoffOffloadConfig:
         compute_budget: the model slowdown kvoff's transfers may cost while they run beside it
             on the GPU (fraction, default 0.02; ``None``: the idle-GPU policy, fastest when
             nothing else runs). See ``CpuGpuOffloadingHandlers``.
+        disk_path: a directory for the file tier behind host memory (local NVMe or a shared
+            filesystem; ``None``: no file tier). Blocks stored in host memory are written through
+            to one file per block; a lookup that misses host memory but finds a file answers
+            "pending" while kvoff promotes it; the files survive restarts and can be shared by
+            engines serving the same model (same ``disk_namespace`` and layout). Needs the shared
+            host region (the scheduler's process attaches to it).
+        disk_bytes_to_use: bytes of files this engine may own (required with ``disk_path``).
+        disk_store_threshold: write a block to disk only once it was stored this many times
+            (< 2: every stored block).
+        disk_namespace: the id that decides which engines share files (default: the model name
+            and KV dtype); engines with different namespaces never serve each other's files.
+        disk_direct_io: ``"auto"`` (O_DIRECT where the filesystem allows it), ``"on"``, ``"off"``.
+        disk_rescan_interval_s: how often files written by other engines are picked up (seconds;
+            ``None``: only at start).
     """
 
     cpu_bytes_to_use: int
@@ -86,6 +100,17 @@ class KvoffOffloadConfig:
     shared_region: bool | None = None
     region_timeout_s: float = 60.0
     compute_budget: float | None = 0.02
+    disk_path: str | None = None
+    disk_bytes_to_use: int | None = None
+    disk_store_threshold: int = 0
+    disk_namespace: str | None = None
+    disk_direct_io: DirectIoName = "auto"
+    disk_rescan_interval_s: float | None = 2.0
+
+    @property
+    def uses_disk(self) -> bool:
+        """Whether the file tier is configured."""
+        return self.disk_path is not None
 
     @classmethod
     def valid_keys(cls) -> tuple[str, ...]:
@@ -154,6 +179,7 @@ class KvoffOffloadConfig:
                 f"kv_connector_extra_config['compute_budget'] must be a fraction in [0, 1] or null, got {budget!r}"
             )
         budget = None if budget is None else float(budget)
+        disk = _disk_settings(d, shared)
         store_threshold = _int(d, "store_threshold", 0, 0)
         max_tracker_size = _int(d, "max_tracker_size", 64_000, 1)
         assert store_threshold is not None and max_tracker_size is not None
@@ -168,4 +194,54 @@ class KvoffOffloadConfig:
             shared_region=shared,
             region_timeout_s=float(timeout),
             compute_budget=budget,
+            **disk,
         )
+
+
+def _disk_settings(d: Mapping[str, Any], shared: bool | None) -> dict[str, Any]:
+    """The file tier's settings, checked."""
+    path = d.get("disk_path")
+    keys = [k for k in d if k.startswith("disk_") and k != "disk_path" and d[k] is not None]
+    if path is None:
+        if keys:
+            raise ConfigError(
+                f"kv_connector_extra_config: {sorted(keys)} need 'disk_path' (the file tier's directory)"
+            )
+        return {}
+    if not isinstance(path, str) or not path:
+        raise ConfigError(f"kv_connector_extra_config['disk_path'] must be a directory path, got {path!r}")
+    if shared is False:
+        raise ConfigError(
+            "kv_connector_extra_config: the file tier ('disk_path') needs the shared host region (the "
+            "scheduler's process attaches to it); remove 'shared_region': false"
+        )
+    if d.get("disk_bytes_to_use") is None:
+        raise ConfigError(
+            "kv_connector_extra_config must set 'disk_bytes_to_use' (bytes of files this engine may own) "
+            "with 'disk_path'"
+        )
+    nbytes = _int(d, "disk_bytes_to_use", None, 1)
+    threshold = _int(d, "disk_store_threshold", 0, 0)
+    namespace = d.get("disk_namespace")
+    if namespace is not None and not isinstance(namespace, str):
+        raise ConfigError(f"kv_connector_extra_config['disk_namespace'] must be a string, got {namespace!r}")
+    direct = d.get("disk_direct_io", "auto")
+    if direct not in ("auto", "on", "off"):
+        raise ConfigError(
+            f"kv_connector_extra_config['disk_direct_io'] must be 'auto', 'on' or 'off', got {direct!r}"
+        )
+    rescan = d.get("disk_rescan_interval_s", 2.0)
+    if rescan is not None and (
+        isinstance(rescan, bool) or not isinstance(rescan, (int, float)) or not rescan > 0
+    ):
+        raise ConfigError(
+            f"kv_connector_extra_config['disk_rescan_interval_s'] must be > 0 seconds or null, got {rescan!r}"
+        )
+    return {
+        "disk_path": path,
+        "disk_bytes_to_use": nbytes,
+        "disk_store_threshold": threshold,
+        "disk_namespace": namespace,
+        "disk_direct_io": cast(DirectIoName, direct),
+        "disk_rescan_interval_s": None if rescan is None else float(rescan),
+    }

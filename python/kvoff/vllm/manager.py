@@ -41,9 +41,29 @@ from vllm.v1.kv_offload.cpu.common import CPULoadStoreSpec, CPUOffloadingMetrics
 
 import kvoff
 from kvoff._names import PolicyName
+from kvoff.tier import TieredOffloadingManager
 from kvoff.vllm._compat import ConfigInfoMapping
 
-__all__ = ["KvoffOffloadingManager"]
+__all__ = ["DISK_VLLM_METRICS", "KvoffOffloadingManager"]
+
+#: The file tier's figures as vLLM metrics: name → (kind, meaning); the stats key is the name's
+#: ``disk_*`` part. Counters are cumulative in kvoff and reported to vLLM as increments; GB/s per
+#: direction is ``rate(..._bytes) / rate(..._seconds)``.
+DISK_VLLM_METRICS: dict[str, tuple[str, str]] = {
+    "vllm:kvoff_disk_hits": ("counter", "host-memory misses found in a file"),
+    "vllm:kvoff_disk_promotions": ("counter", "files promoted into host memory"),
+    "vllm:kvoff_disk_bytes_read": ("counter", "bytes promoted from files"),
+    "vllm:kvoff_disk_read_seconds": ("counter", "I/O thread seconds spent reading"),
+    "vllm:kvoff_disk_bytes_written": ("counter", "bytes written to files"),
+    "vllm:kvoff_disk_write_seconds": ("counter", "I/O thread seconds spent writing"),
+    "vllm:kvoff_disk_files_written": ("counter", "files published"),
+    "vllm:kvoff_disk_write_errors": ("counter", "writes that failed (store skipped)"),
+    "vllm:kvoff_disk_writes_dropped": ("counter", "writes dropped (queue full or no room)"),
+    "vllm:kvoff_disk_corrupt_files": ("counter", "files rejected by their header or checksum"),
+    "vllm:kvoff_disk_evicted_files": ("counter", "own files removed for capacity"),
+    "vllm:kvoff_disk_own_bytes": ("gauge", "bytes of this engine's files"),
+    "vllm:kvoff_disk_files": ("gauge", "files indexed"),
+}
 
 
 @dataclass
@@ -68,17 +88,26 @@ class KvoffOffloadingManager(OffloadingManager):
         store_threshold: int = 0,
         max_tracker_size: int = 64_000,
         info: Any = None,
+        host_manager: TieredOffloadingManager | None = None,
     ) -> None:
         self.medium = Medium.CPU
         self.policy = eviction_policy.lower()
         self.store_threshold = store_threshold
-        self.kvoff_manager = kvoff.create_manager(
-            cast(PolicyName, self.policy),
-            num_chunks,
-            enable_events=enable_events,
-            store_threshold=store_threshold,
-            max_tracker_size=max_tracker_size,
+        # With the file tier, a TieredOffloadingManager (same protocol; lookups may answer
+        # "pending" while a file is promoted); otherwise a plain LRU/ARC manager.
+        self.kvoff_manager: Any = (
+            host_manager  # not `or`: an empty manager is falsy (it has a length)
+            if host_manager is not None
+            else kvoff.create_manager(
+                cast(PolicyName, self.policy),
+                num_chunks,
+                enable_events=enable_events,
+                store_threshold=store_threshold,
+                max_tracker_size=max_tracker_size,
+            )
         )
+        self._tiered = host_manager
+        self._disk_seen: dict[str, float] = {}
         self._config_info: ConfigInfoMapping = info.as_config_info() if info is not None else {}
         self._allocation_sizes: list[int] = []
         self._generation = 0
@@ -186,6 +215,17 @@ class KvoffOffloadingManager(OffloadingManager):
         self._allocation_sizes.clear()
         if self.store_threshold >= 2:
             stats.increase_counter(CPUOffloadingMetrics.STORES_SKIPPED, int(s["stores_skipped"]))
+        if self._tiered is not None:
+            for name, (kind, _) in DISK_VLLM_METRICS.items():
+                key = name.removeprefix("vllm:kvoff_")
+                if key == "disk_files":
+                    key = "disk_indexed_files"
+                value = float(s.get(key, 0))
+                if kind == "gauge":
+                    stats.set_gauge(name, value)
+                else:
+                    stats.increase_counter(name, value - self._disk_seen.get(key, 0.0))
+                    self._disk_seen[key] = value
         return stats
 
     def config_info(self) -> Sequence[ConfigInfoMapping]:
@@ -193,6 +233,9 @@ class KvoffOffloadingManager(OffloadingManager):
 
     def shutdown(self) -> None:
         self.kvoff_manager.shutdown()
+        if self._tiered is not None:
+            # The tier's I/O threads have stopped: the scheduler's view of the region can go.
+            self._tiered.region.close()
 
     def __len__(self) -> int:
         return len(self.kvoff_manager)

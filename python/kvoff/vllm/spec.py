@@ -21,9 +21,10 @@ from vllm.v1.kv_offload.config import OffloadingConfig
 from vllm.v1.kv_offload.cpu.common import CPUOffloadingMetrics
 
 import kvoff
+from kvoff.tier import TieredOffloadingManager
 from kvoff.vllm._compat import CPUOffloadingInfo
 from kvoff.vllm.config import KvoffOffloadConfig
-from kvoff.vllm.manager import KvoffOffloadingManager
+from kvoff.vllm.manager import DISK_VLLM_METRICS, KvoffOffloadingManager
 from kvoff.vllm.worker import KvoffOffloadingWorker
 
 __all__ = ["KvoffOffloadingSpec", "region_name"]
@@ -71,6 +72,10 @@ class KvoffOffloadingSpec(OffloadingSpec):
             defs[CPUOffloadingMetrics.STORES_SKIPPED] = OffloadingCounterMetadata(
                 documentation="KV offload stores skipped because the reuse threshold was not reached."
             )
+        if extra_config.get("disk_path") is not None:
+            for name, (kind, doc) in DISK_VLLM_METRICS.items():
+                meta = OffloadingCounterMetadata if kind == "counter" else OffloadingGaugeMetadata
+                defs[name] = meta(documentation=f"kvoff file tier: {doc}.")
         return defs
 
     @classmethod
@@ -105,12 +110,15 @@ class KvoffOffloadingSpec(OffloadingSpec):
 
     @property
     def uses_shared_region(self) -> bool:
+        if self.kvoff_config.uses_disk:
+            return True  # the scheduler's process attaches to it for the file tier
         shared = self.kvoff_config.shared_region
         return self.world_size > 1 if shared is None else shared
 
     def get_manager(self) -> OffloadingManager:
         if self._manager is None:
             c = self.kvoff_config
+            tiered = self._tiered_manager() if c.uses_disk and self.num_chunks > 0 else None
             self._manager = KvoffOffloadingManager(
                 self.num_chunks,
                 eviction_policy=c.eviction_policy,
@@ -118,8 +126,61 @@ class KvoffOffloadingSpec(OffloadingSpec):
                 store_threshold=c.store_threshold,
                 max_tracker_size=c.max_tracker_size,
                 info=self.cpu_info,
+                host_manager=tiered,
             )
         return self._manager
+
+    def _tiered_manager(self) -> TieredOffloadingManager:
+        """The host manager with the file tier behind it, in the scheduler's process: it attaches
+        to the shared region the workers created (vLLM creates the scheduler after the KV caches,
+        so the region exists; it waits up to ``region_timeout_s`` otherwise), then removes the
+        region's name, which the workers kept for it."""
+        c = self.kvoff_config
+        assert c.disk_path is not None and c.disk_bytes_to_use is not None
+        region = kvoff.HostRegion.attach(region_name(self.config.engine_id), timeout=c.region_timeout_s)
+        try:
+            region.unlink()
+            if region.num_cpu_blocks < self.num_chunks:
+                raise kvoff.ConfigError(
+                    f"the workers' host region holds {region.num_cpu_blocks} CPU blocks, fewer than the "
+                    f"{self.num_chunks} the scheduler expects"
+                )
+            model = getattr(self.config, "model", None)
+            dtype = str(getattr(model, "dtype", ""))
+            namespace = c.disk_namespace
+            if namespace is None:
+                namespace = f"{getattr(model, 'name', '')}|{dtype}"
+            manager = TieredOffloadingManager(
+                c.eviction_policy,
+                self.num_chunks,
+                region,
+                c.disk_path,
+                c.disk_bytes_to_use,
+                rank=None,  # one file per block holds every rank's slot
+                namespace=namespace,
+                page_sizes=[region.slot_bytes],
+                block_size_factor=int(self.blocks_per_chunk),
+                dtype=dtype,
+                world_size=region.world_size,
+                enable_events=self.kv_events_config.enable_kv_cache_events,
+                store_threshold=c.store_threshold,
+                max_tracker_size=c.max_tracker_size,
+                disk_store_threshold=c.disk_store_threshold,
+                direct_io=c.disk_direct_io,
+                rescan_interval_s=c.disk_rescan_interval_s,
+            )
+        except BaseException:
+            region.close()
+            raise
+        logger.info(
+            "kvoff file tier: %s (%d bytes, namespace %r), %d CPU blocks of %d bytes",
+            manager.disk_dir,
+            c.disk_bytes_to_use,
+            namespace,
+            self.num_chunks,
+            region.world_size * region.slot_bytes,
+        )
+        return manager
 
     def _make_region(self, slot_bytes: int) -> kvoff.HostRegion:
         if self.uses_shared_region and self.num_chunks > 0:
@@ -130,6 +191,8 @@ class KvoffOffloadingSpec(OffloadingSpec):
                 self.world_size,
                 self.rank,
                 timeout=self.kvoff_config.region_timeout_s,
+                # With the file tier the scheduler's process attaches by name and removes it.
+                unlink_when_all_joined=not self.kvoff_config.uses_disk,
             )
         return kvoff.HostRegion.private(self.num_chunks, slot_bytes)
 
