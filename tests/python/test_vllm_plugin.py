@@ -173,6 +173,31 @@ def test_config_compute_budget() -> None:
             KvoffOffloadConfig.from_extra_config(kvoff_extra(compute_budget=bad))
 
 
+def test_config_disk_settings() -> None:
+    # The file tier: off by default; disk_path needs disk_bytes_to_use and the shared region; the
+    # other disk_* keys need disk_path; bad values are ConfigErrors naming the key.
+    c = KvoffOffloadConfig.from_extra_config(kvoff_extra())
+    assert not c.uses_disk and c.disk_path is None
+    c = KvoffOffloadConfig.from_extra_config(
+        kvoff_extra(disk_path="/tmp/kv", disk_bytes_to_use=1e9, disk_store_threshold=2, disk_direct_io="off")
+    )
+    assert c.uses_disk and c.disk_bytes_to_use == 10**9 and c.disk_store_threshold == 2
+    assert (c.disk_direct_io, c.disk_rescan_interval_s, c.disk_namespace) == ("off", 2.0, None)
+    bad = [
+        ({"disk_bytes_to_use": 10**9}, "need 'disk_path'"),
+        ({"disk_path": "/tmp/kv"}, "disk_bytes_to_use"),
+        ({"disk_path": "/tmp/kv", "disk_bytes_to_use": 10**9, "shared_region": False}, "shared host region"),
+        ({"disk_path": "", "disk_bytes_to_use": 10**9}, "disk_path"),
+        ({"disk_path": "/tmp/kv", "disk_bytes_to_use": 0}, "disk_bytes_to_use"),
+        ({"disk_path": "/tmp/kv", "disk_bytes_to_use": 10**9, "disk_direct_io": "yes"}, "disk_direct_io"),
+        ({"disk_path": "/tmp/kv", "disk_bytes_to_use": 10**9, "disk_rescan_interval_s": 0}, "rescan"),
+        ({"disk_path": "/tmp/kv", "disk_bytes_to_use": 10**9, "disk_namespace": 3}, "disk_namespace"),
+    ]
+    for extra, what in bad:
+        with pytest.raises(kvoff.ConfigError, match=what):
+            KvoffOffloadConfig.from_extra_config(kvoff_extra(**extra))
+
+
 def test_config_unknown_key_lists_valid_keys() -> None:
     with pytest.raises(
         kvoff.ConfigError, match=r"unknown .*\['evicton_policy'\].*valid keys: .*'eviction_policy'"

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import hashlib
 import random
+import time
 from typing import Any
 
 import pytest
@@ -120,6 +121,14 @@ class Engine:
         vllm_config.cache_config.num_gpu_blocks = num_gpu_blocks
         block_size, hash_block_size = resolve_kv_cache_block_sizes(kv_cache_config, vllm_config)
         with set_current_vllm_config(vllm_config):
+            # vLLM's order: the workers allocate and register their KV caches, then the engine
+            # builds the scheduler (whose connector may attach to the workers' host region).
+            self.worker = OffloadingConnector(vllm_config, KVConnectorRole.WORKER, kv_cache_config)
+            # FlashAttention's layout: (num_blocks, 2, block_size, heads, head_dim), on the CPU.
+            self.kv = {
+                n: torch.zeros(num_gpu_blocks, 2, BLOCK, HEADS, HEAD_DIM, dtype=torch.float16) for n in LAYERS
+            }
+            self.worker.register_kv_caches(self.kv)
             self.scheduler = Scheduler(
                 vllm_config=vllm_config,
                 kv_cache_config=kv_cache_config,
@@ -128,16 +137,11 @@ class Engine:
                 hash_block_size=hash_block_size,
                 log_stats=True,
             )
-            self.worker = OffloadingConnector(vllm_config, KVConnectorRole.WORKER, kv_cache_config)
-            # FlashAttention's layout: (num_blocks, 2, block_size, heads, head_dim), on the CPU.
-            self.kv = {
-                n: torch.zeros(num_gpu_blocks, 2, BLOCK, HEADS, HEAD_DIM, dtype=torch.float16) for n in LAYERS
-            }
-            self.worker.register_kv_caches(self.kv)
         init_none_hash(sha256)
         self.hasher = get_request_block_hasher(BLOCK, sha256)
         self.ctx = ForwardContext(no_compile_layers={}, attn_metadata={}, slot_mapping={})
         self.next_id = 0
+        self.idle_steps = False
         self.blocks_checked = 0
         self.blocks_written = 0
         self.external_hits = 0
@@ -199,6 +203,7 @@ class Engine:
 
     def step(self) -> None:
         so = self.scheduler.schedule()
+        self.idle_steps = not so.num_scheduled_tokens
         meta = so.kv_connector_metadata
         self.worker.handle_preemptions(meta)
         self.worker.bind_connector_metadata(meta)
@@ -237,11 +242,18 @@ class Engine:
         )
         self.next_id += 1
         self.scheduler.add_request(req)
-        for _ in range(200):
+        for _ in range(2000):
             if not self.scheduler.requests and not self.scheduler.finished_req_ids and not self._jobs():
                 return
             self.step()
-        raise AssertionError("request did not finish in 200 steps")
+            if self.idle_steps:
+                time.sleep(0.001)  # waiting for kvoff (a promotion from a file): let it run
+        raise AssertionError("request did not finish in 2000 steps")
+
+    @property
+    def manager(self) -> Any:
+        """kvoff's manager behind vLLM's connector (``KvoffOffloadingManager.kvoff_manager``)."""
+        return self.scheduler.connector.connector_scheduler.manager.kvoff_manager
 
     def _jobs(self) -> bool:
         cs = self.scheduler.connector.connector_scheduler
@@ -303,3 +315,40 @@ def test_corrupted_host_copy_is_caught(tmp_path_factory: pytest.TempPathFactory)
         t.fill_(0x5A)
     with pytest.raises(AssertionError, match="does not hold its bytes"):
         eng.run_request(prompts[0])
+
+
+def test_second_engine_serves_from_the_files_byte_exact(
+    tmp_path_factory: pytest.TempPathFactory, tmp_path: Any
+) -> None:
+    """The file tier through vLLM's scheduler and connector: engine A's stored blocks are written
+    through to files; engine B (a new scheduler and worker, empty host memory, the same directory)
+    finds them, promotes them (its lookups answer HIT_PENDING meanwhile) and loads them; the model
+    runner's stand-in checks every loaded block byte for byte."""
+    model = _model_dir(tmp_path_factory.getbasetemp())
+    disk = {
+        "cpu_bytes_to_use": 50_000_000,
+        "disk_path": str(tmp_path / "kv"),
+        "disk_bytes_to_use": 50_000_000,
+    }
+    prompts = _workload(prefixes=5, prefix_blocks=4)
+    a = Engine(model, num_gpu_blocks=12, kvoff_extra=disk)
+    for p in prompts:
+        a.run_request(p)
+    a.manager.flush()  # the write-through is asynchronous; B starts once it is done
+    written = a.manager.get_stats()["disk_files_written"]
+    assert written > 0
+    b = Engine(model, num_gpu_blocks=12, kvoff_extra=disk)
+    for p in prompts:
+        b.run_request(p[: 4 * BLOCK] + [11] * (BLOCK // 2))
+    s = b.manager.get_stats()
+    summary = {
+        "written_by_a": written,
+        "external_hits": b.external_hits,
+        "blocks_checked": b.blocks_checked,
+        "load_bytes": b.load_bytes,
+        **{k: v for k, v in s.items() if k in ("disk_hits", "disk_promotions")},
+    }
+    print(f"\nfile tier: {summary}")
+    assert s["disk_hits"] > 0 and s["disk_promotions"] > 0 and s["disk_corrupt_files"] == 0, summary
+    assert b.external_hits >= 4 * BLOCK * (len(prompts) - 1), summary
+    assert b.blocks_checked >= b.external_hits // BLOCK * len(LAYERS), summary
