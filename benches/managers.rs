@@ -5,7 +5,7 @@
 //! starts from a full manager (all blocks ready) and passes batches of 64 keys, the way a scheduler
 //! step does.
 //!
-//! **Key-ops** (PERF.md): the number of keys passed to the measured calls. Criterion's throughput
+//! **Key-ops** (docs/performance.md): the number of keys passed to the measured calls. Criterion's throughput
 //! is set to exactly that per iteration:
 //!
 //! - `lookup_prefix`: one `lookup_prefix` over 64 present keys (64 key-ops);

@@ -1,4 +1,4 @@
-//! GPU ↔ host transfer benchmark (PERF.md's scattered-block scenarios), one run, every column
+//! GPU ↔ host transfer benchmark (docs/performance.md's scattered-block scenarios), one run, every column
 //! measured side by side (device work only: each timed job waits behind a gate kernel until the
 //! CPU has enqueued all of it): kvoff auto / dma / kernel, the per-copy `cuMemcpyAsync` loop, one
 //! `cuMemcpyBatchAsync` call over the same descriptors (= kvoff dma), and one contiguous copy of the

@@ -1,4 +1,4 @@
-//! Pointer expansion (SPEC §4): block ids → sub-block ids or sub-block pointers.
+//! Pointer expansion (docs/spec.md §4): block ids → sub-block ids or sub-block pointers.
 //!
 //! A CPU block holds `block_size_factor` (`f`) consecutive sub-blocks (one GPU block each). Block id
 //! `b` expands to the sub-block ids `b*f, b*f+1, …, b*f+f−1`; the first `skip_count` (< f) expanded

@@ -1,4 +1,4 @@
-//! Offload keys (SPEC §1): `block_hash ‖ group_idx as u32 big-endian`.
+//! Offload keys (docs/spec.md §1): `block_hash ‖ group_idx as u32 big-endian`.
 //!
 //! A key names one CPU block of one KV-cache group. Managers treat keys as opaque; these helpers only
 //! build and split them.

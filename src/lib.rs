@@ -26,7 +26,7 @@
 //! | [`plan`] | specs × tensor descriptors → bounds-checked, merged [`plan::CopyPlan`] | no |
 //! | [`region`] | host memory: private or shared-by-name mmap, rank slots, prefault, pinning hook | yes |
 //! | [`engine`] | transfer engines: job queue, results, host memcpy engine | yes |
-//! | [`tier`] | file tier behind host memory (SPEC §9): one file per block, I/O threads, tiered manager | only `tier::io` (aligned buffers, raw host rows) |
+//! | [`tier`] | file tier behind host memory (docs/spec.md §9): one file per block, I/O threads, tiered manager | only `tier::io` (aligned buffers, raw host rows) |
 //! | `engine::cuda` (feature `cuda`, default) | CUDA engine: batched DMA, copy kernel, staged pipeline, calibration | yes |
 //!
 //! ## Moving bytes

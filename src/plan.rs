@@ -1,4 +1,4 @@
-//! Transfer plans (SPEC §4 "Transfer plan"): GPU/CPU load-store specs × canonical tensors → a list of
+//! Transfer plans (docs/spec.md §4 "Transfer plan"): GPU/CPU load-store specs × canonical tensors → a list of
 //! bounds-checked byte copies ([`CopyPlan`]).
 //!
 //! Memory model. Each canonical KV-cache tensor `t` exists twice:

@@ -1,4 +1,4 @@
-//! Host regions (SPEC §5): one memory mapping holding `num_cpu_blocks` rows; a row is `world_size`
+//! Host regions (docs/spec.md §5): one memory mapping holding `num_cpu_blocks` rows; a row is `world_size`
 //! slots of `slot_bytes` (slot `r` belongs to rank `r`), then padding to the OS page size.
 //!
 //! A region is either **private** (anonymous mapping, one process) or **shared by name**: a file

@@ -1,4 +1,4 @@
-//! Host-memory sizing (SPEC §3): how many CPU blocks fit in the host budget.
+//! Host-memory sizing (docs/spec.md §3): how many CPU blocks fit in the host budget.
 //!
 //! One CPU block of one rank holds, for every canonical KV tensor, `block_size_factor` pages of that
 //! tensor (`slot_bytes = Σ page_size_bytes × f`). A row of the host region holds one such slot per

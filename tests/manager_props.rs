@@ -1,9 +1,9 @@
-//! Property / state-machine tests of the offloading managers (SPEC §2) against a small reference
+//! Property / state-machine tests of the offloading managers (docs/spec.md §2) against a small reference
 //! model.
 //!
 //! Random operation sequences over a small key universe and small capacities drive both the real
 //! manager ([`LruManager`] / [`ArcManager`]) and [`Model`], a deliberately naive, `Vec`-based
-//! transcription of SPEC §2.2–§2.5 written for this test only. Every return value is compared
+//! transcription of docs/spec.md §2.2–§2.5 written for this test only. Every return value is compared
 //! exactly (block ids, evicted keys and their order, lookups, stats, events, ARC's lists and `p`),
 //! and after every step invariants that do not depend on the model are checked on the real manager:
 //! present ≤ capacity; block ids unique and in range; pending, loading and offered keys are never
@@ -45,7 +45,7 @@ struct Ent<K> {
     loads: u32,
 }
 
-/// Naive model of SPEC §2. Lists are `Vec`s with the LRU end at index 0. LRU uses only `t1`.
+/// Naive model of docs/spec.md §2. Lists are `Vec`s with the LRU end at index 0. LRU uses only `t1`.
 #[derive(Clone, Debug)]
 struct Model<K> {
     arc: bool,

@@ -1,4 +1,4 @@
-//! File tier (SPEC §9): format, restart, corruption, capacity, sharing, crash safety, full disk and
+//! File tier (docs/spec.md §9): format, restart, corruption, capacity, sharing, crash safety, full disk and
 //! permission errors. Processes are this test binary run again with `KVOFF_TIER_CHILD` set.
 // Tests and benchmarks: an unwrap that fails is the failure report; pedantic style is for the library.
 #![allow(clippy::unwrap_used, clippy::pedantic)]

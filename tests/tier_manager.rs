@@ -1,5 +1,5 @@
-//! The tiered manager (SPEC §9 protocol): write-through after complete_store, promotion on lookup,
-//! SPEC §2 semantics over the combined tiers.
+//! The tiered manager (docs/spec.md §9 protocol): write-through after complete_store, promotion on lookup,
+//! docs/spec.md §2 semantics over the combined tiers.
 // Tests and benchmarks: an unwrap that fails is the failure report; pedantic style is for the library.
 #![allow(clippy::unwrap_used, clippy::pedantic)]
 

@@ -11,7 +11,7 @@ use kvoff::plan::{CopyPlanner, Direction, GpuSpec, PlanRef, TensorDesc};
 use kvoff::KvoffError;
 
 // ---------------------------------------------------------------------------------------------
-// Expansion (SPEC §4 examples)
+// Expansion (docs/spec.md §4 examples)
 // ---------------------------------------------------------------------------------------------
 
 #[test]
@@ -285,7 +285,7 @@ struct Side {
     descs: Vec<TensorDesc>,
 }
 
-/// Reference model of SPEC §4: for every (group, ref, block i) the GPU bytes and CPU bytes that
+/// Reference model of docs/spec.md §4: for every (group, ref, block i) the GPU bytes and CPU bytes that
 /// correspond; returns (tensor, gpu offset, cpu offset, bytes).
 #[allow(clippy::too_many_arguments)]
 fn model(

@@ -384,7 +384,7 @@ fn join_checks_geometry_and_rank_and_unlink_by_hand() {
     std::fs::remove_dir_all(&dir).unwrap();
 }
 
-// --- hostile files on a shared host (SPEC §5, issue #11) ------------------------------------
+// --- hostile files on a shared host (docs/spec.md §5, issue #11) ------------------------------------
 
 /// Makes a complete region file `name` with rank 0 joined, then drops its handle (as a crashed
 /// engine would leave it: the file stays, nobody holds it).

@@ -67,7 +67,7 @@ def create_manager(policy: PolicyName, num_blocks: int, **kwargs: Any) -> Offloa
     """
     if not isinstance(policy, str):
         raise TypeError(f"policy must be a str, got {type(policy).__name__}")
-    cls = _POLICIES.get(policy)  # exact: "LRU" is not a policy name (SPEC §2)
+    cls = _POLICIES.get(policy)  # exact: "LRU" is not a policy name (docs/spec.md §2)
     if cls is None:
         raise ValueError(f"unknown eviction policy {policy!r}; valid choices: {list(_native.POLICIES)}")
     return cls(num_blocks, **kwargs)

@@ -127,7 +127,7 @@ class OffloadingManager:
     def complete_load(self, keys: Iterable[bytes], req_context: Any = None) -> None:
         """Unpins keys whose load finished."""
     def prepare_store(self, keys: Iterable[bytes], req_context: Any = None) -> PrepareStoreOutput | None:
-        """SPEC §2.3. `None` when there is not enough evictable room (nothing changed)."""
+        """docs/spec.md §2.3. `None` when there is not enough evictable room (nothing changed)."""
     def complete_store(self, keys: Iterable[bytes], success: bool = True, req_context: Any = None) -> None:
         """Pending keys become ready (`success`) or are removed (failure)."""
     def take_events(self, req_context: Any = None) -> list[OffloadingEvent]:
@@ -143,7 +143,7 @@ class OffloadingManager:
 
 @final
 class LRUOffloadingManager(OffloadingManager):
-    """LRU offloading manager (SPEC §2.4)."""
+    """LRU offloading manager (docs/spec.md §2.4)."""
     def __new__(
         cls,
         num_blocks: int,
@@ -156,7 +156,7 @@ class LRUOffloadingManager(OffloadingManager):
 
 @final
 class ARCOffloadingManager(OffloadingManager):
-    """ARC offloading manager (SPEC §2.5)."""
+    """ARC offloading manager (docs/spec.md §2.5)."""
     def __new__(
         cls,
         num_blocks: int,
@@ -209,7 +209,7 @@ def resolve_engine(
 
 @final
 class HostRegion:
-    """A host memory region (SPEC §5): private (anonymous) or shared by name in `/dev/shm`."""
+    """A host memory region (docs/spec.md §5): private (anonymous) or shared by name in `/dev/shm`."""
     @staticmethod
     def private(num_cpu_blocks: int, slot_bytes: int, world_size: int | None = None) -> HostRegion:
         """A private region of `num_cpu_blocks` rows of `world_size` slots of `slot_bytes`, prefaulted."""
@@ -403,7 +403,7 @@ class TieredManagerCore:
     def take_events(self) -> list[tuple[list[bytes], bool]]:
         """Events as `(keys, removed)` pairs, in order."""
     def get_stats(self) -> dict[str, Any]:
-        """Host gauges (SPEC §2.2) plus `disk_*` counters and gauges."""
+        """Host gauges (docs/spec.md §2.2) plus `disk_*` counters and gauges."""
     def poll(self) -> None:
         """Applies finished disk I/O (never blocks)."""
     def flush(self) -> None:

@@ -1,9 +1,9 @@
 """Benchmarks behind ``kvoff bench``.
 
-``transfers``: PERF.md's scattered-block scenarios through the handler API (CUDA engine methods on
+``transfers``: docs/performance.md's scattered-block scenarios through the handler API (CUDA engine methods on
 a GPU, the host engine otherwise), against one contiguous copy of the same bytes in the same run.
 
-``managers``: the manager workload of PERF.md through the Python API, for both policies, with the
+``managers``: the manager workload of docs/performance.md through the Python API, for both policies, with the
 pure-Python reference managers (``kvoff._pyref``, built like vLLM's) measured in the same run as the
 baseline, and vLLM's own offloading managers (``CPUOffloadingManager``) too where vLLM is installed.
 Every figure is a ratio against a reference measured in the same run.
@@ -31,7 +31,7 @@ KEYS_PER_REQUEST = 64
 
 @dataclass
 class Workload:
-    """PERF.md's manager workload: requests of 64 keys sharing Pareto-distributed prefixes."""
+    """docs/performance.md's manager workload: requests of 64 keys sharing Pareto-distributed prefixes."""
 
     capacity: int
     requests: list[list[bytes]]
@@ -172,9 +172,9 @@ def vllm_manager_factory() -> tuple[str, Callable[[str, int], Any]] | None:
     return str(getattr(vllm, "__version__", "?")), make
 
 
-#: kvoff's targets against vLLM's managers on this workload (PERF.md), by policy.
+#: kvoff's targets against vLLM's managers on this workload (docs/performance.md), by policy.
 VLLM_RATIO_TARGETS = {"lru": 10.0, "arc": 5.0}
-#: vLLM 0.33's managers on this workload as PERF.md recorded them (M key-ops/s), used for the
+#: vLLM 0.33's managers on this workload as docs/performance.md recorded them (M key-ops/s), used for the
 #: targets when vLLM is not installed.
 VLLM_RECORDED = {"lru": 0.70, "arc": 1.84}
 
@@ -276,7 +276,7 @@ def bench_managers(
 def format_manager_rows(rows: list[dict[str, Any]]) -> str:
     lines = [
         (
-            f"manager workload (PERF.md): {platform.processor() or platform.machine()}, "
+            f"manager workload (docs/performance.md): {platform.processor() or platform.machine()}, "
             f"Python {platform.python_version()}, kvoff {kvoff.__version__}"
         ),
         f"{'policy':<7}{'impl':<12}{'M key-ops/s':>13}{'hit rate':>10}{'vs python':>11}{'vs vLLM':>9}",
@@ -303,7 +303,7 @@ def format_manager_rows(rows: list[dict[str, Any]]) -> str:
         else:
             need = target * VLLM_RECORDED[policy]
             lines.append(
-                f"target {policy}: >= {need:.2f} M key-ops/s ({target:g}x vLLM 0.33 as PERF.md "
+                f"target {policy}: >= {need:.2f} M key-ops/s ({target:g}x vLLM 0.33 as docs/performance.md "
                 f"recorded it; vLLM not installed here): {r['key_ops_per_s'] / 1e6:.2f}, {verdict}"
             )
     return "\n".join(lines)
@@ -313,7 +313,7 @@ def format_manager_rows(rows: list[dict[str, Any]]) -> str:
 # transfers
 # ---------------------------------------------------------------------------------------------
 
-#: PERF.md's scattered-block scenarios: (page bytes, tensors).
+#: docs/performance.md's scattered-block scenarios: (page bytes, tensors).
 TRANSFER_SCENARIOS = [(4 << 10, 64), (32 << 10, 64), (128 << 10, 64), (2 << 20, 1)]
 MIN_BLOCKS = 256
 
@@ -391,7 +391,7 @@ def bench_transfers(
     show_progress: bool | None = None,
     seed: int = 0,
 ) -> list[dict[str, Any]]:
-    """Scattered-block transfers through the handler API (PERF.md scenarios, scaled to the machine).
+    """Scattered-block transfers through the handler API (docs/performance.md scenarios, scaled to the machine).
 
     Each job moves ``blocks`` random GPU blocks of every tensor to random CPU blocks (and back);
     figures are GB/s from the engine's own timing (CUDA events on a GPU), with the median of
@@ -502,7 +502,7 @@ def format_transfer_rows(rows: list[dict[str, Any]]) -> str:
     if not rows:
         return "no transfer results"
     lines = [
-        f"scattered block transfers (PERF.md scenarios, scaled): {rows[0]['device']}, kvoff {kvoff.__version__}",
+        f"scattered block transfers (docs/performance.md scenarios, scaled): {rows[0]['device']}, kvoff {kvoff.__version__}",
         (
             f"{'engine':<14}{'page':>9}{'tensors':>8}{'blocks':>7}{'MiB':>6}  {'direction':<9}{'GB/s':>8}"
             f"{'wall GB/s':>10}{'contig GB/s':>12}{'ratio':>7}"

@@ -1,4 +1,4 @@
-"""Canonical KV caches (SPEC §6): an engine's KV-cache tensors, whatever their layout, as byte
+"""Canonical KV caches (docs/spec.md §6): an engine's KV-cache tensors, whatever their layout, as byte
 views ``(num_blocks, page_size_bytes)`` whose rows are the blocks, plus the groups' layer refs.
 
 :func:`canonicalize_kv_caches` accepts the layouts engines use (vLLM's flash-attention

@@ -180,7 +180,7 @@ def main(argv: list[str] | None = None) -> int:
     )
     m = bsub.add_parser(
         "managers",
-        help="manager workload of PERF.md, both policies, vs a Python reference "
+        help="manager workload of docs/performance.md, both policies, vs a Python reference "
         "and vLLM's own managers where vLLM is installed",
     )
     m.add_argument("--requests", type=int, default=2000)
@@ -196,7 +196,7 @@ def main(argv: list[str] | None = None) -> int:
     )
     m.set_defaults(func=_bench_managers)
     t = bsub.add_parser(
-        "transfers", help="scattered KV-block transfers (PERF.md scenarios) vs a contiguous copy"
+        "transfers", help="scattered KV-block transfers (docs/performance.md scenarios) vs a contiguous copy"
     )
     t.add_argument(
         "--job-mib",
@@ -216,7 +216,7 @@ def main(argv: list[str] | None = None) -> int:
     t.set_defaults(func=_bench_transfers)
     k = bsub.add_parser(
         "disk",
-        help="file tier (SPEC §9) write/read GB/s vs a sequential O_DIRECT write/read "
+        help="file tier (docs/spec.md §9) write/read GB/s vs a sequential O_DIRECT write/read "
         "of the same bytes on the same filesystem, promotion latency, CPU per block",
     )
     k.add_argument("--dir", default=None, help="a directory on the filesystem to measure (default: $TMPDIR)")

@@ -4,7 +4,7 @@ The KV cache has Llama-3-8B's per-layer shapes: 32 layers, each a FlashAttention
 ``(2, num_gpu_blocks, 16 tokens, 8 KV heads, 128)`` in bf16, so 64 canonical tensors (K and V) of
 32 KiB pages, 2 MiB per 16-token block. It lives on the GPU when there is one (CUDA engine), else in
 host memory standing in for the GPU (host engine). The "GPU" pool is small and has its own LRU
-prefix cache; requests share Pareto-distributed prefixes (PERF.md's manager workload, in blocks).
+prefix cache; requests share Pareto-distributed prefixes (docs/performance.md's manager workload, in blocks).
 
 Per request, as an engine with kvoff would do it:
 
@@ -163,7 +163,7 @@ def _seed_of(key: bytes) -> int:
 
 def make_requests(cfg: DemoConfig) -> list[list[bytes]]:
     """Requests of ``blocks_per_request`` block keys: a shared prefix ``p`` (Pareto, α = 1.2, as in
-    PERF.md's manager workload) of ``min_prefix_blocks..blocks_per_request`` blocks, then blocks
+    docs/performance.md's manager workload) of ``min_prefix_blocks..blocks_per_request`` blocks, then blocks
     unique to the request. Keys are chained like block hashes: block ``j`` of prefix ``p`` is the
     same key in every request that shares at least ``j + 1`` blocks of ``p``."""
     rng = random.Random(cfg.seed)
@@ -395,7 +395,7 @@ def format_result(r: DemoResult) -> str:
         ),
         (
             f"  workload  {r.requests} requests x {r.blocks_requested // max(r.requests, 1)} blocks, "
-            f"Pareto-shared prefixes (PERF.md's manager workload, in blocks)"
+            f"Pareto-shared prefixes (docs/performance.md's manager workload, in blocks)"
         ),
         "",
         f"  blocks requested     {r.blocks_requested:>7}",

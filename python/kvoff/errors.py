@@ -1,4 +1,4 @@
-"""Exception classes of kvoff (SPEC §7).
+"""Exception classes of kvoff (docs/spec.md §7).
 
 ``KvoffError`` is the base of everything kvoff raises on its own; invalid arguments raise the
 built-in ``ValueError``/``TypeError`` (``ConfigError`` is both a ``KvoffError`` and a ``ValueError``).

@@ -1,4 +1,4 @@
-"""Worker-side transfer handlers (SPEC §3–§6): the host allocation and the two single-direction
+"""Worker-side transfer handlers (docs/spec.md §3–§6): the host allocation and the two single-direction
 handlers that move KV blocks between the GPU-side KV caches and host memory.
 
 Layout decision. The CPU side of every canonical tensor ``t`` is a view
@@ -62,7 +62,7 @@ def _torch() -> Any:
 
 
 # ---------------------------------------------------------------------------------------------
-# Sizing (SPEC §3)
+# Sizing (docs/spec.md §3)
 # ---------------------------------------------------------------------------------------------
 
 
@@ -118,7 +118,7 @@ def _as_ids(x: Any, name: str) -> np.ndarray:
 
 
 class GPULoadStoreSpec:
-    """The GPU side of a transfer: GPU block ids ordered group by group (SPEC §4).
+    """The GPU side of a transfer: GPU block ids ordered group by group (docs/spec.md §4).
 
     ``group_sizes[g]`` ids belong to group ``g`` (``None``: one group); ``block_indices[g]`` is the
     index within the request of group ``g``'s first block (``None``: 0 for every group).
@@ -164,7 +164,7 @@ class TransferResult(NamedTuple):
 
 
 class SingleDirectionOffloadingHandler:
-    """Transfers of one direction (GPU→CPU stores or CPU→GPU loads); see SPEC §6.
+    """Transfers of one direction (GPU→CPU stores or CPU→GPU loads); see docs/spec.md §6.
 
     Jobs run and complete in submission order. On a CUDA engine every transfer is ordered after
     the work already queued on the caller's current CUDA stream. With ``metrics`` (a
@@ -303,7 +303,7 @@ def _check_medium(spec: Any, medium: str, role: str) -> None:
 
 
 class CpuGpuOffloadingHandlers:
-    """Store and load handlers between GPU-side KV caches and a host allocation (SPEC §6).
+    """Store and load handlers between GPU-side KV caches and a host allocation (docs/spec.md §6).
 
     Args:
         kv_caches: a dict/list of KV-cache tensors (see :func:`canonicalize_kv_caches`) or a

@@ -1,4 +1,4 @@
-"""Transfer metrics (SPEC §8): per-direction bytes, seconds, transfer counts and a size histogram,
+"""Transfer metrics (docs/spec.md §8): per-direction bytes, seconds, transfer counts and a size histogram,
 exposed as a dict or in the Prometheus text exposition format (version 0.0.4), optionally over HTTP.
 
 ::
@@ -22,7 +22,7 @@ Names (``prefix="kvoff"``), each with the label ``transfer_type="GPU_to_CPU"|"CP
 ==================================  =========  ==========================================================
 
 With a manager attached: gauges ``kvoff_cache_usage``, ``kvoff_cache_write_usage``,
-``kvoff_cache_read_usage`` (fractions of the capacity, SPEC §2.2), ``kvoff_cache_blocks``,
+``kvoff_cache_read_usage`` (fractions of the capacity, docs/spec.md §2.2), ``kvoff_cache_blocks``,
 ``kvoff_cache_blocks_present``, ``kvoff_cache_blocks_free``, ``kvoff_cache_blocks_evictable`` and the
 counter ``kvoff_cache_stores_skipped``. Reading them calls ``manager.get_stats()``, which resets the
 manager's own ``stores_skipped`` counter; this object accumulates it, so read it from here only.

@@ -1,7 +1,7 @@
-"""The file tier behind host memory (SPEC §9): offloaded blocks kept as files on local NVMe or a
+"""The file tier behind host memory (docs/spec.md §9): offloaded blocks kept as files on local NVMe or a
 shared filesystem, persistent across restarts and shared between engines.
 
-:class:`TieredOffloadingManager` is an offloading manager (the SPEC §2 protocol and types) with a
+:class:`TieredOffloadingManager` is an offloading manager (the docs/spec.md §2 protocol and types) with a
 directory of files behind its host blocks:
 
 - a block stored in host memory is also written to a file (write-through after ``complete_store``;
@@ -168,7 +168,7 @@ class TieredOffloadingManager:
             max_promotions=max_promotions,
         )
 
-    # --- SPEC §2 protocol -------------------------------------------------------------------------
+    # --- docs/spec.md §2 protocol -------------------------------------------------------------------------
 
     def lookup(self, key: bytes, req_context: Any = None) -> bool | None:
         """``True`` ready, ``None`` pending (a store or a promotion from disk in flight), ``False``."""
@@ -191,7 +191,7 @@ class TieredOffloadingManager:
         self._core.complete_load(list(keys))
 
     def prepare_store(self, keys: Iterable[bytes], req_context: Any = None) -> PrepareStoreOutput | None:
-        """SPEC §2.3 over the host blocks; ``None`` when nothing can be evicted."""
+        """docs/spec.md §2.3 over the host blocks; ``None`` when nothing can be evicted."""
         out = self._core.prepare_store(list(keys))
         if out is None:
             return None
@@ -207,7 +207,7 @@ class TieredOffloadingManager:
         return [OffloadingEvent(k, self.block_size, "CPU", r) for k, r in self._core.take_events()]
 
     def get_stats(self, req_context: Any = None) -> dict[str, Any]:
-        """SPEC §2.2 gauges plus the ``disk_*`` counters (see :data:`DISK_METRICS`)."""
+        """docs/spec.md §2.2 gauges plus the ``disk_*`` counters (see :data:`DISK_METRICS`)."""
         return self._core.get_stats()
 
     def reset(self, req_context: Any = None) -> None:

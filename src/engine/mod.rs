@@ -1,4 +1,4 @@
-//! Transfer engines (SPEC §6, engine part): take validated [`CopyPlan`]s as jobs, move the bytes
+//! Transfer engines (docs/spec.md §6, engine part): take validated [`CopyPlan`]s as jobs, move the bytes
 //! asynchronously, and report [`JobResult`]s.
 //!
 //! Contract shared by every engine ([`TransferEngine`]):

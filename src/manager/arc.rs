@@ -1,4 +1,4 @@
-//! ARC policy (SPEC §2.5): Megiddo & Modha, "ARC: A Self-Tuning, Low Overhead Replacement Cache"
+//! ARC policy (docs/spec.md §2.5): Megiddo & Modha, "ARC: A Self-Tuning, Low Overhead Replacement Cache"
 //! (FAST 2003), as adapted in vLLM's `ARCOffloadingManager`.
 //!
 //! Resident lists T1 (seen once) and T2 (seen again), ghost lists B1 and B2 (keys only, each at most

@@ -1,4 +1,4 @@
-//! LRU policy (SPEC §2.4): one recency list; insertion and `touch` make a key most recently used;
+//! LRU policy (docs/spec.md §2.4): one recency list; insertion and `touch` make a key most recently used;
 //! loads and store completion leave recency alone. Eviction takes the least recently used
 //! evictable, unprotected keys.
 #![forbid(unsafe_code)]

@@ -1,4 +1,4 @@
-//! Offloading managers (scheduler side, SPEC §2): which blocks live on the host and what to evict.
+//! Offloading managers (scheduler side, docs/spec.md §2): which blocks live on the host and what to evict.
 //!
 //! A manager maps opaque keys to CPU block ids in `0..num_blocks` and tracks each present key's state:
 //! **pending** (store in flight: not readable, not evictable), **ready** (readable, evictable) or
@@ -63,7 +63,7 @@ pub enum Presence {
     Ready,
 }
 
-/// Manager settings (SPEC §2).
+/// Manager settings (docs/spec.md §2).
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct ManagerConfig {
     /// Capacity in CPU blocks.
@@ -79,7 +79,7 @@ pub struct ManagerConfig {
 }
 
 impl ManagerConfig {
-    /// Defaults of SPEC §2 with the given capacity.
+    /// Defaults of docs/spec.md §2 with the given capacity.
     #[must_use]
     pub fn new(num_blocks: usize) -> Self {
         Self {
@@ -106,7 +106,7 @@ impl ManagerConfig {
     }
 }
 
-/// Result of a successful `prepare_store` (SPEC §2.3 step 8).
+/// Result of a successful `prepare_store` (docs/spec.md §2.3 step 8).
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct PrepareStoreOutput<K> {
     /// Keys to store, in input order (the absent, admitted ones).
@@ -129,7 +129,7 @@ pub struct PrepareStoreIndexed<K> {
     pub evicted_keys: Vec<K>,
 }
 
-/// A change of the set of ready blocks (SPEC §2.2 `take_events`).
+/// A change of the set of ready blocks (docs/spec.md §2.2 `take_events`).
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct OffloadingEvent<K> {
     /// The keys stored or removed.
@@ -142,7 +142,7 @@ pub struct OffloadingEvent<K> {
     pub removed: bool,
 }
 
-/// Gauges and counters (SPEC §2.2 `get_stats`).
+/// Gauges and counters (docs/spec.md §2.2 `get_stats`).
 #[derive(Clone, Debug, PartialEq)]
 pub struct ManagerStats {
     /// Blocks pinned by pending stores or loads / `num_blocks` (0 when `num_blocks` is 0).
@@ -163,7 +163,7 @@ pub struct ManagerStats {
     pub stores_skipped: u64,
 }
 
-/// The manager protocol of SPEC §2.2, generic over the key type.
+/// The manager protocol of docs/spec.md §2.2, generic over the key type.
 ///
 /// Every method returns [`KvoffError::InvalidState`] after [`shutdown`](Self::shutdown). A method that
 /// returns an error changes nothing.
@@ -193,7 +193,7 @@ pub trait OffloadingManager<K> {
     /// # Errors
     /// [`KvoffError::InvalidState`] if any key is not loading (nothing changes).
     fn complete_load(&mut self, keys: &[K]) -> Result<()>;
-    /// SPEC §2.3: admission, atomic eviction, allocation. `None` = not enough evictable blocks
+    /// docs/spec.md §2.3: admission, atomic eviction, allocation. `None` = not enough evictable blocks
     /// (nothing changed).
     ///
     /// # Errors
@@ -269,9 +269,9 @@ pub trait Policy: Default {
     fn reset(&mut self);
 }
 
-/// LRU manager (SPEC §2.4).
+/// LRU manager (docs/spec.md §2.4).
 pub type LruManager<K> = Manager<K, Lru>;
-/// ARC manager (SPEC §2.5).
+/// ARC manager (docs/spec.md §2.5).
 pub type ArcManager<K> = Manager<K, Arc>;
 
 /// A manager: shared bookkeeping plus a [`Policy`].

@@ -1,4 +1,4 @@
-//! Admission tracker for `store_threshold` (SPEC §2.3 step 3): an LRU-ordered map from key to the
+//! Admission tracker for `store_threshold` (docs/spec.md §2.3 step 3): an LRU-ordered map from key to the
 //! number of times it was offered, bounded by `max_tracker_size`. Keys offered by the call being
 //! processed (mark = that call's epoch) are never dropped by it.
 //!

@@ -1,5 +1,5 @@
-//! Free functions of `kvoff._native`: host sizing (SPEC §3), block-id and sub-block pointer
-//! expansion (SPEC §4) and CUDA detection. Pure computations on converted arguments; no lock.
+//! Free functions of `kvoff._native`: host sizing (docs/spec.md §3), block-id and sub-block pointer
+//! expansion (docs/spec.md §4) and CUDA detection. Pure computations on converted arguments; no lock.
 #![forbid(unsafe_code)]
 
 use numpy::PyArray1;

@@ -1,4 +1,4 @@
-//! The native transfer handler (SPEC §6) that `kvoff.handlers` builds its public classes on: torch
+//! The native transfer handler (docs/spec.md §6) that `kvoff.handlers` builds its public classes on: torch
 //! tensors → checked descriptors, the engine choice, and one direction's jobs.
 //!
 //! Memory safety at the Python boundary. The only `unsafe` here is [`TransferEngine::submit`]. It is
@@ -162,7 +162,7 @@ fn check_disjoint(descs: &[TensorDesc], side: &str) -> Result<(), KvoffError> {
 }
 
 // ---------------------------------------------------------------------------------------------
-// Native transfer handler (SPEC §6)
+// Native transfer handler (docs/spec.md §6)
 // ---------------------------------------------------------------------------------------------
 
 /// Placement of each GPU-side tensor as [`EngineKind::resolve`] takes it.

@@ -1,4 +1,4 @@
-//! Key helpers (SPEC §1) and extraction of key lists from Python.
+//! Key helpers (docs/spec.md §1) and extraction of key lists from Python.
 #![forbid(unsafe_code)]
 
 use pyo3::exceptions::{PyTypeError, PyValueError};

@@ -1,4 +1,4 @@
-//! Python classes of the scheduler side (SPEC §2): `OffloadingManager` and its two policies,
+//! Python classes of the scheduler side (docs/spec.md §2): `OffloadingManager` and its two policies,
 //! `CPULoadStoreSpec`, `PrepareStoreOutput`, `OffloadingEvent`.
 //!
 //! Each manager object is `frozen` and holds its Rust manager behind a mutex; every call validates
@@ -22,7 +22,7 @@ use crate::manager::{
 
 struct State {
     mgr: AnyManager<ByteKey>,
-    /// Set by `shutdown()`: the accessors (`len`, `num_blocks`, …) refuse too (SPEC §7).
+    /// Set by `shutdown()`: the accessors (`len`, `num_blocks`, …) refuse too (docs/spec.md §7).
     shut_down: bool,
 }
 
@@ -102,7 +102,7 @@ impl PyManager {
 
     /// Runs `f` on the manager under its lock: the one way every method reaches the Rust manager.
     ///
-    /// Lock and GIL discipline (SPEC §7): `f` is plain Rust (no Python object is touched, no
+    /// Lock and GIL discipline (docs/spec.md §7): `f` is plain Rust (no Python object is touched, no
     /// Python code can run while the lock is held), arguments are converted before and results
     /// after; the lock is taken without waiting while the GIL is held (`try_lock`), and when another
     /// thread holds it, the wait happens with the GIL released, so a thread that holds the lock and
@@ -235,7 +235,7 @@ impl PyManager {
         self.run_keys(py, keys, OffloadingManager::complete_load)
     }
 
-    /// SPEC §2.3. `None` when there is not enough evictable room (nothing changed).
+    /// docs/spec.md §2.3. `None` when there is not enough evictable room (nothing changed).
     #[pyo3(signature = (keys, req_context=None))]
     fn prepare_store(
         &self,
@@ -369,7 +369,7 @@ impl PyManager {
     }
 }
 
-/// Defines one policy's Python class: a subclass of `OffloadingManager` with SPEC §2's constructor.
+/// Defines one policy's Python class: a subclass of `OffloadingManager` with docs/spec.md §2's constructor.
 macro_rules! policy_class {
     ($(#[$doc:meta])* $ty:ident, $pyname:literal, $policy:expr) => {
         $(#[$doc])*
@@ -403,13 +403,13 @@ macro_rules! policy_class {
 }
 
 policy_class!(
-    /// LRU offloading manager (SPEC §2.4).
+    /// LRU offloading manager (docs/spec.md §2.4).
     PyLru,
     "LRUOffloadingManager",
     PolicyKind::Lru
 );
 policy_class!(
-    /// ARC offloading manager (SPEC §2.5).
+    /// ARC offloading manager (docs/spec.md §2.5).
     PyArc,
     "ARCOffloadingManager",
     PolicyKind::Arc

@@ -1,4 +1,4 @@
-//! `HostRegion` (SPEC §5): private (anonymous) or shared by name in `/dev/shm`, and the exporter of
+//! `HostRegion` (docs/spec.md §5): private (anonymous) or shared by name in `/dev/shm`, and the exporter of
 //! its zero-copy views.
 //!
 //! Views reach numpy/torch through a small exporter object (`__array_interface__`) that holds an
@@ -65,7 +65,7 @@ fn region_options(
     Ok(opts)
 }
 
-/// A host memory region (SPEC §5): private (anonymous) or shared by name in `/dev/shm`.
+/// A host memory region (docs/spec.md §5): private (anonymous) or shared by name in `/dev/shm`.
 #[pyclass(name = "HostRegion", module = "kvoff._native", frozen)]
 pub struct PyHostRegion {
     inner: Mutex<Option<SharedRegion>>,

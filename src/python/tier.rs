@@ -1,6 +1,6 @@
-//! Bindings of the file tier (SPEC §9): `TieredManagerCore`, a [`TieredManager`] over an LRU or ARC
+//! Bindings of the file tier (docs/spec.md §9): `TieredManagerCore`, a [`TieredManager`] over an LRU or ARC
 //! manager with plain return values (the Python class `kvoff.tier.TieredOffloadingManager` wraps it
-//! into SPEC §2's types), and `bench_disk`.
+//! into docs/spec.md §2's types), and `bench_disk`.
 //!
 //! Keys are extracted before the lock is taken and Python objects are built after it is released;
 //! calls that wait for I/O (`flush`, `reset`, `shutdown`, `bench_disk`) release the GIL.
@@ -350,7 +350,7 @@ impl PyTieredCore {
             .collect())
     }
 
-    /// Host gauges (SPEC §2.2) plus `disk_*` counters and gauges.
+    /// Host gauges (docs/spec.md §2.2) plus `disk_*` counters and gauges.
     fn get_stats<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyDict>> {
         let (h, t, c) = self.with(py, TieredManager::get_stats)?;
         stats_dict(py, Some(&h), &t, &c)

@@ -1,4 +1,4 @@
-//! The file tier behind host memory (SPEC §9): offloaded blocks kept as files in a directory on
+//! The file tier behind host memory (docs/spec.md §9): offloaded blocks kept as files in a directory on
 //! a local `NVMe` drive or a shared filesystem, persistent across restarts and shared between engines.
 //!
 //! **Files.** One file per block and rank,
@@ -47,7 +47,7 @@
 //! permissions changed, file vanished) is counted in [`TierStats`], the store is skipped or the
 //! promotion fails, and the tier keeps working.
 //!
-//! [`tiered::TieredManager`] puts a tier behind an offloading manager (the protocol of SPEC §9).
+//! [`tiered::TieredManager`] puts a tier behind an offloading manager (the protocol of docs/spec.md §9).
 //!
 //! ```
 //! use std::sync::Arc;

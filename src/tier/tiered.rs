@@ -1,12 +1,12 @@
-//! An offloading manager with a [`FileTier`] behind it (SPEC §9): the combined tiers behave as one
-//! manager of SPEC §2, with these additions.
+//! An offloading manager with a [`FileTier`] behind it (docs/spec.md §9): the combined tiers behave as one
+//! manager of docs/spec.md §2, with these additions.
 //!
 //! - **Write-through.** When `complete_store(keys, true)` makes a key ready, the key is pinned in the
 //!   host manager as a load (`prepare_load`) and a write of its block is queued; the pin is released
 //!   (`complete_load`) when the tier no longer reads the block: after the `O_DIRECT` write straight
 //!   from 4 KiB-aligned host memory, or, for other memory, as soon as an I/O thread has copied the
 //!   block into its own buffer (before the disk write). Write-back on host eviction was not chosen:
-//!   the victim's block is handed to the new store in the same `prepare_store` call (SPEC §2.3 is
+//!   the victim's block is handed to the new store in the same `prepare_store` call (docs/spec.md §2.3 is
 //!   atomic), so write-back would either delay that call by the write (or a copy) of every victim or
 //!   break the atomicity — the same work as write-through, but on the scheduler's critical path at
 //!   the moment host memory is short. Write-through also means a block is on
@@ -17,10 +17,10 @@
 //! - **Promotion.** `lookup(key)` or `lookup_prefix(keys)` that misses host memory but finds a file
 //!   answers "pending" (`Presence::Pending` / `None`) and starts a promotion: `prepare_store` of the
 //!   run of consecutive on-disk keys (at most `max_promotions`) reserves host blocks (pending, so
-//!   SPEC §2's protection holds: not readable, not evictable), an I/O thread reads and checks each file
+//!   docs/spec.md §2's protection holds: not readable, not evictable), an I/O thread reads and checks each file
 //!   into its block, and the next call completes the store (`complete_store(ok)`), which emits the
 //!   usual stored event. The key then answers `True` and loads as usual. These lookups therefore have
-//!   a side effect, unlike SPEC §2.2's. When host memory has no evictable block, the lookup answers
+//!   a side effect, unlike docs/spec.md §2.2's. When host memory has no evictable block, the lookup answers
 //!   absent. A failed promotion (file vanished, corrupt) removes the pending key: the next lookup is a miss.
 //! - **Completions** are applied at the start of every call (no thread calls the manager), so a
 //!   caller that stops calling sees no progress; [`TieredManager::poll`] applies them explicitly.
@@ -224,7 +224,7 @@ impl<M: OffloadingManager<ByteKey>> TieredManager<M> {
         })
     }
 
-    /// SPEC §2.2 `prepare_load` (host blocks).
+    /// docs/spec.md §2.2 `prepare_load` (host blocks).
     ///
     /// # Errors
     /// As the host manager's.
@@ -233,7 +233,7 @@ impl<M: OffloadingManager<ByteKey>> TieredManager<M> {
         self.host.prepare_load(keys)
     }
 
-    /// SPEC §2.2 `touch`.
+    /// docs/spec.md §2.2 `touch`.
     ///
     /// # Errors
     /// Only after shutdown.
@@ -241,7 +241,7 @@ impl<M: OffloadingManager<ByteKey>> TieredManager<M> {
         self.host.touch(keys)
     }
 
-    /// SPEC §2.2 `complete_load`.
+    /// docs/spec.md §2.2 `complete_load`.
     ///
     /// # Errors
     /// As the host manager's.
@@ -250,7 +250,7 @@ impl<M: OffloadingManager<ByteKey>> TieredManager<M> {
         self.poll()
     }
 
-    /// SPEC §2.3 `prepare_store` (host blocks).
+    /// docs/spec.md §2.3 `prepare_store` (host blocks).
     ///
     /// # Errors
     /// Only after shutdown.
@@ -279,7 +279,7 @@ impl<M: OffloadingManager<ByteKey>> TieredManager<M> {
         }
     }
 
-    /// SPEC §2.2 `complete_store`; on success every key that became ready is written through to
+    /// docs/spec.md §2.2 `complete_store`; on success every key that became ready is written through to
     /// the tier (unless it has a file, or is below the disk admission threshold).
     ///
     /// # Errors
@@ -320,7 +320,7 @@ impl<M: OffloadingManager<ByteKey>> TieredManager<M> {
         self.poll()
     }
 
-    /// SPEC §2.2 `take_events` (host events; promotions appear as stores).
+    /// docs/spec.md §2.2 `take_events` (host events; promotions appear as stores).
     ///
     /// # Errors
     /// Only after shutdown.

@@ -10,7 +10,7 @@ POLICIES = ["lru", "arc"]
 
 
 def K(i: int) -> bytes:
-    """The SPEC §2.6 key ``K(i) = make_offload_key(str(i).encode(), 0)``."""
+    """The docs/spec.md §2.6 key ``K(i) = make_offload_key(str(i).encode(), 0)``."""
     return make_offload_key(str(i).encode(), 0)
 
 

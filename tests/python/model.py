@@ -1,9 +1,9 @@
-"""A pure-Python reference model of the managers (SPEC §2), used by the property tests.
+"""A pure-Python reference model of the managers (docs/spec.md §2), used by the property tests.
 
 Written for obviousness, not speed: every list is a plain Python list ordered LRU → MRU, every
 operation validates first and then mutates, and nothing is shared with the Rust implementation.
 The numbers that matter (block ids, ARC's ``p``, the gauges) are computed with the same float
-operations the SPEC names, so they can be compared exactly.
+operations the spec (docs/spec.md) names, so they can be compared exactly.
 """
 
 from __future__ import annotations

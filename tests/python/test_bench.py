@@ -32,7 +32,7 @@ def test_manager_rows_agree_with_the_reference() -> None:
         assert 0.0 < kv["hit_rate"] < 1.0
         assert kv["key_ops_per_s"] > 0 and ref["ratio"] == 1.0
         assert kv["ratio"] == pytest.approx(kv["key_ops_per_s"] / ref["key_ops_per_s"])
-        # Without vLLM the target is judged against PERF.md's recorded vLLM figure.
+        # Without vLLM the target is judged against docs/performance.md's recorded vLLM figure.
         assert kv["vs_vllm"] is None
         need = bench.VLLM_RATIO_TARGETS[policy] * bench.VLLM_RECORDED[policy] * 1e6
         assert kv["target_met"] == (kv["key_ops_per_s"] >= need)

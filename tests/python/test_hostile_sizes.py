@@ -1,4 +1,4 @@
-"""Absurd sizes and out-of-range integers get a clean ``ValueError`` (SPEC §7), never an abort.
+"""Absurd sizes and out-of-range integers get a clean ``ValueError`` (docs/spec.md §7), never an abort.
 
 On kvoff 1526e41 ``expand_block_ids([0], 2**36)`` killed the process ("memory allocation of
 549755813888 bytes failed", SIGABRT), ``2**62`` gave an internal "capacity overflow" error, ints

@@ -1,4 +1,4 @@
-"""SPEC §1: offload keys = block hash bytes + group index as 4-byte big-endian unsigned."""
+"""docs/spec.md §1: offload keys = block hash bytes + group index as 4-byte big-endian unsigned."""
 
 from __future__ import annotations
 

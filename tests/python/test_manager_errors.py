@@ -1,4 +1,4 @@
-"""Error paths of the managers (SPEC §2.2, §7): the right exception class, and no state change."""
+"""Error paths of the managers (docs/spec.md §2.2, §7): the right exception class, and no state change."""
 
 from __future__ import annotations
 

@@ -1,5 +1,5 @@
 """Stateful property test: random operation sequences on the Python API, checked step by step against
-the reference model of SPEC §2 in ``model.py``.
+the reference model of docs/spec.md §2 in ``model.py``.
 
 Every result is compared exactly (keys_to_store, block ids, evicted keys and their order, lookups,
 lookup_prefix, stats, events, ARC lists and p) and invariants are checked after every step.

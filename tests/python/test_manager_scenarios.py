@@ -1,5 +1,5 @@
-"""SPEC §2.6 reference scenarios through the Python API, plus the surface of §2 (factory, req_context,
-len/num_blocks, events, CPULoadStoreSpec). Capacity 4 unless noted; keys K(i) as in the SPEC."""
+"""docs/spec.md §2.6 reference scenarios through the Python API, plus the surface of §2 (factory, req_context,
+len/num_blocks, events, CPULoadStoreSpec). Capacity 4 unless noted; keys K(i) as in the spec (docs/spec.md)."""
 
 from __future__ import annotations
 
@@ -470,7 +470,7 @@ def test_create_manager(name: str, cls: type) -> None:
     assert m.policy == cls(1).policy
 
 
-# Names are exact (SPEC §2): "LRU" is not a policy name.
+# Names are exact (docs/spec.md §2): "LRU" is not a policy name.
 @pytest.mark.parametrize("name", ["fifo", "", "lru2", "random", "LRU", "Arc"])
 def test_create_manager_unknown_policy(name: str) -> None:
     with pytest.raises(ValueError, match="lru") as ei:
@@ -600,7 +600,7 @@ def test_prepare_store_output_type() -> None:
     assert isinstance(out.store_spec, CPULoadStoreSpec)
     assert isinstance(out.keys_to_store, list)
     assert isinstance(out.evicted_keys, list)
-    # Public constructor as in the SPEC's "no candidates" output.
+    # Public constructor as in the spec (docs/spec.md)'s "no candidates" output.
     empty = PrepareStoreOutput([], CPULoadStoreSpec([]), [])
     assert list(empty.keys_to_store) == []
     assert ids_of(empty.store_spec) == []

@@ -1,4 +1,4 @@
-"""Transfer metrics (SPEC §8): exact Prometheus text for a known sequence, histogram bucket edges,
+"""Transfer metrics (docs/spec.md §8): exact Prometheus text for a known sequence, histogram bucket edges,
 the manager gauges, parsing back with prometheus_client (when installed), the HTTP endpoint, and the
 handlers observing their results automatically."""
 
@@ -143,7 +143,7 @@ def test_transfer_type_spellings():
 
 @pytest.mark.parametrize("policy", ["lru", "arc"])
 def test_manager_gauges(policy):
-    """SPEC §2.6 #27 gauges, and stores_skipped accumulated across reads (the manager resets its own)."""
+    """docs/spec.md §2.6 #27 gauges, and stores_skipped accumulated across reads (the manager resets its own)."""
     mgr = kvoff.create_manager(policy, 4, store_threshold=2)
     m = TransferMetrics(mgr)
     mgr.prepare_store(ks(1, 2))  # first offer: both skipped by admission

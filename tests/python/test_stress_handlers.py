@@ -1,4 +1,4 @@
-"""Transfer handlers under threads, fork() and freed memory (SPEC §7), host engine.
+"""Transfer handlers under threads, fork() and freed memory (docs/spec.md §7), host engine.
 
 Every scenario runs in a child process with a time limit: a hang or a crash fails the test
 instead of the suite. Reproducers from kvoff 1526e41: ``untyped_storage().resize_(0)`` then

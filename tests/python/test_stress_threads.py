@@ -1,4 +1,4 @@
-"""Concurrency stress for the managers (SPEC §7): no deadlock, no crash, invariants kept.
+"""Concurrency stress for the managers (docs/spec.md §7): no deadlock, no crash, invariants kept.
 
 Each scenario runs in a child process with a time limit, so a regression (a hang) fails the test
 instead of hanging the suite. The scenarios are the ones that hung kvoff 1526e41:

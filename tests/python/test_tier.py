@@ -1,4 +1,4 @@
-"""The file tier through Python (SPEC §9): restart persistence across processes, corruption, sharing
+"""The file tier through Python (docs/spec.md §9): restart persistence across processes, corruption, sharing
 a directory between processes, SIGKILL during writes, start-up errors, full disk, lookup cost."""
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""canonicalize_kv_caches on the KV-cache layouts engines use (SPEC §6), for bf16/fp16/fp8/int8:
+"""canonicalize_kv_caches on the KV-cache layouts engines use (docs/spec.md §6), for bf16/fp16/fp8/int8:
 canonical shapes and page sizes, byte-exact store → load round trips through CpuGpuOffloadingHandlers
 (every destination byte right; every other byte, padding included, unchanged), several KV-cache groups
 with different layers (and tensors shared across groups), keep-alive of the engine's memory, and the

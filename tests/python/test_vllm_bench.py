@@ -1,4 +1,4 @@
-"""``kvoff bench managers`` with vLLM's own offloading managers as the same-run baseline (PERF.md:
+"""``kvoff bench managers`` with vLLM's own offloading managers as the same-run baseline (docs/performance.md:
 kvoff ≥ 10× vLLM's LRU and ≥ 5× its ARC on the manager workload, same machine, same run).
 
 Skipped (with the reason) where vLLM's managers are not importable; run in the vLLM environment

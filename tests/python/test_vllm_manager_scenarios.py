@@ -1,7 +1,7 @@
 """vLLM 0.33's CPU-manager scenarios (tests/v1/kv_offload/cpu/test_manager.py), run through vLLM's
 ``OffloadingManager`` interface on kvoff's managers (``KvoffOffloadingManager``), both policies.
 
-Written from the interface and those tests' scenarios (kvoff SPEC §2.6 lists the same ones).
+Written from the interface and those tests' scenarios (docs/spec.md §2.6 lists the same ones).
 vLLM 0.33 moved recency from ``touch`` to request completion (``on_request_finished``); the
 request-scoped tests at the end check the adapter's mapping of that onto kvoff's ``touch``.
 """

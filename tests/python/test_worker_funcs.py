@@ -1,4 +1,4 @@
-"""Worker-side functions and host regions through Python (SPEC §3, §4, §5)."""
+"""Worker-side functions and host regions through Python (docs/spec.md §3, §4, §5)."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""Transfer handlers on a CUDA GPU (SPEC §6). Marked ``gpu``; skipped without CUDA.
+"""Transfer handlers on a CUDA GPU (docs/spec.md §6). Marked ``gpu``; skipped without CUDA.
 
 Byte-exact randomized round trips per engine method with bf16/fp8 KV caches, a shared 2-rank
 region, ordering against the caller's current stream (loads land after queued work, stores read

@@ -1,4 +1,4 @@
-"""Transfer handlers on the host engine (SPEC §4, §6): canonicalization, byte-exact randomized round
+"""Transfer handlers on the host engine (docs/spec.md §4, §6): canonicalization, byte-exact randomized round
 trips GPU side → CPU → GPU side, bad input rejected at submission with nothing written, ordering,
 shutdown with jobs in flight, engine selection."""
 
@@ -49,7 +49,7 @@ def job_bytes(caches, job):
     )
 
 
-# --- canonicalization (SPEC §6) --------------------------------------------------------------------
+# --- canonicalization (docs/spec.md §6) --------------------------------------------------------------------
 
 
 def test_canonicalize_layouts_and_dtypes_zero_copy():

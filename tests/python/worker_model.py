@@ -1,4 +1,4 @@
-"""A reference model of SPEC §4 transfer plans for the handler tests: random KV-cache layouts, random
+"""A reference model of docs/spec.md §4 transfer plans for the handler tests: random KV-cache layouts, random
 jobs, and the expected bytes of every destination (numpy, byte-exact)."""
 
 from __future__ import annotations

@@ -42,7 +42,7 @@ def region_name(engine_id: str) -> str:
 class KvoffOffloadingSpec(OffloadingSpec):
     """CPU offloading with kvoff's managers (scheduler) and transfer handlers (workers).
 
-    Sizing (kvoff SPEC §3): one CPU block holds ``blocks_per_chunk`` GPU blocks of every rank;
+    Sizing (docs/spec.md §3): one CPU block holds ``blocks_per_chunk`` GPU blocks of every rank;
     ``row = worker_kv_bytes_per_block × blocks_per_chunk × world_size`` rounded up to the OS page
     size, and ``num_chunks = cpu_bytes_to_use // row`` (``cpu_bytes_to_use`` is for all ranks).
     """

@@ -1,4 +1,4 @@
-//! CUDA transfer engine (SPEC §6 on a GPU): moves a [`CopyPlan`](crate::plan::CopyPlan) between GPU memory and pinned host
+//! CUDA transfer engine (docs/spec.md §6 on a GPU): moves a [`CopyPlan`](crate::plan::CopyPlan) between GPU memory and pinned host
 //! memory on a pooled stream, choosing per job between batched DMA (`cuMemcpyBatchAsync`, one call
 //! per job; a per-copy `cuMemcpyAsync` loop where the driver lacks it) and a gather/scatter copy
 //! kernel over device-mapped host memory (`kernels/copy.cu`, shipped as PTX).
