@@ -27,6 +27,7 @@
 use std::collections::HashSet;
 use std::sync::{Mutex, PoisonError};
 
+use numpy::{PyArrayDescrMethods, PyUntypedArray, PyUntypedArrayMethods};
 use pyo3::exceptions::{PyTypeError, PyValueError};
 use pyo3::prelude::*;
 use pyo3::types::{PyInt, PyList, PyTuple};
@@ -49,9 +50,14 @@ struct TensorInfo {
 /// Reads a 2-D `torch.uint8` tensor `(num_blocks, row_bytes)` whose rows are contiguous, and checks
 /// that its extent lies inside its untyped storage.
 fn tensor_info(t: &Bound<'_, PyAny>, side: &str, i: usize) -> PyResult<TensorInfo> {
+    if let Ok(a) = t.cast::<PyUntypedArray>() {
+        return array_info(a, side, i);
+    }
     let py = t.py();
     let torch = py.import("torch").map_err(|e| {
-        PyTypeError::new_err(format!("the transfer handler needs torch tensors: {e}"))
+        PyTypeError::new_err(format!(
+            "the transfer handler needs torch tensors (or numpy arrays in host memory): {e}"
+        ))
     })?;
     let what = || format!("{side} tensor {i}");
     if !t.is_instance(&torch.getattr("Tensor")?)? {
@@ -122,6 +128,49 @@ fn tensor_info(t: &Bound<'_, PyAny>, side: &str, i: usize) -> PyResult<TensorInf
         desc,
         is_cuda,
         device_index,
+    })
+}
+
+/// Reads a 2-D `uint8` numpy array `(num_blocks, row_bytes)` whose rows are contiguous: host memory
+/// (for the host engine, e.g. benchmarks on a machine without torch). numpy guarantees that the
+/// memory its shape and strides describe belongs to the array (kept alive by the handler), and it
+/// refuses to resize an array that other objects reference.
+fn array_info(a: &Bound<'_, PyUntypedArray>, side: &str, i: usize) -> PyResult<TensorInfo> {
+    let what = || format!("{side} array {i}");
+    if a.dtype().kind() != b'u' || a.dtype().itemsize() != 1 || a.ndim() != 2 {
+        return Err(PyValueError::new_err(format!(
+            "{} must be a 2-D uint8 numpy array (num_blocks, page_bytes), got dtype {} and shape {:?}",
+            what(),
+            a.dtype(),
+            a.shape()
+        )));
+    }
+    let (rows, cols) = (a.shape()[0] as u64, a.shape()[1] as u64);
+    let strides: Vec<isize> = a.strides().to_vec();
+    if strides.iter().any(|&s| s < 0) || (cols > 1 && strides[1] != 1) {
+        return Err(PyValueError::new_err(format!(
+            "{}: the bytes of a block must be contiguous with non-negative strides (strides {strides:?})",
+            what()
+        )));
+    }
+    let row_stride = if rows > 1 {
+        strides[0].unsigned_abs() as u64
+    } else {
+        cols
+    };
+    let iface = a.getattr("__array_interface__")?;
+    let (ptr, readonly): (u64, bool) = iface.get_item("data")?.extract()?;
+    if readonly {
+        // Either side is written by one of the two directions.
+        return Err(PyValueError::new_err(format!(
+            "{} is read-only; the transfer handler writes both sides",
+            what()
+        )));
+    }
+    Ok(TensorInfo {
+        desc: TensorDesc::new(ptr, rows, row_stride, cols),
+        is_cuda: false,
+        device_index: -1,
     })
 }
 
