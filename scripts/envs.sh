@@ -18,7 +18,7 @@ set -euo pipefail
 
 KVOFF_ENV_CACHE=${KVOFF_ENV_CACHE:-$HOME/.cache/kvoff/envs}
 PIP_FLAGS=(-q --disable-pip-version-check)
-TEST_TOOLS=(pytest hypothesis mypy ruff numpy matplotlib)
+TEST_TOOLS=(pytest hypothesis mypy ruff numpy matplotlib prometheus_client)
 # Checkers whose verdicts depend on their version: pinned, installed on every run (a no-op when
 # present), so that a newer release cannot fail or pass the suite by itself.
 LINT_TOOLS=(ruff==0.17.6 mypy==2.4.1)

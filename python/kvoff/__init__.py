@@ -47,7 +47,7 @@ from kvoff.handlers import (
     canonicalize_kv_caches,
     cpu_sizing,
 )
-from kvoff.metrics import TransferMetrics, serve_metrics
+from kvoff.metrics import TransferMetrics, TransferMetricsCollector, serve_metrics
 from kvoff.tier import TieredOffloadingManager
 
 OffloadKey = bytes
@@ -101,6 +101,7 @@ __all__ = [
     "SingleDirectionOffloadingHandler",
     "TieredOffloadingManager",
     "TransferMetrics",
+    "TransferMetricsCollector",
     "TransferResult",
     "__version__",
     "canonicalize_kv_caches",

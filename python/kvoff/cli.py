@@ -126,7 +126,11 @@ def _demo(args: argparse.Namespace) -> int:
     metrics = TransferMetrics()
     server = None
     if args.metrics_port is not None:
-        server = serve_metrics(metrics, args.metrics_port)
+        try:
+            server = serve_metrics(metrics, args.metrics_port)
+        except ImportError as e:  # prometheus_client missing: say which extra to install
+            print(f"kvoff demo: {e}", file=sys.stderr)
+            return 2
         print(f"serving metrics at {server.url}", file=sys.stderr)
     try:
         sys.stdout.flush()
@@ -311,7 +315,8 @@ def main(argv: list[str] | None = None) -> int:
         dest="metrics_port",
         type=int,
         default=None,
-        help="serve Prometheus metrics at http://127.0.0.1:PORT/metrics while the demo runs",
+        help="serve Prometheus metrics at http://127.0.0.1:PORT/metrics while the demo runs "
+        "(needs prometheus_client: pip install 'kvoff[prometheus]')",
     )
     d.add_argument("--prometheus", action="store_true", help="print the Prometheus metrics at the end")
     d.add_argument("--json", action="store_true", help="print the results as JSON")

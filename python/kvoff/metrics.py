@@ -1,16 +1,26 @@
 """Transfer metrics (docs/spec.md §8): per-direction bytes, seconds, transfer counts and a size histogram,
-exposed as a dict or in the Prometheus text exposition format (version 0.0.4), optionally over HTTP.
+plus the attached manager's usage gauges, as a dict, as a ``prometheus_client`` collector that a
+service registers in its own registry, or over a standalone HTTP endpoint.
 
 ::
 
     m = kvoff.TransferMetrics()
     h = kvoff.CpuGpuOffloadingHandlers(kv_caches, 1, num_cpu_blocks, metrics=m)   # observed for you
     m.attach_manager(manager)           # adds kvoff_cache_* usage gauges from manager.get_stats()
+
+    # in a service that already runs prometheus_client (its /metrics now shows kvoff_*):
+    prometheus_client.REGISTRY.register(kvoff.TransferMetricsCollector(m))
+
+    # or standalone (prometheus_client's start_http_server on a registry of its own):
     server = kvoff.serve_metrics(m, port=9400)                  # GET http://127.0.0.1:9400/metrics
-    ...
     server.close()
 
-Names (``prefix="kvoff"``), each with the label ``transfer_type="GPU_to_CPU"|"CPU_to_GPU"``:
+The collector and the server need ``prometheus_client`` (``pip install 'kvoff[prometheus]'``);
+without it they raise ``ImportError`` saying so, and everything else here (observing, ``snapshot()``,
+``prometheus_text()``) works.
+
+Families (``prefix="kvoff"``), each ``offload_*`` one with the label
+``transfer_type="GPU_to_CPU"|"CPU_to_GPU"``:
 
 ==================================  =========  ==========================================================
 ``kvoff_offload_total_bytes``       counter    bytes moved by successful transfers
@@ -27,21 +37,43 @@ With a manager attached: gauges ``kvoff_cache_usage``, ``kvoff_cache_write_usage
 counter ``kvoff_cache_stores_skipped``. Reading them calls ``manager.get_stats()``, which resets the
 manager's own ``stores_skipped`` counter; this object accumulates it, so read it from here only.
 
-Inside vLLM the same figures are reported under vLLM's own names (``vllm:kv_offload_total_bytes``,
-``vllm:kv_offload_total_time``, ``vllm:kv_offload_size``) by vLLM's metrics machinery; this module is
-for standalone use. Counters are written without the ``_total`` suffix that OpenMetrics would add, with
-the names above. All methods are thread-safe (the HTTP endpoint reads from its own thread).
+Counters are exposed as prometheus_client exposes every counter: the sample (and its
+``# HELP``/``# TYPE`` lines) is the family name plus ``_total``, e.g.
+``kvoff_offload_total_bytes_total{transfer_type="GPU_to_CPU"}``. (kvoff before the collector wrote
+the counter samples without ``_total``; prometheus_client's registry cannot expose a counter that
+way, and its parser already read those samples as ``…_total``.)
+
+Several sources in one registry: one collector holds any number of :class:`TransferMetrics`, each
+with its own constant labels (``collector.add(m2, labels={"engine": "b"})``); two collectors with
+the same prefix in one registry are refused by the registry (duplicated timeseries).
+
+Inside vLLM the same figures are reported under vLLM's own names (``vllm:kv_offload_*``) by vLLM's
+metrics machinery, from its workers to the API server that serves ``/metrics``; this module is for
+services that hold kvoff's objects in the process that serves their metrics, and for standalone use.
+All methods are thread-safe; a collection holds this object's lock only to copy numbers, and calls
+the manager's ``get_stats()`` outside it.
 """
 
 from __future__ import annotations
 
+import logging
 import math
+import re
 import threading
-from collections.abc import Iterable
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from collections.abc import Iterable, Iterator, Mapping
 from typing import Any
 
-__all__ = ["DIRECTIONS", "SIZE_BUCKETS_BYTES", "MetricsServer", "TransferMetrics", "serve_metrics"]
+__all__ = [
+    "DIRECTIONS",
+    "PROMETHEUS_EXTRA",
+    "SIZE_BUCKETS_BYTES",
+    "MetricsServer",
+    "TransferMetrics",
+    "TransferMetricsCollector",
+    "serve_metrics",
+]
+
+logger = logging.getLogger(__name__)
 
 #: Upper bounds (inclusive, ``le``) of the size histogram in bytes: 1, 5, …, 200 MB, then +Inf.
 SIZE_BUCKETS_BYTES: tuple[float, ...] = (1e6, 5e6, 10e6, 20e6, 40e6, 60e6, 80e6, 100e6, 150e6, 200e6)
@@ -49,11 +81,29 @@ SIZE_BUCKETS_BYTES: tuple[float, ...] = (1e6, 5e6, 10e6, 20e6, 40e6, 60e6, 80e6,
 #: Label values of ``transfer_type``, in the order they are written.
 DIRECTIONS: tuple[str, str] = ("CPU_to_GPU", "GPU_to_CPU")
 
-_CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
+#: The install extra that brings ``prometheus_client``: ``pip install 'kvoff[prometheus]'``.
+PROMETHEUS_EXTRA = "prometheus"
+
+_LABEL_NAME = re.compile(r"[a-zA-Z_][a-zA-Z0-9_]*\Z")
+_METRIC_NAME = re.compile(r"[a-zA-Z_:][a-zA-Z0-9_:]*\Z")
+_RESERVED_LABELS = frozenset({"transfer_type", "le"})
+
+
+def _prometheus_client() -> Any:
+    """``prometheus_client`` (with the submodules used here), or an ``ImportError`` naming the extra."""
+    try:
+        import prometheus_client
+        import prometheus_client.metrics_core
+    except ImportError as e:
+        raise ImportError(
+            "kvoff's Prometheus collector and metrics server need prometheus_client, which is not "
+            f"installed: pip install 'kvoff[{PROMETHEUS_EXTRA}]' (or pip install prometheus_client)"
+        ) from e
+    return prometheus_client
 
 
 def _go_float(x: float) -> str:
-    """A float as Prometheus' Go client writes it (``1e+06``, ``1.5e+08``, ``+Inf``, ``0.25``).
+    """A float as Prometheus' Go client writes it (``1e+06``, ``1.5e+08``, ``1e+10``, ``+Inf``, ``0.25``).
 
     The same spelling as ``prometheus_client.utils.floatToGoString``.
     """
@@ -66,7 +116,7 @@ def _go_float(x: float) -> str:
     dot = s.find(".")
     if x > 0 and dot > 6:  # Go switches to exponents sooner than Python
         mantissa = f"{s[0]}.{s[1:dot]}{s[dot + 1 :]}".rstrip("0.")
-        return f"{mantissa}e+0{dot - 1}"
+        return f"{mantissa}e+{dot - 1:02d}"
     return s
 
 
@@ -94,6 +144,86 @@ class _Direction:
         self.failed = 0
         # Non-cumulative counts per bucket; the last one is (200 MB, +Inf).
         self.bucket_counts = [0] * (len(SIZE_BUCKETS_BYTES) + 1)
+
+    def copy(self) -> _Direction:
+        c = _Direction()
+        c.bytes, c.seconds, c.transfers, c.failed = self.bytes, self.seconds, self.transfers, self.failed
+        c.bucket_counts = list(self.bucket_counts)
+        return c
+
+
+# -- the families, in the order they are written -----------------------------------------------------
+
+_COUNTERS: tuple[tuple[str, str, str], ...] = (
+    # (name after the prefix, help, _Direction attribute)
+    ("offload_total_bytes", "Bytes moved by KV offloading transfers.", "bytes"),
+    ("offload_total_time", "Seconds spent in KV offloading transfers (device-timed on a GPU).", "seconds"),
+    ("offload_transfers", "Successful KV offloading transfers.", "transfers"),
+    ("offload_failed_transfers", "Failed KV offloading transfers.", "failed"),
+)
+_HISTOGRAM = ("offload_size", "Bytes per KV offloading transfer.")
+_CACHE_GAUGES: tuple[tuple[str, str, str], ...] = (
+    # (name after the prefix, get_stats() key, help)
+    ("cache_usage", "usage", "Fraction of CPU blocks pinned by pending stores or loads."),
+    ("cache_write_usage", "write_usage", "Fraction of CPU blocks pinned by pending stores."),
+    ("cache_read_usage", "read_usage", "Fraction of CPU blocks pinned by loads."),
+    ("cache_blocks", "num_blocks", "Capacity of the CPU cache in blocks."),
+    ("cache_blocks_present", "num_present", "CPU blocks holding a key."),
+    ("cache_blocks_free", "num_free", "Unused CPU blocks."),
+    ("cache_blocks_evictable", "num_evictable", "CPU blocks that may be evicted."),
+)
+_CACHE_SKIPPED = ("cache_stores_skipped", "Stores skipped by the admission threshold.")
+
+
+class _Family:
+    """One metric family as plain data: ``name`` is the family name (counters without ``_total``),
+    ``samples`` are ``(sample name, labels, value)``."""
+
+    __slots__ = ("help", "name", "samples", "type")
+
+    def __init__(self, name: str, type_: str, help_: str) -> None:
+        self.name = name
+        self.type = type_
+        self.help = help_
+        self.samples: list[tuple[str, dict[str, str], float]] = []
+
+
+def _describe(prefix: str) -> list[_Family]:
+    """Every family a collector with this prefix may write, without samples."""
+    fams = [_Family(f"{prefix}_{name}", "counter", help_) for name, help_, _ in _COUNTERS]
+    fams.append(_Family(f"{prefix}_{_HISTOGRAM[0]}", "histogram", _HISTOGRAM[1]))
+    fams += [_Family(f"{prefix}_{name}", "gauge", help_) for name, _, help_ in _CACHE_GAUGES]
+    fams.append(_Family(f"{prefix}_{_CACHE_SKIPPED[0]}", "counter", _CACHE_SKIPPED[1]))
+    return fams
+
+
+def _escape_label_value(v: str) -> str:
+    return v.replace("\\", r"\\").replace("\n", r"\n").replace('"', r"\"")
+
+
+def _format_text(families: Iterable[_Family]) -> str:
+    """The Prometheus text format (0.0.4) as ``prometheus_client.generate_latest`` writes these
+    families (used when prometheus_client is not installed; a test checks the two agree)."""
+    lines: list[str] = []
+    for f in families:
+        mname = f"{f.name}_total" if f.type == "counter" else f.name
+        help_ = f.help.replace("\\", r"\\").replace("\n", r"\n")
+        lines.append(f"# HELP {mname} {help_}")
+        lines.append(f"# TYPE {mname} {f.type}")
+        for name, labels, value in f.samples:
+            labelstr = ",".join(f'{k}="{_escape_label_value(v)}"' for k, v in sorted(labels.items()))
+            lines.append(
+                f"{name}{{{labelstr}}} {_go_float(value)}" if labels else f"{name} {_go_float(value)}"
+            )
+    return "".join(f"{line}\n" for line in lines)
+
+
+def _check_prefix(prefix: str) -> str:
+    if not isinstance(prefix, str) or not _METRIC_NAME.match(prefix):
+        raise ValueError(
+            f"prefix must be a Prometheus metric name ([a-zA-Z_:][a-zA-Z0-9_:]*), got {prefix!r}"
+        )
+    return prefix
 
 
 class TransferMetrics:
@@ -157,14 +287,65 @@ class TransferMetrics:
 
     # -- output -----------------------------------------------------------------------------------
 
-    def _cache_stats(self) -> dict[str, Any] | None:
-        """The attached manager's stats (``stores_skipped`` accumulated here); caller holds the lock."""
-        if self._manager is None:
+    def _cache_stats(self, strict: bool) -> dict[str, Any] | None:
+        """The attached manager's stats with ``stores_skipped`` accumulated here. ``get_stats()``
+        runs outside this object's lock (it waits for the manager's); ``strict=False`` turns its
+        failure (e.g. a shut-down manager) into ``None``."""
+        with self._lock:
+            manager = self._manager
+        if manager is None:
             return None
-        stats = dict(self._manager.get_stats())
-        self._stores_skipped += int(stats.get("stores_skipped", 0))
-        stats["stores_skipped"] = self._stores_skipped
+        try:
+            stats = dict(manager.get_stats())
+        except Exception:
+            if strict:
+                raise
+            logger.debug(
+                "kvoff metrics: get_stats() of %r failed; cache gauges skipped", manager, exc_info=True
+            )
+            return None
+        skipped = int(stats.get("stores_skipped", 0))
+        with self._lock:
+            self._stores_skipped += skipped
+            stats["stores_skipped"] = self._stores_skipped
         return stats
+
+    def _copy_dirs(self) -> dict[str, _Direction]:
+        with self._lock:
+            return {d: self._dirs[d].copy() for d in DIRECTIONS}
+
+    def _families(self, prefix: str, labels: Mapping[str, str], strict: bool = False) -> list[_Family]:
+        """The current values as families (see :class:`TransferMetricsCollector`)."""
+        dirs = self._copy_dirs()
+        cache = self._cache_stats(strict)
+        fams: list[_Family] = []
+
+        def family(name: str, type_: str, help_: str) -> _Family:
+            f = _Family(f"{prefix}_{name}", type_, help_)
+            fams.append(f)
+            return f
+
+        for name, help_, attr in _COUNTERS:
+            f = family(name, "counter", help_)
+            for d, s in dirs.items():
+                f.samples.append((f"{f.name}_total", {**labels, "transfer_type": d}, float(getattr(s, attr))))
+        f = family(_HISTOGRAM[0], "histogram", _HISTOGRAM[1])
+        for d, s in dirs.items():
+            lab = {**labels, "transfer_type": d}
+            cum = 0
+            for le, n in zip((*SIZE_BUCKETS_BYTES, math.inf), s.bucket_counts):
+                cum += n
+                f.samples.append((f"{f.name}_bucket", {**lab, "le": _go_float(le)}, float(cum)))
+            f.samples.append((f"{f.name}_sum", lab, float(s.bytes)))
+            f.samples.append((f"{f.name}_count", lab, float(s.transfers)))
+        if cache is not None:
+            for name, key, help_ in _CACHE_GAUGES:
+                family(name, "gauge", help_).samples.append(
+                    (f"{prefix}_{name}", dict(labels), float(cache.get(key, 0)))
+                )
+            f = family(_CACHE_SKIPPED[0], "counter", _CACHE_SKIPPED[1])
+            f.samples.append((f"{f.name}_total", dict(labels), float(cache["stores_skipped"])))
+        return fams
 
     def snapshot(self) -> dict[str, Any]:
         """The current values::
@@ -175,92 +356,44 @@ class TransferMetrics:
              "CPU_to_GPU": {...},
              "cache": manager.get_stats() with stores_skipped accumulated (only with a manager)}
 
-        ``gb_per_s`` = bytes / seconds / 1e9 (0.0 before any transfer).
+        ``gb_per_s`` = bytes / seconds / 1e9 (0.0 before any transfer). Raises what the attached
+        manager's ``get_stats()`` raises (e.g. ``InvalidStateError`` once it was shut down); the
+        collector skips the cache gauges instead.
         """
-        with self._lock:
-            out: dict[str, Any] = {}
-            for d in ("GPU_to_CPU", "CPU_to_GPU"):
-                s = self._dirs[d]
-                cum, buckets = 0, {}
-                for le, n in zip((*SIZE_BUCKETS_BYTES, math.inf), s.bucket_counts):
-                    cum += n
-                    buckets[le] = cum
-                out[d] = {
-                    "bytes": s.bytes,
-                    "seconds": s.seconds,
-                    "transfers": s.transfers,
-                    "failed_transfers": s.failed,
-                    "gb_per_s": s.bytes / s.seconds / 1e9 if s.seconds > 0 else 0.0,
-                    "size_buckets": buckets,
-                    "size_sum": s.bytes,
-                    "size_count": s.transfers,
-                }
-            cache = self._cache_stats()
-            if cache is not None:
-                out["cache"] = cache
-            return out
+        dirs = self._copy_dirs()
+        out: dict[str, Any] = {}
+        for d in ("GPU_to_CPU", "CPU_to_GPU"):
+            s = dirs[d]
+            cum, buckets = 0, {}
+            for le, n in zip((*SIZE_BUCKETS_BYTES, math.inf), s.bucket_counts):
+                cum += n
+                buckets[le] = cum
+            out[d] = {
+                "bytes": s.bytes,
+                "seconds": s.seconds,
+                "transfers": s.transfers,
+                "failed_transfers": s.failed,
+                "gb_per_s": s.bytes / s.seconds / 1e9 if s.seconds > 0 else 0.0,
+                "size_buckets": buckets,
+                "size_sum": s.bytes,
+                "size_count": s.transfers,
+            }
+        cache = self._cache_stats(strict=True)
+        if cache is not None:
+            out["cache"] = cache
+        return out
 
     def prometheus_text(self, prefix: str = "kvoff") -> str:
         """The metrics in the Prometheus text exposition format (0.0.4), names ``{prefix}_offload_*``
-        and ``{prefix}_cache_*``; ends with a newline."""
-        with self._lock:
-            dirs = {d: self._dirs[d] for d in DIRECTIONS}
-            lines: list[str] = []
-
-            def family(name: str, kind: str, help_: str) -> str:
-                full = f"{prefix}_{name}"
-                lines.append(f"# HELP {full} {help_}")
-                lines.append(f"# TYPE {full} {kind}")
-                return full
-
-            def per_dir(name: str, kind: str, help_: str, value: Any) -> None:
-                full = family(name, kind, help_)
-                for d, s in dirs.items():
-                    lines.append(f'{full}{{transfer_type="{d}"}} {_go_float(value(s))}')
-
-            per_dir(
-                "offload_total_bytes", "counter", "Bytes moved by KV offloading transfers.", lambda s: s.bytes
-            )
-            per_dir(
-                "offload_total_time",
-                "counter",
-                "Seconds spent in KV offloading transfers (device-timed on a GPU).",
-                lambda s: s.seconds,
-            )
-            per_dir(
-                "offload_transfers", "counter", "Successful KV offloading transfers.", lambda s: s.transfers
-            )
-            per_dir(
-                "offload_failed_transfers", "counter", "Failed KV offloading transfers.", lambda s: s.failed
-            )
-            full = family("offload_size", "histogram", "Bytes per KV offloading transfer.")
-            for d, s in dirs.items():
-                cum = 0
-                for le, n in zip((*SIZE_BUCKETS_BYTES, math.inf), s.bucket_counts):
-                    cum += n
-                    lines.append(
-                        f'{full}_bucket{{transfer_type="{d}",le="{_go_float(le)}"}} {_go_float(cum)}'
-                    )
-                lines.append(f'{full}_sum{{transfer_type="{d}"}} {_go_float(s.bytes)}')
-                lines.append(f'{full}_count{{transfer_type="{d}"}} {_go_float(s.transfers)}')
-
-            cache = self._cache_stats()
-            if cache is not None:
-                gauges = (
-                    ("cache_usage", "usage", "Fraction of CPU blocks pinned by pending stores or loads."),
-                    ("cache_write_usage", "write_usage", "Fraction of CPU blocks pinned by pending stores."),
-                    ("cache_read_usage", "read_usage", "Fraction of CPU blocks pinned by loads."),
-                    ("cache_blocks", "num_blocks", "Capacity of the CPU cache in blocks."),
-                    ("cache_blocks_present", "num_present", "CPU blocks holding a key."),
-                    ("cache_blocks_free", "num_free", "Unused CPU blocks."),
-                    ("cache_blocks_evictable", "num_evictable", "CPU blocks that may be evicted."),
-                )
-                for name, key, help_ in gauges:
-                    full = family(name, "gauge", help_)
-                    lines.append(f"{full} {_go_float(cache.get(key, 0))}")
-                full = family("cache_stores_skipped", "counter", "Stores skipped by the admission threshold.")
-                lines.append(f"{full} {_go_float(cache['stores_skipped'])}")
-        return "\n".join(lines) + "\n"
+        and ``{prefix}_cache_*``; ends with a newline. The same text as a registry holding
+        ``TransferMetricsCollector(self, prefix=prefix)`` (``prometheus_client.generate_latest``);
+        written by kvoff in the same spelling when prometheus_client is not installed."""
+        _check_prefix(prefix)
+        try:
+            pc = _prometheus_client()
+        except ImportError:
+            return _format_text(self._families(prefix, {}))
+        return str(pc.generate_latest(TransferMetricsCollector(self, prefix=prefix)).decode())
 
     def __repr__(self) -> str:
         with self._lock:
@@ -268,70 +401,204 @@ class TransferMetrics:
         return f"TransferMetrics({parts})"
 
 
-class MetricsServer(ThreadingHTTPServer):
-    """The HTTP server of :func:`serve_metrics`; serves ``GET /metrics`` from a daemon thread."""
+class TransferMetricsCollector:
+    """A ``prometheus_client`` collector of kvoff's metrics: register it in a registry and
+    kvoff's families appear wherever that registry is served::
 
-    daemon_threads = True
+        collector = kvoff.TransferMetricsCollector(m)          # or (m, labels={"engine": "a"})
+        prometheus_client.REGISTRY.register(collector)         # the service's /metrics
+        collector.add(m2, labels={"engine": "b"})              # more sources: one collector
+        prometheus_client.REGISTRY.unregister(collector)
 
-    def __init__(self, metrics: TransferMetrics, addr: str, port: int, prefix: str) -> None:
-        self.metrics = metrics
-        self.prefix = prefix
-        super().__init__((addr, port), _MetricsHandler)
-        self._thread = threading.Thread(target=self.serve_forever, name="kvoff-metrics", daemon=True)
-        self._thread.start()
+    Each source is a :class:`TransferMetrics` with constant labels (added to every one of its
+    series); two sources may not have the same labels (their series would collide). Collecting
+    never raises into the registry: a source whose manager fails ``get_stats()`` (shut down) is
+    reported without its cache gauges, and a source that fails otherwise is skipped (logged).
+    ``describe()`` names every family, so a second collector with the same prefix in one registry
+    is refused there at ``register`` (prometheus_client's "Duplicated timeseries").
+
+    Args:
+        metrics: the first source (optional).
+        labels: its constant labels (``{name: value}``; not ``transfer_type`` or ``le``).
+        prefix: the family name prefix (``"kvoff"``).
+
+    Raises:
+        ImportError: prometheus_client is not installed (``pip install 'kvoff[prometheus]'``).
+    """
+
+    def __init__(
+        self,
+        metrics: TransferMetrics | None = None,
+        *,
+        labels: Mapping[str, str] | None = None,
+        prefix: str = "kvoff",
+    ) -> None:
+        self._pc = _prometheus_client()
+        self.prefix = _check_prefix(prefix)
+        self._lock = threading.Lock()
+        self._sources: list[tuple[TransferMetrics, dict[str, str]]] = []
+        if metrics is not None:
+            self.add(metrics, labels)
+        elif labels:
+            raise TypeError("labels= needs metrics= (they label that source's series)")
+
+    def add(self, metrics: TransferMetrics, labels: Mapping[str, str] | None = None) -> None:
+        """Adds a source with its constant labels.
+
+        Raises:
+            TypeError: ``metrics`` is not a :class:`TransferMetrics`, or a label is not a string.
+            ValueError: a label name is invalid or reserved, or the source or its label set is
+                already in this collector.
+        """
+        if not isinstance(metrics, TransferMetrics):
+            raise TypeError(f"metrics must be a kvoff.TransferMetrics, got {type(metrics).__name__}")
+        lab: dict[str, str] = {}
+        for k, v in (labels or {}).items():
+            if not isinstance(k, str) or not isinstance(v, str):
+                raise TypeError(f"labels must map str to str, got {k!r}: {v!r}")
+            if not _LABEL_NAME.match(k) or k.startswith("__") or k in _RESERVED_LABELS:
+                raise ValueError(
+                    f"invalid label name {k!r} ([a-zA-Z_][a-zA-Z0-9_]*, not __*, transfer_type or le)"
+                )
+            lab[k] = v
+        with self._lock:
+            for m, other in self._sources:
+                if m is metrics:
+                    raise ValueError("this TransferMetrics is already a source of the collector")
+                if other == lab:
+                    raise ValueError(
+                        f"another source already has the labels {lab!r}: give each source distinct labels"
+                    )
+            self._sources.append((metrics, lab))
+
+    def remove(self, metrics: TransferMetrics) -> None:
+        """Removes a source (its series disappear at the next collection).
+
+        Raises:
+            ValueError: it is not a source of this collector.
+        """
+        with self._lock:
+            for i, (m, _) in enumerate(self._sources):
+                if m is metrics:
+                    del self._sources[i]
+                    return
+        raise ValueError("this TransferMetrics is not a source of the collector")
+
+    @property
+    def sources(self) -> list[tuple[TransferMetrics, dict[str, str]]]:
+        """``(metrics, labels)`` of each source, in the order added (a copy)."""
+        with self._lock:
+            return [(m, dict(lab)) for m, lab in self._sources]
+
+    def _to_metric(self, f: _Family) -> Any:
+        m = self._pc.metrics_core.Metric(f.name, f.help, f.type)
+        for name, labels, value in f.samples:
+            m.add_sample(name, labels, value)
+        return m
+
+    def describe(self) -> list[Any]:
+        """Every family this collector may write (no samples), for the registry's name checks."""
+        return [self._to_metric(f) for f in _describe(self.prefix)]
+
+    def collect(self) -> Iterator[Any]:
+        """The current families of every source (``prometheus_client.core.Metric`` objects)."""
+        merged: dict[str, _Family] = {}
+        for metrics, labels in self.sources:
+            try:
+                fams = metrics._families(self.prefix, labels)
+            except Exception:  # never raise into the registry: the rest of /metrics must still work
+                logger.exception("kvoff metrics: collecting a source labelled %r failed; skipped", labels)
+                continue
+            for f in fams:
+                into = merged.setdefault(f.name, _Family(f.name, f.type, f.help))
+                into.samples += f.samples
+        for f in merged.values():
+            yield self._to_metric(f)
+
+    def __repr__(self) -> str:
+        return f"TransferMetricsCollector(prefix={self.prefix!r}, sources={len(self.sources)})"
+
+
+class MetricsServer:
+    """The endpoint of :func:`serve_metrics`: ``prometheus_client.start_http_server`` serving a
+    registry of its own (``self.registry``, holding ``self.collector``) from a daemon thread."""
+
+    def __init__(
+        self,
+        metrics: TransferMetrics | TransferMetricsCollector,
+        addr: str,
+        port: int,
+        prefix: str = "kvoff",
+    ) -> None:
+        pc = _prometheus_client()
+        if isinstance(metrics, TransferMetricsCollector):
+            self.collector = metrics
+            self.metrics: TransferMetrics | None = None
+        else:
+            self.collector = TransferMetricsCollector(metrics, prefix=prefix)
+            self.metrics = metrics
+        self.prefix = self.collector.prefix
+        self.registry = pc.CollectorRegistry()
+        self.registry.register(self.collector)
+        self._server, self._thread = pc.start_http_server(int(port), addr=addr, registry=self.registry)
+        self._lock = threading.Lock()
+        self._closed = False
 
     @property
     def port(self) -> int:
         """The bound port (useful with ``port=0``)."""
-        return int(self.server_address[1])
+        return int(self._server.server_address[1])
 
     @property
     def url(self) -> str:
-        host = self.server_address[0]
+        host = self._server.server_address[0]
         if isinstance(host, bytes):
             host = host.decode()
+        if ":" in host:
+            host = f"[{host}]"
         return f"http://{host}:{self.port}/metrics"
 
     def close(self) -> None:
         """Stops serving and closes the socket. Idempotent."""
-        if self._thread.is_alive():
-            self.shutdown()
-            self._thread.join()
-        self.server_close()
+        with self._lock:
+            if self._closed:
+                return
+            self._closed = True
+        self._server.shutdown()
+        self._thread.join()
+        self._server.server_close()
 
+    def __enter__(self) -> MetricsServer:  # noqa: PYI034 (Self needs typing_extensions on 3.10)
+        return self
 
-class _MetricsHandler(BaseHTTPRequestHandler):
-    server: MetricsServer
+    def __exit__(self, *exc: object) -> None:
+        self.close()
 
-    def do_GET(self) -> None:
-        if self.path.split("?", 1)[0] not in ("/metrics", "/metrics/"):
-            self.send_error(404, "only /metrics is served here")
-            return
-        try:
-            body = self.server.metrics.prometheus_text(self.server.prefix).encode()
-        except Exception as e:  # noqa: BLE001 - report any failure as a 500, never kill the thread
-            self.send_error(500, f"kvoff metrics failed: {e}")
-            return
-        self.send_response(200)
-        self.send_header("Content-Type", _CONTENT_TYPE)
-        self.send_header("Content-Length", str(len(body)))
-        self.end_headers()
-        self.wfile.write(body)
-
-    def log_message(self, format: str, *args: Any) -> None:
-        pass
+    def __repr__(self) -> str:
+        return f"MetricsServer({self.url}{', closed' if self._closed else ''})"
 
 
 def serve_metrics(
-    metrics: TransferMetrics, port: int, addr: str = "127.0.0.1", *, prefix: str = "kvoff"
+    metrics: TransferMetrics | TransferMetricsCollector,
+    port: int,
+    addr: str = "127.0.0.1",
+    *,
+    prefix: str = "kvoff",
 ) -> MetricsServer:
-    """Serves ``metrics`` at ``http://addr:port/metrics`` from a daemon thread (stdlib
-    ``http.server``); ``port=0`` picks a free port (see ``server.port``). Call ``server.close()``
-    to stop.
+    """Serves ``metrics`` at ``http://addr:port/metrics`` from a daemon thread, with
+    ``prometheus_client.start_http_server`` on a registry of its own (any path but
+    ``/favicon.ico`` answers, as there). ``metrics`` is a :class:`TransferMetrics` (served with
+    ``prefix``) or a :class:`TransferMetricsCollector` (several labelled sources; its own prefix).
+    ``port=0`` picks a free port (see ``server.port``). Call ``server.close()`` to stop (or use it
+    as a context manager).
 
     Raises:
+        ImportError: prometheus_client is not installed (``pip install 'kvoff[prometheus]'``).
         OSError: the address cannot be bound.
     """
-    if not isinstance(metrics, TransferMetrics):
-        raise TypeError(f"metrics must be a kvoff.TransferMetrics, got {type(metrics).__name__}")
+    if not isinstance(metrics, (TransferMetrics, TransferMetricsCollector)):
+        raise TypeError(
+            "metrics must be a kvoff.TransferMetrics or kvoff.TransferMetricsCollector, "
+            f"got {type(metrics).__name__}"
+        )
     return MetricsServer(metrics, addr, int(port), prefix)

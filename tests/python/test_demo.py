@@ -130,7 +130,8 @@ def test_cli_text_with_plot_and_prometheus(tmp_path, capsys):
     assert main([*ARGS, "--plot", str(png), "--sweep-mib", "2", "--prometheus"]) == 0
     out = capsys.readouterr().out
     assert "verification         OK" in out and "page-size sweep" in out
-    assert 'kvoff_offload_transfers{transfer_type="GPU_to_CPU"}' in out and "kvoff_cache_blocks 16.0" in out
+    assert 'kvoff_offload_transfers_total{transfer_type="GPU_to_CPU"}' in out
+    assert "kvoff_cache_blocks 16.0" in out
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
@@ -138,3 +139,15 @@ def test_cli_plot_without_matplotlib(monkeypatch, tmp_path, capsys):
     monkeypatch.setitem(sys.modules, "matplotlib", None)  # import matplotlib → ImportError
     assert main([*ARGS, "--plot", str(tmp_path / "x.png")]) == 2
     assert "pip install matplotlib" in capsys.readouterr().err
+
+
+def test_cli_metrics_port(capsys):
+    pytest.importorskip("prometheus_client")
+    assert main([*ARGS, "--metrics-port", "0", "--json"]) == 0
+    assert "serving metrics at http://127.0.0.1:" in capsys.readouterr().err
+
+
+def test_cli_metrics_port_without_prometheus_client(monkeypatch, capsys):
+    monkeypatch.setitem(sys.modules, "prometheus_client", None)  # import prometheus_client → ImportError
+    assert main([*ARGS, "--metrics-port", "0"]) == 2
+    assert "pip install 'kvoff[prometheus]'" in capsys.readouterr().err
