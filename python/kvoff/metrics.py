@@ -36,6 +36,9 @@ With a manager attached: gauges ``kvoff_cache_usage``, ``kvoff_cache_write_usage
 ``kvoff_cache_blocks_present``, ``kvoff_cache_blocks_free``, ``kvoff_cache_blocks_evictable`` and the
 counter ``kvoff_cache_stores_skipped``. Reading them calls ``manager.get_stats()``, which resets the
 manager's own ``stores_skipped`` counter; this object accumulates it, so read it from here only.
+A :class:`kvoff.TieredOffloadingManager` attached adds the file tier's ``kvoff_disk_*`` families
+(:data:`kvoff.tier.DISK_METRICS`: bytes and seconds per direction, so GB/s = rate of bytes / rate of
+seconds; hits, promotions, corrupt files, write errors, own bytes).
 
 Counters are exposed as prometheus_client exposes every counter: the sample (and its
 ``# HELP``/``# TYPE`` lines) is the family name plus ``_total``, e.g.
@@ -345,6 +348,19 @@ class TransferMetrics:
                 )
             f = family(_CACHE_SKIPPED[0], "counter", _CACHE_SKIPPED[1])
             f.samples.append((f"{f.name}_total", dict(labels), float(cache["stores_skipped"])))
+            # A manager with the file tier behind it (kvoff.TieredOffloadingManager): its disk_*
+            # figures under the names of kvoff.tier.DISK_METRICS (counters end in _total).
+            from kvoff.tier import DISK_METRICS
+
+            for key, (full, help_) in DISK_METRICS.items():
+                if key not in cache:
+                    continue
+                name = prefix + full[len("kvoff") :]
+                if name.endswith("_total"):
+                    f = family(name[: -len("_total")], "counter", help_)
+                else:
+                    f = family(name, "gauge", help_)
+                f.samples.append((name, dict(labels), float(cache[key])))
         return fams
 
     def snapshot(self) -> dict[str, Any]:

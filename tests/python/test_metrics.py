@@ -648,3 +648,33 @@ def test_handlers_observe_their_results():
         h2.shutdown()
     with pytest.raises(TypeError, match="metrics"):
         kvoff.CpuGpuOffloadingHandlers(kv, 1, 8, engine="host", metrics=object())  # type: ignore[arg-type]
+
+
+def test_tiered_manager_exports_the_file_tier(tmp_path):
+    # A TieredOffloadingManager attached: the collector adds kvoff_disk_* (bytes and seconds per
+    # direction, hits, promotions, corrupt files) from its get_stats().
+    pc = pytest.importorskip("prometheus_client")
+    from prometheus_client.parser import text_string_to_metric_families
+
+    region = kvoff.HostRegion.private(4, 4096)
+    mgr = kvoff.TieredOffloadingManager("lru", 4, region, str(tmp_path / "kv"), 10**7)
+    try:
+        out = mgr.prepare_store([b"k" * 16])
+        region.view_numpy(0, 0, 4096)[out.store_spec.block_ids[0]] = 7
+        mgr.complete_store([b"k" * 16])
+        mgr.flush()
+        m = kvoff.TransferMetrics(manager=mgr)
+        reg = pc.CollectorRegistry()
+        reg.register(kvoff.TransferMetricsCollector(m))
+        samples = {
+            s.name: s.value
+            for fam in text_string_to_metric_families(pc.generate_latest(reg).decode())
+            for s in fam.samples
+        }
+        assert samples["kvoff_disk_written_bytes_total"] == 4096
+        assert samples["kvoff_disk_files_written_total"] == 1
+        assert samples["kvoff_disk_write_seconds_total"] > 0
+        assert samples["kvoff_disk_corrupt_files_total"] == 0 and samples["kvoff_disk_files"] == 1
+    finally:
+        mgr.shutdown()
+        region.close()
