@@ -21,7 +21,7 @@ from dataclasses import dataclass
 from typing import Any, cast
 
 import kvoff
-from kvoff._names import EngineName, PolicyName
+from kvoff._names import Direction, EngineName, PolicyName
 from kvoff._native import CPULoadStoreSpec
 from kvoff._progress import Progress
 from kvoff._pyref import PyARC, PyLRU
@@ -396,9 +396,15 @@ def bench_transfers(
     Each job moves ``blocks`` random GPU blocks of every tensor to random CPU blocks (and back);
     figures are GB/s from the engine's own timing (CUDA events on a GPU), with the median of
     ``reps`` repetitions, and the ratio to one contiguous copy of the same bytes measured in the
-    same run. The bytes of the last repetition of each direction are verified.
+    same run. The bytes of the last repetition of each direction are verified. Without torch the
+    host engine runs on plain host buffers (numpy arrays and a :class:`kvoff.HostRegion`).
     """
-    import torch
+    try:
+        import torch
+    except ImportError:
+        if methods not in (None, ["host"]):
+            raise RuntimeError(f"methods {methods} need torch and a CUDA GPU; without torch only 'host' runs")
+        return _bench_transfers_host(job_mib, reps, show_progress, seed)
 
     from kvoff.handlers import CpuGpuOffloadingHandlers, GPULoadStoreSpec
 
@@ -483,6 +489,102 @@ def bench_transfers(
                 finally:
                     h.shutdown()
             del kv
+    return rows
+
+
+def _bench_transfers_host(
+    job_mib: int | None, reps: int, show_progress: bool | None, seed: int
+) -> list[dict[str, Any]]:
+    """:func:`bench_transfers` without torch: the host engine between numpy arrays (the "GPU" side,
+    as the KV caches of a CPU engine) and a private :class:`kvoff.HostRegion` (the CPU side, one
+    block-major row per CPU block, as the handlers lay it out), through the native handler."""
+    import numpy as np
+
+    from kvoff import _native
+
+    if job_mib is None:
+        job_mib = int(max(32, min(128, _available_memory() // (24 << 20))))
+    job_target = job_mib << 20
+    rng = random.Random(seed)
+    rows: list[dict[str, Any]] = []
+    device = platform.processor() or platform.machine()
+    steps = len(TRANSFER_SCENARIOS) * 2 * (reps + 1)
+    with Progress(steps, "kvoff transfers (host engine, numpy)", enabled=show_progress or None) as bar:
+        for page, max_tensors in TRANSFER_SCENARIOS:
+            ntensors = max(1, min(max_tensors, job_target // (page * MIN_BLOCKS)))
+            blocks = max(MIN_BLOCKS, job_target // (page * ntensors))
+            job_bytes = blocks * page * ntensors
+            pool = 2 * blocks
+            gpu = []
+            for i in range(ntensors):
+                a = np.empty((pool, page), dtype=np.uint8)
+                a.view(np.uint32)[:] = (
+                    np.arange(pool * page // 4, dtype=np.uint32) * 2654435761 + i
+                ).reshape(pool, page // 4)
+                gpu.append(a)
+            region = _native.HostRegion.private(pool, page * ntensors)
+            cpu = [region.view_numpy(0, i * page, page) for i in range(ntensors)]
+            refs = [[(i, page) for i in range(ntensors)]]
+            src_c, dst_c = np.ones(job_bytes, dtype=np.uint8), np.zeros(job_bytes, dtype=np.uint8)
+            ts = []
+            for i in range(reps + 1):
+                t0 = time.perf_counter()
+                np.copyto(dst_c, src_c)
+                if i:
+                    ts.append(time.perf_counter() - t0)
+            contiguous = job_bytes / _median(ts) / 1e9
+            del src_c, dst_c
+            try:
+                dirs: tuple[tuple[str, Direction], ...] = (
+                    ("GPU->CPU", "gpu_to_cpu"),
+                    ("CPU->GPU", "cpu_to_gpu"),
+                )
+                for direction, d in dirs:
+                    h = _native.TransferHandler(d, gpu, cpu, refs, 1, "host")
+                    secs, walls = [], []
+                    gids = cids = np.zeros(0, dtype=np.int64)
+                    try:
+                        for r in range(reps + 1):
+                            gids = np.array(rng.sample(range(pool), blocks), dtype=np.int64)
+                            cids = np.array(rng.sample(range(pool), blocks), dtype=np.int64)
+                            t0 = time.perf_counter()
+                            h.submit(r, gids, None, None, cids)
+                            h.wait([r])
+                            wall = time.perf_counter() - t0
+                            ((_, ok, _, seconds, error),) = h.get_finished()
+                            if not ok:
+                                raise RuntimeError(f"transfer failed: {error}")
+                            if r:
+                                secs.append(seconds)
+                                walls.append(wall)
+                            bar.update(1)
+                    finally:
+                        h.shutdown()
+                    for g, c in zip(gpu, cpu):
+                        if not np.array_equal(g[gids], c[cids]):
+                            raise RuntimeError(
+                                "transferred bytes differ from their source: kvoff bug, please report"
+                            )
+                    gbs = job_bytes / _median(secs) / 1e9
+                    rows.append(
+                        {
+                            "device": device,
+                            "engine": "host",
+                            "page_bytes": page,
+                            "tensors": ntensors,
+                            "blocks": blocks,
+                            "job_bytes": job_bytes,
+                            "direction": direction,
+                            "gb_s": gbs,
+                            "wall_gb_s": job_bytes / _median(walls) / 1e9,
+                            "contiguous_gb_s": contiguous,
+                            "ratio": gbs / contiguous,
+                        }
+                    )
+            finally:
+                del cpu
+                region.close()
+            del gpu
     return rows
 
 

@@ -110,3 +110,26 @@ def test_interference_cli_parses_and_needs_a_gpu(capsys):
         cli.main(
             ["bench", "interference", "--pages-kib", "4", "--jobs-mib", "1", "--dirs", "store", "--quiet"]
         )
+
+
+def test_bench_transfers_without_torch() -> None:
+    # The README's main command on a fresh CPU machine: with torch not importable, `kvoff bench
+    # transfers` runs the host engine over numpy arrays and a HostRegion, verifies the bytes and
+    # reports every scenario in both directions.
+    import json
+    import subprocess
+    import sys
+
+    code = (
+        "import sys; sys.modules['torch'] = None\n"
+        "from kvoff.cli import main\n"
+        "sys.exit(main(['bench', 'transfers', '--job-mib', '8', '--reps', '1', '--quiet', '--json']))\n"
+    )
+    out = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, timeout=300, check=False
+    )
+    assert out.returncode == 0, out.stderr[-3000:]
+    rows = json.loads(out.stdout)
+    assert {r["engine"] for r in rows} == {"host"}
+    assert {r["direction"] for r in rows} == {"GPU->CPU", "CPU->GPU"}
+    assert len(rows) == 8 and all(r["gb_s"] > 0 and r["contiguous_gb_s"] > 0 for r in rows)
