@@ -107,6 +107,15 @@ def _demo(args: argparse.Namespace) -> int:
         except ImportError as e:
             print(f"kvoff demo: {e}", file=sys.stderr)
             return 2
+    if args.prometheus:
+        try:
+            import prometheus_client  # noqa: F401
+        except ImportError:
+            print(
+                "kvoff demo: --prometheus needs prometheus_client: pip install 'kvoff[prometheus]'",
+                file=sys.stderr,
+            )
+            return 2
     cfg = DemoConfig(
         requests=args.requests,
         blocks_per_request=args.blocks_per_request,

@@ -15,9 +15,9 @@ service registers in its own registry, or over a standalone HTTP endpoint.
     server = kvoff.serve_metrics(m, port=9400)                  # GET http://127.0.0.1:9400/metrics
     server.close()
 
-The collector and the server need ``prometheus_client`` (``pip install 'kvoff[prometheus]'``);
-without it they raise ``ImportError`` saying so, and everything else here (observing, ``snapshot()``,
-``prometheus_text()``) works.
+The collector, the server and ``prometheus_text()`` need ``prometheus_client`` (``pip install
+'kvoff[prometheus]'``): the exposition is prometheus_client's own; without it they raise
+``ImportError`` saying so, and everything else here (observing, ``snapshot()``) works.
 
 Families (``prefix="kvoff"``), each ``offload_*`` one with the label
 ``transfer_type="GPU_to_CPU"|"CPU_to_GPU"``:
@@ -198,27 +198,6 @@ def _describe(prefix: str) -> list[_Family]:
     fams += [_Family(f"{prefix}_{name}", "gauge", help_) for name, _, help_ in _CACHE_GAUGES]
     fams.append(_Family(f"{prefix}_{_CACHE_SKIPPED[0]}", "counter", _CACHE_SKIPPED[1]))
     return fams
-
-
-def _escape_label_value(v: str) -> str:
-    return v.replace("\\", r"\\").replace("\n", r"\n").replace('"', r"\"")
-
-
-def _format_text(families: Iterable[_Family]) -> str:
-    """The Prometheus text format (0.0.4) as ``prometheus_client.generate_latest`` writes these
-    families (used when prometheus_client is not installed; a test checks the two agree)."""
-    lines: list[str] = []
-    for f in families:
-        mname = f"{f.name}_total" if f.type == "counter" else f.name
-        help_ = f.help.replace("\\", r"\\").replace("\n", r"\n")
-        lines.append(f"# HELP {mname} {help_}")
-        lines.append(f"# TYPE {mname} {f.type}")
-        for name, labels, value in f.samples:
-            labelstr = ",".join(f'{k}="{_escape_label_value(v)}"' for k, v in sorted(labels.items()))
-            lines.append(
-                f"{name}{{{labelstr}}} {_go_float(value)}" if labels else f"{name} {_go_float(value)}"
-            )
-    return "".join(f"{line}\n" for line in lines)
 
 
 def _check_prefix(prefix: str) -> str:
@@ -402,13 +381,13 @@ class TransferMetrics:
     def prometheus_text(self, prefix: str = "kvoff") -> str:
         """The metrics in the Prometheus text exposition format (0.0.4), names ``{prefix}_offload_*``
         and ``{prefix}_cache_*``; ends with a newline. The same text as a registry holding
-        ``TransferMetricsCollector(self, prefix=prefix)`` (``prometheus_client.generate_latest``);
-        written by kvoff in the same spelling when prometheus_client is not installed."""
+        ``TransferMetricsCollector(self, prefix=prefix)`` (``prometheus_client.generate_latest``).
+
+        Raises:
+            ImportError: prometheus_client is not installed (``pip install 'kvoff[prometheus]'``).
+        """
         _check_prefix(prefix)
-        try:
-            pc = _prometheus_client()
-        except ImportError:
-            return _format_text(self._families(prefix, {}))
+        pc = _prometheus_client()
         return str(pc.generate_latest(TransferMetricsCollector(self, prefix=prefix)).decode())
 
     def __repr__(self) -> str:
