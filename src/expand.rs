@@ -133,10 +133,13 @@ pub fn expand_block_ids_into(
         if remaining == 0 {
             break;
         }
-        let first = b * f;
+        let first = b * f + skip;
         #[allow(clippy::cast_possible_truncation, clippy::cast_sign_loss)] // 0 < f - skip ≤ f
         let take = ((f - skip) as usize).min(remaining);
-        out.extend((first + skip..).take(take));
+        // An inclusive range: the last id may be `i64::MAX` (a `first..` range would compute the
+        // id after it, which overflows). `take` ≥ 1 and ≤ f, so `take - 1` fits.
+        #[allow(clippy::cast_possible_wrap)]
+        out.extend(first..=first + (take - 1) as i64);
         remaining -= take;
         skip = 0;
     }
@@ -218,7 +221,7 @@ pub fn compute_sub_block_ptrs_into(
         }
         let row = base_ptr + b.unsigned_abs() * row_stride_bytes;
         let take = crate::usize_from(f - skip).min(remaining);
-        out.extend((skip..).take(take).map(|j| row + j * sub));
+        out.extend((skip..skip + take as u64).map(|j| row + j * sub));
         remaining -= take;
         skip = 0;
     }
@@ -286,6 +289,20 @@ mod tests {
         let mut out = vec![42];
         assert!(expand_block_ids_into(&[-3], 1, 0, None, &mut out).is_err());
         assert_eq!(out, vec![42]);
+    }
+
+    /// Regression (found by `tests/fuzz_plan.rs`): the sub-block id `i64::MAX` is valid; producing
+    /// it used to overflow (a panic in debug builds) computing the id after it.
+    #[test]
+    fn last_id_is_i64_max() {
+        assert_eq!(
+            expand_block_ids(&[i64::MAX], 1, 0, None).unwrap(),
+            vec![i64::MAX]
+        );
+        assert_eq!(
+            expand_block_ids(&[i64::MAX / 4], 4, 2, None).unwrap(),
+            vec![i64::MAX - 1, i64::MAX]
+        );
     }
 
     #[test]

@@ -24,12 +24,28 @@
 //! 4. adjacent copies are merged when both their sources and their destinations are contiguous.
 //!
 //! Validation is complete before the plan is filled: an error leaves nothing half-planned.
+//!
+//! Caps (hostile or absurd input is an error, never an allocation that aborts the process): a job
+//! has at most [`MAX_BLOCK_COPIES`] per-block copies and its `total_bytes` must fit `u64`; the
+//! copies are reserved fallibly. The duplicate-destination check (invariant 2) marks a bitmap of
+//! the destination tensors' blocks (sub-blocks on the CPU side) when that takes at most 32 MiB
+//! (2^28 blocks, more than any real KV cache), and otherwise sorts the job's own destinations, so
+//! its memory follows the job, never a hostile `num_blocks`.
 #![forbid(unsafe_code)]
 
 use std::ops::Range;
 use std::sync::{Mutex, PoisonError};
 
 use crate::error::{KvoffError, Result};
+
+/// Most per-block copies (`Σ_g group_sizes[g] × refs of g`) one job may have: 2^28, as many as
+/// one expansion may produce ([`crate::expand::MAX_SUB_BLOCKS`]); a 512 MiB job of 4 KiB pages
+/// has 2^17. More is an error, not an attempt to reserve 24 bytes per copy.
+pub const MAX_BLOCK_COPIES: u64 = 1 << 28;
+
+/// Largest duplicate-destination bitmap, in 64-bit words (32 MiB: 2^28 destination blocks); a
+/// component of larger tensors is checked by sorting the job's destinations instead.
+const MAX_BITMAP_WORDS: u64 = 1 << 22;
 
 /// Direction of a transfer.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
@@ -528,8 +544,9 @@ impl CopyPlanner {
     /// # Errors
     /// [`KvoffError::InvalidArgument`] when the spec does not match the groups (lengths, negative
     /// sizes or indices, `Σ group_sizes ≠ len(block_ids)`), an id is negative or out of range for a
-    /// tensor of its group, the CPU ids are not consumed exactly, or two copies would write the same
-    /// destination.
+    /// tensor of its group, the CPU ids are not consumed exactly, two copies would write the same
+    /// destination, the job has more than [`MAX_BLOCK_COPIES`] per-block copies or more than
+    /// `u64::MAX` bytes, or the plan's memory cannot be allocated.
     pub fn plan(
         &self,
         direction: Direction,
@@ -555,7 +572,12 @@ impl CopyPlanner {
         out.reset(direction);
         let num_copies = self.validate(gpu, cpu_block_ids)?;
         self.check_distinct_destinations(direction, gpu, cpu_block_ids)?;
-        out.copies.reserve(num_copies);
+        out.copies.try_reserve(num_copies).map_err(|_| {
+            KvoffError::arg(format!(
+                "cannot allocate a plan of {num_copies} copies ({} bytes)",
+                num_copies.saturating_mul(std::mem::size_of::<CopyOp>())
+            ))
+        })?;
         self.emit(direction, gpu, cpu_block_ids, out);
         Ok(())
     }
@@ -590,13 +612,15 @@ impl CopyPlanner {
         Ok(sizes)
     }
 
-    /// Validates the whole job and returns the number of per-block copies.
+    /// Validates the whole job and returns the number of per-block copies (at most
+    /// [`MAX_BLOCK_COPIES`]; the job's total bytes fit `u64`).
     fn validate(&self, gpu: &GpuSpec<'_>, cpu_ids: &[i64]) -> Result<usize> {
         let sizes = self.group_sizes(gpu)?;
         let f = self.block_size_factor;
         let gpu_ids = gpu.block_ids;
         let (mut goff, mut coff) = (0usize, 0usize);
         let mut num_copies: usize = 0;
+        let mut total_bytes: u64 = 0;
         for (g, info) in self.groups.iter().enumerate() {
             let size = sizes.get(g)?;
             let skip = block_index(gpu, g)? % f;
@@ -634,7 +658,25 @@ impl CopyPlanner {
             check_ids(&cpu_ids[coff..cend], info.cpu_limit, "CPU", g, coff)?;
             num_copies = num_copies
                 .checked_add(size.saturating_mul(info.refs.len()))
-                .ok_or_else(|| KvoffError::arg("number of copies overflows"))?;
+                .filter(|&n| n as u64 <= MAX_BLOCK_COPIES)
+                .ok_or_else(|| {
+                    KvoffError::arg(format!(
+                        "this job has more than {MAX_BLOCK_COPIES} per-block copies (at group \
+                         {g}: {size} blocks x {} refs); a job that large cannot be right, split it",
+                        info.refs.len()
+                    ))
+                })?;
+            // Several refs to tensors that share memory can add up past u64 (emit relies on it).
+            total_bytes = (size as u64)
+                .checked_mul(info.bytes_per_block)
+                .and_then(|b| b.checked_add(total_bytes))
+                .ok_or_else(|| {
+                    KvoffError::arg(format!(
+                        "the job's total bytes overflow u64 (at group {g}: {size} blocks x {} \
+                         bytes per block)",
+                        info.bytes_per_block
+                    ))
+                })?;
             goff = gend;
             coff = cend;
         }
@@ -670,8 +712,11 @@ impl CopyPlanner {
                 Direction::CpuToGpu => gpu_units,
                 Direction::GpuToCpu => cpu_units,
             };
-            let words = usize::try_from(units.div_ceil(64))
-                .map_err(|_| KvoffError::arg("destination bitmap too large"))?;
+            if units.div_ceil(64) > MAX_BITMAP_WORDS {
+                self.check_component_sorted(direction, gpu, &sizes, cpu_ids, c)?;
+                continue;
+            }
+            let words = crate::usize_from(units.div_ceil(64));
             if bitmap.len() < words {
                 bitmap.resize(words, 0);
             }
@@ -725,17 +770,55 @@ impl CopyPlanner {
                 }
             }
             if let Some((g, u, gid)) = dup {
-                let what = match direction {
-                    Direction::CpuToGpu => format!("GPU block {u}"),
-                    Direction::GpuToCpu => format!("CPU block {} sub-block {}", u / f, u % f),
-                };
-                return Err(KvoffError::arg(format!(
-                    "two copies write the same destination, {what} (group {g}, GPU block id \
-                     {gid}): destination blocks must be distinct"
-                )));
+                return Err(duplicate_destination(direction, f, g, u, gid));
             }
         }
         Ok(())
+    }
+
+    /// Invariant 2 for component `c` without a bitmap (its tensors are too large for one):
+    /// sorts the destination units of the job's groups in the component, so memory follows the
+    /// job (24 bytes per destination block), not the tensors.
+    fn check_component_sorted(
+        &self,
+        direction: Direction,
+        gpu: &GpuSpec<'_>,
+        sizes: &GroupSizes<'_>,
+        cpu_ids: &[i64],
+        c: usize,
+    ) -> Result<()> {
+        let f = self.block_size_factor;
+        let spans = || {
+            self.group_spans(gpu, sizes)
+                .enumerate()
+                .filter(|&(g, (_, _, size, _))| {
+                    let info = &self.groups[g];
+                    info.component == c && size > 0 && !info.refs.is_empty()
+                })
+        };
+        let n: usize = spans().map(|(_, (_, _, size, _))| size).sum();
+        // (destination unit, group, index into the GPU ids)
+        let mut units: Vec<(u64, usize, usize)> = Vec::new();
+        units.try_reserve_exact(n).map_err(|_| {
+            KvoffError::arg(format!(
+                "cannot allocate the duplicate-destination check of {n} blocks"
+            ))
+        })?;
+        for (g, (goff, coff, size, skip)) in spans() {
+            let gids = &gpu.block_ids[goff..goff + size];
+            for_each_dest_unit(direction, gids, &cpu_ids[coff..], skip, f, |i, u| {
+                units.push((u, g, goff + i));
+                None::<()>
+            });
+        }
+        units.sort_unstable();
+        match units.windows(2).find(|w| w[0].0 == w[1].0) {
+            Some(w) => {
+                let (u, g, k) = w[1];
+                Err(duplicate_destination(direction, f, g, u, gpu.block_ids[k]))
+            }
+            None => Ok(()),
+        }
     }
 
     /// `(gpu offset, cpu offset, size, skip)` of each group; assumes `validate` passed.
@@ -807,6 +890,19 @@ impl CopyPlanner {
     }
 }
 
+/// The error for two copies writing destination unit `u` (see [`for_each_dest_unit`]); `g` and
+/// `gid` name the second writer's group and GPU block id.
+fn duplicate_destination(direction: Direction, f: u64, g: usize, u: u64, gid: i64) -> KvoffError {
+    let what = match direction {
+        Direction::CpuToGpu => format!("GPU block {u}"),
+        Direction::GpuToCpu => format!("CPU block {} sub-block {}", u / f, u % f),
+    };
+    KvoffError::arg(format!(
+        "two copies write the same destination, {what} (group {g}, GPU block id {gid}): \
+         destination blocks must be distinct"
+    ))
+}
+
 /// Calls `visit(i, unit)` for the destination unit of each block `i` of a group (the GPU block id,
 /// or the CPU sub-block index `cpu_id * f + j`) until `visit` returns `Some`. `cpu_ids` starts at
 /// the group's first CPU id; ids were validated. No divisions in the loop.
@@ -828,18 +924,22 @@ fn for_each_dest_unit<T>(
             }
         }
         Direction::GpuToCpu => {
-            let (mut ci, mut j) = (0usize, skip);
-            let mut row = cpu_ids.first().map_or(0, |c| c.unsigned_abs() * f);
+            // The row of a CPU id is computed only when a block of the group lands in it:
+            // `cpu_ids` runs on into the next group's ids, which were checked against that
+            // group's tensors, so `id * f` may overflow for them.
+            let (mut ci, mut j, mut row) = (0usize, skip, 0u64);
             for i in 0..gids.len() {
+                if i == 0 || j == f {
+                    if i > 0 {
+                        j = 0;
+                        ci += 1;
+                    }
+                    row = cpu_ids.get(ci).map_or(0, |c| c.unsigned_abs() * f);
+                }
                 if let Some(t) = visit(i, row + j) {
                     return Some(t);
                 }
                 j += 1;
-                if j == f {
-                    j = 0;
-                    ci += 1;
-                    row = cpu_ids.get(ci).map_or(0, |c| c.unsigned_abs() * f);
-                }
             }
         }
     }
@@ -894,18 +994,28 @@ fn block_index(gpu: &GpuSpec<'_>, g: usize) -> Result<u64> {
 }
 
 fn check_ids(ids: &[i64], limit: u64, side: &str, g: usize, offset: usize) -> Result<()> {
-    // Fast path: one branch-free (vectorizable) pass; negative ids become huge as u64.
+    // Fast path: one branch-free (vectorizable) pass; negative ids become ≥ 2^63 as u64, so a
+    // limit of at most 2^63 rejects them too (a group without refs has no tensor to bound its
+    // ids, `limit` = u64::MAX: its ids must still be ≥ 0).
+    let limit = limit.min(1 << 63);
     #[allow(clippy::cast_sign_loss, clippy::needless_bitwise_bool)] // on purpose: see above
     let any_bad = ids.iter().fold(false, |bad, &b| bad | (b as u64 >= limit));
     if !any_bad {
         return Ok(());
     }
     for (i, &b) in ids.iter().enumerate() {
-        if u64::try_from(b).map_or(true, |b| b >= limit) {
+        let what = format!(
+            "{side} block id {b} (#{} of the {side} ids, group {g})",
+            offset + i
+        );
+        if b < 0 {
             return Err(KvoffError::arg(format!(
-                "{side} block id {b} (#{} of the {side} ids, group {g}) is out of range: the \
-                 group's {side} tensors have {limit} blocks",
-                offset + i
+                "{what} is out of range: block ids must be >= 0"
+            )));
+        }
+        if b.unsigned_abs() >= limit {
+            return Err(KvoffError::arg(format!(
+                "{what} is out of range: the group's {side} tensors have {limit} blocks"
             )));
         }
     }
@@ -1033,6 +1143,41 @@ mod tests {
         let plan = p.plan(Direction::GpuToCpu, &gpu, &[7]).unwrap();
         assert_eq!(plan.len(), 1);
         assert_eq!(plan.copies()[0].dst_ptr, 0x9010_0000 + 7 * 2 * PAGE + PAGE);
+    }
+
+    /// Regressions found by `tests/fuzz_plan.rs`.
+    #[test]
+    fn ids_of_a_group_without_refs_are_still_checked() {
+        let p = planner(2, vec![vec![PlanRef::new(0, PAGE)], vec![]], 1);
+        // Group 1 has no tensor to bound its ids, but a negative id is still an error.
+        let gpu = GpuSpec::with_groups(&[3, -5], &[1, 1], None);
+        let e = p.plan(Direction::GpuToCpu, &gpu, &[1, 0]).unwrap_err();
+        assert!(e.to_string().contains("-5"), "{e}");
+        let e = p
+            .plan(
+                Direction::GpuToCpu,
+                &GpuSpec::with_groups(&[3, 1], &[1, 1], None),
+                &[1, -1],
+            )
+            .unwrap_err();
+        assert!(e.to_string().contains(">= 0"), "{e}");
+        p.plan(
+            Direction::GpuToCpu,
+            &GpuSpec::with_groups(&[3, i64::MAX], &[1, 1], None),
+            &[1, i64::MAX],
+        )
+        .unwrap();
+    }
+
+    #[test]
+    fn next_groups_cpu_ids_are_not_used_by_the_duplicate_check() {
+        // Group 0 fills its CPU block exactly (skip 1 + 2 blocks = f); group 1 (no refs) may use
+        // any id. Computing the row of the CPU id after group 0's last block (group 1's
+        // i64::MAX, times f) overflowed.
+        let p = planner(3, vec![vec![PlanRef::new(0, PAGE)], vec![]], 1);
+        let gpu = GpuSpec::with_groups(&[3, 4, 5], &[2, 1], Some(&[1, 0]));
+        let plan = p.plan(Direction::GpuToCpu, &gpu, &[2, i64::MAX]).unwrap();
+        assert_eq!(plan.total_bytes(), 2 * PAGE);
     }
 
     #[test]
