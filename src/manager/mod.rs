@@ -52,6 +52,9 @@ use crate::error::{KvoffError, Result};
 /// A CPU block id.
 pub type BlockId = u32;
 
+/// Nodes a new manager has room for before its storage first grows.
+const INITIAL_NODES: usize = 4096;
+
 /// What `lookup` says about a key.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum Presence {
@@ -323,7 +326,10 @@ impl<K: Hash + Eq + Clone, P: Policy> Manager<K, P> {
         cfg.validate()?;
         let cap = cfg.num_blocks;
         Ok(Self {
-            arena: Arena::with_capacity(cap.min(1 << 20)),
+            // Memory grows with the blocks in use (amortised doubling of the node arena, the
+            // index and the lists), not with the capacity: a manager of 2^24 blocks costs a few
+            // hundred KiB until it holds keys.
+            arena: Arena::with_capacity(cap.min(INITIAL_NODES)),
             policy: P::default(),
             next_fresh: 0,
             freed: Vec::new(),
