@@ -483,6 +483,45 @@ fn unmap(ptr: NonNull<u8>, len: usize) -> io::Result<()> {
     Ok(())
 }
 
+/// What [`open_existing`] found at a region's path.
+enum Existing {
+    /// No file.
+    Missing,
+    /// This user's private region file that nobody holds (its engine is gone); the descriptor
+    /// holds the exclusive liveness lock.
+    Stale(libc::c_int),
+    /// A region file in use; the descriptor holds this process's shared liveness lock.
+    Live(libc::c_int),
+}
+
+/// Opens the region file at `path` if there is one, checks that it is this user's private regular
+/// file, and tells whether it is alive. Liveness: every process that created, joined or attached
+/// to the region holds a shared `flock` on it until it closes the region (the kernel drops it
+/// when a process dies), so a file nobody holds belongs to a crashed engine.
+fn open_existing(path: &Path) -> Result<Existing> {
+    let fd = match open_fd(path, libc::O_RDWR) {
+        Ok(fd) => fd,
+        Err(e) if e.kind() == io::ErrorKind::NotFound => return Ok(Existing::Missing),
+        Err(e) => return Err(os_err("cannot open region", path, &e)),
+    };
+    let live =
+        check_private(fd, path).and_then(|()| match flock_fd(fd, libc::LOCK_EX | libc::LOCK_NB) {
+            Ok(true) => Ok(false),
+            Ok(false) => flock_fd(fd, libc::LOCK_SH)
+                .map(|_| true)
+                .map_err(|e| os_err("cannot lock", path, &e)),
+            Err(e) => Err(os_err("cannot lock", path, &e)),
+        });
+    match live {
+        Ok(true) => Ok(Existing::Live(fd)),
+        Ok(false) => Ok(Existing::Stale(fd)),
+        Err(e) => {
+            let _ = close_fd(fd);
+            Err(e)
+        }
+    }
+}
+
 fn check_name(name: &str) -> Result<()> {
     let ok = !name.is_empty()
         && name.len() <= 200
@@ -627,40 +666,23 @@ impl HostRegion {
         let mut saw_creator = false;
         let mut backoff = Duration::from_millis(1);
         loop {
-            match open_fd(&path, libc::O_RDWR) {
-                Ok(fd) => {
-                    if let Err(e) = check_private(fd, &path) {
-                        let _ = close_fd(fd);
-                        return Err(e);
-                    }
-                    // Liveness: every process that created or joined the region holds a shared
-                    // flock on it until it closes the region (the kernel drops it when a process
-                    // dies). Nobody holding it means its creator and every rank that joined are
-                    // gone: a stale file from a crashed engine. It is removed and the region
-                    // created anew, never joined with stale bytes.
-                    match flock_fd(fd, libc::LOCK_EX | libc::LOCK_NB) {
-                        Ok(true) => {
-                            let (dev, ino, _) =
-                                fstat_id(fd).map_err(|e| os_err("cannot stat", &path, &e))?;
-                            let _ = unlink_if_same(&path, dev, ino);
-                            let _ = close_fd(fd);
-                            continue;
-                        }
-                        Ok(false) => {}
-                        Err(e) => {
-                            let _ = close_fd(fd);
-                            return Err(os_err("cannot lock", &path, &e));
-                        }
-                    }
-                    if let Err(e) = flock_fd(fd, libc::LOCK_SH) {
-                        let _ = close_fd(fd);
-                        return Err(os_err("cannot lock", &path, &e));
-                    }
+            match open_existing(&path)? {
+                Existing::Live(fd) => {
                     region.join(fd, &path, total, opts)?;
                     break;
                 }
-                Err(e) if e.kind() == io::ErrorKind::NotFound => {}
-                Err(e) => return Err(os_err("cannot open region", &path, &e)),
+                // A stale file from a crashed engine: removed and the region created anew,
+                // never joined with stale bytes.
+                Existing::Stale(fd) => {
+                    let id = fstat_id(fd);
+                    if let Ok((dev, ino, _)) = id {
+                        let _ = unlink_if_same(&path, dev, ino);
+                    }
+                    let _ = close_fd(fd);
+                    id.map_err(|e| os_err("cannot stat", &path, &e))?;
+                    continue;
+                }
+                Existing::Missing => {}
             }
             if saw_creator {
                 match try_lock(&lock_path, false)? {
@@ -732,32 +754,13 @@ impl HostRegion {
         let deadline = Instant::now() + opts.timeout;
         let mut backoff = Duration::from_millis(1);
         let fd = loop {
-            match open_fd(&path, libc::O_RDWR) {
-                Ok(fd) => {
-                    if let Err(e) = check_private(fd, &path) {
-                        let _ = close_fd(fd);
-                        return Err(e);
-                    }
-                    match flock_fd(fd, libc::LOCK_EX | libc::LOCK_NB) {
-                        // Nobody holds it: stale; the ranks will replace it.
-                        Ok(true) => {
-                            let _ = close_fd(fd);
-                        }
-                        Ok(false) => match flock_fd(fd, libc::LOCK_SH) {
-                            Ok(_) => break fd,
-                            Err(e) => {
-                                let _ = close_fd(fd);
-                                return Err(os_err("cannot lock", &path, &e));
-                            }
-                        },
-                        Err(e) => {
-                            let _ = close_fd(fd);
-                            return Err(os_err("cannot lock", &path, &e));
-                        }
-                    }
+            match open_existing(&path)? {
+                Existing::Live(fd) => break fd,
+                // Nobody holds it: stale; the ranks will replace it.
+                Existing::Stale(fd) => {
+                    let _ = close_fd(fd);
                 }
-                Err(e) if e.kind() == io::ErrorKind::NotFound => {}
-                Err(e) => return Err(os_err("cannot open region", &path, &e)),
+                Existing::Missing => {}
             }
             let now = Instant::now();
             if now >= deadline {
