@@ -432,3 +432,38 @@ def test_compute_budget_is_validated_and_passed_through():
     for ok in (None, 0.0, 0.02, 1.0):
         h = kvoff.CpuGpuOffloadingHandlers(kv, 1, 4, engine="host", compute_budget=ok)
         h.shutdown()
+
+
+def test_native_handler_accepts_numpy_host_arrays():
+    # Without torch the host engine moves blocks between numpy arrays (the benchmark's path):
+    # writable 2-D uint8 arrays with contiguous rows; anything else is refused before any copy.
+    import numpy as np
+    from kvoff import _native
+
+    g = [np.arange(8 * 64, dtype=np.uint8).reshape(8, 64) + i for i in range(2)]
+    region = kvoff.HostRegion.private(8, 128)
+    c = [region.view_numpy(0, 0, 64), region.view_numpy(0, 64, 64)]
+    refs = [[(0, 64), (1, 64)]]
+    store = _native.TransferHandler("gpu_to_cpu", g, c, refs, 1, "host")
+    load = _native.TransferHandler("cpu_to_gpu", g, c, refs, 1, "host")
+    store.submit(1, np.array([1, 2]), None, None, np.array([5, 6]))
+    store.wait([1])
+    assert [r[1] for r in store.get_finished()] == [True]
+    assert np.array_equal(c[0][[5, 6]], g[0][[1, 2]]) and np.array_equal(c[1][[5, 6]], g[1][[1, 2]])
+    g[0][3] = 0
+    load.submit(2, np.array([3]), None, None, np.array([5]))
+    load.wait([2])
+    assert [r[1] for r in load.get_finished()] == [True]
+    assert np.array_equal(g[0][3], g[0][1])
+    bad = [
+        (np.zeros((8, 64), dtype=np.int16), "uint8"),
+        (np.zeros((8, 128), dtype=np.uint8)[:, ::2], "contiguous"),
+        (np.frombuffer(bytes(8 * 64), dtype=np.uint8).reshape(8, 64), "read-only"),
+        (np.zeros(64, dtype=np.uint8), "2-D"),
+    ]
+    for arr, what in bad:
+        with pytest.raises(ValueError, match=what):
+            _native.TransferHandler("gpu_to_cpu", [arr, g[1]], c, refs, 1, "host")
+    store.shutdown()
+    load.shutdown()
+    region.close()
