@@ -19,6 +19,7 @@
 
 mod calibrate;
 mod ffi;
+mod handles;
 mod memory;
 mod staged;
 
@@ -29,13 +30,13 @@ pub(crate) use staged::{
 };
 
 use std::collections::VecDeque;
-use std::ffi::c_void;
 use std::sync::{Arc, Mutex, OnceLock};
 
 use super::{Job, JobResult, TransferEngine};
 use crate::error::{KvoffError, Result};
 use crate::plan::{CopyOp, Direction};
 use crate::region::HostRegistrar;
+use handles::{DevMem, Event, PinnedHost, Stream};
 
 /// PTX of `kernels/copy.cu` (built by `kernels/build_ptx.py`).
 const COPY_PTX: &str = concat!(include_str!("../../../kernels/copy.ptx"), "\0");
@@ -544,8 +545,8 @@ impl CudaEngineConfig {
 
 /// A pinned staging buffer plus a device buffer for kernel descriptors.
 struct DescBuf {
-    host: SendPtr<*mut c_void>,
-    dev: u64,
+    host: PinnedHost,
+    dev: DevMem,
     cap: usize,
 }
 
@@ -577,8 +578,8 @@ struct InFlight {
     job_id: i64,
     bytes: u64,
     direction: Direction,
-    start: SendPtr<ffi::CUevent>,
-    end: SendPtr<ffi::CUevent>,
+    start: Event,
+    end: Event,
     desc: Option<DescBuf>,
     method: CopyMethod,
     /// Error at submission: the job is reported failed in its turn.
@@ -589,14 +590,14 @@ struct InFlight {
 /// (even slots: the engine's stream; odd slots: the auxiliary stream), so stream order alone keeps
 /// a chunk from overwriting a slot before its previous chunk was consumed.
 struct Slot {
-    dev: u64,
+    dev: DevMem,
 }
 
 /// Second stream and staging ring of the `Staged` method (created on first use).
 struct Staging {
-    aux: SendPtr<ffi::CUstream>,
-    fork: SendPtr<ffi::CUevent>,
-    join: SendPtr<ffi::CUevent>,
+    aux: Stream,
+    fork: Event,
+    join: Event,
     slots: Vec<Slot>,
     next: usize,
 }
@@ -638,7 +639,7 @@ fn write_kernel_descs(copies: &[CopyOp], buf: &DescBuf, first: usize) -> Result<
     // cuMemAllocHost) owned by the job being prepared; descriptors from `first` on are not
     // read by the device until they are uploaded after this returns, and nothing else aliases
     // this memory while the slice lives.
-    let words = unsafe { std::slice::from_raw_parts_mut(buf.host.0.cast::<u64>(), cap * 3) };
+    let words = unsafe { std::slice::from_raw_parts_mut(buf.host.ptr().cast::<u64>(), cap * 3) };
     let mut out = words
         .get_mut(first * 3..)
         .unwrap_or_default()
@@ -667,9 +668,11 @@ pub struct CudaEngine {
     device: Arc<CudaDevice>,
     cfg: CudaEngineConfig,
     direction: Direction,
-    stream: SendPtr<ffi::CUstream>,
-    caller_event: SendPtr<ffi::CUevent>,
-    events: Vec<SendPtr<ffi::CUevent>>,
+    /// `None` once shut down (released).
+    stream: Option<Stream>,
+    /// `None` once shut down (released).
+    caller_event: Option<Event>,
+    events: Vec<Event>,
     descs: Vec<DescBuf>,
     inflight: VecDeque<InFlight>,
     closed: bool,
@@ -741,22 +744,15 @@ impl CudaEngine {
         // model's pending CTAs are scheduled before the copy kernel's.
         let high = direction == Direction::CpuToGpu && !cfg.serving();
         // SAFETY: the context is current.
-        let stream = unsafe { ffi::stream_create(high) }?;
-        // SAFETY: the context is current.
-        let caller_event = match unsafe { ffi::event_create(false) } {
-            Ok(e) => e,
-            Err(e) => {
-                // SAFETY: created above, unused.
-                let _ = unsafe { ffi::stream_destroy(stream) };
-                return Err(e);
-            }
-        };
+        let stream = unsafe { Stream::new(high) }?;
+        // SAFETY: as above. (On error `stream` is destroyed by its Drop.)
+        let caller_event = unsafe { Event::new(false) }?;
         Ok(Self {
             device,
             cfg,
             direction,
-            stream: SendPtr(stream),
-            caller_event: SendPtr(caller_event),
+            stream: Some(stream),
+            caller_event: Some(caller_event),
             events: Vec::new(),
             descs: Vec::new(),
             inflight: VecDeque::new(),
@@ -808,7 +804,7 @@ impl CudaEngine {
     /// Raw handle of this engine's stream (as an integer, e.g. for `torch.cuda.ExternalStream`).
     #[must_use]
     pub fn stream_handle(&self) -> u64 {
-        self.stream.0 as u64
+        self.stream.as_ref().map_or(0, |s| s.raw() as u64)
     }
 
     /// Errors recorded while releasing resources.
@@ -817,12 +813,20 @@ impl CudaEngine {
         &self.close_errors
     }
 
-    fn take_event(&mut self) -> Result<ffi::CUevent> {
+    fn take_event(&mut self) -> Result<Event> {
         if let Some(e) = self.events.pop() {
-            return Ok(e.0);
+            return Ok(e);
         }
         // SAFETY: callers bind the context first.
-        unsafe { ffi::event_create(true) }
+        unsafe { Event::new(true) }
+    }
+
+    /// The engine's stream (the engine is open: `submit`, `poll` and `wait` check first).
+    fn stream(&self) -> Result<ffi::CUstream> {
+        self.stream
+            .as_ref()
+            .map(Stream::raw)
+            .ok_or_else(|| KvoffError::state("the CUDA engine was shut down"))
     }
 
     fn take_desc(&mut self, bytes: usize) -> Result<DescBuf> {
@@ -830,21 +834,12 @@ impl CudaEngine {
             return Ok(self.descs.swap_remove(pos));
         }
         let cap = bytes.next_power_of_two().max(64 << 10);
-        // SAFETY: the context is current (callers bind first).
-        let host = unsafe { ffi::mem_alloc_host(cap) }?;
+        // SAFETY: the context is current (callers bind first). On error, what was allocated
+        // is freed by its Drop.
+        let host = unsafe { PinnedHost::new(cap) }?;
         // SAFETY: as above.
-        match unsafe { ffi::mem_alloc(cap) } {
-            Ok(dev) => Ok(DescBuf {
-                host: SendPtr(host),
-                dev,
-                cap,
-            }),
-            Err(e) => {
-                // SAFETY: allocated above, unused.
-                let _ = unsafe { ffi::mem_free_host(host) };
-                Err(e)
-            }
-        }
+        let dev = unsafe { DevMem::new(cap) }?;
+        Ok(DescBuf { host, dev, cap })
     }
 
     fn choose(&self, copies: &[CopyOp], bytes: u64) -> CopyMethod {
@@ -919,56 +914,39 @@ impl CudaEngine {
         }
         let slot_bytes = usize::try_from(self.cfg.staging_slot_bytes)
             .map_err(|_| KvoffError::arg("staging_slot_bytes exceeds usize"))?;
-        // SAFETY: the context is current (callers bind first).
-        let aux = unsafe {
-            ffi::stream_create(self.direction == Direction::CpuToGpu && !self.cfg.serving())
-        }?;
-        let mut st = Staging {
-            aux: SendPtr(aux),
-            fork: SendPtr(std::ptr::null_mut()),
-            join: SendPtr(std::ptr::null_mut()),
-            slots: Vec::new(),
-            next: 0,
-        };
-        let r = (|| {
-            // SAFETY: the context is current.
-            st.fork = SendPtr(unsafe { ffi::event_create(false) }?);
+        let high = self.direction == Direction::CpuToGpu && !self.cfg.serving();
+        // SAFETY: the context is current (callers bind first). On an error below, what was
+        // created so far is destroyed by its Drop.
+        let aux = unsafe { Stream::new(high) }?;
+        // SAFETY: as above.
+        let fork = unsafe { Event::new(false) }?;
+        // SAFETY: as above.
+        let join = unsafe { Event::new(false) }?;
+        let mut slots = Vec::with_capacity(self.cfg.staging_slots);
+        for _ in 0..self.cfg.staging_slots {
             // SAFETY: as above.
-            st.join = SendPtr(unsafe { ffi::event_create(false) }?);
-            for _ in 0..self.cfg.staging_slots {
-                // SAFETY: as above.
-                let dev = unsafe { ffi::mem_alloc(slot_bytes) }?;
-                st.slots.push(Slot { dev });
-            }
-            Ok(())
-        })();
-        let failed = r.is_err();
-        self.staging = Some(st);
-        if failed {
-            self.release_staging();
+            let dev = unsafe { DevMem::new(slot_bytes) }?;
+            slots.push(Slot { dev });
         }
-        r
+        self.staging = Some(Staging {
+            aux,
+            fork,
+            join,
+            slots,
+            next: 0,
+        });
+        Ok(())
     }
 
-    /// Frees the staging resources (its streams must be idle). Null handles (from a failed
-    /// creation) are skipped; errors are recorded.
+    /// Frees the staging resources (its streams must be idle); errors are recorded.
     fn release_staging(&mut self) {
         let Some(st) = self.staging.take() else {
             return;
         };
-        let mut errs = Vec::new();
-        for sl in &st.slots {
-            // SAFETY: idle streams; each handle is released once.
-            errs.push(unsafe { ffi::mem_free(sl.dev) });
-        }
-        for e in [st.fork.0, st.join.0] {
-            if !e.is_null() {
-                // SAFETY: as above.
-                errs.push(unsafe { ffi::event_destroy(e) });
-            }
-        }
-        // SAFETY: as above.
-        errs.push(unsafe { ffi::stream_destroy(st.aux.0) });
+        let mut errs: Vec<Result<()>> = st.slots.into_iter().map(|sl| sl.dev.release()).collect();
+        errs.push(st.fork.release());
+        errs.push(st.join.release());
+        errs.push(st.aux.release());
         self.close_errors.extend(
             errs.into_iter()
                 .filter_map(|r| r.err().map(|e| e.to_string())),
@@ -1107,7 +1085,7 @@ impl CudaEngine {
                 .staging
                 .as_ref()
                 .ok_or_else(|| KvoffError::state("staging missing"))?;
-            (st.aux.0, st.fork.0, st.join.0)
+            (st.aux.raw(), st.fork.raw(), st.join.raw())
         };
         // SAFETY: live handles of the current context.
         unsafe {
@@ -1138,7 +1116,7 @@ impl CudaEngine {
             .ok_or_else(|| KvoffError::state("staging missing"))?
             .slots
             .iter()
-            .map(|sl| sl.dev)
+            .map(|sl| sl.dev.ptr())
             .collect();
         let nslots = slots.len();
         if nslots == 0 {
@@ -1151,8 +1129,8 @@ impl CudaEngine {
         // nothing else aliases it while this slice lives. The kernel reads a chunk's descriptors
         // only after they were written here (its launch is enqueued afterwards).
         let words =
-            unsafe { std::slice::from_raw_parts_mut(buf.host.0.cast::<u64>(), buf.cap / 8) };
-        let host_base = buf.host.0 as u64;
+            unsafe { std::slice::from_raw_parts_mut(buf.host.ptr().cast::<u64>(), buf.cap / 8) };
+        let host_base = buf.host.ptr() as u64;
         let mut runs = std::mem::take(&mut self.scratch_runs);
         let mut packer = StagedPacker::default();
         let mut nd = 0usize;
@@ -1250,22 +1228,22 @@ impl CudaEngine {
         // buffer is as large.
         unsafe {
             ffi::memcpy_htod_async(
-                buf.dev + off as u64,
-                buf.host.0.cast::<u8>().add(off).cast(),
+                buf.dev.ptr() + off as u64,
+                buf.host.ptr().cast::<u8>().add(off).cast(),
                 n * DESC_BYTES,
                 s,
             )
         }?;
         let ctas = self.kernel_ctas();
         if !self.cfg.serving() {
-            return self.launch(buf.dev + off as u64, n as u64, ctas, s);
+            return self.launch(buf.dev.ptr() + off as u64, n as u64, ctas, s);
         }
         // Serving policy: launches of at most `serving_launch_bytes` each, so the SMs a launch
         // holds go back to the model's queued CTAs within tens of microseconds.
         let cap = buf.cap / DESC_BYTES;
         // SAFETY: `buf.host` is the job's pinned allocation of `buf.cap` bytes (8-byte aligned);
         // descriptors `first..first + n` were written before this call and are only read here.
-        let words = unsafe { std::slice::from_raw_parts(buf.host.0.cast::<u64>(), cap * 3) };
+        let words = unsafe { std::slice::from_raw_parts(buf.host.ptr().cast::<u64>(), cap * 3) };
         let limit = self.cfg.serving_launch_bytes.max(1);
         let (mut i, end) = (first, first + n);
         while i < end {
@@ -1274,7 +1252,12 @@ impl CudaEngine {
                 bytes += words.get(j * 3 + 2).copied().unwrap_or(0);
                 j += 1;
             }
-            self.launch(buf.dev + (i * DESC_BYTES) as u64, (j - i) as u64, ctas, s)?;
+            self.launch(
+                buf.dev.ptr() + (i * DESC_BYTES) as u64,
+                (j - i) as u64,
+                ctas,
+                s,
+            )?;
             i = j;
         }
         Ok(())
@@ -1282,7 +1265,7 @@ impl CudaEngine {
 
     /// Enqueues the device work of one job on the stream (between the timing events).
     fn issue(&mut self, method: CopyMethod, copies: &[CopyOp], prep: &Prepared) -> Result<()> {
-        let s = self.stream.0;
+        let s = self.stream()?;
         match prep {
             Prepared::Kernel { buf, head, head_n } => {
                 self.upload_and_launch(buf, 0, *head_n, s)?;
@@ -1331,7 +1314,7 @@ impl CudaEngine {
         if error.is_none() {
             // SAFETY: both events completed (the end event was queried done, and the start event
             // precedes it on the same stream).
-            match unsafe { ffi::event_elapsed_ms(job.start.0, job.end.0) } {
+            match unsafe { ffi::event_elapsed_ms(job.start.raw(), job.end.raw()) } {
                 Ok(ms) => seconds = f64::from(ms) / 1e3,
                 Err(e) => error = Some(e.to_string()),
             }
@@ -1386,19 +1369,25 @@ impl TransferEngine for CudaEngine {
         let end = match self.take_event() {
             Ok(e) => e,
             Err(e) => {
-                self.events.push(SendPtr(start));
+                self.events.push(start);
                 return Err(e);
             }
         };
         let copies = job.plan.copies();
         let bytes = job.plan.total_bytes();
         let method = self.choose(copies, bytes);
-        let s = self.stream.0;
+        let (Ok(s), Some(caller_event)) =
+            (self.stream(), self.caller_event.as_ref().map(Event::raw))
+        else {
+            self.events.push(start);
+            self.events.push(end);
+            return Err(KvoffError::state("the CUDA engine was shut down"));
+        };
         let prepared = match self.prepare(method, copies, bytes) {
             Ok(p) => p,
             Err(e) => {
-                self.events.push(SendPtr(start));
-                self.events.push(SendPtr(end));
+                self.events.push(start);
+                self.events.push(end);
                 return Err(e);
             }
         };
@@ -1406,15 +1395,15 @@ impl TransferEngine for CudaEngine {
             if let Some(caller) = job.stream {
                 // SAFETY: the caller passes a live stream of this device (the torch shim passes
                 // torch.cuda.current_stream()); the event is ours.
-                unsafe { ffi::event_record(self.caller_event.0, caller as ffi::CUstream) }?;
+                unsafe { ffi::event_record(caller_event, caller as ffi::CUstream) }?;
                 // SAFETY: both are live handles of the current context.
-                unsafe { ffi::stream_wait(s, self.caller_event.0) }?;
+                unsafe { ffi::stream_wait(s, caller_event) }?;
             }
             // SAFETY: live events and stream.
-            unsafe { ffi::event_record(start, s) }?;
+            unsafe { ffi::event_record(start.raw(), s) }?;
             self.issue(method, copies, &prepared)?;
             // SAFETY: as above.
-            unsafe { ffi::event_record(end, s) }
+            unsafe { ffi::event_record(end.raw(), s) }
         })();
         let idx = match method {
             CopyMethod::Kernel => 1,
@@ -1427,8 +1416,8 @@ impl TransferEngine for CudaEngine {
             job_id: job.job_id,
             bytes,
             direction: self.direction,
-            start: SendPtr(start),
-            end: SendPtr(end),
+            start,
+            end,
             desc: match prepared {
                 Prepared::Kernel { buf, .. } | Prepared::Staged { buf, .. } => Some(buf),
                 Prepared::Nothing => None,
@@ -1454,7 +1443,7 @@ impl TransferEngine for CudaEngine {
                 Ok(true)
             } else {
                 // SAFETY: a live pooled event.
-                unsafe { ffi::event_done(front.end.0) }
+                unsafe { ffi::event_done(front.end.raw()) }
             };
             match state {
                 Ok(false) => break,
@@ -1478,7 +1467,7 @@ impl TransferEngine for CudaEngine {
         for j in &self.inflight {
             if j.failed.is_none() && job_ids.contains(&j.job_id) {
                 // SAFETY: a live pooled event. Errors surface in the job's result at poll.
-                let _ = unsafe { ffi::event_sync(j.end.0) };
+                let _ = unsafe { ffi::event_sync(j.end.raw()) };
             }
         }
         Ok(())
@@ -1494,13 +1483,15 @@ impl TransferEngine for CudaEngine {
             return;
         }
         // Drain: let in-flight work finish before its resources go.
-        // SAFETY: our streams are live.
-        if let Err(e) = unsafe { ffi::stream_sync(self.stream.0) } {
-            self.close_errors.push(e.to_string());
+        if let Some(s) = &self.stream {
+            // SAFETY: our streams are live.
+            if let Err(e) = unsafe { ffi::stream_sync(s.raw()) } {
+                self.close_errors.push(e.to_string());
+            }
         }
         if let Some(st) = &self.staging {
             // SAFETY: as above.
-            if let Err(e) = unsafe { ffi::stream_sync(st.aux.0) } {
+            if let Err(e) = unsafe { ffi::stream_sync(st.aux.raw()) } {
                 self.close_errors.push(e.to_string());
             }
         }
@@ -1512,7 +1503,7 @@ impl TransferEngine for CudaEngine {
                 None
             } else {
                 // SAFETY: a live pooled event; the stream has drained.
-                match unsafe { ffi::event_done(job.end.0) } {
+                match unsafe { ffi::event_done(job.end.raw()) } {
                     Ok(true) => None,
                     Ok(false) => Some("the job did not finish before shutdown".to_owned()),
                     Err(e) => Some(e.to_string()),
@@ -1521,30 +1512,18 @@ impl TransferEngine for CudaEngine {
             let r = self.finish(job, err);
             self.drained.push(r);
         }
-        for e in self.events.drain(..) {
-            // SAFETY: pooled events are unused once the stream drained.
-            if let Err(err) = unsafe { ffi::event_destroy(e.0) } {
-                self.close_errors.push(err.to_string());
-            }
-        }
+        // Everything below is unused once the streams drained; each handle is released once.
+        let mut errs: Vec<Result<()>> = self.events.drain(..).map(Event::release).collect();
         for d in self.descs.drain(..) {
-            // SAFETY: buffers are unused once the stream drained; each freed once.
-            if let Err(err) = unsafe { ffi::mem_free(d.dev) } {
-                self.close_errors.push(err.to_string());
-            }
-            // SAFETY: as above.
-            if let Err(err) = unsafe { ffi::mem_free_host(d.host.0) } {
-                self.close_errors.push(err.to_string());
-            }
+            errs.push(d.dev.release());
+            errs.push(d.host.release());
         }
-        // SAFETY: the stream drained; handles destroyed once.
-        if let Err(err) = unsafe { ffi::event_destroy(self.caller_event.0) } {
-            self.close_errors.push(err.to_string());
-        }
-        // SAFETY: as above.
-        if let Err(err) = unsafe { ffi::stream_destroy(self.stream.0) } {
-            self.close_errors.push(err.to_string());
-        }
+        errs.extend(self.caller_event.take().map(Event::release));
+        errs.extend(self.stream.take().map(Stream::release));
+        self.close_errors.extend(
+            errs.into_iter()
+                .filter_map(|r| r.err().map(|e| e.to_string())),
+        );
     }
 }
 

@@ -1,0 +1,143 @@
+//! Owned driver handles of the engine, modelled on cudarc's `driver/safe`: each destroys its
+//! handle exactly once — with `release()`, which returns the driver's error for the engine's
+//! `close_errors`, or else in `Drop` (errors ignored there: nothing to report them to) — so error
+//! paths need no hand-written cleanup. Every call goes through [`ffi`]; the callers bind the
+//! device's context first (creation, `release` and the engine's `Drop` all run after `bind`).
+#![allow(unsafe_code)]
+
+use std::ffi::c_void;
+
+use super::{ffi, SendPtr};
+use crate::error::Result;
+
+/// A stream.
+pub(super) struct Stream(SendPtr<ffi::CUstream>);
+
+impl Stream {
+    /// A non-blocking stream of the highest (`high`) or lowest priority.
+    ///
+    /// # Safety
+    /// The device's context is current on this thread.
+    pub(super) unsafe fn new(high: bool) -> Result<Self> {
+        // SAFETY: the caller's obligation.
+        Ok(Self(SendPtr(unsafe { ffi::stream_create(high) }?)))
+    }
+
+    pub(super) fn raw(&self) -> ffi::CUstream {
+        self.0 .0
+    }
+
+    /// Destroys the stream (its work must have drained), returning the driver's error.
+    pub(super) fn release(self) -> Result<()> {
+        let s = self.0 .0;
+        std::mem::forget(self);
+        // SAFETY: the handle is live and, with `self` forgotten, destroyed only here.
+        unsafe { ffi::stream_destroy(s) }
+    }
+}
+
+impl Drop for Stream {
+    fn drop(&mut self) {
+        // SAFETY: the handle is live and destroyed only here (`release` forgets `self`).
+        let _ = unsafe { ffi::stream_destroy(self.0 .0) };
+    }
+}
+
+/// An event.
+pub(super) struct Event(SendPtr<ffi::CUevent>);
+
+impl Event {
+    /// An event, with timing (`timing`) or without (cheaper, for ordering only).
+    ///
+    /// # Safety
+    /// The device's context is current on this thread.
+    pub(super) unsafe fn new(timing: bool) -> Result<Self> {
+        // SAFETY: the caller's obligation.
+        Ok(Self(SendPtr(unsafe { ffi::event_create(timing) }?)))
+    }
+
+    pub(super) fn raw(&self) -> ffi::CUevent {
+        self.0 .0
+    }
+
+    /// Destroys the event, returning the driver's error.
+    pub(super) fn release(self) -> Result<()> {
+        let e = self.0 .0;
+        std::mem::forget(self);
+        // SAFETY: the handle is live and, with `self` forgotten, destroyed only here.
+        unsafe { ffi::event_destroy(e) }
+    }
+}
+
+impl Drop for Event {
+    fn drop(&mut self) {
+        // SAFETY: the handle is live and destroyed only here (`release` forgets `self`).
+        let _ = unsafe { ffi::event_destroy(self.0 .0) };
+    }
+}
+
+/// Device memory.
+pub(super) struct DevMem(u64);
+
+impl DevMem {
+    /// `bytes` of device memory.
+    ///
+    /// # Safety
+    /// The device's context is current on this thread.
+    pub(super) unsafe fn new(bytes: usize) -> Result<Self> {
+        // SAFETY: the caller's obligation.
+        Ok(Self(unsafe { ffi::mem_alloc(bytes) }?))
+    }
+
+    pub(super) fn ptr(&self) -> u64 {
+        self.0
+    }
+
+    /// Frees the memory (no queued work may use it), returning the driver's error.
+    pub(super) fn release(self) -> Result<()> {
+        let p = self.0;
+        std::mem::forget(self);
+        // SAFETY: the allocation is live and, with `self` forgotten, freed only here.
+        unsafe { ffi::mem_free(p) }
+    }
+}
+
+impl Drop for DevMem {
+    fn drop(&mut self) {
+        // SAFETY: the allocation is live and freed only here (`release` forgets `self`).
+        let _ = unsafe { ffi::mem_free(self.0) };
+    }
+}
+
+/// Pinned, device-mapped host memory.
+pub(super) struct PinnedHost(SendPtr<*mut c_void>);
+
+impl PinnedHost {
+    /// `bytes` of pinned host memory.
+    ///
+    /// # Safety
+    /// The device's context is current on this thread.
+    pub(super) unsafe fn new(bytes: usize) -> Result<Self> {
+        // SAFETY: the caller's obligation.
+        Ok(Self(SendPtr(unsafe { ffi::mem_alloc_host(bytes) }?)))
+    }
+
+    pub(super) fn ptr(&self) -> *mut c_void {
+        self.0 .0
+    }
+
+    /// Frees the memory (no queued work may use it), returning the driver's error.
+    pub(super) fn release(self) -> Result<()> {
+        let p = self.0 .0;
+        std::mem::forget(self);
+        // SAFETY: the allocation is live and, with `self` forgotten, freed only here.
+        unsafe { ffi::mem_free_host(p) }
+    }
+}
+
+impl Drop for PinnedHost {
+    fn drop(&mut self) {
+        // SAFETY: the allocation is live and freed only here (`release` forgets `self`).
+        let _ = unsafe { ffi::mem_free_host(self.0 .0) };
+    }
+}
