@@ -637,6 +637,24 @@ fn is_locked(path: &Path) -> bool {
     unsafe { libc::flock(f.as_raw_fd(), libc::LOCK_EX | libc::LOCK_NB) != 0 }
 }
 
+/// Waits until a process is blocked waiting for a flock on inode `ino` (`/proc/locks` lists
+/// waiters as `-> FLOCK ...`).
+fn wait_for_blocked_flock(ino: u64, limit: Duration) {
+    let end = Instant::now() + limit;
+    let needle = format!(":{ino} ");
+    loop {
+        let locks = std::fs::read_to_string("/proc/locks").unwrap();
+        if locks
+            .lines()
+            .any(|l| l.contains("-> FLOCK") && l.contains(&needle))
+        {
+            return;
+        }
+        assert!(Instant::now() < end, "nobody waited for inode {ino}");
+        std::thread::sleep(Duration::from_millis(2));
+    }
+}
+
 fn first_byte(r: &HostRegion, rank: u64) -> u8 {
     let mut b = [0u8; 1];
     r.copy_from_slot(rank, 0, 0, &mut b).unwrap();
@@ -804,6 +822,88 @@ fn a_rank_that_joined_keeps_the_region_alive_after_its_creator_died() {
     let r1 = HostRegion::create_or_join_with(name, rows, slot, ws, 1, &o).unwrap();
     assert_eq!(first_byte(&r1, 1), 0);
     drop((r0, r1));
+    std::fs::remove_dir_all(&dir).unwrap();
+}
+
+/// Opens the stale region `<dir>/<name>` and takes its exclusive lock, as a rank that found it
+/// stale does just before it unlinks it. Returns the open file and its inode.
+fn hold_as_cleaner(dir: &Path, name: &str) -> (std::fs::File, u64) {
+    use std::os::fd::AsRawFd;
+    let f = std::fs::OpenOptions::new()
+        .read(true)
+        .write(true)
+        .open(dir.join(name))
+        .unwrap();
+    // SAFETY: flock on a descriptor we own.
+    let rc = unsafe { libc::flock(f.as_raw_fd(), libc::LOCK_EX | libc::LOCK_NB) };
+    assert_eq!(rc, 0, "the region should be stale");
+    let ino = std::os::unix::fs::MetadataExt::ino(&f.metadata().unwrap());
+    (f, ino)
+}
+
+/// Regression (issue #11): a rank that opens a stale region while another rank holds it
+/// exclusively to remove it finds it "busy", so it waited for its shared lock and got it once the
+/// remover was done: on the removed file, whose bytes are the dead engine's. It now checks that
+/// the name still refers to the file it locked, and starts over (here: it creates the region,
+/// and rank 0 joins it).
+#[test]
+fn a_rank_blocked_behind_a_stale_region_s_removal_does_not_join_it() {
+    let dir = test_dir("cleaner");
+    let name = "kv-cleaner";
+    leave_region_behind(&dir, name); // rank 0's first slot holds 0xAB
+    let (cleaner, ino) = hold_as_cleaner(&dir, name);
+    let o = opts(&dir, Duration::from_secs(10));
+    let o1 = o.clone();
+    let rank1 =
+        std::thread::spawn(move || HostRegion::create_or_join_with(name, 4, 4096, 2, 1, &o1));
+    wait_for_blocked_flock(ino, Duration::from_secs(20));
+    // The remover unlinks the stale file, then releases it.
+    std::fs::remove_file(dir.join(name)).unwrap();
+    drop(cleaner);
+    let r1 = rank1.join().unwrap().unwrap();
+    assert_eq!(
+        first_byte(&r1, 0),
+        0,
+        "rank 1 joined the dead engine's region"
+    );
+    let mut r0 = HostRegion::create_or_join_with(name, 4, 4096, 2, 0, &o).unwrap();
+    r0.copy_to_slot(0, 0, 0, &[0x42]).unwrap();
+    assert_eq!(
+        first_byte(&r1, 0),
+        0x42,
+        "rank 0 and rank 1 map different regions"
+    );
+    drop((r0, r1));
+    std::fs::remove_dir_all(&dir).unwrap();
+}
+
+/// The same for an observer ([`HostRegion::attach`]): it attaches to the region the new ranks
+/// create, not to the stale one it was blocked on.
+#[test]
+fn an_observer_blocked_behind_a_stale_region_s_removal_does_not_attach_to_it() {
+    let dir = test_dir("cleaner-obs");
+    let name = "kv-cleaner-obs";
+    leave_region_behind(&dir, name);
+    let (cleaner, ino) = hold_as_cleaner(&dir, name);
+    let o = RegionOptions {
+        unlink_when_all_joined: false,
+        ..opts(&dir, Duration::from_secs(10))
+    };
+    let o1 = o.clone();
+    let observer = std::thread::spawn(move || HostRegion::attach(name, &o1));
+    wait_for_blocked_flock(ino, Duration::from_secs(20));
+    std::fs::remove_file(dir.join(name)).unwrap();
+    drop(cleaner);
+    let mut r0 = HostRegion::create_or_join_with(name, 4, 4096, 2, 0, &o).unwrap();
+    let r1 = HostRegion::create_or_join_with(name, 4, 4096, 2, 1, &o).unwrap();
+    r0.copy_to_slot(0, 0, 0, &[0x42]).unwrap();
+    let obs = observer.join().unwrap().unwrap();
+    assert_eq!(
+        first_byte(&obs, 0),
+        0x42,
+        "the observer attached to the dead region"
+    );
+    drop((r0, r1, obs));
     std::fs::remove_dir_all(&dir).unwrap();
 }
 
