@@ -221,7 +221,7 @@ pub fn compute_sub_block_ptrs_into(
         }
         let row = base_ptr + b.unsigned_abs() * row_stride_bytes;
         let take = crate::usize_from(f - skip).min(remaining);
-        out.extend((skip..skip + take as u64).map(|j| row + j * sub));
+        out.extend((skip..).take(take).map(|j| row + j * sub));
         remaining -= take;
         skip = 0;
     }

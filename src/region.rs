@@ -12,10 +12,13 @@
 //! 1. If `<dir>/<name>` exists and is **alive**, it is complete: **join** it (check geometry, set
 //!    this rank's flag in the header page, increment the join counter). Alive means some process
 //!    holds a shared `flock` on it: the creator and every rank that joined hold one until they
-//!    close the region, and the kernel drops it when a process dies. A file nobody holds is stale
-//!    (its engine crashed before every rank joined): it is unlinked and the region created anew,
-//!    so no rank ever joins a dead creator's region or reuses its bytes. Recovery after a crash is
-//!    therefore automatic: restart the ranks.
+//!    close the region, and the kernel drops it when a process dies. The probe is a non-blocking
+//!    exclusive `flock`: if it is granted, nobody holds the file, which is stale (its engine
+//!    crashed before every rank joined): the prober unlinks it (if the name still refers to it)
+//!    before releasing it, and the region is created anew. Otherwise the rank waits for its shared
+//!    lock and then checks that the name still refers to the file it locked (else it starts over):
+//!    see "Liveness" below for why no rank joins a dead creator's region or reuses its bytes.
+//!    Recovery after a crash is therefore automatic: restart the ranks.
 //! 2. Otherwise try to take the creation lock `<dir>/<name>.lock` (`flock`, non-blocking; the lock
 //!    file's inode is re-checked after locking so that it can be unlinked safely). The winner is the
 //!    **creator**: it builds the file unnamed (`O_TMPFILE`; fallback: a temporary name, unlinked on
@@ -30,6 +33,45 @@
 //! 4. When the last of the `world_size` ranks joins, the file is unlinked if
 //!    [`RegionOptions::unlink_when_all_joined`] (default): the mapping lives on, and a crash leaks
 //!    nothing. [`HostRegion::unlink`] does it by hand.
+//!
+//! **Liveness: why no rank joins a dead creator's region** (issue #11 asked for a generation in
+//! the header; the locks give the guarantee, and a header counter would add nothing: ranks share
+//! only the name, so a rank has no expected generation to compare one with. What tells one
+//! creation from the next is the file's identity, `(dev, inode)`, checked below.)
+//! - (F1) A name is linked only to a complete file (header written) whose creator holds a shared
+//!   lock on it. A creator that dies before the link leaves no name: the `O_TMPFILE` file vanishes
+//!   with it (the fallback's temporary name stays behind as garbage; no rank opens it).
+//! - (F2) Every member (creator, joined rank, [`attach`](HostRegion::attach)ed observer) holds a
+//!   shared lock from before it uses the file until it closes it; the kernel drops it at death.
+//!   Only probes take the exclusive lock, and a probe that gets it (no member left) unlinks the
+//!   name, if it still refers to that file, before releasing it.
+//! - (F3) A rank or observer uses a file only after (i) its probe failed: some process held a lock
+//!   at that instant; (ii) its own shared lock was granted; (iii) the name still refers to that
+//!   file after (ii).
+//!
+//! Hence: (a) a file whose members were all gone when a rank probed it is never used: the lock the
+//! probe met was another prober's exclusive one, and shared locks are granted only after that
+//! prober released it, i.e. after it unlinked the name, so (iii) fails and the rank starts over.
+//! (Before (iii) existed, a rank or observer that probed while another rank was removing a stale
+//! file waited for its lock and then used the removed file: the dead engine's bytes, apart from
+//! the region the other ranks create, which an observer would then never see.) (b) A creator
+//! killed while creating leaves no name, so there is nothing to join; a rank waiting for it sees
+//! the creation lock released without a name and fails at once ("failed or died"), and the next
+//! creator takes the stale lock over. (c) A rank that joined keeps the region alive after its
+//! creator dies: a restarted creator then finds its rank's flag set and fails ("already joined")
+//! instead of creating a second region beside the live one; once the last member is gone the
+//! file is stale and replaced by the next creator. (d) What no check at one instant can exclude:
+//! the last members die between a rank's failed probe and the grant of its shared lock
+//! (microseconds). The rank then holds a complete region whose engine just died, as if they had
+//! died just after it joined. It does not go unnoticed: the dead creator's rank flag is set, so
+//! the new engine's rank of that number fails with "already joined" (every rank of an engine
+//! joins; `world_size` must match) unless the name was unlinked first, by
+//! `unlink_when_all_joined` counting the dead ranks (each rank then works in its own slots, which
+//! is all a rank touches) or by an observer that attached before all ranks joined (vLLM's
+//! integration attaches after the workers' KV caches are registered, and names each region after
+//! its engine's id, a fresh UUID unless configured, so a new engine does not meet an old one's name). Tests: `tests/worker_region.rs`
+//! (a creator SIGKILLed inside `posix_fallocate`, a rank that outlives its creator, ranks and
+//! observers blocked behind a stale file's removal, stale regions, hostile files).
 //!
 //! File layout: a header of whole pages (magic, geometry, join counter, one joined flag per rank;
 //! all words accessed atomically), then the rows. [`HostRegion::as_ptr`] points at row 0.
@@ -366,6 +408,18 @@ fn unlink_if_same(path: &Path, dev: u64, ino: u64) -> io::Result<bool> {
     }
 }
 
+/// Whether `path` still names the file open as `fd`. Checked after a shared lock on a region was
+/// granted: a process that found the region stale may have held it exclusively (that is what
+/// made it look alive to the caller's probe) and removed or replaced it before releasing it.
+fn still_named(fd: libc::c_int, path: &Path) -> io::Result<bool> {
+    let (dev, ino, _) = fstat_id(fd)?;
+    match stat_id(path) {
+        Ok((d, i)) => Ok(d == dev && i == ino),
+        Err(e) if e.kind() == io::ErrorKind::NotFound => Ok(false),
+        Err(e) => Err(e),
+    }
+}
+
 /// The creation lock, held (flock) while a creator builds the region. Dropping it releases it.
 struct CreationLock {
     fd: libc::c_int,
@@ -492,6 +546,9 @@ enum Existing {
     Stale(libc::c_int),
     /// A region file in use; the descriptor holds this process's shared liveness lock.
     Live(libc::c_int),
+    /// The file was found stale and removed (or replaced) by another process while this one
+    /// waited for its shared lock: not to be used; look again.
+    Removed,
 }
 
 /// Opens the region file at `path` if there is one, checks that it is this user's private regular
@@ -512,9 +569,24 @@ fn open_existing(path: &Path) -> Result<Existing> {
                 .map_err(|e| os_err("cannot lock", path, &e)),
             Err(e) => Err(os_err("cannot lock", path, &e)),
         });
+    // The probe may have failed because a process that found the file stale held it exclusively
+    // while removing it: then the name is gone or names another file now, and this one must not
+    // be used (module docs, "Liveness").
+    let live = live.and_then(|live| {
+        if !live {
+            return Ok(Some(false));
+        }
+        still_named(fd, path)
+            .map(|named| named.then_some(true))
+            .map_err(|e| os_err("cannot stat", path, &e))
+    });
     match live {
-        Ok(true) => Ok(Existing::Live(fd)),
-        Ok(false) => Ok(Existing::Stale(fd)),
+        Ok(Some(true)) => Ok(Existing::Live(fd)),
+        Ok(Some(false)) => Ok(Existing::Stale(fd)),
+        Ok(None) => {
+            let _ = close_fd(fd);
+            Ok(Existing::Removed)
+        }
         Err(e) => {
             let _ = close_fd(fd);
             Err(e)
@@ -682,6 +754,7 @@ impl HostRegion {
                     id.map_err(|e| os_err("cannot stat", &path, &e))?;
                     continue;
                 }
+                Existing::Removed => continue,
                 Existing::Missing => {}
             }
             if saw_creator {
@@ -760,7 +833,7 @@ impl HostRegion {
                 Existing::Stale(fd) => {
                     let _ = close_fd(fd);
                 }
-                Existing::Missing => {}
+                Existing::Removed | Existing::Missing => {}
             }
             let now = Instant::now();
             if now >= deadline {
@@ -1034,8 +1107,9 @@ impl HostRegion {
             .is_err()
         {
             return Err(KvoffError::region(format!(
-                "rank {rank} already joined shared region {} (stale file from an earlier run? \
-                 remove it)",
+                "rank {rank} already joined shared region {}: another process has this rank (an \
+                 earlier run whose ranks are still alive holds the region?); stop it, or remove the \
+                 file or use another name",
                 path.display()
             )));
         }

@@ -150,6 +150,20 @@ fn child_entry() {
             }
             r.close().unwrap();
         }
+        "create" => {
+            // A creator (rank 0) of a region of ROWS rows of SLOT bytes for WS ranks, not
+            // prefaulted; once it exists, it is held until the process is killed.
+            let n = |k: &str| var(k).parse::<u64>().unwrap();
+            let o = RegionOptions {
+                prefault: false,
+                ..opts(&dir, Duration::from_secs(30))
+            };
+            let r = HostRegion::create_or_join_with(&name, n("ROWS"), n("SLOT"), n("WS"), 0, &o)
+                .unwrap();
+            std::fs::write(dir.join("sync").join("created"), b"").unwrap();
+            std::thread::sleep(Duration::from_secs(120));
+            drop(r);
+        }
         "hold_lock" => {
             // Play a creator that takes the creation lock and dies before publishing the region
             // (created as kvoff creates it: this user's, mode 0600).
@@ -398,6 +412,30 @@ fn leave_region_behind(dir: &Path, name: &str) {
     unsafe { (r.as_ptr() as *mut u8).write_bytes(0xAB, 4096) };
     drop(r);
     assert!(dir.join(name).exists());
+    // Stale only once no process holds it: a child another test is spawning right now holds
+    // copies of this process's descriptors until it execs (they are close-on-exec).
+    drop(lock_exclusively(&dir.join(name)));
+}
+
+/// Opens `path` and takes its exclusive flock, waiting (up to 10 s) while other processes hold it
+/// (see `leave_region_behind`).
+fn lock_exclusively(path: &Path) -> std::fs::File {
+    use std::os::fd::AsRawFd;
+    let end = Instant::now() + Duration::from_secs(10);
+    loop {
+        let f = std::fs::OpenOptions::new()
+            .read(true)
+            .write(true)
+            .open(path)
+            .unwrap();
+        // SAFETY: flock on a descriptor we own.
+        if unsafe { libc::flock(f.as_raw_fd(), libc::LOCK_EX | libc::LOCK_NB) } == 0 {
+            return f;
+        }
+        assert!(Instant::now() < end, "{} stays locked", path.display());
+        drop(f);
+        std::thread::sleep(Duration::from_millis(2));
+    }
 }
 
 #[test]
@@ -561,5 +599,400 @@ fn attach_refuses_what_is_not_a_complete_region() {
         "{e}"
     );
     drop(f);
+    std::fs::remove_dir_all(&dir).unwrap();
+}
+
+// --- creator crashes and stale regions (issue #11) -------------------------------------------
+
+/// A child process, SIGKILLed when dropped (a failing test leaves no process behind).
+struct Kid(Child);
+
+impl Drop for Kid {
+    fn drop(&mut self) {
+        let _ = self.0.kill();
+        let _ = self.0.wait();
+    }
+}
+
+fn signal(kid: &Kid, sig: libc::c_int) {
+    // SAFETY: kill has no memory preconditions; the pid is our own child's, not yet reaped.
+    assert_eq!(unsafe { libc::kill(kid.0.id() as libc::pid_t, sig) }, 0);
+}
+
+fn kill_and_reap(kid: &mut Kid) {
+    signal(kid, libc::SIGKILL);
+    let st = kid.0.wait().unwrap();
+    assert_eq!(
+        std::os::unix::process::ExitStatusExt::signal(&st),
+        Some(libc::SIGKILL)
+    );
+}
+
+fn free_bytes(dir: &Path) -> u64 {
+    let c = CString::new(dir.as_os_str().as_encoded_bytes()).unwrap();
+    // SAFETY: an all-zero `statvfs` is a valid value of this plain C struct.
+    let mut st: libc::statvfs = unsafe { std::mem::zeroed() };
+    // SAFETY: `c` is NUL-terminated and `st` writable.
+    assert_eq!(unsafe { libc::statvfs(c.as_ptr(), &raw mut st) }, 0);
+    st.f_bavail as u64 * st.f_frsize as u64
+}
+
+/// The region file a creator is building (unnamed: `O_TMPFILE` shows as `<dir>/#ino (deleted)`,
+/// or the fallback's temporary name), found among the process's descriptors.
+fn file_being_created(pid: u32, dir: &Path) -> Option<PathBuf> {
+    let prefix = format!("{}/", dir.display());
+    for e in std::fs::read_dir(format!("/proc/{pid}/fd")).ok()?.flatten() {
+        let Ok(target) = std::fs::read_link(e.path()) else {
+            continue;
+        };
+        let t = target.to_string_lossy();
+        if t.starts_with(&prefix) && (t.ends_with("(deleted)") || t.ends_with(".tmp")) {
+            return Some(e.path());
+        }
+    }
+    None
+}
+
+/// Whether some process holds a flock on the file at `path`.
+fn is_locked(path: &Path) -> bool {
+    use std::os::fd::AsRawFd;
+    let f = std::fs::File::open(path).unwrap();
+    // SAFETY: flock on a descriptor we own (closing it releases a lock we took).
+    unsafe { libc::flock(f.as_raw_fd(), libc::LOCK_EX | libc::LOCK_NB) != 0 }
+}
+
+/// Waits until a process is blocked waiting for a flock on the file `f` (`/proc/locks` lists
+/// waiters as `-> FLOCK ... <major>:<minor>:<inode> ...`, device numbers in hex).
+fn wait_for_blocked_flock(f: &std::fs::File, limit: Duration) {
+    use std::os::unix::fs::MetadataExt;
+    let m = f.metadata().unwrap();
+    let end = Instant::now() + limit;
+    let needle = format!(
+        " {:02x}:{:02x}:{} ",
+        libc::major(m.dev()),
+        libc::minor(m.dev()),
+        m.ino()
+    );
+    loop {
+        let locks = std::fs::read_to_string("/proc/locks").unwrap();
+        if locks
+            .lines()
+            .any(|l| l.contains("-> FLOCK") && l.contains(&needle))
+        {
+            return;
+        }
+        assert!(Instant::now() < end, "nobody waited for{needle}");
+        std::thread::sleep(Duration::from_millis(2));
+    }
+}
+
+fn first_byte(r: &HostRegion, rank: u64) -> u8 {
+    let mut b = [0u8; 1];
+    r.copy_from_slot(rank, 0, 0, &mut b).unwrap();
+    b[0]
+}
+
+/// Issue #11: the creator is SIGKILLed in the middle of creating a region (it holds the creation
+/// lock and is sizing its unnamed file with `posix_fallocate`; the test freezes it there, checks
+/// that state, then kills it). (b) A rank that was waiting for it fails at once with a clear
+/// error, never a region of the dead creator; (a) a restarted rank 0 creates the region cleanly
+/// (the stale lock is taken over and removed, nothing of the dead creator is left or reused) and
+/// the other rank joins that one.
+#[test]
+fn creator_killed_mid_creation_then_a_restart_creates_cleanly() {
+    let dir = test_dir("midcreate");
+    let name = "kv-mid";
+    let lock = dir.join(format!("{name}.lock"));
+    let (ws, slot) = (2u64, 4096u64);
+    // Sizing a tmpfs file takes ~0.3 s per GiB: a window the test catches reliably.
+    if free_bytes(&dir) < 6 << 30 {
+        eprintln!("skipped: less than 6 GiB free in {}", dir.display());
+        return;
+    }
+    let mut frozen = None;
+    for rows in [1u64 << 17, 1 << 18] {
+        // 1 GiB, then 2 GiB
+        let _ = std::fs::remove_file(dir.join("sync").join("created"));
+        let mut kid = Kid(spawn_child(
+            "create",
+            &[
+                ("DIR", dir.display().to_string()),
+                ("NAME", name.to_string()),
+                ("ROWS", rows.to_string()),
+                ("SLOT", slot.to_string()),
+                ("WS", ws.to_string()),
+            ],
+        ));
+        let end = Instant::now() + Duration::from_secs(30);
+        let file = loop {
+            if let Some(f) = file_being_created(kid.0.id(), &dir) {
+                signal(&kid, libc::SIGSTOP);
+                break Some(f);
+            }
+            if kid.0.try_wait().unwrap().is_some() || dir.join("sync/created").exists() {
+                break None;
+            }
+            assert!(Instant::now() < end, "the creator never started");
+            std::thread::sleep(Duration::from_micros(200));
+        };
+        // Frozen before publishing: the name does not exist and the creation lock is held.
+        if let Some(file) = file.filter(|_| !dir.join(name).exists()) {
+            assert!(
+                is_locked(&lock),
+                "the frozen creator should hold {}",
+                lock.display()
+            );
+            let allocated = std::fs::metadata(&file)
+                .map_or(0, |m| std::os::unix::fs::MetadataExt::blocks(&m) * 512);
+            eprintln!(
+                "creator frozen with {allocated} of {} bytes allocated",
+                rows * 8192
+            );
+            frozen = Some((kid, rows));
+            break;
+        }
+        // Too fast to catch: clean up and try a bigger region.
+        drop(kid);
+        let _ = std::fs::remove_file(dir.join(name));
+        let _ = std::fs::remove_file(&lock);
+    }
+    let (mut kid, rows) = frozen.expect("could not catch the creator in the middle of creating");
+    let o = RegionOptions {
+        prefault: false,
+        ..opts(&dir, Duration::from_secs(30))
+    };
+    // (b) rank 1 arrives while the creation is under way: it waits for the creator.
+    let o1 = o.clone();
+    let rank1 =
+        std::thread::spawn(move || HostRegion::create_or_join_with(name, rows, slot, ws, 1, &o1));
+    std::thread::sleep(Duration::from_millis(500));
+    let t0 = Instant::now();
+    kill_and_reap(&mut kid);
+    let first = rank1.join().unwrap();
+    // The dead creator left no region file (it was never named) and no temporary file; its stale
+    // lock file is left, unless rank 1 already took it over and removed it.
+    let left = leftovers(&dir);
+    assert!(
+        left.is_empty() || left == [format!("{name}.lock")] || first.is_ok(),
+        "{left:?}"
+    );
+    let mut r1 = match first {
+        // Expected: it saw the creator's lock, which died with it: a clear error, at once.
+        Err(KvoffError::Region { message: m, .. }) => {
+            assert!(m.contains("failed or died"), "{m}");
+            assert!(m.contains(&dir.join(name).display().to_string()), "{m}");
+            assert!(
+                t0.elapsed() < Duration::from_secs(10),
+                "rank 1 waited too long"
+            );
+            None
+        }
+        // Only if it had not reached the lock before the kill: it then took the stale lock and
+        // created a new region itself (never the dead creator's).
+        Ok(r) => {
+            eprintln!("rank 1 reached the lock only after the kill and created the region");
+            Some(r)
+        }
+        Err(e) => panic!("rank 1: unexpected {e}"),
+    };
+    // (a) The restarted rank 0 creates the region (or joins rank 1's new one).
+    let mut r0 = HostRegion::create_or_join_with(name, rows, slot, ws, 0, &o).unwrap();
+    assert_eq!(r0.len_bytes(), rows * 8192);
+    if r1.is_none() {
+        // Created anew: only its name exists (no lock, no temporary file), its bytes are fresh.
+        assert_eq!(leftovers(&dir), vec![name.to_string()]);
+        for row in [0, rows / 2, rows - 1] {
+            let mut b = [1u8; 16];
+            r0.copy_from_slot(0, row, 0, &mut b).unwrap();
+            assert_eq!(b, [0u8; 16]);
+        }
+        r1 = Some(HostRegion::create_or_join_with(name, rows, slot, ws, 1, &o).unwrap());
+    }
+    let r1 = r1.unwrap();
+    // Both ranks map one region; all joined, so the name is gone too.
+    r0.copy_to_slot(0, rows - 1, 7, b"restarted").unwrap();
+    let mut got = [0u8; 9];
+    r1.copy_from_slot(0, rows - 1, 7, &mut got).unwrap();
+    assert_eq!(&got, b"restarted");
+    assert!(leftovers(&dir).is_empty(), "{:?}", leftovers(&dir));
+    drop((r0, r1));
+    std::fs::remove_dir_all(&dir).unwrap();
+}
+
+/// Issue #11: a rank that joined keeps the region alive after its creator died. A restarted
+/// creator then gets a clear error (its rank already joined that region) instead of a second
+/// region beside the live one or a silent join; once the last member is gone, the region is
+/// stale and the next creator replaces it (fresh bytes).
+#[test]
+fn a_rank_that_joined_keeps_the_region_alive_after_its_creator_died() {
+    let dir = test_dir("joined");
+    let name = "kv-joined";
+    let (rows, slot, ws) = (4u64, 4096u64, 3u64);
+    let mut kid = Kid(spawn_child(
+        "create",
+        &[
+            ("DIR", dir.display().to_string()),
+            ("NAME", name.to_string()),
+            ("ROWS", rows.to_string()),
+            ("SLOT", slot.to_string()),
+            ("WS", ws.to_string()),
+        ],
+    ));
+    wait_for(&dir.join("sync").join("created"), Duration::from_secs(30));
+    let o = opts(&dir, Duration::from_secs(2));
+    let mut r1 = HostRegion::create_or_join_with(name, rows, slot, ws, 1, &o).unwrap();
+    r1.copy_to_slot(1, 0, 0, &[0x11]).unwrap();
+    kill_and_reap(&mut kid);
+    // The creator is dead but rank 1 holds the region: it is alive, so it is neither replaced nor
+    // joined again by a new rank 0.
+    match HostRegion::create_or_join_with(name, rows, slot, ws, 0, &o) {
+        Err(KvoffError::Region { message: m, .. }) => assert!(m.contains("already joined"), "{m}"),
+        other => panic!("expected a RegionError, got {other:?}"),
+    }
+    assert_eq!(leftovers(&dir), vec![name.to_string()]);
+    assert_eq!(first_byte(&r1, 1), 0x11);
+    // The last member leaves: the region is stale (once no spawning child still holds a copy of
+    // the descriptor, see `leave_region_behind`), and a new rank 0 creates a fresh one.
+    drop(r1);
+    drop(lock_exclusively(&dir.join(name)));
+    let r0 = HostRegion::create_or_join_with(name, rows, slot, ws, 0, &o).unwrap();
+    assert_eq!(first_byte(&r0, 1), 0, "the dead region's bytes were reused");
+    let r1 = HostRegion::create_or_join_with(name, rows, slot, ws, 1, &o).unwrap();
+    assert_eq!(first_byte(&r1, 1), 0);
+    drop((r0, r1));
+    std::fs::remove_dir_all(&dir).unwrap();
+}
+
+/// Opens the stale region `<dir>/<name>` and takes its exclusive lock, as a rank that found it
+/// stale does just before it unlinks it.
+fn hold_as_cleaner(dir: &Path, name: &str) -> std::fs::File {
+    lock_exclusively(&dir.join(name))
+}
+
+/// Regression (issue #11): a rank that opens a stale region while another rank holds it
+/// exclusively to remove it finds it "busy", so it waited for its shared lock and got it once the
+/// remover was done: on the removed file, whose bytes are the dead engine's. It now checks that
+/// the name still refers to the file it locked, and starts over (here: it creates the region,
+/// and rank 0 joins it).
+#[test]
+fn a_rank_blocked_behind_a_stale_region_s_removal_does_not_join_it() {
+    let dir = test_dir("cleaner");
+    let name = "kv-cleaner";
+    leave_region_behind(&dir, name); // rank 0's first slot holds 0xAB
+    let cleaner = hold_as_cleaner(&dir, name);
+    let o = opts(&dir, Duration::from_secs(10));
+    let o1 = o.clone();
+    let rank1 =
+        std::thread::spawn(move || HostRegion::create_or_join_with(name, 4, 4096, 2, 1, &o1));
+    wait_for_blocked_flock(&cleaner, Duration::from_secs(20));
+    // The remover unlinks the stale file, then releases it.
+    std::fs::remove_file(dir.join(name)).unwrap();
+    drop(cleaner);
+    let r1 = rank1.join().unwrap().unwrap();
+    assert_eq!(
+        first_byte(&r1, 0),
+        0,
+        "rank 1 joined the dead engine's region"
+    );
+    let mut r0 = HostRegion::create_or_join_with(name, 4, 4096, 2, 0, &o).unwrap();
+    r0.copy_to_slot(0, 0, 0, &[0x42]).unwrap();
+    assert_eq!(
+        first_byte(&r1, 0),
+        0x42,
+        "rank 0 and rank 1 map different regions"
+    );
+    drop((r0, r1));
+    std::fs::remove_dir_all(&dir).unwrap();
+}
+
+/// The same for an observer ([`HostRegion::attach`]): it attaches to the region the new ranks
+/// create, not to the stale one it was blocked on.
+#[test]
+fn an_observer_blocked_behind_a_stale_region_s_removal_does_not_attach_to_it() {
+    let dir = test_dir("cleaner-obs");
+    let name = "kv-cleaner-obs";
+    leave_region_behind(&dir, name);
+    let cleaner = hold_as_cleaner(&dir, name);
+    let o = RegionOptions {
+        unlink_when_all_joined: false,
+        ..opts(&dir, Duration::from_secs(10))
+    };
+    let o1 = o.clone();
+    let observer = std::thread::spawn(move || HostRegion::attach(name, &o1));
+    wait_for_blocked_flock(&cleaner, Duration::from_secs(20));
+    std::fs::remove_file(dir.join(name)).unwrap();
+    drop(cleaner);
+    let mut r0 = HostRegion::create_or_join_with(name, 4, 4096, 2, 0, &o).unwrap();
+    let r1 = HostRegion::create_or_join_with(name, 4, 4096, 2, 1, &o).unwrap();
+    r0.copy_to_slot(0, 0, 0, &[0x42]).unwrap();
+    let obs = observer.join().unwrap().unwrap();
+    assert_eq!(
+        first_byte(&obs, 0),
+        0x42,
+        "the observer attached to the dead region"
+    );
+    drop((r0, r1, obs));
+    std::fs::remove_dir_all(&dir).unwrap();
+}
+
+/// Issue #11: region and lock files owned by another user (uid 65534, mode 0600: only the owner
+/// check can refuse them) are refused with an error that names the file, its owner and what to
+/// do, for ranks and observers alike, and are left untouched. Needs root (to chown).
+#[test]
+fn region_and_lock_files_of_another_uid_are_refused_and_left_alone() {
+    use std::os::unix::fs::MetadataExt;
+    // SAFETY: geteuid has no preconditions.
+    if unsafe { libc::geteuid() } != 0 {
+        eprintln!("skipped: needs root to chown files to another user");
+        return;
+    }
+    let dir = test_dir("uid");
+    let chown = |p: &Path| {
+        let c = CString::new(p.as_os_str().as_encoded_bytes()).unwrap();
+        // SAFETY: `c` is a valid NUL-terminated path.
+        assert_eq!(unsafe { libc::chown(c.as_ptr(), 65534, 65534) }, 0);
+    };
+    let refused = |r: kvoff::Result<HostRegion>, path: &Path| match r {
+        Err(KvoffError::Region { message: m, .. }) => {
+            assert!(m.contains(&path.display().to_string()), "{m}");
+            assert!(m.contains("owned by uid 65534"), "{m}");
+            assert!(m.contains("remove it"), "{m}");
+        }
+        other => panic!(
+            "expected a RegionError for {}, got {other:?}",
+            path.display()
+        ),
+    };
+    // A complete region file of uid 65534.
+    let o = opts(&dir, Duration::from_secs(2));
+    leave_region_behind(&dir, "kv-nobody");
+    let path = dir.join("kv-nobody");
+    chown(&path);
+    let before = std::fs::metadata(&path).unwrap();
+    for rank in [0, 1] {
+        refused(
+            HostRegion::create_or_join_with("kv-nobody", 4, 4096, 2, rank, &o),
+            &path,
+        );
+    }
+    refused(HostRegion::attach("kv-nobody", &o), &path);
+    let after = std::fs::metadata(&path).unwrap();
+    assert_eq!(
+        (after.ino(), after.len(), after.uid(), after.mode()),
+        (before.ino(), before.len(), 65534, before.mode())
+    );
+    // A lock file of uid 65534 (no region yet): no rank creates the region under it.
+    let lock = dir.join("kv-nobody2.lock");
+    std::fs::write(&lock, b"").unwrap();
+    std::fs::set_permissions(&lock, std::os::unix::fs::PermissionsExt::from_mode(0o600)).unwrap();
+    chown(&lock);
+    for rank in [0, 1] {
+        refused(
+            HostRegion::create_or_join_with("kv-nobody2", 4, 4096, 2, rank, &o),
+            &lock,
+        );
+    }
+    assert!(!dir.join("kv-nobody2").exists());
+    assert_eq!(std::fs::metadata(&lock).unwrap().uid(), 65534);
     std::fs::remove_dir_all(&dir).unwrap();
 }
