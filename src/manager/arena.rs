@@ -28,6 +28,9 @@ pub const NIL: u32 = u32::MAX;
 /// Keys probed together by [`Arena::find_chunk`].
 pub const CHUNK: usize = 64;
 
+/// Nodes of the arena's first allocation (4 KiB of nodes for 48-byte keys).
+const MIN_NODES: usize = 64;
+
 /// Which list a node is on. LRU uses only `T1`; ARC uses all four.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 #[repr(u8)]
@@ -87,25 +90,47 @@ impl<K> Node<K> {
 }
 
 /// Nodes + hash index + the four lists.
+///
+/// Storage grows with use, not with the manager's capacity: an empty arena holds a few hundred
+/// bytes; the nodes (and the lists' per-node stamps) grow by doubling up to `max_nodes`, the most
+/// the policy can keep (past it, if ever, by doubling again), and the index doubles as entries
+/// come (see [`Index`]). Growth is amortised O(1) per inserted node.
 pub struct Arena<K> {
     nodes: Vec<Node<K>>,
     free: Vec<u32>,
     index: Index,
     pub lists: Lists,
     hasher: foldhash::fast::RandomState,
+    /// Growth of `nodes` stops here first (a hint, not a limit).
+    max_nodes: usize,
 }
 
 impl<K: Hash + Eq> Arena<K> {
-    pub fn with_capacity(n: usize) -> Self {
-        let mut lists = Lists::new();
-        lists.ensure_nodes(n);
+    /// An empty arena for at most about `max_nodes` nodes (allocates nothing for them yet).
+    pub fn new(max_nodes: usize) -> Self {
         Self {
-            nodes: Vec::with_capacity(n),
+            nodes: Vec::new(),
             free: Vec::new(),
-            index: Index::with_capacity(n),
-            lists,
+            index: Index::new(),
+            lists: Lists::new(),
             hasher: foldhash::fast::RandomState::default(),
+            max_nodes,
         }
+    }
+
+    /// Makes room for one more node: doubles the node storage, but not past `max_nodes` while
+    /// below it, and reserves the lists' stamps alongside.
+    #[cold]
+    fn grow_nodes(&mut self) {
+        let len = self.nodes.len();
+        let doubled = len.saturating_mul(2).max(MIN_NODES);
+        let want = if len < self.max_nodes {
+            doubled.min(self.max_nodes)
+        } else {
+            doubled
+        };
+        self.nodes.reserve_exact(want.max(len + 1) - len);
+        self.lists.reserve_nodes(self.nodes.capacity());
     }
 
     #[inline]
@@ -228,6 +253,9 @@ impl<K: Hash + Eq> Arena<K> {
             // More than 2^32 − 1 nodes (> 256 GiB of them) is out of reach in practice; NIL would
             // fail loudly at its first use.
             let i = u32::try_from(self.nodes.len()).unwrap_or(NIL);
+            if self.nodes.len() == self.nodes.capacity() {
+                self.grow_nodes();
+            }
             self.nodes.push(node);
             i
         };
@@ -350,9 +378,27 @@ mod tests {
         assert_eq!(std::mem::size_of::<Node<[u8; 36]>>(), 64);
     }
 
+    /// Node storage doubles, but stops at the policy's bound first (no slack for nodes the
+    /// manager can never hold), and the lists' stamps follow it.
+    #[test]
+    fn node_storage_stops_at_the_bound() {
+        let mut a: Arena<u64> = Arena::new(5000);
+        assert_eq!(a.nodes.capacity(), 0);
+        for k in 0..5000u64 {
+            let tag = tag_of(a.hash_of(&k));
+            let i = a.insert(k, tag, 0);
+            a.push_mru(i, ListTag::T1);
+        }
+        assert_eq!(a.nodes.capacity(), 5000);
+        assert!(a.lists.stamps_capacity() <= 5000);
+        // Past the bound (never in a manager), it doubles again.
+        a.insert(5000, 0, 0);
+        assert_eq!(a.nodes.capacity(), 10_000);
+    }
+
     #[test]
     fn find_chunk_matches_find() {
-        let mut a: Arena<u64> = Arena::with_capacity(0);
+        let mut a: Arena<u64> = Arena::new(0);
         for k in 0..1000u64 {
             let tag = tag_of(a.hash_of(&k));
             let i = a.insert(k, tag, 0);
@@ -387,7 +433,7 @@ mod tests {
 
     #[test]
     fn find_chunk_with_tag_collisions() {
-        let mut a: Arena<Colliding> = Arena::with_capacity(4);
+        let mut a: Arena<Colliding> = Arena::new(4);
         for k in 0..40 {
             let key = Colliding(k);
             let tag = tag_of(a.hash_of(&key));

@@ -70,6 +70,20 @@ impl Lists {
         }
     }
 
+    /// Reserves stamps for node indices below `n` without filling them (exactly: the arena
+    /// decides how its node storage grows).
+    pub fn reserve_nodes(&mut self, n: usize) {
+        if self.stamps.capacity() < n {
+            self.stamps.reserve_exact(n - self.stamps.len());
+        }
+    }
+
+    /// Capacity of the stamps (tests).
+    #[cfg(test)]
+    pub fn stamps_capacity(&self) -> usize {
+        self.stamps.capacity()
+    }
+
     /// Live length of `list`.
     #[inline]
     pub fn len(&self, list: usize) -> usize {

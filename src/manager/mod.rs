@@ -19,6 +19,11 @@
 //! that eviction walks past pinned (pending/loading) or protected entries, whose number is bounded
 //! by the work in flight.
 //!
+//! Memory follows use, not capacity: a new manager allocates a few hundred bytes whatever its
+//! `num_blocks` (2^24 blocks included, `tests/manager_alloc.rs`); nodes, index and lists grow by
+//! amortised doubling as keys come, the nodes up to the most the policy can hold (`num_blocks`,
+//! ARC: 3 × `num_blocks` with its ghosts) without slack.
+//!
 //! Speed: every call gets a batch of keys and probes them in chunks of 64 in stages (hash all, load
 //! every index slot, load every candidate node, then compare and apply in the original order), so
 //! that the cache misses of different keys overlap; the stages only read, so the effect of a call
@@ -51,9 +56,6 @@ use crate::error::{KvoffError, Result};
 
 /// A CPU block id.
 pub type BlockId = u32;
-
-/// Nodes a new manager has room for before its storage first grows.
-const INITIAL_NODES: usize = 4096;
 
 /// What `lookup` says about a key.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -324,12 +326,12 @@ impl<K: Hash + Eq + Clone, P: Policy> Manager<K, P> {
     /// See [`ManagerConfig::validate`].
     pub fn try_new(cfg: ManagerConfig) -> Result<Self> {
         cfg.validate()?;
-        let cap = cfg.num_blocks;
+        // Storage grows with use (amortised doubling), not with the capacity: a 2^24-block
+        // manager starts with a few hundred bytes. LRU keeps at most `num_blocks` nodes; ARC
+        // also keeps up to `num_blocks` ghosts in each of B1 and B2.
+        let max_nodes = cfg.num_blocks.saturating_mul(if P::GHOSTS { 3 } else { 1 });
         Ok(Self {
-            // Memory grows with the blocks in use (amortised doubling of the node arena, the
-            // index and the lists), not with the capacity: a manager of 2^24 blocks costs a few
-            // hundred KiB until it holds keys.
-            arena: Arena::with_capacity(cap.min(INITIAL_NODES)),
+            arena: Arena::new(max_nodes),
             policy: P::default(),
             next_fresh: 0,
             freed: Vec::new(),
