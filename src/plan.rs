@@ -43,6 +43,11 @@ use crate::error::{KvoffError, Result};
 /// has 2^17. More is an error, not an attempt to reserve 24 bytes per copy.
 pub const MAX_BLOCK_COPIES: u64 = 1 << 28;
 
+/// Most tensors per side a planner takes (far above any engine's KV caches: a layer's K and V,
+/// split into at most 64 parts each, for hundreds of layers). The overlap checks compare every
+/// pair of tensors, so the cap also bounds construction time (well under a second).
+pub const MAX_TENSORS: usize = 1 << 15;
+
 /// Largest duplicate-destination bitmap, in 64-bit words (32 MiB: 2^28 destination blocks); a
 /// component of larger tensors is checked by sorting the job's destinations instead.
 const MAX_BITMAP_WORDS: u64 = 1 << 22;
@@ -393,6 +398,12 @@ impl CopyPlanner {
     ) -> Result<Self> {
         if block_size_factor == 0 {
             return Err(KvoffError::arg("block_size_factor must be >= 1, got 0"));
+        }
+        if gpu_tensors.len().max(cpu_tensors.len()) > MAX_TENSORS {
+            return Err(KvoffError::arg(format!(
+                "{} tensors: at most {MAX_TENSORS} per side",
+                gpu_tensors.len().max(cpu_tensors.len())
+            )));
         }
         if gpu_tensors.len() != cpu_tensors.len() {
             return Err(KvoffError::arg(format!(

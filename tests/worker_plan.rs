@@ -523,3 +523,16 @@ fn big_job_round_trip_uses_threads() {
     assert!(engine.poll()[0].success);
     assert!(cpu.bufs == expected);
 }
+
+#[test]
+fn too_many_tensors_is_a_clean_error_not_a_hang() {
+    // The overlap checks are pairwise: a hostile tensor count is refused before them.
+    let n = kvoff::plan::MAX_TENSORS + 1;
+    let desc = |i: usize, base: u64| TensorDesc::new(base + i as u64 * 4096, 1, 4096, 4096);
+    let gpu: Vec<TensorDesc> = (0..n).map(|i| desc(i, 1 << 40)).collect();
+    let cpu: Vec<TensorDesc> = (0..n).map(|i| desc(i, 1 << 44)).collect();
+    let t0 = std::time::Instant::now();
+    let e = CopyPlanner::new(gpu, cpu, vec![], 1).unwrap_err();
+    assert!(e.to_string().contains("at most 32768"), "{e}");
+    assert!(t0.elapsed() < std::time::Duration::from_secs(1));
+}

@@ -177,6 +177,14 @@ fn array_info(a: &Bound<'_, PyUntypedArray>, side: &str, i: usize) -> PyResult<T
 /// Checks that no two tensors of one side share a byte. Exact for tensors with equal row strides
 /// (interleaved column ranges, like the block-major host layout), conservative otherwise.
 fn check_disjoint(descs: &[TensorDesc], side: &str) -> Result<(), KvoffError> {
+    // Pairwise: bounded by the planner's cap, checked first so that a hostile count fails fast.
+    if descs.len() > crate::plan::MAX_TENSORS {
+        return Err(KvoffError::arg(format!(
+            "{} {side} tensors: at most {}",
+            descs.len(),
+            crate::plan::MAX_TENSORS
+        )));
+    }
     let range = |d: &TensorDesc| {
         let e = d.extent_bytes().unwrap_or(u64::MAX);
         (d.base_ptr, d.base_ptr.saturating_add(e))
