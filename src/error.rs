@@ -99,6 +99,25 @@ impl fmt::Display for CudaStatus {
 
 impl std::error::Error for CudaStatus {}
 
+/// The entry of `all` whose `name` is exactly `s`, else [`KvoffError::InvalidArgument`]
+/// "unknown {what} {s:?}; valid choices: {list of the names}" (the list as `choices` writes it):
+/// the parser of every closed set of names (`EngineKind`, `PolicyKind`).
+pub(crate) fn parse_name<T: Copy>(
+    s: &str,
+    all: &[T],
+    name: fn(T) -> &'static str,
+    what: &str,
+    choices: fn(&[&'static str]) -> String,
+) -> Result<T> {
+    all.iter().copied().find(|&k| name(k) == s).ok_or_else(|| {
+        let names: Vec<&'static str> = all.iter().map(|&k| name(k)).collect();
+        KvoffError::arg(format!(
+            "unknown {what} {s:?}; valid choices: {}",
+            choices(&names)
+        ))
+    })
+}
+
 /// Result alias used throughout the crate.
 pub type Result<T, E = KvoffError> = std::result::Result<T, E>;
 

@@ -55,19 +55,10 @@ impl EngineKind {
     /// # Errors
     /// [`KvoffError::InvalidArgument`] naming the valid choices.
     pub fn parse(s: &str) -> Result<Self> {
-        Self::ALL
-            .into_iter()
-            .find(|k| k.name() == s)
-            .ok_or_else(|| {
-                let names: Vec<String> = Self::ALL
-                    .iter()
-                    .map(|k| format!("{:?}", k.name()))
-                    .collect();
-                KvoffError::arg(format!(
-                    "unknown engine {s:?}; valid choices: {}",
-                    names.join(", ")
-                ))
-            })
+        crate::error::parse_name(s, &Self::ALL, Self::name, "engine", |names| {
+            let quoted: Vec<String> = names.iter().map(|n| format!("{n:?}")).collect();
+            quoted.join(", ")
+        })
     }
 
     /// Whether the choice always needs CUDA (every one but `Auto` and `Host`).

@@ -12,7 +12,7 @@ use super::{
     ArcManager, BlockId, LruManager, ManagerConfig, ManagerStats, OffloadingEvent,
     OffloadingManager, PrepareStoreIndexed, PrepareStoreOutput, Presence,
 };
-use crate::error::{KvoffError, Result};
+use crate::error::Result;
 
 /// An eviction policy, by name.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
@@ -39,21 +39,12 @@ impl PolicyKind {
     /// Parses a name of [`ALL`](Self::ALL), exactly (`"LRU"` is not a policy name).
     ///
     /// # Errors
-    /// [`KvoffError::InvalidArgument`] naming the valid choices.
+    /// [`KvoffError::InvalidArgument`](crate::KvoffError::InvalidArgument) naming the valid choices.
     pub fn parse(s: &str) -> Result<Self> {
-        Self::ALL
-            .into_iter()
-            .find(|k| k.name() == s)
-            .ok_or_else(|| {
-                let names: Vec<String> = Self::ALL
-                    .iter()
-                    .map(|k| format!("'{}'", k.name()))
-                    .collect();
-                KvoffError::arg(format!(
-                    "unknown eviction policy {s:?}; valid choices: [{}]",
-                    names.join(", ")
-                ))
-            })
+        crate::error::parse_name(s, &Self::ALL, Self::name, "eviction policy", |names| {
+            let quoted: Vec<String> = names.iter().map(|n| format!("'{n}'")).collect();
+            format!("[{}]", quoted.join(", "))
+        })
     }
 }
 
