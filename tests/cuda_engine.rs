@@ -151,6 +151,22 @@ fn round_trip_every_method_byte_exact() {
             );
             assert!(r.success, "{method:?} page {page}: {:?}", r.error);
             assert_eq!(r.bytes, n as u64 * (page - offset));
+            // What the submit did: a copy method, driver calls, SMs only for the kernel methods.
+            let st = store.last_submit_stats();
+            let ran = st.method.expect("a method after a submit");
+            assert!(st.driver_calls >= 3, "{method:?}: {st:?}"); // start, copies, end
+            assert!(st.longest_call_ns > 0 && st.longest_call_ns <= st.submit_ns, "{st:?}");
+            match ran {
+                "dma" | "loop" => assert_eq!(st.sms, 0, "{st:?}"),
+                "kernel" | "staged" => assert!(
+                    st.sms >= 1 && st.sms <= store.config().max_ctas,
+                    "{st:?}"
+                ),
+                other => panic!("unexpected method {other}"),
+            }
+            if method != CopyMethod::Auto {
+                assert_eq!(ran, method.name(), "{st:?}");
+            }
             let mut expect = host_init.clone();
             for (&g, &c) in gids.iter().zip(&cids) {
                 let (gs, cs) = ((g * row + offset) as usize, (c * row + offset) as usize);

@@ -346,6 +346,12 @@ class TransferHandler:
     def engine(self) -> str:
         """The engine in use: `"host"` or `"cuda:<method>"`."""
     @property
+    def last_submit_stats(self) -> dict[str, Any]:
+        """What the most recent `submit` did: `method` (the copy method, or None before the first),
+        `sms` (SMs its copy kernels can occupy at once; 0 = copy engines only), `submit_ns` (CPU
+        time of the submit), `longest_call_ns` (its longest single driver call), `driver_calls`.
+        """
+    @property
     def num_tensors(self) -> int:
         """Number of tensors kept alive by the handler (GPU side + CPU side)."""
 

@@ -202,6 +202,13 @@ class SingleDirectionOffloadingHandler:
         """``"host"`` or ``"cuda:<method>"``."""
         return str(self._native.engine)
 
+    @property
+    def last_submit_stats(self) -> dict[str, Any]:
+        """What the most recent submit did: ``method``, ``sms`` (SMs its copy kernels can occupy at
+        once; 0 = copy engines only), ``submit_ns``, ``longest_call_ns`` (its longest single CUDA
+        driver call), ``driver_calls``."""
+        return dict(self._native.last_submit_stats)
+
     def transfer_async(self, job_id: int, spec: tuple[Any, Any]) -> bool:
         """Validates and enqueues one transfer ``(src_spec, dst_spec)``; returns ``True`` at once.
 

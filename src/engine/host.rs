@@ -18,7 +18,7 @@ use std::sync::{Arc, Condvar, Mutex, MutexGuard, PoisonError};
 use std::thread::JoinHandle;
 use std::time::Instant;
 
-use super::{Job, JobResult, TransferEngine};
+use super::{Job, JobResult, SubmitStats, TransferEngine};
 use crate::error::{KvoffError, Result};
 use crate::plan::CopyOp;
 
@@ -83,6 +83,7 @@ pub struct HostEngine {
     shared: Arc<Shared>,
     dispatcher: Option<JoinHandle<()>>,
     threads: usize,
+    last_stats: SubmitStats,
 }
 
 impl std::fmt::Debug for HostEngine {
@@ -131,6 +132,7 @@ impl HostEngine {
             shared,
             dispatcher: Some(dispatcher),
             threads,
+            last_stats: SubmitStats::default(),
         })
     }
 
@@ -149,6 +151,7 @@ impl HostEngine {
 
 impl TransferEngine for HostEngine {
     unsafe fn submit(&mut self, job: Job) -> Result<()> {
+        let t = Instant::now();
         let mut st = self.shared.lock();
         if st.closing || self.dispatcher.is_none() {
             return Err(KvoffError::state("the host engine is shut down"));
@@ -167,6 +170,11 @@ impl TransferEngine for HostEngine {
         st.queue.push_back(job);
         drop(st);
         self.shared.work.notify_one();
+        self.last_stats = SubmitStats {
+            method: Some("host"),
+            submit_ns: u64::try_from(t.elapsed().as_nanos()).unwrap_or(u64::MAX),
+            ..SubmitStats::default()
+        };
         Ok(())
     }
 
@@ -189,6 +197,10 @@ impl TransferEngine for HostEngine {
                 .unwrap_or_else(PoisonError::into_inner);
         }
         Ok(())
+    }
+
+    fn last_submit_stats(&self) -> SubmitStats {
+        self.last_stats
     }
 
     fn shutdown(&mut self) {

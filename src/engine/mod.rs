@@ -82,6 +82,25 @@ pub struct JobResult {
     pub error: Option<String>,
 }
 
+/// What an engine's most recent [`TransferEngine::submit`] did: for benchmarks and metrics (how
+/// much of the GPU and of the driver a job took, beside the model).
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct SubmitStats {
+    /// The copy method the job ran with (`"dma"`, `"kernel"`, `"staged"`, `"loop"`, `"host"`);
+    /// `None` before the first submit.
+    pub method: Option<&'static str>,
+    /// SMs the job's copy kernels can occupy at once: CTAs launched concurrently (one CTA of up to
+    /// 1024 threads per SM as the scheduler spreads them); 0 when only the copy engines (DMA) or
+    /// the CPU move the bytes.
+    pub sms: u32,
+    /// CPU time of the whole `submit` call, ns.
+    pub submit_ns: u64,
+    /// CPU time of the longest single driver call made by it, ns (0 for the host engine).
+    pub longest_call_ns: u64,
+    /// Driver calls made by it.
+    pub driver_calls: u32,
+}
+
 /// An asynchronous byte mover. See the module docs for the ordering and error contract.
 pub trait TransferEngine: Send {
     /// Enqueues `job` and returns at once.
@@ -115,4 +134,9 @@ pub trait TransferEngine: Send {
 
     /// Drains in-flight work and stops the engine. Idempotent.
     fn shutdown(&mut self);
+
+    /// What the most recent successful `submit` did (all zero / `None` before the first).
+    fn last_submit_stats(&self) -> SubmitStats {
+        SubmitStats::default()
+    }
 }

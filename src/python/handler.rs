@@ -30,7 +30,7 @@ use std::sync::{Mutex, PoisonError};
 use numpy::{PyArrayDescrMethods, PyUntypedArray, PyUntypedArrayMethods};
 use pyo3::exceptions::{PyTypeError, PyValueError};
 use pyo3::prelude::*;
-use pyo3::types::{PyInt, PyList, PyTuple};
+use pyo3::types::{PyDict, PyInt, PyList, PyTuple};
 
 use super::args::{ids_arg, int_arg, list_arg, u64_arg, usize_arg, Ids};
 use super::enter::{blocking, locked, quick, try_locked, Hold};
@@ -623,6 +623,22 @@ impl PyTransferHandler {
     #[getter]
     fn engine(&self) -> String {
         self.engine_name.clone()
+    }
+
+    /// What the most recent `submit` did, as a dict: `method` (the copy method, or None before the
+    /// first), `sms` (SMs its copy kernels can occupy at once; 0 = copy engines only),
+    /// `submit_ns` (CPU time of the submit), `longest_call_ns` (its longest single driver call),
+    /// `driver_calls`.
+    #[getter]
+    fn last_submit_stats<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyDict>> {
+        let s = self.with_engine(py, |st| Ok(st.engine.last_submit_stats()))?;
+        let d = PyDict::new(py);
+        d.set_item("method", s.method)?;
+        d.set_item("sms", s.sms)?;
+        d.set_item("submit_ns", s.submit_ns)?;
+        d.set_item("longest_call_ns", s.longest_call_ns)?;
+        d.set_item("driver_calls", s.driver_calls)?;
+        Ok(d)
     }
 
     /// Number of tensors kept alive by the handler (GPU side + CPU side).

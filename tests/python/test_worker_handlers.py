@@ -229,6 +229,25 @@ def small():
     h.shutdown()
 
 
+def test_last_submit_stats_describe_the_submit(small):
+    """The handlers say what the last submit did: nothing before the first; the host engine moves
+    bytes with the CPU (no SMs, no driver calls) and times the submit."""
+    st = small.gpu_to_cpu_handler
+    assert st.last_submit_stats == {
+        "method": None,
+        "sms": 0,
+        "submit_ns": 0,
+        "longest_call_ns": 0,
+        "driver_calls": 0,
+    }
+    assert st.transfer_async(1, (G([0, 1, 2, 3]), C([2])))
+    st.wait(1)
+    assert [r.success for r in st.get_finished()] == [True]
+    s = st.last_submit_stats
+    assert s["method"] == "host" and s["sms"] == 0 and s["driver_calls"] == 0
+    assert s["submit_ns"] > 0 and s["longest_call_ns"] == 0
+
+
 def _submit_and_check_nothing_written(h, direction, job_id, spec, exc, match=None):
     handler = h.gpu_to_cpu_handler if direction == "store" else h.cpu_to_gpu_handler
     before = snapshot(h.gpu_tensors), snapshot(h.cpu_tensors)

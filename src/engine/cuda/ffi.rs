@@ -7,14 +7,39 @@
 //! (`cuMemcpyBatchAsync_v2`) are looked up through the loader and reported as `None`.
 #![allow(unsafe_code)]
 
+use std::cell::Cell;
 use std::ffi::{c_void, CStr};
 use std::ptr;
+use std::time::Instant;
 
 use cudarc::driver::sys;
 
 use crate::error::{KvoffError, Result};
 
 pub(crate) use sys::{CUcontext, CUdevice, CUevent, CUfunction, CUmodule, CUstream};
+
+thread_local! {
+    /// Enqueue calls made on this thread since the last [`take_call_record`], and the longest one
+    /// (CPU ns): what a `submit` holds the driver for (docs/performance.md: no call over 200 µs).
+    static CALLS: Cell<(u32, u64)> = const { Cell::new((0, 0)) };
+}
+
+/// Runs one enqueue call, adding it to this thread's call record.
+fn timed<T>(f: impl FnOnce() -> T) -> T {
+    let t = Instant::now();
+    let r = f();
+    let ns = u64::try_from(t.elapsed().as_nanos()).unwrap_or(u64::MAX);
+    CALLS.with(|c| {
+        let (n, longest) = c.get();
+        c.set((n.saturating_add(1), longest.max(ns)));
+    });
+    r
+}
+
+/// This thread's `(calls, longest call ns)` of enqueue calls since the last take; resets it.
+pub(crate) fn take_call_record() -> (u32, u64) {
+    CALLS.with(|c| c.replace((0, 0)))
+}
 
 /// Turns a driver status into a typed error naming the call.
 pub(crate) fn check(r: sys::CUresult, what: &str) -> Result<()> {
@@ -202,7 +227,10 @@ pub(crate) unsafe fn event_destroy(e: CUevent) -> Result<()> {
 ///    torch's current stream, or null for the legacy default stream).
 pub(crate) unsafe fn event_record(e: CUevent, s: CUstream) -> Result<()> {
     // SAFETY: the caller upholds this function's `# Safety` obligations.
-    check(unsafe { sys::cuEventRecord(e, s) }, "cuEventRecord")
+    check(
+        timed(|| unsafe { sys::cuEventRecord(e, s) }),
+        "cuEventRecord",
+    )
 }
 
 /// `Ok(true)` when the work before the event finished, `Ok(false)` while pending.
@@ -246,7 +274,7 @@ pub(crate) unsafe fn event_elapsed_ms(start: CUevent, end: CUevent) -> Result<f3
 pub(crate) unsafe fn stream_wait(s: CUstream, e: CUevent) -> Result<()> {
     check(
         // SAFETY: the caller upholds this function's `# Safety` obligations.
-        unsafe { sys::cuStreamWaitEvent(s, e, 0) },
+        timed(|| unsafe { sys::cuStreamWaitEvent(s, e, 0) }),
         "cuStreamWaitEvent",
     )
 }
@@ -271,7 +299,7 @@ pub(crate) unsafe fn memcpy_async(dst: u64, src: u64, bytes: u64, s: CUstream) -
     let n = usize::try_from(bytes).map_err(|_| KvoffError::arg("copy size exceeds usize"))?;
     check(
         // SAFETY: the caller upholds this function's `# Safety` obligations.
-        unsafe { sys::cuMemcpyAsync(dst, src, n, s) },
+        timed(|| unsafe { sys::cuMemcpyAsync(dst, src, n, s) }),
         "cuMemcpyAsync",
     )
 }
@@ -447,7 +475,7 @@ pub(crate) unsafe fn launch_copy(
     let mut params: [*mut c_void; 2] = [(&raw mut a0).cast(), (&raw mut a1).cast()];
     check(
         // SAFETY: the caller upholds this function's `# Safety` obligations.
-        unsafe {
+        timed(|| unsafe {
             sys::cuLaunchKernel(
                 f,
                 grid,
@@ -461,7 +489,7 @@ pub(crate) unsafe fn launch_copy(
                 params.as_mut_ptr(),
                 ptr::null_mut(),
             )
-        },
+        }),
         "cuLaunchKernel(kvoff_copy)",
     )
 }
@@ -480,7 +508,7 @@ pub(crate) unsafe fn memcpy_htod_async(
 ) -> Result<()> {
     check(
         // SAFETY: the caller upholds this function's `# Safety` obligations.
-        unsafe { sys::cuMemcpyHtoDAsync_v2(dst, src, bytes, s) },
+        timed(|| unsafe { sys::cuMemcpyHtoDAsync_v2(dst, src, bytes, s) }),
         "cuMemcpyHtoDAsync",
     )
 }
@@ -542,7 +570,7 @@ pub(crate) unsafe fn memcpy_batch(
     let mut idx0: usize = 0;
     check(
         // SAFETY: the caller upholds this function's `# Safety` obligations.
-        unsafe {
+        timed(|| unsafe {
             f(
                 dsts.as_mut_ptr(),
                 srcs.as_mut_ptr(),
@@ -553,7 +581,7 @@ pub(crate) unsafe fn memcpy_batch(
                 1,
                 s,
             )
-        },
+        }),
         "cuMemcpyBatchAsync",
     )
 }

@@ -32,7 +32,7 @@ pub(crate) use staged::{
 use std::collections::VecDeque;
 use std::sync::{Arc, Mutex, OnceLock};
 
-use super::{Job, JobResult, TransferEngine};
+use super::{Job, JobResult, SubmitStats, TransferEngine};
 use crate::error::{KvoffError, Result};
 use crate::plan::{CopyOp, Direction};
 use crate::region::HostRegistrar;
@@ -680,6 +680,9 @@ pub struct CudaEngine {
     /// Jobs per method since creation: `[dma, kernel, loop, staged]` (see `method_counts()`).
     method_counts: [u64; 4],
     last_ctas: u32,
+    /// Largest grid launched by the current `submit` (for [`SubmitStats::sms`]).
+    submit_grid: u32,
+    last_stats: SubmitStats,
     staging: Option<Staging>,
     /// Reused argument arrays of the batch call: sources, destinations, sizes.
     scratch_dma: (Vec<u64>, Vec<u64>, Vec<usize>),
@@ -760,6 +763,8 @@ impl CudaEngine {
             close_errors: Vec::new(),
             method_counts: [0; 4],
             last_ctas: 0,
+            submit_grid: 0,
+            last_stats: SubmitStats::default(),
             staging: None,
             scratch_dma: (Vec::new(), Vec::new(), Vec::new()),
             scratch_runs: Vec::new(),
@@ -975,6 +980,7 @@ impl CudaEngine {
             .unwrap_or(1)
             .max(1);
         self.last_ctas = grid;
+        self.submit_grid = self.submit_grid.max(grid);
         // SAFETY: descriptors live in a device buffer held by the job; they name memory the plan
         // validated and the caller keeps alive (TransferEngine::submit contract), or staging slots
         // owned by this engine.
@@ -1364,6 +1370,8 @@ impl TransferEngine for CudaEngine {
         }
         let t_submit = std::time::Instant::now();
         self.last_pack_ns = 0;
+        self.submit_grid = 0;
+        let _ = ffi::take_call_record();
         self.device.bind()?;
         let start = self.take_event()?;
         let end = match self.take_event() {
@@ -1427,6 +1435,26 @@ impl TransferEngine for CudaEngine {
         });
         self.device.note_submit(self.direction);
         self.last_submit_ns = u64::try_from(t_submit.elapsed().as_nanos()).unwrap_or(u64::MAX);
+        let (driver_calls, longest_call_ns) = ffi::take_call_record();
+        // A staged job's chunks alternate between two streams, so two of its kernels may run at once.
+        let concurrent = if method == CopyMethod::Staged
+            && staged_chunk_count(bytes, self.cfg.staging_slot_bytes) > 1
+        {
+            2
+        } else {
+            1
+        };
+        let sms = u32::try_from(self.device.sm_count()).unwrap_or(u32::MAX);
+        self.last_stats = SubmitStats {
+            method: Some(match method {
+                CopyMethod::Dma | CopyMethod::Auto if self.device.batch.is_none() => "loop",
+                m => m.name(),
+            }),
+            sms: (self.submit_grid * concurrent).min(sms),
+            submit_ns: self.last_submit_ns,
+            longest_call_ns,
+            driver_calls,
+        };
         Ok(())
     }
 
@@ -1471,6 +1499,10 @@ impl TransferEngine for CudaEngine {
             }
         }
         Ok(())
+    }
+
+    fn last_submit_stats(&self) -> SubmitStats {
+        self.last_stats
     }
 
     fn shutdown(&mut self) {
