@@ -155,13 +155,15 @@ fn round_trip_every_method_byte_exact() {
             let st = store.last_submit_stats();
             let ran = st.method.expect("a method after a submit");
             assert!(st.driver_calls >= 3, "{method:?}: {st:?}"); // start, copies, end
-            assert!(st.longest_call_ns > 0 && st.longest_call_ns <= st.submit_ns, "{st:?}");
+            assert!(
+                st.longest_call_ns > 0 && st.longest_call_ns <= st.submit_ns,
+                "{st:?}"
+            );
             match ran {
                 "dma" | "loop" => assert_eq!(st.sms, 0, "{st:?}"),
-                "kernel" | "staged" => assert!(
-                    st.sms >= 1 && st.sms <= store.config().max_ctas,
-                    "{st:?}"
-                ),
+                "kernel" | "staged" => {
+                    assert!(st.sms >= 1 && st.sms <= store.config().max_ctas, "{st:?}")
+                }
                 other => panic!("unexpected method {other}"),
             }
             if method != CopyMethod::Auto {

@@ -315,7 +315,7 @@ pub(super) fn measure(dev: &Arc<CudaDevice>) -> Result<Calibration> {
                     // part of what a waiting request pays.
                     let t0 = std::time::Instant::now();
                     // SAFETY: the buffers outlive the engine's jobs (waited for below).
-                    unsafe { eng.submit(super::Job::new(rep, plan)) }?;
+                    unsafe { eng.submit(crate::engine::Job::new(rep, plan)) }?;
                     eng.wait(&[rep])?;
                     let wall = t0.elapsed().as_secs_f64();
                     for r in eng.poll() {

@@ -7,7 +7,8 @@
 
 use std::ffi::c_void;
 
-use super::{ffi, SendPtr};
+use super::device::SendPtr;
+use super::ffi;
 use crate::error::Result;
 
 /// A stream.

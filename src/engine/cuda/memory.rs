@@ -5,7 +5,8 @@
 use std::ffi::c_void;
 use std::sync::Arc;
 
-use super::{ffi, CudaDevice, SendPtr};
+use super::device::SendPtr;
+use super::{ffi, CudaDevice};
 use crate::error::{KvoffError, Result};
 
 /// Device memory owned by Rust (tests, benchmarks and Rust servers without another allocator).

@@ -3,7 +3,8 @@
 //! (gather/scatter between the caller's memory and a device staging slot) and host-contiguous DMA
 //! runs (between the slot and pinned host memory).
 
-use super::{CopyOp, KERNEL_CHUNK_BYTES};
+use super::kernel::KERNEL_CHUNK_BYTES;
+use crate::plan::CopyOp;
 
 /// First chunk of a staged job. Chunks double from here up to the slot size (2, 4, 8, 16, 32 MiB,
 /// then slot-sized), so that the device starts after little CPU work and the two-stage pipeline

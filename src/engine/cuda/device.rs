@@ -1,0 +1,335 @@
+//! One CUDA device: its primary context, the loaded kernels, the batched-copy entry point, the
+//! per-direction activity that `Auto` reads, and host-memory registration ([`HostRegistrar`]).
+// Unsafe: driver calls through `ffi` on handles this engine owns (each block says why it is sound).
+#![allow(unsafe_code)]
+
+use std::sync::{Arc, Mutex, OnceLock};
+
+use super::calibrate::{self, Calibration};
+use super::engine::dir_index;
+use super::kernel::COPY_PTX;
+use super::{ffi, CudaStream};
+use crate::error::{KvoffError, Result};
+use crate::plan::Direction;
+use crate::region::HostRegistrar;
+
+/// Raw driver handles are plain pointers; the driver API is thread-safe for the calls made here
+/// (each engine's handles are used under `&mut self` or the device's lock).
+pub(super) struct SendPtr<T>(pub(super) T);
+// SAFETY: driver handles may be used from any thread once the context is current there, which
+// every entry point ensures with `bind()`.
+unsafe impl<T> Send for SendPtr<T> {}
+// SAFETY: as above; shared use goes through `&self` methods that only read the handle values.
+unsafe impl<T> Sync for SendPtr<T> {}
+
+/// One CUDA device's primary context (the one torch uses), the loaded copy kernel and the optional
+/// batched-copy entry point. Shared by the engines of one device.
+pub struct CudaDevice {
+    pub(super) ordinal: i32,
+    pub(super) dev: ffi::CUdevice,
+    pub(super) ctx: SendPtr<ffi::CUcontext>,
+    pub(super) module: SendPtr<ffi::CUmodule>,
+    pub(super) kernel: SendPtr<ffi::CUfunction>,
+    pub(super) kernel_nc: SendPtr<ffi::CUfunction>,
+    pub(super) sleep_kernel: SendPtr<ffi::CUfunction>,
+    pub(super) batch: Option<ffi::MemcpyBatchFn>,
+    pub(super) name: String,
+    pub(super) sm_count: i32,
+    /// Jobs submitted and not yet reported, per direction (`[stores, loads]`), across all engines
+    /// of this device: `Auto` uses it to pick methods that run well together.
+    pub(super) in_flight: [std::sync::atomic::AtomicU64; 2],
+    /// Time of the last submission per direction, in µs since `epoch` (0 = never).
+    pub(super) last_submit_us: [std::sync::atomic::AtomicU64; 2],
+    pub(super) epoch: std::time::Instant,
+    /// `Auto`'s calibration (measured or loaded once per process; `None` if disabled or failed).
+    pub(super) calibration: OnceLock<Option<Arc<Calibration>>>,
+}
+
+impl std::fmt::Debug for CudaDevice {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("CudaDevice")
+            .field("ordinal", &self.ordinal)
+            .field("name", &self.name)
+            .field("sm_count", &self.sm_count)
+            .field("batch_memcpy", &self.batch.is_some())
+            .finish_non_exhaustive()
+    }
+}
+
+static DEVICES: OnceLock<Mutex<Vec<Arc<CudaDevice>>>> = OnceLock::new();
+
+/// Whether a CUDA driver can be loaded and reports at least one device.
+#[must_use]
+pub fn cuda_available() -> bool {
+    device_count().is_ok_and(|n| n > 0)
+}
+
+/// Number of CUDA devices.
+///
+/// # Errors
+/// [`KvoffError::CudaUnavailable`] without a driver; [`KvoffError::Cuda`] if `cuInit` fails.
+pub fn device_count() -> Result<i32> {
+    if !ffi::driver_present() {
+        return Err(KvoffError::CudaUnavailable(
+            "no CUDA driver (libcuda.so) could be loaded on this machine; use the host engine"
+                .into(),
+        ));
+    }
+    // SAFETY: the driver is present (obligation 1 of `init`).
+    unsafe { ffi::init() }
+        .map_err(|e| KvoffError::CudaUnavailable(format!("CUDA driver unusable: {e}")))
+}
+
+impl CudaDevice {
+    /// Opens (once per process) device `ordinal`: retains its primary context and loads the kernel.
+    ///
+    /// # Errors
+    /// [`KvoffError::CudaUnavailable`] without a driver or device; [`KvoffError::Cuda`] otherwise.
+    pub fn open(ordinal: i32) -> Result<Arc<Self>> {
+        let n = device_count()?;
+        if ordinal < 0 || ordinal >= n {
+            return Err(KvoffError::CudaUnavailable(format!(
+                "CUDA device {ordinal} does not exist ({n} device(s))"
+            )));
+        }
+        let cache = DEVICES.get_or_init(|| Mutex::new(Vec::new()));
+        let mut devs = cache
+            .lock()
+            .map_err(|_| KvoffError::state("CUDA device cache poisoned"))?;
+        if let Some(d) = devs.iter().find(|d| d.ordinal == ordinal) {
+            return Ok(Arc::clone(d));
+        }
+        // SAFETY: init succeeded in device_count.
+        let (dev, ctx, name, sm_count) = unsafe { ffi::open_device(ordinal) }?;
+        // SAFETY: ctx was just retained.
+        let loaded = unsafe { ffi::set_current(ctx) }.and_then(|()| {
+            let ptx = std::ffi::CStr::from_bytes_with_nul(COPY_PTX.as_bytes())
+                .map_err(|_| KvoffError::cuda("embedded PTX is not NUL-terminated"))?;
+            // SAFETY: the context is current.
+            unsafe { ffi::load_kernel(ptx, c"kvoff_copy") }
+        });
+        let loaded = loaded.and_then(|(m, k)| {
+            // SAFETY: the module was just loaded in the current context.
+            match unsafe { ffi::get_function(m, c"kvoff_sleep") }.and_then(|sl| {
+                // SAFETY: as above.
+                Ok((sl, unsafe { ffi::get_function(m, c"kvoff_copy_nc") }?))
+            }) {
+                Ok((sl, nc)) => Ok((m, k, sl, nc)),
+                Err(e) => {
+                    // SAFETY: loaded above, nothing launched.
+                    let _ = unsafe { ffi::unload_module(m) };
+                    Err(e)
+                }
+            }
+        });
+        let (module, kernel, sleep_kernel, kernel_nc) = match loaded {
+            Ok(mk) => mk,
+            Err(e) => {
+                // SAFETY: retained above, released once.
+                let _ = unsafe { ffi::release_device(dev) };
+                return Err(e);
+            }
+        };
+        // SAFETY: the driver is present.
+        let batch = unsafe { ffi::memcpy_batch_fn() };
+        let d = Arc::new(Self {
+            ordinal,
+            dev,
+            ctx: SendPtr(ctx),
+            module: SendPtr(module),
+            kernel: SendPtr(kernel),
+            kernel_nc: SendPtr(kernel_nc),
+            sleep_kernel: SendPtr(sleep_kernel),
+            batch,
+            name,
+            sm_count,
+            in_flight: [
+                std::sync::atomic::AtomicU64::new(0),
+                std::sync::atomic::AtomicU64::new(0),
+            ],
+            last_submit_us: [
+                std::sync::atomic::AtomicU64::new(0),
+                std::sync::atomic::AtomicU64::new(0),
+            ],
+            epoch: std::time::Instant::now(),
+            calibration: OnceLock::new(),
+        });
+        devs.push(Arc::clone(&d));
+        Ok(d)
+    }
+
+    /// The calibration `Auto` uses on this device: loaded from the on-disk cache, or measured now
+    /// (about a second, see the `calibrate` module) and cached. `None` when `KVOFF_CALIBRATION=off` or
+    /// the measurement failed (then `Auto` uses its built-in thresholds).
+    pub fn calibration(self: &Arc<Self>) -> Option<Arc<Calibration>> {
+        self.calibration
+            .get_or_init(|| {
+                let mode = std::env::var("KVOFF_CALIBRATION").unwrap_or_default();
+                if mode == "off" {
+                    return None;
+                }
+                self.bind().ok()?;
+                // SAFETY: the device was opened by `open`.
+                let path = unsafe { ffi::device_identity(self.dev) }
+                    .ok()
+                    .and_then(|(uuid, driver)| calibrate::cache_path(&uuid, driver));
+                if mode != "force" {
+                    if let Some(c) = path
+                        .as_ref()
+                        .and_then(|p| std::fs::read_to_string(p).ok())
+                        .and_then(|t| Calibration::from_text(&t))
+                    {
+                        return Some(Arc::new(c));
+                    }
+                }
+                let c = calibrate::measure(self).ok()?;
+                if let Some(p) = path {
+                    if let Some(dir) = p.parent() {
+                        let _ = std::fs::create_dir_all(dir);
+                    }
+                    // Write then rename, so a concurrent reader never sees half a file.
+                    let tmp = p.with_extension(format!("tmp{}", std::process::id()));
+                    if std::fs::write(&tmp, c.to_text()).is_ok() {
+                        let _ = std::fs::rename(&tmp, &p);
+                    }
+                }
+                Some(Arc::new(c))
+            })
+            .clone()
+    }
+
+    /// Records a submission in `dir` (for [`CudaDevice::other_direction_active`]).
+    pub(super) fn note_submit(&self, dir: Direction) {
+        use std::sync::atomic::Ordering::Relaxed;
+        let i = dir_index(dir);
+        self.in_flight[i].fetch_add(1, Relaxed);
+        let now = u64::try_from(self.epoch.elapsed().as_micros())
+            .unwrap_or(u64::MAX)
+            .max(1);
+        self.last_submit_us[i].store(now, Relaxed);
+    }
+
+    /// Whether the direction opposite to `dir` has jobs in flight or submitted one in the last
+    /// 50 ms: stores and loads are then expected to overlap.
+    pub(super) fn other_direction_active(&self, dir: Direction) -> bool {
+        use std::sync::atomic::Ordering::Relaxed;
+        let o = dir_index(dir) ^ 1;
+        if self.in_flight[o].load(Relaxed) > 0 {
+            return true;
+        }
+        let last = self.last_submit_us[o].load(Relaxed);
+        let now = u64::try_from(self.epoch.elapsed().as_micros()).unwrap_or(u64::MAX);
+        last != 0 && now.saturating_sub(last) < 50_000
+    }
+
+    /// Makes the primary context current on the calling thread.
+    pub(super) fn bind(&self) -> Result<()> {
+        // SAFETY: the context stays retained while `self` lives.
+        unsafe { ffi::set_current(self.ctx.0) }
+    }
+
+    /// Device name, e.g. "NVIDIA H100 80GB HBM3".
+    #[must_use]
+    pub fn name(&self) -> &str {
+        &self.name
+    }
+
+    /// Number of SMs.
+    #[must_use]
+    pub fn sm_count(&self) -> i32 {
+        self.sm_count
+    }
+
+    /// Device ordinal.
+    #[must_use]
+    pub fn ordinal(&self) -> i32 {
+        self.ordinal
+    }
+
+    /// Whether the driver has `cuMemcpyBatchAsync`.
+    #[must_use]
+    pub fn has_batch_memcpy(&self) -> bool {
+        self.batch.is_some()
+    }
+
+    /// Whether host address `ptr` is pinned and mapped for this device.
+    ///
+    /// # Errors
+    /// If the context cannot be made current.
+    pub fn host_ptr_is_mapped(&self, ptr: u64) -> Result<bool> {
+        self.bind()?;
+        // SAFETY: the context is current.
+        Ok(unsafe { ffi::host_ptr_is_mapped(ptr) })
+    }
+
+    /// Whether `ptr` is device memory.
+    ///
+    /// # Errors
+    /// If the context cannot be made current.
+    pub fn is_device_ptr(&self, ptr: u64) -> Result<bool> {
+        self.bind()?;
+        // SAFETY: the context is current.
+        Ok(unsafe { ffi::is_device_ptr(ptr) })
+    }
+
+    /// A [`HostRegistrar`] that page-locks region pieces for this device.
+    #[must_use]
+    pub fn registrar(self: &Arc<Self>) -> Arc<dyn HostRegistrar> {
+        Arc::new(CudaRegistrar(Arc::clone(self)))
+    }
+
+    /// Creates a stream of this device (for callers without one, tests and benchmarks).
+    ///
+    /// # Errors
+    /// A driver error.
+    pub fn create_stream(self: &Arc<Self>) -> Result<CudaStream> {
+        self.bind()?;
+        // SAFETY: the context is current.
+        let s = unsafe { ffi::stream_create(false) }?;
+        Ok(CudaStream {
+            device: Arc::clone(self),
+            stream: SendPtr(s),
+        })
+    }
+
+    /// Synchronizes the whole context (tests and benchmarks).
+    ///
+    /// # Errors
+    /// A pending asynchronous error.
+    pub fn synchronize(&self) -> Result<()> {
+        self.bind()?;
+        // SAFETY: the context is current.
+        unsafe { ffi::ctx_sync() }
+    }
+}
+
+impl Drop for CudaDevice {
+    fn drop(&mut self) {
+        // Devices live in a process-wide cache; this runs only if the cache is torn down.
+        if self.bind().is_ok() {
+            // SAFETY: no engine holds the device any more (they hold an Arc), so no launch is in
+            // flight; the module and context are released once.
+            let _ = unsafe { ffi::unload_module(self.module.0) };
+        }
+        // SAFETY: retained in `open`, released once.
+        let _ = unsafe { ffi::release_device(self.dev) };
+        let _ = self.kernel.0;
+    }
+}
+
+/// Page-locks host memory for a device (`cuMemHostRegister`, portable + device-mapped).
+struct CudaRegistrar(Arc<CudaDevice>);
+
+impl HostRegistrar for CudaRegistrar {
+    fn register(&self, ptr: u64, len: u64) -> Result<()> {
+        self.0.bind()?;
+        // SAFETY: the region guarantees the range is mapped until `unregister` (its contract).
+        unsafe { ffi::host_register(ptr, len) }
+    }
+
+    fn unregister(&self, ptr: u64, _len: u64) -> Result<()> {
+        self.0.bind()?;
+        // SAFETY: registered by `register`; the region unregisters only when no job uses it.
+        unsafe { ffi::host_unregister(ptr) }
+    }
+}

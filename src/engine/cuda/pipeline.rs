@@ -1,0 +1,214 @@
+//! The GPU side of the `Staged` method: the second stream, the staging slots, and the chunked
+//! enqueue (the CPU side, the chunk schedule and packer, is in `staged`).
+// Unsafe: driver calls through `ffi` on handles this engine owns (each block says why it is sound).
+#![allow(unsafe_code)]
+
+use super::engine::{CudaEngine, Prepared};
+use super::ffi;
+use super::handles::{DevMem, Event, Stream};
+use super::kernel::{DescBuf, DESC_BYTES};
+use super::{staged_chunk_count, staged_chunk_len, staged_desc_bound, StagedPacker};
+use crate::error::{KvoffError, Result};
+use crate::plan::{CopyOp, Direction};
+
+/// One device staging slot of the `Staged` method. A slot is always used by the same stream
+/// (even slots: the engine's stream; odd slots: the auxiliary stream), so stream order alone keeps
+/// a chunk from overwriting a slot before its previous chunk was consumed.
+pub(super) struct Slot {
+    pub(super) dev: DevMem,
+}
+
+/// Second stream and staging ring of the `Staged` method (created on first use).
+pub(super) struct Staging {
+    pub(super) aux: Stream,
+    pub(super) fork: Event,
+    pub(super) join: Event,
+    pub(super) slots: Vec<Slot>,
+    pub(super) next: usize,
+}
+
+impl CudaEngine {
+    /// Creates the second stream, the fork/join events and the staging slots on first use.
+    pub(super) fn ensure_staging(&mut self) -> Result<()> {
+        if self.staging.is_some() {
+            return Ok(());
+        }
+        let slot_bytes = usize::try_from(self.cfg.staging_slot_bytes)
+            .map_err(|_| KvoffError::arg("staging_slot_bytes exceeds usize"))?;
+        let high = self.direction == Direction::CpuToGpu && !self.cfg.serving();
+        // SAFETY: the context is current (callers bind first). On an error below, what was
+        // created so far is destroyed by its Drop.
+        let aux = unsafe { Stream::new(high) }?;
+        // SAFETY: as above.
+        let fork = unsafe { Event::new(false) }?;
+        // SAFETY: as above.
+        let join = unsafe { Event::new(false) }?;
+        let mut slots = Vec::with_capacity(self.cfg.staging_slots);
+        for _ in 0..self.cfg.staging_slots {
+            // SAFETY: as above.
+            let dev = unsafe { DevMem::new(slot_bytes) }?;
+            slots.push(Slot { dev });
+        }
+        self.staging = Some(Staging {
+            aux,
+            fork,
+            join,
+            slots,
+            next: 0,
+        });
+        Ok(())
+    }
+
+    /// Frees the staging resources (its streams must be idle); errors are recorded.
+    pub(super) fn release_staging(&mut self) {
+        let Some(st) = self.staging.take() else {
+            return;
+        };
+        let mut errs: Vec<Result<()>> = st.slots.into_iter().map(|sl| sl.dev.release()).collect();
+        errs.push(st.fork.release());
+        errs.push(st.join.release());
+        errs.push(st.aux.release());
+        self.close_errors.extend(
+            errs.into_iter()
+                .filter_map(|r| r.err().map(|e| e.to_string())),
+        );
+    }
+
+    /// CPU side of the `Staged` method (see [`CopyMethod::Staged`]) before the start event: the
+    /// staging ring and a pinned descriptor buffer large enough for the whole job. The chunks are
+    /// packed at issue time ([`CudaEngine::enqueue_staged`]).
+    pub(super) fn prepare_staged(&mut self, copies: &[CopyOp], total: u64) -> Result<Prepared> {
+        self.ensure_staging()?;
+        let (cap, first_slot) = {
+            let st = self
+                .staging
+                .as_ref()
+                .ok_or_else(|| KvoffError::state("staging missing"))?;
+            (self.cfg.staging_slot_bytes, st.next)
+        };
+        let n_chunks = staged_chunk_count(total, cap);
+        if n_chunks == 0 {
+            return Ok(Prepared::Nothing);
+        }
+        let nbytes = staged_desc_bound(copies.len(), total, n_chunks)
+            .checked_mul(DESC_BYTES)
+            .ok_or_else(|| KvoffError::arg("too many copies for one job"))?;
+        Ok(Prepared::Staged {
+            buf: self.take_desc(nbytes)?,
+            n_chunks,
+            first_slot,
+        })
+    }
+
+    /// Enqueues a staged job on the main stream `s` and the auxiliary stream (forked from `s` and
+    /// joined back into it, also after an error, so the job's end event covers both): per chunk,
+    /// packs its descriptors straight into the job's pinned buffer (the kernel reads them from
+    /// there, through the device mapping of pinned memory), then enqueues the kernel and the
+    /// batched DMA of its runs, handing the slot between the streams with events. The device
+    /// works on chunk `k` while the CPU packs chunk `k + 1`.
+    pub(super) fn enqueue_staged(
+        &mut self,
+        copies: &[CopyOp],
+        buf: &DescBuf,
+        n_chunks: usize,
+        first_slot: usize,
+        s: ffi::CUstream,
+    ) -> Result<()> {
+        let (aux, fork, join) = {
+            let st = self
+                .staging
+                .as_ref()
+                .ok_or_else(|| KvoffError::state("staging missing"))?;
+            (st.aux.raw(), st.fork.raw(), st.join.raw())
+        };
+        // SAFETY: live handles of the current context.
+        unsafe {
+            ffi::event_record(fork, s)?;
+            ffi::stream_wait(aux, fork)?;
+        }
+        let r = self.enqueue_staged_chunks(copies, buf, n_chunks, first_slot, s, aux);
+        // SAFETY: as above.
+        let j = unsafe { ffi::event_record(join, aux).and_then(|()| ffi::stream_wait(s, join)) };
+        r.and(j)
+    }
+
+    #[allow(clippy::too_many_arguments)] // the two streams and the job's parts
+    pub(super) fn enqueue_staged_chunks(
+        &mut self,
+        copies: &[CopyOp],
+        buf: &DescBuf,
+        n_chunks: usize,
+        first_slot: usize,
+        s: ffi::CUstream,
+        aux: ffi::CUstream,
+    ) -> Result<()> {
+        let d2h = self.direction == Direction::GpuToCpu;
+        let cap = self.cfg.staging_slot_bytes;
+        let slots: Vec<u64> = self
+            .staging
+            .as_ref()
+            .ok_or_else(|| KvoffError::state("staging missing"))?
+            .slots
+            .iter()
+            .map(|sl| sl.dev.ptr())
+            .collect();
+        let nslots = slots.len();
+        if nslots == 0 {
+            return Err(KvoffError::state("no staging slots"));
+        }
+        // Two kernels (one per stream) may run at once: each gets half the CTA budget.
+        let ctas = (self.cfg.max_ctas / 2).max(1);
+        // SAFETY: `buf.host` is a pinned allocation of `buf.cap` bytes (8-byte aligned, from
+        // cuMemAllocHost) owned by this job and used by nothing else until the job completes;
+        // nothing else aliases it while this slice lives. The kernel reads a chunk's descriptors
+        // only after they were written here (its launch is enqueued afterwards).
+        let words =
+            unsafe { std::slice::from_raw_parts_mut(buf.host.ptr().cast::<u64>(), buf.cap / 8) };
+        let host_base = buf.host.ptr() as u64;
+        let mut runs = std::mem::take(&mut self.scratch_runs);
+        let mut packer = StagedPacker::default();
+        let mut nd = 0usize;
+        let mut pack = std::time::Duration::ZERO;
+        let r = (|| {
+            for k in 0..n_chunks {
+                let slot = (first_slot + k) % nslots;
+                // Chunks alternate between the two streams: while one stream gathers (scatters)
+                // a chunk with the kernel, the other moves its chunk over PCIe, and each stream
+                // runs its own chunks strictly in order.
+                let st = if slot % 2 == 0 { s } else { aux };
+                let t = std::time::Instant::now();
+                let d0 = nd;
+                let got = packer
+                    .pack_chunk(
+                        copies,
+                        d2h,
+                        staged_chunk_len(k, cap),
+                        slots[slot],
+                        words,
+                        &mut nd,
+                        &mut runs,
+                    )
+                    .ok_or_else(|| {
+                        KvoffError::state("staged descriptor buffer too small (a kvoff bug)")
+                    })?;
+                pack += t.elapsed();
+                if got == 0 {
+                    break;
+                }
+                let kdesc = host_base + (d0 * DESC_BYTES) as u64;
+                let ndesc = (nd - d0) as u64;
+                if d2h {
+                    self.launch(kdesc, ndesc, ctas, st)?;
+                    self.dma(runs.iter().copied(), false, st)?;
+                } else {
+                    self.dma(runs.iter().copied(), true, st)?;
+                    self.launch(kdesc, ndesc, ctas, st)?;
+                }
+            }
+            Ok(())
+        })();
+        self.scratch_runs = runs;
+        self.last_pack_ns = u64::try_from(pack.as_nanos()).unwrap_or(u64::MAX);
+        r
+    }
+}
