@@ -78,23 +78,33 @@ fn round_trip_every_method_byte_exact() {
     // that reuse slots on both streams).
     let dflt = CudaEngineConfig::default();
     let ring = (dflt.staging_slot_bytes, dflt.staging_slots);
-    for (method, read_only_loads, (slot_bytes, slots)) in [
-        (CopyMethod::Auto, false, ring),
-        (CopyMethod::Dma, false, ring),
-        (CopyMethod::Kernel, false, ring),
-        (CopyMethod::Kernel, true, ring),
-        (CopyMethod::Staged, false, ring),
-        (CopyMethod::Staged, false, (64 << 10, 3)),
-        (CopyMethod::Staged, false, (1 << 20, 1)),
-        (CopyMethod::Loop, false, ring),
+    // The serving policy with split DMA from 2 copies: every DMA job (pages ≥ 32 KiB) is enqueued
+    // by two threads on two streams; smaller pages go through the staged pipeline.
+    let serving_split = |c: &mut CudaEngineConfig| {
+        c.compute_budget_bp = Some(200);
+        c.dma_split_min_copies = 2;
+    };
+    let plain = |_: &mut CudaEngineConfig| {};
+    let tweaks: [&dyn Fn(&mut CudaEngineConfig); 2] = [&plain, &serving_split];
+    for (method, read_only_loads, (slot_bytes, slots), tweak) in [
+        (CopyMethod::Auto, false, ring, 0),
+        (CopyMethod::Auto, false, ring, 1),
+        (CopyMethod::Dma, false, ring, 0),
+        (CopyMethod::Kernel, false, ring, 0),
+        (CopyMethod::Kernel, true, ring, 0),
+        (CopyMethod::Staged, false, ring, 0),
+        (CopyMethod::Staged, false, (64 << 10, 3), 0),
+        (CopyMethod::Staged, false, (1 << 20, 1), 0),
+        (CopyMethod::Loop, false, ring, 0),
     ] {
-        let cfg = CudaEngineConfig {
+        let mut cfg = CudaEngineConfig {
             method,
             read_only_loads,
             staging_slot_bytes: slot_bytes,
             staging_slots: slots,
             ..CudaEngineConfig::default()
         };
+        tweaks[tweak](&mut cfg);
         let mut store =
             CudaEngine::new(Arc::clone(&dev), Direction::GpuToCpu, cfg.clone()).unwrap();
         let mut load = CudaEngine::new(Arc::clone(&dev), Direction::CpuToGpu, cfg).unwrap();

@@ -95,6 +95,9 @@ pub struct CudaEngineConfig {
     /// Most copies per batched driver call; longer batches are split so that no call holds the
     /// driver (and every other thread's launches) for long. 0: no limit.
     pub max_batch_copies: usize,
+    /// `Auto`'s DMA jobs of at least this many copies are enqueued by two threads on two streams
+    /// (the driver's per-copy CPU cost limits one thread; see the `dma` module). 0: never.
+    pub dma_split_min_copies: usize,
     /// Serving policy: average copy size from which `Auto` uses batched DMA.
     pub serving_dma_min_copy_bytes: u64,
     /// Serving policy: smaller copies go through the bounded copy kernel (`serving_ctas`,
@@ -124,6 +127,7 @@ impl Default for CudaEngineConfig {
             calibrate: true,
             compute_budget_bp: None,
             max_batch_copies: 64,
+            dma_split_min_copies: 256,
             serving_dma_min_copy_bytes: 32 << 10,
             serving_small_kernel: false,
             serving_ctas: 0,
@@ -141,7 +145,7 @@ impl CudaEngineConfig {
     }
 
     /// Applies `KVOFF_CUDA_TUNE` overrides (`key=value` pairs separated by commas; keys `budget`
-    /// (basis points, or `off`), `batch`, `ctas`, `max_ctas`, `launch`, `dmamin`, `small`
+    /// (basis points, or `off`), `batch`, `dmasplit`, `ctas`, `max_ctas`, `launch`, `dmamin`, `small`
     /// (`kernel` or `staged`)), used by the
     /// benchmarks to sweep the serving policy's knobs without rebuilding.
     ///
@@ -163,6 +167,9 @@ impl CudaEngineConfig {
                     self.compute_budget_bp = Some(u32::try_from(num(v)?).unwrap_or(u32::MAX));
                 }
                 "batch" => self.max_batch_copies = usize::try_from(num(v)?).unwrap_or(usize::MAX),
+                "dmasplit" => {
+                    self.dma_split_min_copies = usize::try_from(num(v)?).unwrap_or(usize::MAX);
+                }
                 "ctas" => self.serving_ctas = u32::try_from(num(v)?).unwrap_or(u32::MAX),
                 "max_ctas" => self.max_ctas = u32::try_from(num(v)?).unwrap_or(u32::MAX).max(1),
                 "launch" => self.serving_launch_bytes = num(v)?.max(4096),
@@ -197,7 +204,7 @@ mod tests {
     fn tuning_sets_each_knob_and_rejects_bad_input() {
         let mut c = CudaEngineConfig::default();
         c.apply_tuning(
-            "budget=150, batch=32,ctas=3,max_ctas=8,launch=65536,dmamin=4096,small=kernel",
+            "budget=150, batch=32,ctas=3,max_ctas=8,launch=65536,dmamin=4096,small=kernel,dmasplit=9",
         )
         .unwrap();
         assert_eq!(c.compute_budget_bp, Some(150));
@@ -207,6 +214,7 @@ mod tests {
         assert_eq!(c.serving_launch_bytes, 65536);
         assert_eq!(c.serving_dma_min_copy_bytes, 4096);
         assert!(c.serving_small_kernel);
+        assert_eq!(c.dma_split_min_copies, 9);
         c.apply_tuning("budget=off,small=staged,launch=1").unwrap();
         assert_eq!(c.compute_budget_bp, None);
         assert!(!c.serving_small_kernel);

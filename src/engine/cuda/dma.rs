@@ -1,11 +1,180 @@
 //! Batched DMA (`cuMemcpyBatchAsync`, split so that no call holds the driver long), or a
-//! per-copy loop where the driver lacks the batch API.
+//! per-copy loop where the driver lacks the batch API; and the parallel enqueue of `Auto`'s large
+//! DMA jobs.
+//!
+//! Why parallel: the driver spends about a microsecond of CPU per copy in `cuMemcpyBatchAsync`,
+//! so one thread feeding 32 KiB copies keeps the copy engines at ~33 GB/s whatever the batch size
+//! (measured on an H100: the submit's CPU time equals the job's device time). Two threads
+//! enqueueing halves of the job on two streams reach 42–46 GB/s (BENCHMARKS.md). So a DMA job of
+//! `Auto` with at least [`CudaEngineConfig::dma_split_min_copies`] copies is forked: the second
+//! half goes to the engine's DMA helper thread, which enqueues it on an auxiliary stream (forked
+//! from the engine's stream with an event and joined back before the job's end event), while the
+//! caller enqueues the first half. `submit` returns once both halves are enqueued.
+//!
+//! [`CudaEngineConfig::dma_split_min_copies`]: super::CudaEngineConfig::dma_split_min_copies
 // Unsafe: driver calls through `ffi` on handles this engine owns (each block says why it is sound).
 #![allow(unsafe_code)]
 
+use std::sync::mpsc;
+use std::sync::Arc;
+use std::thread::JoinHandle;
+
+use super::device::SendPtr;
 use super::engine::CudaEngine;
-use super::ffi;
-use crate::error::Result;
+use super::handles::{Event, Stream};
+use super::{ffi, CudaDevice};
+use crate::error::{KvoffError, Result};
+use crate::plan::CopyOp;
+
+/// Enqueues co-indexed copies as batched calls of at most `step` copies each (0: one call).
+///
+/// # Safety
+/// 1. `f` came from the device's batch entry point; every copy satisfies the contract of
+///    `ffi::memcpy_batch` (memory validated by a plan, or owned by the engine, alive until the
+///    job completes); `s` is a live stream of the context current on this thread.
+unsafe fn enqueue_batches(
+    f: ffi::MemcpyBatchFn,
+    bufs: &mut DmaBufs,
+    step: usize,
+    host_to_device: bool,
+    s: ffi::CUstream,
+) -> Result<()> {
+    if bufs.sizes.is_empty() {
+        return Ok(());
+    }
+    // Split so that no call holds the driver for long (32768 copies in one call take tens of ms
+    // of CPU, stalling every other thread's launches meanwhile).
+    let step = if step == 0 { bufs.sizes.len() } else { step };
+    for ((d, sr), sz) in bufs
+        .dsts
+        .chunks_mut(step)
+        .zip(bufs.srcs.chunks_mut(step))
+        .zip(bufs.sizes.chunks_mut(step))
+    {
+        // SAFETY: co-indexed arrays; the rest is this function's obligation 1.
+        unsafe { ffi::memcpy_batch(f, d, sr, sz, host_to_device, s) }?;
+    }
+    Ok(())
+}
+
+/// Reused argument arrays of the batch call: sources, destinations, sizes.
+#[derive(Default)]
+pub(super) struct DmaBufs {
+    srcs: Vec<u64>,
+    dsts: Vec<u64>,
+    sizes: Vec<usize>,
+}
+
+impl DmaBufs {
+    fn fill(&mut self, runs: impl Iterator<Item = (u64, u64, u64)>) {
+        self.srcs.clear();
+        self.dsts.clear();
+        self.sizes.clear();
+        for (src, dst, n) in runs {
+            self.srcs.push(src);
+            self.dsts.push(dst);
+            self.sizes.push(usize::try_from(n).unwrap_or(usize::MAX));
+        }
+    }
+}
+
+/// One half-job for the helper thread.
+struct Work {
+    bufs: DmaBufs,
+    host_to_device: bool,
+    stream: SendPtr<ffi::CUstream>,
+}
+
+/// The helper's answer: the enqueue result, its driver-call record, and the buffers back.
+type Done = (Result<()>, (u32, u64), DmaBufs);
+
+/// The DMA helper of one engine: a thread that enqueues the second half of large DMA jobs on
+/// its own stream, plus the fork/join events. Created on the first split job.
+pub(super) struct DmaHelper {
+    worker: Worker,
+    rx: mpsc::Receiver<Done>,
+    pub(super) aux: Stream,
+    fork: Event,
+    join: Event,
+    spare: Option<DmaBufs>,
+}
+
+impl DmaHelper {
+    /// Starts the helper thread and creates its stream and events.
+    ///
+    /// # Safety
+    /// The device's context is current on this thread.
+    unsafe fn new(device: &Arc<CudaDevice>, step: usize, high: bool) -> Result<Self> {
+        // SAFETY: the caller's obligation. On an error below, what was created is dropped.
+        let aux = unsafe { Stream::new(high) }?;
+        // SAFETY: as above.
+        let fork = unsafe { Event::new(false) }?;
+        // SAFETY: as above.
+        let join = unsafe { Event::new(false) }?;
+        let f = device
+            .batch
+            .ok_or_else(|| KvoffError::state("no batched copy entry point"))?;
+        let (tx, work_rx) = mpsc::channel::<Work>();
+        let (done_tx, rx) = mpsc::channel::<Done>();
+        let dev = Arc::clone(device);
+        let thread = std::thread::Builder::new()
+            .name("kvoff-dma".into())
+            .spawn(move || {
+                while let Ok(mut w) = work_rx.recv() {
+                    let _ = ffi::take_call_record();
+                    let r = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
+                        dev.bind()?;
+                        // SAFETY: the engine that sent the work keeps the job's memory alive
+                        // until the job completes and waits for this answer before recording
+                        // the join event; the stream is its live auxiliary stream; the context
+                        // was made current just above.
+                        unsafe {
+                            enqueue_batches(f, &mut w.bufs, step, w.host_to_device, w.stream.0)
+                        }
+                    }))
+                    .unwrap_or_else(|_| Err(KvoffError::state("the DMA helper thread panicked")));
+                    if done_tx.send((r, ffi::take_call_record(), w.bufs)).is_err() {
+                        break;
+                    }
+                }
+            })
+            .map_err(|e| KvoffError::state(format!("cannot start the DMA helper thread: {e}")))?;
+        Ok(Self {
+            worker: Worker {
+                tx: Some(tx),
+                thread: Some(thread),
+            },
+            rx,
+            aux,
+            fork,
+            join,
+            spare: Some(DmaBufs::default()),
+        })
+    }
+
+    /// Stops the thread and releases the stream and events (the stream must have drained);
+    /// returns the driver's errors.
+    pub(super) fn release(self) -> Vec<Result<()>> {
+        drop(self.worker);
+        vec![self.fork.release(), self.join.release(), self.aux.release()]
+    }
+}
+
+/// The helper thread: closing its channel ends it; dropping joins it (it is idle then: the
+/// engine waits for every answer before going on).
+struct Worker {
+    tx: Option<mpsc::Sender<Work>>,
+    thread: Option<JoinHandle<()>>,
+}
+
+impl Drop for Worker {
+    fn drop(&mut self) {
+        self.tx = None;
+        if let Some(t) = self.thread.take() {
+            let _ = t.join();
+        }
+    }
+}
 
 impl CudaEngine {
     /// Batched DMA of `(src, dst, bytes)` triples on `s` (a per-copy loop without the batch API).
@@ -16,41 +185,14 @@ impl CudaEngine {
         s: ffi::CUstream,
     ) -> Result<()> {
         if let Some(f) = self.device.batch {
-            let (mut srcs, mut dsts, mut sizes) = std::mem::take(&mut self.scratch_dma);
-            srcs.clear();
-            dsts.clear();
-            sizes.clear();
-            for (src, dst, n) in runs {
-                srcs.push(src);
-                dsts.push(dst);
-                sizes.push(usize::try_from(n).unwrap_or(usize::MAX));
-            }
-            let r = if sizes.is_empty() {
-                Ok(())
-            } else {
-                // Split so that no call holds the driver for long (32768 copies in one call take
-                // ~100 ms of CPU, stalling every other thread's launches meanwhile).
-                let step = match self.cfg.max_batch_copies {
-                    0 => sizes.len(),
-                    n => n,
-                };
-                let mut r = Ok(());
-                for ((d, sr), sz) in dsts
-                    .chunks_mut(step)
-                    .zip(srcs.chunks_mut(step))
-                    .zip(sizes.chunks_mut(step))
-                {
-                    // SAFETY: co-indexed arrays; memory validated by the plan (or staging owned
-                    // by this engine) and kept alive until the job completes; `s` is a created
-                    // stream.
-                    r = unsafe { ffi::memcpy_batch(f, d, sr, sz, host_to_device, s) };
-                    if r.is_err() {
-                        break;
-                    }
-                }
-                r
+            let mut bufs = std::mem::take(&mut self.scratch_dma);
+            bufs.fill(runs);
+            // SAFETY: memory validated by the plan (or staging owned by this engine) and kept
+            // alive until the job completes; `s` is a created stream; callers bind first.
+            let r = unsafe {
+                enqueue_batches(f, &mut bufs, self.cfg.max_batch_copies, host_to_device, s)
             };
-            self.scratch_dma = (srcs, dsts, sizes);
+            self.scratch_dma = bufs;
             r
         } else {
             for (src, dst, n) in runs {
@@ -59,5 +201,84 @@ impl CudaEngine {
             }
             Ok(())
         }
+    }
+
+    /// Whether a DMA job of `n` copies is enqueued by two threads on two streams.
+    pub(super) fn splits_dma(&self, n: usize) -> bool {
+        self.cfg.method == super::CopyMethod::Auto
+            && self.cfg.dma_split_min_copies > 0
+            && n >= self.cfg.dma_split_min_copies
+            && self.device.batch.is_some()
+    }
+
+    /// A DMA job enqueued in two halves at once: the second by the helper thread on its stream
+    /// (forked from `s`, joined back into it, also after an error, so the job's end event covers
+    /// both), the first by the caller on `s`.
+    pub(super) fn dma_split(
+        &mut self,
+        copies: &[CopyOp],
+        host_to_device: bool,
+        s: ffi::CUstream,
+    ) -> Result<()> {
+        if self.dma_helper.is_none() {
+            let high = self.direction == crate::plan::Direction::CpuToGpu && !self.cfg.serving();
+            // SAFETY: the context is current (submit binds first).
+            self.dma_helper =
+                Some(unsafe { DmaHelper::new(&self.device, self.cfg.max_batch_copies, high) }?);
+        }
+        let h = self
+            .dma_helper
+            .as_mut()
+            .ok_or_else(|| KvoffError::state("DMA helper missing"))?;
+        let (aux, fork, join) = (h.aux.raw(), h.fork.raw(), h.join.raw());
+        let mut bufs = h.spare.take().unwrap_or_default();
+        let half = copies.len() / 2;
+        bufs.fill(
+            copies[half..]
+                .iter()
+                .map(|c| (c.src_ptr, c.dst_ptr, c.bytes)),
+        );
+        // SAFETY: live handles of the current context.
+        unsafe {
+            ffi::event_record(fork, s)?;
+            ffi::stream_wait(aux, fork)?;
+        }
+        let sent = h
+            .worker
+            .tx
+            .as_ref()
+            .ok_or_else(|| KvoffError::state("the DMA helper thread stopped"))?
+            .send(Work {
+                bufs,
+                host_to_device,
+                stream: SendPtr(aux),
+            })
+            .map_err(|_| KvoffError::state("the DMA helper thread stopped"));
+        let mine = sent.and_then(|()| {
+            self.dma(
+                copies[..half]
+                    .iter()
+                    .map(|c| (c.src_ptr, c.dst_ptr, c.bytes)),
+                host_to_device,
+                s,
+            )
+        });
+        let h = self
+            .dma_helper
+            .as_mut()
+            .ok_or_else(|| KvoffError::state("DMA helper missing"))?;
+        // Wait for the helper's half (with the GIL released by the bindings): the join event
+        // must follow everything it enqueued.
+        let theirs = match h.rx.recv() {
+            Ok((r, (calls, longest), bufs)) => {
+                h.spare = Some(bufs);
+                ffi::add_call_record(calls, longest);
+                r
+            }
+            Err(_) => Err(KvoffError::state("the DMA helper thread stopped")),
+        };
+        // SAFETY: live handles of the current context.
+        let j = unsafe { ffi::event_record(join, aux).and_then(|()| ffi::stream_wait(s, join)) };
+        mine.and(theirs).and(j)
     }
 }

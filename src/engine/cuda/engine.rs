@@ -7,6 +7,7 @@ use std::collections::VecDeque;
 use std::sync::Arc;
 
 use super::calibrate::Calibration;
+use super::dma::{DmaBufs, DmaHelper};
 use super::ffi;
 use super::handles::{Event, Stream};
 use super::kernel::{
@@ -84,8 +85,10 @@ pub struct CudaEngine {
     pub(super) submit_grid: u32,
     pub(super) last_stats: SubmitStats,
     pub(super) staging: Option<Staging>,
-    /// Reused argument arrays of the batch call: sources, destinations, sizes.
-    pub(super) scratch_dma: (Vec<u64>, Vec<u64>, Vec<usize>),
+    /// Reused argument arrays of the batch call.
+    pub(super) scratch_dma: DmaBufs,
+    /// Helper thread and stream of split DMA jobs (created on first use).
+    pub(super) dma_helper: Option<DmaHelper>,
     pub(super) scratch_runs: Vec<(u64, u64, u64)>,
     pub(super) last_pack_ns: u64,
     pub(super) last_submit_ns: u64,
@@ -166,7 +169,8 @@ impl CudaEngine {
             submit_grid: 0,
             last_stats: SubmitStats::default(),
             staging: None,
-            scratch_dma: (Vec::new(), Vec::new(), Vec::new()),
+            scratch_dma: DmaBufs::default(),
+            dma_helper: None,
             scratch_runs: Vec::new(),
             last_pack_ns: 0,
             last_submit_ns: 0,
@@ -302,6 +306,9 @@ impl CudaEngine {
                 r
             }
             Prepared::Nothing => match method {
+                CopyMethod::Dma | CopyMethod::Auto if self.splits_dma(copies.len()) => {
+                    self.dma_split(copies, self.direction == Direction::CpuToGpu, s)
+                }
                 CopyMethod::Dma | CopyMethod::Auto => self.dma(
                     copies.iter().map(|c| (c.src_ptr, c.dst_ptr, c.bytes)),
                     self.direction == Direction::CpuToGpu,
@@ -533,6 +540,19 @@ impl TransferEngine for CudaEngine {
             if let Err(e) = unsafe { ffi::stream_sync(st.aux.raw()) } {
                 self.close_errors.push(e.to_string());
             }
+        }
+        if let Some(h) = &self.dma_helper {
+            // SAFETY: as above.
+            if let Err(e) = unsafe { ffi::stream_sync(h.aux.raw()) } {
+                self.close_errors.push(e.to_string());
+            }
+        }
+        if let Some(h) = self.dma_helper.take() {
+            self.close_errors.extend(
+                h.release()
+                    .into_iter()
+                    .filter_map(|r| r.err().map(|e| e.to_string())),
+            );
         }
         self.release_staging();
         // Keep the drained jobs' results for `poll` (the TransferEngine contract: shutdown

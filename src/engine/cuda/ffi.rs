@@ -41,6 +41,14 @@ pub(crate) fn take_call_record() -> (u32, u64) {
     CALLS.with(|c| c.replace((0, 0)))
 }
 
+/// Adds another thread's call record (its calls made for this thread's job) to this thread's.
+pub(crate) fn add_call_record(calls: u32, longest_ns: u64) {
+    CALLS.with(|c| {
+        let (n, l) = c.get();
+        c.set((n.saturating_add(calls), l.max(longest_ns)));
+    });
+}
+
 /// Turns a driver status into a typed error naming the call.
 pub(crate) fn check(r: sys::CUresult, what: &str) -> Result<()> {
     if r == sys::CUresult::CUDA_SUCCESS {
