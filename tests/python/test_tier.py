@@ -272,7 +272,14 @@ def test_lookup_that_hits_a_file_costs_at_most_5us_per_key(tmp_path: Path) -> No
     n = 2000
     region = kvoff.HostRegion.private(n, 4096)
     m = TieredOffloadingManager(
-        "lru", n, region, str(tmp_path), 1 << 40, rescan_interval_s=None, max_queued_writes=n + 1
+        "lru",
+        n,
+        region,
+        str(tmp_path),
+        1 << 40,
+        rescan_interval_s=None,
+        max_queued_writes=n + 1,
+        io_threads=1,  # the reads it queues run beside the caller; on 2 cores, one reader thread
     )
     keys = [K(i) for i in range(n)]
     for start in range(0, n, 256):
