@@ -127,6 +127,7 @@ def _transfer_steps(
     t0: float,
 ) -> None:
     job, nbytes, failed = 1, 0, 0
+    sms, longest = 0, 0
     with torch.cuda.stream(side):
         while not stop.is_set():
             ids = []
@@ -135,11 +136,15 @@ def _transfer_steps(
                 c = rng.sample(range(ncpu // 2), blocks)
                 st.transfer_async(job, (kvoff.GPULoadStoreSpec(g), kvoff.CPULoadStoreSpec(c)))
                 ids.append((st, job))
+                s = st.last_submit_stats
+                sms, longest = max(sms, s["sms"]), max(longest, s["longest_call_ns"])
             if dirs in ("load", "both"):
                 c = [ncpu // 2 + i for i in rng.sample(range(ncpu // 2), blocks)]
                 g = [ngpu // 2 + i for i in rng.sample(range(ngpu // 2), blocks)]
                 ld.transfer_async(job + 1, (kvoff.CPULoadStoreSpec(c), kvoff.GPULoadStoreSpec(g)))
                 ids.append((ld, job + 1))
+                s = ld.last_submit_stats
+                sms, longest = max(sms, s["sms"]), max(longest, s["longest_call_ns"])
             for hd, j in ids:
                 hd.wait([j])
             for r in st.get_finished() + ld.get_finished():
@@ -148,6 +153,8 @@ def _transfer_steps(
             job += 2
     stats["gb_s"] = nbytes / (time.perf_counter() - t0) / 1e9
     stats["failed"] = failed
+    stats["sms"] = sms
+    stats["longest_call_us"] = longest / 1e3
 
 
 def _roundtrip(torch: Any, kvoff: Any, h: Any, comp: _Compute, blocks: int, ngpu: int, ncpu: int) -> bool:
@@ -204,7 +211,7 @@ def _run_phase(
         lt.start()
     time.sleep(0.1)
     if comp is not None:
-        ms = comp.timed(kind)
+        ms = comp.timed(kind, reps=1)
     else:
         time.sleep(seconds)
         ms = 0.0
@@ -216,6 +223,16 @@ def _run_phase(
     if th.is_alive() or "gb_s" not in stats:
         raise RuntimeError(f"transfer loop did not finish ({stats})")
     return stats, ms
+
+
+def slowdown_row(kind: str, alone: list[float], beside: list[float], gbs: list[float]) -> dict[str, float]:
+    """A proxy's slowdown (median time beside the transfers over median time alone, from
+    alternating rounds) and the transfers' median GB/s beside it."""
+    return {
+        f"{kind}_slowdown": _median(beside) / _median(alone) - 1,
+        f"{kind}_gb_s": _median(gbs),
+        f"{kind}_alone_ms": _median(alone),
+    }
 
 
 def parse_method(s: str) -> tuple[str, str, float | None, str]:
@@ -234,8 +251,16 @@ def bench_interference(
     methods: list[str] | None = None,
     seconds: float = 0.3,
     log: Any = None,
+    rounds: int = 3,
 ) -> dict[str, Any]:
-    """Runs the grid; returns ``{"device", "refs", "rows"}`` (see the module docstring)."""
+    """Runs the grid; returns ``{"device", "refs", "rows"}`` (see the module docstring).
+
+    Each compute proxy is timed alone and beside the transfers ``rounds`` times, alternately (alone,
+    beside, alone, beside, ...), and the slowdown is the ratio of the medians: the proxies drift by
+    a few percent over a run (clocks, temperature), as much as the budget itself, so a reference
+    taken once per cell would bias every cell after it."""
+    if rounds < 1:
+        raise ValueError(f"rounds must be at least 1, got {rounds}")
     import torch
 
     import kvoff
@@ -272,7 +297,6 @@ def bench_interference(
             kv = [torch.empty(ngpu, page, dtype=torch.uint8, device="cuda") for _ in range(TENSORS)]
             for t in kv:
                 t.random_(0, 255)
-            group_ref = {k: comp.timed(k) for k in ("gemm", "mem")}
             for label, engine, budget, tune in meths:
                 if tune:
                     os.environ["KVOFF_CUDA_TUNE"] = tune
@@ -302,13 +326,21 @@ def bench_interference(
                         row["launch_p99_us"] = _pct(lat, 0.99) * 1e6
                         row["launch_max_us"] = max(lat) * 1e6 if lat else float("nan")
                         failed = st["failed"]
+                        sms, longest = st["sms"], st["longest_call_us"]
                         for kind in ("gemm", "mem"):
-                            st, ms = _run_phase(
-                                torch, kvoff, h, d, blocks, ngpu, ncpu, seconds, comp, kind, None
-                            )
-                            row[f"{kind}_slowdown"] = ms / group_ref[kind] - 1
-                            row[f"{kind}_gb_s"] = st["gb_s"]
-                            failed += st["failed"]
+                            alone, beside, gbs = [], [], []
+                            for _ in range(rounds):
+                                alone.append(comp.timed(kind, reps=1))
+                                st, ms = _run_phase(
+                                    torch, kvoff, h, d, blocks, ngpu, ncpu, seconds, comp, kind, None
+                                )
+                                beside.append(ms)
+                                gbs.append(st["gb_s"])
+                                failed += st["failed"]
+                                sms, longest = max(sms, st["sms"]), max(longest, st["longest_call_us"])
+                            row.update(slowdown_row(kind, alone, beside, gbs))
+                        row["sms"] = sms
+                        row["longest_call_us"] = longest
                         row["failed"] = failed
                         rows.append(row)
                         say(format_row(row))
@@ -326,7 +358,7 @@ def bench_interference(
 
 HEADER = (
     f"{'page':>6}{'job':>6}{'copies':>8} {'dirs':<6}{'method':<12}{'idle':>7}{'gemm%':>8}{'GB/s':>7}"
-    f"{'mem%':>8}{'GB/s':>7}{'lat99':>8}{'latmax':>9} ok"
+    f"{'mem%':>8}{'GB/s':>7}{'sms':>5}{'call':>7}{'lat99':>8}{'latmax':>9} ok"
 )
 
 
@@ -334,7 +366,8 @@ def format_row(r: dict[str, Any]) -> str:
     return (
         f"{r['page_kib']:>5}K{r['job_mib']:>5}M{r['copies']:>8} {r['dirs']:<6}{r['method']:<12}"
         f"{r['idle_gb_s']:>7.1f}{r['gemm_slowdown'] * 100:>+7.1f}%{r['gemm_gb_s']:>7.1f}"
-        f"{r['mem_slowdown'] * 100:>+7.1f}%{r['mem_gb_s']:>7.1f}{r['launch_p99_us']:>8.0f}"
+        f"{r['mem_slowdown'] * 100:>+7.1f}%{r['mem_gb_s']:>7.1f}{r.get('sms', 0):>5}"
+        f"{r.get('longest_call_us', 0.0):>7.0f}{r['launch_p99_us']:>8.0f}"
         f"{r['launch_max_us']:>9.0f} {'ok' if r.get('roundtrip_ok', True) and not r['failed'] else 'FAIL'}"
     )
 
@@ -348,8 +381,10 @@ def format_interference(res: dict[str, Any]) -> str:
             f"launch latency alone p99 {refs['launch_p99_us']:.0f} µs, max {refs['launch_max_us']:.0f} µs"
         ),
         (
-            "idle/GB/s: transfer GB/s (both directions summed) idle and beside each proxy; gemm%/mem%: its slowdown;"
-            " lat99/latmax: a second thread's launch CPU time (µs) while kvoff submits"
+            "idle/GB/s: transfer GB/s (both directions summed) idle and beside each proxy; gemm%/mem%: its slowdown"
+            " (median beside / median alone over alternating rounds); sms: SMs kvoff's copy kernels may occupy;"
+            " call: kvoff's longest driver call (µs CPU); lat99/latmax: a second thread's launch CPU time (µs)"
+            " while kvoff submits"
         ),
         HEADER,
     ]

@@ -76,6 +76,7 @@ def _bench_interference(args: argparse.Namespace) -> int:
         args.methods.split(";") if args.methods else None,
         args.seconds,
         log=None if args.quiet else (lambda s: print(s, file=sys.stderr, flush=True)),
+        rounds=args.rounds,
     )
     print(json.dumps(res, indent=1) if args.json else format_interference(res))
     return 0
@@ -254,6 +255,12 @@ def main(argv: list[str] | None = None) -> int:
         "kernel, staged, auto-idle (budget none), auto (budget 0.02))",
     )
     i.add_argument("--seconds", type=float, default=0.3, help="seconds per measurement (default 0.3)")
+    i.add_argument(
+        "--rounds",
+        type=int,
+        default=3,
+        help="alternating alone/beside measurements per proxy and cell (median; default 3)",
+    )
     i.add_argument("--full", action="store_true", help="the full grid (takes tens of minutes)")
     i.add_argument("--json", action="store_true", help="print the result as JSON")
     i.add_argument("--quiet", action="store_true", help="no per-row log on stderr")
