@@ -1,0 +1,594 @@
+//! Transfers beside compute, in Rust (the native twin of `kvoff bench interference`): what kvoff's
+//! copies cost a model that shares the GPU, and what they move meanwhile. No Python, so the launch
+//! latency probe measures the driver, not a GIL.
+//!
+//! Per cell (page size × job size × directions × method): kvoff jobs loop on a transfer thread
+//! (random distinct blocks of 64 KV tensors, kvoff's block-major pinned host layout) while the
+//! main thread runs a compute proxy on its own stream — a cuBLAS bf16 8192³ GEMM loop, then a
+//! memory-bound 1 GiB device-to-device copy loop. Each proxy is timed alone and beside the
+//! transfers in alternating rounds (median beside / median alone − 1 = its slowdown; the proxies
+//! drift by a few percent over a run). Also per cell: GB/s idle and beside each proxy, the SMs
+//! kvoff's kernels may occupy and its longest driver call (`SubmitStats`), the CPU time of a tiny
+//! kernel launch by a third thread every 200 µs while kvoff submits (against the same probe with
+//! kvoff idle), and a byte-exact store → load round trip with GEMMs queued.
+//!
+//! `cargo bench --bench interference` (skips without a GPU). cuBLAS is loaded at run time
+//! (`libcublas.so.13`): put torch's `nvidia/cu13/lib` (or a CUDA toolkit's lib64) on
+//! `LD_LIBRARY_PATH`; without it the GEMM proxy is skipped, saying so. Environment:
+//! `KVOFF_BENCH_PAGES` (KiB, default `4,32`), `KVOFF_BENCH_JOBS` (MiB, default `8,128`),
+//! `KVOFF_BENCH_DIRS` (`store,load,both`; default `store,both`), `KVOFF_BENCH_METHODS` (default
+//! `dma,kernel,staged,auto-idle,auto`), `KVOFF_BENCH_SECONDS` (per measurement, default 0.3),
+//! `KVOFF_BENCH_ROUNDS` (default 3), `KVOFF_BENCH_QUICK=1` (one small cell). The default grid
+//! takes about 4 minutes on an H100.
+// Benchmarks: an unwrap that fails is the failure report; pedantic style is for the library.
+#![allow(clippy::unwrap_used, clippy::pedantic)]
+// Unsafe: raw driver and cuBLAS calls on buffers and streams this file owns, and kvoff submits
+// over memory it keeps alive.
+#![allow(unsafe_code)]
+#![allow(clippy::cast_precision_loss, clippy::cast_possible_truncation)]
+#![cfg_attr(not(feature = "cuda"), allow(unused))]
+
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+#[cfg(feature = "cuda")]
+use kvoff::engine::cuda::{
+    cuda_available, CopyMethod, CudaDevice, CudaEngine, CudaEngineConfig, CudaStream, DeviceBuffer,
+    PinnedBuffer,
+};
+use kvoff::engine::{Job, TransferEngine};
+use kvoff::plan::{CopyOp, CopyPlan, Direction};
+
+const TENSORS: u64 = 64;
+
+fn env_list(name: &str, default: &str) -> Vec<String> {
+    std::env::var(name)
+        .unwrap_or_else(|_| default.to_owned())
+        .split(',')
+        .map(|s| s.trim().to_owned())
+        .filter(|s| !s.is_empty())
+        .collect()
+}
+
+fn median(v: &[f64]) -> f64 {
+    let mut s = v.to_vec();
+    s.sort_by(f64::total_cmp);
+    s.get(s.len() / 2).copied().unwrap_or(f64::NAN)
+}
+
+fn pct(v: &[f64], q: f64) -> f64 {
+    let mut s = v.to_vec();
+    s.sort_by(f64::total_cmp);
+    s.get(((q * s.len() as f64) as usize).min(s.len().saturating_sub(1)))
+        .copied()
+        .unwrap_or(f64::NAN)
+}
+
+struct Rng(u64);
+impl Rng {
+    fn next(&mut self) -> u64 {
+        self.0 ^= self.0 << 13;
+        self.0 ^= self.0 >> 7;
+        self.0 ^= self.0 << 17;
+        self.0
+    }
+    /// `k` distinct values of `base..base + n`.
+    fn distinct(&mut self, base: u64, n: u64, k: usize) -> Vec<u64> {
+        let mut v: Vec<u64> = (0..n).collect();
+        for i in 0..k {
+            let j = i as u64 + self.next() % (n - i as u64);
+            v.swap(i, j as usize);
+        }
+        v.truncate(k);
+        v.into_iter().map(|x| x + base).collect()
+    }
+}
+
+/// The method column: a label and the engine settings.
+fn method_cfg(label: &str) -> Option<CudaEngineConfig> {
+    let d = CudaEngineConfig::default();
+    Some(match label {
+        "dma" => CudaEngineConfig {
+            method: CopyMethod::Dma,
+            ..d
+        },
+        "kernel" => CudaEngineConfig {
+            method: CopyMethod::Kernel,
+            ..d
+        },
+        "staged" => CudaEngineConfig {
+            method: CopyMethod::Staged,
+            ..d
+        },
+        "auto-idle" => d,
+        // What the Python handlers and the vLLM plug-in use by default: a 2% budget.
+        "auto" => CudaEngineConfig {
+            compute_budget_bp: Some(200),
+            ..d
+        },
+        _ => return None,
+    })
+}
+
+/// cuBLAS, loaded at run time.
+#[cfg(feature = "cuda")]
+struct Gemm {
+    handle: cudarc::cublas::sys::cublasHandle_t,
+    a: DeviceBuffer,
+    b: DeviceBuffer,
+    c: DeviceBuffer,
+}
+
+#[cfg(feature = "cuda")]
+impl Gemm {
+    const N: i32 = 8192;
+
+    fn new(dev: &Arc<CudaDevice>, stream: &CudaStream) -> Option<Self> {
+        use cudarc::cublas::sys as cb;
+        // SAFETY: only tries to dlopen the library.
+        if !unsafe { cb::is_culib_present() } {
+            eprintln!(
+                "interference: cuBLAS (libcublas.so.13) not found: put torch's nvidia/cu13/lib on \
+                 LD_LIBRARY_PATH; the GEMM proxy is skipped"
+            );
+            return None;
+        }
+        let bytes = (Self::N as usize).pow(2) * 2;
+        let (a, b, c) = (
+            DeviceBuffer::new(dev, bytes).unwrap(),
+            DeviceBuffer::new(dev, bytes).unwrap(),
+            DeviceBuffer::new(dev, bytes).unwrap(),
+        );
+        // Small random bf16 values (any bytes with a zero exponent top bit are finite).
+        let mut host = vec![0u8; bytes];
+        let mut r = Rng(7);
+        for p in host.chunks_exact_mut(2) {
+            let v = 0x3c00u16 | (r.next() as u16 & 0x00ff);
+            p.copy_from_slice(&v.to_le_bytes());
+        }
+        a.write(0, &host).unwrap();
+        b.write(0, &host).unwrap();
+        let mut handle = std::ptr::null_mut();
+        // SAFETY: the device's context is current on this thread (create_stream bound it).
+        unsafe {
+            assert_eq!(
+                cb::cublasCreate_v2(&mut handle),
+                cb::cublasStatus_t::CUBLAS_STATUS_SUCCESS
+            );
+            assert_eq!(
+                cb::cublasSetStream_v2(handle, stream.handle() as cb::cudaStream_t),
+                cb::cublasStatus_t::CUBLAS_STATUS_SUCCESS
+            );
+        }
+        Some(Self { handle, a, b, c })
+    }
+
+    fn enqueue(&self) {
+        use cudarc::cublas::sys as cb;
+        let (alpha, beta) = (1.0f32, 0.0f32);
+        // SAFETY: three live 8192² bf16 buffers; the handle's stream is live.
+        let st = unsafe {
+            cb::cublasGemmEx(
+                self.handle,
+                cb::cublasOperation_t::CUBLAS_OP_N,
+                cb::cublasOperation_t::CUBLAS_OP_N,
+                Self::N,
+                Self::N,
+                Self::N,
+                (&alpha as *const f32).cast(),
+                self.a.ptr() as *const _,
+                cb::cudaDataType::CUDA_R_16BF,
+                Self::N,
+                self.b.ptr() as *const _,
+                cb::cudaDataType::CUDA_R_16BF,
+                Self::N,
+                (&beta as *const f32).cast(),
+                self.c.ptr() as *mut _,
+                cb::cudaDataType::CUDA_R_16BF,
+                Self::N,
+                cb::cublasComputeType_t::CUBLAS_COMPUTE_32F,
+                cb::cublasGemmAlgo_t::CUBLAS_GEMM_DEFAULT,
+            )
+        };
+        assert_eq!(st, cb::cublasStatus_t::CUBLAS_STATUS_SUCCESS);
+    }
+}
+
+/// The compute proxies on one stream of the main thread.
+#[cfg(feature = "cuda")]
+struct Compute {
+    stream: CudaStream,
+    gemm: Option<Gemm>,
+    x: DeviceBuffer,
+    y: DeviceBuffer,
+    n: [usize; 2],
+}
+
+#[cfg(feature = "cuda")]
+impl Compute {
+    fn op(&self, kind: usize) {
+        if kind == 0 {
+            self.gemm.as_ref().unwrap().enqueue();
+        } else {
+            // SAFETY: two live 1 GiB device buffers; the stream is live; the context is current.
+            let r = unsafe {
+                cudarc::driver::sys::cuMemcpyDtoDAsync_v2(
+                    self.y.ptr(),
+                    self.x.ptr(),
+                    self.x.len(),
+                    self.stream.handle() as cudarc::driver::sys::CUstream,
+                )
+            };
+            assert_eq!(r, cudarc::driver::sys::CUresult::CUDA_SUCCESS);
+        }
+    }
+    /// Milliseconds per op of `n` back-to-back ops.
+    fn run(&self, kind: usize, n: usize) -> f64 {
+        self.stream.synchronize().unwrap();
+        let t = Instant::now();
+        for _ in 0..n {
+            self.op(kind);
+        }
+        self.stream.synchronize().unwrap();
+        t.elapsed().as_secs_f64() * 1e3 / n as f64
+    }
+}
+
+/// What one phase of transfers did.
+#[derive(Default)]
+struct Moved {
+    gb_s: f64,
+    failed: u64,
+    sms: u32,
+    longest_us: f64,
+}
+
+/// One cell's buffers: GPU KV (tensors × blocks × page, one allocation) and pinned host rows.
+#[cfg(feature = "cuda")]
+struct Cell {
+    gpu: DeviceBuffer,
+    host: PinnedBuffer,
+    page: u64,
+    blocks: u64,
+    ngpu: u64,
+    ncpu: u64,
+}
+
+#[cfg(feature = "cuda")]
+impl Cell {
+    fn copies(&self, dir: Direction, g: &[u64], c: &[u64]) -> Vec<CopyOp> {
+        let mut v = Vec::with_capacity(g.len() * TENSORS as usize);
+        for (&g, &c) in g.iter().zip(c) {
+            for t in 0..TENSORS {
+                let gp = self.gpu.ptr() + (t * self.ngpu + g) * self.page;
+                let hp = self.host.ptr() + (c * TENSORS + t) * self.page;
+                let (src_ptr, dst_ptr) = match dir {
+                    Direction::GpuToCpu => (gp, hp),
+                    Direction::CpuToGpu => (hp, gp),
+                };
+                v.push(CopyOp {
+                    src_ptr,
+                    dst_ptr,
+                    bytes: self.page,
+                });
+            }
+        }
+        v
+    }
+
+    /// Loops jobs (stores from/to the first halves, loads into the second halves) until `stop`.
+    fn transfer_loop(
+        &self,
+        engines: &mut [CudaEngine; 2],
+        dirs: &str,
+        stop: &AtomicBool,
+        rng: &mut Rng,
+    ) -> Moved {
+        let (mut bytes, mut m, mut job) = (0u64, Moved::default(), 0i64);
+        let t = Instant::now();
+        let (hg, hc) = (self.ngpu / 2, self.ncpu / 2);
+        while !stop.load(Ordering::Relaxed) {
+            let mut ids = Vec::new();
+            for (i, dir) in [Direction::GpuToCpu, Direction::CpuToGpu]
+                .into_iter()
+                .enumerate()
+            {
+                let on = match dir {
+                    Direction::GpuToCpu => dirs != "load",
+                    Direction::CpuToGpu => dirs != "store",
+                };
+                if !on {
+                    continue;
+                }
+                let (g, c) = match dir {
+                    Direction::GpuToCpu => (
+                        rng.distinct(0, hg, self.blocks as usize),
+                        rng.distinct(0, hc, self.blocks as usize),
+                    ),
+                    Direction::CpuToGpu => (
+                        rng.distinct(hg, hg, self.blocks as usize),
+                        rng.distinct(hc, hc, self.blocks as usize),
+                    ),
+                };
+                let plan = CopyPlan::from_copies(dir, self.copies(dir, &g, &c)).unwrap();
+                // SAFETY: the buffers live in `self` for the whole run; store and load blocks are
+                // disjoint halves.
+                unsafe { engines[i].submit(Job::new(job, plan)) }.unwrap();
+                let s = engines[i].last_submit_stats();
+                m.sms = m.sms.max(s.sms);
+                m.longest_us = m.longest_us.max(s.longest_call_ns as f64 / 1e3);
+                ids.push((i, job));
+                job += 1;
+            }
+            for (i, j) in ids {
+                engines[i].wait(&[j]).unwrap();
+                for r in engines[i].poll() {
+                    if r.success {
+                        bytes += r.bytes;
+                    } else {
+                        m.failed += 1;
+                    }
+                }
+            }
+        }
+        m.gb_s = bytes as f64 / t.elapsed().as_secs_f64() / 1e9;
+        m
+    }
+
+    /// A store then a load into other GPU blocks, with GEMMs queued before; byte-exact?
+    fn round_trip(&self, engines: &mut [CudaEngine; 2], comp: &Compute, rng: &mut Rng) -> bool {
+        let n = self.blocks as usize;
+        let src = rng.distinct(0, self.ngpu / 2, n);
+        let dst = rng.distinct(self.ngpu / 2, self.ngpu / 2, n);
+        let cpu = rng.distinct(0, self.ncpu, n);
+        let mut before = vec![0u8; self.gpu.len()];
+        self.gpu.read(0, &mut before).unwrap();
+        for _ in 0..4 {
+            comp.op(if comp.gemm.is_some() { 0 } else { 1 });
+        }
+        let stream = Some(comp.stream.handle());
+        for (i, dir, g) in [
+            (0, Direction::GpuToCpu, &src),
+            (1, Direction::CpuToGpu, &dst),
+        ] {
+            let plan = CopyPlan::from_copies(dir, self.copies(dir, g, &cpu)).unwrap();
+            let mut j = Job::new(1 << 40, plan);
+            j.stream = stream;
+            // SAFETY: as in `transfer_loop`.
+            unsafe { engines[i].submit(j) }.unwrap();
+            engines[i].wait(&[1 << 40]).unwrap();
+            if !engines[i].poll().iter().all(|r| r.success) {
+                return false;
+            }
+        }
+        let mut after = vec![0u8; self.gpu.len()];
+        self.gpu.read(0, &mut after).unwrap();
+        let p = self.page as usize;
+        (0..TENSORS).all(|t| {
+            src.iter().zip(&dst).all(|(&s, &d)| {
+                let (s, d) = (
+                    ((t * self.ngpu + s) as usize) * p,
+                    ((t * self.ngpu + d) as usize) * p,
+                );
+                after[d..d + p] == before[s..s + p]
+            })
+        })
+    }
+}
+
+/// CPU microseconds of one tiny kernel launch every 200 µs on its own stream, until `stop`.
+#[cfg(feature = "cuda")]
+fn probe(dev: &Arc<CudaDevice>, stop: &AtomicBool) -> Vec<f64> {
+    let s = dev.create_stream().unwrap();
+    let mut out = Vec::new();
+    while !stop.load(Ordering::Relaxed) {
+        let t = Instant::now();
+        s.sleep(1).unwrap();
+        out.push(t.elapsed().as_secs_f64() * 1e6);
+        std::thread::sleep(Duration::from_micros(200));
+    }
+    s.synchronize().unwrap();
+    out
+}
+
+#[cfg(feature = "cuda")]
+fn main() {
+    if !cuda_available() {
+        println!("interference: skipped (no CUDA device)");
+        return;
+    }
+    let quick = std::env::var("KVOFF_BENCH_QUICK").is_ok();
+    let pages = env_list("KVOFF_BENCH_PAGES", if quick { "32" } else { "4,32" });
+    let jobs = env_list("KVOFF_BENCH_JOBS", if quick { "8" } else { "8,128" });
+    let dirs = env_list(
+        "KVOFF_BENCH_DIRS",
+        if quick { "both" } else { "store,both" },
+    );
+    let methods = env_list(
+        "KVOFF_BENCH_METHODS",
+        if quick {
+            "dma,auto"
+        } else {
+            "dma,kernel,staged,auto-idle,auto"
+        },
+    );
+    let secs: f64 = std::env::var("KVOFF_BENCH_SECONDS")
+        .ok()
+        .and_then(|s| s.parse().ok())
+        .unwrap_or(0.3);
+    let rounds: usize = std::env::var("KVOFF_BENCH_ROUNDS")
+        .ok()
+        .and_then(|s| s.parse().ok())
+        .unwrap_or(3)
+        .max(1);
+    let dev = CudaDevice::open(0).unwrap();
+    let stream = dev.create_stream().unwrap();
+    let gemm = Gemm::new(&dev, &stream);
+    let x = DeviceBuffer::new(&dev, 1 << 30).unwrap();
+    let y = DeviceBuffer::new(&dev, 1 << 30).unwrap();
+    let mut comp = Compute {
+        stream,
+        gemm,
+        x,
+        y,
+        n: [0; 2],
+    };
+    let kinds: Vec<usize> = if comp.gemm.is_some() {
+        vec![0, 1]
+    } else {
+        vec![1]
+    };
+    let mut alone0 = [f64::NAN; 2];
+    for &k in &kinds {
+        comp.run(k, 3);
+        let ms = comp.run(k, 5);
+        comp.n[k] = ((secs * 1e3 / ms) as usize).max(5);
+        alone0[k] = comp.run(k, comp.n[k]);
+    }
+    let stop = AtomicBool::new(false);
+    let lat0 = std::thread::scope(|sc| {
+        let h = sc.spawn(|| probe(&dev, &stop));
+        std::thread::sleep(Duration::from_secs_f64(secs.max(0.3)));
+        stop.store(true, Ordering::Relaxed);
+        h.join().unwrap()
+    });
+    println!(
+        "transfers beside compute (Rust): {}; GEMM 8192³ bf16 {:.3} ms, 1 GiB device copy {:.3} ms; \
+         launch alone p50 {:.1} µs, p99 {:.1} µs, max {:.0} µs; {rounds} rounds of {secs} s",
+        dev.name(),
+        alone0[0],
+        alone0[1],
+        median(&lat0),
+        pct(&lat0, 0.99),
+        lat0.iter().copied().fold(0.0, f64::max),
+    );
+    println!(
+        "{:>6}{:>6}{:>7} {:<6}{:<10}{:>7}{:>8}{:>7}{:>8}{:>7}{:>5}{:>7}{:>7}{:>7}{:>8} ok",
+        "page",
+        "job",
+        "copies",
+        "dirs",
+        "method",
+        "idle",
+        "gemm%",
+        "GB/s",
+        "mem%",
+        "GB/s",
+        "sms",
+        "call",
+        "lat50",
+        "lat99",
+        "latmax"
+    );
+    let mut bad = false;
+    let mut rng = Rng(0x9e37_79b9_7f4a_7c15);
+    for page_kib in &pages {
+        for job_mib in &jobs {
+            let page = page_kib.parse::<u64>().unwrap() << 10;
+            let blocks = ((job_mib.parse::<u64>().unwrap() << 20) / (TENSORS * page)).max(1);
+            let (ngpu, ncpu) = (4 * blocks, 4 * blocks);
+            let gpu = DeviceBuffer::new(&dev, (TENSORS * ngpu * page) as usize).unwrap();
+            let mut init = vec![0u8; gpu.len()];
+            for w in init.chunks_exact_mut(8) {
+                w.copy_from_slice(&rng.next().to_le_bytes());
+            }
+            gpu.write(0, &init).unwrap();
+            drop(init);
+            let host = PinnedBuffer::new(&dev, (TENSORS * ncpu * page) as usize).unwrap();
+            let cell = Cell {
+                gpu,
+                host,
+                page,
+                blocks,
+                ngpu,
+                ncpu,
+            };
+            for label in &methods {
+                let Some(cfg) = method_cfg(label) else {
+                    eprintln!("interference: unknown method {label:?}");
+                    continue;
+                };
+                let mut engines = [
+                    CudaEngine::new(Arc::clone(&dev), Direction::GpuToCpu, cfg.clone()).unwrap(),
+                    CudaEngine::new(Arc::clone(&dev), Direction::CpuToGpu, cfg).unwrap(),
+                ];
+                for d in &dirs {
+                    // Idle, with the launch probe.
+                    let stop = AtomicBool::new(false);
+                    let (idle, lat) = std::thread::scope(|sc| {
+                        let p = sc.spawn(|| probe(&dev, &stop));
+                        let t = sc.spawn(|| {
+                            let mut r = Rng(rng.0 ^ 1);
+                            cell.transfer_loop(&mut engines, d, &stop, &mut r)
+                        });
+                        std::thread::sleep(Duration::from_secs_f64(secs));
+                        stop.store(true, Ordering::Relaxed);
+                        (t.join().unwrap(), p.join().unwrap())
+                    });
+                    let (mut sms, mut longest, mut failed) =
+                        (idle.sms, idle.longest_us, idle.failed);
+                    let mut slow = [f64::NAN; 2];
+                    let mut gbs = [f64::NAN; 2];
+                    for &k in &kinds {
+                        let (mut a, mut b, mut g) = (Vec::new(), Vec::new(), Vec::new());
+                        for _ in 0..rounds {
+                            a.push(comp.run(k, comp.n[k]));
+                            let stop = AtomicBool::new(false);
+                            let (m, ms) = std::thread::scope(|sc| {
+                                let t = sc.spawn(|| {
+                                    let mut r = Rng(rng.0 ^ 2);
+                                    cell.transfer_loop(&mut engines, d, &stop, &mut r)
+                                });
+                                std::thread::sleep(Duration::from_millis(50));
+                                let ms = comp.run(k, comp.n[k]);
+                                stop.store(true, Ordering::Relaxed);
+                                (t.join().unwrap(), ms)
+                            });
+                            b.push(ms);
+                            g.push(m.gb_s);
+                            sms = sms.max(m.sms);
+                            longest = longest.max(m.longest_us);
+                            failed += m.failed;
+                        }
+                        slow[k] = median(&b) / median(&a) - 1.0;
+                        gbs[k] = median(&g);
+                    }
+                    let ok = failed == 0 && cell.round_trip(&mut engines, &comp, &mut rng);
+                    bad |= !ok;
+                    println!(
+                        "{:>5}K{:>5}M{:>7} {:<6}{:<10}{:>7.1}{:>+7.1}%{:>7.1}{:>+7.1}%{:>7.1}{:>5}{:>7.0}{:>7.0}{:>7.0}{:>8.0} {}",
+                        page_kib,
+                        job_mib,
+                        blocks * TENSORS,
+                        d,
+                        label,
+                        idle.gb_s,
+                        slow[0] * 100.0,
+                        gbs[0],
+                        slow[1] * 100.0,
+                        gbs[1],
+                        sms,
+                        longest,
+                        median(&lat),
+                        pct(&lat, 0.99),
+                        lat.iter().copied().fold(0.0, f64::max),
+                        if ok { "ok" } else { "FAIL" }
+                    );
+                }
+                for e in &mut engines {
+                    e.shutdown();
+                }
+            }
+        }
+    }
+    if bad {
+        eprintln!("interference: a job failed or a round trip was not byte-exact");
+        std::process::exit(1);
+    }
+}
+
+#[cfg(not(feature = "cuda"))]
+fn main() {
+    println!("interference: skipped (built without the cuda feature)");
+}
