@@ -390,3 +390,146 @@ def format_interference(res: dict[str, Any]) -> str:
     ]
     lines += [format_row(r) for r in res["rows"]]
     return "\n".join(lines)
+
+
+# ---------------------------------------------------------------------------------------------
+# Page-size sweep and plot: kvoff beside the batch-DMA baseline and the contiguous-copy limit,
+# idle and beside the GEMM
+# ---------------------------------------------------------------------------------------------
+
+#: Page sizes of the plot's sweep (KiB).
+PLOT_PAGES_KIB = [4, 32, 128, 2048]
+
+
+def _contig_loop(torch: Any, dst: Any, src: Any, stop: threading.Event, stats: dict[str, Any]) -> None:
+    """Contiguous copies of ``src`` into ``dst`` on a side stream until ``stop`` (the link's limit)."""
+    side = torch.cuda.Stream()
+    n, t0 = 0, time.perf_counter()
+    with torch.cuda.stream(side):
+        while not stop.is_set():
+            dst.copy_(src, non_blocking=True)
+            side.synchronize()
+            n += src.numel()
+    stats["gb_s"] = n / (time.perf_counter() - t0) / 1e9
+
+
+def _contig_phase(torch: Any, nbytes: int, direction: str, seconds: float, comp: _Compute | None) -> float:
+    dev = torch.empty(nbytes, dtype=torch.uint8, device="cuda")
+    host = torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
+    dst, src = (host, dev) if direction == "store" else (dev, host)
+    stop, stats = threading.Event(), cast(dict[str, Any], {})
+    th = threading.Thread(target=_contig_loop, args=(torch, dst, src, stop, stats), daemon=True)
+    th.start()
+    time.sleep(0.05)
+    if comp is not None:
+        comp.timed("gemm", reps=1)
+    else:
+        time.sleep(seconds)
+    stop.set()
+    th.join(timeout=60)
+    return float(stats.get("gb_s", float("nan")))
+
+
+def sweep_for_plot(
+    pages_kib: list[int] | None = None, job_mib: int = 64, seconds: float = 0.3, log: Any = None
+) -> list[dict[str, Any]]:
+    """GB/s per page size and direction for kvoff's default (``auto``, 2% budget), plain batched
+    DMA and one contiguous copy of the same bytes, idle and beside the bf16 GEMM loop. Rows:
+    ``{page_kib, dir, method, idle_gb_s, gemm_gb_s}``."""
+    import torch
+
+    import kvoff
+
+    if not (torch.cuda.is_available() and kvoff.cuda_available()):
+        raise RuntimeError("kvoff bench interference --plot needs a CUDA GPU and torch with CUDA")
+    say = log or (lambda *_: None)
+    comp = _Compute(torch)
+    comp.calibrate(seconds)
+    rows: list[dict[str, Any]] = []
+    for page_kib in pages_kib or PLOT_PAGES_KIB:
+        page = page_kib << 10
+        tensors = max(1, min(TENSORS, (job_mib << 20) // (page * 4)))
+        blocks = max(4, (job_mib << 20) // (tensors * page))
+        ngpu = ncpu = 4 * blocks
+        kv = [torch.empty(ngpu, page, dtype=torch.uint8, device="cuda") for _ in range(tensors)]
+        for label, engine, budget in (("kvoff auto", "auto", 0.02), ("batched DMA", "dma", None)):
+            h = kvoff.CpuGpuOffloadingHandlers(
+                kv, 1, ncpu, engine=cast(EngineName, engine), compute_budget=budget
+            )
+            try:
+                for d in ("store", "load"):
+                    idle, _ = _run_phase(torch, kvoff, h, d, blocks, ngpu, ncpu, seconds, None, "", None)
+                    near, _ = _run_phase(torch, kvoff, h, d, blocks, ngpu, ncpu, seconds, comp, "gemm", None)
+                    row: dict[str, Any] = {"page_kib": page_kib, "dir": d, "method": label}
+                    row |= {"idle_gb_s": idle["gb_s"], "gemm_gb_s": near["gb_s"]}
+                    rows.append(row)
+                    say(row)
+            finally:
+                h.shutdown()
+        del kv
+        torch.cuda.empty_cache()
+        nbytes = blocks * tensors * page
+        for d in ("store", "load"):
+            row = {"page_kib": page_kib, "dir": d, "method": "contiguous copy"}
+            row |= {
+                "idle_gb_s": _contig_phase(torch, nbytes, d, seconds, None),
+                "gemm_gb_s": _contig_phase(torch, nbytes, d, seconds, comp),
+            }
+            rows.append(row)
+            say(row)
+    return rows
+
+
+def plot_sweep_rows(rows: list[dict[str, Any]], path: str, title: str = "") -> None:
+    """One panel per direction: GB/s against page size, one colour per method, solid idle and
+    dashed beside the GEMM."""
+    from kvoff.demo import require_matplotlib
+
+    require_matplotlib()
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    dirs = [d for d in ("store", "load") if any(r["dir"] == d for r in rows)]
+    fig, axes = plt.subplots(1, max(1, len(dirs)), figsize=(6.5 * max(1, len(dirs)), 4.2), squeeze=False)
+    methods = list(dict.fromkeys(r["method"] for r in rows))
+    for ax, d in zip(axes[0], dirs):
+        for i, m in enumerate(methods):
+            pts = sorted(
+                (r["page_kib"], r["idle_gb_s"], r.get("gemm_gb_s"))
+                for r in rows
+                if r["dir"] == d and r["method"] == m
+            )
+            if not pts:
+                continue
+            color = f"C{i}"
+            xs = [p[0] << 10 for p in pts]
+            ax.plot(xs, [p[1] for p in pts], marker="o", color=color, label=f"{m}, idle")
+            if all(p[2] is not None for p in pts):
+                ax.plot(
+                    xs, [p[2] for p in pts], marker="s", ls="--", color=color, label=f"{m}, beside a GEMM"
+                )
+        ticks = sorted({r["page_kib"] << 10 for r in rows})
+        ax.set_xscale("log", base=2)
+        ax.set_xticks(ticks)
+        ax.set_xticklabels([f"{p >> 20} MiB" if p >= 1 << 20 else f"{p >> 10} KiB" for p in ticks])
+        ax.set_xlabel("page size (bytes per block per tensor)")
+        ax.set_ylabel("GB/s")
+        ax.set_ylim(bottom=0)
+        ax.grid(True, alpha=0.3)
+        ax.set_title({"store": "stores (GPU → host)", "load": "loads (host → GPU)"}[d])
+        ax.legend(fontsize=8)
+    fig.suptitle(title or "kvoff transfers: idle and beside compute")
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+def format_sweep_rows(rows: list[dict[str, Any]]) -> str:
+    lines = [f"{'page':>8} {'dir':<6}{'method':<16}{'idle GB/s':>10}{'beside GEMM':>12}"]
+    for r in rows:
+        p = r["page_kib"]
+        ps = f"{p >> 10} MiB" if p >= 1024 else f"{p} KiB"
+        lines.append(f"{ps:>8} {r['dir']:<6}{r['method']:<16}{r['idle_gb_s']:>10.1f}{r['gemm_gb_s']:>12.1f}")
+    return "\n".join(lines)

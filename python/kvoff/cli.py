@@ -60,7 +60,30 @@ def _bench_disk(args: argparse.Namespace) -> int:
 
 
 def _bench_interference(args: argparse.Namespace) -> int:
-    from kvoff.bench_interference import bench_interference, format_interference
+    from kvoff.bench_interference import (
+        bench_interference,
+        format_interference,
+        format_sweep_rows,
+        plot_sweep_rows,
+        sweep_for_plot,
+    )
+    from kvoff.demo import require_matplotlib
+
+    if args.plot:
+        try:
+            require_matplotlib()
+        except ImportError as e:
+            print(f"kvoff bench interference: {e}", file=sys.stderr)
+            return 2
+        rows = sweep_for_plot(
+            job_mib=args.plot_job_mib,
+            seconds=args.seconds,
+            log=None if args.quiet else (lambda s: print(s, file=sys.stderr, flush=True)),
+        )
+        plot_sweep_rows(rows, args.plot)
+        print(json.dumps(rows, indent=1) if args.json else format_sweep_rows(rows))
+        print(f"plot written to {args.plot}")
+        return 0
 
     def ints(v: str) -> list[int]:
         return [int(x) for x in v.split(",")]
@@ -255,6 +278,16 @@ def main(argv: list[str] | None = None) -> int:
         "kernel, staged, auto-idle (budget none), auto (budget 0.02))",
     )
     i.add_argument("--seconds", type=float, default=0.3, help="seconds per measurement (default 0.3)")
+    i.add_argument(
+        "--plot",
+        metavar="FILE.png",
+        default=None,
+        help="instead of the grid: sweep page sizes (4 KiB-2 MiB) and plot GB/s of kvoff's default, "
+        "plain batched DMA and a contiguous copy, idle and beside the GEMM (needs matplotlib)",
+    )
+    i.add_argument(
+        "--plot-job-mib", dest="plot_job_mib", type=int, default=64, help="MiB per job in the --plot sweep"
+    )
     i.add_argument(
         "--rounds",
         type=int,

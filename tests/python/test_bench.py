@@ -131,6 +131,43 @@ def test_interference_slowdown_from_alternating_rounds():
         bench_interference(rounds=0)
 
 
+def test_interference_plot_draws_both_directions(tmp_path):
+    """`kvoff bench interference --plot`'s drawing, from synthetic sweep rows: kvoff, the batched-DMA
+    baseline and the contiguous limit, idle and beside the GEMM, one panel per direction."""
+    pytest.importorskip("matplotlib")
+    from kvoff.bench_interference import format_sweep_rows, plot_sweep_rows
+
+    rows = [
+        {"page_kib": p, "dir": d, "method": m, "idle_gb_s": 10.0 + i, "gemm_gb_s": 5.0 + i}
+        for i, (p, d, m) in enumerate(
+            (p, d, m)
+            for p in (4, 32, 2048)
+            for d in ("store", "load")
+            for m in ("kvoff auto", "batched DMA", "contiguous copy")
+        )
+    ]
+    out = tmp_path / "sweep.png"
+    plot_sweep_rows(rows, str(out))
+    assert out.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and out.stat().st_size > 10_000
+    text = format_sweep_rows(rows).splitlines()
+    assert len(text) == 1 + len(rows) and "2 MiB" in text[-1]
+
+
+def test_interference_plot_without_matplotlib_exits_2(monkeypatch, capsys):
+    import builtins
+
+    real = builtins.__import__
+
+    def no_mpl(name, *a, **k):
+        if name == "matplotlib" or name.startswith("matplotlib."):
+            raise ImportError("no matplotlib here")
+        return real(name, *a, **k)
+
+    monkeypatch.setattr(builtins, "__import__", no_mpl)
+    assert cli.main(["bench", "interference", "--plot", "x.png", "--quiet"]) == 2
+    assert "matplotlib" in capsys.readouterr().err
+
+
 def test_interference_cli_parses_and_needs_a_gpu(capsys):
     from kvoff import _native
 
