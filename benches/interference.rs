@@ -8,7 +8,8 @@
 //! memory-bound 1 GiB device-to-device copy loop. Each proxy is timed alone and beside the
 //! transfers in alternating rounds (median beside / median alone − 1 = its slowdown; the proxies
 //! drift by a few percent over a run). Also per cell: GB/s idle and beside each proxy, the SMs
-//! kvoff's kernels may occupy and its longest driver call (`SubmitStats`), the CPU time of a tiny
+//! kvoff's kernels may occupy and its longest driver call per submit (`SubmitStats`: p99 and max
+//! over the cell's submits of the wall-clock time, p99 of the thread CPU time), the CPU time of a tiny
 //! kernel launch by a third thread every 200 µs while kvoff submits (against the same probe with
 //! kvoff idle), and a byte-exact store → load round trip with GEMMs queued.
 //!
@@ -241,7 +242,8 @@ struct Moved {
     gb_s: f64,
     failed: u64,
     sms: u32,
-    longest_us: f64,
+    /// Per submit: its longest driver call, wall-clock and thread CPU µs.
+    calls: Vec<(f64, f64)>,
 }
 
 /// One cell's buffers: GPU KV (tensors × blocks × page, one allocation) and pinned host rows.
@@ -317,7 +319,10 @@ impl Cell {
                 unsafe { engines[i].submit(Job::new(job, plan)) }.unwrap();
                 let s = engines[i].last_submit_stats();
                 m.sms = m.sms.max(s.sms);
-                m.longest_us = m.longest_us.max(s.longest_call_ns as f64 / 1e3);
+                m.calls.push((
+                    s.longest_call_ns as f64 / 1e3,
+                    s.longest_call_cpu_ns as f64 / 1e3,
+                ));
                 ids.push((i, job));
                 job += 1;
             }
@@ -464,7 +469,7 @@ fn main() {
         lat0.iter().copied().fold(0.0, f64::max),
     );
     println!(
-        "{:>6}{:>6}{:>7} {:<6}{:<10}{:>7}{:>8}{:>7}{:>8}{:>7}{:>5}{:>7}{:>7}{:>7}{:>8} ok",
+        "{:>6}{:>6}{:>7} {:<6}{:<10}{:>7}{:>8}{:>7}{:>8}{:>7}{:>5}{:>7}{:>7}{:>7}{:>7}{:>7}{:>8} ok",
         "page",
         "job",
         "copies",
@@ -476,7 +481,9 @@ fn main() {
         "mem%",
         "GB/s",
         "sms",
-        "call",
+        "call99",
+        "callmx",
+        "cpu99",
         "lat50",
         "lat99",
         "latmax"
@@ -526,8 +533,8 @@ fn main() {
                         stop.store(true, Ordering::Relaxed);
                         (t.join().unwrap(), p.join().unwrap())
                     });
-                    let (mut sms, mut longest, mut failed) =
-                        (idle.sms, idle.longest_us, idle.failed);
+                    let (mut sms, mut failed) = (idle.sms, idle.failed);
+                    let mut calls = idle.calls.clone();
                     let mut slow = [f64::NAN; 2];
                     let mut gbs = [f64::NAN; 2];
                     for &k in &kinds {
@@ -548,16 +555,18 @@ fn main() {
                             b.push(ms);
                             g.push(m.gb_s);
                             sms = sms.max(m.sms);
-                            longest = longest.max(m.longest_us);
+                            calls.extend_from_slice(&m.calls);
                             failed += m.failed;
                         }
                         slow[k] = median(&b) / median(&a) - 1.0;
                         gbs[k] = median(&g);
                     }
                     let ok = failed == 0 && cell.round_trip(&mut engines, &comp, &mut rng);
+                    let wall: Vec<f64> = calls.iter().map(|c| c.0).collect();
+                    let cpu: Vec<f64> = calls.iter().map(|c| c.1).collect();
                     bad |= !ok;
                     println!(
-                        "{:>5}K{:>5}M{:>7} {:<6}{:<10}{:>7.1}{:>+7.1}%{:>7.1}{:>+7.1}%{:>7.1}{:>5}{:>7.0}{:>7.0}{:>7.0}{:>8.0} {}",
+                        "{:>5}K{:>5}M{:>7} {:<6}{:<10}{:>7.1}{:>+7.1}%{:>7.1}{:>+7.1}%{:>7.1}{:>5}{:>7.0}{:>7.0}{:>7.0}{:>7.0}{:>7.0}{:>8.0} {}",
                         page_kib,
                         job_mib,
                         blocks * TENSORS,
@@ -569,7 +578,9 @@ fn main() {
                         slow[1] * 100.0,
                         gbs[1],
                         sms,
-                        longest,
+                        pct(&wall, 0.99),
+                        wall.iter().copied().fold(0.0, f64::max),
+                        pct(&cpu, 0.99),
                         median(&lat),
                         pct(&lat, 0.99),
                         lat.iter().copied().fold(0.0, f64::max),

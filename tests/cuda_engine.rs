@@ -169,6 +169,11 @@ fn round_trip_every_method_byte_exact() {
                 st.longest_call_ns > 0 && st.longest_call_ns <= st.submit_ns,
                 "{st:?}"
             );
+            // CPU time of a call cannot exceed its wall time (1 ms of clock granularity slack).
+            assert!(
+                st.longest_call_cpu_ns <= st.longest_call_ns + 1_000_000,
+                "{st:?}"
+            );
             match ran {
                 "dma" | "loop" => assert_eq!(st.sms, 0, "{st:?}"),
                 "kernel" | "staged" => {

@@ -349,7 +349,8 @@ class TransferHandler:
     def last_submit_stats(self) -> dict[str, Any]:
         """What the most recent `submit` did: `method` (the copy method, or None before the first),
         `sms` (SMs its copy kernels can occupy at once; 0 = copy engines only), `submit_ns` (CPU
-        time of the submit), `longest_call_ns` (its longest single driver call), `driver_calls`.
+        time of the submit), `longest_call_ns` / `longest_call_cpu_ns` (its longest single driver
+        call, wall-clock / thread CPU time), `driver_calls`.
         """
     @property
     def num_tensors(self) -> int:

@@ -127,7 +127,7 @@ def _transfer_steps(
     t0: float,
 ) -> None:
     job, nbytes, failed = 1, 0, 0
-    sms, longest = 0, 0
+    sms, longest, cpu = 0, 0, 0
     with torch.cuda.stream(side):
         while not stop.is_set():
             ids = []
@@ -138,6 +138,7 @@ def _transfer_steps(
                 ids.append((st, job))
                 s = st.last_submit_stats
                 sms, longest = max(sms, s["sms"]), max(longest, s["longest_call_ns"])
+                cpu = max(cpu, s["longest_call_cpu_ns"])
             if dirs in ("load", "both"):
                 c = [ncpu // 2 + i for i in rng.sample(range(ncpu // 2), blocks)]
                 g = [ngpu // 2 + i for i in rng.sample(range(ngpu // 2), blocks)]
@@ -145,6 +146,7 @@ def _transfer_steps(
                 ids.append((ld, job + 1))
                 s = ld.last_submit_stats
                 sms, longest = max(sms, s["sms"]), max(longest, s["longest_call_ns"])
+                cpu = max(cpu, s["longest_call_cpu_ns"])
             for hd, j in ids:
                 hd.wait([j])
             for r in st.get_finished() + ld.get_finished():
@@ -155,6 +157,7 @@ def _transfer_steps(
     stats["failed"] = failed
     stats["sms"] = sms
     stats["longest_call_us"] = longest / 1e3
+    stats["longest_call_cpu_us"] = cpu / 1e3
 
 
 def _roundtrip(torch: Any, kvoff: Any, h: Any, comp: _Compute, blocks: int, ngpu: int, ncpu: int) -> bool:
@@ -326,7 +329,7 @@ def bench_interference(
                         row["launch_p99_us"] = _pct(lat, 0.99) * 1e6
                         row["launch_max_us"] = max(lat) * 1e6 if lat else float("nan")
                         failed = st["failed"]
-                        sms, longest = st["sms"], st["longest_call_us"]
+                        sms, longest, cpu = st["sms"], st["longest_call_us"], st["longest_call_cpu_us"]
                         for kind in ("gemm", "mem"):
                             alone, beside, gbs = [], [], []
                             for _ in range(rounds):
@@ -338,9 +341,11 @@ def bench_interference(
                                 gbs.append(st["gb_s"])
                                 failed += st["failed"]
                                 sms, longest = max(sms, st["sms"]), max(longest, st["longest_call_us"])
+                                cpu = max(cpu, st["longest_call_cpu_us"])
                             row.update(slowdown_row(kind, alone, beside, gbs))
                         row["sms"] = sms
                         row["longest_call_us"] = longest
+                        row["longest_call_cpu_us"] = cpu
                         row["failed"] = failed
                         rows.append(row)
                         say(format_row(row))
@@ -358,7 +363,7 @@ def bench_interference(
 
 HEADER = (
     f"{'page':>6}{'job':>6}{'copies':>8} {'dirs':<6}{'method':<12}{'idle':>7}{'gemm%':>8}{'GB/s':>7}"
-    f"{'mem%':>8}{'GB/s':>7}{'sms':>5}{'call':>7}{'lat99':>8}{'latmax':>9} ok"
+    f"{'mem%':>8}{'GB/s':>7}{'sms':>5}{'call':>7}{'cpu':>6}{'lat99':>8}{'latmax':>9} ok"
 )
 
 
@@ -367,7 +372,7 @@ def format_row(r: dict[str, Any]) -> str:
         f"{r['page_kib']:>5}K{r['job_mib']:>5}M{r['copies']:>8} {r['dirs']:<6}{r['method']:<12}"
         f"{r['idle_gb_s']:>7.1f}{r['gemm_slowdown'] * 100:>+7.1f}%{r['gemm_gb_s']:>7.1f}"
         f"{r['mem_slowdown'] * 100:>+7.1f}%{r['mem_gb_s']:>7.1f}{r.get('sms', 0):>5}"
-        f"{r.get('longest_call_us', 0.0):>7.0f}{r['launch_p99_us']:>8.0f}"
+        f"{r.get('longest_call_us', 0.0):>7.0f}{r.get('longest_call_cpu_us', 0.0):>6.0f}{r['launch_p99_us']:>8.0f}"
         f"{r['launch_max_us']:>9.0f} {'ok' if r.get('roundtrip_ok', True) and not r['failed'] else 'FAIL'}"
     )
 
@@ -383,7 +388,7 @@ def format_interference(res: dict[str, Any]) -> str:
         (
             "idle/GB/s: transfer GB/s (both directions summed) idle and beside each proxy; gemm%/mem%: its slowdown"
             " (median beside / median alone over alternating rounds); sms: SMs kvoff's copy kernels may occupy;"
-            " call: kvoff's longest driver call (µs CPU); lat99/latmax: a second thread's launch CPU time (µs)"
+            " call/cpu: kvoff's longest driver call (µs wall / µs thread CPU); lat99/latmax: a second thread's launch CPU time (µs)"
             " while kvoff submits"
         ),
         HEADER,

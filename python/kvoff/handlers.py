@@ -205,8 +205,8 @@ class SingleDirectionOffloadingHandler:
     @property
     def last_submit_stats(self) -> dict[str, Any]:
         """What the most recent submit did: ``method``, ``sms`` (SMs its copy kernels can occupy at
-        once; 0 = copy engines only), ``submit_ns``, ``longest_call_ns`` (its longest single CUDA
-        driver call), ``driver_calls``."""
+        once; 0 = copy engines only), ``submit_ns``, ``longest_call_ns`` / ``longest_call_cpu_ns`` (its
+        longest single CUDA driver call, wall-clock / thread CPU time), ``driver_calls``."""
         return dict(self._native.last_submit_stats)
 
     def transfer_async(self, job_id: int, spec: tuple[Any, Any]) -> bool:

@@ -95,8 +95,11 @@ pub struct SubmitStats {
     pub sms: u32,
     /// CPU time of the whole `submit` call, ns.
     pub submit_ns: u64,
-    /// CPU time of the longest single driver call made by it, ns (0 for the host engine).
+    /// Wall-clock time of the longest single driver call made by it, ns (0 for the host engine);
+    /// includes time the driver waited (for queue space, or for a lock another thread held).
     pub longest_call_ns: u64,
+    /// Thread CPU time of the most CPU-hungry single driver call made by it, ns.
+    pub longest_call_cpu_ns: u64,
     /// Driver calls made by it.
     pub driver_calls: u32,
 }

@@ -635,8 +635,8 @@ impl PyTransferHandler {
 
     /// What the most recent `submit` did, as a dict: `method` (the copy method, or None before the
     /// first), `sms` (SMs its copy kernels can occupy at once; 0 = copy engines only),
-    /// `submit_ns` (CPU time of the submit), `longest_call_ns` (its longest single driver call),
-    /// `driver_calls`.
+    /// `submit_ns` (CPU time of the submit), `longest_call_ns` / `longest_call_cpu_ns` (its
+    /// longest single driver call, wall-clock / thread CPU time), `driver_calls`.
     #[getter]
     fn last_submit_stats<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyDict>> {
         let s = self.with_engine(py, |st| Ok(st.engine.last_submit_stats()))?;
@@ -645,6 +645,7 @@ impl PyTransferHandler {
         d.set_item("sms", s.sms)?;
         d.set_item("submit_ns", s.submit_ns)?;
         d.set_item("longest_call_ns", s.longest_call_ns)?;
+        d.set_item("longest_call_cpu_ns", s.longest_call_cpu_ns)?;
         d.set_item("driver_calls", s.driver_calls)?;
         Ok(d)
     }

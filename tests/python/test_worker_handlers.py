@@ -238,6 +238,7 @@ def test_last_submit_stats_describe_the_submit(small):
         "sms": 0,
         "submit_ns": 0,
         "longest_call_ns": 0,
+        "longest_call_cpu_ns": 0,
         "driver_calls": 0,
     }
     assert st.transfer_async(1, (G([0, 1, 2, 3]), C([2])))

@@ -86,7 +86,7 @@ struct Work {
 }
 
 /// The helper's answer: the enqueue result, its driver-call record, and the buffers back.
-type Done = (Result<()>, (u32, u64), DmaBufs);
+type Done = (Result<()>, ffi::CallRecord, DmaBufs);
 
 /// The DMA helper of one engine: a thread that enqueues the second half of large DMA jobs on
 /// its own stream, plus the fork/join events. Created on the first split job.
@@ -270,9 +270,9 @@ impl CudaEngine {
         // Wait for the helper's half (with the GIL released by the bindings): the join event
         // must follow everything it enqueued.
         let theirs = match h.rx.recv() {
-            Ok((r, (calls, longest), bufs)) => {
+            Ok((r, calls, bufs)) => {
                 h.spare = Some(bufs);
-                ffi::add_call_record(calls, longest);
+                ffi::add_call_record(calls);
                 r
             }
             Err(_) => Err(KvoffError::state("the DMA helper thread stopped")),

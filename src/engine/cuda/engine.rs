@@ -449,7 +449,7 @@ impl TransferEngine for CudaEngine {
         });
         self.device.note_submit(self.direction);
         self.last_submit_ns = u64::try_from(t_submit.elapsed().as_nanos()).unwrap_or(u64::MAX);
-        let (driver_calls, longest_call_ns) = ffi::take_call_record();
+        let calls = ffi::take_call_record();
         // A staged job's chunks alternate between two streams, so two of its kernels may run at once.
         let concurrent = if method == CopyMethod::Staged
             && staged_chunk_count(bytes, self.cfg.staging_slot_bytes) > 1
@@ -466,8 +466,9 @@ impl TransferEngine for CudaEngine {
             }),
             sms: (self.submit_grid * concurrent).min(sms),
             submit_ns: self.last_submit_ns,
-            longest_call_ns,
-            driver_calls,
+            longest_call_ns: calls.longest_ns,
+            longest_call_cpu_ns: calls.longest_cpu_ns,
+            driver_calls: calls.calls,
         };
         Ok(())
     }

@@ -18,35 +18,70 @@ use crate::error::{KvoffError, Result};
 
 pub(crate) use sys::{CUcontext, CUdevice, CUevent, CUfunction, CUmodule, CUstream};
 
+/// Enqueue calls made on a thread: how many, and the longest one in wall-clock and in the
+/// thread's own CPU time (a call that waits for queue space in the driver shows wall time without
+/// CPU time). What a `submit` holds the driver for (docs/performance.md: no call over 200 µs).
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub(crate) struct CallRecord {
+    pub(crate) calls: u32,
+    pub(crate) longest_ns: u64,
+    pub(crate) longest_cpu_ns: u64,
+}
+
+impl CallRecord {
+    fn merge(self, o: Self) -> Self {
+        Self {
+            calls: self.calls.saturating_add(o.calls),
+            longest_ns: self.longest_ns.max(o.longest_ns),
+            longest_cpu_ns: self.longest_cpu_ns.max(o.longest_cpu_ns),
+        }
+    }
+}
+
 thread_local! {
-    /// Enqueue calls made on this thread since the last [`take_call_record`], and the longest one
-    /// (CPU ns): what a `submit` holds the driver for (docs/performance.md: no call over 200 µs).
-    static CALLS: Cell<(u32, u64)> = const { Cell::new((0, 0)) };
+    /// This thread's calls since the last [`take_call_record`].
+    static CALLS: Cell<CallRecord> = const {
+        Cell::new(CallRecord { calls: 0, longest_ns: 0, longest_cpu_ns: 0 })
+    };
+}
+
+/// CPU time of the calling thread, ns (0 if the clock is unavailable).
+fn thread_cpu_ns() -> u64 {
+    let mut ts = libc::timespec {
+        tv_sec: 0,
+        tv_nsec: 0,
+    };
+    // SAFETY: `ts` is a valid out-parameter; the clock id is a constant the kernel knows.
+    if unsafe { libc::clock_gettime(libc::CLOCK_THREAD_CPUTIME_ID, &raw mut ts) } != 0 {
+        return 0;
+    }
+    u64::try_from(ts.tv_sec)
+        .unwrap_or(0)
+        .saturating_mul(1_000_000_000)
+        .saturating_add(u64::try_from(ts.tv_nsec).unwrap_or(0))
 }
 
 /// Runs one enqueue call, adding it to this thread's call record.
 fn timed<T>(f: impl FnOnce() -> T) -> T {
-    let t = Instant::now();
+    let (t, c0) = (Instant::now(), thread_cpu_ns());
     let r = f();
-    let ns = u64::try_from(t.elapsed().as_nanos()).unwrap_or(u64::MAX);
-    CALLS.with(|c| {
-        let (n, longest) = c.get();
-        c.set((n.saturating_add(1), longest.max(ns)));
-    });
+    let one = CallRecord {
+        calls: 1,
+        longest_ns: u64::try_from(t.elapsed().as_nanos()).unwrap_or(u64::MAX),
+        longest_cpu_ns: thread_cpu_ns().saturating_sub(c0),
+    };
+    CALLS.with(|c| c.set(c.get().merge(one)));
     r
 }
 
-/// This thread's `(calls, longest call ns)` of enqueue calls since the last take; resets it.
-pub(crate) fn take_call_record() -> (u32, u64) {
-    CALLS.with(|c| c.replace((0, 0)))
+/// This thread's call record since the last take; resets it.
+pub(crate) fn take_call_record() -> CallRecord {
+    CALLS.with(|c| c.replace(CallRecord::default()))
 }
 
 /// Adds another thread's call record (its calls made for this thread's job) to this thread's.
-pub(crate) fn add_call_record(calls: u32, longest_ns: u64) {
-    CALLS.with(|c| {
-        let (n, l) = c.get();
-        c.set((n.saturating_add(calls), l.max(longest_ns)));
-    });
+pub(crate) fn add_call_record(other: CallRecord) {
+    CALLS.with(|c| c.set(c.get().merge(other)));
 }
 
 /// Turns a driver status into a typed error naming the call.
