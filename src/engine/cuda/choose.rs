@@ -39,6 +39,15 @@ impl CudaEngine {
                     CopyMethod::Dma
                 } else if self.cfg.serving_small_kernel {
                     CopyMethod::Kernel
+                } else if self.cfg.serving_store_dma_beside_loads
+                    && self.direction == Direction::GpuToCpu
+                    && self.device.other_direction_active(self.direction)
+                {
+                    // Staging both ways at once moves ~42 GB/s beside a GEMM but its pack kernels'
+                    // HBM traffic costs a memory-bound model 6–7% (over the 5% budget). Loads are
+                    // what a request waits for, so they keep the staged pipeline and stores, which
+                    // nothing waits for, fall back to DMA while loads are active.
+                    CopyMethod::Dma
                 } else {
                     CopyMethod::Staged
                 }

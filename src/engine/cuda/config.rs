@@ -104,6 +104,9 @@ pub struct CudaEngineConfig {
     /// `serving_launch_bytes`) instead of the staged pipeline (measured slower beside compute;
     /// kept for the benchmark's comparison).
     pub serving_small_kernel: bool,
+    /// Serving policy: small-copy stores use batched DMA instead of the staged pipeline while the
+    /// other direction (loads) is active, so that two staged pipelines do not run at once.
+    pub serving_store_dma_beside_loads: bool,
     /// Serving policy: CTAs of the copy kernel (0: derived from the budget and the SM count).
     pub serving_ctas: u32,
     /// Serving policy: most bytes one copy-kernel launch moves (so a launch holds its SMs only
@@ -130,6 +133,7 @@ impl Default for CudaEngineConfig {
             dma_split_min_copies: 256,
             serving_dma_min_copy_bytes: 32 << 10,
             serving_small_kernel: false,
+            serving_store_dma_beside_loads: true,
             serving_ctas: 0,
             serving_launch_bytes: 1 << 20,
         }
@@ -145,7 +149,7 @@ impl CudaEngineConfig {
     }
 
     /// Applies `KVOFF_CUDA_TUNE` overrides (`key=value` pairs separated by commas; keys `budget`
-    /// (basis points, or `off`), `batch`, `dmasplit`, `ctas`, `max_ctas`, `launch`, `dmamin`, `small`
+    /// (basis points, or `off`), `batch`, `dmasplit`, `storedma`, `ctas`, `max_ctas`, `launch`, `dmamin`, `small`
     /// (`kernel` or `staged`)), used by the
     /// benchmarks to sweep the serving policy's knobs without rebuilding.
     ///
@@ -175,6 +179,7 @@ impl CudaEngineConfig {
                 "launch" => self.serving_launch_bytes = num(v)?.max(4096),
                 "dmamin" => self.serving_dma_min_copy_bytes = num(v)?,
                 "small" => self.serving_small_kernel = v == "kernel",
+                "storedma" => self.serving_store_dma_beside_loads = num(v)? != 0,
                 _ => {
                     return Err(KvoffError::arg(format!(
                         "KVOFF_CUDA_TUNE: unknown key {k:?}"
@@ -204,7 +209,7 @@ mod tests {
     fn tuning_sets_each_knob_and_rejects_bad_input() {
         let mut c = CudaEngineConfig::default();
         c.apply_tuning(
-            "budget=150, batch=32,ctas=3,max_ctas=8,launch=65536,dmamin=4096,small=kernel,dmasplit=9",
+            "budget=150, batch=32,ctas=3,max_ctas=8,launch=65536,dmamin=4096,small=kernel,dmasplit=9,storedma=0",
         )
         .unwrap();
         assert_eq!(c.compute_budget_bp, Some(150));
@@ -215,6 +220,7 @@ mod tests {
         assert_eq!(c.serving_dma_min_copy_bytes, 4096);
         assert!(c.serving_small_kernel);
         assert_eq!(c.dma_split_min_copies, 9);
+        assert!(!c.serving_store_dma_beside_loads);
         c.apply_tuning("budget=off,small=staged,launch=1").unwrap();
         assert_eq!(c.compute_budget_bp, None);
         assert!(!c.serving_small_kernel);
