@@ -108,6 +108,13 @@ fn method_cfg(label: &str) -> Option<CudaEngineConfig> {
             compute_budget_bp: Some(200),
             ..d
         },
+        // The serving policy with both directions staged at once (before stores fell back to DMA
+        // beside loads).
+        "auto-2st" => CudaEngineConfig {
+            compute_budget_bp: Some(200),
+            serving_store_dma_beside_loads: false,
+            ..d
+        },
         _ => return None,
     })
 }
