@@ -41,12 +41,15 @@ impl CudaEngine {
                     CopyMethod::Kernel
                 } else if self.cfg.serving_store_dma_beside_loads
                     && self.direction == Direction::GpuToCpu
+                    && bytes >= self.cfg.serving_store_dma_min_job_bytes
                     && self.device.other_direction_active(self.direction)
                 {
-                    // Staging both ways at once moves ~42 GB/s beside a GEMM but its pack kernels'
-                    // HBM traffic costs a memory-bound model 6–7% (over the 5% budget). Loads are
-                    // what a request waits for, so they keep the staged pipeline and stores, which
-                    // nothing waits for, fall back to DMA while loads are active.
+                    // Staging both ways at once with large jobs moves 33–42 GB/s beside a GEMM but
+                    // its pack kernels' HBM traffic costs a memory-bound model 5.6–7% (over the 5%
+                    // budget). Loads are what a request waits for, so they keep the staged pipeline
+                    // and large stores, which nothing waits for, fall back to DMA while loads are
+                    // active. Jobs of a few MiB (what a serving step stores) stay staged: there
+                    // the pair cost under 2% and DMA would move a third as much at 4 KiB copies.
                     CopyMethod::Dma
                 } else {
                     CopyMethod::Staged
