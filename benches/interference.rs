@@ -11,14 +11,16 @@
 //! kvoff's kernels may occupy and its longest driver call per submit (`SubmitStats`: p99 and max
 //! over the cell's submits of the wall-clock time, p99 of the thread CPU time), the CPU time of a tiny
 //! kernel launch by a third thread every 200 µs while kvoff submits (against the same probe with
-//! kvoff idle), and a byte-exact store → load round trip with GEMMs queued.
+//! kvoff idle), the share of jobs `Auto` ran with its serving policy (`srv%`, idle / beside
+//! compute: the engines watch the compute stream), and a byte-exact store → load round trip with
+//! GEMMs queued.
 //!
 //! `cargo bench --bench interference` (skips without a GPU). cuBLAS is loaded at run time
 //! (`libcublas.so.13`): put torch's `nvidia/cu13/lib` (or a CUDA toolkit's lib64) on
 //! `LD_LIBRARY_PATH`; without it the GEMM proxy is skipped, saying so. Environment:
 //! `KVOFF_BENCH_PAGES` (KiB, default `4,32`), `KVOFF_BENCH_JOBS` (MiB, default `8,128`),
 //! `KVOFF_BENCH_DIRS` (`store,load,both`; default `store,both`), `KVOFF_BENCH_METHODS` (default
-//! `dma,kernel,staged,auto-idle,auto`), `KVOFF_BENCH_SECONDS` (per measurement, default 0.3),
+//! `dma,kernel,staged,auto-idle,auto-serve,auto`), `KVOFF_BENCH_SECONDS` (per measurement, default 0.3),
 //! `KVOFF_BENCH_ROUNDS` (default 3), `KVOFF_BENCH_QUICK=1` (one small cell). The default grid
 //! takes about 4 minutes on an H100.
 // Benchmarks: an unwrap that fails is the failure report; pedantic style is for the library.
@@ -103,9 +105,16 @@ fn method_cfg(label: &str) -> Option<CudaEngineConfig> {
             ..d
         },
         "auto-idle" => d,
-        // What the Python handlers and the vLLM plug-in use by default: a 2% budget.
+        // What the Python handlers and the vLLM plug-in use by default: a 2% budget (the serving
+        // policy while the model is seen computing, the idle-GPU policy otherwise).
         "auto" => CudaEngineConfig {
             compute_budget_bp: Some(200),
+            ..d
+        },
+        // The serving policy on every job, idle GPU or not.
+        "auto-serve" => CudaEngineConfig {
+            compute_budget_bp: Some(200),
+            idle_after_us: 0,
             ..d
         },
         // The serving policy with both directions staged at once (before stores fell back to DMA
@@ -243,6 +252,16 @@ impl Compute {
     }
 }
 
+/// Percentage of jobs run with the serving policy, or "-" when no job chose by policy.
+#[cfg(feature = "cuda")]
+fn share(serving: u64, idle: u64) -> String {
+    if serving + idle == 0 {
+        "-".into()
+    } else {
+        format!("{:.0}", 100.0 * serving as f64 / (serving + idle) as f64)
+    }
+}
+
 /// What one phase of transfers did.
 #[derive(Default)]
 struct Moved {
@@ -251,6 +270,9 @@ struct Moved {
     sms: u32,
     /// Per submit: its longest driver call, wall-clock and thread CPU µs.
     calls: Vec<(f64, f64)>,
+    /// Jobs that `Auto` ran with its serving policy / with its idle-GPU policy.
+    serving: u64,
+    idle: u64,
 }
 
 /// One cell's buffers: GPU KV (tensors × blocks × page, one allocation) and pinned host rows.
@@ -326,6 +348,11 @@ impl Cell {
                 unsafe { engines[i].submit(Job::new(job, plan)) }.unwrap();
                 let s = engines[i].last_submit_stats();
                 m.sms = m.sms.max(s.sms);
+                match s.policy {
+                    Some("serving") => m.serving += 1,
+                    Some(_) => m.idle += 1,
+                    None => {}
+                }
                 m.calls.push((
                     s.longest_call_ns as f64 / 1e3,
                     s.longest_call_cpu_ns as f64 / 1e3,
@@ -422,7 +449,7 @@ fn main() {
         if quick {
             "dma,auto"
         } else {
-            "dma,kernel,staged,auto-idle,auto"
+            "dma,kernel,staged,auto-idle,auto-serve,auto"
         },
     );
     let secs: f64 = std::env::var("KVOFF_BENCH_SECONDS")
@@ -476,7 +503,7 @@ fn main() {
         lat0.iter().copied().fold(0.0, f64::max),
     );
     println!(
-        "{:>6}{:>6}{:>7} {:<6}{:<10}{:>7}{:>8}{:>7}{:>8}{:>7}{:>5}{:>7}{:>7}{:>7}{:>7}{:>7}{:>8} ok",
+        "{:>6}{:>6}{:>7} {:<6}{:<10}{:>7}{:>8}{:>7}{:>8}{:>7}{:>9}{:>5}{:>7}{:>7}{:>7}{:>7}{:>7}{:>8} ok",
         "page",
         "job",
         "copies",
@@ -487,6 +514,7 @@ fn main() {
         "GB/s",
         "mem%",
         "GB/s",
+        "srv%",
         "sms",
         "call99",
         "callmx",
@@ -527,8 +555,16 @@ fn main() {
                     CudaEngine::new(Arc::clone(&dev), Direction::GpuToCpu, cfg.clone()).unwrap(),
                     CudaEngine::new(Arc::clone(&dev), Direction::CpuToGpu, cfg).unwrap(),
                 ];
+                // The transfers are not ordered after the model's stream (they run on a thread of
+                // their own), so the engines are told where the model computes.
+                for e in &mut engines {
+                    // SAFETY: the compute stream outlives the engines (shut down below).
+                    unsafe { e.set_compute_streams(&[comp.stream.handle()]) };
+                }
                 for d in &dirs {
-                    // Idle, with the launch probe.
+                    // Idle, with the launch probe; after the serving policy's idle window
+                    // (100 ms), so that the phase measures the idle GPU, not the window's end.
+                    std::thread::sleep(Duration::from_millis(150));
                     let stop = AtomicBool::new(false);
                     let (idle, lat) = std::thread::scope(|sc| {
                         let p = sc.spawn(|| probe(&dev, &stop));
@@ -542,6 +578,7 @@ fn main() {
                     });
                     let (mut sms, mut failed) = (idle.sms, idle.failed);
                     let mut calls = idle.calls.clone();
+                    let mut pol = [0u64; 2];
                     let mut slow = [f64::NAN; 2];
                     let mut gbs = [f64::NAN; 2];
                     for &k in &kinds {
@@ -549,12 +586,17 @@ fn main() {
                         for _ in 0..rounds {
                             a.push(comp.run(k, comp.n[k]));
                             let stop = AtomicBool::new(false);
+                            // The model computes before the transfers start (steady state):
+                            // ~50 ms of ops queued, then the timed run after them.
+                            let warm = ((comp.n[k] as f64) * 0.05 / secs).ceil() as usize;
+                            for _ in 0..warm.max(1) {
+                                comp.op(k);
+                            }
                             let (m, ms) = std::thread::scope(|sc| {
                                 let t = sc.spawn(|| {
                                     let mut r = Rng(rng.0 ^ 2);
                                     cell.transfer_loop(&mut engines, d, &stop, &mut r)
                                 });
-                                std::thread::sleep(Duration::from_millis(50));
                                 let ms = comp.run(k, comp.n[k]);
                                 stop.store(true, Ordering::Relaxed);
                                 (t.join().unwrap(), ms)
@@ -563,6 +605,8 @@ fn main() {
                             g.push(m.gb_s);
                             sms = sms.max(m.sms);
                             calls.extend_from_slice(&m.calls);
+                            pol[0] += m.serving;
+                            pol[1] += m.idle;
                             failed += m.failed;
                         }
                         slow[k] = median(&b) / median(&a) - 1.0;
@@ -573,7 +617,7 @@ fn main() {
                     let cpu: Vec<f64> = calls.iter().map(|c| c.1).collect();
                     bad |= !ok;
                     println!(
-                        "{:>5}K{:>5}M{:>7} {:<6}{:<10}{:>7.1}{:>+7.1}%{:>7.1}{:>+7.1}%{:>7.1}{:>5}{:>7.0}{:>7.0}{:>7.0}{:>7.0}{:>7.0}{:>8.0} {}",
+                        "{:>5}K{:>5}M{:>7} {:<6}{:<10}{:>7.1}{:>+7.1}%{:>7.1}{:>+7.1}%{:>7.1}{:>9}{:>5}{:>7.0}{:>7.0}{:>7.0}{:>7.0}{:>7.0}{:>8.0} {}",
                         page_kib,
                         job_mib,
                         blocks * TENSORS,
@@ -584,6 +628,7 @@ fn main() {
                         gbs[0],
                         slow[1] * 100.0,
                         gbs[1],
+                        format!("{}/{}", share(idle.serving, idle.idle), share(pol[0], pol[1])),
                         sms,
                         pct(&wall, 0.99),
                         wall.iter().copied().fold(0.0, f64::max),

@@ -82,6 +82,7 @@ fn round_trip_every_method_byte_exact() {
     // by two threads on two streams; smaller pages go through the staged pipeline.
     let serving_split = |c: &mut CudaEngineConfig| {
         c.compute_budget_bp = Some(200);
+        c.idle_after_us = 0; // the serving policy even on this idle GPU
         c.dma_split_min_copies = 2;
     };
     let plain = |_: &mut CudaEngineConfig| {};
@@ -223,6 +224,92 @@ fn round_trip_every_method_byte_exact() {
             store.close_errors()
         );
     }
+}
+
+/// The serving policy follows the model: a job ordered after a stream with unfinished work (or
+/// submitted while a watched compute stream has some) runs with the serving policy (batched DMA at
+/// 32 KiB copies); once no model work was seen for `idle_after_us`, `Auto` takes the idle-GPU
+/// policy. Bytes are checked after every job.
+#[test]
+fn serving_policy_follows_the_model() {
+    let Some(dev) = device() else { return };
+    let caller = dev.create_stream().unwrap();
+    let model = dev.create_stream().unwrap();
+    let (page, n) = (32u64 << 10, 64u64);
+    let len = (page * n) as usize;
+    let gpu = DeviceBuffer::new(&dev, len).unwrap();
+    let mut host = PinnedBuffer::new(&dev, len).unwrap();
+    let cfg = CudaEngineConfig {
+        compute_budget_bp: Some(200),
+        idle_after_us: 40_000,
+        ..CudaEngineConfig::default()
+    };
+    let mut store = CudaEngine::new(Arc::clone(&dev), Direction::GpuToCpu, cfg).unwrap();
+    let mut rng = Rng(11);
+    let mut job = 0;
+    let mut store_once = |store: &mut CudaEngine, stream: Option<u64>| {
+        let mut want = vec![0u8; len];
+        rng.fill(&mut want);
+        gpu.write(0, &want).unwrap();
+        host.as_mut_slice().fill(0);
+        let copies = (0..n)
+            .map(|i| CopyOp {
+                src_ptr: gpu.ptr() + i * page,
+                dst_ptr: host.ptr() + ((i * 7) % n) * page,
+                bytes: page,
+            })
+            .collect();
+        let plan = CopyPlan::from_copies(Direction::GpuToCpu, copies).unwrap();
+        job += 1;
+        let r = run_job(store, job, plan, stream);
+        assert!(r.success, "{:?}", r.error);
+        for i in 0..n {
+            let (g, h) = ((i * page) as usize, (((i * 7) % n) * page) as usize);
+            assert_eq!(
+                &host.as_slice()[h..h + page as usize],
+                &want[g..g + page as usize]
+            );
+        }
+        store.last_submit_stats()
+    };
+    // The caller's stream is busy (the model's forward queued before the job): serving.
+    caller.sleep(20_000_000).unwrap();
+    let s = store_once(&mut store, Some(caller.handle()));
+    assert_eq!(s.policy, Some("serving"));
+    assert_eq!(
+        s.method,
+        Some("dma"),
+        "32 KiB copies beside a model go by DMA"
+    );
+    assert_eq!(s.sms, 0);
+    // Still within the window: serving, although the stream is idle now.
+    caller.synchronize().unwrap();
+    let s = store_once(&mut store, Some(caller.handle()));
+    assert_eq!(s.policy, Some("serving"));
+    // Nothing seen for longer than the window: the idle-GPU policy.
+    std::thread::sleep(std::time::Duration::from_millis(60));
+    let s = store_once(&mut store, Some(caller.handle()));
+    assert_eq!(s.policy, Some("idle"));
+    // A watched compute stream counts as the model too (jobs submitted without ordering).
+    std::thread::sleep(std::time::Duration::from_millis(60));
+    // SAFETY: `model` outlives `store` (dropped after it, at the end of the test).
+    unsafe { store.set_compute_streams(&[model.handle()]) };
+    model.sleep(20_000_000).unwrap();
+    let s = store_once(&mut store, None);
+    assert_eq!(s.policy, Some("serving"));
+    model.synchronize().unwrap();
+    // An explicit method reports no policy.
+    let mut dma = CudaEngine::new(
+        Arc::clone(&dev),
+        Direction::GpuToCpu,
+        CudaEngineConfig {
+            method: CopyMethod::Dma,
+            ..CudaEngineConfig::default()
+        },
+    )
+    .unwrap();
+    assert_eq!(store_once(&mut dma, None).policy, None);
+    drop(store);
 }
 
 /// A load waits for work already queued on the caller's stream: the caller zero-fills the

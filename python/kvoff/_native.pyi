@@ -334,6 +334,12 @@ class TransferHandler:
         """
     def wait(self, job_ids: Iterable[int] | int) -> None:
         """Blocks until the jobs `job_ids` finished (unknown ids are ignored), releasing the GIL."""
+    def set_compute_streams(self, streams: list[int]) -> None:
+        """`set_compute_streams(streams)`: raw CUDA stream handles (ints; 0 = the legacy default
+        stream) on which the model computes, watched by the CUDA engine's serving policy at each
+        submit besides the job's own ordering stream (ignored by the host engine). The caller keeps
+        the streams alive while the handler lives (`kvoff.handlers` holds the torch streams).
+        """
     def shutdown(self) -> None:
         """Drains in-flight work and stops the engine; idempotent. Results stay available."""
     @property
@@ -348,9 +354,10 @@ class TransferHandler:
     @property
     def last_submit_stats(self) -> dict[str, Any]:
         """What the most recent `submit` did: `method` (the copy method, or None before the first),
-        `sms` (SMs its copy kernels can occupy at once; 0 = copy engines only), `submit_ns` (CPU
-        time of the submit), `longest_call_ns` / `longest_call_cpu_ns` (its longest single driver
-        call, wall-clock / thread CPU time), `driver_calls`.
+        `sms` (SMs its copy kernels can occupy at once; 0 = copy engines only), `policy`
+        (`"serving"` or `"idle"`: which policy of the CUDA engine's `auto` chose; None otherwise),
+        `submit_ns` (CPU time of the submit), `longest_call_ns` / `longest_call_cpu_ns` (its longest
+        single driver call, wall-clock / thread CPU time), `driver_calls`.
         """
     @property
     def num_tensors(self) -> int:

@@ -21,14 +21,18 @@ from typing import Any, cast
 from kvoff._names import EngineName
 
 TENSORS = 64
+#: Seconds of compute queued (beside phases) or of idle transfers (idle phases) before measuring.
+WARMUP_S = 0.1
 
 #: (label, engine, compute_budget, KVOFF_CUDA_TUNE) of the default methods: every method with the
-#: idle-GPU policy, and ``auto`` with the default serving budget (2%).
+#: idle-GPU policy, ``auto`` with the default budget (2%: the serving policy while the model is seen
+#: computing, the idle-GPU policy otherwise) and ``auto-serve``, the serving policy on every job.
 DEFAULT_METHODS = [
     ("dma", "dma", None, ""),
     ("kernel", "kernel", None, ""),
     ("staged", "staged", None, ""),
     ("auto-idle", "auto", None, ""),
+    ("auto-serve", "auto", 0.02, "idleafter=0"),
     ("auto", "auto", 0.02, ""),
 ]
 
@@ -51,6 +55,7 @@ class _Compute:
         self.x = torch.empty(1 << 30, dtype=torch.uint8, device="cuda").random_(0, 255)
         self.y = torch.empty_like(self.x)
         self.n: dict[str, int] = {}
+        self.seconds = 1.0
 
     def run(self, kind: str, n: int) -> float:
         """Milliseconds per op of ``n`` back-to-back ops."""
@@ -66,7 +71,17 @@ class _Compute:
         e.synchronize()
         return float(s.elapsed_time(e)) / n
 
+    def queue(self, kind: str, seconds: float) -> None:
+        """Queues about ``seconds`` of ops without waiting (``calibrate`` first)."""
+        per_s = self.n[kind] / max(self.seconds, 1e-9)
+        for _ in range(max(1, int(per_s * seconds))):
+            if kind == "gemm":
+                self.torch.mm(self.a, self.b)
+            else:
+                self.y.copy_(self.x)
+
     def calibrate(self, seconds: float) -> None:
+        self.seconds = seconds
         for kind in ("gemm", "mem"):
             self.run(kind, 5)
             ms = self.run(kind, 10)
@@ -99,13 +114,13 @@ def _transfer_loop(
     ncpu: int,
     stop: threading.Event,
     stats: dict[str, Any],
+    measuring: threading.Event,
 ) -> None:
     st, ld = h.gpu_to_cpu_handler, h.cpu_to_gpu_handler
     rng = random.Random(1)
     side = torch.cuda.Stream()
-    t0 = time.perf_counter()
     try:
-        _transfer_steps(torch, kvoff, st, ld, dirs, blocks, ngpu, ncpu, stop, stats, rng, side, t0)
+        _transfer_steps(torch, kvoff, st, ld, dirs, blocks, ngpu, ncpu, stop, stats, rng, side, measuring)
     except BaseException as e:  # reported by the caller
         stats["error"] = repr(e)
         raise
@@ -124,12 +139,19 @@ def _transfer_steps(
     stats: dict[str, Any],
     rng: random.Random,
     side: Any,
-    t0: float,
+    measuring: threading.Event,
 ) -> None:
+    """Moves jobs until ``stop``; counts bytes, failures and the policy of ``auto`` from when
+    ``measuring`` is set (the warm-up before it is not counted)."""
     job, nbytes, failed = 1, 0, 0
     sms, longest, cpu = 0, 0, 0
+    policies: dict[str, int] = {}
+    t0: float | None = None
     with torch.cuda.stream(side):
         while not stop.is_set():
+            if t0 is None and measuring.is_set():
+                t0, nbytes, failed, policies = time.perf_counter(), 0, 0, {}
+                sms, longest, cpu = 0, 0, 0
             ids = []
             if dirs in ("store", "both"):
                 g = rng.sample(range(ngpu // 2), blocks)
@@ -139,6 +161,7 @@ def _transfer_steps(
                 s = st.last_submit_stats
                 sms, longest = max(sms, s["sms"]), max(longest, s["longest_call_ns"])
                 cpu = max(cpu, s["longest_call_cpu_ns"])
+                policies[str(s.get("policy"))] = policies.get(str(s.get("policy")), 0) + 1
             if dirs in ("load", "both"):
                 c = [ncpu // 2 + i for i in rng.sample(range(ncpu // 2), blocks)]
                 g = [ngpu // 2 + i for i in rng.sample(range(ngpu // 2), blocks)]
@@ -147,13 +170,17 @@ def _transfer_steps(
                 s = ld.last_submit_stats
                 sms, longest = max(sms, s["sms"]), max(longest, s["longest_call_ns"])
                 cpu = max(cpu, s["longest_call_cpu_ns"])
+                policies[str(s.get("policy"))] = policies.get(str(s.get("policy")), 0) + 1
             for hd, j in ids:
                 hd.wait([j])
             for r in st.get_finished() + ld.get_finished():
                 failed += not r.success
                 nbytes += r.transfer_size
             job += 2
-    stats["gb_s"] = nbytes / (time.perf_counter() - t0) / 1e9
+    if t0 is None:  # stopped before the warm-up ended
+        t0, nbytes = time.perf_counter(), 0
+    stats["gb_s"] = nbytes / max(time.perf_counter() - t0, 1e-9) / 1e9
+    stats["policies"] = policies
     stats["failed"] = failed
     stats["sms"] = sms
     stats["longest_call_us"] = longest / 1e3
@@ -198,10 +225,12 @@ def _run_phase(
     kind: str,
     lat: list[float] | None,
 ) -> tuple[dict[str, Any], float]:
-    stop = threading.Event()
+    stop, measuring = threading.Event(), threading.Event()
     stats: dict[str, Any] = {}
     th = threading.Thread(
-        target=_transfer_loop, args=(torch, kvoff, h, dirs, blocks, ngpu, ncpu, stop, stats), daemon=True
+        target=_transfer_loop,
+        args=(torch, kvoff, h, dirs, blocks, ngpu, ncpu, stop, stats, measuring),
+        daemon=True,
     )
     lstop = threading.Event()
     lt = (
@@ -209,10 +238,17 @@ def _run_phase(
         if lat is not None
         else None
     )
+    if comp is not None:
+        # The model is already computing when the transfers start (steady state: kvoff's
+        # serving policy has seen it); this warm-up work is queued before the timed ops.
+        comp.queue(kind, WARMUP_S)
     th.start()
     if lt:
         lt.start()
-    time.sleep(0.1)
+    # Warm-up, not counted: longer than the serving policy's idle window (100 ms), so an idle
+    # phase measures the idle-GPU policy and not the end of the window of the phase before.
+    time.sleep(WARMUP_S if comp is not None else 0.15)
+    measuring.set()
     if comp is not None:
         ms = comp.timed(kind, reps=1)
     else:
@@ -226,6 +262,16 @@ def _run_phase(
     if th.is_alive() or "gb_s" not in stats:
         raise RuntimeError(f"transfer loop did not finish ({stats})")
     return stats, ms
+
+
+def serving_share(policies: dict[str, int]) -> float | None:
+    """Share of jobs that ``auto`` ran with its serving policy (``None``: no job chose by policy)."""
+    n = policies.get("serving", 0) + policies.get("idle", 0)
+    return policies.get("serving", 0) / n if n else None
+
+
+def _share(x: float | None) -> str:
+    return "-" if x is None else f"{x * 100:.0f}"
 
 
 def slowdown_row(kind: str, alone: list[float], beside: list[float], gbs: list[float]) -> dict[str, float]:
@@ -307,7 +353,12 @@ def bench_interference(
                     os.environ.pop("KVOFF_CUDA_TUNE", None)
                 try:
                     h = kvoff.CpuGpuOffloadingHandlers(
-                        kv, 1, ncpu, engine=cast(EngineName, engine), compute_budget=budget
+                        kv,
+                        1,
+                        ncpu,
+                        engine=cast(EngineName, engine),
+                        compute_budget=budget,
+                        compute_streams=[torch.cuda.current_stream()],
                     )
                 finally:
                     if old_tune is None:
@@ -326,6 +377,8 @@ def bench_interference(
                         lat: list[float] = []
                         st, _ = _run_phase(torch, kvoff, h, d, blocks, ngpu, ncpu, seconds, None, "", lat)
                         row["idle_gb_s"] = st["gb_s"]
+                        row["serving_idle"] = serving_share(st["policies"])
+                        beside_policies: dict[str, int] = {}
                         row["launch_p99_us"] = _pct(lat, 0.99) * 1e6
                         row["launch_max_us"] = max(lat) * 1e6 if lat else float("nan")
                         failed = st["failed"]
@@ -339,10 +392,13 @@ def bench_interference(
                                 )
                                 beside.append(ms)
                                 gbs.append(st["gb_s"])
+                                for k, v in st["policies"].items():
+                                    beside_policies[k] = beside_policies.get(k, 0) + v
                                 failed += st["failed"]
                                 sms, longest = max(sms, st["sms"]), max(longest, st["longest_call_us"])
                                 cpu = max(cpu, st["longest_call_cpu_us"])
                             row.update(slowdown_row(kind, alone, beside, gbs))
+                        row["serving_beside"] = serving_share(beside_policies)
                         row["sms"] = sms
                         row["longest_call_us"] = longest
                         row["longest_call_cpu_us"] = cpu
@@ -363,7 +419,7 @@ def bench_interference(
 
 HEADER = (
     f"{'page':>6}{'job':>6}{'copies':>8} {'dirs':<6}{'method':<12}{'idle':>7}{'gemm%':>8}{'GB/s':>7}"
-    f"{'mem%':>8}{'GB/s':>7}{'sms':>5}{'call':>7}{'cpu':>6}{'lat99':>8}{'latmax':>9} ok"
+    f"{'mem%':>8}{'GB/s':>7}{'srv%':>9}{'sms':>5}{'call':>7}{'cpu':>6}{'lat99':>8}{'latmax':>9} ok"
 )
 
 
@@ -371,7 +427,8 @@ def format_row(r: dict[str, Any]) -> str:
     return (
         f"{r['page_kib']:>5}K{r['job_mib']:>5}M{r['copies']:>8} {r['dirs']:<6}{r['method']:<12}"
         f"{r['idle_gb_s']:>7.1f}{r['gemm_slowdown'] * 100:>+7.1f}%{r['gemm_gb_s']:>7.1f}"
-        f"{r['mem_slowdown'] * 100:>+7.1f}%{r['mem_gb_s']:>7.1f}{r.get('sms', 0):>5}"
+        f"{r['mem_slowdown'] * 100:>+7.1f}%{r['mem_gb_s']:>7.1f}"
+        f"{_share(r.get('serving_idle')) + '/' + _share(r.get('serving_beside')):>9}{r.get('sms', 0):>5}"
         f"{r.get('longest_call_us', 0.0):>7.0f}{r.get('longest_call_cpu_us', 0.0):>6.0f}{r['launch_p99_us']:>8.0f}"
         f"{r['launch_max_us']:>9.0f} {'ok' if r.get('roundtrip_ok', True) and not r['failed'] else 'FAIL'}"
     )
@@ -388,6 +445,7 @@ def format_interference(res: dict[str, Any]) -> str:
         (
             "idle/GB/s: transfer GB/s (both directions summed) idle and beside each proxy; gemm%/mem%: its slowdown"
             " (median beside / median alone over alternating rounds); sms: SMs kvoff's copy kernels may occupy;"
+            " srv%: share of jobs auto ran with its serving policy, idle/beside compute;"
             " call/cpu: kvoff's longest driver call (µs wall / µs thread CPU); lat99/latmax: a second thread's launch CPU time (µs)"
             " while kvoff submits"
         ),
@@ -459,7 +517,12 @@ def sweep_for_plot(
         kv = [torch.empty(ngpu, page, dtype=torch.uint8, device="cuda") for _ in range(tensors)]
         for label, engine, budget in (("kvoff auto", "auto", 0.02), ("batched DMA", "dma", None)):
             h = kvoff.CpuGpuOffloadingHandlers(
-                kv, 1, ncpu, engine=cast(EngineName, engine), compute_budget=budget
+                kv,
+                1,
+                ncpu,
+                engine=cast(EngineName, engine),
+                compute_budget=budget,
+                compute_streams=[torch.cuda.current_stream()],
             )
             try:
                 for d in ("store", "load"):

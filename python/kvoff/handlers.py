@@ -326,10 +326,17 @@ class CpuGpuOffloadingHandlers:
             ``get_finished()``; ``None`` creates one (``self.metrics``).
         compute_budget: the model slowdown that transfers running beside it may cost, as a
             fraction of a compute-bound kernel's time (default 0.02 = 2%; a memory-bound kernel
-            sees about 2.5× that), used by the CUDA engine's ``"auto"``/``"cuda"`` choice: batched
-            DMA for copies ≥ 32 KiB, else the copy kernel on a few CTAs in short launches, at the
-            lowest stream priority. ``None``: the idle-GPU policy (fastest method, may slow the
-            model by 10–200%; BENCHMARKS.md).
+            sees about 2.5× that), used by the CUDA engine's ``"auto"``/``"cuda"`` choice. While
+            the model is seen computing, ``auto`` keeps within it (the serving policy: batched DMA
+            for copies ≥ 32 KiB, else the staged pipeline, at the lowest stream priority); when no
+            model work was seen for 100 ms (the GPU is idle), it takes the fastest method. The
+            model is "seen" when the stream a job is ordered after (the caller's current stream,
+            in vLLM the model's) or one of ``compute_streams`` has unfinished work at a submit.
+            ``None``: the idle-GPU policy always (fastest method, may slow a model running beside
+            it by 10–200%; BENCHMARKS.md).
+        compute_streams: torch CUDA streams on which the model computes, watched besides each
+            job's ordering stream (needed when transfers are submitted from a thread whose
+            current stream is not the model's); the handlers keep them alive.
 
     Raises:
         CudaUnavailableError: a CUDA engine was asked for where there is no CUDA driver or device
@@ -348,11 +355,19 @@ class CpuGpuOffloadingHandlers:
         engine: EngineName = "auto",
         metrics: TransferMetrics | None = None,
         compute_budget: float | None = 0.02,
+        compute_streams: Sequence[Any] = (),
     ) -> None:
         torch = _torch()
         if metrics is not None and not isinstance(metrics, TransferMetrics):
             raise TypeError(f"metrics must be a kvoff.TransferMetrics or None, got {type(metrics).__name__}")
         self.metrics: TransferMetrics = TransferMetrics() if metrics is None else metrics
+        # Kept alive with the handlers: the engines hold their raw handles.
+        self._compute_streams = tuple(compute_streams)
+        stream_handles = []
+        for st in self._compute_streams:
+            if not hasattr(st, "cuda_stream"):
+                raise TypeError(f"compute_streams must hold torch CUDA streams, got {type(st).__name__}")
+            stream_handles.append(int(st.cuda_stream))
         if not isinstance(engine, str):
             raise TypeError(f"engine must be a str, one of {list(ENGINES)}; got {type(engine).__name__}")
         for name, v in (("block_size_factor", block_size_factor), ("num_cpu_blocks", num_cpu_blocks)):
@@ -452,6 +467,10 @@ class CpuGpuOffloadingHandlers:
             self.metrics,
             storages,
         )
+
+        if use_cuda and stream_handles:
+            for hd in (self.gpu_to_cpu_handler, self.cpu_to_gpu_handler):
+                hd._native.set_compute_streams(stream_handles)
 
     @property
     def engine(self) -> str:

@@ -93,6 +93,10 @@ pub struct SubmitStats {
     /// 1024 threads per SM as the scheduler spreads them); 0 when only the copy engines (DMA) or
     /// the CPU move the bytes.
     pub sms: u32,
+    /// Which policy of `Auto` chose the method: `"serving"` (the model was seen computing: a
+    /// method within the compute budget) or `"idle"` (the fastest method); `None` for an explicit
+    /// method or the host engine.
+    pub policy: Option<&'static str>,
     /// CPU time of the whole `submit` call, ns.
     pub submit_ns: u64,
     /// Wall-clock time of the longest single driver call made by it, ns (0 for the host engine);
@@ -142,4 +146,12 @@ pub trait TransferEngine: Send {
     fn last_submit_stats(&self) -> SubmitStats {
         SubmitStats::default()
     }
+
+    /// Streams on which the model computes, for engines that choose their method by whether the
+    /// model is busy (the CUDA engine's serving policy); ignored by the others.
+    ///
+    /// # Safety
+    /// 1. Every handle is a live stream of the engine's device and stays live until the list is
+    ///    replaced or the engine is dropped.
+    unsafe fn set_compute_streams(&mut self, _streams: &[u64]) {}
 }

@@ -604,6 +604,23 @@ impl PyTransferHandler {
         self.with_engine(py, move |st| st.engine.wait(&ids))
     }
 
+    /// `set_compute_streams(streams)`: raw CUDA stream handles (ints; 0 = the legacy default
+    /// stream) on which the model computes, watched by the CUDA engine's serving policy at each
+    /// submit besides the job's own ordering stream (ignored by the host engine). The caller keeps
+    /// the streams alive while the handler lives (`kvoff.handlers` holds the torch streams).
+    fn set_compute_streams(&self, py: Python<'_>, streams: &Bound<'_, PyAny>) -> PyResult<()> {
+        let handles: Vec<u64> = list_arg(streams, "streams")?
+            .iter()
+            .map(|o| u64_arg(o, "stream"))
+            .collect::<PyResult<_>>()?;
+        self.with_engine(py, move |st| {
+            // SAFETY: the caller's obligation (documented above): live streams of the engine's
+            // device, kept alive by the Python wrapper for the handler's life.
+            unsafe { st.engine.set_compute_streams(&handles) };
+            Ok(())
+        })
+    }
+
     /// Drains in-flight work and stops the engine; idempotent. Results stay available.
     fn shutdown(&self, py: Python<'_>) -> PyResult<()> {
         self.with_engine(py, |st| {
@@ -634,7 +651,8 @@ impl PyTransferHandler {
     }
 
     /// What the most recent `submit` did, as a dict: `method` (the copy method, or None before the
-    /// first), `sms` (SMs its copy kernels can occupy at once; 0 = copy engines only),
+    /// first), `sms` (SMs its copy kernels can occupy at once; 0 = copy engines only), `policy`
+    /// (`"serving"` or `"idle"`: which policy of the CUDA engine's `auto` chose; None otherwise),
     /// `submit_ns` (CPU time of the submit), `longest_call_ns` / `longest_call_cpu_ns` (its
     /// longest single driver call, wall-clock / thread CPU time), `driver_calls`.
     #[getter]
@@ -643,6 +661,7 @@ impl PyTransferHandler {
         let d = PyDict::new(py);
         d.set_item("method", s.method)?;
         d.set_item("sms", s.sms)?;
+        d.set_item("policy", s.policy)?;
         d.set_item("submit_ns", s.submit_ns)?;
         d.set_item("longest_call_ns", s.longest_call_ns)?;
         d.set_item("longest_call_cpu_ns", s.longest_call_cpu_ns)?;

@@ -8,6 +8,7 @@ after queued writes), concurrent store and load handlers, shutdown with jobs in 
 from __future__ import annotations
 
 import random
+import time
 import uuid
 
 import pytest
@@ -163,3 +164,49 @@ def test_engine_auto_picks_cuda_and_pins():
     h = CpuGpuOffloadingHandlers([kv], 1, 4)
     assert h.engine.startswith("cuda") and h.region.is_pinned
     h.shutdown()
+
+
+def test_auto_follows_the_model():
+    """With the default budget, ``auto`` uses its serving policy while the model is seen computing:
+    on the caller's current stream (the stream jobs are ordered after, as in vLLM) or on a watched
+    ``compute_streams`` stream; with the GPU idle for longer than the window (100 ms) it takes the
+    idle-GPU policy. Every stored block is checked byte for byte."""
+    kv = [torch.randint(0, 255, (32, 32 << 10), dtype=torch.uint8, device="cuda") for _ in range(4)]
+    model = torch.cuda.Stream()
+    h = CpuGpuOffloadingHandlers(kv, 1, 32, compute_streams=[model])
+    st = h.gpu_to_cpu_handler
+    job = iter(range(1, 100))
+
+    def store(ids):
+        j = next(job)
+        st.transfer_async(j, (G(ids), C(ids)))
+        st.wait(j)
+        assert all(r.success for r in st.get_finished())
+        for g, c in zip(kv, h.cpu_tensors):
+            assert torch.equal(g[ids].cpu(), c[ids])
+        return st.last_submit_stats
+
+    try:
+        torch.cuda._sleep(SLEEP_CYCLES)  # the model's forward, queued on the current stream
+        s = store([0, 1, 2, 3])
+        assert s["policy"] == "serving" and s["method"] == "dma", s
+        torch.cuda.synchronize()
+        time.sleep(0.15)
+        s = store([4, 5, 6, 7])
+        assert s["policy"] == "idle", s
+        time.sleep(0.15)
+        with torch.cuda.stream(model):
+            torch.cuda._sleep(SLEEP_CYCLES)  # the model on a stream the transfers are not ordered after
+        side = torch.cuda.Stream()
+        with torch.cuda.stream(side):
+            s = store([8, 9, 10, 11])
+        assert s["policy"] == "serving", s
+        torch.cuda.synchronize()
+        none = CpuGpuOffloadingHandlers(kv, 1, 32, compute_budget=None)
+        j = next(job)
+        none.gpu_to_cpu_handler.transfer_async(j, (G([0]), C([0])))
+        none.gpu_to_cpu_handler.wait(j)
+        assert none.gpu_to_cpu_handler.last_submit_stats["policy"] == "idle"
+        none.shutdown()
+    finally:
+        h.shutdown()

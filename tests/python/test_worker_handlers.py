@@ -236,6 +236,7 @@ def test_last_submit_stats_describe_the_submit(small):
     assert st.last_submit_stats == {
         "method": None,
         "sms": 0,
+        "policy": None,
         "submit_ns": 0,
         "longest_call_ns": 0,
         "longest_call_cpu_ns": 0,
@@ -247,6 +248,21 @@ def test_last_submit_stats_describe_the_submit(small):
     s = st.last_submit_stats
     assert s["method"] == "host" and s["sms"] == 0 and s["driver_calls"] == 0
     assert s["submit_ns"] > 0 and s["longest_call_ns"] == 0
+    assert s["policy"] is None, "only the CUDA engine's auto chooses by policy"
+
+
+def test_compute_streams_are_checked():
+    """``compute_streams`` holds torch CUDA streams (refused otherwise, before anything is built);
+    the host engine has no policy to feed and ignores them."""
+    kv = {"l0": torch.zeros(4, 2, 16, dtype=torch.float16)}
+    with pytest.raises(TypeError, match="compute_streams must hold torch CUDA streams"):
+        CpuGpuOffloadingHandlers(kv, 1, 4, engine="host", compute_streams=[object()])
+    h = CpuGpuOffloadingHandlers(kv, 1, 4, engine="host", compute_streams=[])
+    h.gpu_to_cpu_handler._native.set_compute_streams([])
+    h.gpu_to_cpu_handler._native.set_compute_streams([0, 12345])  # ignored by the host engine
+    with pytest.raises((TypeError, ValueError, OverflowError)):
+        h.gpu_to_cpu_handler._native.set_compute_streams([-1])
+    h.shutdown()
 
 
 def _submit_and_check_nothing_written(h, direction, job_id, spec, exc, match=None):

@@ -73,7 +73,8 @@ class KvoffOffloadConfig:
         region_timeout_s: how long a rank waits for the others to size the shared region.
         compute_budget: the model slowdown kvoff's transfers may cost while they run beside it
             on the GPU (fraction, default 0.02; ``None``: the idle-GPU policy, fastest when
-            nothing else runs). See ``CpuGpuOffloadingHandlers``.
+            nothing else runs). While no model work was seen for 100 ms kvoff takes the fastest
+            method anyway. See ``CpuGpuOffloadingHandlers``.
         disk_path: a directory for the file tier behind host memory (local NVMe or a shared
             filesystem; ``None``: no file tier). Blocks stored in host memory are written through
             to one file per block; a lookup that misses host memory but finds a file answers

@@ -6,6 +6,15 @@ use super::engine::CudaEngine;
 use super::{CopyMethod, STAGED_MIN_JOB_BYTES};
 use crate::plan::{CopyOp, Direction};
 
+/// Whether a sighting of the model computing at `last` µs (0 = never) lies within `window_us` of
+/// `now` µs. A window of 0 means "the model is always assumed busy" (the serving policy always).
+pub(super) fn busy_within(last: u64, now: u64, window_us: u64) -> bool {
+    if window_us == 0 {
+        return true;
+    }
+    last != 0 && now.saturating_sub(last) < window_us
+}
+
 /// Number of host-contiguous runs of a job, in emission order (O(n), no allocation): a run
 /// continues while each copy's host address follows the previous copy's end. kvoff's planner emits
 /// copies block-major, so one CPU block's pages of all tensors form one run.
@@ -26,7 +35,7 @@ pub(super) fn host_runs(direction: Direction, copies: &[CopyOp]) -> u64 {
 impl CudaEngine {
     pub(super) fn choose(&self, copies: &[CopyOp], bytes: u64) -> CopyMethod {
         match self.cfg.method {
-            CopyMethod::Auto if self.cfg.serving() => {
+            CopyMethod::Auto if self.job_serving => {
                 // Beside a model (measured on an H100 beside a bf16 GEMM and a 1 GiB device copy,
                 // BENCHMARKS.md "Transfers beside compute"): batched DMA uses no SMs and moves
                 // copies of ≥ 32 KiB efficiently (2–3× staging's GB/s there, slowdown within
@@ -99,5 +108,22 @@ impl CudaEngine {
             }
             m => m,
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::busy_within;
+
+    #[test]
+    fn busy_window() {
+        assert!(!busy_within(0, 5, 100), "never seen: idle");
+        assert!(busy_within(10, 50, 100));
+        assert!(
+            !busy_within(10, 110, 100),
+            "the window is open on the right"
+        );
+        assert!(busy_within(10, 5, 100), "a clock read before the sighting");
+        assert!(busy_within(0, 1 << 40, 0), "window 0: always busy");
     }
 }

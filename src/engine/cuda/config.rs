@@ -111,6 +111,13 @@ pub struct CudaEngineConfig {
     /// (jobs large enough to overlap their stages) cost a memory-bound model 5.6–7%, while with
     /// jobs of a few MiB they cost it under 2% and move 3× what DMA moves at 4 KiB copies.
     pub serving_store_dma_min_job_bytes: u64,
+    /// Serving policy: `Auto` keeps it only while the model is seen computing. An engine looks at
+    /// the stream each job is ordered after (the caller's stream: in vLLM the model's) and at the
+    /// streams given to [`CudaEngine::set_compute_streams`](super::CudaEngine::set_compute_streams)
+    /// when it submits; if none of the engines of the device has found one of them with unfinished
+    /// work within this many µs, the GPU counts as idle and `Auto` uses the idle-GPU policy (the
+    /// fastest method). 0: never idle (the serving policy for every job).
+    pub idle_after_us: u64,
     /// Serving policy: CTAs of the copy kernel (0: derived from the budget and the SM count).
     pub serving_ctas: u32,
     /// Serving policy: most bytes one copy-kernel launch moves (so a launch holds its SMs only
@@ -141,20 +148,22 @@ impl Default for CudaEngineConfig {
             serving_store_dma_min_job_bytes: 32 << 20,
             serving_ctas: 0,
             serving_launch_bytes: 1 << 20,
+            idle_after_us: 100_000,
         }
     }
 }
 
 impl CudaEngineConfig {
     /// Whether the serving (budgeted) policy is on: `Auto` with a compute budget (an explicit
-    /// method runs as configured).
+    /// method runs as configured). Under it, each job uses the serving policy while the model is
+    /// seen computing and the idle-GPU policy otherwise ([`CudaEngineConfig::idle_after_us`]).
     #[must_use]
     pub fn serving(&self) -> bool {
         self.method == CopyMethod::Auto && self.compute_budget_bp.is_some()
     }
 
     /// Applies `KVOFF_CUDA_TUNE` overrides (`key=value` pairs separated by commas; keys `budget`
-    /// (basis points, or `off`), `batch`, `dmasplit`, `storedma`, `storedmamin` (bytes), `ctas`, `max_ctas`, `launch`, `dmamin`, `small`
+    /// (basis points, or `off`), `batch`, `dmasplit`, `storedma`, `storedmamin` (bytes), `idleafter` (µs; 0 = never idle), `ctas`, `max_ctas`, `launch`, `dmamin`, `small`
     /// (`kernel` or `staged`)), used by the
     /// benchmarks to sweep the serving policy's knobs without rebuilding.
     ///
@@ -186,6 +195,7 @@ impl CudaEngineConfig {
                 "small" => self.serving_small_kernel = v == "kernel",
                 "storedma" => self.serving_store_dma_beside_loads = num(v)? != 0,
                 "storedmamin" => self.serving_store_dma_min_job_bytes = num(v)?,
+                "idleafter" => self.idle_after_us = num(v)?,
                 _ => {
                     return Err(KvoffError::arg(format!(
                         "KVOFF_CUDA_TUNE: unknown key {k:?}"
@@ -215,7 +225,7 @@ mod tests {
     fn tuning_sets_each_knob_and_rejects_bad_input() {
         let mut c = CudaEngineConfig::default();
         c.apply_tuning(
-            "budget=150, batch=32,ctas=3,max_ctas=8,launch=65536,dmamin=4096,small=kernel,dmasplit=9,storedma=0,storedmamin=7",
+            "budget=150, batch=32,ctas=3,max_ctas=8,launch=65536,dmamin=4096,small=kernel,dmasplit=9,storedma=0,storedmamin=7,idleafter=0",
         )
         .unwrap();
         assert_eq!(c.compute_budget_bp, Some(150));
@@ -228,6 +238,7 @@ mod tests {
         assert_eq!(c.dma_split_min_copies, 9);
         assert!(!c.serving_store_dma_beside_loads);
         assert_eq!(c.serving_store_dma_min_job_bytes, 7);
+        assert_eq!(c.idle_after_us, 0);
         c.apply_tuning("budget=off,small=staged,launch=1").unwrap();
         assert_eq!(c.compute_budget_bp, None);
         assert!(!c.serving_small_kernel);

@@ -6,6 +6,7 @@
 use std::sync::{Arc, Mutex, OnceLock};
 
 use super::calibrate::{self, Calibration};
+use super::choose::busy_within;
 use super::engine::dir_index;
 use super::kernel::COPY_PTX;
 use super::{ffi, CudaStream};
@@ -40,6 +41,9 @@ pub struct CudaDevice {
     pub(super) in_flight: [std::sync::atomic::AtomicU64; 2],
     /// Time of the last submission per direction, in µs since `epoch` (0 = never).
     pub(super) last_submit_us: [std::sync::atomic::AtomicU64; 2],
+    /// When an engine of this device last saw the model's stream (a job's ordering stream or a
+    /// watched compute stream) with unfinished work, in µs since `epoch` (0 = never).
+    pub(super) compute_seen_us: std::sync::atomic::AtomicU64,
     pub(super) epoch: std::time::Instant,
     /// `Auto`'s calibration (measured or loaded once per process; `None` if disabled or failed).
     pub(super) calibration: OnceLock<Option<Arc<Calibration>>>,
@@ -151,6 +155,7 @@ impl CudaDevice {
                 std::sync::atomic::AtomicU64::new(0),
                 std::sync::atomic::AtomicU64::new(0),
             ],
+            compute_seen_us: std::sync::atomic::AtomicU64::new(0),
             epoch: std::time::Instant::now(),
             calibration: OnceLock::new(),
         });
@@ -220,6 +225,24 @@ impl CudaDevice {
         let last = self.last_submit_us[o].load(Relaxed);
         let now = u64::try_from(self.epoch.elapsed().as_micros()).unwrap_or(u64::MAX);
         last != 0 && now.saturating_sub(last) < 50_000
+    }
+
+    /// Records that the model was seen computing now (see [`CudaDevice::compute_seen_within`]).
+    pub(super) fn note_compute(&self) {
+        let now = u64::try_from(self.epoch.elapsed().as_micros())
+            .unwrap_or(u64::MAX)
+            .max(1);
+        self.compute_seen_us
+            .store(now, std::sync::atomic::Ordering::Relaxed);
+    }
+
+    /// Whether the model was seen computing within the last `window_us` µs.
+    pub(super) fn compute_seen_within(&self, window_us: u64) -> bool {
+        let last = self
+            .compute_seen_us
+            .load(std::sync::atomic::Ordering::Relaxed);
+        let now = u64::try_from(self.epoch.elapsed().as_micros()).unwrap_or(u64::MAX);
+        busy_within(last, now, window_us)
     }
 
     /// Makes the primary context current on the calling thread.

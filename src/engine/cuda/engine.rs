@@ -96,6 +96,12 @@ pub struct CudaEngine {
     pub(super) drained: Vec<JobResult>,
     /// The device's calibration when `method` is `Auto` and calibration is on.
     pub(super) calibration: Option<Arc<Calibration>>,
+    /// Streams on which the model computes, watched at each submit besides the job's own
+    /// ordering stream ([`CudaEngine::set_compute_streams`]).
+    pub(super) compute_streams: Vec<u64>,
+    /// Whether the job being submitted uses the serving policy (the budget is set and the model
+    /// was seen computing recently); decided once per submit.
+    pub(super) job_serving: bool,
 }
 
 impl std::fmt::Debug for CudaEngine {
@@ -176,6 +182,8 @@ impl CudaEngine {
             last_submit_ns: 0,
             drained: Vec::new(),
             calibration,
+            compute_streams: Vec::new(),
+            job_serving: false,
         })
     }
 
@@ -189,6 +197,48 @@ impl CudaEngine {
     #[must_use]
     pub fn config(&self) -> &CudaEngineConfig {
         &self.cfg
+    }
+
+    /// Streams on which the model computes (raw `CUstream` handles; 0 is the legacy default
+    /// stream), for the serving policy's idle detection ([`CudaEngineConfig::idle_after_us`]):
+    /// besides each job's ordering stream, `submit` asks these whether they have unfinished work.
+    /// Needed when jobs are not ordered after the model's stream (transfers submitted from a
+    /// thread of their own); replaces the earlier list.
+    ///
+    /// # Safety
+    /// 1. Every stream is a live stream of this engine's device (its primary context) and stays
+    ///    live until the list is replaced or the engine is dropped.
+    pub unsafe fn set_compute_streams(&mut self, streams: &[u64]) {
+        self.compute_streams = streams.to_vec();
+    }
+
+    /// Looks for the model computing (a job's ordering stream or a watched stream with unfinished
+    /// work) and records a sighting on the device; skipped while a sighting of the last
+    /// millisecond already decides.
+    fn observe_compute(&self, caller: Option<u64>) {
+        if self.cfg.idle_after_us == 0 || self.device.compute_seen_within(1_000) {
+            return;
+        }
+        for s in caller
+            .into_iter()
+            .chain(self.compute_streams.iter().copied())
+        {
+            // SAFETY: the job's stream is live (submit's contract), the watched ones by
+            // `set_compute_streams`'s obligation; a query has no effect on the stream.
+            if let Ok(true) = unsafe { ffi::stream_busy(s as ffi::CUstream) } {
+                self.device.note_compute();
+                return;
+            }
+        }
+    }
+
+    /// Whether the job about to be submitted uses the serving policy.
+    fn decide_serving(&self, caller: Option<u64>) -> bool {
+        if !self.cfg.serving() {
+            return false;
+        }
+        self.observe_compute(caller);
+        self.device.compute_seen_within(self.cfg.idle_after_us)
     }
 
     /// Jobs run per method since creation: `[dma (batched, or per-copy loop without the batch API),
@@ -397,6 +447,7 @@ impl TransferEngine for CudaEngine {
         };
         let copies = job.plan.copies();
         let bytes = job.plan.total_bytes();
+        self.job_serving = self.decide_serving(job.stream);
         let method = self.choose(copies, bytes);
         let (Ok(s), Some(caller_event)) =
             (self.stream(), self.caller_event.as_ref().map(Event::raw))
@@ -465,6 +516,11 @@ impl TransferEngine for CudaEngine {
                 m => m.name(),
             }),
             sms: (self.submit_grid * concurrent).min(sms),
+            policy: match (self.cfg.method, self.job_serving) {
+                (CopyMethod::Auto, true) => Some("serving"),
+                (CopyMethod::Auto, false) => Some("idle"),
+                _ => None,
+            },
             submit_ns: self.last_submit_ns,
             longest_call_ns: calls.longest_ns,
             longest_call_cpu_ns: calls.longest_cpu_ns,
@@ -514,6 +570,11 @@ impl TransferEngine for CudaEngine {
             }
         }
         Ok(())
+    }
+
+    unsafe fn set_compute_streams(&mut self, streams: &[u64]) {
+        // SAFETY: the trait method's obligation is the inherent one's.
+        unsafe { CudaEngine::set_compute_streams(self, streams) }
     }
 
     fn last_submit_stats(&self) -> SubmitStats {

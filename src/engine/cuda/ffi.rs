@@ -322,6 +322,19 @@ pub(crate) unsafe fn stream_wait(s: CUstream, e: CUevent) -> Result<()> {
     )
 }
 
+/// Whether `s` has work that has not finished yet (`cuStreamQuery` answers "not ready").
+///
+/// # Safety
+/// 1. `s` is a live stream of the current context, or 0 (the legacy default stream).
+pub(crate) unsafe fn stream_busy(s: CUstream) -> Result<bool> {
+    // SAFETY: the caller upholds this function's `# Safety` obligations.
+    let r = unsafe { sys::cuStreamQuery(s) };
+    if r == sys::CUresult::CUDA_ERROR_NOT_READY {
+        return Ok(true);
+    }
+    check(r, "cuStreamQuery").map(|()| false)
+}
+
 /// # Safety
 /// 1. `s` is live.
 pub(crate) unsafe fn stream_sync(s: CUstream) -> Result<()> {

@@ -81,7 +81,7 @@ impl CudaEngine {
     /// when 0, about 1.5 × budget × SMs: 4 CTAs of an H100's 132 SMs at 2%).
     pub(super) fn kernel_ctas(&self) -> u32 {
         match self.cfg.compute_budget_bp {
-            _ if !self.cfg.serving() => self.cfg.max_ctas,
+            _ if !self.job_serving => self.cfg.max_ctas,
             None => self.cfg.max_ctas,
             Some(_) if self.cfg.serving_ctas > 0 => self.cfg.serving_ctas.min(self.cfg.max_ctas),
             Some(bp) => {
@@ -143,7 +143,7 @@ impl CudaEngine {
             )
         }?;
         let ctas = self.kernel_ctas();
-        if !self.cfg.serving() {
+        if !self.job_serving {
             return self.launch(buf.dev.ptr() + off as u64, n as u64, ctas, s);
         }
         // Serving policy: launches of at most `serving_launch_bytes` each, so the SMs a launch
