@@ -275,7 +275,8 @@ def main(argv: list[str] | None = None) -> int:
         "--methods",
         default=None,
         help="';'-separated label:engine[:budget[:tune]] (default: dma, "
-        "kernel, staged, auto-idle (budget none), auto (budget 0.02))",
+        "kernel, staged, auto-idle (budget none), auto-serve (budget 0.02, serving policy on every "
+        "job: tune idleafter=0), auto (budget 0.02: serving policy while the model computes))",
     )
     i.add_argument("--seconds", type=float, default=0.3, help="seconds per measurement (default 0.3)")
     i.add_argument(

@@ -1,0 +1,52 @@
+#!/usr/bin/env bash
+# Runs on the GPU machine (device tool) over what scripts/gpu_stage.sh put in .carry/:
+#   tests  — Rust GPU tests, compute-sanitizer memcheck over cuda_engine, the GPU pytest suite;
+#   idle   — `kvoff bench transfers` (idle GPU, 512 MiB jobs, one direction and both at once);
+#   beside — `kvoff bench interference` (Python) with KVOFF_GRID_* overrides;
+#   rust   — `cargo bench --bench interference` (the Rust twin) with KVOFF_BENCH_* overrides.
+# Logs go to $OUT; a short summary is printed last.
+set -uo pipefail
+cd "$(dirname "$0")/.."
+OUT=${OUT:-/tmp/out}
+mkdir -p "$OUT"
+export PYTHONUNBUFFERED=1
+python3 -m pip install -q --no-deps --no-index --force-reinstall .carry/wheel/kvoff-*.whl >/dev/null 2>&1 \
+  || python3 -m pip install -q --no-deps --no-index --force-reinstall --break-system-packages .carry/wheel/kvoff-*.whl
+echo "kvoff at $(cat .carry/commit); $(nvidia-smi --query-gpu=name,driver_version --format=csv,noheader)"
+summary=()
+for step in "$@"; do
+  case $step in
+  tests)
+    for t in lib cuda_engine cuda_fault worker_region worker_engine; do
+      .carry/bin/$t --test-threads=1 >"$OUT/rust_$t.log" 2>&1
+      summary+=("rust $t: rc=$? $(grep -E '^test result' "$OUT/rust_$t.log" | tail -1)")
+    done
+    compute-sanitizer --tool memcheck --error-exitcode 9 .carry/bin/cuda_engine --test-threads=1 \
+      --skip calibration >"$OUT/memcheck.log" 2>&1
+    summary+=("memcheck cuda_engine: rc=$? $(grep -E 'ERROR SUMMARY' "$OUT/memcheck.log" | tail -1)")
+    python3 -m pytest -q -p no:cacheprovider -x tests/python/test_worker_gpu.py \
+      tests/python/test_torch_layouts.py tests/python/test_worker_handlers.py \
+      tests/python/test_stress_handlers.py tests/python/test_hostile_sizes.py \
+      tests/python/test_reliability_misc.py tests/python/test_metrics.py tests/python/test_bench.py \
+      >"$OUT/pytest_gpu.log" 2>&1
+    summary+=("pytest GPU: rc=$? $(tail -1 "$OUT/pytest_gpu.log")")
+    ;;
+  idle)
+    python3 -m kvoff.cli bench transfers --reps 3 >"$OUT/transfers.log" 2>&1
+    summary+=("kvoff bench transfers: rc=$?")
+    tail -40 "$OUT/transfers.log"
+    ;;
+  beside)
+    python3 -m kvoff.cli bench interference ${KVOFF_GRID:-} >"$OUT/interference.log" 2>&1
+    summary+=("kvoff bench interference: rc=$?")
+    tail -60 "$OUT/interference.log"
+    ;;
+  rust)
+    LD_LIBRARY_PATH=$(python3 -c 'import nvidia.cu13, os; print(os.path.join(list(nvidia.cu13.__path__)[0], "lib"))' 2>/dev/null):${LD_LIBRARY_PATH:-} \
+      .carry/bin/bench_interference --bench >"$OUT/interference_rust.log" 2>&1
+    summary+=("cargo bench --bench interference: rc=$?")
+    tail -60 "$OUT/interference_rust.log"
+    ;;
+  esac
+done
+printf '%s\n' "${summary[@]}"
