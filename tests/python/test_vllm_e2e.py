@@ -121,17 +121,39 @@ def _traceback_at(lines: list[str], i: int) -> list[str]:
     return out
 
 
+#: A line of Python's ``warnings`` module: ``FILE:LINE: CATEGORY: MESSAGE`` (FILE may be a path or
+#: ``<frozen importlib._bootstrap>``; vLLM may prefix its processes' output with their name).
+_PY_WARNING = re.compile(r"(?P<file>/\S+|<[^>]+>|\S+\.py):\d+: (?P<category>\w*Warning): (?P<message>.*)")
+
+
+def _is_kvoff_py_warning(line: str) -> bool:
+    """Whether ``line`` is a ``warnings.warn`` line raised from kvoff: its file lies inside the
+    kvoff package, or its message is about kvoff (kvoff's warnings start with "kvoff"; a warning
+    raised with ``stacklevel`` names the caller's file, which may be vLLM's or importlib's)."""
+    m = _PY_WARNING.search(line)
+    if m is None:
+        return False
+    return bool(_KVOFF_PACKAGE.search(m.group("file"))) or _mentions_kvoff(m.group("message"))
+
+
 def _kvoff_problems(log: str) -> list[str]:
     """Log lines where kvoff warned or failed: vLLM-formatted WARNING/ERROR lines naming kvoff,
-    lines of Python's last-resort handler (kvoff's own logger: the message alone, 'kvoff…'),
-    and tracebacks that pass through kvoff (vLLM logs some tracebacks of its own as warnings)."""
+    lines of Python's last-resort handler (a logger without a handler: the message alone,
+    'kvoff…'), Python ``warnings`` lines from kvoff (``…/kvoff/handlers.py:1: RuntimeWarning: …``)
+    and tracebacks that pass through kvoff (vLLM logs some tracebacks of its own as warnings).
+    kvoff's INFO lines (vLLM's format, ``INFO … kvoff worker: …``) are not problems."""
     lines = log.splitlines()
     bad = []
     for i, ln in enumerate(lines):
         if "Traceback (most recent call last)" in ln:
             if any(_mentions_kvoff(t) for t in _traceback_at(lines, i)):
                 bad.append(ln)
-        elif re.search(r"\b(WARNING|ERROR|CRITICAL)\b", ln) and _mentions_kvoff(ln) or ln.startswith("kvoff"):
+        elif (
+            re.search(r"\b(WARNING|ERROR|CRITICAL)\b", ln)
+            and _mentions_kvoff(ln)
+            or ln.startswith("kvoff")
+            or _is_kvoff_py_warning(ln)
+        ):
             bad.append(ln)
     return bad
 
@@ -153,6 +175,22 @@ def test_log_filter_ignores_paths_named_kvoff() -> None:
     assert _kvoff_problems("\n".join(plain)) == [plain[0]]
     assert _kvoff_problems("WARNING 11-24 [spec.py:1] kvoff: region too small") != []
     assert _kvoff_problems("kvoff.vllm: store failed") != []
+    # Python warnings (warnings.warn): caught when raised from inside the kvoff package or about
+    # kvoff, wherever the environment lives; not when vLLM's own code warns from under ~/.cache/kvoff.
+    pin = f"{env}/kvoff/handlers.py:422: RuntimeWarning: could not pin the host region; transfers are slower"
+    assert _kvoff_problems(pin) == [pin]
+    assert _kvoff_problems("(EngineCore pid=7) " + pin) != []
+    about = "<frozen importlib._bootstrap>:241: RuntimeWarning: kvoff.vllm supports vLLM >=0.32,<0.34"
+    assert _kvoff_problems(about) == [about]
+    assert _kvoff_problems(f"{env}/vllm/config.py:9: UserWarning: kvoff: region too small") != []
+    vllm_env = "/root/.cache/kvoff/envs/kvoff-env/lib/python3.11/site-packages"
+    assert _kvoff_problems(f"{vllm_env}/vllm/x.py:12: DeprecationWarning: use the new API") == []
+    assert _kvoff_problems(f"{vllm_env}/vllm/x.py:12: FutureWarning: {vllm_env}/torch/y.py moved") == []
+    # kvoff's own INFO lines in vLLM's log are not problems; its WARNING/ERROR lines are.
+    info = "(EngineCore pid=7) INFO 11-24 01:43:55 [worker.py:144] kvoff worker: 2 tensors, 9 CPU blocks"
+    assert _kvoff_problems(info) == []
+    err = "(EngineCore pid=7) ERROR 11-24 01:43:56 [worker.py:179] kvoff transfer job 3 failed: boom"
+    assert _kvoff_problems(f"{info}\n{err}") == [err]
 
 
 @pytest.fixture(scope="session")
@@ -189,8 +227,15 @@ def _check(models: Path, arch: str, kvoff: dict[str, Any]) -> dict[str, Any]:
     assert m["vllm:prompt_tokens_cached"] > base["metrics"]["vllm:prompt_tokens_cached"]
     problems = _kvoff_problems(log)
     assert not problems, "kvoff warned or failed:\n" + "\n".join(problems[:20])
+    # kvoff logs through vLLM's logging: its start-up line is in the engine's log, in vLLM's format.
+    assert _KVOFF_WORKER_INFO.search(log), (
+        f"kvoff's start-up INFO line is not in vLLM's log; tail:\n{log[-3000:]}"
+    )
     res["log"] = log
     return res
+
+
+_KVOFF_WORKER_INFO = re.compile(r"\bINFO\b.*\[worker\.py:\d+\] kvoff worker: \d+ tensors, \d+ CPU blocks")
 
 
 def test_lru(models: Path) -> None:
@@ -226,6 +271,9 @@ def _disk_run(models: Path, cfg: dict[str, Any]) -> dict[str, Any]:
     res, log = _run(models / "llama", "llama", cfg, rounds=1)
     problems = _kvoff_problems(log)
     assert not problems, "kvoff warned or failed:\n" + "\n".join(problems[:20])
+    assert re.search(r"\bINFO\b.*\] kvoff file tier: ", log), (
+        "kvoff's file-tier INFO line is not in vLLM's log"
+    )
     m = res["metrics"]
     print({k: v for k, v in m.items() if "kvoff_disk" in k or "external_prefix" in k or "load_bytes" in k})
     return res

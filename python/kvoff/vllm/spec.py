@@ -3,10 +3,10 @@
 from __future__ import annotations
 
 import hashlib
-import logging
 import re
 from typing import Any
 
+from vllm.logger import init_logger
 from vllm.v1.kv_offload.base import (
     CanonicalKVCaches,
     OffloadingCounterMetadata,
@@ -29,7 +29,10 @@ from kvoff.vllm.worker import KvoffOffloadingWorker
 
 __all__ = ["KvoffOffloadingSpec", "region_name"]
 
-logger = logging.getLogger("kvoff.vllm")
+#: A child of vLLM's ``vllm`` logger, so kvoff's lines go through vLLM's handler, format and
+#: level (``VLLM_LOGGING_LEVEL``) in every vLLM process; a logger outside that tree has no
+#: handler there and its INFO lines would be lost.
+logger = init_logger("vllm.kvoff")
 
 
 def region_name(engine_id: str) -> str:

@@ -16,10 +16,10 @@ and ``vllm:kv_offload_size`` (label ``transfer_type`` = ``GPU_to_CPU`` for store
 
 from __future__ import annotations
 
-import logging
 from typing import Any
 
 import numpy as np
+from vllm.logger import init_logger
 from vllm.v1.kv_offload.base import (
     CanonicalKVCaches,
     GPULoadStoreSpec,
@@ -34,7 +34,10 @@ from kvoff.errors import ConfigError
 
 __all__ = ["KvoffOffloadingWorker", "to_kvoff_kv_caches"]
 
-logger = logging.getLogger("kvoff.vllm")
+#: A child of vLLM's ``vllm`` logger, so kvoff's lines go through vLLM's handler, format and
+#: level (``VLLM_LOGGING_LEVEL``) in every vLLM process; a logger outside that tree has no
+#: handler there and its INFO lines would be lost.
+logger = init_logger("vllm.kvoff")
 
 from kvoff.metrics import TransferMetrics as _TransferMetrics
 
