@@ -583,13 +583,18 @@ fn main() {
                     let mut gbs = [f64::NAN; 2];
                     for &k in &kinds {
                         let (mut a, mut b, mut g) = (Vec::new(), Vec::new(), Vec::new());
+                        // ~50 ms of ops queued before each timed run, alone and beside: beside,
+                        // the model computes before the transfers start (steady state); alone, the
+                        // same warm-up keeps the reference comparable (a GEMM loop's clock falls
+                        // as the GPU heats).
+                        let warm = (((comp.n[k] as f64) * 0.05 / secs).ceil() as usize).max(1);
                         for _ in 0..rounds {
+                            for _ in 0..warm {
+                                comp.op(k);
+                            }
                             a.push(comp.run(k, comp.n[k]));
                             let stop = AtomicBool::new(false);
-                            // The model computes before the transfers start (steady state):
-                            // ~50 ms of ops queued, then the timed run after them.
-                            let warm = ((comp.n[k] as f64) * 0.05 / secs).ceil() as usize;
-                            for _ in 0..warm.max(1) {
+                            for _ in 0..warm {
                                 comp.op(k);
                             }
                             let (m, ms) = std::thread::scope(|sc| {

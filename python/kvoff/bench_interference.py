@@ -386,6 +386,9 @@ def bench_interference(
                         for kind in ("gemm", "mem"):
                             alone, beside, gbs = [], [], []
                             for _ in range(rounds):
+                                # The same warm-up before the reference as before the measurement
+                                # beside the transfers: a GEMM loop's clock falls as the GPU heats.
+                                comp.queue(kind, WARMUP_S)
                                 alone.append(comp.timed(kind, reps=1))
                                 st, ms = _run_phase(
                                     torch, kvoff, h, d, blocks, ngpu, ncpu, seconds, comp, kind, None
