@@ -288,6 +288,9 @@ def parse_method(s: str) -> tuple[str, str, float | None, str]:
     """``label:engine[:budget[:tune]]`` (budget a fraction or ``none``)."""
     parts = s.split(":", 3)
     if len(parts) == 1:
+        for m in DEFAULT_METHODS:  # a default method by its label (auto-idle, auto-serve, ...)
+            if m[0] == s:
+                return m
         return (s, s, 0.02 if s == "auto" else None, "")
     budget = None if len(parts) < 3 or parts[2] in ("", "none") else float(parts[2])
     return (parts[0], parts[1], budget, parts[3] if len(parts) > 3 else "")

@@ -96,6 +96,8 @@ def test_interference_method_specs_parse():
 
     assert parse_method("auto") == ("auto", "auto", 0.02, "")
     assert parse_method("dma") == ("dma", "dma", None, "")
+    assert parse_method("auto-serve") == ("auto-serve", "auto", 0.02, "idleafter=0")
+    assert parse_method("auto-idle") == ("auto-idle", "auto", None, "")
     assert parse_method("a:auto:none") == ("a", "auto", None, "")
     assert parse_method("k:auto:0.01:ctas=2,launch=65536") == ("k", "auto", 0.01, "ctas=2,launch=65536")
 
