@@ -42,9 +42,14 @@ for step in "$@"; do
     tail -60 "$OUT/interference.log"
     ;;
   rust)
+    # Power, SM clock and temperature every 200 ms beside the bench (is the GEMM power-capped?).
+    nvidia-smi --query-gpu=timestamp,power.draw,power.limit,clocks.sm,temperature.gpu,utilization.gpu \
+      --format=csv -lms 200 >"$OUT/smi.csv" 2>&1 &
+    SMI=$!
     LD_LIBRARY_PATH=$(python3 -c 'import nvidia.cu13, os; print(os.path.join(list(nvidia.cu13.__path__)[0], "lib"))' 2>/dev/null):${LD_LIBRARY_PATH:-} \
       .carry/bin/bench_interference --bench >"$OUT/interference_rust.log" 2>&1
     summary+=("cargo bench --bench interference: rc=$?")
+    kill $SMI 2>/dev/null
     tail -60 "$OUT/interference_rust.log"
     ;;
   esac
