@@ -23,6 +23,8 @@ from kvoff._names import EngineName
 TENSORS = 64
 #: Seconds of compute queued (beside phases) or of idle transfers (idle phases) before measuring.
 WARMUP_S = 0.1
+#: Seconds of GEMMs before each cell's GEMM rounds (the power controller settles).
+PREHEAT_S = 1.5
 
 #: (label, engine, compute_budget, KVOFF_CUDA_TUNE) of the default methods: every method with the
 #: idle-GPU policy, ``auto`` with the default budget (2%: the serving policy while the model is seen
@@ -388,6 +390,11 @@ def bench_interference(
                         sms, longest, cpu = st["sms"], st["longest_call_us"], st["longest_call_cpu_us"]
                         for kind in ("gemm", "mem"):
                             alone, beside, gbs = [], [], []
+                            if kind == "gemm":
+                                # A GEMM loop runs an H100 SXM at its power cap, and the power
+                                # controller takes about a second to settle (SM clock 1245–1980
+                                # MHz seen): rounds taken meanwhile drift by ±8% whatever kvoff does.
+                                comp.queue(kind, PREHEAT_S)
                             for _ in range(rounds):
                                 # The same warm-up before the reference as before the measurement
                                 # beside the transfers: a GEMM loop's clock falls as the GPU heats.
