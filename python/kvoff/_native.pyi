@@ -338,7 +338,9 @@ class TransferHandler:
         """`set_compute_streams(streams)`: raw CUDA stream handles (ints; 0 = the legacy default
         stream) on which the model computes, watched by the CUDA engine's serving policy at each
         submit besides the job's own ordering stream (ignored by the host engine). The caller keeps
-        the streams alive while the handler lives (`kvoff.handlers` holds the torch streams).
+        the streams alive while the handler lives (`kvoff.handlers` holds the torch streams); as
+        with `submit`'s stream, a handle that is not a live stream of the device is undefined
+        behaviour.
         """
     def shutdown(self) -> None:
         """Drains in-flight work and stops the engine; idempotent. Results stay available."""

@@ -249,7 +249,9 @@ def _run_phase(
         lt.start()
     # Warm-up, not counted: longer than the serving policy's idle window (100 ms), so an idle
     # phase measures the idle-GPU policy and not the end of the window of the phase before.
-    time.sleep(WARMUP_S if comp is not None else 0.15)
+    # Beside compute, a little shorter than the queued warm-up, so the GPU never idles between
+    # it and the timed ops (it does not before the alone reference either).
+    time.sleep(WARMUP_S * 0.8 if comp is not None else 0.15)
     measuring.set()
     if comp is not None:
         ms = comp.timed(kind, reps=1)
@@ -477,26 +479,37 @@ def format_interference(res: dict[str, Any]) -> str:
 PLOT_PAGES_KIB = [4, 32, 128, 2048]
 
 
-def _contig_loop(torch: Any, dst: Any, src: Any, stop: threading.Event, stats: dict[str, Any]) -> None:
-    """Contiguous copies of ``src`` into ``dst`` on a side stream until ``stop`` (the link's limit)."""
+def _contig_loop(
+    torch: Any, dst: Any, src: Any, stop: threading.Event, stats: dict[str, Any], measuring: threading.Event
+) -> None:
+    """Contiguous copies of ``src`` into ``dst`` on a side stream until ``stop`` (the link's limit),
+    counted from when ``measuring`` is set, as kvoff's transfers are."""
     side = torch.cuda.Stream()
-    n, t0 = 0, time.perf_counter()
+    n, t0 = 0, None
     with torch.cuda.stream(side):
         while not stop.is_set():
+            if t0 is None and measuring.is_set():
+                n, t0 = 0, time.perf_counter()
             dst.copy_(src, non_blocking=True)
             side.synchronize()
             n += src.numel()
-    stats["gb_s"] = n / (time.perf_counter() - t0) / 1e9
+    if t0 is None:
+        t0, n = time.perf_counter(), 0
+    stats["gb_s"] = n / max(time.perf_counter() - t0, 1e-9) / 1e9
 
 
 def _contig_phase(torch: Any, nbytes: int, direction: str, seconds: float, comp: _Compute | None) -> float:
     dev = torch.empty(nbytes, dtype=torch.uint8, device="cuda")
     host = torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
     dst, src = (host, dev) if direction == "store" else (dev, host)
-    stop, stats = threading.Event(), cast(dict[str, Any], {})
-    th = threading.Thread(target=_contig_loop, args=(torch, dst, src, stop, stats), daemon=True)
+    stop, measuring, stats = threading.Event(), threading.Event(), cast(dict[str, Any], {})
+    th = threading.Thread(target=_contig_loop, args=(torch, dst, src, stop, stats, measuring), daemon=True)
+    # The same warm-up as kvoff's phases (_run_phase).
+    if comp is not None:
+        comp.queue("gemm", WARMUP_S)
     th.start()
-    time.sleep(0.05)
+    time.sleep(WARMUP_S * 0.8 if comp is not None else 0.15)
+    measuring.set()
     if comp is not None:
         comp.timed("gemm", reps=1)
     else:

@@ -191,6 +191,9 @@ class SingleDirectionOffloadingHandler:
         self._transfer_type: tuple[str, str] = native.transfer_type
         self._cuda = native.engine.startswith("cuda")
         self._device = device
+        # Streams the engine watches for the model (set by CpuGpuOffloadingHandlers), kept alive
+        # here because the engine holds their raw handles.
+        self._compute_streams: tuple[Any, ...] = ()
 
     @property
     def transfer_type(self) -> tuple[str, str]:
@@ -205,8 +208,10 @@ class SingleDirectionOffloadingHandler:
     @property
     def last_submit_stats(self) -> dict[str, Any]:
         """What the most recent submit did: ``method``, ``sms`` (SMs its copy kernels can occupy at
-        once; 0 = copy engines only), ``submit_ns``, ``longest_call_ns`` / ``longest_call_cpu_ns`` (its
-        longest single CUDA driver call, wall-clock / thread CPU time), ``driver_calls``."""
+        once; 0 = copy engines only), ``policy`` (``"serving"`` or ``"idle"``: which policy of the
+        CUDA engine's ``auto`` chose; ``None`` otherwise), ``submit_ns``, ``longest_call_ns`` /
+        ``longest_call_cpu_ns`` (its longest single CUDA driver call, wall-clock / thread CPU
+        time), ``driver_calls``."""
         return dict(self._native.last_submit_stats)
 
     def transfer_async(self, job_id: int, spec: tuple[Any, Any]) -> bool:
@@ -334,9 +339,11 @@ class CpuGpuOffloadingHandlers:
             in vLLM the model's) or one of ``compute_streams`` has unfinished work at a submit.
             ``None``: the idle-GPU policy always (fastest method, may slow a model running beside
             it by 10–200%; BENCHMARKS.md).
-        compute_streams: torch CUDA streams on which the model computes, watched besides each
-            job's ordering stream (needed when transfers are submitted from a thread whose
-            current stream is not the model's); the handlers keep them alive.
+        compute_streams: torch CUDA streams of the KV caches' device on which the model computes,
+            watched besides each job's ordering stream (needed when transfers are submitted from a
+            thread whose current stream is not the model's); the handlers keep the stream objects
+            alive (a ``torch.cuda.ExternalStream`` does not own its stream: keep that stream alive
+            while the handlers live). A stream being captured into a CUDA graph is not queried.
 
     Raises:
         CudaUnavailableError: a CUDA engine was asked for where there is no CUDA driver or device
@@ -355,16 +362,15 @@ class CpuGpuOffloadingHandlers:
         engine: EngineName = "auto",
         metrics: TransferMetrics | None = None,
         compute_budget: float | None = 0.02,
-        compute_streams: Sequence[Any] = (),
+        compute_streams: Sequence[Any] | None = (),
     ) -> None:
         torch = _torch()
         if metrics is not None and not isinstance(metrics, TransferMetrics):
             raise TypeError(f"metrics must be a kvoff.TransferMetrics or None, got {type(metrics).__name__}")
         self.metrics: TransferMetrics = TransferMetrics() if metrics is None else metrics
-        # Kept alive with the handlers: the engines hold their raw handles.
-        self._compute_streams = tuple(compute_streams)
+        compute_streams = tuple(compute_streams or ())
         stream_handles = []
-        for st in self._compute_streams:
+        for st in compute_streams:
             if not hasattr(st, "cuda_stream"):
                 raise TypeError(f"compute_streams must hold torch CUDA streams, got {type(st).__name__}")
             stream_handles.append(int(st.cuda_stream))
@@ -469,7 +475,15 @@ class CpuGpuOffloadingHandlers:
         )
 
         if use_cuda and stream_handles:
+            for st in compute_streams:
+                if st.device != device:
+                    self.shutdown()
+                    raise ValueError(
+                        f"compute_streams: a stream of {st.device}, but the KV caches are on {device}"
+                    )
             for hd in (self.gpu_to_cpu_handler, self.cpu_to_gpu_handler):
+                # Each handler keeps the stream objects alive as long as its engine watches them.
+                hd._compute_streams = compute_streams
                 hd._native.set_compute_streams(stream_handles)
 
     @property

@@ -257,6 +257,7 @@ def test_compute_streams_are_checked():
     kv = {"l0": torch.zeros(4, 2, 16, dtype=torch.float16)}
     with pytest.raises(TypeError, match="compute_streams must hold torch CUDA streams"):
         CpuGpuOffloadingHandlers(kv, 1, 4, engine="host", compute_streams=[object()])
+    CpuGpuOffloadingHandlers(kv, 1, 4, engine="host", compute_streams=None).shutdown()
     h = CpuGpuOffloadingHandlers(kv, 1, 4, engine="host", compute_streams=[])
     h.gpu_to_cpu_handler._native.set_compute_streams([])
     h.gpu_to_cpu_handler._native.set_compute_streams([0, 12345])  # ignored by the host engine

@@ -233,7 +233,7 @@ impl CudaDevice {
             .unwrap_or(u64::MAX)
             .max(1);
         self.compute_seen_us
-            .store(now, std::sync::atomic::Ordering::Relaxed);
+            .fetch_max(now, std::sync::atomic::Ordering::Relaxed);
     }
 
     /// Whether the model was seen computing within the last `window_us` µs.

@@ -205,9 +205,13 @@ impl CudaEngine {
     /// Needed when jobs are not ordered after the model's stream (transfers submitted from a
     /// thread of their own); replaces the earlier list.
     ///
+    /// A stream being captured into a CUDA graph is not queried (a query would invalidate the
+    /// capture); it counts as idle meanwhile.
+    ///
     /// # Safety
-    /// 1. Every stream is a live stream of this engine's device (its primary context) and stays
-    ///    live until the list is replaced or the engine is dropped.
+    /// 1. Every stream is a live stream of this engine's device (its primary context), or 0 (the
+    ///    legacy default stream), and stays live until the list is replaced or the engine is
+    ///    dropped.
     pub unsafe fn set_compute_streams(&mut self, streams: &[u64]) {
         self.compute_streams = streams.to_vec();
     }
@@ -216,7 +220,11 @@ impl CudaEngine {
     /// work) and records a sighting on the device; skipped while a sighting of the last
     /// millisecond already decides.
     fn observe_compute(&self, caller: Option<u64>) {
-        if self.cfg.idle_after_us == 0 || self.device.compute_seen_within(1_000) {
+        if self.cfg.idle_after_us == 0
+            || self
+                .device
+                .compute_seen_within(self.cfg.idle_after_us.min(1_000))
+        {
             return;
         }
         for s in caller

@@ -322,13 +322,24 @@ pub(crate) unsafe fn stream_wait(s: CUstream, e: CUevent) -> Result<()> {
     )
 }
 
-/// Whether `s` has work that has not finished yet (`cuStreamQuery` answers "not ready").
+/// Whether `s` has work that has not finished yet (`cuStreamQuery` answers "not ready"). A stream
+/// being captured into a CUDA graph is never queried (a query would invalidate the capture): it
+/// answers `false`, as does a stream whose capture state cannot be read.
 ///
 /// # Safety
 /// 1. `s` is a live stream of the current context, or 0 (the legacy default stream).
 pub(crate) unsafe fn stream_busy(s: CUstream) -> Result<bool> {
-    // SAFETY: the caller upholds this function's `# Safety` obligations.
-    let r = unsafe { sys::cuStreamQuery(s) };
+    let mut status = sys::CUstreamCaptureStatus::CU_STREAM_CAPTURE_STATUS_NONE;
+    // SAFETY: the caller upholds this function's `# Safety` obligations; asking for the capture
+    // state is allowed during a capture.
+    let r = timed(|| unsafe { sys::cuStreamIsCapturing(s, &raw mut status) });
+    if r != sys::CUresult::CUDA_SUCCESS
+        || status != sys::CUstreamCaptureStatus::CU_STREAM_CAPTURE_STATUS_NONE
+    {
+        return Ok(false);
+    }
+    // SAFETY: as above; the stream is not capturing.
+    let r = timed(|| unsafe { sys::cuStreamQuery(s) });
     if r == sys::CUresult::CUDA_ERROR_NOT_READY {
         return Ok(true);
     }
