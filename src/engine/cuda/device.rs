@@ -203,14 +203,17 @@ impl CudaDevice {
             .clone()
     }
 
+    /// Microseconds since `epoch` (the clock of the activity timestamps; 0 means "never").
+    fn now_us(&self) -> u64 {
+        u64::try_from(self.epoch.elapsed().as_micros()).unwrap_or(u64::MAX)
+    }
+
     /// Records a submission in `dir` (for [`CudaDevice::other_direction_active`]).
     pub(super) fn note_submit(&self, dir: Direction) {
         use std::sync::atomic::Ordering::Relaxed;
         let i = dir_index(dir);
         self.in_flight[i].fetch_add(1, Relaxed);
-        let now = u64::try_from(self.epoch.elapsed().as_micros())
-            .unwrap_or(u64::MAX)
-            .max(1);
+        let now = self.now_us().max(1);
         self.last_submit_us[i].store(now, Relaxed);
     }
 
@@ -223,15 +226,13 @@ impl CudaDevice {
             return true;
         }
         let last = self.last_submit_us[o].load(Relaxed);
-        let now = u64::try_from(self.epoch.elapsed().as_micros()).unwrap_or(u64::MAX);
-        last != 0 && now.saturating_sub(last) < 50_000
+        let now = self.now_us();
+        busy_within(last, now, 50_000)
     }
 
     /// Records that the model was seen computing now (see [`CudaDevice::compute_seen_within`]).
     pub(super) fn note_compute(&self) {
-        let now = u64::try_from(self.epoch.elapsed().as_micros())
-            .unwrap_or(u64::MAX)
-            .max(1);
+        let now = self.now_us().max(1);
         self.compute_seen_us
             .fetch_max(now, std::sync::atomic::Ordering::Relaxed);
     }
@@ -241,7 +242,7 @@ impl CudaDevice {
         let last = self
             .compute_seen_us
             .load(std::sync::atomic::Ordering::Relaxed);
-        let now = u64::try_from(self.epoch.elapsed().as_micros()).unwrap_or(u64::MAX);
+        let now = self.now_us();
         busy_within(last, now, window_us)
     }
 
