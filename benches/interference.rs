@@ -263,6 +263,20 @@ fn share(serving: u64, idle: u64) -> String {
     }
 }
 
+/// A short name for a driver entry point (the benchmark's `by` column).
+fn short_call(name: &str) -> &str {
+    match name {
+        "cuMemcpyBatchAsync" => "batch",
+        "cuLaunchKernel" => "launch",
+        "cuEventRecord" => "record",
+        "cuStreamWaitEvent" => "wait",
+        "cuStreamQuery" | "cuStreamIsCapturing" => "query",
+        "cuMemcpyHtoDAsync" => "htod",
+        "cuMemcpyAsync" => "memcpy",
+        other => other,
+    }
+}
+
 /// What one phase of transfers did.
 #[derive(Default)]
 struct Moved {
@@ -271,6 +285,10 @@ struct Moved {
     sms: u32,
     /// Per submit: its longest driver call, wall-clock and thread CPU µs.
     calls: Vec<(f64, f64)>,
+    /// The driver call with the most CPU time of the phase (µs, entry point).
+    worst: (f64, &'static str),
+    /// Time the submits waited outside the driver for queue room (pacing), µs.
+    paced_us: f64,
     /// Jobs that `Auto` ran with its serving policy / with its idle-GPU policy.
     serving: u64,
     idle: u64,
@@ -358,6 +376,13 @@ impl Cell {
                     s.longest_call_ns as f64 / 1e3,
                     s.longest_call_cpu_ns as f64 / 1e3,
                 ));
+                if s.longest_call_cpu_ns as f64 / 1e3 > m.worst.0 {
+                    m.worst = (
+                        s.longest_call_cpu_ns as f64 / 1e3,
+                        s.longest_call.unwrap_or("-"),
+                    );
+                }
+                m.paced_us += s.paced_ns as f64 / 1e3;
                 ids.push((i, job));
                 job += 1;
             }
@@ -415,6 +440,73 @@ impl Cell {
             })
         })
     }
+}
+
+/// The link's reference on an idle GPU, same run: GB/s of contiguous 128 MiB copies (one DMA copy
+/// per job) device → host, host → device, and both at once (summed).
+#[cfg(feature = "cuda")]
+fn contiguous(dev: &Arc<CudaDevice>, secs: f64) -> [f64; 3] {
+    const LEN: u64 = 128 << 20;
+    let gpu = DeviceBuffer::new(dev, 2 * LEN as usize).unwrap();
+    let host = PinnedBuffer::new(dev, 2 * LEN as usize).unwrap();
+    let cfg = CudaEngineConfig {
+        method: CopyMethod::Dma,
+        ..CudaEngineConfig::default()
+    };
+    let mut engines = [
+        CudaEngine::new(Arc::clone(dev), Direction::GpuToCpu, cfg.clone()).unwrap(),
+        CudaEngine::new(Arc::clone(dev), Direction::CpuToGpu, cfg).unwrap(),
+    ];
+    let mut out = [0.0; 3];
+    for (slot, on) in [[true, false], [false, true], [true, true]]
+        .iter()
+        .enumerate()
+    {
+        let (t, mut bytes, mut job) = (Instant::now(), 0u64, 0i64);
+        while t.elapsed().as_secs_f64() < secs {
+            let mut ids = Vec::new();
+            for (i, dir) in [Direction::GpuToCpu, Direction::CpuToGpu]
+                .into_iter()
+                .enumerate()
+            {
+                if !on[i] {
+                    continue;
+                }
+                let off = i as u64 * LEN;
+                let (src_ptr, dst_ptr) = match dir {
+                    Direction::GpuToCpu => (gpu.ptr() + off, host.ptr() + off),
+                    Direction::CpuToGpu => (host.ptr() + off, gpu.ptr() + off),
+                };
+                let plan = CopyPlan::from_copies(
+                    dir,
+                    vec![CopyOp {
+                        src_ptr,
+                        dst_ptr,
+                        bytes: LEN,
+                    }],
+                )
+                .unwrap();
+                // SAFETY: the buffers outlive the jobs (waited for below); the halves are disjoint.
+                unsafe { engines[i].submit(Job::new(job, plan)) }.unwrap();
+                ids.push((i, job));
+                job += 1;
+            }
+            for (i, j) in ids {
+                engines[i].wait(&[j]).unwrap();
+                bytes += engines[i]
+                    .poll()
+                    .iter()
+                    .filter(|r| r.success)
+                    .map(|r| r.bytes)
+                    .sum::<u64>();
+            }
+        }
+        out[slot] = bytes as f64 / t.elapsed().as_secs_f64() / 1e9;
+    }
+    for e in &mut engines {
+        e.shutdown();
+    }
+    out
 }
 
 /// CPU microseconds of one tiny kernel launch every 200 µs on its own stream, until `stop`.
@@ -500,6 +592,7 @@ fn main() {
         stop.store(true, Ordering::Relaxed);
         h.join().unwrap()
     });
+    let link = contiguous(&dev, secs.max(0.3));
     println!(
         "transfers beside compute (Rust): {}; GEMM 8192³ bf16 {:.3} ms, 1 GiB device copy {:.3} ms; \
          launch alone p50 {:.1} µs, p99 {:.1} µs, max {:.0} µs; {rounds} rounds of {secs} s",
@@ -511,7 +604,12 @@ fn main() {
         lat0.iter().copied().fold(0.0, f64::max),
     );
     println!(
-        "{:>6}{:>6}{:>7} {:<6}{:<10}{:>7}{:>8}{:>7}{:>8}{:>7}{:>9}{:>5}{:>7}{:>7}{:>7}{:>7}{:>7}{:>8} ok",
+        "contiguous copy (128 MiB DMA jobs, idle): device→host {:.1} GB/s, host→device {:.1} GB/s, \
+         both at once {:.1} GB/s",
+        link[0], link[1], link[2]
+    );
+    println!(
+        "{:>6}{:>6}{:>7} {:<6}{:<10}{:>7}{:>8}{:>7}{:>8}{:>7}{:>9}{:>5}{:>7}{:>7}{:>7}{:>7} {:<8}{:>7}{:>7}{:>7}{:>8} ok",
         "page",
         "job",
         "copies",
@@ -527,6 +625,9 @@ fn main() {
         "call99",
         "callmx",
         "cpu99",
+        "cpumx",
+        "by",
+        "pace%",
         "lat50",
         "lat99",
         "latmax"
@@ -586,6 +687,8 @@ fn main() {
                     });
                     let (mut sms, mut failed) = (idle.sms, idle.failed);
                     let mut calls = idle.calls.clone();
+                    let mut worst = idle.worst;
+                    let (mut paced_us, mut phase_us) = (idle.paced_us, secs * 1e6);
                     let mut pol = [0u64; 2];
                     let mut slow = [f64::NAN; 2];
                     let mut gbs = [f64::NAN; 2];
@@ -621,6 +724,11 @@ fn main() {
                             g.push(m.gb_s);
                             sms = sms.max(m.sms);
                             calls.extend_from_slice(&m.calls);
+                            if m.worst.0 > worst.0 {
+                                worst = m.worst;
+                            }
+                            paced_us += m.paced_us;
+                            phase_us += ms * 1e3 * comp.n[k] as f64;
                             pol[0] += m.serving;
                             pol[1] += m.idle;
                             failed += m.failed;
@@ -633,7 +741,7 @@ fn main() {
                     let cpu: Vec<f64> = calls.iter().map(|c| c.1).collect();
                     bad |= !ok;
                     println!(
-                        "{:>5}K{:>5}M{:>7} {:<6}{:<10}{:>7.1}{:>+7.1}%{:>7.1}{:>+7.1}%{:>7.1}{:>9}{:>5}{:>7.0}{:>7.0}{:>7.0}{:>7.0}{:>7.0}{:>8.0} {}",
+                        "{:>5}K{:>5}M{:>7} {:<6}{:<10}{:>7.1}{:>+7.1}%{:>7.1}{:>+7.1}%{:>7.1}{:>9}{:>5}{:>7.0}{:>7.0}{:>7.0}{:>7.0} {:<8}{:>7.1}{:>7.0}{:>7.0}{:>8.0} {}",
                         page_kib,
                         job_mib,
                         blocks * TENSORS,
@@ -649,6 +757,9 @@ fn main() {
                         pct(&wall, 0.99),
                         wall.iter().copied().fold(0.0, f64::max),
                         pct(&cpu, 0.99),
+                        worst.0,
+                        short_call(worst.1),
+                        100.0 * paced_us / phase_us,
                         median(&lat),
                         pct(&lat, 0.99),
                         lat.iter().copied().fold(0.0, f64::max),

@@ -167,6 +167,10 @@ fn round_trip_every_method_byte_exact() {
             let ran = st.method.expect("a method after a submit");
             assert!(st.driver_calls >= 3, "{method:?}: {st:?}"); // start, copies, end
             assert!(
+                st.longest_call.is_some_and(|c| c.starts_with("cu")),
+                "{st:?}"
+            );
+            assert!(
                 st.longest_call_ns > 0 && st.longest_call_ns <= st.submit_ns,
                 "{st:?}"
             );
@@ -310,6 +314,149 @@ fn serving_policy_follows_the_model() {
     .unwrap();
     assert_eq!(store_once(&mut dma, None).policy, None);
     drop(store);
+}
+
+/// A DMA job far longer than the pacing bound waits for the device outside the driver: with the
+/// job held behind 20 ms of work on the caller's stream, the driver would otherwise spin inside
+/// a batch call until the queue drained. Byte-exact both ways; the wait shows in `paced_ns`.
+#[test]
+fn long_dma_jobs_are_paced_outside_the_driver() {
+    let Some(dev) = device() else { return };
+    let caller = dev.create_stream().unwrap();
+    let (page, n) = (4096u64, 32768u64);
+    let len = (page * n) as usize;
+    let gpu = DeviceBuffer::new(&dev, len).unwrap();
+    let gpu2 = DeviceBuffer::new(&dev, len).unwrap();
+    let host = PinnedBuffer::new(&dev, len).unwrap();
+    let mut want = vec![0u8; len];
+    Rng(5).fill(&mut want);
+    gpu.write(0, &want).unwrap();
+    let cfg = CudaEngineConfig {
+        method: CopyMethod::Dma,
+        max_batch_copies: 64,
+        max_queued_copies: 256,
+        ..CudaEngineConfig::default()
+    };
+    let perm = |i: u64| (i * 7919) % n; // 7919 is prime, so this permutes 0..n
+    for dir in [Direction::GpuToCpu, Direction::CpuToGpu] {
+        let mut e = CudaEngine::new(Arc::clone(&dev), dir, cfg.clone()).unwrap();
+        let copies = (0..n)
+            .map(|i| match dir {
+                Direction::GpuToCpu => CopyOp {
+                    src_ptr: gpu.ptr() + i * page,
+                    dst_ptr: host.ptr() + perm(i) * page,
+                    bytes: page,
+                },
+                Direction::CpuToGpu => CopyOp {
+                    src_ptr: host.ptr() + perm(i) * page,
+                    dst_ptr: gpu2.ptr() + i * page,
+                    bytes: page,
+                },
+            })
+            .collect();
+        caller.sleep(20_000_000).unwrap();
+        let r = run_job(
+            &mut e,
+            1,
+            CopyPlan::from_copies(dir, copies).unwrap(),
+            Some(caller.handle()),
+        );
+        assert!(r.success, "{dir:?}: {:?}", r.error);
+        let st = e.last_submit_stats();
+        assert!(
+            st.paced_ns >= 5_000_000,
+            "{dir:?}: the submit waited for the device outside the driver: {st:?}"
+        );
+        assert!(
+            st.longest_call_ns < 5_000_000,
+            "{dir:?}: no driver call waited the caller's work out: {st:?}"
+        );
+        assert!(st.driver_calls as u64 >= 2 * n / 64, "{st:?}");
+    }
+    let mut back = vec![0u8; len];
+    gpu2.read(0, &mut back).unwrap();
+    assert!(back == want, "store + load round trip byte-exact");
+    // Unpaced (bound 0) still correct.
+    let mut e = CudaEngine::new(
+        Arc::clone(&dev),
+        Direction::GpuToCpu,
+        CudaEngineConfig {
+            max_queued_copies: 0,
+            ..cfg
+        },
+    )
+    .unwrap();
+    let copies = (0..n)
+        .map(|i| CopyOp {
+            src_ptr: gpu.ptr() + i * page,
+            dst_ptr: host.ptr() + i * page,
+            bytes: page,
+        })
+        .collect();
+    let r = run_job(
+        &mut e,
+        2,
+        CopyPlan::from_copies(Direction::GpuToCpu, copies).unwrap(),
+        None,
+    );
+    assert!(r.success, "{:?}", r.error);
+    assert_eq!(e.last_submit_stats().paced_ns, 0);
+    assert!(host.as_slice() == &want[..]);
+}
+
+/// Under the serving policy, small copies go by the measured faster of the staged pipeline and
+/// batched DMA: the rule's staged pipeline first, DMA on the second job, every job byte-exact.
+#[test]
+fn serving_feedback_tries_both_methods() {
+    let Some(dev) = device() else { return };
+    let (page, n) = (4096u64, 2048u64);
+    let len = (page * n) as usize;
+    let gpu = DeviceBuffer::new(&dev, len).unwrap();
+    let host = PinnedBuffer::new(&dev, len).unwrap();
+    let mut store = CudaEngine::new(
+        Arc::clone(&dev),
+        Direction::GpuToCpu,
+        CudaEngineConfig {
+            compute_budget_bp: Some(200),
+            idle_after_us: 0, // always serving
+            ..CudaEngineConfig::default()
+        },
+    )
+    .unwrap();
+    let mut rng = Rng(17);
+    let mut ran = Vec::new();
+    for job in 0..6 {
+        let mut want = vec![0u8; len];
+        rng.fill(&mut want);
+        gpu.write(0, &want).unwrap();
+        let copies = (0..n)
+            .map(|i| CopyOp {
+                src_ptr: gpu.ptr() + i * page,
+                dst_ptr: host.ptr() + ((i * 13) % n) * page,
+                bytes: page,
+            })
+            .collect();
+        let r = run_job(
+            &mut store,
+            job,
+            CopyPlan::from_copies(Direction::GpuToCpu, copies).unwrap(),
+            None,
+        );
+        assert!(r.success, "{:?}", r.error);
+        let h = host.as_slice();
+        for i in 0..n {
+            let (g, c) = ((i * page) as usize, (((i * 13) % n) * page) as usize);
+            assert_eq!(&h[c..c + page as usize], &want[g..g + page as usize]);
+        }
+        let st = store.last_submit_stats();
+        assert_eq!(st.policy, Some("serving"));
+        ran.push(st.method.unwrap());
+    }
+    assert_eq!(&ran[..2], &["staged", "dma"], "{ran:?}");
+    assert!(
+        ran[2..].iter().all(|&m| m == ran[2]),
+        "then the faster: {ran:?}"
+    );
 }
 
 /// A load waits for work already queued on the caller's stream: the caller zero-fills the

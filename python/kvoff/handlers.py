@@ -211,7 +211,9 @@ class SingleDirectionOffloadingHandler:
         once; 0 = copy engines only), ``policy`` (``"serving"`` or ``"idle"``: which policy of the
         CUDA engine's ``auto`` chose; ``None`` otherwise), ``submit_ns``, ``longest_call_ns`` /
         ``longest_call_cpu_ns`` (its longest single CUDA driver call, wall-clock / thread CPU
-        time), ``driver_calls``."""
+        time), ``driver_calls``, ``longest_call`` (the driver entry point of the most CPU-hungry
+        call, or ``None``), ``paced_ns`` (time the submit waited outside the driver for the device
+        to drain the stream's queue: the pacing of long DMA jobs)."""
         return dict(self._native.last_submit_stats)
 
     def transfer_async(self, job_id: int, spec: tuple[Any, Any]) -> bool:

@@ -106,6 +106,14 @@ pub struct SubmitStats {
     pub longest_call_cpu_ns: u64,
     /// Driver calls made by it.
     pub driver_calls: u32,
+    /// The driver entry point of the most CPU-hungry call (`longest_call_cpu_ns`), e.g.
+    /// `"cuMemcpyBatchAsync"`; `None` without driver calls.
+    pub longest_call: Option<&'static str>,
+    /// Time the submit waited outside the driver for the device to drain the stream's queue (the
+    /// CUDA engine's pacing of long DMA jobs, [`CudaEngineConfig::max_queued_copies`]), ns.
+    ///
+    /// [`CudaEngineConfig::max_queued_copies`]: crate::engine::cuda::CudaEngineConfig::max_queued_copies
+    pub paced_ns: u64,
 }
 
 /// An asynchronous byte mover. See the module docs for the ordering and error contract.

@@ -656,7 +656,9 @@ impl PyTransferHandler {
     /// first), `sms` (SMs its copy kernels can occupy at once; 0 = copy engines only), `policy`
     /// (`"serving"` or `"idle"`: which policy of the CUDA engine's `auto` chose; None otherwise),
     /// `submit_ns` (CPU time of the submit), `longest_call_ns` / `longest_call_cpu_ns` (its
-    /// longest single driver call, wall-clock / thread CPU time), `driver_calls`.
+    /// longest single driver call, wall-clock / thread CPU time), `driver_calls`, `longest_call`
+    /// (the driver entry point of the most CPU-hungry call, or None), `paced_ns` (time waited
+    /// outside the driver for the device to drain the stream's queue).
     #[getter]
     fn last_submit_stats<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyDict>> {
         let s = self.with_engine(py, |st| Ok(st.engine.last_submit_stats()))?;
@@ -668,6 +670,8 @@ impl PyTransferHandler {
         d.set_item("longest_call_ns", s.longest_call_ns)?;
         d.set_item("longest_call_cpu_ns", s.longest_call_cpu_ns)?;
         d.set_item("driver_calls", s.driver_calls)?;
+        d.set_item("longest_call", s.longest_call)?;
+        d.set_item("paced_ns", s.paced_ns)?;
         Ok(d)
     }
 

@@ -241,12 +241,15 @@ def test_last_submit_stats_describe_the_submit(small):
         "longest_call_ns": 0,
         "longest_call_cpu_ns": 0,
         "driver_calls": 0,
+        "longest_call": None,
+        "paced_ns": 0,
     }
     assert st.transfer_async(1, (G([0, 1, 2, 3]), C([2])))
     st.wait(1)
     assert [r.success for r in st.get_finished()] == [True]
     s = st.last_submit_stats
     assert s["method"] == "host" and s["sms"] == 0 and s["driver_calls"] == 0
+    assert s["longest_call"] is None and s["paced_ns"] == 0
     assert s["submit_ns"] > 0 and s["longest_call_ns"] == 0
     assert s["policy"] is None, "only the CUDA engine's auto chooses by policy"
 

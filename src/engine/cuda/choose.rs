@@ -2,9 +2,122 @@
 //! and the idle-GPU policy (calibrated per device, see `calibrate`).
 #![forbid(unsafe_code)]
 
+use std::collections::HashMap;
+
 use super::engine::CudaEngine;
 use super::{CopyMethod, STAGED_MIN_JOB_BYTES};
 use crate::plan::{CopyOp, Direction};
+
+/// Which jobs share a measured score under the serving policy: the average copy size and the job
+/// size (each by powers of two; jobs by powers of four) and whether the other direction was busy.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub(super) struct ScoreKey {
+    copy_class: u8,
+    job_class: u8,
+    other_busy: bool,
+}
+
+impl ScoreKey {
+    pub(super) fn new(avg_copy_bytes: u64, job_bytes: u64, other_busy: bool) -> Self {
+        let log2 = |x: u64| u8::try_from(x.max(1).ilog2()).unwrap_or(u8::MAX);
+        Self {
+            copy_class: log2(avg_copy_bytes),
+            job_class: log2(job_bytes) / 2,
+            other_busy,
+        }
+    }
+}
+
+/// Measured GB/s of the two methods in one cell (index 0: DMA, 1: staged).
+#[derive(Clone, Copy, Debug, Default)]
+struct ScoreCell {
+    gbps: [f64; 2],
+    samples: [u32; 2],
+    jobs: u32,
+}
+
+/// Weight of a new sample in a cell's moving average.
+const SCORE_ALPHA: f64 = 0.3;
+
+/// The serving policy's feedback: which of batched DMA and the staged pipeline moves more for
+/// small copies beside *this* model on *this* machine, measured from the engine's own jobs.
+///
+/// Both methods keep the model within the budget for small copies (DMA uses no SMs; the staged
+/// pipeline's pack kernel runs in short low-priority launches), but which one moves more depends
+/// on how much of the GPU the model leaves: on one H100 beside a GEMM, 4 KiB × 8 MiB stores moved
+/// 7.6 GB/s by DMA and 5.4 staged; on another of the same kind 4.3 and 7.9 (BENCHMARKS.md). So
+/// the rule's choice is the default, the other method is tried on a cell's second job, and after
+/// that each job runs the method with the higher moving average of device-timed GB/s, except
+/// that every `every × ⌈(best / other)²⌉`-th job (at most every 1024th) tries the other again, so
+/// a change in the model's load is noticed while a clearly slower method costs little.
+#[derive(Debug, Default)]
+pub(super) struct Scores {
+    cells: HashMap<ScoreKey, ScoreCell>,
+}
+
+const fn slot(m: CopyMethod) -> usize {
+    match m {
+        CopyMethod::Staged => 1,
+        _ => 0,
+    }
+}
+
+const SLOT_METHOD: [CopyMethod; 2] = [CopyMethod::Dma, CopyMethod::Staged];
+
+impl Scores {
+    /// The method for the next job of `key`'s cell; `default` (DMA or staged) is the rule's choice.
+    pub(super) fn pick(&mut self, key: ScoreKey, default: CopyMethod, every: u32) -> CopyMethod {
+        let c = self.cells.entry(key).or_default();
+        c.jobs = c.jobs.saturating_add(1);
+        let d = slot(default);
+        let best = if c.samples[0] > 0 && c.samples[1] > 0 && c.gbps[1 - d] > c.gbps[d] {
+            1 - d
+        } else {
+            d
+        };
+        let other = 1 - best;
+        let probe = if c.samples[other] == 0 {
+            c.jobs == 2
+        } else {
+            let ratio = if c.gbps[other] > 0.0 {
+                c.gbps[best] / c.gbps[other]
+            } else {
+                f64::INFINITY
+            };
+            // ⌈ratio²⌉ in 1..=1024 (a ratio of NaN or infinity gives the cap).
+            let mut factor = 1u32;
+            while factor < 1024 && f64::from(factor) < ratio * ratio {
+                factor += 1;
+            }
+            let n = every.max(1).saturating_mul(factor).min(1024);
+            c.jobs % n.max(2) == 0
+        };
+        SLOT_METHOD[if probe { other } else { best }]
+    }
+
+    /// Adds a finished job's device-timed rate.
+    pub(super) fn record(&mut self, key: ScoreKey, method: CopyMethod, bytes: u64, seconds: f64) {
+        if seconds.is_nan() || seconds <= 0.0 || bytes == 0 {
+            return;
+        }
+        #[allow(clippy::cast_precision_loss)] // a rate; 52 bits are plenty
+        let g = bytes as f64 / seconds / 1e9;
+        let c = self.cells.entry(key).or_default();
+        let i = slot(method);
+        c.gbps[i] = if c.samples[i] == 0 {
+            g
+        } else {
+            (1.0 - SCORE_ALPHA) * c.gbps[i] + SCORE_ALPHA * g
+        };
+        c.samples[i] = c.samples[i].saturating_add(1);
+    }
+
+    /// The cell's moving averages `[dma, staged]` in GB/s (0 before a sample).
+    #[cfg(test)]
+    fn rates(&self, key: ScoreKey) -> [f64; 2] {
+        self.cells.get(&key).map_or([0.0; 2], |c| c.gbps)
+    }
+}
 
 /// Whether a sighting of the model computing at `last` µs (0 = never) lies within `window_us` of
 /// `now` µs. A window of 0 means "the model is always assumed busy" (the serving policy always).
@@ -33,8 +146,10 @@ pub(super) fn host_runs(direction: Direction, copies: &[CopyOp]) -> u64 {
 }
 
 impl CudaEngine {
-    pub(super) fn choose(&self, copies: &[CopyOp], bytes: u64) -> CopyMethod {
-        match self.cfg.method {
+    /// The method for a job, and — when the serving policy chose between batched DMA and the
+    /// staged pipeline by speed alone (small copies) — the feedback cell it belongs to.
+    pub(super) fn choose(&self, copies: &[CopyOp], bytes: u64) -> (CopyMethod, Option<ScoreKey>) {
+        let m = match self.cfg.method {
             CopyMethod::Auto if self.job_serving => {
                 // Beside a model (measured on an H100 beside a bf16 GEMM and a 1 GiB device copy,
                 // BENCHMARKS.md "Transfers beside compute"): batched DMA uses no SMs and moves
@@ -44,6 +159,7 @@ impl CudaEngine {
                 // DMA beside a GEMM at 4 KiB pages, within the budget). The copy kernel over mapped
                 // host memory holds its SMs for the whole job (+10–85% on a GEMM) and is not used.
                 let avg = bytes / (copies.len().max(1) as u64);
+                let other_busy = self.device.other_direction_active(self.direction);
                 if !self.cfg.host_mapped || avg >= self.cfg.serving_dma_min_copy_bytes {
                     CopyMethod::Dma
                 } else if self.cfg.serving_small_kernel {
@@ -51,7 +167,7 @@ impl CudaEngine {
                 } else if self.cfg.serving_store_dma_beside_loads
                     && self.direction == Direction::GpuToCpu
                     && bytes >= self.cfg.serving_store_dma_min_job_bytes
-                    && self.device.other_direction_active(self.direction)
+                    && other_busy
                 {
                     // Staging both ways at once with large jobs moves 33–42 GB/s beside a GEMM but
                     // its pack kernels' HBM traffic costs a memory-bound model 5.6–7% (over the 5%
@@ -61,13 +177,17 @@ impl CudaEngine {
                     // the pair cost under 2% and DMA would move a third as much at 4 KiB copies.
                     CopyMethod::Dma
                 } else {
-                    CopyMethod::Staged
+                    // Both DMA and staging are within the budget here; which moves more depends
+                    // on the model's load and the machine, so the feedback decides (`Scores`).
+                    let key = (self.cfg.serving_feedback_every > 0)
+                        .then(|| ScoreKey::new(avg, bytes, other_busy));
+                    return (CopyMethod::Staged, key);
                 }
             }
             CopyMethod::Auto => {
                 let avg = bytes / (copies.len().max(1) as u64);
                 if !self.cfg.host_mapped || avg >= self.cfg.dma_min_avg_copy_bytes {
-                    return CopyMethod::Dma;
+                    return (CopyMethod::Dma, None);
                 }
                 // Measured on an H200 (BENCHMARKS.md): with 64 × 4 KiB pages per block (256 KiB
                 // runs) the kernel wins for stores (92% vs 85% of the link) and staging wins for
@@ -93,7 +213,7 @@ impl CudaEngine {
                         other_busy,
                     )
                 }) {
-                    return m;
+                    return (m, None);
                 }
                 let min_run = match self.direction {
                     _ if other_busy => self.cfg.staged_min_run_bytes_load,
@@ -107,13 +227,92 @@ impl CudaEngine {
                 }
             }
             m => m,
-        }
+        };
+        (m, None)
     }
 }
 
 #[cfg(test)]
 mod tests {
-    use super::busy_within;
+    use super::{busy_within, CopyMethod, ScoreKey, Scores};
+
+    /// Runs `n` jobs of one cell where DMA moves `dma` GB/s and staging `staged`; returns the
+    /// methods picked.
+    fn drive(s: &mut Scores, key: ScoreKey, n: usize, dma: f64, staged: f64) -> Vec<CopyMethod> {
+        (0..n)
+            .map(|_| {
+                let m = s.pick(key, CopyMethod::Staged, 32);
+                let g = if m == CopyMethod::Dma { dma } else { staged };
+                s.record(key, m, 8 << 20, 8_388_608.0 / (g * 1e9));
+                m
+            })
+            .collect()
+    }
+
+    #[test]
+    fn feedback_tries_both_then_keeps_the_faster() {
+        let key = ScoreKey::new(4096, 8 << 20, false);
+        let mut s = Scores::default();
+        let picks = drive(&mut s, key, 400, 7.6, 5.4);
+        assert_eq!(picks[0], CopyMethod::Staged, "the rule's default first");
+        assert_eq!(
+            picks[1],
+            CopyMethod::Dma,
+            "the other method on the second job"
+        );
+        let staged = picks[2..]
+            .iter()
+            .filter(|&&m| m == CopyMethod::Staged)
+            .count();
+        // Probes every 32 × ⌈(7.6/5.4)²⌉ = 64 jobs.
+        assert!(
+            (5..=7).contains(&staged),
+            "{staged} probes of the slower method"
+        );
+        let r = s.rates(key);
+        assert!(
+            (r[0] - 7.6).abs() < 1e-6 && (r[1] - 5.4).abs() < 1e-6,
+            "{r:?}"
+        );
+        // The default stays where it is faster.
+        let key2 = ScoreKey::new(4096, 128 << 20, false);
+        let picks = drive(&mut s, key2, 400, 7.7, 22.0);
+        let dma = picks.iter().filter(|&&m| m == CopyMethod::Dma).count();
+        // One first try, then every 32 × ⌈(22/7.7)²⌉ = 288 jobs.
+        assert!((1..=2).contains(&dma), "{dma} DMA jobs");
+    }
+
+    #[test]
+    fn feedback_follows_a_change_in_load() {
+        let key = ScoreKey::new(4096, 8 << 20, true);
+        let mut s = Scores::default();
+        drive(&mut s, key, 200, 4.3, 7.9);
+        let late = drive(&mut s, key, 2000, 7.6, 5.4);
+        let tail = &late[1000..];
+        assert!(
+            tail.iter().filter(|&&m| m == CopyMethod::Dma).count() > 950,
+            "switched to the now faster DMA"
+        );
+    }
+
+    #[test]
+    fn feedback_ignores_empty_and_untimed_jobs_and_keys_by_class() {
+        let mut s = Scores::default();
+        let key = ScoreKey::new(4096, 8 << 20, false);
+        s.record(key, CopyMethod::Dma, 0, 1.0);
+        s.record(key, CopyMethod::Dma, 1 << 20, 0.0);
+        s.record(key, CopyMethod::Dma, 1 << 20, f64::NAN);
+        assert!(s.rates(key).iter().all(|&r| r == 0.0), "no sample");
+        assert_eq!(
+            key,
+            ScoreKey::new(4096 + 100, 12 << 20, false),
+            "same classes"
+        );
+        assert_ne!(key, ScoreKey::new(8192, 8 << 20, false));
+        assert_ne!(key, ScoreKey::new(4096, 32 << 20, false));
+        assert_ne!(key, ScoreKey::new(4096, 8 << 20, true));
+        assert_eq!(ScoreKey::new(0, 0, false), ScoreKey::new(1, 1, false));
+    }
 
     #[test]
     fn busy_window() {

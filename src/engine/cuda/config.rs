@@ -95,6 +95,11 @@ pub struct CudaEngineConfig {
     /// Most copies per batched driver call; longer batches are split so that no call holds the
     /// driver (and every other thread's launches) for long. 0: no limit.
     pub max_batch_copies: usize,
+    /// Most copies one DMA job keeps queued on a stream at once: past this, kvoff waits (outside
+    /// the driver, polling an event) for the device to finish earlier batches before it enqueues
+    /// more, so the driver never spins inside a call waiting for room in the stream's queue (which
+    /// held single calls for 300–820 µs of CPU at 32768 copies). 0: no bound.
+    pub max_queued_copies: usize,
     /// `Auto`'s DMA jobs of at least this many copies are enqueued by two threads on two streams
     /// (the driver's per-copy CPU cost limits one thread; see the `dma` module). 0: never.
     pub dma_split_min_copies: usize,
@@ -118,6 +123,13 @@ pub struct CudaEngineConfig {
     /// work within this many µs, the GPU counts as idle and `Auto` uses the idle-GPU policy (the
     /// fastest method). 0: never idle (the serving policy for every job).
     pub idle_after_us: u64,
+    /// Serving policy: for small copies (below [`CudaEngineConfig::serving_dma_min_copy_bytes`])
+    /// both batched DMA and the staged pipeline are within the budget, and which moves more
+    /// depends on the model's load; `Auto` measures both on its own jobs (device-timed) and keeps
+    /// the faster, trying the other again every `serving_feedback_every × ⌈(faster / slower)²⌉`
+    /// jobs of the same kind (copy size, job size, other direction busy). 0: no feedback (the
+    /// staged pipeline, the measured default).
+    pub serving_feedback_every: u32,
     /// Serving policy: CTAs of the copy kernel (0: derived from the budget and the SM count).
     pub serving_ctas: u32,
     /// Serving policy: most bytes one copy-kernel launch moves (so a launch holds its SMs only
@@ -141,11 +153,13 @@ impl Default for CudaEngineConfig {
             calibrate: true,
             compute_budget_bp: None,
             max_batch_copies: 64,
+            max_queued_copies: 2048,
             dma_split_min_copies: 256,
             serving_dma_min_copy_bytes: 32 << 10,
             serving_small_kernel: false,
             serving_store_dma_beside_loads: true,
             serving_store_dma_min_job_bytes: 32 << 20,
+            serving_feedback_every: 32,
             serving_ctas: 0,
             serving_launch_bytes: 1 << 20,
             idle_after_us: 100_000,
@@ -163,7 +177,7 @@ impl CudaEngineConfig {
     }
 
     /// Applies `KVOFF_CUDA_TUNE` overrides (`key=value` pairs separated by commas; keys `budget`
-    /// (basis points, or `off`), `batch`, `dmasplit`, `storedma`, `storedmamin` (bytes), `idleafter` (µs; 0 = never idle), `ctas`, `max_ctas`, `launch`, `dmamin`, `small`
+    /// (basis points, or `off`), `batch`, `queued`, `dmasplit`, `storedma`, `storedmamin` (bytes), `idleafter` (µs; 0 = never idle), `feedback` (0 = off), `ctas`, `max_ctas`, `launch`, `dmamin`, `small`
     /// (`kernel` or `staged`)), used by the
     /// benchmarks to sweep the serving policy's knobs without rebuilding.
     ///
@@ -185,6 +199,9 @@ impl CudaEngineConfig {
                     self.compute_budget_bp = Some(u32::try_from(num(v)?).unwrap_or(u32::MAX));
                 }
                 "batch" => self.max_batch_copies = usize::try_from(num(v)?).unwrap_or(usize::MAX),
+                "queued" => {
+                    self.max_queued_copies = usize::try_from(num(v)?).unwrap_or(usize::MAX);
+                }
                 "dmasplit" => {
                     self.dma_split_min_copies = usize::try_from(num(v)?).unwrap_or(usize::MAX);
                 }
@@ -196,6 +213,9 @@ impl CudaEngineConfig {
                 "storedma" => self.serving_store_dma_beside_loads = num(v)? != 0,
                 "storedmamin" => self.serving_store_dma_min_job_bytes = num(v)?,
                 "idleafter" => self.idle_after_us = num(v)?,
+                "feedback" => {
+                    self.serving_feedback_every = u32::try_from(num(v)?).unwrap_or(u32::MAX);
+                }
                 _ => {
                     return Err(KvoffError::arg(format!(
                         "KVOFF_CUDA_TUNE: unknown key {k:?}"
@@ -225,11 +245,12 @@ mod tests {
     fn tuning_sets_each_knob_and_rejects_bad_input() {
         let mut c = CudaEngineConfig::default();
         c.apply_tuning(
-            "budget=150, batch=32,ctas=3,max_ctas=8,launch=65536,dmamin=4096,small=kernel,dmasplit=9,storedma=0,storedmamin=7,idleafter=0",
+            "budget=150, batch=32,queued=96,ctas=3,max_ctas=8,launch=65536,dmamin=4096,small=kernel,dmasplit=9,storedma=0,storedmamin=7,idleafter=0,feedback=0",
         )
         .unwrap();
         assert_eq!(c.compute_budget_bp, Some(150));
         assert_eq!(c.max_batch_copies, 32);
+        assert_eq!(c.max_queued_copies, 96);
         assert_eq!(c.serving_ctas, 3);
         assert_eq!(c.max_ctas, 8);
         assert_eq!(c.serving_launch_bytes, 65536);
@@ -239,6 +260,7 @@ mod tests {
         assert!(!c.serving_store_dma_beside_loads);
         assert_eq!(c.serving_store_dma_min_job_bytes, 7);
         assert_eq!(c.idle_after_us, 0);
+        assert_eq!(c.serving_feedback_every, 0);
         c.apply_tuning("budget=off,small=staged,launch=1").unwrap();
         assert_eq!(c.compute_budget_bp, None);
         assert!(!c.serving_small_kernel);

@@ -26,7 +26,84 @@ use super::{ffi, CudaDevice};
 use crate::error::{KvoffError, Result};
 use crate::plan::CopyOp;
 
-/// Enqueues co-indexed copies as batched calls of at most `step` copies each (0: one call).
+/// How long pacing waits for the device to finish one batch before the job fails (a device that
+/// makes no progress for this long is hung; the submit returns an error instead of hanging).
+const PACE_TIMEOUT: std::time::Duration = std::time::Duration::from_secs(60);
+
+/// Pacing of long DMA jobs: the copies a job keeps queued on its stream are bounded, so that the
+/// driver never waits inside a call for room in the stream's queue.
+///
+/// Measured on an H100 (BENCHMARKS.md, session 6): with 32768 copies of 4 KiB enqueued in calls
+/// of 64, the calls after the first few thousand copies took 300–820 µs of CPU each where the
+/// first took ~60: the driver spins inside the call until the device has drained enough of the
+/// queue. Here an event is recorded after each batch call, and before the call `k` batches later
+/// kvoff waits for it itself (polling `cuEventQuery`, then sleeping in short steps), outside the
+/// driver, so that no call holds the driver longer than a batch of copies takes to describe.
+#[derive(Default)]
+pub(super) struct Pace {
+    events: Vec<Event>,
+}
+
+impl Pace {
+    /// Makes sure there are at least `k` events.
+    ///
+    /// # Safety
+    /// The device's context is current on this thread.
+    unsafe fn ensure(&mut self, k: usize) -> Result<()> {
+        while self.events.len() < k {
+            // SAFETY: the caller's obligation.
+            self.events.push(unsafe { Event::new(false) }?);
+        }
+        Ok(())
+    }
+
+    /// Waits outside the driver until event `i` (recorded on a stream of the current context)
+    /// has completed; the wait is added to the thread's call record.
+    fn wait(&self, i: usize) -> Result<()> {
+        let e = self
+            .events
+            .get(i)
+            .ok_or_else(|| KvoffError::state("pacing event missing (a kvoff bug)"))?
+            .raw();
+        let t = std::time::Instant::now();
+        let mut polls = 0u32;
+        // SAFETY: a live event of this pace; a query has no effect on it.
+        while !unsafe { ffi::event_done(e) }? {
+            if t.elapsed() > PACE_TIMEOUT {
+                return Err(KvoffError::state(format!(
+                    "the device did not finish a batch of copies within {} s (hung?)",
+                    PACE_TIMEOUT.as_secs()
+                )));
+            }
+            polls += 1;
+            if polls < 32 {
+                std::thread::yield_now();
+            } else {
+                std::thread::sleep(std::time::Duration::from_micros(20));
+            }
+        }
+        ffi::add_paced_ns(u64::try_from(t.elapsed().as_nanos()).unwrap_or(u64::MAX));
+        Ok(())
+    }
+
+    /// Releases the events (their streams must have drained).
+    pub(super) fn release(self) -> Vec<Result<()>> {
+        self.events.into_iter().map(Event::release).collect()
+    }
+}
+
+/// Number of batch calls a job may have queued at once: `max_queued` copies in calls of `step`
+/// (0 = unbounded).
+pub(super) fn paced_batches(max_queued: usize, step: usize) -> usize {
+    if max_queued == 0 || step == 0 {
+        0
+    } else {
+        (max_queued / step).max(1)
+    }
+}
+
+/// Enqueues co-indexed copies as batched calls of at most `step` copies each (0: one call),
+/// keeping at most `max_queued` copies of this call queued at once (0: no bound; see [`Pace`]).
 ///
 /// # Safety
 /// 1. `f` came from the device's batch entry point; every copy satisfies the contract of
@@ -38,6 +115,8 @@ unsafe fn enqueue_batches(
     step: usize,
     host_to_device: bool,
     s: ffi::CUstream,
+    pace: &mut Pace,
+    max_queued: usize,
 ) -> Result<()> {
     if bufs.sizes.is_empty() {
         return Ok(());
@@ -45,14 +124,33 @@ unsafe fn enqueue_batches(
     // Split so that no call holds the driver for long (32768 copies in one call take tens of ms
     // of CPU, stalling every other thread's launches meanwhile).
     let step = if step == 0 { bufs.sizes.len() } else { step };
-    for ((d, sr), sz) in bufs
+    let n_batches = bufs.sizes.len().div_ceil(step);
+    let k = paced_batches(max_queued, step);
+    let pacing = k > 0 && n_batches > k;
+    if pacing {
+        // SAFETY: this function's obligation (the context is current).
+        unsafe { pace.ensure(k) }?;
+    }
+    for (i, ((d, sr), sz)) in bufs
         .dsts
         .chunks_mut(step)
         .zip(bufs.srcs.chunks_mut(step))
         .zip(bufs.sizes.chunks_mut(step))
+        .enumerate()
     {
+        if pacing && i >= k {
+            // Recorded after batch i − k: at most k batches of this job are queued.
+            pace.wait(i % k)?;
+        }
         // SAFETY: co-indexed arrays; the rest is this function's obligation 1.
         unsafe { ffi::memcpy_batch(f, d, sr, sz, host_to_device, s) }?;
+        if pacing && i + k < n_batches {
+            let e = pace.events.get(i % k).map(Event::raw);
+            let e = e.ok_or_else(|| KvoffError::state("pacing event missing (a kvoff bug)"))?;
+            // SAFETY: a live event of this pace (its earlier recording was waited for above or
+            // never made); `s` is live (obligation 1).
+            unsafe { ffi::event_record(e, s) }?;
+        }
     }
     Ok(())
 }
@@ -81,12 +179,14 @@ impl DmaBufs {
 /// One half-job for the helper thread.
 struct Work {
     bufs: DmaBufs,
+    pace: Pace,
     host_to_device: bool,
     stream: SendPtr<ffi::CUstream>,
 }
 
-/// The helper's answer: the enqueue result, its driver-call record, and the buffers back.
-type Done = (Result<()>, ffi::CallRecord, DmaBufs);
+/// The helper's answer: the enqueue result, its driver-call record, and the buffers and pacing
+/// events back.
+type Done = (Result<()>, ffi::CallRecord, DmaBufs, Pace);
 
 /// The DMA helper of one engine: a thread that enqueues the second half of large DMA jobs on
 /// its own stream, plus the fork/join events. Created on the first split job.
@@ -97,6 +197,8 @@ pub(super) struct DmaHelper {
     fork: Event,
     join: Event,
     spare: Option<DmaBufs>,
+    /// The helper thread's pacing events (moved to the thread with each half-job and back).
+    pace: Option<Pace>,
 }
 
 impl DmaHelper {
@@ -104,7 +206,12 @@ impl DmaHelper {
     ///
     /// # Safety
     /// The device's context is current on this thread.
-    unsafe fn new(device: &Arc<CudaDevice>, step: usize, high: bool) -> Result<Self> {
+    unsafe fn new(
+        device: &Arc<CudaDevice>,
+        step: usize,
+        max_queued: usize,
+        high: bool,
+    ) -> Result<Self> {
         // SAFETY: the caller's obligation. On an error below, what was created is dropped.
         let aux = unsafe { Stream::new(high) }?;
         // SAFETY: as above.
@@ -129,11 +236,22 @@ impl DmaHelper {
                         // the join event; the stream is its live auxiliary stream; the context
                         // was made current just above.
                         unsafe {
-                            enqueue_batches(f, &mut w.bufs, step, w.host_to_device, w.stream.0)
+                            enqueue_batches(
+                                f,
+                                &mut w.bufs,
+                                step,
+                                w.host_to_device,
+                                w.stream.0,
+                                &mut w.pace,
+                                max_queued,
+                            )
                         }
                     }))
                     .unwrap_or_else(|_| Err(KvoffError::state("the DMA helper thread panicked")));
-                    if done_tx.send((r, ffi::take_call_record(), w.bufs)).is_err() {
+                    if done_tx
+                        .send((r, ffi::take_call_record(), w.bufs, w.pace))
+                        .is_err()
+                    {
                         break;
                     }
                 }
@@ -149,6 +267,7 @@ impl DmaHelper {
             fork,
             join,
             spare: Some(DmaBufs::default()),
+            pace: Some(Pace::default()),
         })
     }
 
@@ -156,7 +275,9 @@ impl DmaHelper {
     /// returns the driver's errors.
     pub(super) fn release(self) -> Vec<Result<()>> {
         drop(self.worker);
-        vec![self.fork.release(), self.join.release(), self.aux.release()]
+        let mut errs = self.pace.map(Pace::release).unwrap_or_default();
+        errs.extend([self.fork.release(), self.join.release(), self.aux.release()]);
+        errs
     }
 }
 
@@ -186,13 +307,23 @@ impl CudaEngine {
     ) -> Result<()> {
         if let Some(f) = self.device.batch {
             let mut bufs = std::mem::take(&mut self.scratch_dma);
+            let mut pace = std::mem::take(&mut self.pace);
             bufs.fill(runs);
             // SAFETY: memory validated by the plan (or staging owned by this engine) and kept
             // alive until the job completes; `s` is a created stream; callers bind first.
             let r = unsafe {
-                enqueue_batches(f, &mut bufs, self.cfg.max_batch_copies, host_to_device, s)
+                enqueue_batches(
+                    f,
+                    &mut bufs,
+                    self.cfg.max_batch_copies,
+                    host_to_device,
+                    s,
+                    &mut pace,
+                    self.cfg.max_queued_copies,
+                )
             };
             self.scratch_dma = bufs;
+            self.pace = pace;
             r
         } else {
             for (src, dst, n) in runs {
@@ -223,8 +354,14 @@ impl CudaEngine {
         if self.dma_helper.is_none() {
             let high = self.direction == crate::plan::Direction::CpuToGpu && !self.cfg.serving();
             // SAFETY: the context is current (submit binds first).
-            self.dma_helper =
-                Some(unsafe { DmaHelper::new(&self.device, self.cfg.max_batch_copies, high) }?);
+            self.dma_helper = Some(unsafe {
+                DmaHelper::new(
+                    &self.device,
+                    self.cfg.max_batch_copies,
+                    self.cfg.max_queued_copies,
+                    high,
+                )
+            }?);
         }
         let h = self
             .dma_helper
@@ -232,6 +369,7 @@ impl CudaEngine {
             .ok_or_else(|| KvoffError::state("DMA helper missing"))?;
         let (aux, fork, join) = (h.aux.raw(), h.fork.raw(), h.join.raw());
         let mut bufs = h.spare.take().unwrap_or_default();
+        let pace = h.pace.take().unwrap_or_default();
         let half = copies.len() / 2;
         bufs.fill(
             copies[half..]
@@ -250,6 +388,7 @@ impl CudaEngine {
             .ok_or_else(|| KvoffError::state("the DMA helper thread stopped"))?
             .send(Work {
                 bufs,
+                pace,
                 host_to_device,
                 stream: SendPtr(aux),
             })
@@ -270,8 +409,9 @@ impl CudaEngine {
         // Wait for the helper's half (with the GIL released by the bindings): the join event
         // must follow everything it enqueued.
         let theirs = match h.rx.recv() {
-            Ok((r, calls, bufs)) => {
+            Ok((r, calls, bufs, pace)) => {
                 h.spare = Some(bufs);
+                h.pace = Some(pace);
                 ffi::add_call_record(calls);
                 r
             }

@@ -7,7 +7,8 @@ use std::collections::VecDeque;
 use std::sync::Arc;
 
 use super::calibrate::Calibration;
-use super::dma::{DmaBufs, DmaHelper};
+use super::choose::{ScoreKey, Scores};
+use super::dma::{DmaBufs, DmaHelper, Pace};
 use super::ffi;
 use super::handles::{Event, Stream};
 use super::kernel::{
@@ -52,6 +53,8 @@ pub(super) struct InFlight {
     pub(super) end: Event,
     pub(super) desc: Option<DescBuf>,
     pub(super) method: CopyMethod,
+    /// The serving policy's feedback cell when the method was chosen by measured speed.
+    pub(super) score: Option<ScoreKey>,
     /// Error at submission: the job is reported failed in its turn.
     pub(super) failed: Option<String>,
 }
@@ -89,6 +92,8 @@ pub struct CudaEngine {
     pub(super) scratch_dma: DmaBufs,
     /// Helper thread and stream of split DMA jobs (created on first use).
     pub(super) dma_helper: Option<DmaHelper>,
+    /// Pacing events of DMA enqueued by this thread (created on first use).
+    pub(super) pace: Pace,
     pub(super) scratch_runs: Vec<(u64, u64, u64)>,
     pub(super) last_pack_ns: u64,
     pub(super) last_submit_ns: u64,
@@ -102,6 +107,8 @@ pub struct CudaEngine {
     /// Whether the job being submitted uses the serving policy (the budget is set and the model
     /// was seen computing recently); decided once per submit.
     pub(super) job_serving: bool,
+    /// Measured GB/s of DMA and staging under the serving policy (see `Scores`).
+    pub(super) scores: Scores,
 }
 
 impl std::fmt::Debug for CudaEngine {
@@ -177,6 +184,7 @@ impl CudaEngine {
             staging: None,
             scratch_dma: DmaBufs::default(),
             dma_helper: None,
+            pace: Pace::default(),
             scratch_runs: Vec::new(),
             last_pack_ns: 0,
             last_submit_ns: 0,
@@ -184,6 +192,7 @@ impl CudaEngine {
             calibration,
             compute_streams: Vec::new(),
             job_serving: false,
+            scores: Scores::default(),
         })
     }
 
@@ -396,6 +405,9 @@ impl CudaEngine {
                 Ok(ms) => seconds = f64::from(ms) / 1e3,
                 Err(e) => error = Some(e.to_string()),
             }
+            if let (None, Some(key)) = (&error, job.score) {
+                self.scores.record(key, job.method, job.bytes, seconds);
+            }
         }
         self.events.push(job.start);
         self.events.push(job.end);
@@ -456,7 +468,12 @@ impl TransferEngine for CudaEngine {
         let copies = job.plan.copies();
         let bytes = job.plan.total_bytes();
         self.job_serving = self.decide_serving(job.stream);
-        let method = self.choose(copies, bytes);
+        let (mut method, score) = self.choose(copies, bytes);
+        if let Some(key) = score {
+            method = self
+                .scores
+                .pick(key, method, self.cfg.serving_feedback_every);
+        }
         let (Ok(s), Some(caller_event)) =
             (self.stream(), self.caller_event.as_ref().map(Event::raw))
         else {
@@ -504,6 +521,7 @@ impl TransferEngine for CudaEngine {
                 Prepared::Nothing => None,
             },
             method,
+            score,
             failed: r.err().map(|e| e.to_string()),
         });
         self.device.note_submit(self.direction);
@@ -533,6 +551,8 @@ impl TransferEngine for CudaEngine {
             longest_call_ns: calls.longest_ns,
             longest_call_cpu_ns: calls.longest_cpu_ns,
             driver_calls: calls.calls,
+            longest_call: (!calls.longest_name.is_empty()).then_some(calls.longest_name),
+            paced_ns: calls.paced_ns,
         };
         Ok(())
     }
@@ -643,6 +663,7 @@ impl TransferEngine for CudaEngine {
         }
         // Everything below is unused once the streams drained; each handle is released once.
         let mut errs: Vec<Result<()>> = self.events.drain(..).map(Event::release).collect();
+        errs.extend(std::mem::take(&mut self.pace).release());
         for d in self.descs.drain(..) {
             errs.push(d.dev.release());
             errs.push(d.host.release());

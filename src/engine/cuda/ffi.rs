@@ -26,6 +26,11 @@ pub(crate) struct CallRecord {
     pub(crate) calls: u32,
     pub(crate) longest_ns: u64,
     pub(crate) longest_cpu_ns: u64,
+    /// The driver entry point of the call with the most CPU time ("" if none).
+    pub(crate) longest_name: &'static str,
+    /// Time spent outside the driver waiting for the device to drain the stream's queue
+    /// (the pacing of long DMA jobs, see `dma::Pace`), ns.
+    pub(crate) paced_ns: u64,
 }
 
 impl CallRecord {
@@ -34,6 +39,13 @@ impl CallRecord {
             calls: self.calls.saturating_add(o.calls),
             longest_ns: self.longest_ns.max(o.longest_ns),
             longest_cpu_ns: self.longest_cpu_ns.max(o.longest_cpu_ns),
+            longest_name: if o.longest_cpu_ns > self.longest_cpu_ns || self.longest_name.is_empty()
+            {
+                o.longest_name
+            } else {
+                self.longest_name
+            },
+            paced_ns: self.paced_ns.saturating_add(o.paced_ns),
         }
     }
 }
@@ -41,7 +53,13 @@ impl CallRecord {
 thread_local! {
     /// This thread's calls since the last [`take_call_record`].
     static CALLS: Cell<CallRecord> = const {
-        Cell::new(CallRecord { calls: 0, longest_ns: 0, longest_cpu_ns: 0 })
+        Cell::new(CallRecord {
+            calls: 0,
+            longest_ns: 0,
+            longest_cpu_ns: 0,
+            longest_name: "",
+            paced_ns: 0,
+        })
     };
 }
 
@@ -61,14 +79,16 @@ fn thread_cpu_ns() -> u64 {
         .saturating_add(u64::try_from(ts.tv_nsec).unwrap_or(0))
 }
 
-/// Runs one enqueue call, adding it to this thread's call record.
-fn timed<T>(f: impl FnOnce() -> T) -> T {
+/// Runs one enqueue call named `name`, adding it to this thread's call record.
+fn timed<T>(name: &'static str, f: impl FnOnce() -> T) -> T {
     let (t, c0) = (Instant::now(), thread_cpu_ns());
     let r = f();
     let one = CallRecord {
         calls: 1,
         longest_ns: u64::try_from(t.elapsed().as_nanos()).unwrap_or(u64::MAX),
         longest_cpu_ns: thread_cpu_ns().saturating_sub(c0),
+        longest_name: name,
+        paced_ns: 0,
     };
     CALLS.with(|c| c.set(c.get().merge(one)));
     r
@@ -77,6 +97,15 @@ fn timed<T>(f: impl FnOnce() -> T) -> T {
 /// This thread's call record since the last take; resets it.
 pub(crate) fn take_call_record() -> CallRecord {
     CALLS.with(|c| c.replace(CallRecord::default()))
+}
+
+/// Adds `ns` of pacing (waiting outside the driver for queue room) to this thread's record.
+pub(crate) fn add_paced_ns(ns: u64) {
+    CALLS.with(|c| {
+        let mut r = c.get();
+        r.paced_ns = r.paced_ns.saturating_add(ns);
+        c.set(r);
+    });
 }
 
 /// Adds another thread's call record (its calls made for this thread's job) to this thread's.
@@ -271,7 +300,7 @@ pub(crate) unsafe fn event_destroy(e: CUevent) -> Result<()> {
 pub(crate) unsafe fn event_record(e: CUevent, s: CUstream) -> Result<()> {
     // SAFETY: the caller upholds this function's `# Safety` obligations.
     check(
-        timed(|| unsafe { sys::cuEventRecord(e, s) }),
+        timed("cuEventRecord", || unsafe { sys::cuEventRecord(e, s) }),
         "cuEventRecord",
     )
 }
@@ -317,7 +346,9 @@ pub(crate) unsafe fn event_elapsed_ms(start: CUevent, end: CUevent) -> Result<f3
 pub(crate) unsafe fn stream_wait(s: CUstream, e: CUevent) -> Result<()> {
     check(
         // SAFETY: the caller upholds this function's `# Safety` obligations.
-        timed(|| unsafe { sys::cuStreamWaitEvent(s, e, 0) }),
+        timed("cuStreamWaitEvent", || unsafe {
+            sys::cuStreamWaitEvent(s, e, 0)
+        }),
         "cuStreamWaitEvent",
     )
 }
@@ -332,14 +363,16 @@ pub(crate) unsafe fn stream_busy(s: CUstream) -> Result<bool> {
     let mut status = sys::CUstreamCaptureStatus::CU_STREAM_CAPTURE_STATUS_NONE;
     // SAFETY: the caller upholds this function's `# Safety` obligations; asking for the capture
     // state is allowed during a capture.
-    let r = timed(|| unsafe { sys::cuStreamIsCapturing(s, &raw mut status) });
+    let r = timed("cuStreamIsCapturing", || unsafe {
+        sys::cuStreamIsCapturing(s, &raw mut status)
+    });
     if r != sys::CUresult::CUDA_SUCCESS
         || status != sys::CUstreamCaptureStatus::CU_STREAM_CAPTURE_STATUS_NONE
     {
         return Ok(false);
     }
     // SAFETY: as above; the stream is not capturing.
-    let r = timed(|| unsafe { sys::cuStreamQuery(s) });
+    let r = timed("cuStreamQuery", || unsafe { sys::cuStreamQuery(s) });
     if r == sys::CUresult::CUDA_ERROR_NOT_READY {
         return Ok(true);
     }
@@ -366,7 +399,9 @@ pub(crate) unsafe fn memcpy_async(dst: u64, src: u64, bytes: u64, s: CUstream) -
     let n = usize::try_from(bytes).map_err(|_| KvoffError::arg("copy size exceeds usize"))?;
     check(
         // SAFETY: the caller upholds this function's `# Safety` obligations.
-        timed(|| unsafe { sys::cuMemcpyAsync(dst, src, n, s) }),
+        timed("cuMemcpyAsync", || unsafe {
+            sys::cuMemcpyAsync(dst, src, n, s)
+        }),
         "cuMemcpyAsync",
     )
 }
@@ -542,7 +577,7 @@ pub(crate) unsafe fn launch_copy(
     let mut params: [*mut c_void; 2] = [(&raw mut a0).cast(), (&raw mut a1).cast()];
     check(
         // SAFETY: the caller upholds this function's `# Safety` obligations.
-        timed(|| unsafe {
+        timed("cuLaunchKernel", || unsafe {
             sys::cuLaunchKernel(
                 f,
                 grid,
@@ -575,7 +610,9 @@ pub(crate) unsafe fn memcpy_htod_async(
 ) -> Result<()> {
     check(
         // SAFETY: the caller upholds this function's `# Safety` obligations.
-        timed(|| unsafe { sys::cuMemcpyHtoDAsync_v2(dst, src, bytes, s) }),
+        timed("cuMemcpyHtoDAsync", || unsafe {
+            sys::cuMemcpyHtoDAsync_v2(dst, src, bytes, s)
+        }),
         "cuMemcpyHtoDAsync",
     )
 }
@@ -637,7 +674,7 @@ pub(crate) unsafe fn memcpy_batch(
     let mut idx0: usize = 0;
     check(
         // SAFETY: the caller upholds this function's `# Safety` obligations.
-        timed(|| unsafe {
+        timed("cuMemcpyBatchAsync", || unsafe {
             f(
                 dsts.as_mut_ptr(),
                 srcs.as_mut_ptr(),
