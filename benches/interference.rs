@@ -93,7 +93,14 @@ impl Rng {
 fn method_cfg(label: &str) -> Option<CudaEngineConfig> {
     let d = CudaEngineConfig::default();
     Some(match label {
+        // Plain batched DMA, one batch entry per page (how vLLM moves blocks): the baseline.
         "dma" => CudaEngineConfig {
+            method: CopyMethod::Dma,
+            dma_pitched: false,
+            ..d
+        },
+        // kvoff's DMA: regular runs of pages as pitched copies.
+        "dma2d" => CudaEngineConfig {
             method: CopyMethod::Dma,
             ..d
         },
@@ -292,6 +299,9 @@ struct Moved {
     /// Jobs that `Auto` ran with its serving policy / with its idle-GPU policy.
     serving: u64,
     idle: u64,
+    /// Jobs run staged / in all (beside compute: which method the feedback kept).
+    staged: u64,
+    jobs: u64,
 }
 
 /// One cell's buffers: GPU KV (tensors × blocks × page, one allocation) and pinned host rows.
@@ -383,6 +393,8 @@ impl Cell {
                     );
                 }
                 m.paced_us += s.paced_ns as f64 / 1e3;
+                m.jobs += 1;
+                m.staged += u64::from(s.method == Some("staged"));
                 ids.push((i, job));
                 job += 1;
             }
@@ -542,7 +554,7 @@ fn main() {
         if quick {
             "dma,auto"
         } else {
-            "dma,kernel,staged,auto-idle,auto-serve,auto"
+            "dma,dma2d,kernel,staged,auto-idle,auto-serve,auto"
         },
     );
     let secs: f64 = std::env::var("KVOFF_BENCH_SECONDS")
@@ -609,7 +621,7 @@ fn main() {
         link[0], link[1], link[2]
     );
     println!(
-        "{:>6}{:>6}{:>7} {:<6}{:<10}{:>7}{:>8}{:>7}{:>8}{:>7}{:>9}{:>5}{:>7}{:>7}{:>7}{:>7} {:<8}{:>7}{:>7}{:>7}{:>8} ok",
+        "{:>6}{:>6}{:>7} {:<6}{:<10}{:>7}{:>8}{:>7}{:>8}{:>7}{:>9}{:>5}{:>5}{:>7}{:>7}{:>7}{:>7} {:<8}{:>7}{:>7}{:>7}{:>8} ok",
         "page",
         "job",
         "copies",
@@ -622,6 +634,7 @@ fn main() {
         "GB/s",
         "srv%",
         "sms",
+        "st%",
         "call99",
         "callmx",
         "cpu99",
@@ -690,6 +703,7 @@ fn main() {
                     let mut worst = idle.worst;
                     let (mut paced_us, mut phase_us) = (idle.paced_us, secs * 1e6);
                     let mut pol = [0u64; 2];
+                    let mut mix = [0u64; 2];
                     let mut slow = [f64::NAN; 2];
                     let mut gbs = [f64::NAN; 2];
                     for &k in &kinds {
@@ -731,6 +745,8 @@ fn main() {
                             phase_us += ms * 1e3 * comp.n[k] as f64;
                             pol[0] += m.serving;
                             pol[1] += m.idle;
+                            mix[0] += m.staged;
+                            mix[1] += m.jobs;
                             failed += m.failed;
                         }
                         slow[k] = median(&b) / median(&a) - 1.0;
@@ -741,7 +757,7 @@ fn main() {
                     let cpu: Vec<f64> = calls.iter().map(|c| c.1).collect();
                     bad |= !ok;
                     println!(
-                        "{:>5}K{:>5}M{:>7} {:<6}{:<10}{:>7.1}{:>+7.1}%{:>7.1}{:>+7.1}%{:>7.1}{:>9}{:>5}{:>7.0}{:>7.0}{:>7.0}{:>7.0} {:<8}{:>7.1}{:>7.0}{:>7.0}{:>8.0} {}",
+                        "{:>5}K{:>5}M{:>7} {:<6}{:<10}{:>7.1}{:>+7.1}%{:>7.1}{:>+7.1}%{:>7.1}{:>9}{:>5}{:>5}{:>7.0}{:>7.0}{:>7.0}{:>7.0} {:<8}{:>7.1}{:>7.0}{:>7.0}{:>8.0} {}",
                         page_kib,
                         job_mib,
                         blocks * TENSORS,
@@ -754,6 +770,7 @@ fn main() {
                         gbs[1],
                         format!("{}/{}", share(idle.serving, idle.idle), share(pol[0], pol[1])),
                         sms,
+                        share(mix[0], mix[1] - mix[0]),
                         pct(&wall, 0.99),
                         wall.iter().copied().fold(0.0, f64::max),
                         pct(&cpu, 0.99),

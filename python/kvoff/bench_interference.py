@@ -29,8 +29,11 @@ PREHEAT_S = 1.5
 #: (label, engine, compute_budget, KVOFF_CUDA_TUNE) of the default methods: every method with the
 #: idle-GPU policy, ``auto`` with the default budget (2%: the serving policy while the model is seen
 #: computing, the idle-GPU policy otherwise) and ``auto-serve``, the serving policy on every job.
+#: ``dma`` is plain batched DMA (one batch entry per page, as vLLM moves blocks: the baseline);
+#: ``dma2d`` is kvoff's DMA engine, which moves regular runs of pages as pitched copies.
 DEFAULT_METHODS = [
-    ("dma", "dma", None, ""),
+    ("dma", "dma", None, "pitched=0"),
+    ("dma2d", "dma", None, ""),
     ("kernel", "kernel", None, ""),
     ("staged", "staged", None, ""),
     ("auto-idle", "auto", None, ""),
@@ -542,14 +545,23 @@ def sweep_for_plot(
         ngpu = ncpu = 4 * blocks
         kv = [torch.empty(ngpu, page, dtype=torch.uint8, device="cuda") for _ in range(tensors)]
         for label, engine, budget in (("kvoff auto", "auto", 0.02), ("batched DMA", "dma", None)):
-            h = kvoff.CpuGpuOffloadingHandlers(
-                kv,
-                1,
-                ncpu,
-                engine=cast(EngineName, engine),
-                compute_budget=budget,
-                compute_streams=[torch.cuda.current_stream()],
-            )
+            old_tune = os.environ.get("KVOFF_CUDA_TUNE")
+            if engine == "dma":  # plain batched DMA: one batch entry per page
+                os.environ["KVOFF_CUDA_TUNE"] = "pitched=0"
+            try:
+                h = kvoff.CpuGpuOffloadingHandlers(
+                    kv,
+                    1,
+                    ncpu,
+                    engine=cast(EngineName, engine),
+                    compute_budget=budget,
+                    compute_streams=[torch.cuda.current_stream()],
+                )
+            finally:
+                if old_tune is None:
+                    os.environ.pop("KVOFF_CUDA_TUNE", None)
+                else:
+                    os.environ["KVOFF_CUDA_TUNE"] = old_tune
             try:
                 for d in ("store", "load"):
                     idle, _ = _run_phase(torch, kvoff, h, d, blocks, ngpu, ncpu, seconds, None, "", None)

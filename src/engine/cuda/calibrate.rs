@@ -274,6 +274,8 @@ pub(super) fn measure(dev: &Arc<CudaDevice>) -> Result<Calibration> {
             let cfg = CudaEngineConfig {
                 method,
                 calibrate: false,
+                // Per-copy DMA: the calibrated rate must hold for any job, pitched or not.
+                dma_pitched: false,
                 ..CudaEngineConfig::default()
             };
             let mut eng = CudaEngine::new(Arc::clone(dev), dir, cfg)?;

@@ -97,9 +97,18 @@ pub struct CudaEngineConfig {
     pub max_batch_copies: usize,
     /// Most copies one DMA job keeps queued on a stream at once: past this, kvoff waits (outside
     /// the driver, polling an event) for the device to finish earlier batches before it enqueues
-    /// more, so the driver never spins inside a call waiting for room in the stream's queue (which
-    /// held single calls for 300–820 µs of CPU at 32768 copies). 0: no bound.
+    /// more, so the driver does not wait inside a call for room in the stream's queue (single
+    /// calls of 64 copies took 300–820 µs of CPU at 32768 queued 4 KiB copies on an H100; with at
+    /// most 256–1024 queued, 79–132 µs). 512 copies are 2 MiB at 4 KiB pages, several times what
+    /// the device moves while kvoff wakes up (tens of µs). 0: no bound.
     pub max_queued_copies: usize,
+    /// Batched DMA moves copies that form a regular grid (equal sizes, source and destination
+    /// each at a constant stride: a KV block's pages across evenly spaced tensors, or a tensor's
+    /// consecutive blocks) as one pitched copy per run (`cuMemcpy2DAsync`) instead of one batch
+    /// entry per copy: 2–4 µs of CPU per run instead of ~1 µs per copy, and 31–52 GB/s instead of
+    /// 4–33 GB/s at 4–32 KiB pages on an H100. `false`: one batch entry per copy (the plain
+    /// batched DMA of the benchmarks' baseline).
+    pub dma_pitched: bool,
     /// `Auto`'s DMA jobs of at least this many copies are enqueued by two threads on two streams
     /// (the driver's per-copy CPU cost limits one thread; see the `dma` module). 0: never.
     pub dma_split_min_copies: usize,
@@ -153,7 +162,8 @@ impl Default for CudaEngineConfig {
             calibrate: true,
             compute_budget_bp: None,
             max_batch_copies: 64,
-            max_queued_copies: 2048,
+            max_queued_copies: 512,
+            dma_pitched: true,
             dma_split_min_copies: 256,
             serving_dma_min_copy_bytes: 32 << 10,
             serving_small_kernel: false,
@@ -177,7 +187,7 @@ impl CudaEngineConfig {
     }
 
     /// Applies `KVOFF_CUDA_TUNE` overrides (`key=value` pairs separated by commas; keys `budget`
-    /// (basis points, or `off`), `batch`, `queued`, `dmasplit`, `storedma`, `storedmamin` (bytes), `idleafter` (µs; 0 = never idle), `feedback` (0 = off), `ctas`, `max_ctas`, `launch`, `dmamin`, `small`
+    /// (basis points, or `off`), `batch`, `queued`, `pitched` (0/1), `dmasplit`, `storedma`, `storedmamin` (bytes), `idleafter` (µs; 0 = never idle), `feedback` (0 = off), `ctas`, `max_ctas`, `launch`, `dmamin`, `small`
     /// (`kernel` or `staged`)), used by the
     /// benchmarks to sweep the serving policy's knobs without rebuilding.
     ///
@@ -199,6 +209,7 @@ impl CudaEngineConfig {
                     self.compute_budget_bp = Some(u32::try_from(num(v)?).unwrap_or(u32::MAX));
                 }
                 "batch" => self.max_batch_copies = usize::try_from(num(v)?).unwrap_or(usize::MAX),
+                "pitched" => self.dma_pitched = num(v)? != 0,
                 "queued" => {
                     self.max_queued_copies = usize::try_from(num(v)?).unwrap_or(usize::MAX);
                 }
@@ -245,12 +256,13 @@ mod tests {
     fn tuning_sets_each_knob_and_rejects_bad_input() {
         let mut c = CudaEngineConfig::default();
         c.apply_tuning(
-            "budget=150, batch=32,queued=96,ctas=3,max_ctas=8,launch=65536,dmamin=4096,small=kernel,dmasplit=9,storedma=0,storedmamin=7,idleafter=0,feedback=0",
+            "budget=150, batch=32,queued=96,pitched=0,ctas=3,max_ctas=8,launch=65536,dmamin=4096,small=kernel,dmasplit=9,storedma=0,storedmamin=7,idleafter=0,feedback=0",
         )
         .unwrap();
         assert_eq!(c.compute_budget_bp, Some(150));
         assert_eq!(c.max_batch_copies, 32);
         assert_eq!(c.max_queued_copies, 96);
+        assert!(!c.dma_pitched);
         assert_eq!(c.serving_ctas, 3);
         assert_eq!(c.max_ctas, 8);
         assert_eq!(c.serving_launch_bytes, 65536);

@@ -22,6 +22,7 @@ use std::thread::JoinHandle;
 use super::device::SendPtr;
 use super::engine::CudaEngine;
 use super::handles::{Event, Stream};
+use super::pitched::Pitched;
 use super::{ffi, CudaDevice};
 use crate::error::{KvoffError, Result};
 use crate::plan::CopyOp;
@@ -118,6 +119,17 @@ unsafe fn enqueue_batches(
     pace: &mut Pace,
     max_queued: usize,
 ) -> Result<()> {
+    // Pitched runs first (one driver call each); a run the driver refuses (a pitch over its limit
+    // on some device) goes as batch entries instead.
+    for r in std::mem::take(&mut bufs.pitched) {
+        // SAFETY: the rows are copies of the job (obligation 1), pitches ≥ width by construction.
+        let ok = unsafe { ffi::memcpy_2d(r.dst, r.dpitch, r.src, r.spitch, r.width, r.rows, s) };
+        if ok.is_err() {
+            for (src, dst, n) in r.rows() {
+                bufs.push(src, dst, n);
+            }
+        }
+    }
     if bufs.sizes.is_empty() {
         return Ok(());
     }
@@ -155,24 +167,45 @@ unsafe fn enqueue_batches(
     Ok(())
 }
 
-/// Reused argument arrays of the batch call: sources, destinations, sizes.
+/// Reused argument arrays of the batch call (sources, destinations, sizes) and the job's pitched
+/// runs.
 #[derive(Default)]
 pub(super) struct DmaBufs {
     srcs: Vec<u64>,
     dsts: Vec<u64>,
     sizes: Vec<usize>,
+    pitched: Vec<Pitched>,
+    triples: Vec<(u64, u64, u64)>,
 }
 
 impl DmaBufs {
-    fn fill(&mut self, runs: impl Iterator<Item = (u64, u64, u64)>) {
+    /// Takes a job's copies: with `pitched`, the runs that form a regular grid become pitched
+    /// copies (see `pitched`) and the rest batch entries.
+    fn fill(&mut self, runs: impl Iterator<Item = (u64, u64, u64)>, pitched: bool) {
         self.srcs.clear();
         self.dsts.clear();
         self.sizes.clear();
-        for (src, dst, n) in runs {
-            self.srcs.push(src);
-            self.dsts.push(dst);
-            self.sizes.push(usize::try_from(n).unwrap_or(usize::MAX));
+        self.pitched.clear();
+        if pitched {
+            let mut t = std::mem::take(&mut self.triples);
+            t.clear();
+            t.extend(runs);
+            super::pitched::group(&mut t, &mut self.pitched);
+            for &(src, dst, n) in &t {
+                self.push(src, dst, n);
+            }
+            self.triples = t;
+        } else {
+            for (src, dst, n) in runs {
+                self.push(src, dst, n);
+            }
         }
+    }
+
+    fn push(&mut self, src: u64, dst: u64, n: u64) {
+        self.srcs.push(src);
+        self.dsts.push(dst);
+        self.sizes.push(usize::try_from(n).unwrap_or(usize::MAX));
     }
 }
 
@@ -308,7 +341,7 @@ impl CudaEngine {
         if let Some(f) = self.device.batch {
             let mut bufs = std::mem::take(&mut self.scratch_dma);
             let mut pace = std::mem::take(&mut self.pace);
-            bufs.fill(runs);
+            bufs.fill(runs, self.cfg.dma_pitched);
             // SAFETY: memory validated by the plan (or staging owned by this engine) and kept
             // alive until the job completes; `s` is a created stream; callers bind first.
             let r = unsafe {
@@ -335,11 +368,18 @@ impl CudaEngine {
     }
 
     /// Whether a DMA job of `n` copies is enqueued by two threads on two streams.
+    /// (Not when most of the job goes as pitched copies: those cost the CPU little.)
     pub(super) fn splits_dma(&self, n: usize) -> bool {
         self.cfg.method == super::CopyMethod::Auto
             && self.cfg.dma_split_min_copies > 0
             && n >= self.cfg.dma_split_min_copies
             && self.device.batch.is_some()
+            && !self.job_mostly_pitched(n)
+    }
+
+    /// Whether at least half of the job's `n` copies form pitched runs (in order).
+    pub(super) fn job_mostly_pitched(&self, n: usize) -> bool {
+        self.cfg.dma_pitched && n >= super::pitched::MIN_ROWS && 2 * self.job_pitched >= n
     }
 
     /// A DMA job enqueued in two halves at once: the second by the helper thread on its stream
@@ -375,6 +415,7 @@ impl CudaEngine {
             copies[half..]
                 .iter()
                 .map(|c| (c.src_ptr, c.dst_ptr, c.bytes)),
+            self.cfg.dma_pitched,
         );
         // SAFETY: live handles of the current context.
         unsafe {

@@ -109,6 +109,8 @@ pub struct CudaEngine {
     pub(super) job_serving: bool,
     /// Measured GB/s of DMA and staging under the serving policy (see `Scores`).
     pub(super) scores: Scores,
+    /// Copies of the job being submitted that form pitched runs in order (see `pitched`).
+    pub(super) job_pitched: usize,
 }
 
 impl std::fmt::Debug for CudaEngine {
@@ -193,6 +195,7 @@ impl CudaEngine {
             compute_streams: Vec::new(),
             job_serving: false,
             scores: Scores::default(),
+            job_pitched: 0,
         })
     }
 
@@ -468,6 +471,13 @@ impl TransferEngine for CudaEngine {
         let copies = job.plan.copies();
         let bytes = job.plan.total_bytes();
         self.job_serving = self.decide_serving(job.stream);
+        self.job_pitched = if self.cfg.dma_pitched {
+            super::pitched::pitched_copies(copies.len(), |j| {
+                copies.get(j).map(|c| (c.src_ptr, c.dst_ptr, c.bytes))
+            })
+        } else {
+            0
+        };
         let (mut method, score) = self.choose(copies, bytes);
         if let Some(key) = score {
             method = self

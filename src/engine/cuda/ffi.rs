@@ -389,6 +389,42 @@ pub(crate) unsafe fn stream_sync(s: CUstream) -> Result<()> {
     )
 }
 
+/// Asynchronous pitched copy between two unified addresses: `rows` rows of `width` bytes, row `i`
+/// from `src + i·spitch` to `dst + i·dpitch` (one copy-engine operation).
+///
+/// # Safety
+/// 1. Every row satisfies the contract of [`memcpy_async`]; `spitch, dpitch ≥ width`.
+/// 2. `s` is a live stream of the current context.
+pub(crate) unsafe fn memcpy_2d(
+    dst: u64,
+    dpitch: u64,
+    src: u64,
+    spitch: u64,
+    width: u64,
+    rows: u64,
+    s: CUstream,
+) -> Result<()> {
+    let us = |v: u64| usize::try_from(v).map_err(|_| KvoffError::arg("copy size exceeds usize"));
+    // SAFETY: all-zero is a valid bit pattern for this plain C struct (null host pointers and
+    // arrays are ignored for unified memory).
+    let mut p: sys::CUDA_MEMCPY2D = unsafe { std::mem::zeroed() };
+    p.srcMemoryType = sys::CUmemorytype::CU_MEMORYTYPE_UNIFIED;
+    p.srcDevice = src;
+    p.srcPitch = us(spitch)?;
+    p.dstMemoryType = sys::CUmemorytype::CU_MEMORYTYPE_UNIFIED;
+    p.dstDevice = dst;
+    p.dstPitch = us(dpitch)?;
+    p.WidthInBytes = us(width)?;
+    p.Height = us(rows)?;
+    check(
+        // SAFETY: the caller upholds this function's `# Safety` obligations; `p` outlives the call.
+        timed("cuMemcpy2DAsync", || unsafe {
+            sys::cuMemcpy2DAsync_v2(&raw const p, s)
+        }),
+        "cuMemcpy2DAsync",
+    )
+}
+
 /// Asynchronous copy between two unified addresses.
 ///
 /// # Safety

@@ -15,8 +15,8 @@
 //! Files by concern (as cudarc's `driver/safe`): `ffi` (every driver call, checked), `handles`
 //! (owned streams, events, device and pinned memory: released once, in `Drop` if not before),
 //! `memory` (public buffers), `device` (context, kernels, registration), `config` (settings),
-//! `choose` + `calibrate` (which method a job gets), `dma`, `kernel`, `staged` + `pipeline` (the
-//! three copy methods), `engine` (submit, poll, wait, shutdown).
+//! `choose` + `calibrate` (which method a job gets), `dma` + `pitched`, `kernel`, `staged` +
+//! `pipeline` (the three copy methods), `engine` (submit, poll, wait, shutdown).
 //!
 //! Loading: the driver library is opened at run time (cudarc `dynamic-loading`); where there is
 //! none, [`CudaDevice::open`] returns [`KvoffError::CudaUnavailable`] and nothing else is touched.
@@ -34,6 +34,7 @@ mod handles;
 mod kernel;
 mod memory;
 mod pipeline;
+mod pitched;
 mod staged;
 
 pub use calibrate::{CalRow, Calibration};

@@ -1,0 +1,321 @@
+//! Pitched (2D) DMA: a job's copies that form a regular grid — equal sizes, source and
+//! destination each advancing by a constant stride — move as one `cuMemcpy2DAsync` per run
+//! instead of one batch entry per copy.
+//!
+//! Why: the driver spends about a microsecond of CPU per entry of a batched copy, so 4 KiB pages
+//! move at 4–9 GB/s by batched DMA however the batch is cut, and 32 KiB pages at ~33 GB/s per
+//! thread. A pitched copy of 64 rows costs 2–4 µs of CPU and the copy engines run it at 31–40
+//! GB/s for 4 KiB rows and 47–52 GB/s from 16 KiB rows (93% of the contiguous copy), measured on
+//! an H100 (BENCHMARKS.md, session 7) — with no SMs and a single pass over device memory, which is
+//! what a model computing beside the transfer can afford.
+//!
+//! kvoff's planner emits copies block by block, each block's pages tensor after tensor: when the
+//! GPU tensors lie at a constant distance from each other (one allocation, or equal-sized
+//! allocations placed one after another) and the host block is contiguous, a block is one run.
+//! Failing that, the copies sorted by source address put each tensor's consecutive blocks next
+//! to each other, which is a run when the other side's blocks are consecutive too.
+#![forbid(unsafe_code)]
+
+/// Fewest rows worth a pitched copy (a 2D call costs about as much CPU as three batch entries).
+pub(crate) const MIN_ROWS: usize = 4;
+
+/// Largest row pitch used (the driver's limit for pitched copies is `CU_DEVICE_ATTRIBUTE_MAX_PITCH`,
+/// 2^31 − 1 on current GPUs); farther rows go by batched DMA.
+pub(crate) const MAX_PITCH: u64 = (1 << 31) - 1;
+
+/// `rows` copies of `width` bytes: row `i` from `src + i·spitch` to `dst + i·dpitch`.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) struct Pitched {
+    pub(crate) src: u64,
+    pub(crate) dst: u64,
+    pub(crate) width: u64,
+    pub(crate) spitch: u64,
+    pub(crate) dpitch: u64,
+    pub(crate) rows: u64,
+}
+
+impl Pitched {
+    /// The copies the run stands for, `(src, dst, bytes)`.
+    pub(crate) fn rows(&self) -> impl Iterator<Item = (u64, u64, u64)> + '_ {
+        (0..self.rows).map(move |i| {
+            (
+                self.src + i * self.spitch,
+                self.dst + i * self.dpitch,
+                self.width,
+            )
+        })
+    }
+}
+
+/// The stride from `a` to `b` when it can be a row pitch for rows of `width` bytes.
+fn pitch(a: u64, b: u64, width: u64) -> Option<u64> {
+    let d = b.checked_sub(a)?;
+    (d >= width && d <= MAX_PITCH).then_some(d)
+}
+
+/// Length of the run of `(src, dst, bytes)` triples starting at `i` (1 when none); `get(j)` is
+/// the `j`-th triple, `None` past the end.
+fn run_len(get: &impl Fn(usize) -> Option<(u64, u64, u64)>, i: usize) -> usize {
+    let (Some((s0, d0, w)), Some((s1, d1, w1))) = (get(i), get(i + 1)) else {
+        return 1;
+    };
+    let (Some(sp), Some(dp)) = (pitch(s0, s1, w), pitch(d0, d1, w)) else {
+        return 1;
+    };
+    if w1 != w || w == 0 {
+        return 1;
+    }
+    let (mut j, mut prev) = (i + 1, (s1, d1));
+    while let Some((s, d, ww)) = get(j + 1) {
+        if ww != w || s.checked_sub(prev.0) != Some(sp) || d.checked_sub(prev.1) != Some(dp) {
+            break;
+        }
+        prev = (s, d);
+        j += 1;
+    }
+    j - i + 1
+}
+
+/// How many of `n` copies (the `j`-th is `get(j)`) fall in runs of at least [`MIN_ROWS`] rows
+/// when grouped in order, as [`group`] first tries (no allocation).
+pub(crate) fn pitched_copies(n: usize, get: impl Fn(usize) -> Option<(u64, u64, u64)>) -> usize {
+    let (mut covered, mut i) = (0, 0);
+    while i < n {
+        let r = run_len(&get, i);
+        if r >= MIN_ROWS {
+            covered += r;
+            i += r;
+        } else {
+            i += 1;
+        }
+    }
+    covered
+}
+
+/// Runs of `c` in its order, greedy: `out` gets the runs of at least [`MIN_ROWS`] rows, the
+/// returned vector the copies left over (in order).
+fn group_in_order(c: &[(u64, u64, u64)], out: &mut Vec<Pitched>) -> Vec<(u64, u64, u64)> {
+    let mut rest = Vec::new();
+    let mut i = 0;
+    let get = |j: usize| c.get(j).copied();
+    while i < c.len() {
+        let n = run_len(&get, i);
+        if n >= MIN_ROWS {
+            let (s0, d0, w) = c[i];
+            let (s1, d1, _) = c[i + 1];
+            out.push(Pitched {
+                src: s0,
+                dst: d0,
+                width: w,
+                spitch: s1 - s0,
+                dpitch: d1 - d0,
+                rows: n as u64,
+            });
+            i += n;
+        } else {
+            rest.push(c[i]);
+            i += 1;
+        }
+    }
+    rest
+}
+
+/// Splits `copies` into pitched runs (appended to `out`) and the copies left over (left in
+/// `copies`): first in the given order; when under half of the copies form runs that way, also
+/// sorted by source address (each tensor's consecutive blocks next to each other), keeping
+/// whichever needs fewer operations. Every copy ends up in exactly one place.
+pub(crate) fn group(copies: &mut Vec<(u64, u64, u64)>, out: &mut Vec<Pitched>) {
+    if copies.len() < MIN_ROWS {
+        return;
+    }
+    let mut a = Vec::new();
+    let rest_a = group_in_order(copies, &mut a);
+    if 2 * (copies.len() - rest_a.len()) >= copies.len() {
+        out.extend(a);
+        *copies = rest_a;
+        return;
+    }
+    let mut sorted = copies.clone();
+    sorted.sort_unstable();
+    let mut b = Vec::new();
+    let rest_b = group_in_order(&sorted, &mut b);
+    if b.len() + rest_b.len() < a.len() + rest_a.len() {
+        out.extend(b);
+        *copies = rest_b;
+    } else {
+        out.extend(a);
+        *copies = rest_a;
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::{group, pitched_copies, Pitched, MAX_PITCH, MIN_ROWS};
+
+    fn cov(c: &[(u64, u64, u64)]) -> usize {
+        pitched_copies(c.len(), |j| c.get(j).copied())
+    }
+
+    /// Expands runs and leftovers back into copies, sorted.
+    fn expand(runs: &[Pitched], rest: &[(u64, u64, u64)]) -> Vec<(u64, u64, u64)> {
+        let mut v: Vec<_> = runs.iter().flat_map(Pitched::rows).collect();
+        v.extend_from_slice(rest);
+        v.sort_unstable();
+        v
+    }
+
+    fn check(copies: Vec<(u64, u64, u64)>) -> (Vec<Pitched>, Vec<(u64, u64, u64)>) {
+        let mut want = copies.clone();
+        want.sort_unstable();
+        let (mut rest, mut runs) = (copies, Vec::new());
+        group(&mut rest, &mut runs);
+        assert_eq!(expand(&runs, &rest), want, "every copy exactly once");
+        for r in &runs {
+            assert!(r.rows >= MIN_ROWS as u64);
+            assert!(
+                r.spitch >= r.width && r.dpitch >= r.width,
+                "rows never overlap"
+            );
+            assert!(r.spitch <= MAX_PITCH && r.dpitch <= MAX_PITCH);
+        }
+        (runs, rest)
+    }
+
+    /// kvoff's layout: tensor t's block g at `gpu + (t·ngpu + g)·page`, host block c contiguous.
+    fn kv(page: u64, tensors: u64, ngpu: u64, blocks: &[(u64, u64)]) -> Vec<(u64, u64, u64)> {
+        let (gpu, host) = (1 << 40, 1 << 44);
+        blocks
+            .iter()
+            .flat_map(|&(g, c)| {
+                (0..tensors).map(move |t| {
+                    (
+                        gpu + (t * ngpu + g) * page,
+                        host + (c * tensors + t) * page,
+                        page,
+                    )
+                })
+            })
+            .collect()
+    }
+
+    #[test]
+    fn a_block_of_evenly_spaced_tensors_is_one_run() {
+        let c = kv(4096, 64, 100, &[(7, 3), (2, 9), (50, 0)]);
+        assert_eq!(cov(&c), 192);
+        let (runs, rest) = check(c);
+        assert_eq!(runs.len(), 3);
+        assert!(rest.is_empty());
+        assert_eq!(runs[0].spitch, 100 * 4096);
+        assert_eq!(runs[0].dpitch, 4096);
+        assert_eq!(runs[0].rows, 64);
+    }
+
+    #[test]
+    fn consecutive_blocks_of_unevenly_spaced_tensors_run_after_sorting() {
+        // Tensors at irregular bases; GPU blocks 10..20 and host blocks 5..15, both consecutive.
+        let bases = [1u64 << 32, (1 << 32) + 9_000_000, (1 << 33) + 77 * 4096];
+        let mut c = Vec::new();
+        for b in 0..10u64 {
+            for (t, &base) in bases.iter().enumerate() {
+                c.push((
+                    base + (10 + b) * 4096,
+                    (1u64 << 44) + ((5 + b) * 3 + t as u64) * 4096,
+                    4096,
+                ));
+            }
+        }
+        assert_eq!(cov(&c), 0, "no run in emission order");
+        let (runs, rest) = check(c);
+        assert_eq!(runs.len(), 3, "one run per tensor: {runs:?}");
+        assert!(rest.is_empty());
+        assert!(runs
+            .iter()
+            .all(|r| r.spitch == 4096 && r.dpitch == 3 * 4096));
+    }
+
+    #[test]
+    fn irregular_jobs_stay_copies() {
+        // Random blocks, tensors far apart (beyond the pitch limit), mixed sizes, descending
+        // addresses, overlapping strides, zero-byte copies.
+        let far = kv(4096, 8, (MAX_PITCH / 4096) + 10, &[(1, 1), (5, 2)]);
+        let (runs, rest) = check(far);
+        assert!(runs.is_empty() && rest.len() == 16);
+        let down: Vec<_> = (0..10u64)
+            .rev()
+            .map(|i| (i * 8192, i * 8192 + (1 << 40), 4096))
+            .collect();
+        let (runs, _) = check(down);
+        // Descending in emission order, ascending once sorted: one run after sorting.
+        assert_eq!(runs.len(), 1);
+        let tight: Vec<_> = (0..10u64)
+            .map(|i| (i * 100, (1 << 40) + i * 4096, 4096))
+            .collect();
+        let (runs, rest) = check(tight);
+        assert!(
+            runs.is_empty() && rest.len() == 10,
+            "a pitch under the width is no run"
+        );
+        let mixed: Vec<_> = (0..12u64)
+            .map(|i| {
+                (
+                    i * 8192,
+                    (1 << 40) + i * 8192,
+                    if i % 2 == 0 { 4096 } else { 2048 },
+                )
+            })
+            .collect();
+        assert!(check(mixed).0.is_empty());
+        let zero: Vec<_> = (0..8u64)
+            .map(|i| (i * 8192, (1 << 40) + i * 8192, 0))
+            .collect();
+        assert!(check(zero).0.is_empty());
+        assert!(check(vec![(0, 1 << 40, 4096); 3]).0.is_empty(), "too few");
+    }
+
+    #[test]
+    fn runs_split_where_the_stride_changes() {
+        // K and V pages of each layer at one distance, layers at another: pairs, no run of 4.
+        let mut c = Vec::new();
+        for l in 0..8u64 {
+            for kv in 0..2u64 {
+                c.push((
+                    l * (1 << 24) + kv * (1 << 20),
+                    (1 << 40) + (l * 2 + kv) * 4096,
+                    4096,
+                ));
+            }
+        }
+        assert_eq!(cov(&c), 0);
+        // Two runs of 6 with different strides back to back.
+        let mut d: Vec<_> = (0..6u64)
+            .map(|i| (i * 8192, (1 << 40) + i * 4096, 4096))
+            .collect();
+        d.extend((0..6u64).map(|i| ((1 << 30) + i * 16384, (1 << 41) + i * 4096, 4096)));
+        assert_eq!(cov(&d), 12);
+        let (runs, rest) = check(d);
+        assert_eq!((runs.len(), rest.len()), (2, 0));
+    }
+
+    #[test]
+    fn coverage_counts_match_the_grouping_in_order() {
+        let mut rng = 0x1234_5678_u64;
+        for _ in 0..200 {
+            let mut c = Vec::new();
+            let mut s = 1u64 << 30;
+            let mut d = 1u64 << 40;
+            for _ in 0..40 {
+                rng ^= rng << 13;
+                rng ^= rng >> 7;
+                rng ^= rng << 17;
+                let w = [4096u64, 4096, 4096, 8192][(rng % 4) as usize];
+                s += [w, w, 2 * w, 3 * w][((rng >> 8) % 4) as usize];
+                d += [w, w, w, 5 * w][((rng >> 16) % 4) as usize];
+                c.push((s, d, w));
+            }
+            let mut runs = Vec::new();
+            let rest = super::group_in_order(&c, &mut runs);
+            assert_eq!(cov(&c), c.len() - rest.len(), "{c:?}");
+            check(c);
+        }
+    }
+}
