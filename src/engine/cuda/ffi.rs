@@ -405,17 +405,26 @@ pub(crate) unsafe fn memcpy_2d(
     s: CUstream,
 ) -> Result<()> {
     let us = |v: u64| usize::try_from(v).map_err(|_| KvoffError::arg("copy size exceeds usize"));
-    // SAFETY: all-zero is a valid bit pattern for this plain C struct (null host pointers and
-    // arrays are ignored for unified memory).
-    let mut p: sys::CUDA_MEMCPY2D = unsafe { std::mem::zeroed() };
-    p.srcMemoryType = sys::CUmemorytype::CU_MEMORYTYPE_UNIFIED;
-    p.srcDevice = src;
-    p.srcPitch = us(spitch)?;
-    p.dstMemoryType = sys::CUmemorytype::CU_MEMORYTYPE_UNIFIED;
-    p.dstDevice = dst;
-    p.dstPitch = us(dpitch)?;
-    p.WidthInBytes = us(width)?;
-    p.Height = us(rows)?;
+    // Every field written (the memory-type enums have no zero value, so no `zeroed()`); host
+    // pointers and arrays are ignored for unified memory.
+    let p = sys::CUDA_MEMCPY2D {
+        srcXInBytes: 0,
+        srcY: 0,
+        srcMemoryType: sys::CUmemorytype::CU_MEMORYTYPE_UNIFIED,
+        srcHost: ptr::null(),
+        srcDevice: src,
+        srcArray: ptr::null_mut(),
+        srcPitch: us(spitch)?,
+        dstXInBytes: 0,
+        dstY: 0,
+        dstMemoryType: sys::CUmemorytype::CU_MEMORYTYPE_UNIFIED,
+        dstHost: ptr::null_mut(),
+        dstDevice: dst,
+        dstArray: ptr::null_mut(),
+        dstPitch: us(dpitch)?,
+        WidthInBytes: us(width)?,
+        Height: us(rows)?,
+    };
     check(
         // SAFETY: the caller upholds this function's `# Safety` obligations; `p` outlives the call.
         timed("cuMemcpy2DAsync", || unsafe {
