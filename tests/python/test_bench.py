@@ -95,7 +95,8 @@ def test_interference_method_specs_parse():
     from kvoff.bench_interference import parse_method
 
     assert parse_method("auto") == ("auto", "auto", 0.02, "")
-    assert parse_method("dma") == ("dma", "dma", None, "")
+    assert parse_method("dma") == ("dma", "dma", None, "pitched=0"), "plain batched DMA"
+    assert parse_method("dma2d") == ("dma2d", "dma", None, "")
     assert parse_method("auto-serve") == ("auto-serve", "auto", 0.02, "idleafter=0")
     assert parse_method("auto-idle") == ("auto-idle", "auto", None, "")
     assert parse_method("a:auto:none") == ("a", "auto", None, "")

@@ -1,6 +1,6 @@
-//! Batched DMA (`cuMemcpyBatchAsync`, split so that no call holds the driver long), or a
-//! per-copy loop where the driver lacks the batch API; and the parallel enqueue of `Auto`'s large
-//! DMA jobs.
+//! Batched DMA (`cuMemcpyBatchAsync`, split so that no call holds the driver long) with pitched
+//! runs (`cuMemcpy2DAsync`, see `pitched`), or a per-copy loop where the driver lacks the batch
+//! API; the pacing of long jobs ([`Pace`]); and the parallel enqueue of `Auto`'s large DMA jobs.
 //!
 //! Why parallel: the driver spends about a microsecond of CPU per copy in `cuMemcpyBatchAsync`,
 //! so one thread feeding 32 KiB copies keeps the copy engines at ~33 GB/s whatever the batch size
@@ -93,18 +93,80 @@ impl Pace {
     }
 }
 
-/// Number of batch calls a job may have queued at once: `max_queued` copies in calls of `step`
-/// (0 = unbounded).
-pub(super) fn paced_batches(max_queued: usize, step: usize) -> usize {
-    if max_queued == 0 || step == 0 {
-        0
-    } else {
-        (max_queued / step).max(1)
+/// Pacing units of a pitched copy: one per 32 KiB it moves (a batch entry is one unit), so that
+/// the bound keeps about as much work queued either way (512 units: 16 MiB, a few hundred µs of
+/// the link, far more than kvoff needs to wake up).
+pub(super) fn pitched_units(p: &Pitched) -> usize {
+    let bytes = p.rows.saturating_mul(p.width);
+    usize::try_from(bytes.div_ceil(32 << 10))
+        .unwrap_or(usize::MAX)
+        .max(1)
+}
+
+/// The work of one enqueue call that is still queued on its stream: an event after each
+/// operation, waited for (outside the driver) before more than `bound` units would be queued.
+struct Queue<'a> {
+    pace: &'a mut Pace,
+    s: ffi::CUstream,
+    bound: usize,
+    queued: usize,
+    pending: std::collections::VecDeque<(usize, usize)>,
+    free: Vec<usize>,
+}
+
+impl<'a> Queue<'a> {
+    /// Pacing for a call of `total` units: off (`None`) when they all fit under the bound.
+    fn new(pace: &'a mut Pace, s: ffi::CUstream, bound: usize, total: usize) -> Option<Self> {
+        (bound > 0 && total > bound).then(|| Self {
+            pace,
+            s,
+            bound,
+            queued: 0,
+            pending: std::collections::VecDeque::new(),
+            free: Vec::new(),
+        })
+    }
+
+    /// Waits until `units` more fit under the bound (or nothing of this call is queued).
+    fn before(&mut self, units: usize) -> Result<()> {
+        while self.queued.saturating_add(units) > self.bound {
+            let Some((slot, u)) = self.pending.pop_front() else {
+                break;
+            };
+            self.pace.wait(slot)?;
+            self.queued -= u;
+            self.free.push(slot);
+        }
+        Ok(())
+    }
+
+    /// Records that `units` were just enqueued.
+    ///
+    /// # Safety
+    /// The context of the stream is current on this thread.
+    unsafe fn after(&mut self, units: usize) -> Result<()> {
+        let slot = if let Some(i) = self.free.pop() {
+            i
+        } else {
+            let i = self.pace.events.len();
+            // SAFETY: the caller's obligation.
+            unsafe { self.pace.ensure(i + 1) }?;
+            i
+        };
+        let e = self.pace.events.get(slot).map(Event::raw);
+        let e = e.ok_or_else(|| KvoffError::state("pacing event missing (a kvoff bug)"))?;
+        // SAFETY: a live event of this pace, not pending (its earlier recording was waited for, or
+        // it is new); the stream is live (the caller's obligation).
+        unsafe { ffi::event_record(e, self.s) }?;
+        self.pending.push_back((slot, units));
+        self.queued += units;
+        Ok(())
     }
 }
 
-/// Enqueues co-indexed copies as batched calls of at most `step` copies each (0: one call),
-/// keeping at most `max_queued` copies of this call queued at once (0: no bound; see [`Pace`]).
+/// Enqueues a job's DMA: its pitched runs (one `cuMemcpy2DAsync` each), then its other copies as
+/// batched calls of at most `step` copies each (0: one call), keeping at most `max_queued` units
+/// of this call queued at once (0: no bound; see [`Pace`], [`pitched_units`]).
 ///
 /// # Safety
 /// 1. `f` came from the device's batch entry point; every copy satisfies the contract of
@@ -119,15 +181,30 @@ unsafe fn enqueue_batches(
     pace: &mut Pace,
     max_queued: usize,
 ) -> Result<()> {
-    // Pitched runs first (one driver call each); a run the driver refuses (a pitch over its limit
-    // on some device) goes as batch entries instead.
+    let total = bufs
+        .pitched
+        .iter()
+        .map(pitched_units)
+        .fold(bufs.sizes.len(), usize::saturating_add);
+    let mut q = Queue::new(pace, s, max_queued, total);
+    // Pitched runs first; a run the driver refuses (a pitch over its limit on some device) goes
+    // as batch entries instead.
     for r in std::mem::take(&mut bufs.pitched) {
+        let u = pitched_units(&r);
+        if let Some(q) = q.as_mut() {
+            q.before(u)?;
+        }
         // SAFETY: the rows are copies of the job (obligation 1), pitches ≥ width by construction.
         let ok = unsafe { ffi::memcpy_2d(r.dst, r.dpitch, r.src, r.spitch, r.width, r.rows, s) };
-        if ok.is_err() {
-            for (src, dst, n) in r.rows() {
-                bufs.push(src, dst, n);
+        match (ok, q.as_mut()) {
+            (Err(_), _) => {
+                for (src, dst, n) in r.rows() {
+                    bufs.push(src, dst, n);
+                }
             }
+            // SAFETY: obligation 1 (the context is current).
+            (Ok(()), Some(q)) => unsafe { q.after(u) }?,
+            (Ok(()), None) => {}
         }
     }
     if bufs.sizes.is_empty() {
@@ -136,32 +213,21 @@ unsafe fn enqueue_batches(
     // Split so that no call holds the driver for long (32768 copies in one call take tens of ms
     // of CPU, stalling every other thread's launches meanwhile).
     let step = if step == 0 { bufs.sizes.len() } else { step };
-    let n_batches = bufs.sizes.len().div_ceil(step);
-    let k = paced_batches(max_queued, step);
-    let pacing = k > 0 && n_batches > k;
-    if pacing {
-        // SAFETY: this function's obligation (the context is current).
-        unsafe { pace.ensure(k) }?;
-    }
-    for (i, ((d, sr), sz)) in bufs
+    for ((d, sr), sz) in bufs
         .dsts
         .chunks_mut(step)
         .zip(bufs.srcs.chunks_mut(step))
         .zip(bufs.sizes.chunks_mut(step))
-        .enumerate()
     {
-        if pacing && i >= k {
-            // Recorded after batch i − k: at most k batches of this job are queued.
-            pace.wait(i % k)?;
+        let u = sz.len();
+        if let Some(q) = q.as_mut() {
+            q.before(u)?;
         }
         // SAFETY: co-indexed arrays; the rest is this function's obligation 1.
         unsafe { ffi::memcpy_batch(f, d, sr, sz, host_to_device, s) }?;
-        if pacing && i + k < n_batches {
-            let e = pace.events.get(i % k).map(Event::raw);
-            let e = e.ok_or_else(|| KvoffError::state("pacing event missing (a kvoff bug)"))?;
-            // SAFETY: a live event of this pace (its earlier recording was waited for above or
-            // never made); `s` is live (obligation 1).
-            unsafe { ffi::event_record(e, s) }?;
+        if let Some(q) = q.as_mut() {
+            // SAFETY: obligation 1.
+            unsafe { q.after(u) }?;
         }
     }
     Ok(())
