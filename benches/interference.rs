@@ -395,11 +395,23 @@ impl Cell {
                 m.paced_us += s.paced_ns as f64 / 1e3;
                 m.jobs += 1;
                 m.staged += u64::from(s.method == Some("staged"));
-                ids.push((i, job));
+                ids.push((i, job, s.fed));
                 job += 1;
             }
-            for (i, j) in ids {
+            for (i, j, fed) in ids {
                 engines[i].wait(&[j]).unwrap();
+                // A long DMA job's calls were made by the engine's feeder thread.
+                if let Some(f) = engines[i]
+                    .last_feed_stats()
+                    .filter(|f| fed && f.job_id == j)
+                {
+                    let cpu = f.longest_call_cpu_ns as f64 / 1e3;
+                    m.calls.push((f.longest_call_ns as f64 / 1e3, cpu));
+                    if cpu > m.worst.0 {
+                        m.worst = (cpu, f.longest_call.unwrap_or("-"));
+                    }
+                    m.paced_us += f.paced_ns as f64 / 1e3;
+                }
                 for r in engines[i].poll() {
                     if r.success {
                         bytes += r.bytes;

@@ -213,7 +213,8 @@ class SingleDirectionOffloadingHandler:
         ``longest_call_cpu_ns`` (its longest single CUDA driver call, wall-clock / thread CPU
         time), ``driver_calls``, ``longest_call`` (the driver entry point of the most CPU-hungry
         call, or ``None``), ``paced_ns`` (time the submit waited outside the driver for the device
-        to drain the stream's queue: the pacing of long DMA jobs)."""
+        to drain the stream's queue: the pacing of long DMA jobs), ``fed`` (a long DMA job handed to
+        the engine's feeder thread, which enqueues it paced while the submit returns)."""
         return dict(self._native.last_submit_stats)
 
     def transfer_async(self, job_id: int, spec: tuple[Any, Any]) -> bool:

@@ -114,6 +114,10 @@ pub struct SubmitStats {
     ///
     /// [`CudaEngineConfig::max_queued_copies`]: crate::engine::cuda::CudaEngineConfig::max_queued_copies
     pub paced_ns: u64,
+    /// The job's DMA was handed to the CUDA engine's feeder thread (a job too long to queue at
+    /// once: the feeder enqueues it paced while `submit` returns; its calls are in
+    /// `CudaEngine::last_feed_stats`).
+    pub fed: bool,
 }
 
 /// An asynchronous byte mover. See the module docs for the ordering and error contract.

@@ -658,7 +658,8 @@ impl PyTransferHandler {
     /// `submit_ns` (CPU time of the submit), `longest_call_ns` / `longest_call_cpu_ns` (its
     /// longest single driver call, wall-clock / thread CPU time), `driver_calls`, `longest_call`
     /// (the driver entry point of the most CPU-hungry call, or None), `paced_ns` (time waited
-    /// outside the driver for the device to drain the stream's queue).
+    /// outside the driver for the device to drain the stream's queue), `fed` (a long DMA job
+    /// handed to the engine's feeder thread, which enqueues it paced while the submit returns).
     #[getter]
     fn last_submit_stats<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyDict>> {
         let s = self.with_engine(py, |st| Ok(st.engine.last_submit_stats()))?;
@@ -672,6 +673,7 @@ impl PyTransferHandler {
         d.set_item("driver_calls", s.driver_calls)?;
         d.set_item("longest_call", s.longest_call)?;
         d.set_item("paced_ns", s.paced_ns)?;
+        d.set_item("fed", s.fed)?;
         Ok(d)
     }
 

@@ -243,6 +243,7 @@ def test_last_submit_stats_describe_the_submit(small):
         "driver_calls": 0,
         "longest_call": None,
         "paced_ns": 0,
+        "fed": False,
     }
     assert st.transfer_async(1, (G([0, 1, 2, 3]), C([2])))
     st.wait(1)

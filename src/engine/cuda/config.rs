@@ -109,6 +109,11 @@ pub struct CudaEngineConfig {
     /// 4–33 GB/s at 4–32 KiB pages on an H100. `false`: one batch entry per copy (the plain
     /// batched DMA of the benchmarks' baseline).
     pub dma_pitched: bool,
+    /// DMA jobs of more than [`CudaEngineConfig::max_queued_copies`] units are enqueued by a
+    /// feeder thread of the engine (paced), so that `submit` returns at once; `false`: the
+    /// submitting thread enqueues and paces them itself (`submit` returns when most of the job
+    /// has moved).
+    pub dma_feeder: bool,
     /// `Auto`'s DMA jobs of at least this many copies are enqueued by two threads on two streams
     /// (the driver's per-copy CPU cost limits one thread; see the `dma` module). 0: never.
     pub dma_split_min_copies: usize,
@@ -164,6 +169,7 @@ impl Default for CudaEngineConfig {
             max_batch_copies: 64,
             max_queued_copies: 512,
             dma_pitched: true,
+            dma_feeder: true,
             dma_split_min_copies: 256,
             serving_dma_min_copy_bytes: 32 << 10,
             serving_small_kernel: false,
@@ -187,7 +193,7 @@ impl CudaEngineConfig {
     }
 
     /// Applies `KVOFF_CUDA_TUNE` overrides (`key=value` pairs separated by commas; keys `budget`
-    /// (basis points, or `off`), `batch`, `queued`, `pitched` (0/1), `dmasplit`, `storedma`, `storedmamin` (bytes), `idleafter` (µs; 0 = never idle), `feedback` (0 = off), `ctas`, `max_ctas`, `launch`, `dmamin`, `small`
+    /// (basis points, or `off`), `batch`, `queued`, `pitched` (0/1), `feeder` (0/1), `dmasplit`, `storedma`, `storedmamin` (bytes), `idleafter` (µs; 0 = never idle), `feedback` (0 = off), `ctas`, `max_ctas`, `launch`, `dmamin`, `small`
     /// (`kernel` or `staged`)), used by the
     /// benchmarks to sweep the serving policy's knobs without rebuilding.
     ///
@@ -210,6 +216,7 @@ impl CudaEngineConfig {
                 }
                 "batch" => self.max_batch_copies = usize::try_from(num(v)?).unwrap_or(usize::MAX),
                 "pitched" => self.dma_pitched = num(v)? != 0,
+                "feeder" => self.dma_feeder = num(v)? != 0,
                 "queued" => {
                     self.max_queued_copies = usize::try_from(num(v)?).unwrap_or(usize::MAX);
                 }
@@ -256,13 +263,14 @@ mod tests {
     fn tuning_sets_each_knob_and_rejects_bad_input() {
         let mut c = CudaEngineConfig::default();
         c.apply_tuning(
-            "budget=150, batch=32,queued=96,pitched=0,ctas=3,max_ctas=8,launch=65536,dmamin=4096,small=kernel,dmasplit=9,storedma=0,storedmamin=7,idleafter=0,feedback=0",
+            "budget=150, batch=32,queued=96,pitched=0,feeder=0,ctas=3,max_ctas=8,launch=65536,dmamin=4096,small=kernel,dmasplit=9,storedma=0,storedmamin=7,idleafter=0,feedback=0",
         )
         .unwrap();
         assert_eq!(c.compute_budget_bp, Some(150));
         assert_eq!(c.max_batch_copies, 32);
         assert_eq!(c.max_queued_copies, 96);
         assert!(!c.dma_pitched);
+        assert!(!c.dma_feeder);
         assert_eq!(c.serving_ctas, 3);
         assert_eq!(c.max_ctas, 8);
         assert_eq!(c.serving_launch_bytes, 65536);

@@ -8,7 +8,7 @@ use std::sync::Arc;
 
 use super::calibrate::Calibration;
 use super::choose::{ScoreKey, Scores};
-use super::dma::{DmaBufs, DmaHelper, Pace};
+use super::dma::{DmaBufs, DmaHelper, FeedStats, Feeder, Pace};
 use super::ffi;
 use super::handles::{Event, Stream};
 use super::kernel::{
@@ -111,6 +111,12 @@ pub struct CudaEngine {
     pub(super) scores: Scores,
     /// Copies of the job being submitted that form pitched runs in order (see `pitched`).
     pub(super) job_pitched: usize,
+    /// The thread that enqueues long DMA jobs (created on first use; see `Feeder`).
+    pub(super) feeder: Option<Feeder>,
+    /// Id of the job being submitted.
+    pub(super) submitting: i64,
+    /// Whether the job being submitted went to the feeder (which records its end event).
+    pub(super) job_fed: bool,
 }
 
 impl std::fmt::Debug for CudaEngine {
@@ -196,6 +202,9 @@ impl CudaEngine {
             job_serving: false,
             scores: Scores::default(),
             job_pitched: 0,
+            feeder: None,
+            submitting: 0,
+            job_fed: false,
         })
     }
 
@@ -351,6 +360,7 @@ impl CudaEngine {
         method: CopyMethod,
         copies: &[CopyOp],
         prep: &Prepared,
+        end: ffi::CUevent,
     ) -> Result<()> {
         let s = self.stream()?;
         match prep {
@@ -379,11 +389,11 @@ impl CudaEngine {
                 CopyMethod::Dma | CopyMethod::Auto if self.splits_dma(copies.len()) => {
                     self.dma_split(copies, self.direction == Direction::CpuToGpu, s)
                 }
-                CopyMethod::Dma | CopyMethod::Auto => self.dma(
-                    copies.iter().map(|c| (c.src_ptr, c.dst_ptr, c.bytes)),
-                    self.direction == Direction::CpuToGpu,
-                    s,
-                ),
+                CopyMethod::Dma | CopyMethod::Auto => {
+                    self.job_fed =
+                        self.dma_job(copies, self.direction == Direction::CpuToGpu, s, end)?;
+                    Ok(())
+                }
                 CopyMethod::Loop => {
                     for c in copies {
                         // SAFETY: memory validated by the plan and kept alive by the caller.
@@ -460,6 +470,10 @@ impl TransferEngine for CudaEngine {
         self.submit_grid = 0;
         let _ = ffi::take_call_record();
         self.device.bind()?;
+        // A job still being fed keeps the stream: this one is enqueued after it.
+        self.collect_feed();
+        self.submitting = job.job_id;
+        self.job_fed = false;
         let start = self.take_event()?;
         let end = match self.take_event() {
             Ok(e) => e,
@@ -509,7 +523,10 @@ impl TransferEngine for CudaEngine {
             }
             // SAFETY: live events and stream.
             unsafe { ffi::event_record(start.raw(), s) }?;
-            self.issue(method, copies, &prepared)?;
+            self.issue(method, copies, &prepared, end.raw())?;
+            if self.job_fed {
+                return Ok(()); // the feeder records the end event after the last copy
+            }
             // SAFETY: as above.
             unsafe { ffi::event_record(end.raw(), s) }
         })();
@@ -563,6 +580,7 @@ impl TransferEngine for CudaEngine {
             driver_calls: calls.calls,
             longest_call: (!calls.longest_name.is_empty()).then_some(calls.longest_name),
             paced_ns: calls.paced_ns,
+            fed: self.job_fed,
         };
         Ok(())
     }
@@ -576,6 +594,13 @@ impl TransferEngine for CudaEngine {
             return out;
         }
         while let Some(front) = self.inflight.front() {
+            if self.feeder.as_ref().and_then(|f| f.busy) == Some(front.job_id) {
+                match self.feeder.as_mut().and_then(Feeder::try_collect) {
+                    Some(done) => self.apply_feed(done),
+                    None => break, // still being enqueued
+                }
+                continue;
+            }
             let state = if front.failed.is_some() {
                 Ok(true)
             } else {
@@ -601,6 +626,7 @@ impl TransferEngine for CudaEngine {
 
     fn wait(&mut self, job_ids: &[i64]) -> Result<()> {
         self.device.bind()?;
+        self.collect_feed();
         for j in &self.inflight {
             if j.failed.is_none() && job_ids.contains(&j.job_id) {
                 // SAFETY: a live pooled event. Errors surface in the job's result at poll.
@@ -628,7 +654,9 @@ impl TransferEngine for CudaEngine {
             self.close_errors.push(e.to_string());
             return;
         }
-        // Drain: let in-flight work finish before its resources go.
+        // Drain: let in-flight work finish before its resources go (the feeder first: it may still
+        // be enqueueing).
+        self.collect_feed();
         if let Some(s) = &self.stream {
             // SAFETY: our streams are live.
             if let Err(e) = unsafe { ffi::stream_sync(s.raw()) } {
@@ -650,6 +678,13 @@ impl TransferEngine for CudaEngine {
         if let Some(h) = self.dma_helper.take() {
             self.close_errors.extend(
                 h.release()
+                    .into_iter()
+                    .filter_map(|r| r.err().map(|e| e.to_string())),
+            );
+        }
+        if let Some(f) = self.feeder.take() {
+            self.close_errors.extend(
+                f.release()
                     .into_iter()
                     .filter_map(|r| r.err().map(|e| e.to_string())),
             );
@@ -688,6 +723,30 @@ impl TransferEngine for CudaEngine {
 }
 
 impl CudaEngine {
+    /// Waits for the job the feeder is enqueueing, if any, and notes its result.
+    fn collect_feed(&mut self) {
+        if let Some(done) = self.feeder.as_mut().and_then(Feeder::collect) {
+            self.apply_feed(done);
+        }
+    }
+
+    /// A fed job whose enqueue failed is reported failed in its turn.
+    fn apply_feed(&mut self, (job_id, r): (i64, Result<()>)) {
+        if let Err(e) = r {
+            if let Some(j) = self.inflight.iter_mut().find(|j| j.job_id == job_id) {
+                j.failed.get_or_insert_with(|| e.to_string());
+            }
+        }
+    }
+
+    /// What the feeder thread did for the last job it fed (long DMA jobs are enqueued there,
+    /// paced, so that `submit` returns at once): its driver calls and pacing, for the same
+    /// "no driver call over 200 µs" accounting as [`SubmitStats`]. `None` before the first.
+    #[must_use]
+    pub fn last_feed_stats(&self) -> Option<FeedStats> {
+        self.feeder.as_ref().and_then(|f| f.last)
+    }
+
     /// Jobs submitted and not yet reported by `poll`.
     #[must_use]
     pub fn in_flight(&self) -> usize {

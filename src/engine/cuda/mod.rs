@@ -40,6 +40,7 @@ mod staged;
 pub use calibrate::{CalRow, Calibration};
 pub use config::{CopyMethod, CudaEngineConfig};
 pub use device::{cuda_available, device_count, CudaDevice};
+pub use dma::FeedStats;
 pub use engine::CudaEngine;
 pub use memory::{CudaStream, DeviceBuffer, PinnedBuffer};
 pub(crate) use staged::{
