@@ -15,6 +15,8 @@ pub(super) struct ScoreKey {
     copy_class: u8,
     job_class: u8,
     other_busy: bool,
+    /// DMA would move the job as pitched copies.
+    pitched: bool,
 }
 
 impl ScoreKey {
@@ -24,6 +26,15 @@ impl ScoreKey {
             copy_class: log2(avg_copy_bytes),
             job_class: log2(job_bytes) / 2,
             other_busy,
+            pitched: false,
+        }
+    }
+
+    /// The same key for jobs that DMA moves as pitched copies.
+    pub(super) fn pitched(self) -> Self {
+        Self {
+            pitched: true,
+            ..self
         }
     }
 }
@@ -170,13 +181,23 @@ impl CudaEngine {
                 // host memory holds its SMs for the whole job (+10–85% on a GEMM) and is not used.
                 let avg = bytes / (copies.len().max(1) as u64);
                 let other_busy = self.device.other_direction_active(self.direction);
-                if !self.cfg.host_mapped
-                    || avg >= self.cfg.serving_dma_min_copy_bytes
-                    || self.job_mostly_pitched(copies.len())
+                let small = self.cfg.host_mapped && avg < self.cfg.serving_dma_min_copy_bytes;
+                if small
+                    && self.job_mostly_pitched(copies.len())
+                    && !other_busy
+                    && self.cfg.serving_feedback_every > 0
                 {
                     // Pitched runs (a block's pages across evenly spaced tensors, …) move by DMA
-                    // at 31–52 GB/s from 4 KiB pages with no SMs and one pass over HBM: more
-                    // than the staged pipeline moves beside a model, at less cost to it.
+                    // with no SMs and one pass over HBM: 27–29 GB/s at 4 KiB pages beside a GEMM
+                    // where staging moves 22. Beside a memory-bound kernel the order flips (DMA
+                    // 18, staging 26.6 within the budget, 4 KiB × 128 MiB stores on an H100), so
+                    // while one direction runs the feedback measures both, DMA first.
+                    let key = ScoreKey::new(avg, bytes, other_busy).pitched();
+                    return (CopyMethod::Dma, Some(key));
+                }
+                if !small || self.job_mostly_pitched(copies.len()) {
+                    // Pitched runs move by DMA (above); both directions at once too: staging
+                    // both ways costs a memory-bound model 7% with large jobs.
                     CopyMethod::Dma
                 } else if self.cfg.serving_small_kernel {
                     CopyMethod::Kernel
@@ -314,6 +335,28 @@ mod tests {
             tail.iter().filter(|&&m| m == CopyMethod::Dma).count() > 950,
             "switched to the now faster DMA"
         );
+    }
+
+    #[test]
+    fn feedback_starts_from_the_rules_default() {
+        // Pitched jobs: DMA first, staging on the second job; the faster is kept.
+        let key = ScoreKey::new(4096, 128 << 20, false).pitched();
+        assert_ne!(key, ScoreKey::new(4096, 128 << 20, false));
+        let mut s = Scores::default();
+        let picks: Vec<_> = (0..100)
+            .map(|_| {
+                let m = s.pick(key, CopyMethod::Dma, 32);
+                let g = if m == CopyMethod::Dma { 18.0 } else { 26.6 };
+                s.record(key, m, 128 << 20, 134_217_728.0 / (g * 1e9));
+                m
+            })
+            .collect();
+        assert_eq!(&picks[..2], &[CopyMethod::Dma, CopyMethod::Staged]);
+        let staged = picks[2..]
+            .iter()
+            .filter(|&&m| m == CopyMethod::Staged)
+            .count();
+        assert!(staged >= 95, "{staged}");
     }
 
     #[test]
