@@ -291,6 +291,32 @@ def slowdown_row(kind: str, alone: list[float], beside: list[float], gbs: list[f
     }
 
 
+def _handlers(
+    kvoff: Any, torch: Any, kv: list[Any], ncpu: int, engine: str, budget: float | None, tune: str
+) -> Any:
+    """Handlers over ``kv`` with ``KVOFF_CUDA_TUNE=tune`` set while their engines are made (the
+    variable is restored afterwards)."""
+    old = os.environ.get("KVOFF_CUDA_TUNE")
+    if tune:
+        os.environ["KVOFF_CUDA_TUNE"] = tune
+    else:
+        os.environ.pop("KVOFF_CUDA_TUNE", None)
+    try:
+        return kvoff.CpuGpuOffloadingHandlers(
+            kv,
+            1,
+            ncpu,
+            engine=cast(EngineName, engine),
+            compute_budget=budget,
+            compute_streams=[torch.cuda.current_stream()],
+        )
+    finally:
+        if old is None:
+            os.environ.pop("KVOFF_CUDA_TUNE", None)
+        else:
+            os.environ["KVOFF_CUDA_TUNE"] = old
+
+
 def parse_method(s: str) -> tuple[str, str, float | None, str]:
     """``label:engine[:budget[:tune]]`` (budget a fraction or ``none``)."""
     parts = s.split(":", 3)
@@ -346,7 +372,6 @@ def bench_interference(
     refs["launch_max_us"] = max(lat0) * 1e6
     say(f"refs: {refs}")
     rows: list[dict[str, Any]] = []
-    old_tune = os.environ.get("KVOFF_CUDA_TUNE")
     for page_kib in pages_kib:
         for job_mib in jobs_mib:
             page = page_kib << 10
@@ -357,24 +382,7 @@ def bench_interference(
             for t in kv:
                 t.random_(0, 255)
             for label, engine, budget, tune in meths:
-                if tune:
-                    os.environ["KVOFF_CUDA_TUNE"] = tune
-                else:
-                    os.environ.pop("KVOFF_CUDA_TUNE", None)
-                try:
-                    h = kvoff.CpuGpuOffloadingHandlers(
-                        kv,
-                        1,
-                        ncpu,
-                        engine=cast(EngineName, engine),
-                        compute_budget=budget,
-                        compute_streams=[torch.cuda.current_stream()],
-                    )
-                finally:
-                    if old_tune is None:
-                        os.environ.pop("KVOFF_CUDA_TUNE", None)
-                    else:
-                        os.environ["KVOFF_CUDA_TUNE"] = old_tune
+                h = _handlers(kvoff, torch, kv, ncpu, engine, budget, tune)
                 try:
                     for d in dirs:
                         row: dict[str, Any] = {
@@ -545,23 +553,8 @@ def sweep_for_plot(
         ngpu = ncpu = 4 * blocks
         kv = [torch.empty(ngpu, page, dtype=torch.uint8, device="cuda") for _ in range(tensors)]
         for label, engine, budget in (("kvoff auto", "auto", 0.02), ("batched DMA", "dma", None)):
-            old_tune = os.environ.get("KVOFF_CUDA_TUNE")
-            if engine == "dma":  # plain batched DMA: one batch entry per page
-                os.environ["KVOFF_CUDA_TUNE"] = "pitched=0"
-            try:
-                h = kvoff.CpuGpuOffloadingHandlers(
-                    kv,
-                    1,
-                    ncpu,
-                    engine=cast(EngineName, engine),
-                    compute_budget=budget,
-                    compute_streams=[torch.cuda.current_stream()],
-                )
-            finally:
-                if old_tune is None:
-                    os.environ.pop("KVOFF_CUDA_TUNE", None)
-                else:
-                    os.environ["KVOFF_CUDA_TUNE"] = old_tune
+            # Plain batched DMA (one batch entry per page) as the baseline.
+            h = _handlers(kvoff, torch, kv, ncpu, engine, budget, "pitched=0" if engine == "dma" else "")
             try:
                 for d in ("store", "load"):
                     idle, _ = _run_phase(torch, kvoff, h, d, blocks, ngpu, ncpu, seconds, None, "", None)

@@ -285,11 +285,77 @@ struct Work {
     pace: Pace,
     host_to_device: bool,
     stream: SendPtr<ffi::CUstream>,
+    /// The job's end event, recorded after the last copy (the feeder), or none (the helper).
+    end: Option<SendPtr<ffi::CUevent>>,
 }
 
-/// The helper's answer: the enqueue result, its driver-call record, and the buffers and pacing
-/// events back.
+/// An enqueuing thread's answer: the enqueue result, its driver-call record, and the buffers
+/// and pacing events back.
 type Done = (Result<()>, ffi::CallRecord, DmaBufs, Pace);
+
+/// Starts a thread named `name` that enqueues each [`Work`] it receives (paced at `bound`
+/// units, in batch calls of `step`), records the work's end event if it has one (also after an
+/// error, so the job completes), and answers with a [`Done`].
+fn spawn_enqueuer(
+    device: &Arc<CudaDevice>,
+    name: &str,
+    step: usize,
+    bound: usize,
+) -> Result<(Worker, mpsc::Receiver<Done>)> {
+    let f = device
+        .batch
+        .ok_or_else(|| KvoffError::state("no batched copy entry point"))?;
+    let (tx, work_rx) = mpsc::channel::<Work>();
+    let (done_tx, rx) = mpsc::channel::<Done>();
+    let dev = Arc::clone(device);
+    let what = name.to_owned();
+    let thread = std::thread::Builder::new()
+        .name(name.into())
+        .spawn(move || {
+            while let Ok(mut w) = work_rx.recv() {
+                let _ = ffi::take_call_record();
+                let r = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
+                    dev.bind()?;
+                    // SAFETY: the engine that sent the work keeps the job's memory alive until the
+                    // job completes (its end event follows every copy: recorded below, or by the
+                    // engine after this answer) and enqueues nothing that must follow this work
+                    // before the answer; the stream is the engine's; the context was made current
+                    // just above.
+                    let r = unsafe {
+                        enqueue_batches(
+                            f,
+                            &mut w.bufs,
+                            step,
+                            w.host_to_device,
+                            w.stream.0,
+                            &mut w.pace,
+                            bound,
+                        )
+                    };
+                    match &w.end {
+                        // SAFETY: live event and stream of the current context.
+                        Some(e) => r.and(unsafe { ffi::event_record(e.0, w.stream.0) }),
+                        None => r,
+                    }
+                }))
+                .unwrap_or_else(|_| Err(KvoffError::state(format!("the {what} thread panicked"))));
+                if done_tx
+                    .send((r, ffi::take_call_record(), w.bufs, w.pace))
+                    .is_err()
+                {
+                    break;
+                }
+            }
+        })
+        .map_err(|e| KvoffError::state(format!("cannot start the {name} thread: {e}")))?;
+    Ok((
+        Worker {
+            tx: Some(tx),
+            thread: Some(thread),
+        },
+        rx,
+    ))
+}
 
 /// The DMA helper of one engine: a thread that enqueues the second half of large DMA jobs on
 /// its own stream, plus the fork/join events. Created on the first split job.
@@ -321,50 +387,9 @@ impl DmaHelper {
         let fork = unsafe { Event::new(false) }?;
         // SAFETY: as above.
         let join = unsafe { Event::new(false) }?;
-        let f = device
-            .batch
-            .ok_or_else(|| KvoffError::state("no batched copy entry point"))?;
-        let (tx, work_rx) = mpsc::channel::<Work>();
-        let (done_tx, rx) = mpsc::channel::<Done>();
-        let dev = Arc::clone(device);
-        let thread = std::thread::Builder::new()
-            .name("kvoff-dma".into())
-            .spawn(move || {
-                while let Ok(mut w) = work_rx.recv() {
-                    let _ = ffi::take_call_record();
-                    let r = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
-                        dev.bind()?;
-                        // SAFETY: the engine that sent the work keeps the job's memory alive
-                        // until the job completes and waits for this answer before recording
-                        // the join event; the stream is its live auxiliary stream; the context
-                        // was made current just above.
-                        unsafe {
-                            enqueue_batches(
-                                f,
-                                &mut w.bufs,
-                                step,
-                                w.host_to_device,
-                                w.stream.0,
-                                &mut w.pace,
-                                max_queued,
-                            )
-                        }
-                    }))
-                    .unwrap_or_else(|_| Err(KvoffError::state("the DMA helper thread panicked")));
-                    if done_tx
-                        .send((r, ffi::take_call_record(), w.bufs, w.pace))
-                        .is_err()
-                    {
-                        break;
-                    }
-                }
-            })
-            .map_err(|e| KvoffError::state(format!("cannot start the DMA helper thread: {e}")))?;
+        let (worker, rx) = spawn_enqueuer(device, "kvoff-dma", step, max_queued)?;
         Ok(Self {
-            worker: Worker {
-                tx: Some(tx),
-                thread: Some(thread),
-            },
+            worker,
             rx,
             aux,
             fork,
@@ -386,12 +411,12 @@ impl DmaHelper {
 
 /// The helper thread: closing its channel ends it; dropping joins it (it is idle then: the
 /// engine waits for every answer before going on).
-struct Worker<T = Work> {
-    tx: Option<mpsc::Sender<T>>,
+struct Worker {
+    tx: Option<mpsc::Sender<Work>>,
     thread: Option<JoinHandle<()>>,
 }
 
-impl<T> Drop for Worker<T> {
+impl Drop for Worker {
     fn drop(&mut self) {
         self.tx = None;
         if let Some(t) = self.thread.take() {
@@ -399,20 +424,6 @@ impl<T> Drop for Worker<T> {
         }
     }
 }
-
-/// A paced DMA job for the feeder thread: its copies, the stream, and the job's end event (the
-/// feeder records it after the last copy).
-struct Feed {
-    bufs: DmaBufs,
-    pace: Pace,
-    host_to_device: bool,
-    stream: SendPtr<ffi::CUstream>,
-    end: SendPtr<ffi::CUevent>,
-}
-
-/// The feeder's answer: the enqueue result (with the end event recorded), its driver-call record,
-/// and the buffers and pacing events back.
-type Fed = (Result<()>, ffi::CallRecord, DmaBufs, Pace);
 
 /// What the feeder did for the last job it fed (see [`CudaEngine::last_feed_stats`]).
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
@@ -438,8 +449,8 @@ pub struct FeedStats {
 /// ways at once fell from 73 to 37 GB/s idle. The engine's next submit, `wait` and `shutdown`
 /// first collect the feed, so jobs stay in submission order on the stream.
 pub(super) struct Feeder {
-    worker: Worker<Feed>,
-    rx: mpsc::Receiver<Fed>,
+    worker: Worker,
+    rx: mpsc::Receiver<Done>,
     /// The job being fed, if any.
     pub(super) busy: Option<i64>,
     spare: Option<(DmaBufs, Pace)>,
@@ -448,53 +459,9 @@ pub(super) struct Feeder {
 
 impl Feeder {
     fn new(device: &Arc<CudaDevice>, step: usize, bound: usize) -> Result<Self> {
-        let f = device
-            .batch
-            .ok_or_else(|| KvoffError::state("no batched copy entry point"))?;
-        let (tx, work_rx) = mpsc::channel::<Feed>();
-        let (done_tx, rx) = mpsc::channel::<Fed>();
-        let dev = Arc::clone(device);
-        let thread = std::thread::Builder::new()
-            .name("kvoff-feed".into())
-            .spawn(move || {
-                while let Ok(mut w) = work_rx.recv() {
-                    let _ = ffi::take_call_record();
-                    let r = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
-                        dev.bind()?;
-                        // SAFETY: the engine keeps the job's memory alive until the job completes
-                        // (its end event, recorded below, follows every copy) and enqueues nothing
-                        // on the stream before this answer; the context was made current above.
-                        let r = unsafe {
-                            enqueue_batches(
-                                f,
-                                &mut w.bufs,
-                                step,
-                                w.host_to_device,
-                                w.stream.0,
-                                &mut w.pace,
-                                bound,
-                            )
-                        };
-                        // The end event is recorded whatever happened, so the job completes.
-                        // SAFETY: live event and stream of the current context.
-                        let e = unsafe { ffi::event_record(w.end.0, w.stream.0) };
-                        r.and(e)
-                    }))
-                    .unwrap_or_else(|_| Err(KvoffError::state("the DMA feeder thread panicked")));
-                    if done_tx
-                        .send((r, ffi::take_call_record(), w.bufs, w.pace))
-                        .is_err()
-                    {
-                        break;
-                    }
-                }
-            })
-            .map_err(|e| KvoffError::state(format!("cannot start the DMA feeder thread: {e}")))?;
+        let (worker, rx) = spawn_enqueuer(device, "kvoff-feed", step, bound)?;
         Ok(Self {
-            worker: Worker {
-                tx: Some(tx),
-                thread: Some(thread),
-            },
+            worker,
             rx,
             busy: None,
             spare: Some((DmaBufs::default(), Pace::default())),
@@ -524,7 +491,7 @@ impl Feeder {
         }
     }
 
-    fn absorb(&mut self, d: Option<Fed>, job_id: i64) -> Result<()> {
+    fn absorb(&mut self, d: Option<Done>, job_id: i64) -> Result<()> {
         let Some((r, calls, bufs, pace)) = d else {
             return Err(KvoffError::state("the DMA feeder thread stopped"));
         };
@@ -621,12 +588,12 @@ impl CudaEngine {
             .tx
             .as_ref()
             .ok_or_else(|| KvoffError::state("the DMA feeder thread stopped"))?;
-        tx.send(Feed {
+        tx.send(Work {
             bufs,
             pace,
             host_to_device,
             stream: SendPtr(s),
-            end: SendPtr(end),
+            end: Some(SendPtr(end)),
         })
         .map_err(|_| KvoffError::state("the DMA feeder thread stopped"))?;
         fd.busy = Some(self.submitting);
@@ -734,6 +701,7 @@ impl CudaEngine {
                 pace,
                 host_to_device,
                 stream: SendPtr(aux),
+                end: None,
             })
             .map_err(|_| KvoffError::state("the DMA helper thread stopped"));
         let mine = sent.and_then(|()| {
