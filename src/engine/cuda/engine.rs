@@ -485,7 +485,8 @@ impl TransferEngine for CudaEngine {
         let copies = job.plan.copies();
         let bytes = job.plan.total_bytes();
         self.job_serving = self.decide_serving(job.stream);
-        self.job_pitched = if self.cfg.dma_pitched {
+        // Read only by `auto`'s choice and its split decision: not counted for explicit methods.
+        self.job_pitched = if self.cfg.dma_pitched && self.cfg.method == CopyMethod::Auto {
             super::pitched::pitched_copies(copies.len(), |j| {
                 copies.get(j).map(|c| (c.src_ptr, c.dst_ptr, c.bytes))
             })
