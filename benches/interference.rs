@@ -6,10 +6,15 @@
 //! (random distinct blocks of 64 KV tensors, kvoff's block-major pinned host layout) while the
 //! main thread runs a compute proxy on its own stream — a cuBLAS bf16 8192³ GEMM loop, then a
 //! memory-bound 1 GiB device-to-device copy loop. Each proxy is timed alone and beside the
-//! transfers in alternating rounds (median beside / median alone − 1 = its slowdown; the proxies
-//! drift by a few percent over a run). Also per cell: GB/s idle and beside each proxy, the SMs
-//! kvoff's kernels may occupy and its longest driver call per submit (`SubmitStats`: p99 and max
-//! over the cell's submits of the wall-clock time, p99 of the thread CPU time), the CPU time of a tiny
+//! transfers in bracketed rounds, A B A B … A (its slowdown: the median over rounds of beside /
+//! the mean of the two alone rounds around it, − 1, so that the proxy's drift over the cell —
+//! clocks, power, heat: a few percent, as much as the budget — cancels; `drift%` shows it, last
+//! alone round / first − 1, GEMM / memory-bound). Also per cell: GB/s idle and beside each proxy,
+//! the SMs kvoff's kernels may occupy and its longest driver call per submit (`SubmitStats`: p99
+//! and max over the cell's submits of the wall-clock time, p99 and max of the thread CPU time, and
+//! the entry point of the max), a control for those (`noise`: the most thread CPU time that a
+//! fixed ~10 µs piece of arithmetic took beyond its median on another thread meanwhile — time the
+//! machine took the vCPU away, which a driver call suffers too), the wall time of a tiny
 //! kernel launch by a third thread every 200 µs while kvoff submits (against the same probe with
 //! kvoff idle), the share of jobs `Auto` ran with its serving policy (`srv%`, idle / beside
 //! compute: the engines watch the compute stream), and a byte-exact store → load round trip with
@@ -59,6 +64,18 @@ fn median(v: &[f64]) -> f64 {
     let mut s = v.to_vec();
     s.sort_by(f64::total_cmp);
     s.get(s.len() / 2).copied().unwrap_or(f64::NAN)
+}
+
+/// A proxy's slowdown from bracketed rounds: `alone` has one more round than `beside`, and beside
+/// round `i` ran between alone rounds `i` and `i + 1`; the median over rounds of beside / the mean
+/// of its neighbours, − 1.
+fn bracketed(alone: &[f64], beside: &[f64]) -> f64 {
+    let r: Vec<f64> = beside
+        .iter()
+        .zip(alone.windows(2))
+        .map(|(b, a)| b / ((a[0] + a[1]) / 2.0))
+        .collect();
+    median(&r) - 1.0
 }
 
 fn pct(v: &[f64], q: f64) -> f64 {
@@ -548,6 +565,36 @@ fn probe(dev: &Arc<CudaDevice>, stop: &AtomicBool) -> Vec<f64> {
     out
 }
 
+/// Thread CPU time, µs.
+fn thread_cpu_us() -> f64 {
+    let mut ts = libc::timespec {
+        tv_sec: 0,
+        tv_nsec: 0,
+    };
+    // SAFETY: a valid out-pointer for the call's duration.
+    unsafe { libc::clock_gettime(libc::CLOCK_THREAD_CPUTIME_ID, &raw mut ts) };
+    ts.tv_sec as f64 * 1e6 + ts.tv_nsec as f64 / 1e3
+}
+
+/// The machine's own noise, a control for the driver-call columns: the thread CPU time of a fixed
+/// piece of arithmetic (no system call, no lock; about 10 µs) repeated every ~50 µs until `stop`,
+/// beside kvoff's submits. What a piece takes beyond its median is time the vCPU was taken away
+/// while the thread's clock ran (a virtual machine's host), which a driver call can suffer too.
+/// Returns (median, max) µs.
+fn noise(stop: &AtomicBool) -> (f64, f64) {
+    let mut out = Vec::new();
+    let mut x = 0x9e37_79b9_7f4a_7c15u64;
+    while !stop.load(Ordering::Relaxed) {
+        let t = thread_cpu_us();
+        for _ in 0..20_000 {
+            x = std::hint::black_box(x.wrapping_mul(6_364_136_223_846_793_005).wrapping_add(1));
+        }
+        out.push(thread_cpu_us() - t);
+        std::thread::sleep(Duration::from_micros(50));
+    }
+    (median(&out), out.iter().copied().fold(0.0, f64::max))
+}
+
 #[cfg(feature = "cuda")]
 fn main() {
     if !cuda_available() {
@@ -633,7 +680,7 @@ fn main() {
         link[0], link[1], link[2]
     );
     println!(
-        "{:>6}{:>6}{:>7} {:<6}{:<10}{:>7}{:>8}{:>7}{:>8}{:>7}{:>9}{:>5}{:>5}{:>7}{:>7}{:>7}{:>7} {:<8}{:>7}{:>7}{:>7}{:>8} ok",
+        "{:>6}{:>6}{:>7} {:<6}{:<10}{:>7}{:>8}{:>7}{:>8}{:>7}{:>12}{:>9}{:>5}{:>5}{:>7}{:>7}{:>7}{:>7} {:<8}{:>6}{:>7}{:>7}{:>7}{:>8} ok",
         "page",
         "job",
         "copies",
@@ -644,6 +691,7 @@ fn main() {
         "GB/s",
         "mem%",
         "GB/s",
+        "drift%",
         "srv%",
         "sms",
         "st%",
@@ -652,6 +700,7 @@ fn main() {
         "cpu99",
         "cpumx",
         "by",
+        "noise",
         "pace%",
         "lat50",
         "lat99",
@@ -700,16 +749,18 @@ fn main() {
                     // (100 ms), so that the phase measures the idle GPU, not the window's end.
                     std::thread::sleep(Duration::from_millis(150));
                     let stop = AtomicBool::new(false);
-                    let (idle, lat) = std::thread::scope(|sc| {
+                    let (idle, lat, ns) = std::thread::scope(|sc| {
                         let p = sc.spawn(|| probe(&dev, &stop));
+                        let n = sc.spawn(|| noise(&stop));
                         let t = sc.spawn(|| {
                             let mut r = Rng(rng.0 ^ 1);
                             cell.transfer_loop(&mut engines, d, &stop, &mut r)
                         });
                         std::thread::sleep(Duration::from_secs_f64(secs));
                         stop.store(true, Ordering::Relaxed);
-                        (t.join().unwrap(), p.join().unwrap())
+                        (t.join().unwrap(), p.join().unwrap(), n.join().unwrap())
                     });
+                    let (noise_med, mut noise_max) = ns;
                     let (mut sms, mut failed) = (idle.sms, idle.failed);
                     let mut calls = idle.calls.clone();
                     let mut worst = idle.worst;
@@ -717,6 +768,7 @@ fn main() {
                     let mut pol = [0u64; 2];
                     let mut mix = [0u64; 2];
                     let mut slow = [f64::NAN; 2];
+                    let mut drift = [f64::NAN; 2];
                     let mut gbs = [f64::NAN; 2];
                     for &k in &kinds {
                         let (mut a, mut b, mut g) = (Vec::new(), Vec::new(), Vec::new());
@@ -728,25 +780,34 @@ fn main() {
                         if k == 0 && preheat > 0.0 {
                             comp.run(k, ((comp.n[k] as f64) * preheat / secs).ceil() as usize);
                         }
+                        // Alone rounds bracket the beside rounds (A B A B … A): each beside
+                        // round is compared with the mean of its two neighbours, so a drift of the
+                        // proxy during the cell (clocks, power, heat) cancels to first order.
+                        for _ in 0..warm {
+                            comp.op(k);
+                        }
+                        a.push(comp.run(k, comp.n[k]));
                         for _ in 0..rounds {
-                            for _ in 0..warm {
-                                comp.op(k);
-                            }
-                            a.push(comp.run(k, comp.n[k]));
                             let stop = AtomicBool::new(false);
                             for _ in 0..warm {
                                 comp.op(k);
                             }
-                            let (m, ms) = std::thread::scope(|sc| {
+                            let (m, ms, ns) = std::thread::scope(|sc| {
+                                let n = sc.spawn(|| noise(&stop));
                                 let t = sc.spawn(|| {
                                     let mut r = Rng(rng.0 ^ 2);
                                     cell.transfer_loop(&mut engines, d, &stop, &mut r)
                                 });
                                 let ms = comp.run(k, comp.n[k]);
                                 stop.store(true, Ordering::Relaxed);
-                                (t.join().unwrap(), ms)
+                                (t.join().unwrap(), ms, n.join().unwrap())
                             });
+                            noise_max = noise_max.max(ns.1);
                             b.push(ms);
+                            for _ in 0..warm {
+                                comp.op(k);
+                            }
+                            a.push(comp.run(k, comp.n[k]));
                             g.push(m.gb_s);
                             sms = sms.max(m.sms);
                             calls.extend_from_slice(&m.calls);
@@ -761,7 +822,8 @@ fn main() {
                             mix[1] += m.jobs;
                             failed += m.failed;
                         }
-                        slow[k] = median(&b) / median(&a) - 1.0;
+                        slow[k] = bracketed(&a, &b);
+                        drift[k] = a[a.len() - 1] / a[0] - 1.0;
                         gbs[k] = median(&g);
                     }
                     let ok = failed == 0 && cell.round_trip(&mut engines, &comp, &mut rng);
@@ -769,7 +831,7 @@ fn main() {
                     let cpu: Vec<f64> = calls.iter().map(|c| c.1).collect();
                     bad |= !ok;
                     println!(
-                        "{:>5}K{:>5}M{:>7} {:<6}{:<10}{:>7.1}{:>+7.1}%{:>7.1}{:>+7.1}%{:>7.1}{:>9}{:>5}{:>5}{:>7.0}{:>7.0}{:>7.0}{:>7.0} {:<8}{:>7.1}{:>7.0}{:>7.0}{:>8.0} {}",
+                        "{:>5}K{:>5}M{:>7} {:<6}{:<10}{:>7.1}{:>+7.1}%{:>7.1}{:>+7.1}%{:>7.1}{:>12}{:>9}{:>5}{:>5}{:>7.0}{:>7.0}{:>7.0}{:>7.0} {:<8}{:>6.0}{:>7.1}{:>7.0}{:>7.0}{:>8.0} {}",
                         page_kib,
                         job_mib,
                         blocks * TENSORS,
@@ -780,6 +842,7 @@ fn main() {
                         gbs[0],
                         slow[1] * 100.0,
                         gbs[1],
+                        format!("{:+.1}/{:+.1}", drift[0] * 100.0, drift[1] * 100.0),
                         format!("{}/{}", share(idle.serving, idle.idle), share(pol[0], pol[1])),
                         sms,
                         share(mix[0], mix[1] - mix[0]),
@@ -788,6 +851,7 @@ fn main() {
                         pct(&cpu, 0.99),
                         worst.0,
                         short_call(worst.1),
+                        noise_max - noise_med,
                         100.0 * paced_us / phase_us,
                         median(&lat),
                         pct(&lat, 0.99),

@@ -97,7 +97,8 @@ class _Compute:
 
 
 def _launch_latency(torch: Any, stop: threading.Event, out: list[float]) -> None:
-    """CPU seconds of each small kernel launch on its own stream (every ~200 µs) until ``stop``."""
+    """Seconds (wall) that each small kernel launch on its own stream takes to return (every
+    ~200 µs), until ``stop``."""
     s = torch.cuda.Stream()
     t = torch.zeros(256, device="cuda")
     with torch.cuda.stream(s):
@@ -282,12 +283,22 @@ def _share(x: float | None) -> str:
 
 
 def slowdown_row(kind: str, alone: list[float], beside: list[float], gbs: list[float]) -> dict[str, float]:
-    """A proxy's slowdown (median time beside the transfers over median time alone, from
-    alternating rounds) and the transfers' median GB/s beside it."""
+    """A proxy's slowdown and the transfers' median GB/s beside it.
+
+    With bracketed rounds (A B A B ... A: one more alone round than beside rounds, beside round
+    ``i`` between alone rounds ``i`` and ``i + 1``) the slowdown is the median over rounds of the
+    time beside over the mean of its two neighbours, - 1: a drift of the proxy over the cell
+    (clocks, power, heat) cancels to first order. Otherwise (paired rounds) it is the median beside
+    over the median alone, - 1. ``{kind}_drift`` is the last alone round over the first, - 1."""
+    if len(alone) == len(beside) + 1:
+        slow = _median([b / ((alone[i] + alone[i + 1]) / 2) for i, b in enumerate(beside)]) - 1
+    else:
+        slow = _median(beside) / _median(alone) - 1
     return {
-        f"{kind}_slowdown": _median(beside) / _median(alone) - 1,
+        f"{kind}_slowdown": slow,
         f"{kind}_gb_s": _median(gbs),
         f"{kind}_alone_ms": _median(alone),
+        f"{kind}_drift": alone[-1] / alone[0] - 1,
     }
 
 
@@ -340,10 +351,11 @@ def bench_interference(
 ) -> dict[str, Any]:
     """Runs the grid; returns ``{"device", "refs", "rows"}`` (see the module docstring).
 
-    Each compute proxy is timed alone and beside the transfers ``rounds`` times, alternately (alone,
-    beside, alone, beside, ...), and the slowdown is the ratio of the medians: the proxies drift by
-    a few percent over a run (clocks, temperature), as much as the budget itself, so a reference
-    taken once per cell would bias every cell after it."""
+    Each compute proxy is timed beside the transfers ``rounds`` times, each round bracketed by
+    rounds alone (alone, beside, alone, ..., alone), and the slowdown is the median over rounds of
+    beside over the mean of its two neighbours (``slowdown_row``): the proxies drift by a few
+    percent over a run (clocks, power, temperature), as much as the budget itself, so a reference
+    taken once per cell, or only before each round, would bias the cells."""
     if rounds < 1:
         raise ValueError(f"rounds must be at least 1, got {rounds}")
     import torch
@@ -408,15 +420,18 @@ def bench_interference(
                                 # controller takes about a second to settle (SM clock 1245–1980
                                 # MHz seen): rounds taken meanwhile drift by ±8% whatever kvoff does.
                                 comp.queue(kind, PREHEAT_S)
+                            # Alone rounds bracket the beside rounds (see slowdown_row), each after
+                            # the same warm-up as the measurement beside the transfers: a GEMM
+                            # loop's clock falls as the GPU heats.
+                            comp.queue(kind, WARMUP_S)
+                            alone.append(comp.timed(kind, reps=1))
                             for _ in range(rounds):
-                                # The same warm-up before the reference as before the measurement
-                                # beside the transfers: a GEMM loop's clock falls as the GPU heats.
-                                comp.queue(kind, WARMUP_S)
-                                alone.append(comp.timed(kind, reps=1))
                                 st, ms = _run_phase(
                                     torch, kvoff, h, d, blocks, ngpu, ncpu, seconds, comp, kind, None
                                 )
                                 beside.append(ms)
+                                comp.queue(kind, WARMUP_S)
+                                alone.append(comp.timed(kind, reps=1))
                                 gbs.append(st["gb_s"])
                                 for k, v in st["policies"].items():
                                     beside_policies[k] = beside_policies.get(k, 0) + v
@@ -445,8 +460,16 @@ def bench_interference(
 
 HEADER = (
     f"{'page':>6}{'job':>6}{'copies':>8} {'dirs':<6}{'method':<12}{'idle':>7}{'gemm%':>8}{'GB/s':>7}"
-    f"{'mem%':>8}{'GB/s':>7}{'srv%':>9}{'sms':>5}{'call':>7}{'cpu':>6}{'lat99':>8}{'latmax':>9} ok"
+    f"{'mem%':>8}{'GB/s':>7}{'drift%':>12}{'srv%':>9}{'sms':>5}{'call':>7}{'cpu':>6}{'lat99':>8}{'latmax':>9} ok"
 )
+
+
+def _drift(r: dict[str, Any]) -> str:
+    """The proxies' drift over the cell, GEMM / memory-bound, in percent ("-" where not measured)."""
+    g, m = r.get("gemm_drift"), r.get("mem_drift")
+    if g is None or m is None:
+        return "-"
+    return f"{g * 100:+.1f}/{m * 100:+.1f}"
 
 
 def format_row(r: dict[str, Any]) -> str:
@@ -454,6 +477,7 @@ def format_row(r: dict[str, Any]) -> str:
         f"{r['page_kib']:>5}K{r['job_mib']:>5}M{r['copies']:>8} {r['dirs']:<6}{r['method']:<12}"
         f"{r['idle_gb_s']:>7.1f}{r['gemm_slowdown'] * 100:>+7.1f}%{r['gemm_gb_s']:>7.1f}"
         f"{r['mem_slowdown'] * 100:>+7.1f}%{r['mem_gb_s']:>7.1f}"
+        f"{_drift(r):>12}"
         f"{_share(r.get('serving_idle')) + '/' + _share(r.get('serving_beside')):>9}{r.get('sms', 0):>5}"
         f"{r.get('longest_call_us', 0.0):>7.0f}{r.get('longest_call_cpu_us', 0.0):>6.0f}{r['launch_p99_us']:>8.0f}"
         f"{r['launch_max_us']:>9.0f} {'ok' if r.get('roundtrip_ok', True) and not r['failed'] else 'FAIL'}"
@@ -470,9 +494,10 @@ def format_interference(res: dict[str, Any]) -> str:
         ),
         (
             "idle/GB/s: transfer GB/s (both directions summed) idle and beside each proxy; gemm%/mem%: its slowdown"
-            " (median beside / median alone over alternating rounds); sms: SMs kvoff's copy kernels may occupy;"
+            " (median over rounds of beside / the mean of the alone rounds around it); drift%: the proxies' alone time,"
+            " last round / first - 1 (GEMM/memory-bound; it cancels in the slowdown); sms: SMs kvoff's copy kernels may occupy;"
             " srv%: share of jobs auto ran with its serving policy, idle/beside compute;"
-            " call/cpu: kvoff's longest driver call (µs wall / µs thread CPU); lat99/latmax: a second thread's launch CPU time (µs)"
+            " call/cpu: kvoff's longest driver call (µs wall / µs thread CPU); lat99/latmax: how long a second thread's kernel launch takes to return (µs)"
             " while kvoff submits"
         ),
         HEADER,

@@ -128,6 +128,38 @@ def test_interference_slowdown_from_alternating_rounds():
     }
     line = format_row(row)
     assert "+2.0%" in line and "+2.9%" in line and " 16 " in line and " 87 " in line and line.endswith("ok")
+
+
+def test_interference_bracketed_rounds_cancel_drift():
+    """With alone rounds around each beside round (A B A B A B A), a proxy that drifts steadily
+    over the cell reads no slowdown when the transfers cost it nothing — where comparing medians of
+    A B A B A B reads the drift as a slowdown — and a real slowdown reads through the drift."""
+    from kvoff.bench_interference import format_row, slowdown_row
+
+    alone = [1.0, 1.2, 1.4, 1.6]  # +10% per phase, steady
+    r = slowdown_row("gemm", alone, [1.1, 1.3, 1.5], [20.0, 21.0, 22.0])
+    assert r["gemm_slowdown"] == pytest.approx(0.0)
+    assert r["gemm_drift"] == pytest.approx(0.6)
+    assert slowdown_row("gemm", alone[:3], [1.1, 1.3, 1.5], [1.0])["gemm_slowdown"] == pytest.approx(1.3 / 1.2 - 1)
+    r3 = slowdown_row("gemm", alone, [1.1 * 1.03, 1.3 * 1.03, 1.5 * 1.03], [1.0, 1.0, 1.0])
+    assert r3["gemm_slowdown"] == pytest.approx(0.03)
+    # One outlier round (a clock step) does not move the median.
+    r4 = slowdown_row("mem", [0.70, 0.70, 0.70, 0.70], [0.72, 0.90, 0.72], [1.0] * 3)
+    assert r4["mem_slowdown"] == pytest.approx(0.72 / 0.70 - 1)
+    row = {
+        "page_kib": 4,
+        "job_mib": 8,
+        "copies": 2048,
+        "dirs": "both",
+        "method": "auto",
+        "idle_gb_s": 40.0,
+        "launch_p99_us": 120.0,
+        "launch_max_us": 300.0,
+        "failed": 0,
+        **r3,
+        **r4,
+    }
+    assert "+60.0/+0.0" in format_row(row)
     with pytest.raises(ValueError, match="rounds"):
         from kvoff.bench_interference import bench_interference
 
