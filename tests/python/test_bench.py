@@ -140,7 +140,9 @@ def test_interference_bracketed_rounds_cancel_drift():
     r = slowdown_row("gemm", alone, [1.1, 1.3, 1.5], [20.0, 21.0, 22.0])
     assert r["gemm_slowdown"] == pytest.approx(0.0)
     assert r["gemm_drift"] == pytest.approx(0.6)
-    assert slowdown_row("gemm", alone[:3], [1.1, 1.3, 1.5], [1.0])["gemm_slowdown"] == pytest.approx(1.3 / 1.2 - 1)
+    assert slowdown_row("gemm", alone[:3], [1.1, 1.3, 1.5], [1.0])["gemm_slowdown"] == pytest.approx(
+        1.3 / 1.2 - 1
+    )
     r3 = slowdown_row("gemm", alone, [1.1 * 1.03, 1.3 * 1.03, 1.5 * 1.03], [1.0, 1.0, 1.0])
     assert r3["gemm_slowdown"] == pytest.approx(0.03)
     # One outlier round (a clock step) does not move the median.
