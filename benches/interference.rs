@@ -27,7 +27,10 @@
 //! `KVOFF_BENCH_DIRS` (`store,load,both`; default `store,both`), `KVOFF_BENCH_METHODS` (default
 //! `dma,kernel,staged,auto-idle,auto-serve,auto`), `KVOFF_BENCH_SECONDS` (per measurement, default 0.3),
 //! `KVOFF_BENCH_ROUNDS` (default 3), `KVOFF_BENCH_PREHEAT` (seconds of GEMMs before each
-//! cell's GEMM rounds, default 1.5: the GPU's power controller settles), `KVOFF_BENCH_QUICK=1` (one small cell). The default grid
+//! cell's GEMM rounds, default 1.5: the GPU's power controller settles), `KVOFF_BENCH_QUICK=1` (one small cell),
+//! `KVOFF_BENCH_MEM_PROXY=sm` (the memory-bound proxy as an SM kernel, cuBLAS `Scopy` of 1 GiB,
+//! instead of the driver's device-to-device copy), `KVOFF_BENCH_VERBOSE=1` (every round's times
+//! on stderr). The default grid
 //! takes about 4 minutes on an H100.
 // Benchmarks: an unwrap that fails is the failure report; pedantic style is for the library.
 #![allow(clippy::unwrap_used, clippy::pedantic)]
@@ -245,6 +248,9 @@ struct Compute {
     x: DeviceBuffer,
     y: DeviceBuffer,
     n: [usize; 2],
+    /// The memory-bound proxy as an SM kernel (cuBLAS `Scopy`) instead of the driver's
+    /// device-to-device copy (`KVOFF_BENCH_MEM_PROXY=sm`).
+    sm_mem: bool,
 }
 
 #[cfg(feature = "cuda")]
@@ -253,6 +259,24 @@ impl Compute {
         if kind == 0 {
             self.gemm.as_ref().unwrap().enqueue();
         } else {
+            if self.sm_mem {
+                use cudarc::cublas::sys as cb;
+                let g = self.gemm.as_ref().unwrap();
+                // SAFETY: two live 1 GiB device buffers (2^28 f32 each); the handle's stream is
+                // this stream.
+                let st = unsafe {
+                    cb::cublasScopy_v2(
+                        g.handle,
+                        1 << 28,
+                        self.x.ptr() as *const f32,
+                        1,
+                        self.y.ptr() as *mut f32,
+                        1,
+                    )
+                };
+                assert_eq!(st, cb::cublasStatus_t::CUBLAS_STATUS_SUCCESS);
+                return;
+            }
             // SAFETY: two live 1 GiB device buffers; the stream is live; the context is current.
             let r = unsafe {
                 cudarc::driver::sys::cuMemcpyDtoDAsync_v2(
@@ -637,12 +661,15 @@ fn main() {
     let gemm = Gemm::new(&dev, &stream);
     let x = DeviceBuffer::new(&dev, 1 << 30).unwrap();
     let y = DeviceBuffer::new(&dev, 1 << 30).unwrap();
+    let sm_mem = gemm.is_some() && std::env::var("KVOFF_BENCH_MEM_PROXY").is_ok_and(|v| v == "sm");
+    let verbose = std::env::var("KVOFF_BENCH_VERBOSE").is_ok();
     let mut comp = Compute {
         stream,
         gemm,
         x,
         y,
         n: [0; 2],
+        sm_mem,
     };
     let kinds: Vec<usize> = if comp.gemm.is_some() {
         vec![0, 1]
@@ -665,10 +692,11 @@ fn main() {
     });
     let link = contiguous(&dev, secs.max(0.3));
     println!(
-        "transfers beside compute (Rust): {}; GEMM 8192³ bf16 {:.3} ms, 1 GiB device copy {:.3} ms; \
+        "transfers beside compute (Rust): {}; GEMM 8192³ bf16 {:.3} ms, 1 GiB device copy ({}) {:.3} ms; \
          launch alone p50 {:.1} µs, p99 {:.1} µs, max {:.0} µs; {rounds} rounds of {secs} s",
         dev.name(),
         alone0[0],
+        if sm_mem { "cuBLAS Scopy, SMs" } else { "cuMemcpyDtoDAsync" },
         alone0[1],
         median(&lat0),
         pct(&lat0, 0.99),
@@ -821,6 +849,11 @@ fn main() {
                             mix[0] += m.staged;
                             mix[1] += m.jobs;
                             failed += m.failed;
+                        }
+                        if verbose {
+                            eprintln!(
+                                "{page_kib}K {job_mib}M {d} {label} proxy {k}: alone {a:.3?} beside {b:.3?} GB/s {g:.1?}"
+                            );
                         }
                         slow[k] = bracketed(&a, &b);
                         drift[k] = a[a.len() - 1] / a[0] - 1.0;
