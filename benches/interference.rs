@@ -5,7 +5,7 @@
 //! Per cell (page size × job size × directions × method): kvoff jobs loop on a transfer thread
 //! (random distinct blocks of 64 KV tensors, kvoff's block-major pinned host layout) while the
 //! main thread runs a compute proxy on its own stream — a cuBLAS bf16 8192³ GEMM loop, then a
-//! memory-bound 1 GiB device-to-device copy loop. Each proxy is timed alone and beside the
+//! memory-bound loop copying 1 GiB on the SMs (cuBLAS `Scopy`). Each proxy is timed alone and beside the
 //! transfers in bracketed rounds, A B A B … A (its slowdown: the median over rounds of beside /
 //! the mean of the two alone rounds around it, − 1, so that the proxy's drift over the cell —
 //! clocks, power, heat: a few percent, as much as the budget — cancels; `drift%` shows it, last
@@ -25,11 +25,13 @@
 //! `LD_LIBRARY_PATH`; without it the GEMM proxy is skipped, saying so. Environment:
 //! `KVOFF_BENCH_PAGES` (KiB, default `4,32`), `KVOFF_BENCH_JOBS` (MiB, default `8,128`),
 //! `KVOFF_BENCH_DIRS` (`store,load,both`; default `store,both`), `KVOFF_BENCH_METHODS` (default
-//! `dma,kernel,staged,auto-idle,auto-serve,auto`), `KVOFF_BENCH_SECONDS` (per measurement, default 0.3),
+//! `dma,kernel,staged,auto-idle,auto-serve,auto`), `KVOFF_BENCH_SECONDS` (per transfer phase and memory-bound round, default 0.3),
 //! `KVOFF_BENCH_ROUNDS` (default 3), `KVOFF_BENCH_PREHEAT` (seconds of GEMMs before each
 //! cell's GEMM rounds, default 1.5: the GPU's power controller settles), `KVOFF_BENCH_QUICK=1` (one small cell),
-//! `KVOFF_BENCH_MEM_PROXY=sm` (the memory-bound proxy as an SM kernel, cuBLAS `Scopy` of 1 GiB,
-//! instead of the driver's device-to-device copy), `KVOFF_BENCH_VERBOSE=1` (every round's times
+//! `KVOFF_BENCH_GEMM_SECONDS` (per GEMM round, default 1.0: the GEMM's power-capped clock
+//! oscillates with a period of about a second), `KVOFF_BENCH_MEM_PROXY=copy` (the memory-bound
+//! proxy as the driver's device-to-device copy, which runs on the copy engines, instead of an SM
+//! kernel, cuBLAS `Scopy` of 1 GiB), `KVOFF_BENCH_VERBOSE=1` (every round's times
 //! on stderr). The default grid
 //! takes about 4 minutes on an H100.
 // Benchmarks: an unwrap that fails is the failure report; pedantic style is for the library.
@@ -248,8 +250,8 @@ struct Compute {
     x: DeviceBuffer,
     y: DeviceBuffer,
     n: [usize; 2],
-    /// The memory-bound proxy as an SM kernel (cuBLAS `Scopy`) instead of the driver's
-    /// device-to-device copy (`KVOFF_BENCH_MEM_PROXY=sm`).
+    /// The memory-bound proxy as an SM kernel (cuBLAS `Scopy`; else the driver's device-to-device
+    /// copy, `KVOFF_BENCH_MEM_PROXY=copy`).
     sm_mem: bool,
 }
 
@@ -656,12 +658,27 @@ fn main() {
         .ok()
         .and_then(|s| s.parse().ok())
         .unwrap_or(1.5);
+    // Seconds of each GEMM round: at its power cap (700 W on an H100 SXM) a GEMM loop's SM clock
+    // oscillates by ±8% with a period of about a second (nvidia-smi every 100 ms: 1245–1575 MHz,
+    // SW power cap), so rounds much shorter than that read the phase, not kvoff: 0.2 s rounds in a
+    // fixed schedule read every method, plain DMA included, 1–4% *faster* beside the transfers.
+    let gemm_secs: f64 = std::env::var("KVOFF_BENCH_GEMM_SECONDS")
+        .ok()
+        .and_then(|s| s.parse().ok())
+        .unwrap_or(1.0);
+    let round_secs = [gemm_secs, secs];
     let dev = CudaDevice::open(0).unwrap();
     let stream = dev.create_stream().unwrap();
     let gemm = Gemm::new(&dev, &stream);
     let x = DeviceBuffer::new(&dev, 1 << 30).unwrap();
     let y = DeviceBuffer::new(&dev, 1 << 30).unwrap();
-    let sm_mem = gemm.is_some() && std::env::var("KVOFF_BENCH_MEM_PROXY").is_ok_and(|v| v == "sm");
+    // The memory-bound proxy is an SM kernel (cuBLAS Scopy of 1 GiB): the driver's device-to-device
+    // copy runs on the copy engines and competes with DMA for them (on an H100, pitched DMA of 4 KiB
+    // pages moved 17.7 GB/s beside it and 29.0 beside the Scopy kernel), which a model's
+    // memory-bound kernels do not. `KVOFF_BENCH_MEM_PROXY=copy` keeps the copy (a model's own
+    // device copies); without cuBLAS the copy is the only proxy.
+    let sm_mem =
+        gemm.is_some() && std::env::var("KVOFF_BENCH_MEM_PROXY").map_or(true, |v| v != "copy");
     let verbose = std::env::var("KVOFF_BENCH_VERBOSE").is_ok();
     let mut comp = Compute {
         stream,
@@ -680,7 +697,7 @@ fn main() {
     for &k in &kinds {
         comp.run(k, 3);
         let ms = comp.run(k, 5);
-        comp.n[k] = ((secs * 1e3 / ms) as usize).max(5);
+        comp.n[k] = ((round_secs[k] * 1e3 / ms) as usize).max(5);
         alone0[k] = comp.run(k, comp.n[k]);
     }
     let stop = AtomicBool::new(false);
@@ -804,9 +821,10 @@ fn main() {
                         // the model computes before the transfers start (steady state); alone, the
                         // same warm-up keeps the reference comparable (a GEMM loop's clock falls
                         // as the GPU heats).
-                        let warm = (((comp.n[k] as f64) * 0.05 / secs).ceil() as usize).max(1);
+                        let per_s = comp.n[k] as f64 / round_secs[k];
+                        let warm = ((per_s * 0.05).ceil() as usize).max(1);
                         if k == 0 && preheat > 0.0 {
-                            comp.run(k, ((comp.n[k] as f64) * preheat / secs).ceil() as usize);
+                            comp.run(k, (per_s * preheat).ceil() as usize);
                         }
                         // Alone rounds bracket the beside rounds (A B A B … A): each beside
                         // round is compared with the mean of its two neighbours, so a drift of the

@@ -1,8 +1,8 @@
 """``kvoff bench interference``: transfers beside compute on one GPU (issue #12).
 
 Per cell (page size, job size, directions, method) it measures, in one run with same-run
-references: the model's slowdown (a persistent bf16 GEMM and a memory-bound device copy, each
-timed alone first, on the main thread's stream) while kvoff moves jobs continuously from another
+references: the model's slowdown (a persistent bf16 GEMM and a memory-bound kernel streaming
+1 GiB on the SMs, ``torch.add`` over float32, each timed alone too, on the main thread's stream) while kvoff moves jobs continuously from another
 thread on a side stream; the transfer GB/s beside each compute proxy and on an idle GPU; the
 launch latency (CPU time of one small kernel launch) that a third thread sees while kvoff submits,
 against its value with kvoff idle; and a byte-exact round trip (store, then load into other GPU
@@ -25,6 +25,11 @@ TENSORS = 64
 WARMUP_S = 0.1
 #: Seconds of GEMMs before each cell's GEMM rounds (the power controller settles).
 PREHEAT_S = 1.5
+#: Seconds of each GEMM round: at its power cap (700 W on an H100 SXM) a GEMM loop's SM clock
+#: oscillates by about +-8% with a period of about a second (SW power cap), so much shorter rounds
+#: in a fixed schedule read the oscillation's phase, not kvoff (0.2 s rounds read every method,
+#: plain DMA included, 1-4% faster beside the transfers).
+GEMM_ROUND_S = 1.0
 
 #: (label, engine, compute_budget, KVOFF_CUDA_TUNE) of the default methods: every method with the
 #: idle-GPU policy, ``auto`` with the default budget (2%: the serving policy while the model is seen
@@ -57,10 +62,13 @@ class _Compute:
         self.torch = torch
         self.a = torch.randn(8192, 8192, dtype=torch.bfloat16, device="cuda")
         self.b = torch.randn(8192, 8192, dtype=torch.bfloat16, device="cuda")
-        self.x = torch.empty(1 << 30, dtype=torch.uint8, device="cuda").random_(0, 255)
+        # The memory-bound proxy is an SM kernel over 1 GiB (float32 add). Not ``y.copy_(x)``: the
+        # driver's device-to-device copy competes with DMA in a way a model's kernels do not (on an
+        # H100, pitched DMA of 4 KiB pages moved 17.7 GB/s beside it, 29.0 beside an SM copy).
+        self.x = torch.empty(1 << 28, dtype=torch.float32, device="cuda").uniform_()
         self.y = torch.empty_like(self.x)
         self.n: dict[str, int] = {}
-        self.seconds = 1.0
+        self.secs = {"gemm": 1.0, "mem": 1.0}
 
     def run(self, kind: str, n: int) -> float:
         """Milliseconds per op of ``n`` back-to-back ops."""
@@ -71,26 +79,28 @@ class _Compute:
             if kind == "gemm":
                 torch.mm(self.a, self.b)
             else:
-                self.y.copy_(self.x)
+                self.torch.add(self.x, 1.0, out=self.y)
         e.record()
         e.synchronize()
         return float(s.elapsed_time(e)) / n
 
     def queue(self, kind: str, seconds: float) -> None:
         """Queues about ``seconds`` of ops without waiting (``calibrate`` first)."""
-        per_s = self.n[kind] / max(self.seconds, 1e-9)
+        per_s = self.n[kind] / max(self.secs[kind], 1e-9)
         for _ in range(max(1, int(per_s * seconds))):
             if kind == "gemm":
                 self.torch.mm(self.a, self.b)
             else:
-                self.y.copy_(self.x)
+                self.torch.add(self.x, 1.0, out=self.y)
 
-    def calibrate(self, seconds: float) -> None:
-        self.seconds = seconds
+    def calibrate(self, seconds: float, gemm_seconds: float | None = None) -> None:
+        """Sizes a round: ``gemm_seconds`` of GEMMs (default ``seconds``), ``seconds`` of the
+        memory-bound kernel."""
+        self.secs = {"gemm": seconds if gemm_seconds is None else gemm_seconds, "mem": seconds}
         for kind in ("gemm", "mem"):
             self.run(kind, 5)
             ms = self.run(kind, 10)
-            self.n[kind] = max(10, int(seconds * 1e3 / ms))
+            self.n[kind] = max(10, int(self.secs[kind] * 1e3 / ms))
 
     def timed(self, kind: str, reps: int = 3) -> float:
         return _median([self.run(kind, self.n[kind]) for _ in range(reps)])
@@ -370,7 +380,7 @@ def bench_interference(
     meths = [parse_method(m) for m in methods] if methods else DEFAULT_METHODS
     say = log or (lambda *_: None)
     comp = _Compute(torch)
-    comp.calibrate(seconds)
+    comp.calibrate(seconds, GEMM_ROUND_S)
     refs = {k: comp.timed(k) for k in ("gemm", "mem")}
     lat0: list[float] = []
     stop = threading.Event()
@@ -489,7 +499,7 @@ def format_interference(res: dict[str, Any]) -> str:
     lines = [
         (
             f"transfers beside compute: {res['device']}; GEMM 8192³ bf16 {refs['gemm']:.3f} ms "
-            f"(end {refs['gemm_end']:.3f}), 1 GiB device copy {refs['mem']:.3f} ms (end {refs['mem_end']:.3f}); "
+            f"(end {refs['gemm_end']:.3f}), 1 GiB float32 add {refs['mem']:.3f} ms (end {refs['mem_end']:.3f}); "
             f"launch latency alone p99 {refs['launch_p99_us']:.0f} µs, max {refs['launch_max_us']:.0f} µs"
         ),
         (
