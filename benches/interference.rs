@@ -5,7 +5,12 @@
 //! Per cell (page size × job size × directions × method): kvoff jobs loop on a transfer thread
 //! (random distinct blocks of 64 KV tensors, kvoff's block-major pinned host layout) while the
 //! main thread runs a compute proxy on its own stream — a cuBLAS bf16 8192³ GEMM loop, then a
-//! memory-bound loop copying 1 GiB on the SMs (cuBLAS `Scopy`). Each proxy is timed alone and beside the
+//! memory-bound 1 GiB device-to-device copy loop (the driver runs it as a kernel on the SMs at the
+//! HBM's peak, 3.0 TB/s counting reads and writes on an H100, like a `torch.add` over the same
+//! bytes: `scripts/probe/mem_proxy.py`). The model's thread keeps at most ~20 ms of its work queued,
+//! as a serving engine does (a second of GEMMs queued at once fills the driver's launch queue and
+//! the model's thread then waits inside the driver, where every other thread's calls on that
+//! stream wait behind it: kvoff's look at the model's stream took up to 375 ms). Each proxy is timed alone and beside the
 //! transfers in bracketed rounds, A B A B … A (its slowdown: the median over rounds of beside /
 //! the mean of the two alone rounds around it, − 1, so that the proxy's drift over the cell —
 //! clocks, power, heat: a few percent, as much as the budget — cancels; `drift%` shows it, last
@@ -29,9 +34,9 @@
 //! `KVOFF_BENCH_ROUNDS` (default 3), `KVOFF_BENCH_PREHEAT` (seconds of GEMMs before each
 //! cell's GEMM rounds, default 1.5: the GPU's power controller settles), `KVOFF_BENCH_QUICK=1` (one small cell),
 //! `KVOFF_BENCH_GEMM_SECONDS` (per GEMM round, default 1.0: the GEMM's power-capped clock
-//! oscillates with a period of about a second), `KVOFF_BENCH_MEM_PROXY=copy` (the memory-bound
-//! proxy as the driver's device-to-device copy, which runs on the copy engines, instead of an SM
-//! kernel, cuBLAS `Scopy` of 1 GiB), `KVOFF_BENCH_VERBOSE=1` (every round's times
+//! oscillates with a period of about a second), `KVOFF_BENCH_MEM_PROXY=scopy` (the memory-bound
+//! proxy as cuBLAS `Scopy` of 1 GiB, a kernel at about 77% of the HBM's peak: beside it pitched DMA
+//! of 4 KiB pages keeps its idle rate, beside the copy at the peak it loses about 40%), `KVOFF_BENCH_VERBOSE=1` (every round's times
 //! on stderr). The default grid
 //! takes about 4 minutes on an H100.
 // Benchmarks: an unwrap that fails is the failure report; pedantic style is for the library.
@@ -250,9 +255,13 @@ struct Compute {
     x: DeviceBuffer,
     y: DeviceBuffer,
     n: [usize; 2],
-    /// The memory-bound proxy as an SM kernel (cuBLAS `Scopy`; else the driver's device-to-device
-    /// copy, `KVOFF_BENCH_MEM_PROXY=copy`).
+    /// The memory-bound proxy as cuBLAS `Scopy` (`KVOFF_BENCH_MEM_PROXY=scopy`) instead of the
+    /// driver's device-to-device copy.
     sm_mem: bool,
+    /// Ops per ~5 ms chunk of `run` (1 until measured).
+    chunk: [usize; 2],
+    /// Events bounding `run`'s queue (made on first use, kept for the run).
+    marks: Vec<cudarc::driver::sys::CUevent>,
 }
 
 #[cfg(feature = "cuda")]
@@ -291,12 +300,41 @@ impl Compute {
             assert_eq!(r, cudarc::driver::sys::CUresult::CUDA_SUCCESS);
         }
     }
-    /// Milliseconds per op of `n` back-to-back ops.
-    fn run(&self, kind: usize, n: usize) -> f64 {
+    /// Milliseconds per op of `n` back-to-back ops, at most `DEPTH` chunks of ~5 ms queued at once
+    /// (the thread sleeps on an event meanwhile, as a serving engine's thread waits on its step).
+    fn run(&mut self, kind: usize, n: usize) -> f64 {
+        use cudarc::driver::sys as d;
+        const DEPTH: usize = 4;
         self.stream.synchronize().unwrap();
+        if self.marks.is_empty() {
+            for _ in 0..DEPTH {
+                let mut e = std::ptr::null_mut();
+                // SAFETY: an out-pointer; the device's context is current on this thread.
+                let r = unsafe {
+                    d::cuEventCreate(
+                        &mut e,
+                        d::CUevent_flags_enum::CU_EVENT_BLOCKING_SYNC as u32
+                            | d::CUevent_flags_enum::CU_EVENT_DISABLE_TIMING as u32,
+                    )
+                };
+                assert_eq!(r, d::CUresult::CUDA_SUCCESS);
+                self.marks.push(e);
+            }
+        }
+        let chunk = self.chunk[kind].max(1);
         let t = Instant::now();
-        for _ in 0..n {
+        for i in 0..n {
             self.op(kind);
+            if (i + 1) % chunk == 0 {
+                let e = self.marks[((i + 1) / chunk) % DEPTH];
+                // SAFETY: a live event of this context; waiting for its previous recording (DEPTH
+                // chunks ago) before recording it again bounds the queue; the stream is live.
+                unsafe {
+                    assert_eq!(d::cuEventSynchronize(e), d::CUresult::CUDA_SUCCESS);
+                    let r = d::cuEventRecord(e, self.stream.handle() as d::CUstream);
+                    assert_eq!(r, d::CUresult::CUDA_SUCCESS);
+                }
+            }
         }
         self.stream.synchronize().unwrap();
         t.elapsed().as_secs_f64() * 1e3 / n as f64
@@ -672,13 +710,8 @@ fn main() {
     let gemm = Gemm::new(&dev, &stream);
     let x = DeviceBuffer::new(&dev, 1 << 30).unwrap();
     let y = DeviceBuffer::new(&dev, 1 << 30).unwrap();
-    // The memory-bound proxy is an SM kernel (cuBLAS Scopy of 1 GiB): the driver's device-to-device
-    // copy runs on the copy engines and competes with DMA for them (on an H100, pitched DMA of 4 KiB
-    // pages moved 17.7 GB/s beside it and 29.0 beside the Scopy kernel), which a model's
-    // memory-bound kernels do not. `KVOFF_BENCH_MEM_PROXY=copy` keeps the copy (a model's own
-    // device copies); without cuBLAS the copy is the only proxy.
     let sm_mem =
-        gemm.is_some() && std::env::var("KVOFF_BENCH_MEM_PROXY").map_or(true, |v| v != "copy");
+        gemm.is_some() && std::env::var("KVOFF_BENCH_MEM_PROXY").is_ok_and(|v| v == "scopy");
     let verbose = std::env::var("KVOFF_BENCH_VERBOSE").is_ok();
     let mut comp = Compute {
         stream,
@@ -687,6 +720,8 @@ fn main() {
         y,
         n: [0; 2],
         sm_mem,
+        chunk: [1; 2],
+        marks: Vec::new(),
     };
     let kinds: Vec<usize> = if comp.gemm.is_some() {
         vec![0, 1]
@@ -697,6 +732,7 @@ fn main() {
     for &k in &kinds {
         comp.run(k, 3);
         let ms = comp.run(k, 5);
+        comp.chunk[k] = ((5.0 / ms).ceil() as usize).max(1);
         comp.n[k] = ((round_secs[k] * 1e3 / ms) as usize).max(5);
         alone0[k] = comp.run(k, comp.n[k]);
     }
@@ -713,7 +749,7 @@ fn main() {
          launch alone p50 {:.1} µs, p99 {:.1} µs, max {:.0} µs; {rounds} rounds of {secs} s",
         dev.name(),
         alone0[0],
-        if sm_mem { "cuBLAS Scopy, SMs" } else { "cuMemcpyDtoDAsync" },
+        if sm_mem { "cuBLAS Scopy" } else { "cuMemcpyDtoDAsync" },
         alone0[1],
         median(&lat0),
         pct(&lat0, 0.99),

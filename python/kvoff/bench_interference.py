@@ -25,6 +25,8 @@ TENSORS = 64
 WARMUP_S = 0.1
 #: Seconds of GEMMs before each cell's GEMM rounds (the power controller settles).
 PREHEAT_S = 1.5
+#: Chunks of ~5 ms of compute queued at most (``_Compute.run``).
+_DEPTH = 4
 #: Seconds of each GEMM round: at its power cap (700 W on an H100 SXM) a GEMM loop's SM clock
 #: oscillates by about +-8% with a period of about a second (SW power cap), so much shorter rounds
 #: in a fixed schedule read the oscillation's phase, not kvoff (0.2 s rounds read every method,
@@ -62,24 +64,36 @@ class _Compute:
         self.torch = torch
         self.a = torch.randn(8192, 8192, dtype=torch.bfloat16, device="cuda")
         self.b = torch.randn(8192, 8192, dtype=torch.bfloat16, device="cuda")
-        # The memory-bound proxy is an SM kernel over 1 GiB (float32 add). Not ``y.copy_(x)``: the
-        # driver's device-to-device copy competes with DMA in a way a model's kernels do not (on an
-        # H100, pitched DMA of 4 KiB pages moved 17.7 GB/s beside it, 29.0 beside an SM copy).
+        # The memory-bound proxy: a float32 add over 1 GiB, a kernel at the HBM's peak (3.0 TB/s
+        # counting reads and writes on an H100, as the driver's device copy of the same bytes:
+        # scripts/probe/mem_proxy.py).
         self.x = torch.empty(1 << 28, dtype=torch.float32, device="cuda").uniform_()
         self.y = torch.empty_like(self.x)
         self.n: dict[str, int] = {}
         self.secs = {"gemm": 1.0, "mem": 1.0}
+        self.chunk: dict[str, int] = {}
+        self.marks: list[Any] = []
 
     def run(self, kind: str, n: int) -> float:
-        """Milliseconds per op of ``n`` back-to-back ops."""
+        """Milliseconds per op of ``n`` back-to-back ops, at most ``_DEPTH`` chunks of ~5 ms queued
+        at once (the thread sleeps on an event meanwhile, as a serving engine's thread waits on its
+        step): a second of GEMMs queued at once fills the driver's launch queue, and the thread then
+        waits inside the driver, where other threads' calls on its stream wait behind it."""
         torch = self.torch
+        chunk = max(1, self.chunk.get(kind, 1))
+        if not self.marks:
+            self.marks = [torch.cuda.Event(blocking=True) for _ in range(_DEPTH)]
         s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         s.record()
-        for _ in range(n):
+        for i in range(n):
             if kind == "gemm":
                 torch.mm(self.a, self.b)
             else:
                 self.torch.add(self.x, 1.0, out=self.y)
+            if (i + 1) % chunk == 0:
+                m = self.marks[((i + 1) // chunk) % _DEPTH]
+                m.synchronize()
+                m.record()
         e.record()
         e.synchronize()
         return float(s.elapsed_time(e)) / n
@@ -100,6 +114,7 @@ class _Compute:
         for kind in ("gemm", "mem"):
             self.run(kind, 5)
             ms = self.run(kind, 10)
+            self.chunk[kind] = max(1, int(5.0 / ms + 0.999))
             self.n[kind] = max(10, int(self.secs[kind] * 1e3 / ms))
 
     def timed(self, kind: str, reps: int = 3) -> float:
@@ -429,7 +444,7 @@ def bench_interference(
                                 # A GEMM loop runs an H100 SXM at its power cap, and the power
                                 # controller takes about a second to settle (SM clock 1245–1980
                                 # MHz seen): rounds taken meanwhile drift by ±8% whatever kvoff does.
-                                comp.queue(kind, PREHEAT_S)
+                                comp.run(kind, int(comp.n[kind] * PREHEAT_S / comp.secs[kind]) + 1)
                             # Alone rounds bracket the beside rounds (see slowdown_row), each after
                             # the same warm-up as the measurement beside the transfers: a GEMM
                             # loop's clock falls as the GPU heats.

@@ -56,10 +56,10 @@ const SCORE_MARGIN: f64 = 1.05;
 
 /// The same to leave DMA for the staged pipeline, whose pack kernel takes SMs and device-memory
 /// bandwidth from the model (within the budget, but more than DMA's none): a near tie goes to DMA.
-/// Measured on an H100 beside a memory-bound SM kernel, 4 KiB × 128 MiB pitched stores: DMA 29.0
-/// GB/s (+0.3% to the kernel), staging 27.1 (+1.9%); with a 5% margin either way the feedback
-/// flipped on noise and moved 26.6. Where staging truly wins (beside the driver's device copies,
-/// 27.0 against 17.7) its lead is far over this.
+/// Measured on an H100, 4 KiB × 128 MiB pitched stores beside a memory-bound kernel at about 77%
+/// of the HBM's peak (cuBLAS `Scopy`): DMA 29.0 GB/s (+0.3% to the kernel), staging 27.1 (+1.9%);
+/// with a 5% margin either way the feedback flipped on noise and moved 26.6. Where staging truly
+/// wins (beside a kernel at the HBM's peak, 27.0 against 17.7) its lead is far over this.
 const SCORE_MARGIN_TO_STAGED: f64 = 1.15;
 
 /// Samples of each method before the moving averages decide.
