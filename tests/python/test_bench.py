@@ -103,15 +103,9 @@ def test_interference_method_specs_parse():
     assert parse_method("k:auto:0.01:ctas=2,launch=65536") == ("k", "auto", 0.01, "ctas=2,launch=65536")
 
 
-def test_interference_slowdown_from_alternating_rounds():
-    """The slowdown is median(beside) / median(alone) - 1 over the rounds, so one outlier round on
-    either side does not move it, and a drift shared by both sides cancels."""
-    from kvoff.bench_interference import format_row, slowdown_row
-
-    r = slowdown_row("gemm", [1.50, 1.52, 9.0], [1.53, 1.56, 1.55], [10.0, 30.0, 20.0])
-    assert r["gemm_slowdown"] == pytest.approx(1.55 / 1.52 - 1)
-    assert r["gemm_gb_s"] == 20.0 and r["gemm_alone_ms"] == 1.52
-    row = {
+def _interference_row(**extra: object) -> dict[str, object]:
+    """A row of ``kvoff bench interference`` (4 KiB x 8 MiB, both directions, auto) plus ``extra``."""
+    return {
         "page_kib": 4,
         "job_mib": 8,
         "copies": 2048,
@@ -120,12 +114,20 @@ def test_interference_slowdown_from_alternating_rounds():
         "idle_gb_s": 40.0,
         "launch_p99_us": 120.0,
         "launch_max_us": 300.0,
-        "sms": 16,
-        "longest_call_us": 87.0,
         "failed": 0,
-        **r,
-        **slowdown_row("mem", [0.7], [0.72], [15.0]),
+        **extra,
     }
+
+
+def test_interference_slowdown_from_alternating_rounds():
+    """The slowdown is median(beside) / median(alone) - 1 over the rounds, so one outlier round on
+    either side does not move it, and a drift shared by both sides cancels."""
+    from kvoff.bench_interference import format_row, slowdown_row
+
+    r = slowdown_row("gemm", [1.50, 1.52, 9.0], [1.53, 1.56, 1.55], [10.0, 30.0, 20.0])
+    assert r["gemm_slowdown"] == pytest.approx(1.55 / 1.52 - 1)
+    assert r["gemm_gb_s"] == 20.0 and r["gemm_alone_ms"] == 1.52
+    row = _interference_row(sms=16, longest_call_us=87.0, **r, **slowdown_row("mem", [0.7], [0.72], [15.0]))
     line = format_row(row)
     assert "+2.0%" in line and "+2.9%" in line and " 16 " in line and " 87 " in line and line.endswith("ok")
 
@@ -148,19 +150,7 @@ def test_interference_bracketed_rounds_cancel_drift():
     # One outlier round (a clock step) does not move the median.
     r4 = slowdown_row("mem", [0.70, 0.70, 0.70, 0.70], [0.72, 0.90, 0.72], [1.0] * 3)
     assert r4["mem_slowdown"] == pytest.approx(0.72 / 0.70 - 1)
-    row = {
-        "page_kib": 4,
-        "job_mib": 8,
-        "copies": 2048,
-        "dirs": "both",
-        "method": "auto",
-        "idle_gb_s": 40.0,
-        "launch_p99_us": 120.0,
-        "launch_max_us": 300.0,
-        "failed": 0,
-        **r3,
-        **r4,
-    }
+    row = _interference_row(**r3, **r4)
     assert "+60.0/+0.0" in format_row(row)
     with pytest.raises(ValueError, match="rounds"):
         from kvoff.bench_interference import bench_interference

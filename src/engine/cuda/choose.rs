@@ -295,12 +295,24 @@ impl CudaEngine {
 mod tests {
     use super::{busy_within, CopyMethod, ScoreKey, Scores};
 
-    /// Runs `n` jobs of one cell where DMA moves `dma` GB/s and staging `staged`; returns the
-    /// methods picked.
+    /// Runs `n` jobs of one cell where DMA moves `dma` GB/s and staging `staged`, the rule's
+    /// default being staging; returns the methods picked.
     fn drive(s: &mut Scores, key: ScoreKey, n: usize, dma: f64, staged: f64) -> Vec<CopyMethod> {
+        drive_from(s, key, CopyMethod::Staged, n, dma, staged)
+    }
+
+    /// [`drive`] with the rule's default `default`.
+    fn drive_from(
+        s: &mut Scores,
+        key: ScoreKey,
+        default: CopyMethod,
+        n: usize,
+        dma: f64,
+        staged: f64,
+    ) -> Vec<CopyMethod> {
         (0..n)
             .map(|_| {
-                let m = s.pick(key, CopyMethod::Staged, 32);
+                let m = s.pick(key, default, 32);
                 let g = if m == CopyMethod::Dma { dma } else { staged };
                 s.record(key, m, 8 << 20, 8_388_608.0 / (g * 1e9));
                 m
@@ -360,14 +372,7 @@ mod tests {
         let key = ScoreKey::new(4096, 128 << 20, false).pitched();
         assert_ne!(key, ScoreKey::new(4096, 128 << 20, false));
         let mut s = Scores::default();
-        let picks: Vec<_> = (0..100)
-            .map(|_| {
-                let m = s.pick(key, CopyMethod::Dma, 32);
-                let g = if m == CopyMethod::Dma { 18.0 } else { 26.6 };
-                s.record(key, m, 128 << 20, 134_217_728.0 / (g * 1e9));
-                m
-            })
-            .collect();
+        let picks = drive_from(&mut s, key, CopyMethod::Dma, 100, 18.0, 26.6);
         assert_eq!(&picks[..2], &[CopyMethod::Dma, CopyMethod::Staged]);
         let staged = picks[2..]
             .iter()
@@ -391,14 +396,7 @@ mod tests {
         let key = ScoreKey::new(4096, 128 << 20, false).pitched();
         let mut s = Scores::default();
         // Staging 10% faster (29.0 vs 31.9): within the 15% margin for leaving DMA, DMA stays.
-        let picks: Vec<_> = (0..300)
-            .map(|_| {
-                let m = s.pick(key, CopyMethod::Dma, 32);
-                let g = if m == CopyMethod::Dma { 29.0 } else { 31.9 };
-                s.record(key, m, 128 << 20, 134_217_728.0 / (g * 1e9));
-                m
-            })
-            .collect();
+        let picks = drive_from(&mut s, key, CopyMethod::Dma, 300, 29.0, 31.9);
         let staged = picks.iter().filter(|&&m| m == CopyMethod::Staged).count();
         assert!(staged <= 3 + 300 / 32, "{staged} staged jobs");
         // Where staging is kept (the rule's default for scattered small copies), DMA 10% faster
