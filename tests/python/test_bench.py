@@ -228,3 +228,65 @@ def test_bench_transfers_without_torch() -> None:
     assert {r["engine"] for r in rows} == {"host"}
     assert {r["direction"] for r in rows} == {"GPU->CPU", "CPU->GPU"}
     assert len(rows) == 8 and all(r["gb_s"] > 0 and r["contiguous_gb_s"] > 0 for r in rows)
+
+
+def test_interference_compute_keeps_a_bounded_queue():
+    """The compute proxy's thread waits on an event whenever more than ``_DEPTH`` chunks would be
+    queued (a serving engine's depth), instead of queueing a whole round at once: with a second of
+    GEMMs queued the driver's launch queue fills and other threads' calls on the stream wait."""
+    from kvoff import bench_interference as bi
+
+    log: list[tuple[str, int]] = []
+
+    class Event:
+        made = 0
+
+        def __init__(self, enable_timing: bool = False, blocking: bool = False) -> None:
+            Event.made += 1
+            self.id, self.timing, self.blocking = Event.made, enable_timing, blocking
+            self.recorded = False
+
+        def record(self) -> None:
+            self.recorded = True
+            log.append(("record", self.id))
+
+        def synchronize(self) -> None:
+            log.append(("sync", self.id))
+
+        def elapsed_time(self, _other: object) -> float:
+            return 30.0
+
+    class Cuda:
+        pass
+
+    class FakeTorch:
+        cuda = Cuda()
+
+        def mm(self, *_: object) -> None:
+            log.append(("op", 0))
+
+        def add(self, *_: object, **__: object) -> None:
+            log.append(("op", 0))
+
+    ft = FakeTorch()
+    ft.cuda.Event = Event  # type: ignore[attr-defined]
+    comp = object.__new__(bi._Compute)
+    comp.torch, comp.a, comp.b, comp.x, comp.y = ft, None, None, None, None
+    comp.n, comp.secs, comp.chunk, comp.marks = {}, {"gemm": 1.0, "mem": 0.2}, {"gemm": 3}, []
+    assert comp.run("gemm", 30) == pytest.approx(1.0)
+    marks = {m.id for m in comp.marks}
+    assert len(marks) == bi._DEPTH and all(m.blocking and not m.timing for m in comp.marks)
+    # Each wait is on the mark recorded _DEPTH chunks earlier, so after it at most _DEPTH chunks
+    # (of 3 ops) can still be queued; before the next wait at most one more chunk is issued.
+    ops, done, at = 0, 0, {}
+    for what, i in log:
+        if what == "op":
+            ops += 1
+            assert ops - done <= (bi._DEPTH + 1) * 3, (ops, done)
+        elif what == "record" and i in marks:
+            at[i] = ops
+        elif what == "sync" and i in at:
+            done = max(done, at[i])
+            assert ops - done <= bi._DEPTH * 3
+    assert sum(1 for w, i in log if w == "record" and i in marks) == 10
+    assert done >= 30 - (bi._DEPTH + 1) * 3
