@@ -37,8 +37,8 @@
 //! oscillates with a period of about a second), `KVOFF_BENCH_MEM_PROXY=scopy` (the memory-bound
 //! proxy as cuBLAS `Scopy` of 1 GiB, a kernel at about 77% of the HBM's peak: beside it pitched DMA
 //! of 4 KiB pages keeps its idle rate, beside the copy at the peak it loses about 40%), `KVOFF_BENCH_VERBOSE=1` (every round's times
-//! on stderr). The default grid
-//! takes about 4 minutes on an H100.
+//! on stderr). The default grid (56 cells) takes about 12 minutes on an H100 with 1 s GEMM rounds;
+//! the 32-cell grid of BENCHMARKS.md (four methods) took 7.
 // Benchmarks: an unwrap that fails is the failure report; pedantic style is for the library.
 #![allow(clippy::unwrap_used, clippy::pedantic)]
 // Unsafe: raw driver and cuBLAS calls on buffers and streams this file owns, and kvoff submits
