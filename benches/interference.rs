@@ -30,7 +30,8 @@
 //! `LD_LIBRARY_PATH`; without it the GEMM proxy is skipped, saying so. Environment:
 //! `KVOFF_BENCH_PAGES` (KiB, default `4,32`), `KVOFF_BENCH_JOBS` (MiB, default `8,128`),
 //! `KVOFF_BENCH_DIRS` (`store,load,both`; default `store,both`), `KVOFF_BENCH_METHODS` (default
-//! `dma,kernel,staged,auto-idle,auto-serve,auto`), `KVOFF_BENCH_SECONDS` (per transfer phase and memory-bound round, default 0.3),
+//! `dma,dma2d,kernel,staged,auto-idle,auto-serve,auto`; also `dma2d-lowload` and `auto-hiload`,
+//! the two with the other load stream priority), `KVOFF_BENCH_SECONDS` (per transfer phase and memory-bound round, default 0.3),
 //! `KVOFF_BENCH_ROUNDS` (default 3), `KVOFF_BENCH_PREHEAT` (seconds of GEMMs before each
 //! cell's GEMM rounds, default 1.5: the GPU's power controller settles), `KVOFF_BENCH_QUICK=1` (one small cell),
 //! `KVOFF_BENCH_GEMM_SECONDS` (per GEMM round, default 1.0: the GEMM's power-capped clock
@@ -129,6 +130,19 @@ fn method_cfg(label: &str) -> Option<CudaEngineConfig> {
         // kvoff's DMA: regular runs of pages as pitched copies.
         "dma2d" => CudaEngineConfig {
             method: CopyMethod::Dma,
+            ..d
+        },
+        // The same with loads on the lowest-priority stream, as `auto` has them beside a model
+        // (does the priority move DMA? BENCHMARKS.md session 8).
+        "dma2d-lowload" => CudaEngineConfig {
+            method: CopyMethod::Dma,
+            load_high_priority: Some(false),
+            ..d
+        },
+        // `auto` with loads on the highest-priority stream.
+        "auto-hiload" => CudaEngineConfig {
+            compute_budget_bp: Some(200),
+            load_high_priority: Some(true),
             ..d
         },
         "kernel" => CudaEngineConfig {

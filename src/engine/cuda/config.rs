@@ -144,6 +144,12 @@ pub struct CudaEngineConfig {
     /// jobs of the same kind (copy size, job size, other direction busy). 0: no feedback (the
     /// staged pipeline, the measured default).
     pub serving_feedback_every: u32,
+    /// Stream priority of loads: `None` (the default) gives loads the highest priority without a
+    /// budget and the lowest under the serving policy (stores always have the lowest); `Some(true)`
+    /// / `Some(false)` force the highest / the lowest. Set when the engine is made. For measuring
+    /// whether the priority moves DMA beside a model (BENCHMARKS.md session 8, item 1 of its
+    /// readout); tune key `loadprio` (`high`, `low`, `auto`).
+    pub load_high_priority: Option<bool>,
     /// Serving policy: CTAs of the copy kernel (0: derived from the budget and the SM count).
     pub serving_ctas: u32,
     /// Serving policy: most bytes one copy-kernel launch moves (so a launch holds its SMs only
@@ -176,6 +182,7 @@ impl Default for CudaEngineConfig {
             serving_store_dma_beside_loads: true,
             serving_store_dma_min_job_bytes: 32 << 20,
             serving_feedback_every: 32,
+            load_high_priority: None,
             serving_ctas: 0,
             serving_launch_bytes: 1 << 20,
             idle_after_us: 100_000,
@@ -193,7 +200,7 @@ impl CudaEngineConfig {
     }
 
     /// Applies `KVOFF_CUDA_TUNE` overrides (`key=value` pairs separated by commas; keys `budget`
-    /// (basis points, or `off`), `batch`, `queued`, `pitched` (0/1), `feeder` (0/1), `dmasplit`, `storedma`, `storedmamin` (bytes), `idleafter` (µs; 0 = never idle), `feedback` (0 = off), `ctas`, `max_ctas`, `launch`, `dmamin`, `small`
+    /// (basis points, or `off`), `batch`, `queued`, `pitched` (0/1), `feeder` (0/1), `dmasplit`, `storedma`, `storedmamin` (bytes), `idleafter` (µs; 0 = never idle), `feedback` (0 = off), `loadprio` (`high`, `low`, `auto`), `ctas`, `max_ctas`, `launch`, `dmamin`, `small`
     /// (`kernel` or `staged`)), used by the
     /// benchmarks to sweep the serving policy's knobs without rebuilding.
     ///
@@ -231,6 +238,18 @@ impl CudaEngineConfig {
                 "storedma" => self.serving_store_dma_beside_loads = num(v)? != 0,
                 "storedmamin" => self.serving_store_dma_min_job_bytes = num(v)?,
                 "idleafter" => self.idle_after_us = num(v)?,
+                "loadprio" => {
+                    self.load_high_priority = match v {
+                        "high" => Some(true),
+                        "low" => Some(false),
+                        "auto" => None,
+                        _ => {
+                            return Err(KvoffError::arg(format!(
+                                "KVOFF_CUDA_TUNE: loadprio={v:?} is not high, low or auto"
+                            )))
+                        }
+                    };
+                }
                 "feedback" => {
                     self.serving_feedback_every = u32::try_from(num(v)?).unwrap_or(u32::MAX);
                 }
@@ -281,6 +300,14 @@ mod tests {
         assert_eq!(c.serving_store_dma_min_job_bytes, 7);
         assert_eq!(c.idle_after_us, 0);
         assert_eq!(c.serving_feedback_every, 0);
+        assert_eq!(c.load_high_priority, None);
+        c.apply_tuning("loadprio=high").unwrap();
+        assert_eq!(c.load_high_priority, Some(true));
+        c.apply_tuning("loadprio=low").unwrap();
+        assert_eq!(c.load_high_priority, Some(false));
+        c.apply_tuning("loadprio=auto").unwrap();
+        assert_eq!(c.load_high_priority, None);
+        assert!(c.apply_tuning("loadprio=top").is_err());
         c.apply_tuning("budget=off,small=staged,launch=1").unwrap();
         assert_eq!(c.compute_budget_bp, None);
         assert!(!c.serving_small_kernel);

@@ -169,7 +169,8 @@ impl CudaEngine {
         device.bind()?;
         // Beside a model (serving policy) both directions take the lowest priority, so that the
         // model's pending CTAs are scheduled before the copy kernel's.
-        let high = direction == Direction::CpuToGpu && !cfg.serving();
+        let high =
+            direction == Direction::CpuToGpu && cfg.load_high_priority.unwrap_or(!cfg.serving());
         // SAFETY: the context is current.
         let stream = unsafe { Stream::new(high) }?;
         // SAFETY: as above. (On error `stream` is destroyed by its Drop.)
