@@ -359,7 +359,10 @@ class TransferHandler:
         `sms` (SMs its copy kernels can occupy at once; 0 = copy engines only), `policy`
         (`"serving"` or `"idle"`: which policy of the CUDA engine's `auto` chose; None otherwise),
         `submit_ns` (CPU time of the submit), `longest_call_ns` / `longest_call_cpu_ns` (its longest
-        single driver call, wall-clock / thread CPU time), `driver_calls`.
+        single driver call, wall-clock / thread CPU time), `driver_calls`, `longest_call` (the
+        driver entry point of the most CPU-hungry call, or None), `paced_ns` (time waited outside
+        the driver for the device to drain the stream's queue), `fed` (a long DMA job handed to the
+        engine's feeder thread, which enqueues it paced while the submit returns).
         """
     @property
     def num_tensors(self) -> int:

@@ -86,10 +86,7 @@ class _Compute:
         s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         s.record()
         for i in range(n):
-            if kind == "gemm":
-                torch.mm(self.a, self.b)
-            else:
-                self.torch.add(self.x, 1.0, out=self.y)
+            self.op(kind)
             if (i + 1) % chunk == 0:
                 m = self.marks[((i + 1) // chunk) % _DEPTH]
                 m.synchronize()
@@ -102,10 +99,14 @@ class _Compute:
         """Queues about ``seconds`` of ops without waiting (``calibrate`` first)."""
         per_s = self.n[kind] / max(self.secs[kind], 1e-9)
         for _ in range(max(1, int(per_s * seconds))):
-            if kind == "gemm":
-                self.torch.mm(self.a, self.b)
-            else:
-                self.torch.add(self.x, 1.0, out=self.y)
+            self.op(kind)
+
+    def op(self, kind: str) -> None:
+        """One op of the proxy ``kind`` on the current stream."""
+        if kind == "gemm":
+            self.torch.mm(self.a, self.b)
+        else:
+            self.torch.add(self.x, 1.0, out=self.y)
 
     def calibrate(self, seconds: float, gemm_seconds: float | None = None) -> None:
         """Sizes a round: ``gemm_seconds`` of GEMMs (default ``seconds``), ``seconds`` of the
