@@ -166,11 +166,11 @@ fn method_cfg(label: &str) -> Option<CudaEngineConfig> {
             idle_after_us: 0,
             ..d
         },
-        // The serving policy with both directions staged at once (before stores fell back to DMA
-        // beside loads).
-        "auto-2st" => CudaEngineConfig {
+        // The serving policy with large small-copy stores by DMA while loads run (the default
+        // until session 9).
+        "auto-stdma" => CudaEngineConfig {
             compute_budget_bp: Some(200),
-            serving_store_dma_beside_loads: false,
+            serving_store_dma_beside_loads: true,
             ..d
         },
         _ => return None,

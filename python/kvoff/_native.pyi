@@ -362,7 +362,9 @@ class TransferHandler:
         single driver call, wall-clock / thread CPU time), `driver_calls`, `longest_call` (the
         driver entry point of the most CPU-hungry call, or None), `paced_ns` (time waited outside
         the driver for the device to drain the stream's queue), `fed` (a long DMA job handed to the
-        engine's feeder thread, which enqueues it paced while the submit returns).
+        engine's feeder thread, which enqueues it paced while the submit returns), `reason` (which
+        rule of the CUDA engine chose the method, e.g. "serving: pitched runs"; None for the host
+        engine).
         """
     @property
     def num_tensors(self) -> int:

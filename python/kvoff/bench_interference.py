@@ -178,11 +178,12 @@ def _transfer_steps(
     job, nbytes, failed = 1, 0, 0
     sms, longest, cpu = 0, 0, 0
     policies: dict[str, int] = {}
+    methods: dict[str, int] = {}  # "st dma", "ld staged", ...: jobs per direction and method
     t0: float | None = None
     with torch.cuda.stream(side):
         while not stop.is_set():
             if t0 is None and measuring.is_set():
-                t0, nbytes, failed, policies = time.perf_counter(), 0, 0, {}
+                t0, nbytes, failed, policies, methods = time.perf_counter(), 0, 0, {}, {}
                 sms, longest, cpu = 0, 0, 0
             ids = []
             if dirs in ("store", "both"):
@@ -194,6 +195,8 @@ def _transfer_steps(
                 sms, longest = max(sms, s["sms"]), max(longest, s["longest_call_ns"])
                 cpu = max(cpu, s["longest_call_cpu_ns"])
                 policies[str(s.get("policy"))] = policies.get(str(s.get("policy")), 0) + 1
+                mk = f"st {s.get('method')} [{s.get('reason')}]"
+                methods[mk] = methods.get(mk, 0) + 1
             if dirs in ("load", "both"):
                 c = [ncpu // 2 + i for i in rng.sample(range(ncpu // 2), blocks)]
                 g = [ngpu // 2 + i for i in rng.sample(range(ngpu // 2), blocks)]
@@ -203,6 +206,8 @@ def _transfer_steps(
                 sms, longest = max(sms, s["sms"]), max(longest, s["longest_call_ns"])
                 cpu = max(cpu, s["longest_call_cpu_ns"])
                 policies[str(s.get("policy"))] = policies.get(str(s.get("policy")), 0) + 1
+                mk = f"ld {s.get('method')} [{s.get('reason')}]"
+                methods[mk] = methods.get(mk, 0) + 1
             for hd, j in ids:
                 hd.wait([j])
             for r in st.get_finished() + ld.get_finished():
@@ -213,6 +218,7 @@ def _transfer_steps(
         t0, nbytes = time.perf_counter(), 0
     stats["gb_s"] = nbytes / max(time.perf_counter() - t0, 1e-9) / 1e9
     stats["policies"] = policies
+    stats["methods"] = methods
     stats["failed"] = failed
     stats["sms"] = sms
     stats["longest_call_us"] = longest / 1e3
@@ -302,6 +308,18 @@ def serving_share(policies: dict[str, int]) -> float | None:
     """Share of jobs that ``auto`` ran with its serving policy (``None``: no job chose by policy)."""
     n = policies.get("serving", 0) + policies.get("idle", 0)
     return policies.get("serving", 0) / n if n else None
+
+
+def method_mix(counts: dict[str, int]) -> str:
+    """``{"st dma": 3, "st staged": 1, "ld staged": 4}`` as ``"st dma 75% staged 25%; ld staged 100%"``."""
+    out = []
+    for d in ("st", "ld"):
+        mine = {k.split(" ", 1)[1]: v for k, v in counts.items() if k.startswith(d + " ")}
+        n = sum(mine.values())
+        if n:
+            parts = " ".join(f"{m} {v * 100 / n:.0f}%" for m, v in sorted(mine.items(), key=lambda kv: -kv[1]))
+            out.append(f"{d} {parts}")
+    return "; ".join(out) or "-"
 
 
 def _share(x: float | None) -> str:
@@ -435,6 +453,7 @@ def bench_interference(
                         row["idle_gb_s"] = st["gb_s"]
                         row["serving_idle"] = serving_share(st["policies"])
                         beside_policies: dict[str, int] = {}
+                        beside_methods: dict[str, int] = {}
                         row["launch_p99_us"] = _pct(lat, 0.99) * 1e6
                         row["launch_max_us"] = max(lat) * 1e6 if lat else float("nan")
                         failed = st["failed"]
@@ -461,6 +480,8 @@ def bench_interference(
                                 gbs.append(st["gb_s"])
                                 for k, v in st["policies"].items():
                                     beside_policies[k] = beside_policies.get(k, 0) + v
+                                for k, v in st["methods"].items():
+                                    beside_methods[k] = beside_methods.get(k, 0) + v
                                 failed += st["failed"]
                                 sms, longest = max(sms, st["sms"]), max(longest, st["longest_call_us"])
                                 cpu = max(cpu, st["longest_call_cpu_us"])
@@ -470,8 +491,11 @@ def bench_interference(
                         row["longest_call_us"] = longest
                         row["longest_call_cpu_us"] = cpu
                         row["failed"] = failed
+                        row["methods_beside"] = method_mix(beside_methods)
                         rows.append(row)
                         say(format_row(row))
+                        if len(set(k.split()[1] for k in beside_methods)) > 1 or "auto" in label:
+                            say(f"{'':>20}methods beside compute: {row['methods_beside']}")
                     rt = _roundtrip(torch, kvoff, h, comp, blocks, ngpu, ncpu)
                     for r in rows[-len(dirs) :]:
                         r["roundtrip_ok"] = rt

@@ -118,6 +118,10 @@ pub struct SubmitStats {
     /// once: the feeder enqueues it paced while `submit` returns; its calls are in
     /// `CudaEngine::last_feed_stats`).
     pub fed: bool,
+    /// Which rule chose the method, e.g. `"serving: pitched runs"`, `"serving: small copies,
+    /// feedback"` (the feedback then picked `method`), `"idle: calibration"`, `"explicit method"`;
+    /// `None` for the host engine.
+    pub reason: Option<&'static str>,
 }
 
 /// An asynchronous byte mover. See the module docs for the ordering and error contract.

@@ -659,7 +659,9 @@ impl PyTransferHandler {
     /// longest single driver call, wall-clock / thread CPU time), `driver_calls`, `longest_call`
     /// (the driver entry point of the most CPU-hungry call, or None), `paced_ns` (time waited
     /// outside the driver for the device to drain the stream's queue), `fed` (a long DMA job
-    /// handed to the engine's feeder thread, which enqueues it paced while the submit returns).
+    /// handed to the engine's feeder thread, which enqueues it paced while the submit returns),
+    /// `reason` (which rule of the CUDA engine chose the method, e.g. `"serving: pitched runs"`;
+    /// None for the host engine).
     #[getter]
     fn last_submit_stats<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyDict>> {
         let s = self.with_engine(py, |st| Ok(st.engine.last_submit_stats()))?;
@@ -674,6 +676,7 @@ impl PyTransferHandler {
         d.set_item("longest_call", s.longest_call)?;
         d.set_item("paced_ns", s.paced_ns)?;
         d.set_item("fed", s.fed)?;
+        d.set_item("reason", s.reason)?;
         Ok(d)
     }
 

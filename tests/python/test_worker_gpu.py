@@ -190,10 +190,12 @@ def test_auto_follows_the_model():
         torch.cuda._sleep(SLEEP_CYCLES)  # the model's forward, queued on the current stream
         s = store([0, 1, 2, 3])
         assert s["policy"] == "serving" and s["method"] == "dma", s
+        assert s["reason"] == "serving: large copies", s
         torch.cuda.synchronize()
         time.sleep(0.15)
         s = store([4, 5, 6, 7])
         assert s["policy"] == "idle", s
+        assert s["reason"].startswith("idle: "), s
         time.sleep(0.15)
         with torch.cuda.stream(model):
             torch.cuda._sleep(SLEEP_CYCLES)  # the model on a stream the transfers are not ordered after
@@ -208,5 +210,38 @@ def test_auto_follows_the_model():
         none.gpu_to_cpu_handler.wait(j)
         assert none.gpu_to_cpu_handler.last_submit_stats["policy"] == "idle"
         none.shutdown()
+    finally:
+        h.shutdown()
+
+
+def test_per_layer_tensors_are_not_taken_for_pitched_runs(monkeypatch):
+    """64 per-layer tensors of 512 KiB are separate allocations (torch's small pool puts four in
+    one 2 MiB segment, and the segments often lie next to each other): a block's pages look evenly
+    spaced, but the driver refuses a pitched copy that spans two allocations. ``auto`` beside a
+    model must not choose DMA for such "pitched runs" (it moved 3-5 GB/s there, where staging moved
+    10, on an H100); stores and loads arrive byte for byte either way."""
+    monkeypatch.setenv("KVOFF_CUDA_TUNE", "idleafter=0")  # the serving policy on every job
+    kv = [torch.randint(0, 255, (128, 4096), dtype=torch.uint8, device="cuda") for _ in range(64)]
+    ptrs = [t.data_ptr() for t in kv]
+    even = sum(ptrs[i + 1] - ptrs[i] == 512 << 10 for i in range(63))
+    h = CpuGpuOffloadingHandlers(kv, 1, 16)
+    st, ld = h.gpu_to_cpu_handler, h.cpu_to_gpu_handler
+    try:
+        blocks = [3, 40, 17, 99, 64, 5, 120, 77]
+        st.transfer_async(1, (G(blocks), C(list(range(8)))))
+        st.wait(1)
+        assert [r.success for r in st.get_finished()] == [True]
+        s = st.last_submit_stats
+        assert s["policy"] == "serving", s
+        assert s["reason"] != "serving: pitched runs", (s, f"{even} of 63 tensor gaps are 512 KiB")
+        for g, c in zip(kv, h.cpu_tensors):
+            assert torch.equal(g[blocks].cpu(), c[:8])
+        dst = [100, 101, 30, 31, 0, 9, 126, 60]
+        ld.transfer_async(2, (C(list(range(8))), G(dst)))
+        ld.wait(2)
+        assert [r.success for r in ld.get_finished()] == [True]
+        assert ld.last_submit_stats["reason"] != "serving: pitched runs"
+        for g in kv:
+            assert torch.equal(g[dst], g[blocks])
     finally:
         h.shutdown()

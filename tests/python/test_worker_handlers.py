@@ -244,6 +244,7 @@ def test_last_submit_stats_describe_the_submit(small):
         "longest_call": None,
         "paced_ns": 0,
         "fed": False,
+        "reason": None,
     }
     assert st.transfer_async(1, (G([0, 1, 2, 3]), C([2])))
     st.wait(1)
@@ -253,6 +254,7 @@ def test_last_submit_stats_describe_the_submit(small):
     assert s["longest_call"] is None and s["paced_ns"] == 0
     assert s["submit_ns"] > 0 and s["longest_call_ns"] == 0
     assert s["policy"] is None, "only the CUDA engine's auto chooses by policy"
+    assert s["reason"] is None, "the host engine has one method"
 
 
 def test_compute_streams_are_checked():

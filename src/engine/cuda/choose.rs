@@ -186,8 +186,15 @@ pub(super) fn host_runs(direction: Direction, copies: &[CopyOp]) -> u64 {
 impl CudaEngine {
     /// The method for a job, and — when the serving policy chose between batched DMA and the
     /// staged pipeline by speed alone (small copies) — the feedback cell it belongs to.
-    pub(super) fn choose(&self, copies: &[CopyOp], bytes: u64) -> (CopyMethod, Option<ScoreKey>) {
-        let m = match self.cfg.method {
+    /// The third value says which rule decided (reported in [`SubmitStats::reason`]).
+    ///
+    /// [`SubmitStats::reason`]: crate::engine::SubmitStats::reason
+    pub(super) fn choose(
+        &self,
+        copies: &[CopyOp],
+        bytes: u64,
+    ) -> (CopyMethod, Option<ScoreKey>, &'static str) {
+        let (m, why) = match self.cfg.method {
             CopyMethod::Auto if self.job_serving => {
                 // Beside a model (measured on an H100 beside a bf16 GEMM and a 1 GiB device copy,
                 // BENCHMARKS.md "Transfers beside compute"): batched DMA uses no SMs and moves
@@ -210,14 +217,20 @@ impl CudaEngine {
                     // 18, staging 26.6 within the budget, 4 KiB × 128 MiB stores on an H100), so
                     // while one direction runs the feedback measures both, DMA first.
                     let key = ScoreKey::new(avg, bytes, other_busy).pitched();
-                    return (CopyMethod::Dma, Some(key));
+                    return (
+                        CopyMethod::Dma,
+                        Some(key),
+                        "serving: pitched runs, feedback",
+                    );
                 }
-                if !small || self.job_mostly_pitched(copies.len()) {
+                if !small {
+                    (CopyMethod::Dma, "serving: large copies")
+                } else if self.job_mostly_pitched(copies.len()) {
                     // Pitched runs move by DMA (above); both directions at once too: staging
                     // both ways costs a memory-bound model 7% with large jobs.
-                    CopyMethod::Dma
+                    (CopyMethod::Dma, "serving: pitched runs")
                 } else if self.cfg.serving_small_kernel {
-                    CopyMethod::Kernel
+                    (CopyMethod::Kernel, "serving: small-copy kernel")
                 } else if self.cfg.serving_store_dma_beside_loads
                     && self.direction == Direction::GpuToCpu
                     && bytes >= self.cfg.serving_store_dma_min_job_bytes
@@ -229,7 +242,7 @@ impl CudaEngine {
                     // and large stores, which nothing waits for, fall back to DMA while loads are
                     // active. Jobs of a few MiB (what a serving step stores) stay staged: there
                     // the pair cost under 2% and DMA would move a third as much at 4 KiB copies.
-                    CopyMethod::Dma
+                    (CopyMethod::Dma, "serving: stores beside loads")
                 } else {
                     // Both DMA and staging are within the budget here; which moves more depends
                     // on the model's load and the machine, so the feedback decides (`Scores`) —
@@ -240,13 +253,21 @@ impl CudaEngine {
                     // 11.2 / 11.6, so the pair keeps the rule.
                     let key = (self.cfg.serving_feedback_every > 0 && !other_busy)
                         .then(|| ScoreKey::new(avg, bytes, other_busy));
-                    return (CopyMethod::Staged, key);
+                    let why = if key.is_some() {
+                        "serving: small copies, feedback"
+                    } else {
+                        "serving: small copies"
+                    };
+                    return (CopyMethod::Staged, key, why);
                 }
             }
             CopyMethod::Auto => {
                 let avg = bytes / (copies.len().max(1) as u64);
-                if !self.cfg.host_mapped || avg >= self.cfg.dma_min_avg_copy_bytes {
-                    return (CopyMethod::Dma, None);
+                if !self.cfg.host_mapped {
+                    return (CopyMethod::Dma, None, "idle: host memory not mapped");
+                }
+                if avg >= self.cfg.dma_min_avg_copy_bytes {
+                    return (CopyMethod::Dma, None, "idle: large copies");
                 }
                 // Measured on an H200 (BENCHMARKS.md): with 64 × 4 KiB pages per block (256 KiB
                 // runs) the kernel wins for stores (92% vs 85% of the link) and staging wins for
@@ -272,7 +293,7 @@ impl CudaEngine {
                         other_busy,
                     )
                 }) {
-                    return (m, None);
+                    return (m, None, "idle: calibration");
                 }
                 let min_run = match self.direction {
                     _ if other_busy => self.cfg.staged_min_run_bytes_load,
@@ -280,14 +301,14 @@ impl CudaEngine {
                     Direction::CpuToGpu => self.cfg.staged_min_run_bytes_load,
                 };
                 if runs > 0 && bytes / runs >= min_run {
-                    CopyMethod::Staged
+                    (CopyMethod::Staged, "idle: long host runs")
                 } else {
-                    CopyMethod::Kernel
+                    (CopyMethod::Kernel, "idle: short host runs")
                 }
             }
-            m => m,
+            m => (m, "explicit method"),
         };
-        (m, None)
+        (m, None, why)
     }
 }
 

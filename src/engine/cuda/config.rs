@@ -179,7 +179,7 @@ impl Default for CudaEngineConfig {
             dma_split_min_copies: 256,
             serving_dma_min_copy_bytes: 32 << 10,
             serving_small_kernel: false,
-            serving_store_dma_beside_loads: true,
+            serving_store_dma_beside_loads: false,
             serving_store_dma_min_job_bytes: 32 << 20,
             serving_feedback_every: 32,
             load_high_priority: None,
@@ -282,7 +282,7 @@ mod tests {
     fn tuning_sets_each_knob_and_rejects_bad_input() {
         let mut c = CudaEngineConfig::default();
         c.apply_tuning(
-            "budget=150, batch=32,queued=96,pitched=0,feeder=0,ctas=3,max_ctas=8,launch=65536,dmamin=4096,small=kernel,dmasplit=9,storedma=0,storedmamin=7,idleafter=0,feedback=0",
+            "budget=150, batch=32,queued=96,pitched=0,feeder=0,ctas=3,max_ctas=8,launch=65536,dmamin=4096,small=kernel,dmasplit=9,storedma=1,storedmamin=7,idleafter=0,feedback=0",
         )
         .unwrap();
         assert_eq!(c.compute_budget_bp, Some(150));
@@ -296,7 +296,7 @@ mod tests {
         assert_eq!(c.serving_dma_min_copy_bytes, 4096);
         assert!(c.serving_small_kernel);
         assert_eq!(c.dma_split_min_copies, 9);
-        assert!(!c.serving_store_dma_beside_loads);
+        assert!(c.serving_store_dma_beside_loads);
         assert_eq!(c.serving_store_dma_min_job_bytes, 7);
         assert_eq!(c.idle_after_us, 0);
         assert_eq!(c.serving_feedback_every, 0);

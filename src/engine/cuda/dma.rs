@@ -164,6 +164,27 @@ impl<'a> Queue<'a> {
     }
 }
 
+/// The bound of pitched runs ([`Limit`](super::pitched::Limit)) for a job of `direction`: its
+/// device side stays in one allocation (asked of the driver once per allocation, then cached in
+/// `ranges`); its host side is unbounded (kvoff's host memory is one region; a run the driver
+/// refuses anyway goes as batch entries, see `enqueue_batches`).
+pub(super) fn device_limit(
+    ranges: &mut super::pitched::AllocRanges,
+    direction: crate::plan::Direction,
+) -> impl FnMut(u64, u64) -> (u64, u64) + '_ {
+    let d2h = direction == crate::plan::Direction::GpuToCpu;
+    move |src, dst| {
+        let dev = if d2h { src } else { dst };
+        // SAFETY: DMA is planned on the engine's thread after `submit` bound its context.
+        let end = ranges.end_of(dev, |p| unsafe { ffi::device_alloc_range(p) });
+        if d2h {
+            (end, u64::MAX)
+        } else {
+            (u64::MAX, end)
+        }
+    }
+}
+
 /// Enqueues a job's DMA: its pitched runs (one `cuMemcpy2DAsync` each), then its other copies as
 /// batched calls of at most `step` copies each (0: one call), keeping at most `max_queued` units
 /// of this call queued at once (0: no bound; see [`Pace`], [`pitched_units`]).
@@ -243,7 +264,12 @@ pub(super) struct DmaBufs {
 impl DmaBufs {
     /// Takes a job's copies: with `pitched`, the runs that form a regular grid become pitched
     /// copies (see `pitched`) and the rest batch entries.
-    fn fill(&mut self, runs: impl Iterator<Item = (u64, u64, u64)>, pitched: bool) {
+    fn fill(
+        &mut self,
+        runs: impl Iterator<Item = (u64, u64, u64)>,
+        pitched: bool,
+        limit: super::pitched::Limit<'_>,
+    ) {
         self.srcs.clear();
         self.dsts.clear();
         self.sizes.clear();
@@ -252,7 +278,7 @@ impl DmaBufs {
             let mut t = std::mem::take(&mut self.triples);
             t.clear();
             t.extend(runs);
-            super::pitched::group(&mut t, &mut self.pitched);
+            super::pitched::group(&mut t, &mut self.pitched, limit);
             for &(src, dst, n) in &t {
                 self.push(src, dst, n);
             }
@@ -553,6 +579,7 @@ impl CudaEngine {
         bufs.fill(
             copies.iter().map(|c| (c.src_ptr, c.dst_ptr, c.bytes)),
             self.cfg.dma_pitched,
+            &mut device_limit(&mut self.alloc_ranges, self.direction),
         );
         if bufs.units() <= bound {
             // Short enough to queue at once: enqueued here, unpaced.
@@ -610,7 +637,11 @@ impl CudaEngine {
         if let Some(f) = self.device.batch {
             let mut bufs = std::mem::take(&mut self.scratch_dma);
             let mut pace = std::mem::take(&mut self.pace);
-            bufs.fill(runs, self.cfg.dma_pitched);
+            bufs.fill(
+                runs,
+                self.cfg.dma_pitched,
+                &mut device_limit(&mut self.alloc_ranges, self.direction),
+            );
             // SAFETY: memory validated by the plan (or staging owned by this engine) and kept
             // alive until the job completes; `s` is a created stream; callers bind first.
             let r = unsafe {
@@ -637,16 +668,22 @@ impl CudaEngine {
     }
 
     /// Whether a DMA job of `n` copies is enqueued by two threads on two streams.
-    /// (Not when most of the job goes as pitched copies: those cost the CPU little.)
+    /// (Not when most of the job goes as pitched copies: those cost the CPU little. Nor beside a
+    /// model while the other direction runs: the link beside the model, not one thread's driver
+    /// calls, limits each direction there, and four DMA streams moved less than two — on an H100,
+    /// 32 KiB × 128 MiB jobs both ways, per-layer tensors: 33.6 / 29.7 GB/s beside a GEMM / a
+    /// memory-bound kernel split, 37.3 / 33.9 not; 36.2 / 30.8 against 37.9 / 42.7 in another run.)
     pub(super) fn splits_dma(&self, n: usize) -> bool {
         self.cfg.method == super::CopyMethod::Auto
             && self.cfg.dma_split_min_copies > 0
             && n >= self.cfg.dma_split_min_copies
             && self.device.batch.is_some()
             && !self.job_mostly_pitched(n)
+            && !(self.job_serving && self.device.other_direction_active(self.direction))
     }
 
-    /// Whether at least half of the job's `n` copies form pitched runs (in order).
+    /// Whether at least half of the job's `n` copies form pitched runs (in order) of at least
+    /// [`CHOICE_MIN_RUN_BYTES`](super::pitched::CHOICE_MIN_RUN_BYTES) each.
     pub(super) fn job_mostly_pitched(&self, n: usize) -> bool {
         self.cfg.dma_pitched && n >= super::pitched::MIN_ROWS && 2 * self.job_pitched >= n
     }
@@ -685,6 +722,7 @@ impl CudaEngine {
                 .iter()
                 .map(|c| (c.src_ptr, c.dst_ptr, c.bytes)),
             self.cfg.dma_pitched,
+            &mut device_limit(&mut self.alloc_ranges, self.direction),
         );
         // SAFETY: live handles of the current context.
         unsafe {

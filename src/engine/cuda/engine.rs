@@ -117,6 +117,10 @@ pub struct CudaEngine {
     pub(super) submitting: i64,
     /// Whether the job being submitted went to the feeder (which records its end event).
     pub(super) job_fed: bool,
+    /// Device allocations seen by pitched DMA (a run stays within one).
+    pub(super) alloc_ranges: super::pitched::AllocRanges,
+    /// Which rule of `choose` decided the job's method (`SubmitStats::reason`).
+    pub(super) job_reason: &'static str,
 }
 
 impl std::fmt::Debug for CudaEngine {
@@ -206,6 +210,8 @@ impl CudaEngine {
             feeder: None,
             submitting: 0,
             job_fed: false,
+            job_reason: "",
+            alloc_ranges: super::pitched::AllocRanges::default(),
         })
     }
 
@@ -475,6 +481,7 @@ impl TransferEngine for CudaEngine {
         self.collect_feed();
         self.submitting = job.job_id;
         self.job_fed = false;
+        self.job_reason = "";
         let start = self.take_event()?;
         let end = match self.take_event() {
             Ok(e) => e,
@@ -488,13 +495,18 @@ impl TransferEngine for CudaEngine {
         self.job_serving = self.decide_serving(job.stream);
         // Read only by `auto`'s choice and its split decision: not counted for explicit methods.
         self.job_pitched = if self.cfg.dma_pitched && self.cfg.method == CopyMethod::Auto {
-            super::pitched::pitched_copies(copies.len(), |j| {
-                copies.get(j).map(|c| (c.src_ptr, c.dst_ptr, c.bytes))
-            })
+            let min = super::pitched::CHOICE_MIN_RUN_BYTES;
+            super::pitched::pitched_copies(
+                copies.len(),
+                min,
+                |j| copies.get(j).map(|c| (c.src_ptr, c.dst_ptr, c.bytes)),
+                &mut super::dma::device_limit(&mut self.alloc_ranges, self.direction),
+            )
         } else {
             0
         };
-        let (mut method, score) = self.choose(copies, bytes);
+        let (mut method, score, why) = self.choose(copies, bytes);
+        self.job_reason = why;
         if let Some(key) = score {
             method = self
                 .scores
@@ -583,6 +595,7 @@ impl TransferEngine for CudaEngine {
             longest_call: (!calls.longest_name.is_empty()).then_some(calls.longest_name),
             paced_ns: calls.paced_ns,
             fed: self.job_fed,
+            reason: (!self.job_reason.is_empty()).then_some(self.job_reason),
         };
         Ok(())
     }

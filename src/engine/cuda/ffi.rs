@@ -541,6 +541,19 @@ pub(crate) unsafe fn host_ptr_is_mapped(ptr: u64) -> bool {
     r == sys::CUresult::CUDA_SUCCESS && dptr == ptr
 }
 
+/// The device allocation holding `ptr`, `(base, bytes)`; `None` when `ptr` is not device memory
+/// the driver knows.
+///
+/// # Safety
+/// 1. A live context is current.
+pub(crate) unsafe fn device_alloc_range(ptr: u64) -> Option<(u64, u64)> {
+    let (mut base, mut size): (sys::CUdeviceptr, usize) = (0, 0);
+    // SAFETY: the caller upholds this function's `# Safety` obligations; both out-pointers are
+    // live locals.
+    let r = unsafe { sys::cuMemGetAddressRange_v2(&raw mut base, &raw mut size, ptr) };
+    (r == sys::CUresult::CUDA_SUCCESS).then_some((base, size as u64))
+}
+
 /// Whether `ptr` is device memory of some context.
 ///
 /// # Safety

@@ -53,9 +53,21 @@ fn pitch(a: u64, b: u64, width: u64) -> Option<u64> {
     (d >= width && d <= MAX_PITCH).then_some(d)
 }
 
+/// Where a run starting at `(src, dst)` must end: `(src_end, dst_end)`, the first addresses past
+/// the allocations holding `src` and `dst` (`u64::MAX`: no bound known). The driver refuses a
+/// pitched copy whose rows span two allocations (`CUDA_ERROR_INVALID_VALUE`, measured on an H100
+/// with adjacent 2 MiB allocations), so a run stops at its first row's allocation's end.
+pub(crate) type Limit<'a> = &'a mut dyn FnMut(u64, u64) -> (u64, u64);
+
+/// No bound: every address lies in one allocation (tests, and memory kvoff allocated in one piece).
+#[cfg(test)]
+pub(crate) fn unbounded(_: u64, _: u64) -> (u64, u64) {
+    (u64::MAX, u64::MAX)
+}
+
 /// Length of the run of `(src, dst, bytes)` triples starting at `i` (1 when none); `get(j)` is
-/// the `j`-th triple, `None` past the end.
-fn run_len(get: &impl Fn(usize) -> Option<(u64, u64, u64)>, i: usize) -> usize {
+/// the `j`-th triple, `None` past the end; rows stay within `limit`.
+fn run_len(get: &impl Fn(usize) -> Option<(u64, u64, u64)>, i: usize, limit: Limit<'_>) -> usize {
     let (Some((s0, d0, w)), Some((s1, d1, w1))) = (get(i), get(i + 1)) else {
         return 1;
     };
@@ -65,9 +77,20 @@ fn run_len(get: &impl Fn(usize) -> Option<(u64, u64, u64)>, i: usize) -> usize {
     if w1 != w || w == 0 {
         return 1;
     }
+    let (s_end, d_end) = limit(s0, d0);
+    let inside = |s: u64, d: u64| {
+        s.checked_add(w).is_some_and(|e| e <= s_end) && d.checked_add(w).is_some_and(|e| e <= d_end)
+    };
+    if !inside(s1, d1) {
+        return 1;
+    }
     let (mut j, mut prev) = (i + 1, (s1, d1));
     while let Some((s, d, ww)) = get(j + 1) {
-        if ww != w || s.checked_sub(prev.0) != Some(sp) || d.checked_sub(prev.1) != Some(dp) {
+        if ww != w
+            || s.checked_sub(prev.0) != Some(sp)
+            || d.checked_sub(prev.1) != Some(dp)
+            || !inside(s, d)
+        {
             break;
         }
         prev = (s, d);
@@ -76,14 +99,77 @@ fn run_len(get: &impl Fn(usize) -> Option<(u64, u64, u64)>, i: usize) -> usize {
     j - i + 1
 }
 
+/// Device allocations seen by an engine, `[start, end)`, sorted and disjoint: the bound of a
+/// pitched run's device side ([`Limit`]) without a driver call per run. Entries are never
+/// checked again: an allocation freed and replaced by others of different bounds leaves a stale
+/// entry, which costs only speed (the driver refuses a run that spans two allocations, and its
+/// rows then go as batch entries). Cleared when it grows past [`AllocRanges::MAX`] entries.
+#[derive(Debug, Default)]
+pub(crate) struct AllocRanges {
+    ranges: Vec<(u64, u64)>,
+}
+
+impl AllocRanges {
+    /// Most entries kept.
+    pub(crate) const MAX: usize = 4096;
+
+    /// The end of the allocation holding `ptr`, asking `query` (`(base, bytes)` or `None`) when
+    /// no known allocation holds it; `u64::MAX` when `query` does not know either.
+    pub(crate) fn end_of(
+        &mut self,
+        ptr: u64,
+        query: impl FnOnce(u64) -> Option<(u64, u64)>,
+    ) -> u64 {
+        let i = self.ranges.partition_point(|&(start, _)| start <= ptr);
+        if let Some(&(_, end)) = i.checked_sub(1).and_then(|k| self.ranges.get(k)) {
+            if ptr < end {
+                return end;
+            }
+        }
+        let Some((base, bytes)) = query(ptr) else {
+            return u64::MAX;
+        };
+        let end = base.saturating_add(bytes);
+        if !(base <= ptr && ptr < end) {
+            return u64::MAX;
+        }
+        if self.ranges.len() >= Self::MAX {
+            self.ranges.clear();
+        }
+        // Drop stale entries that overlap the new one, then insert it in order.
+        self.ranges.retain(|&(s, e)| e <= base || s >= end);
+        let at = self.ranges.partition_point(|&(s, _)| s < base);
+        self.ranges.insert(at, (base, end));
+        end
+    }
+}
+
+/// Fewest bytes a pitched run must move for `auto` to count on it when it chooses DMA for the
+/// sake of pitched copies (the grouping itself still uses runs from [`MIN_ROWS`] rows: a short run
+/// costs no more CPU than its rows as batch entries). A 2D call costs 2–4 µs of CPU, so short runs
+/// leave DMA bound by the driver: on an H100, per-layer tensors from torch's caching allocator
+/// (512 KiB each, four to a 2 MiB segment) gave 4-row runs of 16 KiB at 4 KiB pages, and DMA
+/// moved 3.0 GB/s beside a GEMM (4 KiB × 8 MiB, both directions) where the staged pipeline moved
+/// 9.6 within the budget; a block's pages across 64 evenly spaced tensors (256 KiB runs) move at
+/// 27–29 GB/s (BENCHMARKS.md, session 9).
+pub(crate) const CHOICE_MIN_RUN_BYTES: u64 = 64 << 10;
+
 /// How many of `n` copies (the `j`-th is `get(j)`) fall in runs of at least [`MIN_ROWS`] rows
-/// when grouped in order, as [`group`] first tries (no allocation).
-pub(crate) fn pitched_copies(n: usize, get: impl Fn(usize) -> Option<(u64, u64, u64)>) -> usize {
+/// and `min_run_bytes` bytes when grouped in order, as [`group`] first tries (no allocation).
+pub(crate) fn pitched_copies(
+    n: usize,
+    min_run_bytes: u64,
+    get: impl Fn(usize) -> Option<(u64, u64, u64)>,
+    limit: Limit<'_>,
+) -> usize {
     let (mut covered, mut i) = (0, 0);
     while i < n {
-        let r = run_len(&get, i);
+        let r = run_len(&get, i, limit);
         if r >= MIN_ROWS {
-            covered += r;
+            let width = get(i).map_or(0, |c| c.2);
+            if (r as u64).saturating_mul(width) >= min_run_bytes {
+                covered += r;
+            }
             i += r;
         } else {
             i += 1;
@@ -94,12 +180,16 @@ pub(crate) fn pitched_copies(n: usize, get: impl Fn(usize) -> Option<(u64, u64, 
 
 /// Runs of `c` in its order, greedy: `out` gets the runs of at least [`MIN_ROWS`] rows, the
 /// returned vector the copies left over (in order).
-fn group_in_order(c: &[(u64, u64, u64)], out: &mut Vec<Pitched>) -> Vec<(u64, u64, u64)> {
+fn group_in_order(
+    c: &[(u64, u64, u64)],
+    out: &mut Vec<Pitched>,
+    limit: Limit<'_>,
+) -> Vec<(u64, u64, u64)> {
     let mut rest = Vec::new();
     let mut i = 0;
     let get = |j: usize| c.get(j).copied();
     while i < c.len() {
-        let n = run_len(&get, i);
+        let n = run_len(&get, i, limit);
         if n >= MIN_ROWS {
             let (s0, d0, w) = c[i];
             let (s1, d1, _) = c[i + 1];
@@ -124,12 +214,12 @@ fn group_in_order(c: &[(u64, u64, u64)], out: &mut Vec<Pitched>) -> Vec<(u64, u6
 /// `copies`): first in the given order; when under half of the copies form runs that way, also
 /// sorted by source address (each tensor's consecutive blocks next to each other), keeping
 /// whichever needs fewer operations. Every copy ends up in exactly one place.
-pub(crate) fn group(copies: &mut Vec<(u64, u64, u64)>, out: &mut Vec<Pitched>) {
+pub(crate) fn group(copies: &mut Vec<(u64, u64, u64)>, out: &mut Vec<Pitched>, limit: Limit<'_>) {
     if copies.len() < MIN_ROWS {
         return;
     }
     let mut a = Vec::new();
-    let rest_a = group_in_order(copies, &mut a);
+    let rest_a = group_in_order(copies, &mut a, limit);
     if 2 * (copies.len() - rest_a.len()) >= copies.len() {
         out.extend(a);
         *copies = rest_a;
@@ -138,7 +228,7 @@ pub(crate) fn group(copies: &mut Vec<(u64, u64, u64)>, out: &mut Vec<Pitched>) {
     let mut sorted = copies.clone();
     sorted.sort_unstable();
     let mut b = Vec::new();
-    let rest_b = group_in_order(&sorted, &mut b);
+    let rest_b = group_in_order(&sorted, &mut b, limit);
     if b.len() + rest_b.len() < a.len() + rest_a.len() {
         out.extend(b);
         *copies = rest_b;
@@ -150,10 +240,13 @@ pub(crate) fn group(copies: &mut Vec<(u64, u64, u64)>, out: &mut Vec<Pitched>) {
 
 #[cfg(test)]
 mod tests {
-    use super::{group, pitched_copies, Pitched, MAX_PITCH, MIN_ROWS};
+    use super::{
+        group, pitched_copies, unbounded, AllocRanges, Pitched, CHOICE_MIN_RUN_BYTES, MAX_PITCH,
+        MIN_ROWS,
+    };
 
     fn cov(c: &[(u64, u64, u64)]) -> usize {
-        pitched_copies(c.len(), |j| c.get(j).copied())
+        pitched_copies(c.len(), 0, |j| c.get(j).copied(), &mut unbounded)
     }
 
     /// Expands runs and leftovers back into copies, sorted.
@@ -168,7 +261,7 @@ mod tests {
         let mut want = copies.clone();
         want.sort_unstable();
         let (mut rest, mut runs) = (copies, Vec::new());
-        group(&mut rest, &mut runs);
+        group(&mut rest, &mut runs, &mut unbounded);
         assert_eq!(expand(&runs, &rest), want, "every copy exactly once");
         for r in &runs {
             assert!(r.rows >= MIN_ROWS as u64);
@@ -208,6 +301,123 @@ mod tests {
         assert_eq!(runs[0].spitch, 100 * 4096);
         assert_eq!(runs[0].dpitch, 4096);
         assert_eq!(runs[0].rows, 64);
+    }
+
+    #[test]
+    fn runs_stop_at_allocation_ends() {
+        // 64 tensors of 512 KiB (128 blocks of 4 KiB) in adjacent 2 MiB allocations, four to
+        // each: evenly spaced, but the driver refuses a pitched copy spanning two allocations.
+        let c = kv(4096, 64, 128, &[(5, 1), (90, 7)]);
+        let (gpu, seg) = (1u64 << 40, 2u64 << 20);
+        let mut allocs = AllocRanges::default();
+        let mut queries = 0;
+        let mut limit = |s: u64, _d: u64| {
+            let end = allocs.end_of(s, |p| {
+                queries += 1;
+                Some((gpu + (p - gpu) / seg * seg, seg))
+            });
+            (end, u64::MAX)
+        };
+        let (mut rest, mut runs) = (c.clone(), Vec::new());
+        group(&mut rest, &mut runs, &mut limit);
+        assert!(rest.is_empty());
+        assert_eq!(runs.len(), 32, "one 4-row run per allocation and block");
+        for r in &runs {
+            assert_eq!(r.rows, 4);
+            let last = r.src + (r.rows - 1) * r.spitch + r.width;
+            assert_eq!(
+                (r.src - gpu) / seg,
+                (last - 1 - gpu) / seg,
+                "within one allocation"
+            );
+        }
+        let get = |j: usize| c.get(j).copied();
+        assert_eq!(pitched_copies(c.len(), 0, get, &mut limit), 128);
+        assert_eq!(
+            pitched_copies(c.len(), CHOICE_MIN_RUN_BYTES, get, &mut limit),
+            0,
+            "16 KiB runs do not make the job a pitched one"
+        );
+        assert_eq!(queries, 16, "one driver query per allocation");
+        assert_eq!(
+            pitched_copies(c.len(), CHOICE_MIN_RUN_BYTES, get, &mut unbounded),
+            128
+        );
+    }
+
+    #[test]
+    fn alloc_ranges_cache_replace_and_refuse() {
+        let mut a = AllocRanges::default();
+        let mut q = 0;
+        assert_eq!(
+            a.end_of(100, |_| {
+                q += 1;
+                Some((50, 100))
+            }),
+            150
+        );
+        assert_eq!(
+            a.end_of(149, |_| {
+                q += 1;
+                None
+            }),
+            150,
+            "cached"
+        );
+        assert_eq!(q, 1);
+        assert_eq!(a.end_of(150, |_| None), u64::MAX, "unknown: no bound");
+        assert_eq!(
+            a.end_of(7, |_| Some((50, 10))),
+            u64::MAX,
+            "an answer not holding ptr"
+        );
+        // A new allocation overlapping a stale entry replaces it.
+        assert_eq!(a.end_of(10, |_| Some((0, 60))), 60);
+        assert_eq!(
+            a.end_of(100, |_| Some((60, 1000))),
+            1060,
+            "the stale [50, 150) is gone"
+        );
+        for i in 0..AllocRanges::MAX as u64 + 5 {
+            let base = 1 << 20 | i << 8;
+            assert_eq!(a.end_of(base, |_| Some((base, 256))), base + 256);
+        }
+        assert!(a.ranges.len() <= AllocRanges::MAX);
+        assert!(
+            a.ranges.windows(2).all(|w| w[0].1 <= w[1].0),
+            "sorted, disjoint"
+        );
+    }
+
+    #[test]
+    fn short_runs_do_not_count_for_the_choice() {
+        // Four tensors to a 2 MiB segment (torch's small pool), segments far apart: 4-row runs.
+        let mut c = Vec::new();
+        for (b, &g) in [3u64, 40, 17].iter().enumerate() {
+            for t in 0..16u64 {
+                let seg = (1u64 << 36) + (t / 4) * (1 << 30) + (t % 4) * (512 << 10);
+                c.push((
+                    seg + g * 4096,
+                    (1u64 << 44) + (b as u64 * 16 + t) * 4096,
+                    4096,
+                ));
+            }
+        }
+        assert_eq!(cov(&c), 48, "every copy is in a 4-row run");
+        let long = |c: &[(u64, u64, u64)]| {
+            pitched_copies(
+                c.len(),
+                CHOICE_MIN_RUN_BYTES,
+                |j| c.get(j).copied(),
+                &mut unbounded,
+            )
+        };
+        assert_eq!(long(&c), 0, "16 KiB runs are too short to choose DMA for");
+        let evenly = kv(4096, 64, 100, &[(7, 3), (2, 9)]);
+        assert_eq!(long(&evenly), 128, "256 KiB runs count");
+        let sixteen = kv(4096, 16, 100, &[(7, 3)]);
+        assert_eq!(long(&sixteen), 16, "a 64 KiB run counts");
+        check(c);
     }
 
     #[test]
@@ -313,7 +523,7 @@ mod tests {
                 c.push((s, d, w));
             }
             let mut runs = Vec::new();
-            let rest = super::group_in_order(&c, &mut runs);
+            let rest = super::group_in_order(&c, &mut runs, &mut super::unbounded);
             assert_eq!(cov(&c), c.len() - rest.len(), "{c:?}");
             check(c);
         }
