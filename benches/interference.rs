@@ -38,7 +38,9 @@
 //! oscillates with a period of about a second), `KVOFF_BENCH_MEM_PROXY=scopy` (the memory-bound
 //! proxy as cuBLAS `Scopy` of 1 GiB, a kernel at about 77% of the HBM's peak: beside it pitched DMA
 //! of 4 KiB pages keeps its idle rate, beside the copy at the peak it loses about 40%), `KVOFF_BENCH_VERBOSE=1` (every round's times
-//! on stderr). The default grid (56 cells) takes about 12 minutes on an H100 with 1 s GEMM rounds;
+//! on stderr), `KVOFF_BENCH_LAYOUT=perlayer` (one device allocation per KV tensor, as vLLM's
+//! per-layer tensors; the driver refuses pitched copies across allocations, so no pitched run
+//! spans two tensors). The default grid (56 cells) takes about 12 minutes on an H100 with 1 s GEMM rounds;
 //! the 32-cell grid of BENCHMARKS.md (four methods) took 7.
 // Benchmarks: an unwrap that fails is the failure report; pedantic style is for the library.
 #![allow(clippy::unwrap_used, clippy::pedantic)]
@@ -399,10 +401,11 @@ struct Moved {
     jobs: u64,
 }
 
-/// One cell's buffers: GPU KV (tensors × blocks × page, one allocation) and pinned host rows.
+/// One cell's buffers: GPU KV (tensors × blocks × page: one allocation, or one per tensor with
+/// `KVOFF_BENCH_LAYOUT=perlayer`) and pinned host rows.
 #[cfg(feature = "cuda")]
 struct Cell {
-    gpu: DeviceBuffer,
+    gpu: Vec<DeviceBuffer>,
     host: PinnedBuffer,
     page: u64,
     blocks: u64,
@@ -412,11 +415,21 @@ struct Cell {
 
 #[cfg(feature = "cuda")]
 impl Cell {
+    /// Tensor `t`'s GPU block `g`: (its buffer, byte offset in it).
+    fn at(&self, t: u64, g: u64) -> (usize, u64) {
+        if self.gpu.len() == 1 {
+            (0, (t * self.ngpu + g) * self.page)
+        } else {
+            (t as usize, g * self.page)
+        }
+    }
+
     fn copies(&self, dir: Direction, g: &[u64], c: &[u64]) -> Vec<CopyOp> {
         let mut v = Vec::with_capacity(g.len() * TENSORS as usize);
         for (&g, &c) in g.iter().zip(c) {
             for t in 0..TENSORS {
-                let gp = self.gpu.ptr() + (t * self.ngpu + g) * self.page;
+                let (b, off) = self.at(t, g);
+                let gp = self.gpu[b].ptr() + off;
                 let hp = self.host.ptr() + (c * TENSORS + t) * self.page;
                 let (src_ptr, dst_ptr) = match dir {
                     Direction::GpuToCpu => (gp, hp),
@@ -526,8 +539,17 @@ impl Cell {
         let src = rng.distinct(0, self.ngpu / 2, n);
         let dst = rng.distinct(self.ngpu / 2, self.ngpu / 2, n);
         let cpu = rng.distinct(0, self.ncpu, n);
-        let mut before = vec![0u8; self.gpu.len()];
-        self.gpu.read(0, &mut before).unwrap();
+        let read = || {
+            self.gpu
+                .iter()
+                .map(|b| {
+                    let mut v = vec![0u8; b.len()];
+                    b.read(0, &mut v).unwrap();
+                    v
+                })
+                .collect::<Vec<_>>()
+        };
+        let before = read();
         for _ in 0..4 {
             comp.op(if comp.gemm.is_some() { 0 } else { 1 });
         }
@@ -546,16 +568,13 @@ impl Cell {
                 return false;
             }
         }
-        let mut after = vec![0u8; self.gpu.len()];
-        self.gpu.read(0, &mut after).unwrap();
+        let after = read();
         let p = self.page as usize;
         (0..TENSORS).all(|t| {
             src.iter().zip(&dst).all(|(&s, &d)| {
-                let (s, d) = (
-                    ((t * self.ngpu + s) as usize) * p,
-                    ((t * self.ngpu + d) as usize) * p,
-                );
-                after[d..d + p] == before[s..s + p]
+                let ((bs, s), (bd, d)) = (self.at(t, s), self.at(t, d));
+                let (s, d) = (s as usize, d as usize);
+                after[bd][d..d + p] == before[bs][s..s + p]
             })
         })
     }
@@ -758,9 +777,11 @@ fn main() {
         h.join().unwrap()
     });
     let link = contiguous(&dev, secs.max(0.3));
+    // One allocation per tensor (vLLM's per-layer tensors), else all tensors in one allocation.
+    let per_layer = std::env::var("KVOFF_BENCH_LAYOUT").is_ok_and(|v| v == "perlayer");
     println!(
         "transfers beside compute (Rust): {}; GEMM 8192³ bf16 {:.3} ms, 1 GiB device copy ({}) {:.3} ms; \
-         launch alone p50 {:.1} µs, p99 {:.1} µs, max {:.0} µs; {rounds} rounds of {secs} s",
+         launch alone p50 {:.1} µs, p99 {:.1} µs, max {:.0} µs; {rounds} rounds of {secs} s; KV: {}",
         dev.name(),
         alone0[0],
         if sm_mem { "cuBLAS Scopy" } else { "cuMemcpyDtoDAsync" },
@@ -768,6 +789,7 @@ fn main() {
         median(&lat0),
         pct(&lat0, 0.99),
         lat0.iter().copied().fold(0.0, f64::max),
+        if per_layer { "one allocation per tensor" } else { "one allocation" },
     );
     println!(
         "contiguous copy (128 MiB DMA jobs, idle): device→host {:.1} GB/s, host→device {:.1} GB/s, \
@@ -808,13 +830,20 @@ fn main() {
             let page = page_kib.parse::<u64>().unwrap() << 10;
             let blocks = ((job_mib.parse::<u64>().unwrap() << 20) / (TENSORS * page)).max(1);
             let (ngpu, ncpu) = (4 * blocks, 4 * blocks);
-            let gpu = DeviceBuffer::new(&dev, (TENSORS * ngpu * page) as usize).unwrap();
-            let mut init = vec![0u8; gpu.len()];
-            for w in init.chunks_exact_mut(8) {
-                w.copy_from_slice(&rng.next().to_le_bytes());
+            let gpu: Vec<DeviceBuffer> = if per_layer {
+                (0..TENSORS)
+                    .map(|_| DeviceBuffer::new(&dev, (ngpu * page) as usize).unwrap())
+                    .collect()
+            } else {
+                vec![DeviceBuffer::new(&dev, (TENSORS * ngpu * page) as usize).unwrap()]
+            };
+            for b in &gpu {
+                let mut init = vec![0u8; b.len()];
+                for w in init.chunks_exact_mut(8) {
+                    w.copy_from_slice(&rng.next().to_le_bytes());
+                }
+                b.write(0, &init).unwrap();
             }
-            gpu.write(0, &init).unwrap();
-            drop(init);
             let host = PinnedBuffer::new(&dev, (TENSORS * ncpu * page) as usize).unwrap();
             let cell = Cell {
                 gpu,

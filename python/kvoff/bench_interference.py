@@ -317,7 +317,9 @@ def method_mix(counts: dict[str, int]) -> str:
         mine = {k.split(" ", 1)[1]: v for k, v in counts.items() if k.startswith(d + " ")}
         n = sum(mine.values())
         if n:
-            parts = " ".join(f"{m} {v * 100 / n:.0f}%" for m, v in sorted(mine.items(), key=lambda kv: -kv[1]))
+            parts = " ".join(
+                f"{m} {v * 100 / n:.0f}%" for m, v in sorted(mine.items(), key=lambda kv: -kv[1])
+            )
             out.append(f"{d} {parts}")
     return "; ".join(out) or "-"
 
@@ -494,7 +496,7 @@ def bench_interference(
                         row["methods_beside"] = method_mix(beside_methods)
                         rows.append(row)
                         say(format_row(row))
-                        if len(set(k.split()[1] for k in beside_methods)) > 1 or "auto" in label:
+                        if len({k.split()[1] for k in beside_methods}) > 1 or "auto" in label:
                             say(f"{'':>20}methods beside compute: {row['methods_beside']}")
                     rt = _roundtrip(torch, kvoff, h, comp, blocks, ngpu, ncpu)
                     for r in rows[-len(dirs) :]:
