@@ -5,7 +5,7 @@
 use std::collections::HashMap;
 
 use super::engine::CudaEngine;
-use super::{CopyMethod, STAGED_MIN_JOB_BYTES};
+use super::{CopyMethod, CudaEngineConfig, STAGED_MIN_JOB_BYTES};
 use crate::plan::{CopyOp, Direction};
 
 /// Which jobs share a measured score under the serving policy: the average copy size and the job
@@ -183,6 +183,90 @@ pub(super) fn host_runs(direction: Direction, copies: &[CopyOp]) -> u64 {
     runs
 }
 
+/// What the serving policy looks at in a job.
+#[derive(Clone, Copy, Debug)]
+pub(super) struct ServingJob {
+    /// Average bytes per copy.
+    pub(super) avg_copy: u64,
+    /// Bytes of the job.
+    pub(super) bytes: u64,
+    /// At least half of the copies form pitched runs of ≥ 64 KiB within one device allocation.
+    pub(super) mostly_pitched: bool,
+    /// The engine of the other direction submitted or has jobs in flight (within 50 ms).
+    pub(super) other_busy: bool,
+    /// GPU → host.
+    pub(super) store: bool,
+}
+
+/// The serving policy's rule: the method, the feedback cell when the feedback may override it,
+/// and which rule decided. Pure (unit-tested against a scenario table below).
+///
+/// Beside a model (measured on an H100 beside a bf16 GEMM and a 1 GiB device copy, BENCHMARKS.md
+/// "Transfers beside compute"): batched DMA uses no SMs and moves copies of ≥ 32 KiB efficiently
+/// (2–3× staging's GB/s there, slowdown within noise); smaller copies go through the staged
+/// pipeline, whose pack kernel runs device-to-device in short launches and whose PCIe leg is large
+/// DMAs (3–6× plain DMA beside a GEMM at 4 KiB pages, within the budget). The copy kernel over
+/// mapped host memory holds its SMs for the whole job (+10–85% on a GEMM) and is not used.
+pub(super) fn serving_choice(
+    cfg: &CudaEngineConfig,
+    job: ServingJob,
+) -> (CopyMethod, Option<ScoreKey>, &'static str) {
+    let ServingJob {
+        avg_copy: avg,
+        bytes,
+        mostly_pitched,
+        other_busy,
+        store,
+    } = job;
+    let small = cfg.host_mapped && avg < cfg.serving_dma_min_copy_bytes;
+    if small && mostly_pitched && !other_busy && cfg.serving_feedback_every > 0 {
+        // Pitched runs (a block's pages across evenly spaced tensors, …) move by DMA with no SMs
+        // and one pass over HBM: 27–29 GB/s at 4 KiB pages beside a GEMM where staging moves 22.
+        // Beside a memory-bound kernel the order flips (DMA 18, staging 26.6 within the budget,
+        // 4 KiB × 128 MiB stores on an H100), so while one direction runs the feedback measures
+        // both, DMA first.
+        let key = ScoreKey::new(avg, bytes, other_busy).pitched();
+        return (
+            CopyMethod::Dma,
+            Some(key),
+            "serving: pitched runs, feedback",
+        );
+    }
+    let (m, why) = if !small {
+        (CopyMethod::Dma, "serving: large copies")
+    } else if mostly_pitched {
+        // Pitched runs move by DMA (above); both directions at once too.
+        (CopyMethod::Dma, "serving: pitched runs")
+    } else if cfg.serving_small_kernel {
+        (CopyMethod::Kernel, "serving: small-copy kernel")
+    } else if cfg.serving_store_dma_beside_loads
+        && store
+        && bytes >= cfg.serving_store_dma_min_job_bytes
+        && other_busy
+    {
+        // Off by default: with small copies that are not pitched, DMA moves 4–7 GB/s, and
+        // staging both ways stays within the budget (BENCHMARKS.md session 9). When on, large
+        // stores, which nothing waits for, leave the HBM to the loads' pipeline.
+        (CopyMethod::Dma, "serving: stores beside loads")
+    } else {
+        // Both DMA and staging are within the budget here; which moves more depends on the
+        // model's load and the machine, so the feedback decides (`Scores`) — while this direction
+        // runs alone. With loads and stores at once each engine would only see its own rate:
+        // measured on an H100 (4 KiB × 8 MiB, both directions beside a GEMM / a memory-bound
+        // kernel), per-direction feedback moved 9.9–10.6 / 8.0–10.0 GB/s in all where staging
+        // both ways moved 11.2 / 11.6, so the pair keeps the rule.
+        let key = (cfg.serving_feedback_every > 0 && !other_busy)
+            .then(|| ScoreKey::new(avg, bytes, false));
+        let why = if key.is_some() {
+            "serving: small copies, feedback"
+        } else {
+            "serving: small copies"
+        };
+        return (CopyMethod::Staged, key, why);
+    };
+    (m, None, why)
+}
+
 impl CudaEngine {
     /// The method for a job, and — when the serving policy chose between batched DMA and the
     /// staged pipeline by speed alone (small copies) — the feedback cell it belongs to.
@@ -196,70 +280,14 @@ impl CudaEngine {
     ) -> (CopyMethod, Option<ScoreKey>, &'static str) {
         let (m, why) = match self.cfg.method {
             CopyMethod::Auto if self.job_serving => {
-                // Beside a model (measured on an H100 beside a bf16 GEMM and a 1 GiB device copy,
-                // BENCHMARKS.md "Transfers beside compute"): batched DMA uses no SMs and moves
-                // copies of ≥ 32 KiB efficiently (2–3× staging's GB/s there, slowdown within
-                // noise); smaller copies go through the staged pipeline, whose pack kernel runs
-                // device-to-device in short launches and whose PCIe leg is large DMAs (3–6× plain
-                // DMA beside a GEMM at 4 KiB pages, within the budget). The copy kernel over mapped
-                // host memory holds its SMs for the whole job (+10–85% on a GEMM) and is not used.
-                let avg = bytes / (copies.len().max(1) as u64);
-                let other_busy = self.device.other_direction_active(self.direction);
-                let small = self.cfg.host_mapped && avg < self.cfg.serving_dma_min_copy_bytes;
-                if small
-                    && self.job_mostly_pitched(copies.len())
-                    && !other_busy
-                    && self.cfg.serving_feedback_every > 0
-                {
-                    // Pitched runs (a block's pages across evenly spaced tensors, …) move by DMA
-                    // with no SMs and one pass over HBM: 27–29 GB/s at 4 KiB pages beside a GEMM
-                    // where staging moves 22. Beside a memory-bound kernel the order flips (DMA
-                    // 18, staging 26.6 within the budget, 4 KiB × 128 MiB stores on an H100), so
-                    // while one direction runs the feedback measures both, DMA first.
-                    let key = ScoreKey::new(avg, bytes, other_busy).pitched();
-                    return (
-                        CopyMethod::Dma,
-                        Some(key),
-                        "serving: pitched runs, feedback",
-                    );
-                }
-                if !small {
-                    (CopyMethod::Dma, "serving: large copies")
-                } else if self.job_mostly_pitched(copies.len()) {
-                    // Pitched runs move by DMA (above); both directions at once too: staging
-                    // both ways costs a memory-bound model 7% with large jobs.
-                    (CopyMethod::Dma, "serving: pitched runs")
-                } else if self.cfg.serving_small_kernel {
-                    (CopyMethod::Kernel, "serving: small-copy kernel")
-                } else if self.cfg.serving_store_dma_beside_loads
-                    && self.direction == Direction::GpuToCpu
-                    && bytes >= self.cfg.serving_store_dma_min_job_bytes
-                    && other_busy
-                {
-                    // Staging both ways at once with large jobs moves 33–42 GB/s beside a GEMM but
-                    // its pack kernels' HBM traffic costs a memory-bound model 5.6–7% (over the 5%
-                    // budget). Loads are what a request waits for, so they keep the staged pipeline
-                    // and large stores, which nothing waits for, fall back to DMA while loads are
-                    // active. Jobs of a few MiB (what a serving step stores) stay staged: there
-                    // the pair cost under 2% and DMA would move a third as much at 4 KiB copies.
-                    (CopyMethod::Dma, "serving: stores beside loads")
-                } else {
-                    // Both DMA and staging are within the budget here; which moves more depends
-                    // on the model's load and the machine, so the feedback decides (`Scores`) —
-                    // while this direction runs alone. With loads and stores at once each engine
-                    // would only see its own rate: measured on an H100 (4 KiB × 8 MiB, both
-                    // directions beside a GEMM / a memory-bound kernel), per-direction feedback
-                    // moved 9.9–10.6 / 8.0–10.0 GB/s in all where staging both ways moved
-                    // 11.2 / 11.6, so the pair keeps the rule.
-                    let key = (self.cfg.serving_feedback_every > 0 && !other_busy)
-                        .then(|| ScoreKey::new(avg, bytes, other_busy));
-                    let why = if key.is_some() {
-                        "serving: small copies, feedback"
-                    } else {
-                        "serving: small copies"
-                    };
-                    return (CopyMethod::Staged, key, why);
-                }
+                let job = ServingJob {
+                    avg_copy: bytes / (copies.len().max(1) as u64),
+                    bytes,
+                    mostly_pitched: self.job_mostly_pitched(copies.len()),
+                    other_busy: self.device.other_direction_active(self.direction),
+                    store: self.direction == Direction::GpuToCpu,
+                };
+                return serving_choice(&self.cfg, job);
             }
             CopyMethod::Auto => {
                 let avg = bytes / (copies.len().max(1) as u64);
@@ -314,7 +342,9 @@ impl CudaEngine {
 
 #[cfg(test)]
 mod tests {
-    use super::{busy_within, CopyMethod, ScoreKey, Scores};
+    use super::{
+        busy_within, serving_choice, CopyMethod, CudaEngineConfig, ScoreKey, Scores, ServingJob,
+    };
 
     /// Runs `n` jobs of one cell where DMA moves `dma` GB/s and staging `staged`, the rule's
     /// default being staging; returns the methods picked.
@@ -448,6 +478,111 @@ mod tests {
         assert_ne!(key, ScoreKey::new(4096, 32 << 20, false));
         assert_ne!(key, ScoreKey::new(4096, 8 << 20, true));
         assert_eq!(ScoreKey::new(0, 0, false), ScoreKey::new(1, 1, false));
+    }
+
+    /// (page, job MiB, pitched, other busy, store, method, feedback?, reason).
+    type Scenario = (u64, u64, bool, bool, bool, CopyMethod, bool, &'static str);
+
+    /// The serving policy against a scenario table: (page, job MiB, pitched, other direction busy,
+    /// store) → (method, feedback?, reason), with default settings.
+    #[test]
+    fn serving_rule_scenarios() {
+        use CopyMethod::{Dma, Staged};
+        let cfg = CudaEngineConfig::default();
+        #[rustfmt::skip]
+        let table: [Scenario; 12] = [
+            // per-layer tensors (no pitched runs), 4 KiB pages
+            (4 << 10, 8, false, false, true, Staged, true, "serving: small copies, feedback"),
+            (4 << 10, 8, false, true, true, Staged, false, "serving: small copies"),
+            (4 << 10, 128, false, true, true, Staged, false, "serving: small copies"),
+            (4 << 10, 128, false, true, false, Staged, false, "serving: small copies"),
+            (4 << 10, 128, false, false, false, Staged, true, "serving: small copies, feedback"),
+            // evenly spaced tensors in one allocation: pitched runs
+            (4 << 10, 8, true, false, true, Dma, true, "serving: pitched runs, feedback"),
+            (4 << 10, 128, true, true, true, Dma, false, "serving: pitched runs"),
+            (16 << 10, 128, true, true, false, Dma, false, "serving: pitched runs"),
+            // copies of 32 KiB and more: DMA whatever the layout
+            (32 << 10, 8, false, false, true, Dma, false, "serving: large copies"),
+            (32 << 10, 128, false, true, true, Dma, false, "serving: large copies"),
+            (2 << 20, 512, true, true, false, Dma, false, "serving: large copies"),
+            (32 << 10, 128, true, false, false, Dma, false, "serving: large copies"),
+        ];
+        for (page, mib, pitched, busy, store, m, fb, why) in table {
+            let job = ServingJob {
+                avg_copy: page,
+                bytes: mib << 20,
+                mostly_pitched: pitched,
+                other_busy: busy,
+                store,
+            };
+            let (got, key, reason) = serving_choice(&cfg, job);
+            assert_eq!((got, key.is_some(), reason), (m, fb, why), "{job:?}");
+        }
+        // Knobs: stores by DMA beside loads (large jobs only), the small-copy kernel, no feedback,
+        // unmapped host memory (the staged pipeline and the kernel need it: DMA).
+        let job = ServingJob {
+            avg_copy: 4096,
+            bytes: 128 << 20,
+            mostly_pitched: false,
+            other_busy: true,
+            store: true,
+        };
+        let on = CudaEngineConfig {
+            serving_store_dma_beside_loads: true,
+            ..CudaEngineConfig::default()
+        };
+        assert_eq!(serving_choice(&on, job).0, Dma);
+        assert_eq!(
+            serving_choice(
+                &on,
+                ServingJob {
+                    store: false,
+                    ..job
+                }
+            )
+            .0,
+            Staged
+        );
+        assert_eq!(
+            serving_choice(
+                &on,
+                ServingJob {
+                    bytes: 8 << 20,
+                    ..job
+                }
+            )
+            .0,
+            Staged
+        );
+        let kernel = CudaEngineConfig {
+            serving_small_kernel: true,
+            ..CudaEngineConfig::default()
+        };
+        assert_eq!(serving_choice(&kernel, job).0, CopyMethod::Kernel);
+        let nofb = CudaEngineConfig {
+            serving_feedback_every: 0,
+            ..CudaEngineConfig::default()
+        };
+        let alone = ServingJob {
+            other_busy: false,
+            ..job
+        };
+        assert_eq!(serving_choice(&nofb, alone).1, None);
+        assert_eq!(
+            serving_choice(
+                &nofb,
+                ServingJob {
+                    mostly_pitched: true,
+                    ..alone
+                }
+            ),
+            (Dma, None, "serving: pitched runs")
+        );
+        let unmapped = CudaEngineConfig {
+            host_mapped: false,
+            ..CudaEngineConfig::default()
+        };
+        assert_eq!(serving_choice(&unmapped, job).0, Dma);
     }
 
     #[test]
