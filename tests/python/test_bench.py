@@ -132,6 +132,25 @@ def test_interference_slowdown_from_alternating_rounds():
     assert "+2.0%" in line and "+2.9%" in line and " 16 " in line and " 87 " in line and line.endswith("ok")
 
 
+def test_interference_method_mix_names_methods_and_reasons_per_direction():
+    """The bench logs which method each direction's jobs took beside compute, and why (the CUDA
+    engine's ``last_submit_stats["reason"]``), as shares, largest first."""
+    from kvoff.bench_interference import method_mix
+
+    mix = method_mix(
+        {
+            "st dma [serving: pitched runs, feedback]": 1,
+            "st staged [serving: pitched runs, feedback]": 3,
+            "ld staged [serving: small copies]": 5,
+        }
+    )
+    assert mix == (
+        "st staged [serving: pitched runs, feedback] 75% dma [serving: pitched runs, feedback] 25%; "
+        "ld staged [serving: small copies] 100%"
+    )
+    assert method_mix({}) == "-"
+
+
 def test_interference_bracketed_rounds_cancel_drift():
     """With alone rounds around each beside round (A B A B A B A), a proxy that drifts steadily
     over the cell reads no slowdown when the transfers cost it nothing — where comparing medians of
