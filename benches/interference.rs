@@ -31,7 +31,7 @@
 //! `KVOFF_BENCH_PAGES` (KiB, default `4,32`), `KVOFF_BENCH_JOBS` (MiB, default `8,128`),
 //! `KVOFF_BENCH_DIRS` (`store,load,both`; default `store,both`), `KVOFF_BENCH_METHODS` (default
 //! `dma,dma2d,kernel,staged,auto-idle,auto-serve,auto`; also `dma2d-lowload` and `auto-hiload`,
-//! the two with the other load stream priority), `KVOFF_BENCH_SECONDS` (per transfer phase and memory-bound round, default 0.3),
+//! the two with the other load stream priority, and `auto-nocap`, `auto` without the staged cap), `KVOFF_BENCH_SECONDS` (per transfer phase and memory-bound round, default 0.3),
 //! `KVOFF_BENCH_ROUNDS` (default 3), `KVOFF_BENCH_PREHEAT` (seconds of GEMMs before each
 //! cell's GEMM rounds, default 1.5: the GPU's power controller settles), `KVOFF_BENCH_QUICK=1` (one small cell),
 //! `KVOFF_BENCH_GEMM_SECONDS` (per GEMM round, default 1.0: the GEMM's power-capped clock
@@ -166,6 +166,13 @@ fn method_cfg(label: &str) -> Option<CudaEngineConfig> {
         "auto-serve" => CudaEngineConfig {
             compute_budget_bp: Some(200),
             idle_after_us: 0,
+            ..d
+        },
+        // `auto` without the serving policy's cap on the staged pipeline (the default until
+        // session 10).
+        "auto-nocap" => CudaEngineConfig {
+            compute_budget_bp: Some(200),
+            serving_staged_cap_mb_s: Some(0),
             ..d
         },
         // The serving policy with large small-copy stores by DMA while loads run (the default
@@ -781,7 +788,8 @@ fn main() {
     let per_layer = std::env::var("KVOFF_BENCH_LAYOUT").is_ok_and(|v| v == "perlayer");
     println!(
         "transfers beside compute (Rust): {}; GEMM 8192³ bf16 {:.3} ms, 1 GiB device copy ({}) {:.3} ms; \
-         launch alone p50 {:.1} µs, p99 {:.1} µs, max {:.0} µs; {rounds} rounds of {secs} s; KV: {}",
+         launch alone p50 {:.1} µs, p99 {:.1} µs, max {:.0} µs; {rounds} rounds of {secs} s; KV: {}; \
+         memory peak {:?} GB/s, serving staged cap {} MB/s",
         dev.name(),
         alone0[0],
         if sm_mem { "cuBLAS Scopy" } else { "cuMemcpyDtoDAsync" },
@@ -790,6 +798,8 @@ fn main() {
         pct(&lat0, 0.99),
         lat0.iter().copied().fold(0.0, f64::max),
         if per_layer { "one allocation per tensor" } else { "one allocation" },
+        dev.memory_peak_gbps(),
+        method_cfg("auto").map_or(0, |c| c.staged_cap_mb_s(dev.memory_peak_gbps())),
     );
     println!(
         "contiguous copy (128 MiB DMA jobs, idle): device→host {:.1} GB/s, host→device {:.1} GB/s, \

@@ -627,6 +627,139 @@ fn serving_feedback_tries_both_methods() {
     assert_eq!(&ran[..2], &["staged", "dma"], "{ran:?}");
 }
 
+/// Under the serving policy the staged pipeline keeps to the device's rate cap: a capped job
+/// takes at least its bytes over the cap (less the bucket's 1 ms of credit), `submit` still returns
+/// at once (the wait is a host function on the stream), both directions stay byte-exact, and the
+/// default cap is sized from the budget and the device's memory bandwidth.
+#[test]
+fn serving_staged_pipeline_keeps_to_the_cap() {
+    let Some(dev) = device() else { return };
+    let (page, n) = (4096u64, 8192u64); // 32 MiB of scattered 4 KiB pages
+    let len = (page * n) as usize;
+    let gpu = DeviceBuffer::new(&dev, len).unwrap();
+    let back = DeviceBuffer::new(&dev, len).unwrap();
+    let host = PinnedBuffer::new(&dev, len).unwrap();
+    let serving = |cap: Option<u32>| CudaEngineConfig {
+        compute_budget_bp: Some(200),
+        idle_after_us: 0,          // always serving
+        serving_feedback_every: 0, // the rule: small copies go staged
+        serving_staged_cap_mb_s: cap,
+        ..CudaEngineConfig::default()
+    };
+    let peak = dev.memory_peak_gbps();
+    eprintln!("device memory peak: {peak:?} GB/s");
+    let derived = serving(None).staged_cap_mb_s(peak);
+    eprintln!("derived cap at 2%: {derived} MB/s");
+    if let Some(p) = peak {
+        assert!(p > 100.0, "{p} GB/s");
+        assert!(derived > 0, "a budget and a peak give a cap");
+    }
+    let mut rng = Rng(99);
+    let slots = rng.distinct(n, n as usize);
+    let mut want = vec![0u8; len];
+    rng.fill(&mut want);
+    gpu.write(0, &want).unwrap();
+    let store_plan = || {
+        CopyPlan::from_copies(
+            Direction::GpuToCpu,
+            (0..n)
+                .map(|i| CopyOp {
+                    src_ptr: gpu.ptr() + i * page,
+                    dst_ptr: host.ptr() + slots[i as usize] * page,
+                    bytes: page,
+                })
+                .collect(),
+        )
+        .unwrap()
+    };
+    let load_plan = || {
+        CopyPlan::from_copies(
+            Direction::CpuToGpu,
+            (0..n)
+                .map(|i| CopyOp {
+                    src_ptr: host.ptr() + slots[i as usize] * page,
+                    dst_ptr: back.ptr() + i * page,
+                    bytes: page,
+                })
+                .collect(),
+        )
+        .unwrap()
+    };
+    // (cap MB/s, reported cap, the job's least duration in ms): 1 GB/s → 32 MiB in ≥ 33.5 − 1 ms.
+    // A lone 32 MiB job under the derived cap (~30 GB/s) arrives far under it: not paced.
+    for (cap, reported, min_ms) in [
+        (Some(1000u32), 1000u32, 30.0f64),
+        (Some(0), 0, 0.0),
+        (None, 0, 0.0),
+    ] {
+        for dir in [Direction::GpuToCpu, Direction::CpuToGpu] {
+            let mut e = CudaEngine::new(Arc::clone(&dev), dir, serving(cap)).unwrap();
+            let plan = || {
+                if dir == Direction::GpuToCpu {
+                    store_plan()
+                } else {
+                    load_plan()
+                }
+            };
+            // A first job allocates the staging slots and descriptor buffers.
+            assert!(run_job(&mut e, 1, plan(), None).success);
+            if dir == Direction::CpuToGpu {
+                back.write(0, &vec![0u8; len]).unwrap();
+            }
+            // Let paced work drain: the bucket starts with its credit, the rate estimate decays.
+            std::thread::sleep(std::time::Duration::from_millis(120));
+            let t = std::time::Instant::now();
+            // SAFETY: the buffers outlive the job (waited for below).
+            unsafe { e.submit(Job::new(2, plan())) }.unwrap();
+            let submit_ms = t.elapsed().as_secs_f64() * 1e3;
+            e.wait(&[2]).unwrap();
+            let ms = t.elapsed().as_secs_f64() * 1e3;
+            let r = e.poll().pop().unwrap();
+            assert!(r.success, "{:?}", r.error);
+            let st = e.last_submit_stats();
+            assert_eq!(
+                (st.method, st.reason, st.staged_cap_mb_s),
+                (Some("staged"), Some("serving: small copies"), reported),
+                "{dir:?}"
+            );
+            eprintln!("{dir:?} cap {cap:?} MB/s: job {ms:.2} ms, submit {submit_ms:.2} ms");
+            assert!(
+                ms >= min_ms,
+                "{dir:?}: {ms:.2} ms under the cap's {min_ms} ms"
+            );
+            if min_ms > 0.0 {
+                assert!(submit_ms < min_ms / 4.0, "submit waited: {submit_ms:.2} ms");
+            }
+            if dir == Direction::GpuToCpu {
+                let h = host.as_slice();
+                for i in 0..n {
+                    let (g, c) = ((i * page) as usize, (slots[i as usize] * page) as usize);
+                    assert_eq!(&h[c..c + page as usize], &want[g..g + page as usize]);
+                }
+            } else {
+                let mut got = vec![0u8; len];
+                back.read(0, &mut got).unwrap();
+                assert!(got == want, "load not byte-exact under cap {cap:?}");
+            }
+            e.shutdown();
+        }
+    }
+    // An explicit method is never paced.
+    let mut e = CudaEngine::new(
+        Arc::clone(&dev),
+        Direction::GpuToCpu,
+        CudaEngineConfig {
+            method: CopyMethod::Staged,
+            serving_staged_cap_mb_s: Some(1),
+            ..CudaEngineConfig::default()
+        },
+    )
+    .unwrap();
+    let r = run_job(&mut e, 2, store_plan(), None);
+    assert!(r.success);
+    assert_eq!(e.last_submit_stats().staged_cap_mb_s, 0);
+}
+
 /// A load waits for work already queued on the caller's stream: the caller zero-fills the
 /// destination after a slow kernel, and the loaded bytes must win. A store reads the GPU bytes only
 /// after the caller's queued writes.

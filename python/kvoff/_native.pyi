@@ -364,7 +364,8 @@ class TransferHandler:
         the driver for the device to drain the stream's queue), `fed` (a long DMA job handed to the
         engine's feeder thread, which enqueues it paced while the submit returns), `reason` (which
         rule of the CUDA engine chose the method, e.g. "serving: pitched runs"; None for the host
-        engine).
+        engine), `staged_cap_mb_s` (the rate cap the job's staged pipeline was paced at, shared by
+        the device's engines while the model computes; 0 when not paced).
         """
     @property
     def num_tensors(self) -> int:

@@ -492,6 +492,29 @@ def bench_transfers(
     return rows
 
 
+def _host_layout(
+    page: int, ntensors: int, pool: int
+) -> tuple[list[Any], Any, list[Any], list[list[tuple[int, int]]]]:
+    """The host engine's buffers without torch: ``ntensors`` numpy arrays of ``pool`` pages (the
+    "GPU" side, as the KV caches of a CPU engine, filled with a non-zero pattern) and a private
+    :class:`kvoff.HostRegion` of ``pool`` block-major rows (the CPU side, as the handlers lay it
+    out), with its per-tensor views and the native handler's tensor refs."""
+    import numpy as np
+
+    from kvoff import _native
+
+    gpu = []
+    for i in range(ntensors):
+        a = np.empty((pool, page), dtype=np.uint8)
+        a.view(np.uint32)[:] = (np.arange(pool * page // 4, dtype=np.uint32) * 2654435761 + i).reshape(
+            pool, page // 4
+        )
+        gpu.append(a)
+    region = _native.HostRegion.private(pool, page * ntensors)
+    cpu = [region.view_numpy(0, i * page, page) for i in range(ntensors)]
+    return gpu, region, cpu, [[(i, page) for i in range(ntensors)]]
+
+
 def _bench_transfers_host(
     job_mib: int | None, reps: int, show_progress: bool | None, seed: int
 ) -> list[dict[str, Any]]:
@@ -515,16 +538,7 @@ def _bench_transfers_host(
             blocks = max(MIN_BLOCKS, job_target // (page * ntensors))
             job_bytes = blocks * page * ntensors
             pool = 2 * blocks
-            gpu = []
-            for i in range(ntensors):
-                a = np.empty((pool, page), dtype=np.uint8)
-                a.view(np.uint32)[:] = (
-                    np.arange(pool * page // 4, dtype=np.uint32) * 2654435761 + i
-                ).reshape(pool, page // 4)
-                gpu.append(a)
-            region = _native.HostRegion.private(pool, page * ntensors)
-            cpu = [region.view_numpy(0, i * page, page) for i in range(ntensors)]
-            refs = [[(i, page) for i in range(ntensors)]]
+            gpu, region, cpu, refs = _host_layout(page, ntensors, pool)
             src_c, dst_c = np.ones(job_bytes, dtype=np.uint8), np.zeros(job_bytes, dtype=np.uint8)
             ts = []
             for i in range(reps + 1):
@@ -586,6 +600,130 @@ def _bench_transfers_host(
                 region.close()
             del gpu
     return rows
+
+
+#: Page sizes (KiB) and default MiB per job of the host engine's page-size sweep (``kvoff bench --plot``
+#: without a GPU): small jobs, a few seconds in all on two cores.
+HOST_PLOT_PAGES_KIB = [4, 32, 128, 2048]
+HOST_PLOT_JOB_MIB = 32
+#: The host sweep's methods, as the plot labels them.
+HOST_KVOFF = "kvoff host engine"
+HOST_CONTIGUOUS = "contiguous copy (one memcpy)"
+HOST_PER_COPY = "per-copy baseline (one numpy copy per page)"
+#: The host plot's note: what it does not show.
+HOST_PLOT_NOTE = "idle only: beside-compute curves need a GPU (kvoff bench --plot on a GPU with torch)"
+
+
+def sweep_host_for_plot(
+    pages_kib: list[int] | None = None,
+    job_mib: int | None = None,
+    reps: int = 3,
+    log: Callable[[Any], None] | None = None,
+    seed: int = 0,
+) -> list[dict[str, Any]]:
+    """The page-size sweep without a GPU (no torch needed): GB/s per page size and direction of
+    kvoff's host engine (numpy arrays and a :class:`kvoff.HostRegion`, through the native handler,
+    as :func:`bench_transfers` runs it without torch), of one contiguous ``memcpy`` of the same
+    bytes (numpy: the limit) and of one numpy copy per page (the CPU analogue of one batch entry
+    per page, the batched-DMA baseline on a GPU). Wall time per job, median of ``reps`` after one
+    warm-up; kvoff's last job per direction is verified byte for byte. Rows:
+    ``{page_kib, dir, method, idle_gb_s, job_bytes, tensors, blocks}`` (``dir``: ``store`` moves the
+    arrays' pages into the region, ``load`` back)."""
+    import numpy as np
+
+    from kvoff import _native
+
+    say = log or (lambda *_: None)
+    job_target = (job_mib or HOST_PLOT_JOB_MIB) << 20
+    rng = random.Random(seed)
+    rows: list[dict[str, Any]] = []
+
+    def gbs(nbytes: int, ts: list[float]) -> float:
+        return nbytes / max(_median(ts), 1e-9) / 1e9
+
+    for page_kib in pages_kib or HOST_PLOT_PAGES_KIB:
+        page = page_kib << 10
+        # The GPU sweep's layout (bench_interference.sweep_for_plot): up to 64 tensors, >= 4 blocks.
+        ntensors = max(1, min(64, job_target // (page * 4)))
+        blocks = max(4, job_target // (ntensors * page))
+        job_bytes = blocks * ntensors * page
+        pool = 2 * blocks
+        src_c, dst_c = np.ones(job_bytes, dtype=np.uint8), np.zeros(job_bytes, dtype=np.uint8)
+        gpu, region, cpu, refs = _host_layout(page, ntensors, pool)
+        try:
+            dirs: tuple[tuple[str, Direction], ...] = (("store", "gpu_to_cpu"), ("load", "cpu_to_gpu"))
+            for d, direction in dirs:
+                h = _native.TransferHandler(direction, gpu, cpu, refs, 1, "host")
+                times: dict[str, list[float]] = {HOST_KVOFF: [], HOST_PER_COPY: [], HOST_CONTIGUOUS: []}
+                try:
+                    # The three methods in turn within each repetition, so that what else the
+                    # machine does meanwhile weighs on each alike.
+                    for r in range(reps + 1):
+                        t0 = time.perf_counter()
+                        np.copyto(dst_c, src_c)
+                        t_contiguous = time.perf_counter() - t0
+                        gids = np.array(rng.sample(range(pool), blocks), dtype=np.int64)
+                        cids = np.array(rng.sample(range(pool), blocks), dtype=np.int64)
+                        t0 = time.perf_counter()
+                        h.submit(r, gids, None, None, cids)
+                        h.wait([r])
+                        t_kvoff = time.perf_counter() - t0
+                        ((_, ok, _, _, error),) = h.get_finished()
+                        if not ok:
+                            raise RuntimeError(f"transfer failed: {error}")
+                        if r == reps:
+                            for g, c in zip(gpu, cpu):
+                                if not np.array_equal(g[gids], c[cids]):
+                                    raise RuntimeError(
+                                        "transferred bytes differ from their source: kvoff bug, please report"
+                                    )
+                        g_ids, c_ids = rng.sample(range(pool), blocks), rng.sample(range(pool), blocks)
+                        pairs = list(zip(c_ids, g_ids)) if d == "store" else list(zip(g_ids, c_ids))
+                        t0 = time.perf_counter()
+                        for g, c in zip(gpu, cpu):
+                            dst, src = (c, g) if d == "store" else (g, c)
+                            for di, si in pairs:
+                                dst[di] = src[si]  # one copy of one page
+                        t_per_copy = time.perf_counter() - t0
+                        if r:  # the first repetition warms up
+                            times[HOST_CONTIGUOUS].append(t_contiguous)
+                            times[HOST_KVOFF].append(t_kvoff)
+                            times[HOST_PER_COPY].append(t_per_copy)
+                finally:
+                    h.shutdown()
+                for method, ts in times.items():
+                    rows.append(
+                        {
+                            "page_kib": page_kib,
+                            "dir": d,
+                            "method": method,
+                            "idle_gb_s": gbs(job_bytes, ts),
+                            "job_bytes": job_bytes,
+                            "tensors": ntensors,
+                            "blocks": blocks,
+                        }
+                    )
+                    say(rows[-1])
+        finally:
+            del cpu
+            region.close()
+        del gpu, src_c, dst_c
+    return rows
+
+
+def plot_host_sweep_rows(rows: list[dict[str, Any]], path: str) -> list[str]:
+    """:func:`sweep_host_for_plot`'s rows as ``kvoff bench --plot`` draws them without a GPU (idle
+    only, with :data:`HOST_PLOT_NOTE` under the panels); returns the legend labels."""
+    from kvoff.bench_interference import plot_sweep_rows
+
+    device = platform.processor() or platform.machine()
+    return plot_sweep_rows(
+        rows,
+        path,
+        title=f"kvoff host engine vs one memcpy and one copy per page, idle ({device})",
+        panel_titles={"store": "stores (KV arrays → host region)", "load": "loads (host region → KV arrays)"},
+        note=HOST_PLOT_NOTE,
+    )
 
 
 def _verify(torch: Any, h: Any, gids: list[int], cids: list[int]) -> None:

@@ -560,11 +560,17 @@ def format_interference(res: dict[str, Any]) -> str:
 
 # ---------------------------------------------------------------------------------------------
 # Page-size sweep and plot: kvoff beside the batch-DMA baseline and the contiguous-copy limit,
-# idle and beside the GEMM
+# idle, beside the GEMM and beside the memory-bound kernel
 # ---------------------------------------------------------------------------------------------
 
 #: Page sizes of the plot's sweep (KiB).
 PLOT_PAGES_KIB = [4, 32, 128, 2048]
+#: The compute proxies of the plot's sweep: (key, legend label, line style, marker).
+PLOT_PROXIES = [
+    ("idle", "idle", "-", "o"),
+    ("gemm", "beside a GEMM", "--", "s"),
+    ("mem", "beside a memory-bound kernel", ":", "^"),
+]
 
 
 def _contig_loop(
@@ -586,7 +592,11 @@ def _contig_loop(
     stats["gb_s"] = n / max(time.perf_counter() - t0, 1e-9) / 1e9
 
 
-def _contig_phase(torch: Any, nbytes: int, direction: str, seconds: float, comp: _Compute | None) -> float:
+def _contig_phase(
+    torch: Any, nbytes: int, direction: str, seconds: float, comp: _Compute | None, kind: str = "gemm"
+) -> float:
+    """GB/s of contiguous copies of ``nbytes`` in ``direction``, idle (``comp`` ``None``) or beside
+    ``seconds`` of the proxy ``kind``."""
     dev = torch.empty(nbytes, dtype=torch.uint8, device="cuda")
     host = torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
     dst, src = (host, dev) if direction == "store" else (dev, host)
@@ -594,12 +604,12 @@ def _contig_phase(torch: Any, nbytes: int, direction: str, seconds: float, comp:
     th = threading.Thread(target=_contig_loop, args=(torch, dst, src, stop, stats, measuring), daemon=True)
     # The same warm-up as kvoff's phases (_run_phase).
     if comp is not None:
-        comp.queue("gemm", WARMUP_S)
+        comp.queue(kind, WARMUP_S)
     th.start()
     time.sleep(WARMUP_S * 0.8 if comp is not None else 0.15)
     measuring.set()
     if comp is not None:
-        comp.timed("gemm", reps=1)
+        comp.timed(kind, reps=1)
     else:
         time.sleep(seconds)
     stop.set()
@@ -611,8 +621,12 @@ def sweep_for_plot(
     pages_kib: list[int] | None = None, job_mib: int = 64, seconds: float = 0.3, log: Any = None
 ) -> list[dict[str, Any]]:
     """GB/s per page size and direction for kvoff's default (``auto``, 2% budget), plain batched
-    DMA and one contiguous copy of the same bytes, idle and beside the bf16 GEMM loop. Rows:
-    ``{page_kib, dir, method, idle_gb_s, gemm_gb_s}``."""
+    DMA and one contiguous copy of the same bytes, idle, beside the bf16 GEMM loop and beside the
+    memory-bound kernel (a float32 add at the HBM's peak). Rows:
+    ``{page_kib, dir, method, idle_gb_s, gemm_gb_s, mem_gb_s}``.
+
+    Each figure is one phase of about ``seconds`` (plus a ~0.1 s warm-up): 18 phases per page size,
+    about 8 s per page size at the default 0.3 s, half a minute for :data:`PLOT_PAGES_KIB`."""
     import torch
 
     import kvoff
@@ -634,10 +648,14 @@ def sweep_for_plot(
             h = _handlers(kvoff, torch, kv, ncpu, engine, budget, "pitched=0" if engine == "dma" else "")
             try:
                 for d in ("store", "load"):
-                    idle, _ = _run_phase(torch, kvoff, h, d, blocks, ngpu, ncpu, seconds, None, "", None)
-                    near, _ = _run_phase(torch, kvoff, h, d, blocks, ngpu, ncpu, seconds, comp, "gemm", None)
                     row: dict[str, Any] = {"page_kib": page_kib, "dir": d, "method": label}
-                    row |= {"idle_gb_s": idle["gb_s"], "gemm_gb_s": near["gb_s"]}
+                    idle, _ = _run_phase(torch, kvoff, h, d, blocks, ngpu, ncpu, seconds, None, "", None)
+                    row["idle_gb_s"] = idle["gb_s"]
+                    for kind in ("gemm", "mem"):
+                        near, _ = _run_phase(
+                            torch, kvoff, h, d, blocks, ngpu, ncpu, seconds, comp, kind, None
+                        )
+                        row[f"{kind}_gb_s"] = near["gb_s"]
                     rows.append(row)
                     say(row)
             finally:
@@ -647,18 +665,24 @@ def sweep_for_plot(
         nbytes = blocks * tensors * page
         for d in ("store", "load"):
             row = {"page_kib": page_kib, "dir": d, "method": "contiguous copy"}
-            row |= {
-                "idle_gb_s": _contig_phase(torch, nbytes, d, seconds, None),
-                "gemm_gb_s": _contig_phase(torch, nbytes, d, seconds, comp),
-            }
+            row["idle_gb_s"] = _contig_phase(torch, nbytes, d, seconds, None)
+            for kind in ("gemm", "mem"):
+                row[f"{kind}_gb_s"] = _contig_phase(torch, nbytes, d, seconds, comp, kind)
             rows.append(row)
             say(row)
     return rows
 
 
-def plot_sweep_rows(rows: list[dict[str, Any]], path: str, title: str = "") -> None:
-    """One panel per direction: GB/s against page size, one colour per method, solid idle and
-    dashed beside the GEMM."""
+def plot_sweep_rows(
+    rows: list[dict[str, Any]],
+    path: str,
+    title: str = "",
+    panel_titles: dict[str, str] | None = None,
+    note: str = "",
+) -> list[str]:
+    """One panel per direction: GB/s against page size, one colour per method, solid idle, dashed
+    beside the GEMM and dotted beside the memory-bound kernel (each drawn where the rows have it:
+    ``{kind}_gb_s``). ``note``: a line under the panels. Returns the legend labels, in order."""
     from kvoff.demo import require_matplotlib
 
     require_matplotlib()
@@ -667,25 +691,30 @@ def plot_sweep_rows(rows: list[dict[str, Any]], path: str, title: str = "") -> N
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
+    panel_titles = panel_titles or {"store": "stores (GPU → host)", "load": "loads (host → GPU)"}
     dirs = [d for d in ("store", "load") if any(r["dir"] == d for r in rows)]
-    fig, axes = plt.subplots(1, max(1, len(dirs)), figsize=(6.5 * max(1, len(dirs)), 4.2), squeeze=False)
     methods = list(dict.fromkeys(r["method"] for r in rows))
+    drawn = [k for k, *_ in PLOT_PROXIES if all(r.get(f"{k}_gb_s") is not None for r in rows)]
+    # One legend under the panels, a row per method: room for it (and the note) below the axes.
+    below = 0.15 + 0.22 * len(methods) + (0.3 if note else 0.0)
+    height = 4.2 + below
+    fig, axes = plt.subplots(1, max(1, len(dirs)), figsize=(6.5 * max(1, len(dirs)), height), squeeze=False)
+    handles: dict[str, Any] = {}
     for ax, d in zip(axes[0], dirs):
         for i, m in enumerate(methods):
-            pts = sorted(
-                (r["page_kib"], r["idle_gb_s"], r.get("gemm_gb_s"))
-                for r in rows
-                if r["dir"] == d and r["method"] == m
+            mine = sorted(
+                (r for r in rows if r["dir"] == d and r["method"] == m), key=lambda r: r["page_kib"]
             )
-            if not pts:
+            if not mine:
                 continue
-            color = f"C{i}"
-            xs = [p[0] << 10 for p in pts]
-            ax.plot(xs, [p[1] for p in pts], marker="o", color=color, label=f"{m}, idle")
-            if all(p[2] is not None for p in pts):
-                ax.plot(
-                    xs, [p[2] for p in pts], marker="s", ls="--", color=color, label=f"{m}, beside a GEMM"
-                )
+            xs = [r["page_kib"] << 10 for r in mine]
+            for kind, what, ls, marker in PLOT_PROXIES:
+                ys = [r.get(f"{kind}_gb_s") for r in mine]
+                if any(y is None for y in ys):
+                    continue
+                label = f"{m}, {what}"
+                (line,) = ax.plot(xs, ys, marker=marker, ls=ls, color=f"C{i}", label=label)
+                handles.setdefault(label, line)
         ticks = sorted({r["page_kib"] << 10 for r in rows})
         ax.set_xscale("log", base=2)
         ax.set_xticks(ticks)
@@ -694,18 +723,42 @@ def plot_sweep_rows(rows: list[dict[str, Any]], path: str, title: str = "") -> N
         ax.set_ylabel("GB/s")
         ax.set_ylim(bottom=0)
         ax.grid(True, alpha=0.3)
-        ax.set_title({"store": "stores (GPU → host)", "load": "loads (host → GPU)"}[d])
-        ax.legend(fontsize=8)
-    fig.suptitle(title or "kvoff transfers: idle and beside compute")
-    fig.tight_layout()
+        ax.set_title(panel_titles.get(d, d))
+    labels = list(handles)
+    fig.legend(
+        list(handles.values()),
+        labels,
+        loc="lower center",
+        bbox_to_anchor=(0.5, (0.3 if note else 0.0) / height),
+        ncol=max(1, len(drawn)),
+        fontsize=8,
+        frameon=False,
+    )
+    fig.suptitle(title or "kvoff transfers: idle, beside a GEMM and beside a memory-bound kernel")
+    if note:
+        fig.text(0.5, 0.08 / height, note, ha="center", va="bottom", fontsize=9, style="italic")
+    fig.tight_layout(rect=(0.0, below / height, 1.0, 1.0))
     fig.savefig(path, dpi=120)
     plt.close(fig)
+    return labels
 
 
 def format_sweep_rows(rows: list[dict[str, Any]]) -> str:
-    lines = [f"{'page':>8} {'dir':<6}{'method':<16}{'idle GB/s':>10}{'beside GEMM':>12}"]
+    """The sweep's rows as a table; the beside-compute columns only where some row has them."""
+    beside = [
+        (k, h)
+        for k, h in (("gemm", "beside GEMM"), ("mem", "beside mem"))
+        if any(f"{k}_gb_s" in r for r in rows)
+    ]
+    width = max([16] + [len(str(r["method"])) + 2 for r in rows])
+    lines = [
+        f"{'page':>8} {'dir':<6}{'method':<{width}}{'idle GB/s':>10}" + "".join(f"{h:>12}" for _, h in beside)
+    ]
     for r in rows:
         p = r["page_kib"]
         ps = f"{p >> 10} MiB" if p >= 1024 else f"{p} KiB"
-        lines.append(f"{ps:>8} {r['dir']:<6}{r['method']:<16}{r['idle_gb_s']:>10.1f}{r['gemm_gb_s']:>12.1f}")
+        cells = "".join(
+            f"{'-':>12}" if r.get(f"{k}_gb_s") is None else f"{r[f'{k}_gb_s']:>12.1f}" for k, _ in beside
+        )
+        lines.append(f"{ps:>8} {r['dir']:<6}{r['method']:<{width}}{r['idle_gb_s']:>10.1f}{cells}")
     return "\n".join(lines)

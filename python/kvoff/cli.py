@@ -1,5 +1,6 @@
-"""The ``kvoff`` command line: ``kvoff bench [managers|transfers|disk]`` (no subcommand: managers and
-transfers) and ``kvoff demo`` (a simulated serving loop offloading a model-shaped KV cache)."""
+"""The ``kvoff`` command line: ``kvoff bench [managers|transfers|disk|interference]`` (no subcommand:
+managers and transfers; ``--plot FILE``: also a page-size sweep plot) and ``kvoff demo`` (a
+simulated serving loop offloading a model-shaped KV cache)."""
 
 from __future__ import annotations
 
@@ -29,17 +30,70 @@ def _bench_managers(args: argparse.Namespace) -> int:
     return 0
 
 
+def _plot_needs_matplotlib(cmd: str) -> bool:
+    """False (after saying why on stderr) where ``--plot`` cannot draw: matplotlib is missing."""
+    from kvoff.demo import require_matplotlib
+
+    try:
+        require_matplotlib()
+    except ImportError:
+        print(
+            f"{cmd}: --plot needs matplotlib: pip install matplotlib (the benchmarks themselves do not)",
+            file=sys.stderr,
+        )
+        return False
+    return True
+
+
+def _gpu_for_plot() -> bool:
+    """Whether ``--plot`` can run the GPU sweep here: torch with CUDA and kvoff's CUDA engine."""
+    try:
+        import torch
+    except ImportError:
+        return False
+    import kvoff
+
+    return bool(torch.cuda.is_available() and kvoff.cuda_available())
+
+
+def _page_size_sweep(args: argparse.Namespace) -> tuple[list[dict[str, object]], str]:
+    """``kvoff bench [transfers] --plot FILE``: the page-size sweep drawn into ``args.plot``. On a
+    GPU with torch, ``kvoff bench interference --plot``'s (kvoff, batched DMA and a contiguous copy,
+    idle and beside compute); otherwise the host engine's (kvoff, one memcpy, one copy per page,
+    idle only). Returns the rows and their table."""
+    from kvoff.bench import HOST_PLOT_NOTE, plot_host_sweep_rows, sweep_host_for_plot
+    from kvoff.bench_interference import format_sweep_rows, plot_sweep_rows, sweep_for_plot
+
+    log = None if args.quiet else (lambda s: print(s, file=sys.stderr, flush=True))
+    if _gpu_for_plot():
+        rows = sweep_for_plot(job_mib=args.job_mib or 64, log=log)
+        plot_sweep_rows(rows, args.plot)
+        table = format_sweep_rows(rows)
+    else:
+        rows = sweep_host_for_plot(job_mib=args.job_mib, reps=args.transfer_reps, log=log)
+        plot_host_sweep_rows(rows, args.plot)
+        table = f"page-size sweep on the host engine ({HOST_PLOT_NOTE})\n{format_sweep_rows(rows)}"
+    return rows, f"{table}\nplot written to {args.plot}"
+
+
 def _bench_transfers(args: argparse.Namespace) -> int:
     from kvoff.bench import bench_transfers, format_transfer_rows
 
+    plot = getattr(args, "plot", None)
+    if plot and not _plot_needs_matplotlib(f"kvoff bench {args.what or ''}".strip()):
+        return 2
     sys.stdout.flush()
     methods = args.methods.split(",") if args.methods else None
     rows = bench_transfers(args.job_mib, args.transfer_reps, methods, show_progress=not args.quiet)
+    sweep, table = _page_size_sweep(args) if plot else (None, "")
+    sys.stderr.flush()
     if args.json:
-        print(json.dumps(rows, indent=2))
+        print(json.dumps(rows if sweep is None else {"transfers": rows, "sweep": sweep}, indent=2))
     else:
-        sys.stderr.flush()
         print(format_transfer_rows(rows))
+        if sweep is not None:
+            print()
+            print(table)
     return 0
 
 
@@ -67,13 +121,9 @@ def _bench_interference(args: argparse.Namespace) -> int:
         plot_sweep_rows,
         sweep_for_plot,
     )
-    from kvoff.demo import require_matplotlib
 
     if args.plot:
-        try:
-            require_matplotlib()
-        except ImportError as e:
-            print(f"kvoff bench interference: {e}", file=sys.stderr)
+        if not _plot_needs_matplotlib("kvoff bench interference"):
             return 2
         rows = sweep_for_plot(
             job_mib=args.plot_job_mib,
@@ -106,7 +156,10 @@ def _bench_interference(args: argparse.Namespace) -> int:
 
 
 def _bench_all(args: argparse.Namespace) -> int:
-    """``kvoff bench`` with no subcommand: every benchmark that this machine can run."""
+    """``kvoff bench`` with no subcommand: every benchmark that this machine can run (and with
+    ``--plot FILE``, the page-size sweep drawn into FILE)."""
+    if args.plot and not _plot_needs_matplotlib("kvoff bench"):
+        return 2
     rc = _bench_managers(args)
     print()
     # Without torch (or a GPU) the transfers run on the host engine over plain host buffers.
@@ -211,6 +264,13 @@ def main(argv: list[str] | None = None) -> int:
         methods=None,
         vllm="auto",
     )
+    plot_help = (
+        "also sweep page sizes (4 KiB-2 MiB) and plot GB/s into FILE.png (needs matplotlib): on a GPU "
+        "with torch, kvoff's default, plain batched DMA and a contiguous copy, idle, beside a GEMM and "
+        "beside a memory-bound kernel (as bench interference --plot); otherwise kvoff's host engine, "
+        "one memcpy of the same bytes and one copy per page, idle only"
+    )
+    bench.add_argument("--plot", metavar="FILE.png", default=None, help=plot_help)
     m = bsub.add_parser(
         "managers",
         help="manager workload of docs/performance.md, both policies, vs a Python reference "
@@ -246,6 +306,7 @@ def main(argv: list[str] | None = None) -> int:
     )
     t.add_argument("--json", action="store_true", help="print rows as JSON")
     t.add_argument("--quiet", action="store_true", help="no progress bar")
+    t.add_argument("--plot", metavar="FILE.png", default=None, help=plot_help)
     t.set_defaults(func=_bench_transfers)
     k = bsub.add_parser(
         "disk",
@@ -284,7 +345,8 @@ def main(argv: list[str] | None = None) -> int:
         metavar="FILE.png",
         default=None,
         help="instead of the grid: sweep page sizes (4 KiB-2 MiB) and plot GB/s of kvoff's default, "
-        "plain batched DMA and a contiguous copy, idle and beside the GEMM (needs matplotlib)",
+        "plain batched DMA and a contiguous copy, idle, beside the GEMM and beside the memory-bound "
+        "kernel (needs matplotlib)",
     )
     i.add_argument(
         "--plot-job-mib", dest="plot_job_mib", type=int, default=64, help="MiB per job in the --plot sweep"

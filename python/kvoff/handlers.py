@@ -477,6 +477,9 @@ class CpuGpuOffloadingHandlers:
             storages,
         )
 
+        # Validated by the native handlers above (a fraction in [0, 1] or None).
+        self._compute_budget: float | None = None if compute_budget is None else float(compute_budget)
+
         if use_cuda and stream_handles:
             for st in compute_streams:
                 if st.device != device:
@@ -492,6 +495,13 @@ class CpuGpuOffloadingHandlers:
     @property
     def engine(self) -> str:
         return self.gpu_to_cpu_handler.engine
+
+    @property
+    def compute_budget(self) -> float | None:
+        """The ``compute_budget`` both handlers were made with (read-only): the model slowdown
+        their transfers may cost beside compute, as a fraction (e.g. ``0.02``), or ``None`` for the
+        idle-GPU policy. The host engine accepts it and has no use for it."""
+        return self._compute_budget
 
     def shutdown(self) -> None:
         """Drains and stops both handlers, then releases a private region. Idempotent."""

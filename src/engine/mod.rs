@@ -122,6 +122,11 @@ pub struct SubmitStats {
     /// feedback"` (the feedback then picked `method`), `"idle: calibration"`, `"explicit method"`;
     /// `None` for the host engine.
     pub reason: Option<&'static str>,
+    /// The rate cap in MB/s the job's staged pipeline was paced at (the serving policy shares one
+    /// per device between both directions, sized from the compute budget and the device's memory
+    /// bandwidth: `CudaEngineConfig::serving_staged_cap_mb_s`, and paces jobs while they arrive
+    /// near it); 0 when not paced.
+    pub staged_cap_mb_s: u32,
 }
 
 /// An asynchronous byte mover. See the module docs for the ordering and error contract.

@@ -661,7 +661,8 @@ impl PyTransferHandler {
     /// outside the driver for the device to drain the stream's queue), `fed` (a long DMA job
     /// handed to the engine's feeder thread, which enqueues it paced while the submit returns),
     /// `reason` (which rule of the CUDA engine chose the method, e.g. `"serving: pitched runs"`;
-    /// None for the host engine).
+    /// None for the host engine), `staged_cap_mb_s` (the rate cap the job's staged pipeline was
+    /// paced at, shared by the device's engines while the model computes; 0 when not paced).
     #[getter]
     fn last_submit_stats<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyDict>> {
         let s = self.with_engine(py, |st| Ok(st.engine.last_submit_stats()))?;
@@ -677,6 +678,7 @@ impl PyTransferHandler {
         d.set_item("paced_ns", s.paced_ns)?;
         d.set_item("fed", s.fed)?;
         d.set_item("reason", s.reason)?;
+        d.set_item("staged_cap_mb_s", s.staged_cap_mb_s)?;
         Ok(d)
     }
 

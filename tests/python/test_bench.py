@@ -179,27 +179,109 @@ def test_interference_bracketed_rounds_cancel_drift():
 
 def test_interference_plot_draws_both_directions(tmp_path):
     """`kvoff bench interference --plot`'s drawing, from synthetic sweep rows: kvoff, the batched-DMA
-    baseline and the contiguous limit, idle and beside the GEMM, one panel per direction."""
+    baseline and the contiguous limit, idle, beside the GEMM and beside the memory-bound kernel, one
+    panel per direction."""
     pytest.importorskip("matplotlib")
     from kvoff.bench_interference import format_sweep_rows, plot_sweep_rows
 
+    methods = ("kvoff auto", "batched DMA", "contiguous copy")
     rows = [
-        {"page_kib": p, "dir": d, "method": m, "idle_gb_s": 10.0 + i, "gemm_gb_s": 5.0 + i}
+        {
+            "page_kib": p,
+            "dir": d,
+            "method": m,
+            "idle_gb_s": 10.0 + i,
+            "gemm_gb_s": 5.0 + i,
+            "mem_gb_s": 3.0 + i,
+        }
         for i, (p, d, m) in enumerate(
-            (p, d, m)
-            for p in (4, 32, 2048)
-            for d in ("store", "load")
-            for m in ("kvoff auto", "batched DMA", "contiguous copy")
+            (p, d, m) for p in (4, 32, 2048) for d in ("store", "load") for m in methods
         )
     ]
     out = tmp_path / "sweep.png"
-    plot_sweep_rows(rows, str(out))
+    labels = plot_sweep_rows(rows, str(out))
     assert out.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and out.stat().st_size > 10_000
+    assert labels == [
+        f"{m}, {what}" for m in methods for what in ("idle", "beside a GEMM", "beside a memory-bound kernel")
+    ]
     text = format_sweep_rows(rows).splitlines()
     assert len(text) == 1 + len(rows) and "2 MiB" in text[-1]
+    assert "beside GEMM" in text[0] and "beside mem" in text[0]
+    assert text[-1].split()[-3:] == ["27.0", "22.0", "20.0"]
 
 
-def test_interference_plot_without_matplotlib_exits_2(monkeypatch, capsys):
+def test_interference_plot_line_styles(tmp_path, monkeypatch):
+    """Each method keeps one colour; idle is solid, beside the GEMM dashed, beside the memory-bound
+    kernel dotted; a proxy missing from the rows draws no line."""
+    pytest.importorskip("matplotlib")
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    from kvoff import bench_interference as bi
+
+    rows = [
+        {"page_kib": p, "dir": "store", "method": m, "idle_gb_s": 1.0, "gemm_gb_s": 2.0, "mem_gb_s": 3.0}
+        for p in (4, 32)
+        for m in ("kvoff auto", "batched DMA")
+    ]
+    seen: list[tuple[str, str, str]] = []
+    real_savefig = plt.Figure.savefig
+
+    def grab(fig, *a, **k):
+        for ax in fig.axes:
+            seen.extend((ln.get_label(), ln.get_linestyle(), ln.get_color()) for ln in ax.get_lines())
+        return real_savefig(fig, *a, **k)
+
+    monkeypatch.setattr(plt.Figure, "savefig", grab)
+    bi.plot_sweep_rows(rows, str(tmp_path / "s.png"))
+    monkeypatch.undo()
+    assert [(lbl.split(", ")[1], ls) for lbl, ls, _ in seen] == [
+        ("idle", "-"),
+        ("beside a GEMM", "--"),
+        ("beside a memory-bound kernel", ":"),
+    ] * 2
+    assert len({c for _, _, c in seen[:3]}) == 1 and seen[0][2] != seen[3][2]
+    # Idle only (the host sweep's rows): one line per method.
+    labels = bi.plot_sweep_rows(
+        [{k: v for k, v in r.items() if k not in ("gemm_gb_s", "mem_gb_s")} for r in rows],
+        str(tmp_path / "idle.png"),
+        note="idle only",
+    )
+    assert labels == ["kvoff auto, idle", "batched DMA, idle"]
+
+
+def test_host_plot_sweep_end_to_end(tmp_path):
+    """`kvoff bench --plot` without a GPU: the host engine's page-size sweep (numpy buffers and a
+    HostRegion, no torch) beside one memcpy of the same bytes and one numpy copy per page, drawn
+    idle only; kvoff's bytes are verified inside the sweep."""
+    pytest.importorskip("matplotlib")
+    rows = bench.sweep_host_for_plot(pages_kib=[4, 2048], job_mib=4, reps=1)
+    methods = (bench.HOST_KVOFF, bench.HOST_PER_COPY, bench.HOST_CONTIGUOUS)
+    assert {(r["page_kib"], r["dir"], r["method"]) for r in rows} == {
+        (p, d, m) for p in (4, 2048) for d in ("store", "load") for m in methods
+    }
+    assert all(r["idle_gb_s"] > 0 and "gemm_gb_s" not in r for r in rows)
+    assert all(r["job_bytes"] == r["blocks"] * r["tensors"] * (r["page_kib"] << 10) for r in rows)
+    out = tmp_path / "host.png"
+    labels = bench.plot_host_sweep_rows(rows, str(out))
+    assert out.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert labels == [f"{m}, idle" for m in methods]
+    assert any("kvoff" in lbl for lbl in labels) and any("contiguous" in lbl for lbl in labels)
+    assert any("per-copy baseline" in lbl for lbl in labels)
+    assert "beside-compute curves need a GPU" in bench.HOST_PLOT_NOTE
+
+
+@pytest.mark.parametrize(
+    "argv",
+    [
+        ["bench", "interference", "--plot", "x.png", "--quiet"],
+        ["bench", "--plot", "x.png"],
+        ["bench", "transfers", "--plot", "x.png", "--quiet"],
+    ],
+)
+def test_plot_without_matplotlib_exits_2(monkeypatch, capsys, argv):
+    """Without matplotlib every `--plot` exits 2 with a clear message before any benchmark runs."""
     import builtins
 
     real = builtins.__import__
@@ -209,9 +291,15 @@ def test_interference_plot_without_matplotlib_exits_2(monkeypatch, capsys):
             raise ImportError("no matplotlib here")
         return real(name, *a, **k)
 
+    def ran(*_: object, **__: object) -> None:
+        raise AssertionError("a benchmark ran")
+
     monkeypatch.setattr(builtins, "__import__", no_mpl)
-    assert cli.main(["bench", "interference", "--plot", "x.png", "--quiet"]) == 2
-    assert "matplotlib" in capsys.readouterr().err
+    monkeypatch.setattr(bench, "bench_managers", ran)
+    monkeypatch.setattr(bench, "bench_transfers", ran)
+    assert cli.main(argv) == 2
+    err = capsys.readouterr().err
+    assert "--plot needs matplotlib: pip install matplotlib" in err and err.startswith("kvoff bench")
 
 
 def test_interference_cli_parses_and_needs_a_gpu(capsys):
@@ -309,3 +397,56 @@ def test_interference_compute_keeps_a_bounded_queue():
             assert ops - done <= bi._DEPTH * 3
     assert sum(1 for w, i in log if w == "record" and i in marks) == 10
     assert done >= 30 - (bi._DEPTH + 1) * 3
+
+
+# Runs `kvoff` with torch hidden (as on a fresh CPU machine), the managers' and transfers' workloads
+# shrunk so the test takes seconds.
+_NO_TORCH = """\
+import sys; sys.modules['torch'] = None
+from kvoff import bench
+from kvoff.cli import main
+managers, transfers, sweep = bench.bench_managers, bench.bench_transfers, bench.sweep_host_for_plot
+bench.bench_managers = lambda *a, **k: managers(80, 600, 1, 1, show_progress=False, vllm=False)
+bench.bench_transfers = lambda job_mib, reps, methods, show_progress: transfers(4, 1, methods, False)
+bench.sweep_host_for_plot = lambda job_mib, reps, log: sweep(job_mib=4, reps=1, log=log)
+sys.exit(main(sys.argv[1:]))
+"""
+
+
+def _kvoff_without_torch(*argv: str) -> str:
+    import subprocess
+    import sys
+
+    out = subprocess.run(
+        [sys.executable, "-c", _NO_TORCH, *argv], capture_output=True, text=True, timeout=300, check=False
+    )
+    assert out.returncode == 0, out.stderr[-3000:]
+    return out.stdout
+
+
+def test_bare_bench_with_plot_without_torch(tmp_path):
+    """The README's main command on a fresh CPU machine, `kvoff bench --plot FILE`: managers, host
+    transfers over numpy buffers, then the host engine's page-size sweep drawn into FILE."""
+    pytest.importorskip("matplotlib")
+    png = tmp_path / "bench.png"
+    text = _kvoff_without_torch("bench", "--plot", str(png))
+    assert "manager workload" in text and "scattered block transfers" in text
+    assert "host " in text and "target lru" in text
+    assert bench.HOST_KVOFF in text and bench.HOST_PER_COPY in text and bench.HOST_CONTIGUOUS in text
+    assert "idle only: beside-compute curves need a GPU" in text and "beside GEMM" not in text
+    assert f"plot written to {png}" in text
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_bench_transfers_plot_json_without_torch(tmp_path):
+    pytest.importorskip("matplotlib")
+    png = tmp_path / "t.png"
+    out = json.loads(_kvoff_without_torch("bench", "transfers", "--quiet", "--json", "--plot", str(png)))
+    assert {r["engine"] for r in out["transfers"]} == {"host"}
+    assert {r["method"] for r in out["sweep"]} == {
+        bench.HOST_KVOFF,
+        bench.HOST_PER_COPY,
+        bench.HOST_CONTIGUOUS,
+    }
+    assert {r["page_kib"] for r in out["sweep"]} == set(bench.HOST_PLOT_PAGES_KIB)
+    assert png.stat().st_size > 10_000

@@ -234,6 +234,9 @@ def test_per_layer_tensors_are_not_taken_for_pitched_runs(monkeypatch):
         s = st.last_submit_stats
         assert s["policy"] == "serving", s
         assert s["reason"] != "serving: pitched runs", (s, f"{even} of 63 tensor gaps are 512 KiB")
+        # Only the serving policy's staged jobs are ever paced (and a lone small job arrives far
+        # under the device's cap, so not even it).
+        assert s["staged_cap_mb_s"] == 0, s
         for g, c in zip(kv, h.cpu_tensors):
             assert torch.equal(g[blocks].cpu(), c[:8])
         dst = [100, 101, 30, 31, 0, 9, 126, 60]

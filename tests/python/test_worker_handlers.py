@@ -245,6 +245,7 @@ def test_last_submit_stats_describe_the_submit(small):
         "paced_ns": 0,
         "fed": False,
         "reason": None,
+        "staged_cap_mb_s": 0,
     }
     assert st.transfer_async(1, (G([0, 1, 2, 3]), C([2])))
     st.wait(1)
@@ -255,6 +256,7 @@ def test_last_submit_stats_describe_the_submit(small):
     assert s["submit_ns"] > 0 and s["longest_call_ns"] == 0
     assert s["policy"] is None, "only the CUDA engine's auto chooses by policy"
     assert s["reason"] is None, "the host engine has one method"
+    assert s["staged_cap_mb_s"] == 0, "only the CUDA engine's staged pipeline is paced"
 
 
 def test_compute_streams_are_checked():

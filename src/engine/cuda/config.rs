@@ -150,6 +150,14 @@ pub struct CudaEngineConfig {
     /// whether the priority moves DMA beside a model (BENCHMARKS.md session 8, item 1 of its
     /// readout); tune key `loadprio` (`high`, `low`, `auto`).
     pub load_high_priority: Option<bool>,
+    /// Serving policy: the most MB/s the staged pipeline of all engines of the device may move
+    /// together while the model computes (its pack kernel and DMA cross the GPU's memory three
+    /// times per byte, which a memory-bound model pays for; see the `pace` module). `None` (the
+    /// default): derived from the budget and the device's peak memory bandwidth, so that a model
+    /// at the memory's peak loses at most 80% of its memory-bound budget (2.5 × the compute
+    /// budget): about 30 GB/s on an H100 and 44 on an H200 at 2%. `Some(0)`: no cap. Tune key
+    /// `stagedcap` (MB/s, `auto`, or 0).
+    pub serving_staged_cap_mb_s: Option<u32>,
     /// Serving policy: CTAs of the copy kernel (0: derived from the budget and the SM count).
     pub serving_ctas: u32,
     /// Serving policy: most bytes one copy-kernel launch moves (so a launch holds its SMs only
@@ -183,6 +191,7 @@ impl Default for CudaEngineConfig {
             serving_store_dma_min_job_bytes: 32 << 20,
             serving_feedback_every: 32,
             load_high_priority: None,
+            serving_staged_cap_mb_s: None,
             serving_ctas: 0,
             serving_launch_bytes: 1 << 20,
             idle_after_us: 100_000,
@@ -199,8 +208,19 @@ impl CudaEngineConfig {
         self.method == CopyMethod::Auto && self.compute_budget_bp.is_some()
     }
 
+    /// The staged-pipeline cap of the serving policy in MB/s on a device whose memory peaks at
+    /// `memory_peak_gbps` (0: no cap; see [`CudaEngineConfig::serving_staged_cap_mb_s`]).
+    #[must_use]
+    pub fn staged_cap_mb_s(&self, memory_peak_gbps: Option<f64>) -> u32 {
+        match (self.serving_staged_cap_mb_s, self.compute_budget_bp) {
+            (Some(cap), _) => cap,
+            (None, Some(bp)) => super::pace::derived_cap_mb_s(bp, memory_peak_gbps),
+            (None, None) => 0,
+        }
+    }
+
     /// Applies `KVOFF_CUDA_TUNE` overrides (`key=value` pairs separated by commas; keys `budget`
-    /// (basis points, or `off`), `batch`, `queued`, `pitched` (0/1), `feeder` (0/1), `dmasplit`, `storedma`, `storedmamin` (bytes), `idleafter` (µs; 0 = never idle), `feedback` (0 = off), `loadprio` (`high`, `low`, `auto`), `ctas`, `max_ctas`, `launch`, `dmamin`, `small`
+    /// (basis points, or `off`), `batch`, `queued`, `pitched` (0/1), `feeder` (0/1), `dmasplit`, `storedma`, `storedmamin` (bytes), `idleafter` (µs; 0 = never idle), `feedback` (0 = off), `loadprio` (`high`, `low`, `auto`), `stagedcap` (MB/s, `auto`; 0 = no cap), `ctas`, `max_ctas`, `launch`, `dmamin`, `small`
     /// (`kernel` or `staged`)), used by the
     /// benchmarks to sweep the serving policy's knobs without rebuilding.
     ///
@@ -249,6 +269,10 @@ impl CudaEngineConfig {
                             )))
                         }
                     };
+                }
+                "stagedcap" if v == "auto" => self.serving_staged_cap_mb_s = None,
+                "stagedcap" => {
+                    self.serving_staged_cap_mb_s = Some(u32::try_from(num(v)?).unwrap_or(u32::MAX));
                 }
                 "feedback" => {
                     self.serving_feedback_every = u32::try_from(num(v)?).unwrap_or(u32::MAX);
@@ -308,6 +332,13 @@ mod tests {
         c.apply_tuning("loadprio=auto").unwrap();
         assert_eq!(c.load_high_priority, None);
         assert!(c.apply_tuning("loadprio=top").is_err());
+        c.apply_tuning("stagedcap=12000").unwrap();
+        assert_eq!(c.serving_staged_cap_mb_s, Some(12_000));
+        c.apply_tuning("stagedcap=0").unwrap();
+        assert_eq!(c.serving_staged_cap_mb_s, Some(0));
+        c.apply_tuning("stagedcap=auto").unwrap();
+        assert_eq!(c.serving_staged_cap_mb_s, None);
+        assert!(c.apply_tuning("stagedcap=fast").is_err());
         c.apply_tuning("budget=off,small=staged,launch=1").unwrap();
         assert_eq!(c.compute_budget_bp, None);
         assert!(!c.serving_small_kernel);

@@ -8,7 +8,9 @@ use std::sync::{Arc, Mutex, OnceLock};
 use super::calibrate::{self, Calibration};
 use super::choose::busy_within;
 use super::engine::dir_index;
+use super::handles::{Module, PrimaryCtx, Stream};
 use super::kernel::COPY_PTX;
+use super::pace::StagedPacer;
 use super::{ffi, CudaStream};
 use crate::error::{KvoffError, Result};
 use crate::plan::Direction;
@@ -28,8 +30,10 @@ unsafe impl<T> Sync for SendPtr<T> {}
 pub struct CudaDevice {
     pub(super) ordinal: i32,
     pub(super) dev: ffi::CUdevice,
-    pub(super) ctx: SendPtr<ffi::CUcontext>,
-    pub(super) module: SendPtr<ffi::CUmodule>,
+    /// Fields drop in declaration order: the module (unloaded in the context `Drop` binds) before
+    /// the context it lives in (released).
+    pub(super) module: Module,
+    pub(super) ctx: PrimaryCtx,
     pub(super) kernel: SendPtr<ffi::CUfunction>,
     pub(super) kernel_nc: SendPtr<ffi::CUfunction>,
     pub(super) sleep_kernel: SendPtr<ffi::CUfunction>,
@@ -47,6 +51,11 @@ pub struct CudaDevice {
     pub(super) epoch: std::time::Instant,
     /// `Auto`'s calibration (measured or loaded once per process; `None` if disabled or failed).
     pub(super) calibration: OnceLock<Option<Arc<Calibration>>>,
+    /// Peak device-memory bandwidth, GB/s (from the memory clock and bus width; `None` where the
+    /// driver reports neither): sizes the serving policy's staged-pipeline cap.
+    pub(super) memory_peak_gbps: Option<f64>,
+    /// The serving policy's token bucket for the staged pipeline of both directions (`pace`).
+    pub(super) staged_pacer: Arc<StagedPacer>,
 }
 
 impl std::fmt::Debug for CudaDevice {
@@ -56,6 +65,7 @@ impl std::fmt::Debug for CudaDevice {
             .field("name", &self.name)
             .field("sm_count", &self.sm_count)
             .field("batch_memcpy", &self.batch.is_some())
+            .field("memory_peak_gbps", &self.memory_peak_gbps)
             .finish_non_exhaustive()
     }
 }
@@ -103,44 +113,29 @@ impl CudaDevice {
         if let Some(d) = devs.iter().find(|d| d.ordinal == ordinal) {
             return Ok(Arc::clone(d));
         }
+        // On an error below, `module` (if loaded) and then `ctx` drop: unloaded, then released.
         // SAFETY: init succeeded in device_count.
-        let (dev, ctx, name, sm_count) = unsafe { ffi::open_device(ordinal) }?;
+        let (ctx, name, sm_count) = unsafe { PrimaryCtx::open(ordinal) }?;
+        let dev = ctx.dev();
         // SAFETY: ctx was just retained.
-        let loaded = unsafe { ffi::set_current(ctx) }.and_then(|()| {
-            let ptx = std::ffi::CStr::from_bytes_with_nul(COPY_PTX.as_bytes())
-                .map_err(|_| KvoffError::cuda("embedded PTX is not NUL-terminated"))?;
-            // SAFETY: the context is current.
-            unsafe { ffi::load_kernel(ptx, c"kvoff_copy") }
-        });
-        let loaded = loaded.and_then(|(m, k)| {
-            // SAFETY: the module was just loaded in the current context.
-            match unsafe { ffi::get_function(m, c"kvoff_sleep") }.and_then(|sl| {
-                // SAFETY: as above.
-                Ok((sl, unsafe { ffi::get_function(m, c"kvoff_copy_nc") }?))
-            }) {
-                Ok((sl, nc)) => Ok((m, k, sl, nc)),
-                Err(e) => {
-                    // SAFETY: loaded above, nothing launched.
-                    let _ = unsafe { ffi::unload_module(m) };
-                    Err(e)
-                }
-            }
-        });
-        let (module, kernel, sleep_kernel, kernel_nc) = match loaded {
-            Ok(mk) => mk,
-            Err(e) => {
-                // SAFETY: retained above, released once.
-                let _ = unsafe { ffi::release_device(dev) };
-                return Err(e);
-            }
-        };
+        unsafe { ffi::set_current(ctx.raw()) }?;
+        let ptx = std::ffi::CStr::from_bytes_with_nul(COPY_PTX.as_bytes())
+            .map_err(|_| KvoffError::cuda("embedded PTX is not NUL-terminated"))?;
+        // SAFETY: the context is current.
+        let (module, kernel) = unsafe { Module::load(ptx, c"kvoff_copy") }?;
+        // SAFETY: the context is current.
+        let sleep_kernel = unsafe { module.function(c"kvoff_sleep") }?;
+        // SAFETY: the context is current.
+        let kernel_nc = unsafe { module.function(c"kvoff_copy_nc") }?;
         // SAFETY: the driver is present.
         let batch = unsafe { ffi::memcpy_batch_fn() };
+        // SAFETY: `dev` was opened above.
+        let memory_peak_gbps = unsafe { ffi::memory_peak_gbps(dev) };
         let d = Arc::new(Self {
             ordinal,
             dev,
-            ctx: SendPtr(ctx),
-            module: SendPtr(module),
+            module,
+            ctx,
             kernel: SendPtr(kernel),
             kernel_nc: SendPtr(kernel_nc),
             sleep_kernel: SendPtr(sleep_kernel),
@@ -158,6 +153,8 @@ impl CudaDevice {
             compute_seen_us: std::sync::atomic::AtomicU64::new(0),
             epoch: std::time::Instant::now(),
             calibration: OnceLock::new(),
+            memory_peak_gbps,
+            staged_pacer: StagedPacer::new(),
         });
         devs.push(Arc::clone(&d));
         Ok(d)
@@ -249,13 +246,20 @@ impl CudaDevice {
     /// Makes the primary context current on the calling thread.
     pub(super) fn bind(&self) -> Result<()> {
         // SAFETY: the context stays retained while `self` lives.
-        unsafe { ffi::set_current(self.ctx.0) }
+        unsafe { ffi::set_current(self.ctx.raw()) }
     }
 
     /// Device name, e.g. "NVIDIA H100 80GB HBM3".
     #[must_use]
     pub fn name(&self) -> &str {
         &self.name
+    }
+
+    /// Peak device-memory bandwidth in GB/s, as the driver reports the memory clock and bus width
+    /// (`None` where it reports neither).
+    #[must_use]
+    pub fn memory_peak_gbps(&self) -> Option<f64> {
+        self.memory_peak_gbps
     }
 
     /// Number of SMs.
@@ -309,10 +313,10 @@ impl CudaDevice {
     pub fn create_stream(self: &Arc<Self>) -> Result<CudaStream> {
         self.bind()?;
         // SAFETY: the context is current.
-        let s = unsafe { ffi::stream_create(false) }?;
+        let stream = unsafe { Stream::new(false) }?;
         Ok(CudaStream {
             device: Arc::clone(self),
-            stream: SendPtr(s),
+            stream,
         })
     }
 
@@ -329,15 +333,13 @@ impl CudaDevice {
 
 impl Drop for CudaDevice {
     fn drop(&mut self) {
-        // Devices live in a process-wide cache; this runs only if the cache is torn down.
-        if self.bind().is_ok() {
-            // SAFETY: no engine holds the device any more (they hold an Arc), so no launch is in
-            // flight; the module and context are released once.
-            let _ = unsafe { ffi::unload_module(self.module.0) };
-        }
-        // SAFETY: retained in `open`, released once.
-        let _ = unsafe { ffi::release_device(self.dev) };
-        let _ = self.kernel.0;
+        // Devices live in a process-wide cache; this runs only if the cache is torn down. No
+        // engine holds the device any more (they hold an Arc), so no launch is in flight. The
+        // fields then drop: `module` (unloaded in the context bound here; if binding fails the
+        // unload's error is ignored) before `ctx` (released).
+        let _ = self.bind();
+        // Held only to keep the kernels loaded while the device lives.
+        let _ = (&self.module, self.kernel.0);
     }
 }
 

@@ -121,6 +121,8 @@ pub struct CudaEngine {
     pub(super) alloc_ranges: super::pitched::AllocRanges,
     /// Which rule of `choose` decided the job's method (`SubmitStats::reason`).
     pub(super) job_reason: &'static str,
+    /// The current job's staged-pipeline cap in MB/s (0: not paced; see the `pace` module).
+    pub(super) job_staged_cap_mb_s: u32,
 }
 
 impl std::fmt::Debug for CudaEngine {
@@ -211,6 +213,7 @@ impl CudaEngine {
             submitting: 0,
             job_fed: false,
             job_reason: "",
+            job_staged_cap_mb_s: 0,
             alloc_ranges: super::pitched::AllocRanges::default(),
         })
     }
@@ -512,6 +515,21 @@ impl TransferEngine for CudaEngine {
                 .scores
                 .pick(key, method, self.cfg.serving_feedback_every);
         }
+        // The serving policy's staged jobs share the device's rate cap (`pace`); an explicit
+        // method or the idle policy runs at full speed.
+        self.job_staged_cap_mb_s = if self.job_serving && method == CopyMethod::Staged {
+            let cap = self.cfg.staged_cap_mb_s(self.device.memory_peak_gbps);
+            // Paced only while the device's staged jobs arrive near the cap: a host function
+            // costs the job its latency (measured up to ~250 µs beside a GEMM), which jobs well
+            // under the cap need not pay.
+            if self.device.staged_pacer.note_submit(bytes, cap) {
+                cap
+            } else {
+                0
+            }
+        } else {
+            0
+        };
         let (Ok(s), Some(caller_event)) =
             (self.stream(), self.caller_event.as_ref().map(Event::raw))
         else {
@@ -596,6 +614,7 @@ impl TransferEngine for CudaEngine {
             paced_ns: calls.paced_ns,
             fed: self.job_fed,
             reason: (!self.job_reason.is_empty()).then_some(self.job_reason),
+            staged_cap_mb_s: self.job_staged_cap_mb_s,
         };
         Ok(())
     }

@@ -851,3 +851,62 @@ pub(crate) unsafe fn memset_async(dst: u64, value: u8, len: usize, s: CUstream) 
         "cuMemsetD8Async",
     )
 }
+
+/// A host function the driver runs on its own thread when stream work reaches it
+/// (`cuLaunchHostFunc`); the stream's later work waits until it returns.
+pub(crate) type HostFn = unsafe extern "C" fn(user_data: *mut c_void);
+
+/// Queues host function `f(user_data)` on `s` (`cuLaunchHostFunc`). On an error the function
+/// will not run, so the caller still owns whatever `user_data` points to.
+///
+/// # Safety
+/// 1. A live context is current; `s` is a live stream of it.
+/// 2. `f` may be called once with `user_data` on a driver thread, after the stream's earlier
+///    work: it must make no CUDA call, must not unwind, and `user_data` must stay valid until
+///    then (the function takes it over).
+pub(crate) unsafe fn launch_host_func(
+    s: CUstream,
+    f: HostFn,
+    user_data: *mut c_void,
+) -> Result<()> {
+    check(
+        timed("cuLaunchHostFunc", || {
+            // SAFETY: obligations 1 and 2.
+            unsafe { sys::cuLaunchHostFunc(s, Some(f), user_data) }
+        }),
+        "cuLaunchHostFunc",
+    )
+}
+
+/// Peak device-memory bandwidth in GB/s from the device's memory clock and bus width (DDR: two
+/// transfers a clock), or `None` where the driver reports neither.
+///
+/// # Safety
+/// 1. `dev` is a device handle from [`open_device`].
+pub(crate) unsafe fn memory_peak_gbps(dev: CUdevice) -> Option<f64> {
+    let (mut khz, mut bits) = (0i32, 0i32);
+    // SAFETY: obligation 1; valid out-parameters.
+    let r1 = unsafe {
+        sys::cuDeviceGetAttribute(
+            &raw mut khz,
+            sys::CUdevice_attribute::CU_DEVICE_ATTRIBUTE_MEMORY_CLOCK_RATE,
+            dev,
+        )
+    };
+    // SAFETY: as above.
+    let r2 = unsafe {
+        sys::cuDeviceGetAttribute(
+            &raw mut bits,
+            sys::CUdevice_attribute::CU_DEVICE_ATTRIBUTE_GLOBAL_MEMORY_BUS_WIDTH,
+            dev,
+        )
+    };
+    if r1 != sys::CUresult::CUDA_SUCCESS
+        || r2 != sys::CUresult::CUDA_SUCCESS
+        || khz <= 0
+        || bits <= 0
+    {
+        return None;
+    }
+    Some(f64::from(khz) * 1e3 * 2.0 * f64::from(bits) / 8.0 / 1e9)
+}

@@ -2,14 +2,88 @@
 //! handle exactly once — with `release()`, which returns the driver's error for the engine's
 //! `close_errors`, or else in `Drop` (errors ignored there: nothing to report them to) — so error
 //! paths need no hand-written cleanup. Every call goes through [`ffi`]; the callers bind the
-//! device's context first (creation, `release` and the engine's `Drop` all run after `bind`).
+//! device's context first (creation, `release` and the owners' `Drop`s all run after `bind`;
+//! [`PrimaryCtx`], the context itself, needs none).
 #![allow(unsafe_code)]
 
-use std::ffi::c_void;
+use std::ffi::{c_void, CStr};
 
 use super::device::SendPtr;
 use super::ffi;
 use crate::error::Result;
+
+/// A device's retained primary context (the one torch uses).
+pub(super) struct PrimaryCtx {
+    dev: ffi::CUdevice,
+    ctx: SendPtr<ffi::CUcontext>,
+}
+
+impl PrimaryCtx {
+    /// Retains device `ordinal`'s primary context; also returns the device's name and SM count.
+    ///
+    /// # Safety
+    /// The driver is initialised (`ffi::init` succeeded).
+    pub(super) unsafe fn open(ordinal: i32) -> Result<(Self, String, i32)> {
+        // SAFETY: the caller's obligation.
+        let (dev, ctx, name, sm_count) = unsafe { ffi::open_device(ordinal) }?;
+        let ctx = Self {
+            dev,
+            ctx: SendPtr(ctx),
+        };
+        Ok((ctx, name, sm_count))
+    }
+
+    pub(super) fn dev(&self) -> ffi::CUdevice {
+        self.dev
+    }
+
+    pub(super) fn raw(&self) -> ffi::CUcontext {
+        self.ctx.0
+    }
+}
+
+/// Released only here: the device owning it lives in a process-wide cache, so there is no one to
+/// report an error to (hence no `release`).
+impl Drop for PrimaryCtx {
+    fn drop(&mut self) {
+        // SAFETY: retained in `open` and released only here, once.
+        let _ = unsafe { ffi::release_device(self.dev) };
+    }
+}
+
+/// A loaded module (the engine's kernels).
+pub(super) struct Module(SendPtr<ffi::CUmodule>);
+
+impl Module {
+    /// Loads PTX `ptx` and looks up its function `name`.
+    ///
+    /// # Safety
+    /// The device's context is current on this thread.
+    pub(super) unsafe fn load(ptx: &CStr, name: &CStr) -> Result<(Self, ffi::CUfunction)> {
+        // SAFETY: the caller's obligation.
+        let (m, f) = unsafe { ffi::load_kernel(ptx, name) }?;
+        Ok((Self(SendPtr(m)), f))
+    }
+
+    /// Looks up another function of the module; it stays valid while the module is loaded.
+    ///
+    /// # Safety
+    /// The device's context is current on this thread.
+    pub(super) unsafe fn function(&self, name: &CStr) -> Result<ffi::CUfunction> {
+        // SAFETY: the module is live (owned by `self`); the context is the caller's obligation.
+        unsafe { ffi::get_function(self.0 .0, name) }
+    }
+}
+
+/// Unloaded only here, like [`PrimaryCtx`] (no `release`); the owner binds the context first and
+/// drops the module before the context.
+impl Drop for Module {
+    fn drop(&mut self) {
+        // SAFETY: the module is live and unloaded only here, once; its owner drops it only when no
+        // launch of it can be in flight.
+        let _ = unsafe { ffi::unload_module(self.0 .0) };
+    }
+}
 
 /// A stream.
 pub(super) struct Stream(SendPtr<ffi::CUstream>);

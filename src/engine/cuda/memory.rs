@@ -1,18 +1,19 @@
 //! Owned CUDA memory and streams for tests, benchmarks and Rust servers: [`DeviceBuffer`] (device
 //! memory), [`PinnedBuffer`] (pinned, device-mapped host memory) and [`CudaStream`]; each frees its
 //! handle in `Drop` (errors there are ignored: nothing can be reported from a drop of these).
+//! They wrap the owned handles of `handles`, whose `Drop` is the one free path; theirs only binds
+//! the device's context first.
 
-use std::ffi::c_void;
 use std::sync::Arc;
 
-use super::device::SendPtr;
+use super::handles::{DevMem, PinnedHost, Stream};
 use super::{ffi, CudaDevice};
 use crate::error::{KvoffError, Result};
 
 /// Device memory owned by Rust (tests, benchmarks and Rust servers without another allocator).
 pub struct DeviceBuffer {
     pub(super) device: Arc<CudaDevice>,
-    pub(super) ptr: u64,
+    pub(super) mem: DevMem,
     pub(super) len: usize,
 }
 
@@ -24,10 +25,10 @@ impl DeviceBuffer {
     pub fn new(device: &Arc<CudaDevice>, len: usize) -> Result<Self> {
         device.bind()?;
         // SAFETY: the context is current.
-        let ptr = unsafe { ffi::mem_alloc(len) }?;
+        let mem = unsafe { DevMem::new(len) }?;
         Ok(Self {
             device: Arc::clone(device),
-            ptr,
+            mem,
             len,
         })
     }
@@ -35,7 +36,7 @@ impl DeviceBuffer {
     /// Device address.
     #[must_use]
     pub fn ptr(&self) -> u64 {
-        self.ptr
+        self.mem.ptr()
     }
 
     /// Size in bytes.
@@ -58,7 +59,7 @@ impl DeviceBuffer {
         self.check(offset, data.len())?;
         self.device.bind()?;
         // SAFETY: range checked; `data` is readable host memory for the synchronous copy.
-        unsafe { ffi::memcpy_htod(self.ptr + offset as u64, data) }
+        unsafe { ffi::memcpy_htod(self.mem.ptr() + offset as u64, data) }
     }
 
     /// Copies bytes at `offset` into `out` (synchronous).
@@ -69,7 +70,7 @@ impl DeviceBuffer {
         self.check(offset, out.len())?;
         self.device.bind()?;
         // SAFETY: range checked; `out` is writable host memory for the synchronous copy.
-        unsafe { ffi::memcpy_dtoh(out, self.ptr + offset as u64) }
+        unsafe { ffi::memcpy_dtoh(out, self.mem.ptr() + offset as u64) }
     }
 
     fn check(&self, offset: usize, n: usize) -> Result<()> {
@@ -85,18 +86,16 @@ impl DeviceBuffer {
 
 impl Drop for DeviceBuffer {
     fn drop(&mut self) {
-        if self.device.bind().is_ok() {
-            // SAFETY: allocated in `new`, freed once; users synchronize before dropping buffers
-            // that jobs still use (the TransferEngine::submit contract).
-            let _ = unsafe { ffi::mem_free(self.ptr) };
-        }
+        // Then `mem` frees the memory (users synchronize before dropping buffers that jobs still
+        // use: the TransferEngine::submit contract).
+        let _ = self.device.bind();
     }
 }
 
 /// Pinned, device-mapped host memory owned by Rust.
 pub struct PinnedBuffer {
     pub(super) device: Arc<CudaDevice>,
-    pub(super) ptr: SendPtr<*mut c_void>,
+    pub(super) mem: PinnedHost,
     pub(super) len: usize,
 }
 
@@ -108,12 +107,12 @@ impl PinnedBuffer {
     pub fn new(device: &Arc<CudaDevice>, len: usize) -> Result<Self> {
         device.bind()?;
         // SAFETY: the context is current.
-        let ptr = unsafe { ffi::mem_alloc_host(len) }?;
+        let mem = unsafe { PinnedHost::new(len) }?;
         // SAFETY: fresh allocation of `len.max(1)` bytes.
-        unsafe { std::ptr::write_bytes(ptr.cast::<u8>(), 0, len) };
+        unsafe { std::ptr::write_bytes(mem.ptr().cast::<u8>(), 0, len) };
         Ok(Self {
             device: Arc::clone(device),
-            ptr: SendPtr(ptr),
+            mem,
             len,
         })
     }
@@ -121,43 +120,41 @@ impl PinnedBuffer {
     /// Host (and device) address.
     #[must_use]
     pub fn ptr(&self) -> u64 {
-        self.ptr.0 as u64
+        self.mem.ptr() as u64
     }
 
     /// The bytes. Do not hold this while a job writes the buffer.
     #[must_use]
     pub fn as_slice(&self) -> &[u8] {
         // SAFETY: a live allocation of `len` bytes owned by self.
-        unsafe { std::slice::from_raw_parts(self.ptr.0.cast::<u8>(), self.len) }
+        unsafe { std::slice::from_raw_parts(self.mem.ptr().cast::<u8>(), self.len) }
     }
 
     /// The bytes, mutably.
     pub fn as_mut_slice(&mut self) -> &mut [u8] {
         // SAFETY: a live allocation of `len` bytes owned exclusively by self.
-        unsafe { std::slice::from_raw_parts_mut(self.ptr.0.cast::<u8>(), self.len) }
+        unsafe { std::slice::from_raw_parts_mut(self.mem.ptr().cast::<u8>(), self.len) }
     }
 }
 
 impl Drop for PinnedBuffer {
     fn drop(&mut self) {
-        if self.device.bind().is_ok() {
-            // SAFETY: allocated in `new`, freed once.
-            let _ = unsafe { ffi::mem_free_host(self.ptr.0) };
-        }
+        // Then `mem` frees the memory.
+        let _ = self.device.bind();
     }
 }
 
 /// A stream owned by Rust (tests, benchmarks, Rust callers that pass a stream to jobs).
 pub struct CudaStream {
     pub(super) device: Arc<CudaDevice>,
-    pub(super) stream: SendPtr<ffi::CUstream>,
+    pub(super) stream: Stream,
 }
 
 impl CudaStream {
     /// Raw handle, as [`Job::stream`](crate::engine::Job::stream) takes it.
     #[must_use]
     pub fn handle(&self) -> u64 {
-        self.stream.0 as u64
+        self.stream.raw() as u64
     }
 
     /// Queues a kernel that busies one thread for at least `ns` nanoseconds (ordering tests).
@@ -167,7 +164,7 @@ impl CudaStream {
     pub fn sleep(&self, ns: u64) -> Result<()> {
         self.device.bind()?;
         // SAFETY: the sleep kernel takes one u64 parameter; the stream is live.
-        unsafe { ffi::launch_sleep(self.device.sleep_kernel.0, ns, self.stream.0) }
+        unsafe { ffi::launch_sleep(self.device.sleep_kernel.0, ns, self.stream.raw()) }
     }
 
     /// Queues a byte fill of device or mapped host memory.
@@ -180,7 +177,7 @@ impl CudaStream {
     pub unsafe fn memset(&self, ptr: u64, value: u8, len: usize) -> Result<()> {
         self.device.bind()?;
         // SAFETY: obligation 1; the stream is live.
-        unsafe { ffi::memset_async(ptr, value, len, self.stream.0) }
+        unsafe { ffi::memset_async(ptr, value, len, self.stream.raw()) }
     }
 
     /// Waits for everything queued on the stream.
@@ -190,16 +187,14 @@ impl CudaStream {
     pub fn synchronize(&self) -> Result<()> {
         self.device.bind()?;
         // SAFETY: the stream is live.
-        unsafe { ffi::stream_sync(self.stream.0) }
+        unsafe { ffi::stream_sync(self.stream.raw()) }
     }
 }
 
 impl Drop for CudaStream {
     fn drop(&mut self) {
-        if self.device.bind().is_ok() {
-            // SAFETY: created in `create_stream`, destroyed once; the driver defers destruction
-            // until queued work has finished.
-            let _ = unsafe { ffi::stream_destroy(self.stream.0) };
-        }
+        // Then `stream` destroys the stream (the driver defers that until queued work has
+        // finished).
+        let _ = self.device.bind();
     }
 }

@@ -13,9 +13,9 @@
 //! releasing resources in `Drop` are recorded in [`CudaEngine::close_errors`].
 //!
 //! Files by concern (as cudarc's `driver/safe`): `ffi` (every driver call, checked), `handles`
-//! (owned streams, events, device and pinned memory: released once, in `Drop` if not before),
+//! (owned primary context, module, streams, events, device and pinned memory: released once, in `Drop` if not before),
 //! `memory` (public buffers), `device` (context, kernels, registration), `config` (settings),
-//! `choose` + `calibrate` (which method a job gets), `dma` + `pitched`, `kernel`, `staged` +
+//! `choose` + `calibrate` (which method a job gets), `pace` (the serving policy's cap on staged traffic), `dma` + `pitched`, `kernel`, `staged` +
 //! `pipeline` (the three copy methods), `engine` (submit, poll, wait, shutdown).
 //!
 //! Loading: the driver library is opened at run time (cudarc `dynamic-loading`); where there is
@@ -33,6 +33,7 @@ mod ffi;
 mod handles;
 mod kernel;
 mod memory;
+mod pace;
 mod pipeline;
 mod pitched;
 mod staged;

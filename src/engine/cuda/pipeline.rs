@@ -121,6 +121,14 @@ impl CudaEngine {
                 .ok_or_else(|| KvoffError::state("staging missing"))?;
             (st.aux.raw(), st.fork.raw(), st.join.raw())
         };
+        if self.job_staged_cap_mb_s > 0 {
+            // Under the serving policy, near the device's cap, the job first waits for its slot
+            // in the cap (a host function on the engine's stream: no SM, no wait in `submit`).
+            let total = copies.iter().map(|c| c.bytes).sum();
+            let pacer = std::sync::Arc::clone(&self.device.staged_pacer);
+            // SAFETY: live stream of the current context.
+            unsafe { pacer.enqueue(s, total, self.job_staged_cap_mb_s) }?;
+        }
         // SAFETY: live handles of the current context.
         unsafe {
             ffi::event_record(fork, s)?;
