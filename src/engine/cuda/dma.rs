@@ -578,7 +578,7 @@ impl CudaEngine {
         let mut bufs = std::mem::take(&mut self.scratch_dma);
         bufs.fill(
             copies.iter().map(|c| (c.src_ptr, c.dst_ptr, c.bytes)),
-            self.cfg.dma_pitched,
+            self.job_group_pitched,
             &mut device_limit(&mut self.alloc_ranges, self.direction),
         );
         if bufs.units() <= bound {
@@ -639,7 +639,7 @@ impl CudaEngine {
             let mut pace = std::mem::take(&mut self.pace);
             bufs.fill(
                 runs,
-                self.cfg.dma_pitched,
+                self.job_group_pitched,
                 &mut device_limit(&mut self.alloc_ranges, self.direction),
             );
             // SAFETY: memory validated by the plan (or staging owned by this engine) and kept
@@ -721,7 +721,7 @@ impl CudaEngine {
             copies[half..]
                 .iter()
                 .map(|c| (c.src_ptr, c.dst_ptr, c.bytes)),
-            self.cfg.dma_pitched,
+            self.job_group_pitched,
             &mut device_limit(&mut self.alloc_ranges, self.direction),
         );
         // SAFETY: live handles of the current context.

@@ -68,6 +68,7 @@ pub(super) const fn dir_index(d: Direction) -> usize {
 }
 
 /// The CUDA engine of one direction (one handler): its stream, event pool and in-flight FIFO.
+#[allow(clippy::struct_excessive_bools)] // per-job flags, each documented
 pub struct CudaEngine {
     pub(super) device: Arc<CudaDevice>,
     pub(super) cfg: CudaEngineConfig,
@@ -111,6 +112,8 @@ pub struct CudaEngine {
     pub(super) scores: Scores,
     /// Copies of the job being submitted that form pitched runs in order (see `pitched`).
     pub(super) job_pitched: usize,
+    /// Whether the current job's DMA groups copies into pitched runs (see `submit`).
+    pub(super) job_group_pitched: bool,
     /// The thread that enqueues long DMA jobs (created on first use; see `Feeder`).
     pub(super) feeder: Option<Feeder>,
     /// Id of the job being submitted.
@@ -209,6 +212,7 @@ impl CudaEngine {
             job_serving: false,
             scores: Scores::default(),
             job_pitched: 0,
+            job_group_pitched: true,
             feeder: None,
             submitting: 0,
             job_fed: false,
@@ -515,6 +519,16 @@ impl TransferEngine for CudaEngine {
                 .scores
                 .pick(key, method, self.cfg.serving_feedback_every);
         }
+        // Pitched grouping regroups a job that is not mostly pitched (in emission order) by
+        // sorting its copies by address, so that each tensor's consecutive blocks form runs.
+        // That helps an idle GPU, but beside a model it moved per-layer 32 KiB pages at half the
+        // rate of the same copies in emission order (block-major, host-contiguous per block):
+        // beside a memory-bound kernel 9.5–10.4 GB/s against 19.8–26.5 (8 MiB stores, H100,
+        // BENCHMARKS.md session 10). So the serving policy groups only mostly pitched jobs.
+        self.job_group_pitched = self.cfg.dma_pitched
+            && !(self.job_serving
+                && self.cfg.method == CopyMethod::Auto
+                && !self.job_mostly_pitched(copies.len()));
         // The serving policy's staged jobs share the device's rate cap (`pace`); an explicit
         // method or the idle policy runs at full speed.
         self.job_staged_cap_mb_s = if self.job_serving && method == CopyMethod::Staged {
