@@ -502,7 +502,8 @@ impl TransferEngine for CudaEngine {
         self.job_serving = self.decide_serving(job.stream);
         // Read only by `auto`'s choice and its split decision: not counted for explicit methods.
         self.job_pitched = if self.cfg.dma_pitched && self.cfg.method == CopyMethod::Auto {
-            let min = super::pitched::CHOICE_MIN_RUN_BYTES;
+            let avg = bytes / (copies.len().max(1) as u64);
+            let min = super::pitched::choice_min_run_bytes(avg);
             super::pitched::pitched_copies(
                 copies.len(),
                 min,
@@ -519,12 +520,10 @@ impl TransferEngine for CudaEngine {
                 .scores
                 .pick(key, method, self.cfg.serving_feedback_every);
         }
-        // Pitched grouping regroups a job that is not mostly pitched (in emission order) by
-        // sorting its copies by address, so that each tensor's consecutive blocks form runs.
-        // That helps an idle GPU, but beside a model it moved per-layer 32 KiB pages at half the
-        // rate of the same copies in emission order (block-major, host-contiguous per block):
-        // beside a memory-bound kernel 9.5–10.4 GB/s against 19.8–26.5 (8 MiB stores, H100,
-        // BENCHMARKS.md session 10). So the serving policy groups only mostly pitched jobs.
+        // Beside a model, DMA groups copies into pitched runs only when most of the job forms
+        // long runs in emission order (`choice_min_run_bytes`): short runs of large copies moved
+        // half the bytes of plain batch entries beside a memory-bound kernel (BENCHMARKS.md
+        // session 10), and so did regrouping by sorted address.
         self.job_group_pitched = self.cfg.dma_pitched
             && !(self.job_serving
                 && self.cfg.method == CopyMethod::Auto

@@ -154,6 +154,21 @@ impl AllocRanges {
 /// 27–29 GB/s (BENCHMARKS.md, session 9).
 pub(crate) const CHOICE_MIN_RUN_BYTES: u64 = 64 << 10;
 
+/// Fewest rows a pitched run must have for `auto` to count on it beside a model, whatever its
+/// bytes. Measured on an H100 beside a memory-bound kernel at the HBM's peak, 32 KiB pages of
+/// torch's small-pool tensors (four 512 KiB tensors to a 2 MiB segment: 4-row runs) moved
+/// 9.0–10.4 GB/s as pitched copies and 19.8–26.5 as batch entries (8 MiB stores, BENCHMARKS.md
+/// session 10), while a block's pages across 64 evenly spaced tensors (64-row runs) moved 38.7
+/// pitched against 31.9 (session 8).
+pub(crate) const CHOICE_MIN_ROWS: u64 = 16;
+
+/// The bytes a pitched run of copies averaging `avg_copy` bytes must move to count for `auto`:
+/// [`CHOICE_MIN_RUN_BYTES`] and [`CHOICE_MIN_ROWS`] rows.
+#[must_use]
+pub(crate) fn choice_min_run_bytes(avg_copy: u64) -> u64 {
+    CHOICE_MIN_RUN_BYTES.max(avg_copy.saturating_mul(CHOICE_MIN_ROWS))
+}
+
 /// How many of `n` copies (the `j`-th is `get(j)`) fall in runs of at least [`MIN_ROWS`] rows
 /// and `min_run_bytes` bytes when grouped in order, as [`group`] first tries (no allocation).
 pub(crate) fn pitched_copies(
@@ -241,8 +256,8 @@ pub(crate) fn group(copies: &mut Vec<(u64, u64, u64)>, out: &mut Vec<Pitched>, l
 #[cfg(test)]
 mod tests {
     use super::{
-        group, pitched_copies, unbounded, AllocRanges, Pitched, CHOICE_MIN_RUN_BYTES, MAX_PITCH,
-        MIN_ROWS,
+        choice_min_run_bytes, group, pitched_copies, unbounded, AllocRanges, Pitched,
+        CHOICE_MIN_RUN_BYTES, MAX_PITCH, MIN_ROWS,
     };
 
     fn cov(c: &[(u64, u64, u64)]) -> usize {
@@ -343,6 +358,54 @@ mod tests {
             pitched_copies(c.len(), CHOICE_MIN_RUN_BYTES, get, &mut unbounded),
             128
         );
+    }
+
+    #[test]
+    fn large_copies_count_only_in_long_runs() {
+        // 4 KiB pages: the 64 KiB floor (16 rows) as before.
+        assert_eq!(choice_min_run_bytes(4096), CHOICE_MIN_RUN_BYTES);
+        // 32 KiB pages: 16 rows (512 KiB). Four 512 KiB tensors to a 2 MiB allocation give 4-row
+        // runs of 128 KiB, which no longer make the job a pitched one; 64 evenly spaced tensors
+        // in one allocation (64-row runs) still do.
+        let page = 32u64 << 10;
+        assert_eq!(choice_min_run_bytes(page), 512 << 10);
+        let small_pool = kv(page, 64, 16, &[(5, 1), (9, 7)]);
+        let (gpu, seg) = (1u64 << 40, 2u64 << 20);
+        let mut allocs = AllocRanges::default();
+        let mut limit = |s: u64, _d: u64| {
+            (
+                allocs.end_of(s, |p| Some((gpu + (p - gpu) / seg * seg, seg))),
+                u64::MAX,
+            )
+        };
+        let get = |j: usize| small_pool.get(j).copied();
+        assert_eq!(
+            pitched_copies(small_pool.len(), CHOICE_MIN_RUN_BYTES, get, &mut limit),
+            128,
+            "4-row runs of 128 KiB pass the bytes floor alone"
+        );
+        assert_eq!(
+            pitched_copies(
+                small_pool.len(),
+                choice_min_run_bytes(page),
+                get,
+                &mut limit
+            ),
+            0
+        );
+        let one_alloc = kv(page, 64, 100, &[(5, 1), (9, 7)]);
+        let get = |j: usize| one_alloc.get(j).copied();
+        assert_eq!(
+            pitched_copies(
+                one_alloc.len(),
+                choice_min_run_bytes(page),
+                get,
+                &mut unbounded
+            ),
+            128
+        );
+        // Huge copies never overflow.
+        assert_eq!(choice_min_run_bytes(u64::MAX), u64::MAX);
     }
 
     #[test]
