@@ -521,9 +521,9 @@ impl TransferEngine for CudaEngine {
                 .pick(key, method, self.cfg.serving_feedback_every);
         }
         // Beside a model, DMA groups copies into pitched runs only when most of the job forms
-        // long runs in emission order (`choice_min_run_bytes`): short runs of large copies moved
+        // long runs in emission order (`choice_min_run_bytes`): 4-row runs of 32 KiB pages moved
         // half the bytes of plain batch entries beside a memory-bound kernel (BENCHMARKS.md
-        // session 10), and so did regrouping by sorted address.
+        // session 10). The idle policy groups as configured (`dma_pitched`).
         self.job_group_pitched = self.cfg.dma_pitched
             && !(self.job_serving
                 && self.cfg.method == CopyMethod::Auto
