@@ -719,9 +719,16 @@ fn serving_staged_pipeline_keeps_to_the_cap() {
                 submit_ms += t0.elapsed().as_secs_f64() * 1e3;
                 let st = e.last_submit_stats();
                 assert_eq!(
-                    (st.method, st.reason, st.staged_cap_mb_s),
-                    (Some("staged"), Some("serving: small copies"), reported),
+                    (st.method, st.reason),
+                    (Some("staged"), Some("serving: small copies")),
                     "{dir:?} job {id}"
+                );
+                // Under the derived cap, a GPU with slow memory (a low cap) may pace these too.
+                assert!(
+                    st.staged_cap_mb_s == reported
+                        || (cap.is_none() && st.staged_cap_mb_s == derived),
+                    "{dir:?} job {id}: paced at {} MB/s",
+                    st.staged_cap_mb_s
                 );
             }
             e.wait(&[2, 3, 4]).unwrap();

@@ -306,7 +306,9 @@ def main(argv: list[str] | None = None) -> int:
     )
     t.add_argument("--json", action="store_true", help="print rows as JSON")
     t.add_argument("--quiet", action="store_true", help="no progress bar")
-    t.add_argument("--plot", metavar="FILE.png", default=None, help=plot_help)
+    # SUPPRESS: the subcommand's --plot must not reset one given before it (`kvoff bench --plot F
+    # transfers`); `bench` itself defaults it to None.
+    t.add_argument("--plot", metavar="FILE.png", default=argparse.SUPPRESS, help=plot_help)
     t.set_defaults(func=_bench_transfers)
     k = bsub.add_parser(
         "disk",
@@ -343,7 +345,7 @@ def main(argv: list[str] | None = None) -> int:
     i.add_argument(
         "--plot",
         metavar="FILE.png",
-        default=None,
+        default=argparse.SUPPRESS,
         help="instead of the grid: sweep page sizes (4 KiB-2 MiB) and plot GB/s of kvoff's default, "
         "plain batched DMA and a contiguous copy, idle, beside the GEMM and beside the memory-bound "
         "kernel (needs matplotlib)",

@@ -450,3 +450,24 @@ def test_bench_transfers_plot_json_without_torch(tmp_path):
     }
     assert {r["page_kib"] for r in out["sweep"]} == set(bench.HOST_PLOT_PAGES_KIB)
     assert png.stat().st_size > 10_000
+
+
+def test_plot_given_before_the_subcommand_is_kept(monkeypatch):
+    """``kvoff bench --plot F transfers`` (or ``interference``): the subcommand's own ``--plot``
+    must not reset the one given before it; without any, ``plot`` is None."""
+    from kvoff import cli
+
+    seen: list[object] = []
+
+    def record(args):
+        seen.append(args.plot)
+        return 0
+
+    monkeypatch.setattr(cli, "_bench_transfers", record)
+    monkeypatch.setattr(cli, "_bench_interference", record)
+    assert cli.main(["bench", "--plot", "a.png", "transfers"]) == 0
+    assert cli.main(["bench", "transfers", "--plot", "b.png"]) == 0
+    assert cli.main(["bench", "--plot", "c.png", "interference"]) == 0
+    assert cli.main(["bench", "transfers"]) == 0
+    assert cli.main(["bench", "interference"]) == 0
+    assert seen == ["a.png", "b.png", "c.png", None, None]

@@ -150,13 +150,16 @@ pub struct CudaEngineConfig {
     /// whether the priority moves DMA beside a model (BENCHMARKS.md session 8, item 1 of its
     /// readout); tune key `loadprio` (`high`, `low`, `auto`).
     pub load_high_priority: Option<bool>,
-    /// Serving policy: the most MB/s the staged pipeline of all engines of the device may move
-    /// together while the model computes (its pack kernel and DMA cross the GPU's memory three
-    /// times per byte, which a memory-bound model pays for; see the `pace` module). `None` (the
-    /// default): derived from the budget and the device's peak memory bandwidth, so that a model
-    /// at the memory's peak loses at most 80% of its memory-bound budget (2.5 × the compute
-    /// budget): about 30 GB/s on an H100 and 44 on an H200 at 2%. `Some(0)`: no cap. Tune key
-    /// `stagedcap` (MB/s, `auto`, or 0).
+    /// Serving policy: the rate in MB/s at which staged jobs are paced while the model computes
+    /// (their pack kernel and DMA cross the GPU's memory three times per byte, which a
+    /// memory-bound model pays for; see the `pace` module). The engines of a device share one
+    /// time bucket: a paced job reserves its bytes at its engine's cap and starts when the jobs
+    /// reserved before it (both directions) are through, so the cap holds on average over jobs
+    /// (one job runs at full speed); jobs are paced only while the device's staged jobs arrive
+    /// near the cap. `None` (the default): derived from the budget and the device's peak memory
+    /// bandwidth (driver attributes), so that a model at the memory's peak loses at most 80% of
+    /// its memory-bound budget (2.5 × the compute budget): 30.5 GB/s on an H100 (3352 GB/s) at 2%.
+    /// `Some(0)`: no cap. Tune key `stagedcap` (MB/s, `auto`, or 0).
     pub serving_staged_cap_mb_s: Option<u32>,
     /// Serving policy: CTAs of the copy kernel (0: derived from the budget and the SM count).
     pub serving_ctas: u32,

@@ -571,6 +571,7 @@ impl CudaEngine {
             self.dma(
                 copies.iter().map(|c| (c.src_ptr, c.dst_ptr, c.bytes)),
                 host_to_device,
+                self.job_group_pitched,
                 s,
             )?;
             return Ok(false);
@@ -627,11 +628,13 @@ impl CudaEngine {
         Ok(true)
     }
 
-    /// Batched DMA of `(src, dst, bytes)` triples on `s` (a per-copy loop without the batch API).
+    /// Batched DMA of `(src, dst, bytes)` triples on `s` (a per-copy loop without the batch API),
+    /// grouping regular runs into pitched copies when `pitched`.
     pub(super) fn dma(
         &mut self,
         runs: impl Iterator<Item = (u64, u64, u64)> + Clone,
         host_to_device: bool,
+        pitched: bool,
         s: ffi::CUstream,
     ) -> Result<()> {
         if let Some(f) = self.device.batch {
@@ -639,7 +642,7 @@ impl CudaEngine {
             let mut pace = std::mem::take(&mut self.pace);
             bufs.fill(
                 runs,
-                self.job_group_pitched,
+                pitched,
                 &mut device_limit(&mut self.alloc_ranges, self.direction),
             );
             // SAFETY: memory validated by the plan (or staging owned by this engine) and kept
@@ -748,6 +751,7 @@ impl CudaEngine {
                     .iter()
                     .map(|c| (c.src_ptr, c.dst_ptr, c.bytes)),
                 host_to_device,
+                self.job_group_pitched,
                 s,
             )
         });

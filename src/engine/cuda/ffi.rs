@@ -379,6 +379,20 @@ pub(crate) unsafe fn stream_busy(s: CUstream) -> Result<bool> {
     check(r, "cuStreamQuery").map(|()| false)
 }
 
+/// Whether `s` is being captured into a CUDA graph (also when its capture state cannot be read).
+///
+/// # Safety
+/// 1. `s` is a live stream of the current context.
+pub(crate) unsafe fn stream_capturing(s: CUstream) -> bool {
+    let mut status = sys::CUstreamCaptureStatus::CU_STREAM_CAPTURE_STATUS_NONE;
+    // SAFETY: obligation 1; asking for the capture state is allowed during a capture.
+    let r = timed("cuStreamIsCapturing", || unsafe {
+        sys::cuStreamIsCapturing(s, &raw mut status)
+    });
+    r != sys::CUresult::CUDA_SUCCESS
+        || status != sys::CUstreamCaptureStatus::CU_STREAM_CAPTURE_STATUS_NONE
+}
+
 /// # Safety
 /// 1. `s` is live.
 pub(crate) unsafe fn stream_sync(s: CUstream) -> Result<()> {

@@ -12,9 +12,10 @@ use crate::error::{KvoffError, Result};
 
 /// Device memory owned by Rust (tests, benchmarks and Rust servers without another allocator).
 pub struct DeviceBuffer {
-    pub(super) device: Arc<CudaDevice>,
+    // Fields drop in declaration order: the memory before the device (and its context).
     pub(super) mem: DevMem,
     pub(super) len: usize,
+    pub(super) device: Arc<CudaDevice>,
 }
 
 impl DeviceBuffer {
@@ -94,9 +95,10 @@ impl Drop for DeviceBuffer {
 
 /// Pinned, device-mapped host memory owned by Rust.
 pub struct PinnedBuffer {
-    pub(super) device: Arc<CudaDevice>,
+    // Fields drop in declaration order: the memory before the device (and its context).
     pub(super) mem: PinnedHost,
     pub(super) len: usize,
+    pub(super) device: Arc<CudaDevice>,
 }
 
 impl PinnedBuffer {
@@ -146,8 +148,9 @@ impl Drop for PinnedBuffer {
 
 /// A stream owned by Rust (tests, benchmarks, Rust callers that pass a stream to jobs).
 pub struct CudaStream {
-    pub(super) device: Arc<CudaDevice>,
+    // Fields drop in declaration order: the stream before the device (and its context).
     pub(super) stream: Stream,
+    pub(super) device: Arc<CudaDevice>,
 }
 
 impl CudaStream {

@@ -124,7 +124,7 @@ impl CudaEngine {
         if self.job_staged_cap_mb_s > 0 {
             // Under the serving policy, near the device's cap, the job first waits for its slot
             // in the cap (a host function on the engine's stream: no SM, no wait in `submit`).
-            let total = copies.iter().map(|c| c.bytes).sum();
+            let total = copies.iter().fold(0u64, |a, c| a.saturating_add(c.bytes));
             let pacer = std::sync::Arc::clone(&self.device.staged_pacer);
             // SAFETY: live stream of the current context.
             unsafe { pacer.enqueue(s, total, self.job_staged_cap_mb_s) }?;
@@ -173,6 +173,9 @@ impl CudaEngine {
         let words =
             unsafe { std::slice::from_raw_parts_mut(buf.host.ptr().cast::<u64>(), buf.cap / 8) };
         let host_base = buf.host.ptr() as u64;
+        // The staging leg groups host runs as configured (the serving policy's rule on pitched
+        // runs is about copies over the model's KV tensors, not the staging slots).
+        let pitched = self.cfg.dma_pitched;
         let mut runs = std::mem::take(&mut self.scratch_runs);
         let mut packer = StagedPacker::default();
         let mut nd = 0usize;
@@ -207,9 +210,9 @@ impl CudaEngine {
                 let ndesc = (nd - d0) as u64;
                 if d2h {
                     self.launch(kdesc, ndesc, ctas, st)?;
-                    self.dma(runs.iter().copied(), false, st)?;
+                    self.dma(runs.iter().copied(), false, pitched, st)?;
                 } else {
-                    self.dma(runs.iter().copied(), true, st)?;
+                    self.dma(runs.iter().copied(), true, pitched, st)?;
                     self.launch(kdesc, ndesc, ctas, st)?;
                 }
             }
