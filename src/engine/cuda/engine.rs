@@ -41,6 +41,8 @@ pub(super) enum Prepared {
         buf: DescBuf,
         n_chunks: usize,
         first_slot: usize,
+        /// Bytes of the job.
+        total: u64,
     },
 }
 
@@ -392,8 +394,9 @@ impl CudaEngine {
                 buf,
                 n_chunks,
                 first_slot,
+                total,
             } => {
-                let r = self.enqueue_staged(copies, buf, *n_chunks, *first_slot, s);
+                let r = self.enqueue_staged(copies, buf, *n_chunks, *first_slot, *total, s);
                 if let Some(st) = self.staging.as_mut() {
                     st.next = (first_slot + n_chunks) % st.slots.len().max(1);
                 }

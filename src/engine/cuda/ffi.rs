@@ -360,15 +360,8 @@ pub(crate) unsafe fn stream_wait(s: CUstream, e: CUevent) -> Result<()> {
 /// # Safety
 /// 1. `s` is a live stream of the current context, or 0 (the legacy default stream).
 pub(crate) unsafe fn stream_busy(s: CUstream) -> Result<bool> {
-    let mut status = sys::CUstreamCaptureStatus::CU_STREAM_CAPTURE_STATUS_NONE;
-    // SAFETY: the caller upholds this function's `# Safety` obligations; asking for the capture
-    // state is allowed during a capture.
-    let r = timed("cuStreamIsCapturing", || unsafe {
-        sys::cuStreamIsCapturing(s, &raw mut status)
-    });
-    if r != sys::CUresult::CUDA_SUCCESS
-        || status != sys::CUstreamCaptureStatus::CU_STREAM_CAPTURE_STATUS_NONE
-    {
+    // SAFETY: the caller upholds this function's `# Safety` obligations.
+    if unsafe { stream_capturing(s) } {
         return Ok(false);
     }
     // SAFETY: as above; the stream is not capturing.
@@ -382,7 +375,7 @@ pub(crate) unsafe fn stream_busy(s: CUstream) -> Result<bool> {
 /// Whether `s` is being captured into a CUDA graph (also when its capture state cannot be read).
 ///
 /// # Safety
-/// 1. `s` is a live stream of the current context.
+/// 1. `s` is a live stream of the current context, or 0 (the legacy default stream).
 pub(crate) unsafe fn stream_capturing(s: CUstream) -> bool {
     let mut status = sys::CUstreamCaptureStatus::CU_STREAM_CAPTURE_STATUS_NONE;
     // SAFETY: obligation 1; asking for the capture state is allowed during a capture.

@@ -97,6 +97,7 @@ impl CudaEngine {
             buf: self.take_desc(nbytes)?,
             n_chunks,
             first_slot,
+            total,
         })
     }
 
@@ -112,6 +113,7 @@ impl CudaEngine {
         buf: &DescBuf,
         n_chunks: usize,
         first_slot: usize,
+        total: u64,
         s: ffi::CUstream,
     ) -> Result<()> {
         let (aux, fork, join) = {
@@ -124,7 +126,6 @@ impl CudaEngine {
         if self.job_staged_cap_mb_s > 0 {
             // Under the serving policy, near the device's cap, the job first waits for its slot
             // in the cap (a host function on the engine's stream: no SM, no wait in `submit`).
-            let total = copies.iter().fold(0u64, |a, c| a.saturating_add(c.bytes));
             let pacer = std::sync::Arc::clone(&self.device.staged_pacer);
             // SAFETY: live stream of the current context.
             unsafe { pacer.enqueue(s, total, self.job_staged_cap_mb_s) }?;
