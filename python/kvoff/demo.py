@@ -142,7 +142,9 @@ def _torch() -> Any:
     try:
         import torch
     except ImportError as e:  # pragma: no cover - torch is installed where the demo runs
-        raise ImportError("kvoff demo needs torch: pip install 'kvoff[torch]'") from e
+        raise ImportError(
+            "kvoff demo needs torch: pip install torch (or, in a kvoff checkout: pip install '.[torch]')"
+        ) from e
     return torch
 
 

@@ -32,16 +32,15 @@ def test_manager_rows_agree_with_the_reference() -> None:
         assert 0.0 < kv["hit_rate"] < 1.0
         assert kv["key_ops_per_s"] > 0 and ref["ratio"] == 1.0
         assert kv["ratio"] == pytest.approx(kv["key_ops_per_s"] / ref["key_ops_per_s"])
-        # Without vLLM the target is judged against docs/performance.md's recorded vLLM figure.
-        assert kv["vs_vllm"] is None
-        need = bench.VLLM_RATIO_TARGETS[policy] * bench.VLLM_RECORDED[policy] * 1e6
-        assert kv["target_met"] == (kv["key_ops_per_s"] >= need)
+        # Without vLLM the target has no baseline: not measured (None), never "met".
+        assert kv["vs_vllm"] is None and kv["target_met"] is None
 
 
 def test_format_manager_rows_states_each_target() -> None:
     text = bench.format_manager_rows(_small(vllm=False))
-    assert "target lru: >= 7.00 M key-ops/s" in text
-    assert "target arc: >= 9.20 M key-ops/s" in text
+    assert "target lru: >= 10x vLLM's LRU manager in the same run: not measured" in text
+    assert "target arc: >= 5x vLLM's ARC manager in the same run: not measured" in text
+    assert " met" not in text
     assert text.count("python-ref") == 2 and text.count("kvoff ") >= 2
 
 
@@ -88,7 +87,14 @@ def test_bench_transfers_small_job() -> None:
         assert r["blocks"] >= bench.MIN_BLOCKS
         assert r["job_bytes"] == r["blocks"] * r["page_bytes"] * r["tensors"]
     text = bench.format_transfer_rows(rows).splitlines()
-    assert "contig GB/s" in text[1] and len(text) == 2 + len(rows)
+    assert "contig GB/s" in text[1] and all(r["verified_bytes"] == r["job_bytes"] for r in rows)
+    assert text[-1].startswith(
+        f"verified: the last job of each of the {len(rows)} rows compared byte for byte"
+    )
+    if not cuda:  # no GPU: the directions are store/load, the reference on the engine's threads
+        assert {r["direction"] for r in rows} == set(bench.HOST_DIRS)
+        assert all(r["contiguous_threads"] >= 1 for r in rows)
+        assert bench.HOST_DIRS_NOTE in text and "GPU->CPU" not in "\n".join(text)
 
 
 def test_interference_method_specs_parse():
@@ -307,11 +313,11 @@ def test_interference_cli_parses_and_needs_a_gpu(capsys):
 
     if _native.cuda_available():
         pytest.skip("a GPU is here: the benchmark would run")
-    pytest.importorskip("torch")
-    with pytest.raises(RuntimeError, match="needs a CUDA GPU"):
-        cli.main(
-            ["bench", "interference", "--pages-kib", "4", "--jobs-mib", "1", "--dirs", "store", "--quiet"]
-        )
+    rc = cli.main(
+        ["bench", "interference", "--pages-kib", "4", "--jobs-mib", "1", "--dirs", "store", "--quiet"]
+    )
+    err = capsys.readouterr().err
+    assert rc == 1 and "needs a CUDA GPU" in err and "Traceback" not in err
 
 
 def test_bench_transfers_without_torch() -> None:
@@ -333,8 +339,10 @@ def test_bench_transfers_without_torch() -> None:
     assert out.returncode == 0, out.stderr[-3000:]
     rows = json.loads(out.stdout)
     assert {r["engine"] for r in rows} == {"host"}
-    assert {r["direction"] for r in rows} == {"GPU->CPU", "CPU->GPU"}
+    # No GPU here: the directions say what moves (store: KV arrays -> host region, load: back).
+    assert {r["direction"] for r in rows} == {"store", "load"}
     assert len(rows) == 8 and all(r["gb_s"] > 0 and r["contiguous_gb_s"] > 0 for r in rows)
+    assert all(r["verified_bytes"] == r["job_bytes"] for r in rows)
 
 
 def test_interference_compute_keeps_a_bounded_queue():
