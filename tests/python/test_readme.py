@@ -1,7 +1,7 @@
 """The README's snippets run as written: every ```python block in a fresh interpreter of its own,
 and the ```rust block as ``src/main.rs`` of a tiny crate whose ``Cargo.toml`` has the README's
-``[dependencies]`` line (``path = "../kvoff"``, a link to this checkout beside the crate), built and
-run with cargo. A block preceded by ``<!-- readme-test: skip (reason) -->`` is not run, and the
+``[dependencies]`` line (``path = "../kvoff"``, a link to this checkout beside the crate, both
+under ``target/readme-snippets``), built and run with cargo. A block preceded by ``<!-- readme-test: skip (reason) -->`` is not run, and the
 reason is reported; a block needing an optional package that is missing is skipped, saying which.
 """
 
@@ -72,27 +72,38 @@ def test_python_snippet_runs(line: int, code: str, reason: str | None, tmp_path:
     assert p.returncode == 0, f"README.md:{line}:\n{code}\n--- stderr:\n{p.stderr[-4000:]}"
 
 
-def test_rust_snippet_builds_and_runs(tmp_path: Path) -> None:
+def test_rust_snippet_builds_and_runs() -> None:
     """A new crate beside a `kvoff` link to this checkout, with the README's dependency line as
-    written; `cargo run` must build it and the snippet's asserts must hold. CARGO_TARGET_DIR is
-    target/readme-snippets in this checkout, so later runs reuse the build."""
+    written; `cargo run` must build it and the snippet's asserts must hold. The crate and its
+    CARGO_TARGET_DIR live at fixed places under target/readme-snippets in this checkout, so that
+    later runs reuse the build (kvoff's package id includes its path)."""
     cargo = shutil.which("cargo")
     if cargo is None:
         pytest.skip("cargo is not installed here (the README's requirements list Rust >= 1.85 with cargo)")
     ((_, toml, _),) = TOML
     ((line, code, _),) = RUST
     assert 'kvoff = { path = "../kvoff" }' in toml
-    (tmp_path / "kvoff").symlink_to(ROOT, target_is_directory=True)
-    app = tmp_path / "app"
-    (app / "src").mkdir(parents=True)
-    (app / "Cargo.toml").write_text(
-        '[package]\nname = "readme-snippet"\nversion = "0.0.0"\nedition = "2021"\npublish = false\n\n'
-        "[workspace]\n\n" + toml
-    )
-    (app / "src" / "main.rs").write_text(code)
+    base = ROOT / "target" / "readme-snippets"
+    crate = base / "crate"
+    crate.mkdir(parents=True, exist_ok=True)
+    link = crate / "kvoff"
+    if not link.is_symlink():
+        link.symlink_to(ROOT, target_is_directory=True)
+    app = crate / "app"
+    (app / "src").mkdir(parents=True, exist_ok=True)
+    files = {
+        app / "Cargo.toml": (
+            '[package]\nname = "readme-snippet"\nversion = "0.0.0"\nedition = "2021"\npublish = false\n\n'
+            "[workspace]\n\n" + toml
+        ),
+        app / "src" / "main.rs": code,
+    }
+    for path, text in files.items():
+        if not path.exists() or path.read_text() != text:
+            path.write_text(text)
     # The checkout's lock file: the same dependency versions as kvoff's own build, no resolution.
     shutil.copy(ROOT / "Cargo.lock", app / "Cargo.lock")
-    env = dict(os.environ, CARGO_TARGET_DIR=str(ROOT / "target" / "readme-snippets"))
+    env = dict(os.environ, CARGO_TARGET_DIR=str(base / "target"))
     p = subprocess.run(
         [cargo, "run", "--quiet"], cwd=app, env=env, capture_output=True, text=True, timeout=1800, check=False
     )
