@@ -479,3 +479,54 @@ def test_plot_given_before_the_subcommand_is_kept(monkeypatch):
     assert cli.main(["bench", "transfers"]) == 0
     assert cli.main(["bench", "interference"]) == 0
     assert seen == ["a.png", "b.png", "c.png", None, None]
+
+
+def test_repeat_sweeps_median_band_and_spread(tmp_path):
+    """`--plot` repeats the sweep: each point is the median of the sweeps with its min and max,
+    and a spread above SPREAD_LIMIT of the median is called too large to read."""
+    pytest.importorskip("matplotlib")
+    from kvoff import bench_interference as bi
+
+    def sweep(idle: float, gemm: float) -> list[dict[str, object]]:
+        return [
+            {"page_kib": 4, "dir": "store", "method": "kvoff auto", "idle_gb_s": idle, "gemm_gb_s": gemm},
+            {"page_kib": 32, "dir": "store", "method": "kvoff auto", "idle_gb_s": 10.0, "gemm_gb_s": 9.0},
+        ]
+
+    runs = iter([sweep(10.0, 8.0), sweep(12.0, 8.2), sweep(11.0, 8.1)])
+    logged: list[str] = []
+    rows, spread = bench.repeat_sweeps(lambda: next(runs), 3, logged.append)
+    assert logged == [f"page-size sweep {k} of 3" for k in (1, 2, 3)]
+    r4 = next(r for r in rows if r["page_kib"] == 4)
+    assert (r4["idle_gb_s"], r4["idle_gb_s_min"], r4["idle_gb_s_max"]) == (11.0, 10.0, 12.0)
+    assert r4["gemm_gb_s_min"] == 8.0 and r4["sweeps"] == 3
+    assert spread.worst == pytest.approx(2.0 / 11.0) and not spread.too_large
+    assert "3 sweeps: median line, min-max band; largest spread 18%" in spread.note
+    assert "kvoff auto, store, 4 KiB, idle" in spread.note
+    labels = bi.plot_sweep_rows(rows, str(tmp_path / "band.png"), note=spread.note)
+    assert labels == ["kvoff auto, idle", "kvoff auto, beside a GEMM"]
+    assert "min-max" in bi.format_sweep_rows(rows).splitlines()[0]
+
+    runs = iter([sweep(10.0, 8.0), sweep(20.0, 8.0)])
+    _, spread = bench.repeat_sweeps(lambda: next(runs), 2)
+    assert spread.too_large and "SPREAD TOO LARGE TO READ" in spread.note
+    _, one = bench.repeat_sweeps(lambda: sweep(1.0, 1.0), 1)
+    assert not one.too_large and one.note.startswith("1 sweep: no spread measured")
+
+
+def test_host_contiguous_reference_uses_the_engines_threads():
+    """The host engine's reference copies on as many threads as the engine splits a job over,
+    with its thresholds (one thread below 8 MiB, >= 2 MiB per thread), and copies right."""
+    import numpy as np
+
+    with bench.ThreadedCopy(4) as tc:
+        assert tc.pieces(4 << 20) == 1 and tc.pieces(8 << 20) == 4 and tc.pieces(100 << 20) == 4
+        src = np.arange(9 << 20, dtype=np.uint32).view(np.uint8)[: 33 << 20]
+        dst = np.zeros_like(src)
+        tc.copy(dst, src)
+        assert np.array_equal(dst, src)
+    with bench.ThreadedCopy(2) as tc:
+        assert tc.pieces(9 << 20) == 2
+    assert 1 <= bench.host_engine_threads() <= 8
+    gbs, threads = bench.time_host_contiguous(16 << 20, 1)
+    assert gbs > 0 and threads == min(bench.host_engine_threads(), 8)
