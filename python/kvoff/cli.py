@@ -109,7 +109,8 @@ def _plot_needs_matplotlib(cmd: str) -> bool:
 
 
 def _gpu_for_plot() -> bool:
-    """Whether ``--plot`` can run the GPU sweep here: torch with CUDA and kvoff's CUDA engine."""
+    """Whether the GPU benchmarks (``--plot``'s GPU sweep, CUDA methods) can run here: torch with
+    CUDA and kvoff's CUDA engine."""
     try:
         import torch
     except ImportError:
@@ -192,6 +193,12 @@ def _check_transfer_args(args: argparse.Namespace) -> list[str] | None:
             raise UsageError(
                 f"argument --methods: {args.methods!r} needs torch and a CUDA GPU; without torch "
                 "only 'host' runs"
+            )
+        cuda_only = [m for m in methods if m not in ("host", "auto")]
+        if cuda_only and not _gpu_for_plot():
+            raise UsageError(
+                f"argument --methods: {', '.join(cuda_only)} need a CUDA GPU (torch with CUDA and kvoff's "
+                "CUDA engine); here only host and auto (= host) run"
             )
     return methods
 
