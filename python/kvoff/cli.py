@@ -87,10 +87,11 @@ def _check_memory(option: str, value: object, need: int, unit: str = "") -> None
 
 
 def _check_job_memory(job_mib: int | None) -> None:
-    """A transfer job of ``job_mib`` MiB holds about 4x its bytes at once (the KV side and the
-    host region, each twice the job; scenarios move at least 256 pages of 2 MiB)."""
+    """A transfer job of ``job_mib`` MiB holds about 6x its bytes at once (the KV side and the
+    host region, each twice the job, and the reference's two buffers; scenarios move at least 256
+    pages of 2 MiB)."""
     if job_mib is not None:
-        _check_memory("--job-mib", job_mib, 4 * max(job_mib, 512) << 20)
+        _check_memory("--job-mib", job_mib, 6 * max(job_mib, 512) << 20)
 
 
 def _plot_needs_matplotlib(cmd: str) -> bool:
