@@ -530,3 +530,37 @@ def test_host_contiguous_reference_uses_the_engines_threads():
     assert 1 <= bench.host_engine_threads() <= 8
     gbs, threads = bench.time_host_contiguous(16 << 20, 1)
     assert gbs > 0 and threads == min(bench.host_engine_threads(), 8)
+
+
+def test_gpu_plot_path_repeats_the_sweep(monkeypatch, tmp_path, capsys):
+    """`kvoff bench interference --plot` and `kvoff bench transfers --plot` on a GPU, with the GPU
+    sweep stood in for by fixed rows (the sweep itself needs a GPU: test_worker_gpu.py and the
+    lead's GPU runs): the sweep runs --plot-repeats times and the table shows its spread."""
+    pytest.importorskip("matplotlib")
+    from kvoff import bench_interference as bi
+
+    calls: list[int] = []
+
+    def fake_sweep(job_mib=64, seconds=0.3, log=None, pages_kib=None):
+        calls.append(job_mib)
+        v = 10.0 + len(calls)
+        return [
+            {"page_kib": p, "dir": d, "method": m, "idle_gb_s": v, "gemm_gb_s": v - 1, "mem_gb_s": v - 2}
+            for p in (4, 32)
+            for d in ("store", "load")
+            for m in ("kvoff auto", "batched DMA", "contiguous copy")
+        ]
+
+    monkeypatch.setattr(cli, "_gpu_for_plot", lambda: True)
+    monkeypatch.setattr(bi, "sweep_for_plot", fake_sweep)
+    png = tmp_path / "i.png"
+    argv = ["bench", "interference", "--plot", str(png), "--plot-repeats", "2", "--plot-job-mib", "8"]
+    assert cli.main([*argv, "--quiet"]) == 0
+    out = capsys.readouterr().out
+    assert calls == [8, 8] and png.stat().st_size > 10_000
+    assert "spread: 2 sweeps: median line, min-max band; largest spread" in out and "11.0-12.0" in out
+
+    monkeypatch.setattr(bench, "bench_transfers", lambda *a, **k: [])
+    calls.clear()
+    assert cli.main(["bench", "transfers", "--plot", str(png), "--quiet", "--job-mib", "16"]) == 0
+    assert calls == [16, 16, 16] and "spread: 3 sweeps" in capsys.readouterr().out
