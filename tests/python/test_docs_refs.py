@@ -137,3 +137,16 @@ def test_benchmarks_cargo_and_script_commands_exist() -> None:
             bad += [f"{c!r}: no step {s!r}" for s in m.group(1).split() if s not in steps]
     assert seen["cargo"] and seen["gpu_check"], seen
     assert not bad, "BENCHMARKS.md commands that name what does not exist:\n" + "\n".join(bad)
+
+
+def _github_slug(heading: str) -> str:
+    s = re.sub(r"[^\w\- ]", "", heading.strip().lower())
+    return s.replace(" ", "-")
+
+
+def test_benchmarks_internal_links_resolve() -> None:
+    """BENCHMARKS.md's ``](#anchor)`` links point at one of its headings (GitHub's slugs)."""
+    text = _BENCH.read_text()
+    slugs = {_github_slug(h) for h in re.findall(r"^#+ (.+)$", text, re.MULTILINE)}
+    bad = [a for a in re.findall(r"\]\(#([^)]+)\)", text) if a not in slugs]
+    assert not bad, f"links to headings that do not exist: {bad}"
