@@ -52,9 +52,9 @@ step "pytest (torch, vLLM 0.33: $MAIN)"
 "$MAIN/bin/python" -m pytest -q -p no:cacheprovider -rs
 step "stub check (mypy.stubtest kvoff._native)"
 "$MAIN/bin/python" -m mypy.stubtest kvoff._native
-step "ruff check and ruff format --check (python package and tests)"
-"$MAIN/bin/python" -m ruff check python tests/python
-"$MAIN/bin/python" -m ruff format --check python tests/python
+step "ruff check and ruff format --check (python package, tests, scripts/probe)"
+"$MAIN/bin/python" -m ruff check python tests/python scripts/probe
+"$MAIN/bin/python" -m ruff format --check python tests/python scripts/probe
 step "mypy --strict (python/kvoff; settings in pyproject.toml)"
 "$MAIN/bin/python" -m mypy
 
