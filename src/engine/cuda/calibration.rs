@@ -6,7 +6,7 @@
 //! by copy size, the staged pipeline by host-contiguous run length. `Auto` then picks, per job, the
 //! method with the best estimate for the job's average copy size and run length (log-linear
 //! interpolation between the measured sizes; staging only for jobs of at least two staging slots). When the other direction is active, kernel pairs are
-//! known to share PCIe badly (BENCHMARKS.md: 58–75 GB/s total against 82–100 for staged or DMA
+//! known to share PCIe badly (docs/performance.md: 58–75 GB/s total against 82–100 for staged or DMA
 //! pairs), so only DMA and staging are considered then, from 256 KiB runs.
 //!
 //! Cache: `$KVOFF_CACHE_DIR` or `$XDG_CACHE_HOME/kvoff` or `~/.cache/kvoff`, file

@@ -32,7 +32,8 @@ pub(super) struct ServingJob {
     pub(super) avg_copy: u64,
     /// Bytes of the job.
     pub(super) bytes: u64,
-    /// At least half of the copies form pitched runs of ≥ 64 KiB within one device allocation.
+    /// At least half of the copies form pitched runs within one device allocation, each of at least
+    /// [`choice_min_run_bytes`](super::pitched::choice_min_run_bytes) (64 KiB and 16 rows).
     pub(super) mostly_pitched: bool,
     /// The engine of the other direction submitted or has jobs in flight (within 50 ms).
     pub(super) other_busy: bool,
@@ -43,8 +44,8 @@ pub(super) struct ServingJob {
 /// The serving policy's rule: the method, the feedback cell when the feedback may override it,
 /// and which rule decided. Pure (unit-tested against a scenario table below).
 ///
-/// Beside a model (measured on an H100 beside a bf16 GEMM and a 1 GiB device copy, BENCHMARKS.md
-/// "Transfers beside compute"): batched DMA uses no SMs and moves copies of ≥ 32 KiB efficiently
+/// Beside a model (measured on an H100 beside a bf16 GEMM and a 1 GiB device copy; docs/performance.md
+/// "How `auto` chooses a copy method"): batched DMA uses no SMs and moves copies of ≥ 32 KiB efficiently
 /// (2–3× staging's GB/s there, slowdown within noise); smaller copies go through the staged
 /// pipeline, whose pack kernel runs device-to-device in short launches and whose PCIe leg is large
 /// DMAs (3–6× plain DMA beside a GEMM at 4 KiB pages, within the budget). The copy kernel over
@@ -87,7 +88,7 @@ pub(super) fn serving_choice(
         && other_busy
     {
         // Off by default: with small copies that are not pitched, DMA moves 4–7 GB/s, and
-        // staging both ways stays within the budget (BENCHMARKS.md session 9). When on, large
+        // staging both ways stays within the budget (docs/performance.md). When on, large
         // stores, which nothing waits for, leave the HBM to the loads' pipeline.
         (CopyMethod::Dma, "serving: stores beside loads")
     } else {
@@ -140,7 +141,7 @@ impl CudaEngine {
                 if avg >= self.cfg.dma_min_avg_copy_bytes {
                     return (CopyMethod::Dma, None, "idle: large copies");
                 }
-                // Measured on an H200 (BENCHMARKS.md): with 64 × 4 KiB pages per block (256 KiB
+                // Measured on an H200 (docs/performance.md): with 64 × 4 KiB pages per block (256 KiB
                 // runs) the kernel wins for stores (92% vs 85% of the link) and staging wins for
                 // loads (90% vs 89%); from 1 MiB runs staging wins both ways, and it is the only
                 // method that keeps ≥ 95 GB/s when stores and loads run together.

@@ -147,8 +147,8 @@ pub struct CudaEngineConfig {
     /// Stream priority of loads: `None` (the default) gives loads the highest priority without a
     /// budget and the lowest under the serving policy (stores always have the lowest); `Some(true)`
     /// / `Some(false)` force the highest / the lowest. Set when the engine is made. For measuring
-    /// whether the priority moves DMA beside a model (BENCHMARKS.md session 8, item 1 of its
-    /// readout); tune key `loadprio` (`high`, `low`, `auto`).
+    /// whether the priority moves DMA beside a model (docs/performance.md, "How `auto` chooses a
+    /// copy method"); tune key `loadprio` (`high`, `low`, `auto`).
     pub load_high_priority: Option<bool>,
     /// Serving policy: the rate in MB/s at which staged jobs are paced while the model computes
     /// (their pack kernel and DMA cross the GPU's memory three times per byte, which a

@@ -26,7 +26,6 @@ use crate::plan::Direction;
 pub(super) enum Prepared {
     /// Nothing to prepare (DMA, loop, empty job).
     Nothing,
-    /// Kernel descriptors in a pinned buffer.
     /// Kernel descriptors in a pinned buffer sized for the whole job; those of the first `head`
     /// copies (`head_n` descriptors) are written, the rest are written at issue time while the
     /// device already copies the head.

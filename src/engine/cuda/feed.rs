@@ -5,7 +5,7 @@
 //! Why parallel: the driver spends about a microsecond of CPU per copy in `cuMemcpyBatchAsync`,
 //! so one thread feeding 32 KiB copies keeps the copy engines at ~33 GB/s whatever the batch size
 //! (measured on an H100: the submit's CPU time equals the job's device time). Two threads
-//! enqueueing halves of the job on two streams reach 42–46 GB/s (BENCHMARKS.md). So a DMA job of
+//! enqueueing halves of the job on two streams reach 42–46 GB/s (docs/performance.md). So a DMA job of
 //! `Auto` with at least [`CudaEngineConfig::dma_split_min_copies`] copies is forked: the second
 //! half goes to the engine's DMA helper thread, which enqueues it on an auxiliary stream (forked
 //! from the engine's stream with an event and joined back before the job's end event), while the
@@ -33,7 +33,7 @@ const PACE_TIMEOUT: std::time::Duration = std::time::Duration::from_secs(60);
 /// Pacing of long DMA jobs: the copies a job keeps queued on its stream are bounded, so that the
 /// driver never waits inside a call for room in the stream's queue.
 ///
-/// Measured on an H100 (BENCHMARKS.md, session 6): with 32768 copies of 4 KiB enqueued in calls
+/// Measured on an H100 (docs/performance.md, "Hardware facts the code relies on"): with 32768 copies of 4 KiB enqueued in calls
 /// of 64, the calls after the first few thousand copies took 300–820 µs of CPU each where the
 /// first took ~60: the driver spins inside the call until the device has drained enough of the
 /// queue. Here an event is recorded after each batch call, and before the call `k` batches later

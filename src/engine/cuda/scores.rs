@@ -72,10 +72,10 @@ const SCORE_ALPHA: f64 = 0.3;
 /// Both methods keep the model within the budget for small copies (DMA uses no SMs; the staged
 /// pipeline's pack kernel runs in short low-priority launches), but which one moves more depends
 /// on how much of the GPU the model leaves: on one H100 beside a GEMM, 4 KiB × 8 MiB stores moved
-/// 7.6 GB/s by DMA and 5.4 staged; on another of the same kind 4.3 and 7.9 (BENCHMARKS.md). So
+/// 7.6 GB/s by DMA and 5.4 staged; on another of the same kind 4.3 and 7.9 (docs/performance.md). So
 /// the rule's choice is the default, the two alternate until each has three samples, and after
 /// that each job runs the method with the higher moving average of device-timed GB/s (changed
-/// only when the other is 5% faster), except that every `every × ⌈(best / other)²⌉`-th job (at most every 1024th) tries the other again, so
+/// only when the other is 5% faster, or 15% faster to leave DMA for staging), except that every `every × ⌈(best / other)²⌉`-th job (at most every 1024th) tries the other again, so
 /// a change in the model's load is noticed while a clearly slower method costs little.
 #[derive(Debug, Default)]
 pub(super) struct Scores {

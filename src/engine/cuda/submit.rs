@@ -130,7 +130,6 @@ impl CudaEngine {
         if let Some(d) = job.desc {
             self.descs.push(d);
         }
-        let _ = job.method;
         JobResult {
             job_id: job.job_id,
             success: error.is_none(),
