@@ -97,13 +97,14 @@ fn measure(dev: &Arc<CudaDevice>) -> Result<Calibration> {
             points.extend(RUN_SIZES.iter().map(|&b| (CopyMethod::Staged, b, p)));
         }
         for method in [CopyMethod::Kernel, CopyMethod::Dma, CopyMethod::Staged] {
-            let cfg = CudaEngineConfig {
+            let mut cfg = CudaEngineConfig {
                 method,
                 calibrate: false,
                 // Per-copy DMA: the calibrated rate must hold for any job, pitched or not.
                 dma_pitched: false,
                 ..CudaEngineConfig::default()
             };
+            cfg.apply_env_tuning()?;
             let mut eng = CudaEngine::new(Arc::clone(dev), dir, cfg)?;
             for &(_, size, staged_page) in points.iter().filter(|p| p.0 == method) {
                 // Kernel/DMA: copies of `size`; staged: `staged_page` pages in host runs of `size`.

@@ -198,18 +198,16 @@ impl std::fmt::Debug for CudaEngine {
 
 impl CudaEngine {
     /// An engine for one direction on `device`. Loads (`CpuToGpu`) get the highest stream priority,
-    /// stores the lowest.
+    /// stores the lowest. `KVOFF_CUDA_TUNE` is not read here: callers apply it to `cfg`
+    /// ([`CudaEngineConfig::apply_env_tuning`], or [`crate::engine::EngineOptions::from_env`]).
     ///
     /// # Errors
     /// [`KvoffError::Cuda`] if the stream or events cannot be created.
     pub fn new(
         device: Arc<CudaDevice>,
         direction: Direction,
-        mut cfg: CudaEngineConfig,
+        cfg: CudaEngineConfig,
     ) -> Result<Self> {
-        if let Ok(spec) = std::env::var("KVOFF_CUDA_TUNE") {
-            cfg.apply_tuning(&spec)?;
-        }
         if cfg.max_ctas == 0 {
             return Err(KvoffError::arg("max_ctas must be at least 1"));
         }
