@@ -557,6 +557,10 @@ impl PyTransferHandler {
 
 pub(crate) fn register(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add(
+        "DEFAULT_COMPUTE_BUDGET",
+        f64::from(crate::engine::DEFAULT_COMPUTE_BUDGET_BP) / 10_000.0,
+    )?;
+    m.add(
         "ENGINES",
         PyTuple::new(m.py(), EngineKind::ALL.map(EngineKind::name))?,
     )?;
