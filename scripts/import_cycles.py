@@ -53,18 +53,28 @@ def _heads(group: str) -> list[str]:
     return [re.split(r"::|\s", it.strip(), maxsplit=1)[0] for it in items if it.strip()]
 
 
+def _rust_files(folder: Path) -> dict[str, list[Path]]:
+    """The modules of `folder` and their files: `name.rs`, or `name/mod.rs` with its submodules."""
+    files = {p.stem: [p] for p in folder.glob("*.rs") if p.stem != "mod"}
+    for d in folder.iterdir():
+        if d.is_dir() and (d / "mod.rs").exists():
+            files[d.name] = sorted(d.rglob("*.rs"))
+    return files
+
+
 def rust_graph(folder: Path) -> dict[str, set[str]]:
-    mods = {p.stem for p in folder.glob("*.rs") if p.stem != "mod"}
+    files = _rust_files(folder)
+    mods = set(files)
     reexport: dict[str, str] = {}
     for m in re.finditer(r"pub(?:\([a-z]+\))?\s+use\s+(\w+)::(\{[^;]*\}|\w+)\s*;", _strip_rust((folder / "mod.rs").read_text())):
         names = _heads(m.group(2)[1:-1]) if m.group(2).startswith("{") else [m.group(2)]
         for n in names:
             reexport[n] = m.group(1)
     graph: dict[str, set[str]] = {}
-    for p in folder.glob("*.rs"):
-        if p.stem == "mod":
-            continue
-        text = _strip_rust(p.read_text())
+    for mod, paths in files.items():
+        # Inside a directory module, `super::` of a submodule is the module itself: only its
+        # mod.rs names the siblings through `super::`.
+        text = "\n".join(_strip_rust(p.read_text()) for p in paths if p.name == "mod.rs" or len(paths) == 1)
         names: list[str] = []
         for m in re.finditer(r"(?:\bsuper|crate::engine::cuda)::(\{|\w+)", text):
             if m.group(1) == "{":
@@ -76,7 +86,7 @@ def rust_graph(folder: Path) -> dict[str, set[str]]:
             else:
                 names.append(m.group(1))
         deps = {n if n in mods else reexport.get(n, "") for n in names}
-        graph[p.stem] = {d for d in deps if d and d != p.stem}
+        graph[mod] = {d for d in deps if d and d != mod}
     return graph
 
 
