@@ -5,7 +5,12 @@
 //! `cargo bench --bench disk -- [DIR] [BLOCKS] [REPS] [IO_THREADS] [LAYOUT]` (defaults: `$TMPDIR` or
 //! /tmp, 256 blocks, 5 repetitions, 8 threads, every layout).
 // Tests and benchmarks: an unwrap that fails is the failure report; pedantic style is for the library.
-#![allow(clippy::unwrap_used, clippy::pedantic)]
+#![allow(
+    clippy::unwrap_used,
+    clippy::expect_used,
+    clippy::panic,
+    clippy::pedantic
+)]
 
 use kvoff::tier::bench::{run, DiskBenchConfig};
 use kvoff::tier::DirectIo;

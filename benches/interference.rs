@@ -43,7 +43,12 @@
 //! spans two tensors). The default grid (56 cells) takes about 12 minutes on an H100 with 1 s GEMM rounds;
 //! the 32-row grid of BENCHMARKS.md's "Transfers beside compute" (four methods) took 7.
 // Benchmarks: an unwrap that fails is the failure report; pedantic style is for the library.
-#![allow(clippy::unwrap_used, clippy::pedantic)]
+#![allow(
+    clippy::unwrap_used,
+    clippy::expect_used,
+    clippy::panic,
+    clippy::pedantic
+)]
 // Unsafe: raw driver and cuBLAS calls on buffers and streams this file owns, and kvoff submits
 // over memory it keeps alive.
 #![allow(unsafe_code)]
@@ -599,8 +604,8 @@ fn contiguous(dev: &Arc<CudaDevice>, secs: f64) -> [f64; 3] {
         ..CudaEngineConfig::default()
     };
     let mut engines = [
-        CudaEngine::new(Arc::clone(dev), Direction::GpuToCpu, cfg.clone()).unwrap(),
-        CudaEngine::new(Arc::clone(dev), Direction::CpuToGpu, cfg).unwrap(),
+        tuned_engine(Arc::clone(dev), Direction::GpuToCpu, cfg.clone()).unwrap(),
+        tuned_engine(Arc::clone(dev), Direction::CpuToGpu, cfg).unwrap(),
     ];
     let mut out = [0.0; 3];
     for (slot, on) in [[true, false], [false, true], [true, true]]
@@ -869,8 +874,8 @@ fn main() {
                     continue;
                 };
                 let mut engines = [
-                    CudaEngine::new(Arc::clone(&dev), Direction::GpuToCpu, cfg.clone()).unwrap(),
-                    CudaEngine::new(Arc::clone(&dev), Direction::CpuToGpu, cfg).unwrap(),
+                    tuned_engine(Arc::clone(&dev), Direction::GpuToCpu, cfg.clone()).unwrap(),
+                    tuned_engine(Arc::clone(&dev), Direction::CpuToGpu, cfg).unwrap(),
                 ];
                 // The transfers are not ordered after the model's stream (they run on a thread of
                 // their own), so the engines are told where the model computes.
@@ -1014,4 +1019,15 @@ fn main() {
 #[cfg(not(feature = "cuda"))]
 fn main() {
     println!("interference: skipped (built without the cuda feature)");
+}
+
+/// `CudaEngine::new` with the environment's `KVOFF_CUDA_TUNE` applied (the engine does not read it).
+#[cfg(feature = "cuda")]
+fn tuned_engine(
+    dev: Arc<CudaDevice>,
+    direction: Direction,
+    mut cfg: CudaEngineConfig,
+) -> kvoff::Result<CudaEngine> {
+    cfg.apply_env_tuning()?;
+    CudaEngine::new(dev, direction, cfg)
 }

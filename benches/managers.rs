@@ -37,7 +37,12 @@
 //! Run: `cargo bench --bench managers` (about five minutes; append `-- <filter>` to run a subset,
 //! e.g. `-- lru/touch`).
 // Tests and benchmarks: an unwrap that fails is the failure report; pedantic style is for the library.
-#![allow(clippy::unwrap_used, clippy::pedantic)]
+#![allow(
+    clippy::unwrap_used,
+    clippy::expect_used,
+    clippy::panic,
+    clippy::pedantic
+)]
 
 use std::collections::HashMap;
 use std::hash::Hash;

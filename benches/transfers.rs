@@ -9,7 +9,12 @@
 //! scenario, `KVOFF_BENCH_ONLY=4KiB` the scenarios whose name contains that text. Set
 //! `KVOFF_BENCH_JSON=path` to also write the rows as JSON lines.
 // Tests and benchmarks: an unwrap that fails is the failure report; pedantic style is for the library.
-#![allow(clippy::unwrap_used, clippy::pedantic)]
+#![allow(
+    clippy::unwrap_used,
+    clippy::expect_used,
+    clippy::panic,
+    clippy::pedantic
+)]
 // Unsafe: submitting plans to engines over memory this file allocates and keeps alive.
 #![allow(unsafe_code)]
 #![allow(clippy::cast_precision_loss, clippy::cast_possible_truncation)]
@@ -132,7 +137,7 @@ fn time_method(
         method,
         ..cfg_default()
     };
-    let mut eng = CudaEngine::new(Arc::clone(&setup.dev), dir, cfg).expect("engine");
+    let mut eng = tuned_engine(Arc::clone(&setup.dev), dir, cfg).expect("engine");
     // The gate: a sleep kernel on the "caller's" stream that every timed job waits on, so the GPU
     // starts a job only after the CPU has enqueued all of it and the events time device work only
     // (the batch and loop baselines spend milliseconds of CPU inside the driver per job).
@@ -435,7 +440,7 @@ fn main() {
             (CopyMethod::Dma, CopyMethod::Kernel),
         ] {
             let mk = |m, d| {
-                CudaEngine::new(
+                tuned_engine(
                     Arc::clone(&dev),
                     d,
                     CudaEngineConfig {
@@ -530,4 +535,15 @@ fn cfg_default() -> CudaEngineConfig {
         c.read_only_loads = t == 1;
     }
     c
+}
+
+/// `CudaEngine::new` with the environment's `KVOFF_CUDA_TUNE` applied (the engine does not read it).
+#[cfg(feature = "cuda")]
+fn tuned_engine(
+    dev: Arc<CudaDevice>,
+    direction: Direction,
+    mut cfg: CudaEngineConfig,
+) -> kvoff::Result<CudaEngine> {
+    cfg.apply_env_tuning()?;
+    CudaEngine::new(dev, direction, cfg)
 }

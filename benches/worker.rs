@@ -3,7 +3,12 @@
 //! `cargo bench --bench worker`. The host engine figure is compared with a single-thread
 //! `copy_from_slice` of the same number of bytes measured in the same run (target: ≥ 70%).
 // Tests and benchmarks: an unwrap that fails is the failure report; pedantic style is for the library.
-#![allow(clippy::unwrap_used, clippy::pedantic)]
+#![allow(
+    clippy::unwrap_used,
+    clippy::expect_used,
+    clippy::panic,
+    clippy::pedantic
+)]
 // Unsafe: submitting plans to engines over memory this file allocates and keeps alive.
 #![allow(unsafe_code)]
 

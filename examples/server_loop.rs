@@ -2,9 +2,10 @@
 //!
 //! The pieces, as a server would wire them:
 //! - scheduler side: an [`ArcManager`] decides which blocks live on the host and what to evict;
-//! - worker side: a [`HostRegion`] holds the host copies (one row per CPU block, one slot per
-//!   tensor page), a [`CopyPlanner`] turns block ids into a bounds-checked copy plan, and an engine
-//!   moves the bytes: a [`CudaEngine`] per direction when a GPU is present, else the [`HostEngine`],
+//! - worker side: one call, [`OffloadingHandlers::new`] (the Rust counterpart of Python's
+//!   `CpuGpuOffloadingHandlers`), sets up the host region holding the host copies (one row per CPU
+//!   block, one slot per tensor page), the planner that turns block ids into a bounds-checked copy
+//!   plan, and an engine per direction: CUDA engines when a GPU is present, else the host engine,
 //!   with plain host memory standing in for GPU memory.
 //!
 //! The model: Llama-3-8B's KV shapes (32 layers × K, V = 64 tensors of 32 KiB pages per 16-token
@@ -20,16 +21,14 @@
 use std::collections::{HashMap, VecDeque};
 use std::time::Instant;
 
-use kvoff::engine::{HostEngine, Job, JobResult, TransferEngine};
+use kvoff::engine::{EngineOptions, EngineTensor, JobResult, DEFAULT_COMPUTE_BUDGET_BP};
+use kvoff::handlers::{HandlersConfig, OffloadingHandlers};
 use kvoff::manager::{ArcManager, ManagerConfig, OffloadingManager};
-use kvoff::plan::{CopyPlanner, Direction, GpuSpec, PlanRef, TensorDesc};
-use kvoff::region::HostRegion;
-use kvoff::Result;
+use kvoff::plan::{Direction, GpuSpec, PlanRef, TensorDesc};
+use kvoff::{KvoffError, Result};
 
 #[cfg(feature = "cuda")]
-use kvoff::engine::cuda::{cuda_available, CudaDevice, CudaEngine, CudaEngineConfig, DeviceBuffer};
-#[cfg(feature = "cuda")]
-use std::sync::Arc;
+use kvoff::engine::cuda::{cuda_available, CudaDevice, DeviceBuffer};
 
 const TENSORS: usize = 64; // 32 layers × (K, V)
 const PAGE_BYTES: usize = 16 * 8 * 128 * 2; // 16 tokens × 8 KV heads × head_dim 128 × bf16 = 32 KiB
@@ -149,14 +148,6 @@ fn make_requests(cfg: &Config, rng: &mut Rng) -> Vec<Vec<u64>> {
         .collect()
 }
 
-/// GPU memory, the store and load engines, and a description of them.
-type Backend = (
-    GpuMemory,
-    Box<dyn TransferEngine>,
-    Box<dyn TransferEngine>,
-    String,
-);
-
 /// Byte and time totals of one direction.
 #[derive(Default)]
 struct Moved {
@@ -165,14 +156,13 @@ struct Moved {
     jobs: u64,
 }
 
-/// The worker side: GPU memory, host region, planner and one engine per direction.
+/// The worker side: GPU memory and kvoff's handlers (host region, planner, one engine per
+/// direction), set up in one call ([`OffloadingHandlers::new`]).
 struct Worker {
+    /// Declared before `gpu`: dropped first (the engines drain before the GPU memory goes).
+    handlers: OffloadingHandlers,
     gpu: GpuMemory,
     gpu_blocks: usize,
-    _region: HostRegion,
-    planner: CopyPlanner,
-    store: Box<dyn TransferEngine>,
-    load: Box<dyn TransferEngine>,
     next_job: i64,
     moved: [Moved; 2],
     page: Vec<u8>,
@@ -181,74 +171,63 @@ struct Worker {
 
 impl Worker {
     fn new(gpu_blocks: usize, cpu_blocks: usize) -> Result<(Self, String)> {
-        let slot = (TENSORS * PAGE_BYTES) as u64;
-        #[allow(unused_mut)]
-        let mut region = HostRegion::private(cpu_blocks as u64, slot, 1)?;
         let gpu_len = gpu_blocks * BLOCK_BYTES;
-
         #[cfg(feature = "cuda")]
-        let cuda = if cuda_available() {
+        let (mut gpu, device) = if cuda_available() {
             let dev = CudaDevice::open(0)?;
-            // Pinned, device-mapped host memory: required by the copy kernel, fastest for DMA.
-            region.pin(dev.registrar())?;
-            let gpu = GpuMemory::Cuda(DeviceBuffer::new(&dev, gpu_len)?);
-            let cfg = CudaEngineConfig::default();
-            let store = CudaEngine::new(Arc::clone(&dev), Direction::GpuToCpu, cfg.clone())?;
-            let load = CudaEngine::new(Arc::clone(&dev), Direction::CpuToGpu, cfg)?;
-            let b: Backend = (
-                gpu,
-                Box::new(store),
-                Box::new(load),
-                format!("CUDA engine on {}", dev.name()),
-            );
-            Some(b)
+            let name = dev.name().to_owned();
+            (
+                GpuMemory::Cuda(DeviceBuffer::new(&dev, gpu_len)?),
+                Some(name),
+            )
         } else {
-            None
+            (GpuMemory::Host(vec![0u8; gpu_len]), None)
         };
         #[cfg(not(feature = "cuda"))]
-        let cuda: Option<Backend> = None;
+        let (mut gpu, device): (GpuMemory, Option<String>) =
+            (GpuMemory::Host(vec![0u8; gpu_len]), None);
 
-        let (mut gpu, store, load, what): Backend = match cuda {
-            Some(b) => b,
-            None => (
-                GpuMemory::Host(vec![0u8; gpu_len]),
-                Box::new(HostEngine::new()?),
-                Box::new(HostEngine::new()?),
-                "host engine (no GPU: host memory stands in for GPU memory)".to_string(),
-            ),
-        };
-
-        // Descriptors: GPU tensor t = gpu_blocks pages; CPU tensor t = bytes t×page.. of every row.
+        // The canonical tensors: GPU tensor t = gpu_blocks pages at t × gpu_blocks × PAGE_BYTES;
+        // on a CUDA device when there is one (then `auto` picks a CUDA engine), else host memory
+        // standing in for GPU memory (the host engine).
         let base = gpu.ptr();
-        let gpu_descs = (0..TENSORS)
+        let tensors: Vec<EngineTensor> = (0..TENSORS)
             .map(|t| {
-                TensorDesc::contiguous(
+                let desc = TensorDesc::contiguous(
                     base + (t * gpu_blocks * PAGE_BYTES) as u64,
                     gpu_blocks as u64,
                     PAGE_BYTES as u64,
-                )
+                );
+                match device {
+                    Some(_) => EngineTensor::cuda(desc, 0),
+                    None => EngineTensor::host(desc),
+                }
             })
             .collect();
-        let cpu_descs = (0..TENSORS)
-            .map(|t| {
-                region
-                    .view(0, (t * PAGE_BYTES) as u64, PAGE_BYTES as u64)
-                    .map(|v| v.tensor_desc())
-            })
-            .collect::<Result<Vec<_>>>()?;
         // One KV-cache group whose layers are all 64 tensors; CPU block = 1 GPU block.
         let refs = vec![(0..TENSORS)
             .map(|t| PlanRef::new(t, PAGE_BYTES as u64))
             .collect()];
-        let planner = CopyPlanner::new(gpu_descs, cpu_descs, refs, 1)?;
+        let cfg = HandlersConfig {
+            num_cpu_blocks: cpu_blocks as u64,
+            // The environment's `KVOFF_CUDA_TUNE`, as the Python handlers apply it.
+            options: EngineOptions::from_env(Some(DEFAULT_COMPUTE_BUDGET_BP)),
+            ..HandlersConfig::default()
+        };
+        let handlers = OffloadingHandlers::new(&tensors, refs, &cfg)?;
+        let what = match (&device, handlers.pin_error()) {
+            (Some(name), None) => format!("{} engine on {name}", handlers.engine_name()),
+            (Some(name), Some(e)) => format!(
+                "{} engine on {name} (host memory not pinned: {e})",
+                handlers.engine_name()
+            ),
+            (None, _) => "host engine (no GPU: host memory stands in for GPU memory)".to_owned(),
+        };
         Ok((
             Self {
+                handlers,
                 gpu,
                 gpu_blocks,
-                _region: region,
-                planner,
-                store,
-                load,
                 next_job: 0,
                 moved: [Moved::default(), Moved::default()],
                 page: vec![0; PAGE_BYTES],
@@ -287,30 +266,33 @@ impl Worker {
 
     /// Plans, submits and waits for one job; returns its result.
     fn transfer(&mut self, dir: Direction, gpu_ids: &[i64], cpu_ids: &[i64]) -> Result<JobResult> {
-        let plan = self.planner.plan(dir, &GpuSpec::new(gpu_ids), cpu_ids)?;
         self.next_job += 1;
         let id = self.next_job;
-        let engine = match dir {
-            Direction::GpuToCpu => &mut self.store,
-            Direction::CpuToGpu => &mut self.load,
-        };
-        // SAFETY: (1) the plan comes from `self.planner`, whose descriptors describe `self.gpu` and
-        // `self._region`, both alive until `self` drops, and we wait for the job below; (2) GPU-side
-        // and host-side memory are disjoint and the planner rejects duplicate destinations; nothing
-        // else touches those blocks until `wait` returns.
-        unsafe { engine.submit(Job::new(id, plan)) }?;
-        engine.wait(&[id])?;
-        let res = engine
-            .poll()
+        // SAFETY: (1) the GPU-side tensors are `self.gpu`, alive until `self` drops (after the
+        // handlers, which drain first), and we wait for the job below; (2) nothing else touches
+        // those blocks until `wait` returns.
+        unsafe {
+            self.handlers
+                .submit(id, dir, &GpuSpec::new(gpu_ids), cpu_ids, None)
+        }?;
+        self.handlers.wait(dir, &[id])?;
+        let res = self
+            .handlers
+            .poll(dir)
             .into_iter()
             .find(|r| r.job_id == id)
-            .expect("a waited job has a result");
+            .ok_or_else(|| KvoffError::state("a waited job has no result"))?;
         let m = &mut self.moved[usize::from(dir == Direction::CpuToGpu)];
         m.bytes += res.bytes;
         m.seconds += res.seconds;
         m.jobs += 1;
         Ok(res)
     }
+}
+
+/// A GPU block index as the planner's id (the pool is small).
+fn block_id(b: usize) -> i64 {
+    i64::try_from(b).unwrap_or(i64::MAX)
 }
 
 #[allow(clippy::too_many_lines)]
@@ -377,8 +359,10 @@ fn main() -> Result<()> {
         while free.len() < need {
             let k = lru
                 .pop_front()
-                .expect("the GPU pool holds at least one request");
-            let b = on_gpu.remove(&k).expect("cached");
+                .ok_or_else(|| KvoffError::arg("a request needs more blocks than the GPU pool"))?;
+            let b = on_gpu
+                .remove(&k)
+                .ok_or_else(|| KvoffError::state("an LRU key is not cached"))?;
             victims.push((k, b));
             free.push(b);
         }
@@ -389,7 +373,7 @@ fn main() -> Result<()> {
                 let gids: Vec<i64> = out
                     .keys_to_store
                     .iter()
-                    .map(|k| i64::try_from(where_[k]).expect("block ids are small"))
+                    .map(|k| block_id(where_[k]))
                     .collect();
                 let cids: Vec<i64> = out.block_ids.iter().map(|&b| i64::from(b)).collect();
                 let res = worker.transfer(Direction::GpuToCpu, &gids, &cids)?;
@@ -399,14 +383,10 @@ fn main() -> Result<()> {
         } // `None`: the host is full of pinned blocks; the victims are simply dropped.
 
         // 4. Load the offloaded prefix into fresh blocks, compute the rest.
-        let fresh: Vec<usize> = (0..need)
-            .map(|_| free.pop().expect("freed above"))
-            .collect();
+        let mut fresh: Vec<usize> = free.split_off(free.len() - need);
+        fresh.reverse(); // taken from the end of `free`, last first
         if c > 0 {
-            let gids: Vec<i64> = fresh[..c]
-                .iter()
-                .map(|&b| i64::try_from(b).expect("block ids are small"))
-                .collect();
+            let gids: Vec<i64> = fresh[..c].iter().map(|&b| block_id(b)).collect();
             let res = worker.transfer(Direction::CpuToGpu, &gids, &cpu_ids)?;
             manager.complete_load(load_keys)?;
             assert!(res.success, "load failed: {:?}", res.error);
@@ -469,8 +449,7 @@ fn main() -> Result<()> {
         if bad == 0 { " (OK)" } else { " (FAILED)" }
     );
     println!("  wall time {wall:.2} s");
-    worker.store.shutdown();
-    worker.load.shutdown();
+    worker.handlers.shutdown();
     if bad > 0 {
         std::process::exit(1);
     }

@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # Runs on the GPU machine (device tool) over what scripts/gpu_stage.sh put in .carry/:
-#   tests  — Rust GPU tests, compute-sanitizer memcheck over cuda_engine, the GPU pytest suite;
+#   tests  — Rust GPU tests (the `#[ignore = "needs a CUDA GPU"]` ones too: `--include-ignored`),
+#            compute-sanitizer memcheck over cuda_engine, the GPU pytest suite;
 #   idle   — `kvoff bench transfers` (idle GPU, 512 MiB jobs, one direction and both at once);
 #   beside — `kvoff bench interference` (Python) with KVOFF_GRID_* overrides;
 #   rust   — `cargo bench --bench interference` (the Rust twin) with KVOFF_BENCH_* overrides.
@@ -18,10 +19,10 @@ for step in "$@"; do
   case $step in
   tests)
     for t in lib cuda_engine cuda_fault worker_region worker_engine; do
-      .carry/bin/$t --test-threads=1 >"$OUT/rust_$t.log" 2>&1
+      .carry/bin/$t --include-ignored --test-threads=1 >"$OUT/rust_$t.log" 2>&1
       summary+=("rust $t: rc=$? $(grep -E '^test result' "$OUT/rust_$t.log" | tail -1)")
     done
-    compute-sanitizer --tool memcheck --error-exitcode 9 .carry/bin/cuda_engine --test-threads=1 \
+    compute-sanitizer --tool memcheck --error-exitcode 9 .carry/bin/cuda_engine --include-ignored --test-threads=1 \
       --skip calibration >"$OUT/memcheck.log" 2>&1
     summary+=("memcheck cuda_engine: rc=$? $(grep -E 'ERROR SUMMARY' "$OUT/memcheck.log" | tail -1)")
     python3 -m pytest -q -p no:cacheprovider -x tests/python/test_worker_gpu.py \

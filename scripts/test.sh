@@ -23,8 +23,10 @@ step "cargo clippy (no features)"
 cargo clippy --all-targets --locked -- -D warnings
 step "cargo clippy (python feature)"
 cargo clippy --all-targets --locked --features python -- -D warnings
-step "cargo test"
+step "cargo test (GPU-only tests are #[ignore]d here; scripts/gpu_check.sh runs them)"
 cargo test --locked
+step "import cycles (src/engine/cuda, python/kvoff)"
+python3 scripts/import_cycles.py
 
 step "python environments"
 # The build tools live in a virtualenv of their own (nothing is installed into the system Python).

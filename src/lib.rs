@@ -58,6 +58,7 @@
 pub mod engine;
 pub mod error;
 pub mod expand;
+pub mod handlers;
 pub mod key;
 pub mod manager;
 pub mod plan;

@@ -27,7 +27,12 @@
 //! Cases per property: `PROPTEST_CASES` (default [`DEFAULT_CASES`]: the file runs in about 2 s in a
 //! debug build on 2 cores; 100 000 cases took 2 minutes).
 // Tests and benchmarks: an unwrap that fails is the failure report; pedantic style is for the library.
-#![allow(clippy::unwrap_used, clippy::pedantic)]
+#![allow(
+    clippy::unwrap_used,
+    clippy::expect_used,
+    clippy::panic,
+    clippy::pedantic
+)]
 // Unsafe: the counting global allocator (forwards to `System`).
 #![allow(unsafe_code)]
 

@@ -3,7 +3,12 @@
 //! allocator that counts per thread (the managers are single-threaded), so the tests may run in
 //! parallel.
 // Tests and benchmarks: an unwrap that fails is the failure report; pedantic style is for the library.
-#![allow(clippy::unwrap_used, clippy::pedantic)]
+#![allow(
+    clippy::unwrap_used,
+    clippy::expect_used,
+    clippy::panic,
+    clippy::pedantic
+)]
 // Unsafe: the counting global allocator below (a GlobalAlloc impl is unsafe by definition).
 #![allow(unsafe_code)]
 

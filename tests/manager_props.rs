@@ -15,7 +15,12 @@
 //! (full caches, pinned blocks, ghost hits, admission) are reached, while some are deliberately
 //! invalid.
 // Tests and benchmarks: an unwrap that fails is the failure report; pedantic style is for the library.
-#![allow(clippy::unwrap_used, clippy::pedantic)]
+#![allow(
+    clippy::unwrap_used,
+    clippy::expect_used,
+    clippy::panic,
+    clippy::pedantic
+)]
 
 use std::collections::BTreeSet;
 use std::fmt::Debug;

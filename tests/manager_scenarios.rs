@@ -1,7 +1,12 @@
 //! docs/spec.md §2.6 reference scenarios, for each policy where they apply. Capacity 4 unless noted;
 //! keys `K(i) = make_offload_key(str(i), 0)`.
 // Tests and benchmarks: an unwrap that fails is the failure report; pedantic style is for the library.
-#![allow(clippy::unwrap_used, clippy::pedantic)]
+#![allow(
+    clippy::unwrap_used,
+    clippy::expect_used,
+    clippy::panic,
+    clippy::pedantic
+)]
 
 use kvoff::key::make_offload_key;
 use kvoff::manager::{

@@ -1,7 +1,12 @@
 //! File tier (docs/spec.md §9): format, restart, corruption, capacity, sharing, crash safety, full disk and
 //! permission errors. Processes are this test binary run again with `KVOFF_TIER_CHILD` set.
 // Tests and benchmarks: an unwrap that fails is the failure report; pedantic style is for the library.
-#![allow(clippy::unwrap_used, clippy::pedantic)]
+#![allow(
+    clippy::unwrap_used,
+    clippy::expect_used,
+    clippy::panic,
+    clippy::pedantic
+)]
 
 use std::path::{Path, PathBuf};
 use std::process::{Command, Stdio};

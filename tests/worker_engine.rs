@@ -1,6 +1,11 @@
 //! Host engine contract: ordering, polling, waiting, id reuse, shutdown with jobs in flight.
 // Tests and benchmarks: an unwrap that fails is the failure report; pedantic style is for the library.
-#![allow(clippy::unwrap_used, clippy::pedantic)]
+#![allow(
+    clippy::unwrap_used,
+    clippy::expect_used,
+    clippy::panic,
+    clippy::pedantic
+)]
 // Unsafe: submitting plans to engines over memory this file allocates and keeps alive.
 #![allow(unsafe_code)]
 

@@ -1,7 +1,12 @@
 //! Expansion, planning and byte-exact round trips through the host engine (no GPU: "GPU" tensors
 //! are plain `Vec<u8>` buffers).
 // Tests and benchmarks: an unwrap that fails is the failure report; pedantic style is for the library.
-#![allow(clippy::unwrap_used, clippy::pedantic)]
+#![allow(
+    clippy::unwrap_used,
+    clippy::expect_used,
+    clippy::panic,
+    clippy::pedantic
+)]
 // Unsafe: submitting plans to engines over memory this file allocates and keeps alive.
 #![allow(unsafe_code)]
 

@@ -1,7 +1,12 @@
 //! Host regions across processes: the test binary re-invokes itself (`child_entry`, selected by the
 //! `KVOFF_REGION_CHILD` environment variable) to play the other ranks.
 // Tests and benchmarks: an unwrap that fails is the failure report; pedantic style is for the library.
-#![allow(clippy::unwrap_used, clippy::pedantic)]
+#![allow(
+    clippy::unwrap_used,
+    clippy::expect_used,
+    clippy::panic,
+    clippy::pedantic
+)]
 // Unsafe: submitting plans to engines over memory this file allocates and keeps alive.
 #![allow(unsafe_code)]
 

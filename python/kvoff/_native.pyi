@@ -9,8 +9,10 @@ import numpy.typing as npt
 from typing_extensions import disjoint_base
 
 __all__ = [
+    "DEFAULT_COMPUTE_BUDGET",
     "ENGINES",
     "POLICIES",
+    "POLICY_TOUCH_RULES",
     "ARCOffloadingManager",
     "CPULoadStoreSpec",
     "HostRegion",
@@ -42,8 +44,13 @@ from kvoff._names import PolicyName as _PolicyName
 
 #: The eviction policies, from the Rust enum ``PolicyKind``.
 POLICIES: tuple[_PolicyName, ...]
+#: Per policy, which keys the serving adapter touches when a request finishes: ``"all"`` or
+#: ``"reused"`` (the Rust ``Policy::TOUCH``).
+POLICY_TOUCH_RULES: dict[str, Literal["all", "reused"]]
 #: The ``engine=`` choices of the transfer handlers, from the Rust enum ``EngineKind``.
 ENGINES: tuple[_EngineName, ...]
+#: The handlers' default ``compute_budget`` (Rust ``engine::DEFAULT_COMPUTE_BUDGET_BP``).
+DEFAULT_COMPUTE_BUDGET: float
 
 def make_offload_key(block_hash: bytes, group_idx: int) -> bytes:
     """The offload key of a block: `block_hash` followed by `group_idx` as 4 big-endian bytes."""

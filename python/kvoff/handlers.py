@@ -367,7 +367,7 @@ class CpuGpuOffloadingHandlers:
         region: HostRegion | None = None,
         engine: EngineName = "auto",
         metrics: TransferMetrics | None = None,
-        compute_budget: float | None = 0.02,
+        compute_budget: float | None = _native.DEFAULT_COMPUTE_BUDGET,
         compute_streams: Sequence[Any] | None = (),
     ) -> None:
         torch = _torch()

@@ -27,9 +27,13 @@
 pub mod cuda;
 pub mod host;
 mod kind;
+mod open;
 
 pub use host::HostEngine;
 pub use kind::EngineKind;
+pub use open::{
+    budget_bp, cuda_usable, open, EngineOptions, EngineTensor, DEFAULT_COMPUTE_BUDGET_BP,
+};
 
 use crate::error::Result;
 use crate::plan::{CopyPlan, Direction};

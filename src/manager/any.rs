@@ -1,41 +1,95 @@
 //! Choosing a policy at run time: [`PolicyKind`], the closed set of policy names (the one list the
 //! bindings, `kvoff.create_manager`, the tiered manager and the vLLM plug-in's settings take them
-//! from), and [`AnyManager`], a manager of either policy behind one type.
+//! from, as `kvoff._native.POLICIES` and `kvoff._native.POLICY_TOUCH_RULES`), and [`AnyManager`], a
+//! manager of any of them behind one type.
 //!
-//! Adding a policy: implement [`super::Policy`] in its own module, add a variant to both enums
-//! below (the compiler then points at every `match` to extend), and a Python class in
-//! `src/python/manager.rs` (`policy_class!`); names, parsing and error messages follow.
+//! Adding a policy: implement [`super::Policy`] in its own module (with its tests) and add one line
+//! to the `policies!` list below; the names, parsing, error messages, [`AnyManager`] and the Python
+//! names follow (docs/design.md, "Recipe: adding an eviction policy").
 
 use std::hash::Hash;
 
 use super::{
-    ArcManager, BlockId, LruManager, ManagerConfig, ManagerStats, OffloadingEvent,
-    OffloadingManager, PrepareStoreIndexed, PrepareStoreOutput, Presence,
+    BlockId, Manager, ManagerConfig, ManagerStats, OffloadingEvent, OffloadingManager, Policy,
+    PrepareStoreIndexed, PrepareStoreOutput, Presence, TouchRule,
 };
 use crate::error::Result;
 
-/// An eviction policy, by name.
-#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
-pub enum PolicyKind {
-    /// Least recently used (`"lru"`).
-    Lru,
-    /// Adaptive replacement cache (`"arc"`).
-    Arc,
+/// Defines [`PolicyKind`] and [`AnyManager`] over the registered policies (`Variant => Type`).
+macro_rules! policies {
+    ($($(#[$doc:meta])* $variant:ident => $ty:ty,)*) => {
+        /// An eviction policy, by name.
+        #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+        pub enum PolicyKind {
+            $($(#[$doc])* $variant,)*
+        }
+
+        impl PolicyKind {
+            /// Every policy, in the order the documentation lists them.
+            pub const ALL: [Self; [$(stringify!($variant)),*].len()] = [$(Self::$variant),*];
+
+            /// The policy's name (lower case, as configured): its [`Policy::NAME`].
+            #[must_use]
+            pub const fn name(self) -> &'static str {
+                match self {
+                    $(Self::$variant => <$ty as Policy>::NAME,)*
+                }
+            }
+
+            /// Which keys a serving adapter touches when a request finishes: its
+            /// [`Policy::TOUCH`].
+            #[must_use]
+            pub const fn touch_rule(self) -> TouchRule {
+                match self {
+                    $(Self::$variant => <$ty as Policy>::TOUCH,)*
+                }
+            }
+        }
+
+        /// A manager of any registered policy.
+        pub enum AnyManager<K> {
+            $($(#[$doc])* $variant(Manager<K, $ty>),)*
+        }
+
+        impl<K: Hash + Eq + Clone> AnyManager<K> {
+            /// A manager of policy `kind`.
+            ///
+            /// # Errors
+            /// As [`super::Manager::try_new`].
+            pub fn try_new(kind: PolicyKind, cfg: ManagerConfig) -> Result<Self> {
+                Ok(match kind {
+                    $(PolicyKind::$variant => Self::$variant(Manager::try_new(cfg)?),)*
+                })
+            }
+
+            /// The policy.
+            #[must_use]
+            pub const fn kind(&self) -> PolicyKind {
+                match self {
+                    $(Self::$variant(_) => PolicyKind::$variant,)*
+                }
+            }
+        }
+
+        /// Forwards to the manager of whichever policy.
+        macro_rules! each {
+            ($m:expr, $v:ident => $e:expr) => {
+                match $m {
+                    $(AnyManager::$variant($v) => $e,)*
+                }
+            };
+        }
+    };
+}
+
+policies! {
+    /// Least recently used (`"lru"`, docs/spec.md §2.4).
+    Lru => super::Lru,
+    /// Adaptive replacement cache (`"arc"`, docs/spec.md §2.5).
+    Arc => super::Arc,
 }
 
 impl PolicyKind {
-    /// Every policy, in the order the documentation lists them.
-    pub const ALL: [Self; 2] = [Self::Lru, Self::Arc];
-
-    /// The policy's name (lower case, as configured).
-    #[must_use]
-    pub const fn name(self) -> &'static str {
-        match self {
-            Self::Lru => "lru",
-            Self::Arc => "arc",
-        }
-    }
-
     /// Parses a name of [`ALL`](Self::ALL), exactly (`"LRU"` is not a policy name).
     ///
     /// # Errors
@@ -48,51 +102,11 @@ impl PolicyKind {
     }
 }
 
-/// A manager of either policy.
-pub enum AnyManager<K> {
-    /// An LRU manager.
-    Lru(LruManager<K>),
-    /// An ARC manager.
-    Arc(ArcManager<K>),
-}
-
-macro_rules! each {
-    ($m:expr, $v:ident => $e:expr) => {
-        match $m {
-            AnyManager::Lru($v) => $e,
-            AnyManager::Arc($v) => $e,
-        }
-    };
-}
-
 impl<K: Hash + Eq + Clone> AnyManager<K> {
-    /// A manager of policy `kind`.
-    ///
-    /// # Errors
-    /// As [`super::Manager::try_new`].
-    pub fn try_new(kind: PolicyKind, cfg: ManagerConfig) -> Result<Self> {
-        Ok(match kind {
-            PolicyKind::Lru => Self::Lru(LruManager::try_new(cfg)?),
-            PolicyKind::Arc => Self::Arc(ArcManager::try_new(cfg)?),
-        })
-    }
-
-    /// The policy.
-    #[must_use]
-    pub const fn kind(&self) -> PolicyKind {
-        match self {
-            Self::Lru(_) => PolicyKind::Lru,
-            Self::Arc(_) => PolicyKind::Arc,
-        }
-    }
-
-    /// ARC's adaptive target `p` (`None` for other policies).
+    /// The policy's adaptive target ([`Policy::target`]: ARC's `p`; `None` for LRU).
     #[must_use]
     pub fn arc_target(&self) -> Option<f64> {
-        match self {
-            Self::Arc(m) => Some(m.policy().p),
-            Self::Lru(_) => None,
-        }
+        each!(self, m => m.policy().target())
     }
 
     /// As [`super::Manager::prepare_store_indexed`].
@@ -176,6 +190,14 @@ mod tests {
             let mut m = AnyManager::<u64>::try_new(k, cfg).unwrap();
             assert_eq!(m.kind(), k);
             assert_eq!(m.arc_target().is_some(), k == PolicyKind::Arc);
+            assert_eq!(
+                k.touch_rule(),
+                if k == PolicyKind::Arc {
+                    crate::manager::TouchRule::ReusedOnly
+                } else {
+                    crate::manager::TouchRule::AllKeys
+                }
+            );
             let out = m.prepare_store(&[1, 2]).unwrap().unwrap();
             assert_eq!(out.block_ids.len(), 2);
             m.complete_store(&[1, 2], true).unwrap();

@@ -10,7 +10,7 @@
 use std::hash::Hash;
 
 use super::arena::{Arena, ListTag};
-use super::Policy;
+use super::{Policy, TouchRule};
 
 /// Adaptive replacement.
 #[derive(Clone, Copy, Debug, Default)]
@@ -44,6 +44,7 @@ impl Arc {
 
 impl Policy for Arc {
     const NAME: &'static str = "arc";
+    const TOUCH: TouchRule = TouchRule::ReusedOnly;
     const GHOSTS: bool = true;
 
     fn on_insert<K: Hash + Eq>(
@@ -141,5 +142,9 @@ impl Policy for Arc {
 
     fn reset(&mut self) {
         self.p = 0.0;
+    }
+
+    fn target(&self) -> Option<f64> {
+        Some(self.p)
     }
 }

@@ -35,9 +35,13 @@ const MIN_NODES: usize = 64;
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 #[repr(u8)]
 pub enum ListTag {
+    /// Resident, seen once (LRU's only list).
     T1 = 0,
+    /// Resident, seen again (ARC).
     T2 = 1,
+    /// Ghosts evicted from T1 (ARC).
     B1 = 2,
+    /// Ghosts evicted from T2 (ARC).
     B2 = 3,
     /// Not in use.
     Free = 4,
@@ -46,12 +50,14 @@ pub enum ListTag {
 impl ListTag {
     /// B1 or B2.
     #[inline]
+    #[must_use]
     pub fn is_ghost(self) -> bool {
         matches!(self, ListTag::B1 | ListTag::B2)
     }
 
     /// T1 or T2.
     #[inline]
+    #[must_use]
     pub fn is_resident(self) -> bool {
         matches!(self, ListTag::T1 | ListTag::T2)
     }
@@ -67,6 +73,7 @@ impl ListTag {
 #[derive(Clone, Debug)]
 #[repr(C, align(64))]
 pub struct Node<K> {
+    /// The key.
     pub key: K,
     /// CPU block id (meaningless for ghosts).
     pub block_id: u32,
@@ -78,6 +85,7 @@ pub struct Node<K> {
     pub pending: bool,
     /// Among the keys of the `prepare_store` call being processed (not evictable by it).
     pub prot: bool,
+    /// The list the node is on.
     pub list: ListTag,
 }
 
@@ -99,6 +107,7 @@ pub struct Arena<K> {
     nodes: Vec<Node<K>>,
     free: Vec<u32>,
     index: Index,
+    /// The four recency lists.
     pub lists: Lists,
     hasher: foldhash::fast::RandomState,
     /// Growth of `nodes` stops here first (a hint, not a limit).
@@ -107,6 +116,7 @@ pub struct Arena<K> {
 
 impl<K: Hash + Eq> Arena<K> {
     /// An empty arena for at most about `max_nodes` nodes (allocates nothing for them yet).
+    #[must_use]
     pub fn new(max_nodes: usize) -> Self {
         Self {
             nodes: Vec::new(),
@@ -134,6 +144,7 @@ impl<K: Hash + Eq> Arena<K> {
     }
 
     #[inline]
+    /// The hash of `key` (the index's).
     pub fn hash_of(&self, key: &K) -> u64 {
         self.hasher.hash_one(key)
     }
@@ -226,11 +237,14 @@ impl<K: Hash + Eq> Arena<K> {
     }
 
     #[inline]
+    /// Node `i`.
+    #[must_use]
     pub fn node(&self, i: u32) -> &Node<K> {
         &self.nodes[i as usize]
     }
 
     #[inline]
+    /// Node `i`, mutably.
     pub fn node_mut(&mut self, i: u32) -> &mut Node<K> {
         &mut self.nodes[i as usize]
     }
@@ -319,6 +333,7 @@ impl<K: Hash + Eq> Arena<K> {
 
     /// Live length of list `tag`.
     #[inline]
+    #[must_use]
     pub fn len(&self, tag: ListTag) -> usize {
         self.lists.len(tag.idx())
     }
@@ -351,12 +366,14 @@ impl<K: Hash + Eq> Arena<K> {
     }
 
     /// Keys of list `tag` from LRU to MRU (for tests and introspection).
+    #[must_use]
     pub fn list_keys(&self, tag: ListTag) -> Vec<&K> {
         self.iter(tag)
             .map(|i| &self.nodes[i as usize].key)
             .collect()
     }
 
+    /// Empties the arena (every node, list and index entry).
     pub fn clear(&mut self) {
         self.nodes.clear();
         self.free.clear();

@@ -6,7 +6,7 @@
 use std::hash::Hash;
 
 use super::arena::{Arena, ListTag};
-use super::Policy;
+use super::{Policy, TouchRule};
 
 /// Least-recently-used eviction.
 #[derive(Clone, Copy, Debug, Default)]
@@ -14,6 +14,7 @@ pub struct Lru;
 
 impl Policy for Lru {
     const NAME: &'static str = "lru";
+    const TOUCH: TouchRule = TouchRule::AllKeys;
     const GHOSTS: bool = false;
 
     #[inline]

@@ -41,7 +41,9 @@ mod arena;
 mod index;
 mod lists;
 mod lru;
+mod policy;
 mod tracker;
+mod types;
 
 use std::hash::Hash;
 
@@ -50,123 +52,16 @@ pub use arc::Arc;
 use arena::{Arena, ListTag, CHUNK, NIL};
 use index::{tag_of, Index};
 pub use lru::Lru;
+pub use policy::{policy_api, Policy, TouchRule};
 use tracker::Tracker;
+pub use types::{
+    ManagerConfig, ManagerStats, OffloadingEvent, PrepareStoreIndexed, PrepareStoreOutput, Presence,
+};
 
 use crate::error::{KvoffError, Result};
 
 /// A CPU block id.
 pub type BlockId = u32;
-
-/// What `lookup` says about a key.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub enum Presence {
-    /// Not present (Python `False`).
-    Absent,
-    /// Store in flight: retry later (Python `None`).
-    Pending,
-    /// Ready or loading: can be loaded (Python `True`).
-    Ready,
-}
-
-/// Manager settings (docs/spec.md §2).
-#[derive(Clone, Debug, PartialEq, Eq)]
-pub struct ManagerConfig {
-    /// Capacity in CPU blocks.
-    pub num_blocks: usize,
-    /// GPU block size reported in events (tokens); not used otherwise.
-    pub block_size: usize,
-    /// Record events for [`OffloadingManager::take_events`].
-    pub enable_events: bool,
-    /// Admit a key for storing only once it was offered this many times (`< 2` = admit at once).
-    pub store_threshold: usize,
-    /// Keys remembered by the admission tracker (LRU-bounded).
-    pub max_tracker_size: usize,
-}
-
-impl ManagerConfig {
-    /// Defaults of docs/spec.md §2 with the given capacity.
-    #[must_use]
-    pub fn new(num_blocks: usize) -> Self {
-        Self {
-            num_blocks,
-            block_size: 0,
-            enable_events: false,
-            store_threshold: 0,
-            max_tracker_size: 64_000,
-        }
-    }
-
-    /// Checks ranges.
-    ///
-    /// # Errors
-    /// [`KvoffError::InvalidArgument`] if `num_blocks` does not fit a block id (≥ 2^32 − 1).
-    pub fn validate(&self) -> Result<()> {
-        if self.num_blocks >= NIL as usize {
-            return Err(KvoffError::arg(format!(
-                "num_blocks must be < {NIL}, got {}",
-                self.num_blocks
-            )));
-        }
-        Ok(())
-    }
-}
-
-/// Result of a successful `prepare_store` (docs/spec.md §2.3 step 8).
-#[derive(Clone, Debug, PartialEq, Eq)]
-pub struct PrepareStoreOutput<K> {
-    /// Keys to store, in input order (the absent, admitted ones).
-    pub keys_to_store: Vec<K>,
-    /// Block id of each key of `keys_to_store` (co-indexed): the CPU store spec.
-    pub block_ids: Vec<BlockId>,
-    /// Keys evicted to make room, in eviction order.
-    pub evicted_keys: Vec<K>,
-}
-
-/// [`PrepareStoreOutput`] with the stored keys given as positions in the input slice (lets bindings
-/// hand back the caller's own key objects without copying).
-#[derive(Clone, Debug, Default, PartialEq, Eq)]
-pub struct PrepareStoreIndexed<K> {
-    /// Positions in the input of the keys to store, ascending.
-    pub positions: Vec<usize>,
-    /// Block id of each stored key (co-indexed with `positions`).
-    pub block_ids: Vec<BlockId>,
-    /// Keys evicted to make room, in eviction order.
-    pub evicted_keys: Vec<K>,
-}
-
-/// A change of the set of ready blocks (docs/spec.md §2.2 `take_events`).
-#[derive(Clone, Debug, PartialEq, Eq)]
-pub struct OffloadingEvent<K> {
-    /// The keys stored or removed.
-    pub keys: Vec<K>,
-    /// The manager's `block_size`.
-    pub block_size: usize,
-    /// Always `"CPU"`.
-    pub medium: &'static str,
-    /// `true` for removals (evictions), `false` for completed stores.
-    pub removed: bool,
-}
-
-/// Gauges and counters (docs/spec.md §2.2 `get_stats`).
-#[derive(Clone, Debug, PartialEq)]
-pub struct ManagerStats {
-    /// Blocks pinned by pending stores or loads / `num_blocks` (0 when `num_blocks` is 0).
-    pub usage: f64,
-    /// Pending blocks / `num_blocks`.
-    pub write_usage: f64,
-    /// `usage − write_usage`.
-    pub read_usage: f64,
-    /// Capacity.
-    pub num_blocks: usize,
-    /// Present keys (pending, ready or loading).
-    pub num_present: usize,
-    /// Unused block ids.
-    pub num_free: usize,
-    /// Ready keys not pinned by loads.
-    pub num_evictable: usize,
-    /// Candidates skipped by admission since the last `get_stats`.
-    pub stores_skipped: u64,
-}
 
 /// The manager protocol of docs/spec.md §2.2, generic over the key type.
 ///
@@ -234,44 +129,6 @@ pub trait OffloadingManager<K> {
     }
     /// Capacity in blocks.
     fn num_blocks(&self) -> usize;
-}
-
-/// The policy-specific part of a manager: list placement and victim choice.
-pub trait Policy: Default {
-    /// `"lru"` or `"arc"`.
-    const NAME: &'static str;
-    /// Evicted keys stay as ghosts (ARC); otherwise (LRU) their nodes are detached by
-    /// [`Policy::on_evicted`] and reused by the manager for the keys it stores.
-    #[doc(hidden)]
-    const GHOSTS: bool;
-    /// Puts a node just stored (new, or a ghost hit of list `ghost`, still on it) on its list.
-    #[doc(hidden)]
-    fn on_insert<K: Hash + Eq>(
-        &mut self,
-        arena: &mut Arena<K>,
-        i: u32,
-        ghost: Option<ListTag>,
-        cap: usize,
-    );
-    #[doc(hidden)]
-    fn on_touch<K: Hash + Eq>(&mut self, arena: &mut Arena<K>, i: u32, cap: usize);
-    /// Appends `need` victims (evictable, not protected) to `out` in eviction order without
-    /// mutating; the caller has checked that enough exist.
-    #[doc(hidden)]
-    fn select_victims<K: Hash + Eq>(&self, arena: &Arena<K>, need: usize, out: &mut Vec<u32>);
-    /// Removes the victims from the resident lists, already accounted for by the caller: into
-    /// ghosts, their keys cloned into `evicted` (ARC), or detached for reuse (LRU, see
-    /// [`Policy::GHOSTS`]).
-    #[doc(hidden)]
-    fn on_evicted<K: Hash + Eq + Clone>(
-        &mut self,
-        arena: &mut Arena<K>,
-        victims: &[u32],
-        cap: usize,
-        evicted: &mut Vec<K>,
-    );
-    #[doc(hidden)]
-    fn reset(&mut self);
 }
 
 /// LRU manager (docs/spec.md §2.4).

@@ -36,8 +36,10 @@ use super::args::{ids_arg, int_arg, list_arg, u64_arg, usize_arg};
 use super::enter::{blocking, locked, try_locked, Hold};
 use super::errors::IntoPyResult;
 use super::keys::type_name;
-use crate::engine::{EngineKind, HostEngine, Job, JobResult, TransferEngine};
-use crate::error::KvoffError;
+use crate::engine::{
+    budget_bp, cuda_usable, open, EngineKind, EngineOptions, EngineTensor, Job, JobResult,
+    TransferEngine,
+};
 use crate::plan::{CopyPlanner, Direction, GpuSpec, PlanRef, TensorDesc};
 
 /// What the handler needs to know about one byte-view tensor.
@@ -174,71 +176,9 @@ fn array_info(a: &Bound<'_, PyUntypedArray>, side: &str, i: usize) -> PyResult<T
     })
 }
 
-/// Checks that no two tensors of one side share a byte. Exact for tensors with equal row strides
-/// (interleaved column ranges, like the block-major host layout), conservative otherwise.
-fn check_disjoint(descs: &[TensorDesc], side: &str) -> Result<(), KvoffError> {
-    // Pairwise: bounded by the planner's cap, checked first so that a hostile count fails fast.
-    if descs.len() > crate::plan::MAX_TENSORS {
-        return Err(KvoffError::arg(format!(
-            "{} {side} tensors: at most {}",
-            descs.len(),
-            crate::plan::MAX_TENSORS
-        )));
-    }
-    let range = |d: &TensorDesc| {
-        let e = d.extent_bytes().unwrap_or(u64::MAX);
-        (d.base_ptr, d.base_ptr.saturating_add(e))
-    };
-    for (a, da) in descs.iter().enumerate() {
-        for (b, db) in descs.iter().enumerate().skip(a + 1) {
-            if da.num_blocks == 0 || db.num_blocks == 0 {
-                continue;
-            }
-            let (ra, rb) = (range(da), range(db));
-            if ra.1 <= rb.0 || rb.1 <= ra.0 {
-                continue;
-            }
-            let s = da.row_stride_bytes;
-            let interleaved =
-                s == db.row_stride_bytes && s > 0 && da.row_bytes <= s && db.row_bytes <= s && {
-                    // Column intervals on a circle of circumference s.
-                    let (ca, cb) = (da.base_ptr % s, db.base_ptr % s);
-                    let d = (cb + s - ca) % s; // offset of b's column start after a's
-                    d >= da.row_bytes && s - d >= db.row_bytes
-                };
-            if !interleaved {
-                return Err(KvoffError::arg(format!(
-                    "{side} tensors {a} and {b} overlap ({:#x}..{:#x} and {:#x}..{:#x}): every \
-                     canonical KV-cache tensor must have its own bytes",
-                    ra.0, ra.1, rb.0, rb.1
-                )));
-            }
-        }
-    }
-    Ok(())
-}
-
 // ---------------------------------------------------------------------------------------------
 // Native transfer handler (docs/spec.md §6)
 // ---------------------------------------------------------------------------------------------
-
-/// Placement of each GPU-side tensor as [`EngineKind::resolve`] takes it.
-fn placements(gpu: &[TensorInfo]) -> Vec<Option<i64>> {
-    gpu.iter()
-        .map(|t| t.is_cuda.then_some(t.device_index))
-        .collect()
-}
-
-fn cuda_usable() -> bool {
-    #[cfg(feature = "cuda")]
-    {
-        crate::engine::cuda::cuda_available()
-    }
-    #[cfg(not(feature = "cuda"))]
-    {
-        false
-    }
-}
 
 /// `resolve_engine(engine, placements, names=None) -> "host" | "cuda"`: the engine that
 /// `TransferHandler(..., engine)` will use for GPU-side tensors placed as `placements` (per tensor:
@@ -256,88 +196,6 @@ fn resolve_engine(
     let names = names.unwrap_or_default();
     let cuda = blocking(py, move || kind.resolve(&placements, &names, cuda_usable()))?;
     Ok(if cuda { "cuda" } else { "host" })
-}
-
-/// The engine for one handler. Runs with the GIL released (opening a device and calibrating make
-/// driver calls).
-fn make_engine(
-    kind: EngineKind,
-    direction: Direction,
-    gpu: &[TensorInfo],
-    cpu: &[TensorInfo],
-    budget_bp: Option<u32>,
-) -> crate::Result<(Box<dyn TransferEngine>, String)> {
-    if let Some(i) = cpu.iter().position(|t| t.is_cuda) {
-        return Err(KvoffError::arg(format!(
-            "CPU-side tensor {i} is on cuda:{}; CPU-side tensors must be host memory",
-            cpu[i].device_index
-        )));
-    }
-    if kind.resolve(&placements(gpu), &[], cuda_usable())? {
-        cuda_engine(kind, direction, gpu, cpu, budget_bp)
-    } else {
-        Ok((
-            Box::new(HostEngine::new()?),
-            EngineKind::Host.name().to_owned(),
-        ))
-    }
-}
-
-#[cfg(feature = "cuda")]
-fn cuda_engine(
-    kind: EngineKind,
-    direction: Direction,
-    gpu: &[TensorInfo],
-    cpu: &[TensorInfo],
-    budget_bp: Option<u32>,
-) -> crate::Result<(Box<dyn TransferEngine>, String)> {
-    use crate::engine::cuda::{CopyMethod, CudaDevice, CudaEngine, CudaEngineConfig};
-    // `resolve` checked: CUDA is usable, every GPU-side tensor is a CUDA tensor, all on one device.
-    let ordinal = gpu.first().map_or(0, |t| t.device_index);
-    let ordinal = i32::try_from(ordinal)
-        .map_err(|_| KvoffError::arg(format!("bad CUDA device index {ordinal}")))?;
-    let dev = CudaDevice::open(ordinal)?;
-    for (i, t) in gpu.iter().enumerate() {
-        if t.desc.num_blocks > 0 && !dev.is_device_ptr(t.desc.base_ptr)? {
-            return Err(KvoffError::arg(format!(
-                "GPU-side tensor {i} ({:#x}) is not device memory of cuda:{ordinal}",
-                t.desc.base_ptr
-            )));
-        }
-    }
-    let mut host_mapped = true;
-    for t in cpu.iter().filter(|t| t.desc.num_blocks > 0) {
-        host_mapped &= dev.host_ptr_is_mapped(t.desc.base_ptr)?;
-    }
-    let method = CopyMethod::parse(kind.name())?;
-    if method == CopyMethod::Kernel && !host_mapped {
-        return Err(KvoffError::arg(
-            "engine \"kernel\" needs pinned, device-mapped host memory (HostRegion.pin); the \
-             CPU tensors are not pinned",
-        ));
-    }
-    let cfg = CudaEngineConfig {
-        method,
-        host_mapped,
-        compute_budget_bp: budget_bp,
-        ..CudaEngineConfig::default()
-    };
-    let e = CudaEngine::new(dev, direction, cfg)?;
-    Ok((Box::new(e), format!("cuda:{}", method.name())))
-}
-
-#[cfg(not(feature = "cuda"))]
-fn cuda_engine(
-    kind: EngineKind,
-    _direction: Direction,
-    _gpu: &[TensorInfo],
-    _cpu: &[TensorInfo],
-    _budget_bp: Option<u32>,
-) -> crate::Result<(Box<dyn TransferEngine>, String)> {
-    Err(KvoffError::CudaUnavailable(format!(
-        "engine {:?} needs CUDA, but kvoff was built without the `cuda` feature",
-        kind.name()
-    )))
 }
 
 fn result_tuple(py: Python<'_>, r: JobResult) -> PyResult<Bound<'_, PyTuple>> {
@@ -432,19 +290,7 @@ impl PyTransferHandler {
         compute_budget: Option<f64>,
     ) -> PyResult<Self> {
         let kind = EngineKind::parse(engine).py()?;
-        let budget_bp = match compute_budget {
-            None => None,
-            Some(b) if b.is_finite() && (0.0..=1.0).contains(&b) => {
-                // In 0..=1, so the product fits a u32.
-                #[allow(clippy::cast_possible_truncation, clippy::cast_sign_loss)]
-                Some((b * 10_000.0).round() as u32)
-            }
-            Some(b) => {
-                return Err(PyValueError::new_err(format!(
-                    "compute_budget must be a fraction in [0, 1] or None, got {b}"
-                )))
-            }
-        };
+        let budget_bp = compute_budget.map(budget_bp).transpose().py()?;
         let direction = match direction {
             "gpu_to_cpu" => Direction::GpuToCpu,
             "cpu_to_gpu" => Direction::CpuToGpu,
@@ -490,10 +336,20 @@ impl PyTransferHandler {
         let gpu_descs: Vec<TensorDesc> = gpu.iter().map(|t| t.desc).collect();
         let cpu_descs: Vec<TensorDesc> = cpu.iter().map(|t| t.desc).collect();
         let (planner, engine, engine_name) = blocking(py, move || {
-            check_disjoint(&gpu_descs, "GPU-side")?;
-            check_disjoint(&cpu_descs, "CPU-side")?;
+            crate::handlers::check_disjoint(&gpu_descs, "GPU-side")?;
+            crate::handlers::check_disjoint(&cpu_descs, "CPU-side")?;
             let planner = CopyPlanner::new(gpu_descs, cpu_descs, groups, f)?;
-            let (engine, name) = make_engine(kind, direction, &gpu, &cpu, budget_bp)?;
+            let side = |v: &[TensorInfo]| -> Vec<EngineTensor> {
+                v.iter()
+                    .map(|t| EngineTensor {
+                        desc: t.desc,
+                        cuda_device: t.is_cuda.then_some(t.device_index),
+                    })
+                    .collect()
+            };
+            // The caller applies the environment's overrides (`KVOFF_CUDA_TUNE`).
+            let options = EngineOptions::from_env(budget_bp);
+            let (engine, name) = open(kind, direction, &side(&gpu), &side(&cpu), &options)?;
             Ok((planner, engine, name))
         })?;
         let keepalive = gpu_objs
@@ -700,6 +556,10 @@ impl PyTransferHandler {
 }
 
 pub(crate) fn register(m: &Bound<'_, PyModule>) -> PyResult<()> {
+    m.add(
+        "DEFAULT_COMPUTE_BUDGET",
+        f64::from(crate::engine::DEFAULT_COMPUTE_BUDGET_BP) / 10_000.0,
+    )?;
     m.add(
         "ENGINES",
         PyTuple::new(m.py(), EngineKind::ALL.map(EngineKind::name))?,

@@ -1,7 +1,7 @@
 //! Key helpers (docs/spec.md §1) and extraction of key lists from Python.
 #![forbid(unsafe_code)]
 
-use pyo3::exceptions::{PyTypeError, PyValueError};
+use pyo3::exceptions::PyTypeError;
 use pyo3::prelude::*;
 use pyo3::types::{PyBytes, PyList, PyTuple};
 
@@ -107,11 +107,6 @@ pub(crate) fn extract_keys(keys: &Bound<'_, PyAny>, out: &mut Vec<ByteKey>) -> P
 /// A single key argument.
 pub(crate) fn extract_key(key: &Bound<'_, PyAny>) -> PyResult<ByteKey> {
     bytes_arg(key, "key").map(ByteKey::new)
-}
-
-#[allow(dead_code)]
-pub(crate) fn value_error(msg: impl Into<String>) -> PyErr {
-    PyValueError::new_err(msg.into())
 }
 
 pub(crate) fn register(m: &Bound<'_, PyModule>) -> PyResult<()> {

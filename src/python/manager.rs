@@ -633,6 +633,11 @@ pub(crate) fn register(m: &Bound<'_, PyModule>) -> PyResult<()> {
         "POLICIES",
         PyTuple::new(m.py(), PolicyKind::ALL.map(PolicyKind::name))?,
     )?;
+    let rules = PyDict::new(m.py());
+    for k in PolicyKind::ALL {
+        rules.set_item(k.name(), k.touch_rule().name())?;
+    }
+    m.add("POLICY_TOUCH_RULES", rules)?;
     m.add_class::<PyManager>()?;
     m.add_class::<PyLru>()?;
     m.add_class::<PyArc>()?;

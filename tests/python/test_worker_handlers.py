@@ -418,37 +418,64 @@ def test_shutdown_with_jobs_in_flight_drains():
 
 
 def test_dropping_handlers_with_jobs_in_flight_is_safe():
+    import gc
+    import weakref
+
     kv = [torch.randint(0, 255, (32, 1 << 20), dtype=torch.uint8)]
+    before = kv[0].clone()
     h = CpuGpuOffloadingHandlers(kv, 1, 32, engine="host")
+    gone = weakref.ref(h)
     h.gpu_to_cpu_handler.transfer_async(1, (G(list(range(32))), C(list(range(32)))))
     del h  # the native handler drains before releasing the tensors it points into
-    import gc
-
     gc.collect()
+    assert gone() is None, "the handlers were not released"
+    assert torch.equal(kv[0], before), "a store wrote into its source"
+    # The process and the tensors are intact: new handlers over the same KV caches round-trip.
+    h2 = CpuGpuOffloadingHandlers(kv, 1, 32, engine="host")
+    st = h2.gpu_to_cpu_handler
+    st.transfer_async(2, (G(list(range(32))), C(list(range(32)))))
+    st.wait([2])
+    assert [r.success for r in st.get_finished()] == [True]
+    assert torch.equal(h2.cpu_tensors[0], before)
+    h2.shutdown()
 
 
 def test_wait_releases_the_gil():
+    # A thread that ticks while the main thread is blocked in `wait`: with the GIL held there,
+    # it could not tick during the waits (only ticks counted inside them pass the test).
     kv = [torch.randint(0, 255, (64, 1 << 20), dtype=torch.uint8)]
     h = CpuGpuOffloadingHandlers(kv, 1, 64, engine="host")
     st = h.gpu_to_cpu_handler
     ticks = []
     stop = threading.Event()
+    started = threading.Event()
 
     def spin():
+        started.set()
         while not stop.is_set():
             ticks.append(1)
             time.sleep(0.0005)
 
     th = threading.Thread(target=spin)
     th.start()
-    for j in range(6):
-        st.transfer_async(j, (G(list(range(64))), C(list(range(64)))))
-        st.wait([j])
-        st.get_finished()
-    stop.set()
-    th.join()
-    assert len(ticks) > 0
-    h.shutdown()
+    started.wait()
+    during = 0
+    waited = 0.0
+    try:
+        for j in range(6):
+            st.transfer_async(j, (G(list(range(64))), C(list(range(64)))))
+            n0, t0 = len(ticks), time.perf_counter()
+            st.wait([j])
+            waited += time.perf_counter() - t0
+            during += len(ticks) - n0
+            st.get_finished()
+    finally:
+        stop.set()
+        th.join()
+        h.shutdown()
+    if waited < 0.005:
+        pytest.skip(f"the waits took {waited * 1e3:.2f} ms in all: too short to tell")
+    assert during > 0, f"no tick in {waited * 1e3:.1f} ms of waits: wait held the GIL"
 
 
 def test_engine_selection_without_gpu():

@@ -100,7 +100,7 @@ class KvoffOffloadConfig:
     blocks_per_chunk: int | None = None
     shared_region: bool | None = None
     region_timeout_s: float = 60.0
-    compute_budget: float | None = 0.02
+    compute_budget: float | None = _native.DEFAULT_COMPUTE_BUDGET
     disk_path: str | None = None
     disk_bytes_to_use: int | None = None
     disk_store_threshold: int = 0
@@ -172,7 +172,7 @@ class KvoffOffloadConfig:
                 "kvoff does not support vLLM's canonical_layout; remove 'canonical_layout' from "
                 "kv_connector_extra_config (or set it to false)"
             )
-        budget = d.get("compute_budget", 0.02)
+        budget = d.get("compute_budget", _native.DEFAULT_COMPUTE_BUDGET)
         if budget is not None and (
             isinstance(budget, bool) or not isinstance(budget, (int, float)) or not 0 <= budget <= 1
         ):

@@ -189,7 +189,8 @@ class KvoffOffloadingManager(OffloadingManager):
         positions = {k: req_context.get_offload_key_position(k) for k in keys}
         if keys and all(p is not None for p in positions.values()):
             keys.sort(key=lambda k: positions[k])  # type: ignore[arg-type, return-value]
-        if self.policy == "arc":
+        # The policy's own rule (Rust `Policy::TOUCH`): ARC touches only the keys the request reused.
+        if kvoff._native.POLICY_TOUCH_RULES[self.policy] == "reused":
             keys = [k for k in keys if k in state.reused]
         if keys:
             # kvoff's touch processes keys in reverse: the request's head ends most recently used.

@@ -109,7 +109,7 @@ class KvoffOffloadingWorker(OffloadingWorker):
         region: kvoff.HostRegion | None = None,
         engine: EngineName = "auto",
         canonical_layout: bool = False,
-        compute_budget: float | None = 0.02,
+        compute_budget: float | None = kvoff._native.DEFAULT_COMPUTE_BUDGET,
     ) -> None:
         try:
             caches = to_kvoff_kv_caches(kv_caches, canonical_layout)

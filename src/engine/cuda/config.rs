@@ -2,6 +2,7 @@
 
 #![forbid(unsafe_code)]
 
+use crate::engine::EngineKind;
 use crate::error::{KvoffError, Result};
 
 /// How a job's bytes are moved.
@@ -26,33 +27,56 @@ pub enum CopyMethod {
 }
 
 impl CopyMethod {
-    /// Parses `"auto" | "dma" | "kernel" | "loop"`.
+    /// The method a CUDA engine of kind `kind` runs: `Auto` for `"auto"` and `"cuda"`, the named
+    /// method for the others; `None` for `"host"`. The names are [`EngineKind`]'s (one list).
+    #[must_use]
+    pub const fn for_kind(kind: EngineKind) -> Option<Self> {
+        match kind {
+            EngineKind::Host => None,
+            EngineKind::Auto | EngineKind::Cuda => Some(Self::Auto),
+            EngineKind::Dma => Some(Self::Dma),
+            EngineKind::Kernel => Some(Self::Kernel),
+            EngineKind::Loop => Some(Self::Loop),
+            EngineKind::Staged => Some(Self::Staged),
+        }
+    }
+
+    /// The engine kind that runs this method (`Auto`: `"auto"`).
+    #[must_use]
+    pub const fn kind(self) -> EngineKind {
+        match self {
+            Self::Auto => EngineKind::Auto,
+            Self::Dma => EngineKind::Dma,
+            Self::Kernel => EngineKind::Kernel,
+            Self::Loop => EngineKind::Loop,
+            Self::Staged => EngineKind::Staged,
+        }
+    }
+
+    /// Parses an engine name that names a CUDA method (every [`EngineKind`] name but `"host"`;
+    /// `"cuda"` is `Auto`).
     ///
     /// # Errors
     /// [`KvoffError::InvalidArgument`] naming the valid choices.
     pub fn parse(s: &str) -> Result<Self> {
-        match s {
-            "auto" | "cuda" => Ok(Self::Auto),
-            "dma" => Ok(Self::Dma),
-            "kernel" => Ok(Self::Kernel),
-            "loop" => Ok(Self::Loop),
-            "staged" => Ok(Self::Staged),
-            _ => Err(KvoffError::arg(format!(
-                "unknown CUDA copy method {s:?}; valid: \"auto\", \"dma\", \"kernel\", \"staged\", \"loop\""
-            ))),
+        if let Some(m) = EngineKind::parse(s).ok().and_then(Self::for_kind) {
+            return Ok(m);
         }
+        let valid: Vec<String> = EngineKind::ALL
+            .iter()
+            .filter(|k| Self::for_kind(**k).is_some())
+            .map(|k| format!("{:?}", k.name()))
+            .collect();
+        Err(KvoffError::arg(format!(
+            "unknown CUDA copy method {s:?}; valid: {}",
+            valid.join(", ")
+        )))
     }
 
-    /// Lower-case name.
+    /// Lower-case name (the [`EngineKind`] name of [`Self::kind`]).
     #[must_use]
     pub const fn name(self) -> &'static str {
-        match self {
-            Self::Auto => "auto",
-            Self::Dma => "dma",
-            Self::Kernel => "kernel",
-            Self::Loop => "loop",
-            Self::Staged => "staged",
-        }
+        self.kind().name()
     }
 }
 
@@ -147,8 +171,8 @@ pub struct CudaEngineConfig {
     /// Stream priority of loads: `None` (the default) gives loads the highest priority without a
     /// budget and the lowest under the serving policy (stores always have the lowest); `Some(true)`
     /// / `Some(false)` force the highest / the lowest. Set when the engine is made. For measuring
-    /// whether the priority moves DMA beside a model (BENCHMARKS.md session 8, item 1 of its
-    /// readout); tune key `loadprio` (`high`, `low`, `auto`).
+    /// whether the priority moves DMA beside a model (docs/performance.md, "How `auto` chooses a
+    /// copy method"); tune key `loadprio` (`high`, `low`, `auto`).
     pub load_high_priority: Option<bool>,
     /// Serving policy: the rate in MB/s at which staged jobs are paced while the model computes
     /// (their pack kernel and DMA cross the GPU's memory three times per byte, which a
@@ -219,6 +243,19 @@ impl CudaEngineConfig {
             (Some(cap), _) => cap,
             (None, Some(bp)) => super::pace::derived_cap_mb_s(bp, memory_peak_gbps),
             (None, None) => 0,
+        }
+    }
+
+    /// Applies the environment's `KVOFF_CUDA_TUNE` (if set) with [`Self::apply_tuning`]. For
+    /// callers that make engines (the handlers, benchmarks, calibration); `CudaEngine::new` does
+    /// not read the environment.
+    ///
+    /// # Errors
+    /// As [`Self::apply_tuning`].
+    pub fn apply_env_tuning(&mut self) -> Result<()> {
+        match std::env::var("KVOFF_CUDA_TUNE") {
+            Ok(spec) => self.apply_tuning(&spec),
+            Err(_) => Ok(()),
         }
     }
 

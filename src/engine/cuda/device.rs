@@ -5,25 +5,33 @@
 
 use std::sync::{Arc, Mutex, OnceLock};
 
-use super::calibrate::{self, Calibration};
-use super::choose::busy_within;
-use super::engine::dir_index;
-use super::handles::{Module, PrimaryCtx, Stream};
-use super::kernel::COPY_PTX;
+use super::calibration::Calibration;
+use super::ffi;
+use super::handles::{Module, PrimaryCtx, SendPtr};
 use super::pace::StagedPacer;
-use super::{ffi, CudaStream};
 use crate::error::{KvoffError, Result};
 use crate::plan::Direction;
 use crate::region::HostRegistrar;
 
-/// Raw driver handles are plain pointers; the driver API is thread-safe for the calls made here
-/// (each engine's handles are used under `&mut self` or the device's lock).
-pub(super) struct SendPtr<T>(pub(super) T);
-// SAFETY: driver handles may be used from any thread once the context is current there, which
-// every entry point ensures with `bind()`.
-unsafe impl<T> Send for SendPtr<T> {}
-// SAFETY: as above; shared use goes through `&self` methods that only read the handle values.
-unsafe impl<T> Sync for SendPtr<T> {}
+/// PTX of `kernels/copy.cu` (built by `kernels/build_ptx.py`).
+pub(super) const COPY_PTX: &str = concat!(include_str!("../../../kernels/copy.ptx"), "\0");
+
+/// Index of a direction in per-direction arrays.
+pub(super) const fn dir_index(d: Direction) -> usize {
+    match d {
+        Direction::GpuToCpu => 0,
+        Direction::CpuToGpu => 1,
+    }
+}
+
+/// Whether a sighting of the model computing at `last` µs (0 = never) lies within `window_us` of
+/// `now` µs. A window of 0 means "the model is always assumed busy" (the serving policy always).
+pub(super) fn busy_within(last: u64, now: u64, window_us: u64) -> bool {
+    if window_us == 0 {
+        return true;
+    }
+    last != 0 && now.saturating_sub(last) < window_us
+}
 
 /// One CUDA device's primary context (the one torch uses), the loaded copy kernel and the optional
 /// batched-copy entry point. Shared by the engines of one device.
@@ -160,46 +168,6 @@ impl CudaDevice {
         Ok(d)
     }
 
-    /// The calibration `Auto` uses on this device: loaded from the on-disk cache, or measured now
-    /// (about a second, see the `calibrate` module) and cached. `None` when `KVOFF_CALIBRATION=off` or
-    /// the measurement failed (then `Auto` uses its built-in thresholds).
-    pub fn calibration(self: &Arc<Self>) -> Option<Arc<Calibration>> {
-        self.calibration
-            .get_or_init(|| {
-                let mode = std::env::var("KVOFF_CALIBRATION").unwrap_or_default();
-                if mode == "off" {
-                    return None;
-                }
-                self.bind().ok()?;
-                // SAFETY: the device was opened by `open`.
-                let path = unsafe { ffi::device_identity(self.dev) }
-                    .ok()
-                    .and_then(|(uuid, driver)| calibrate::cache_path(&uuid, driver));
-                if mode != "force" {
-                    if let Some(c) = path
-                        .as_ref()
-                        .and_then(|p| std::fs::read_to_string(p).ok())
-                        .and_then(|t| Calibration::from_text(&t))
-                    {
-                        return Some(Arc::new(c));
-                    }
-                }
-                let c = calibrate::measure(self).ok()?;
-                if let Some(p) = path {
-                    if let Some(dir) = p.parent() {
-                        let _ = std::fs::create_dir_all(dir);
-                    }
-                    // Write then rename, so a concurrent reader never sees half a file.
-                    let tmp = p.with_extension(format!("tmp{}", std::process::id()));
-                    if std::fs::write(&tmp, c.to_text()).is_ok() {
-                        let _ = std::fs::rename(&tmp, &p);
-                    }
-                }
-                Some(Arc::new(c))
-            })
-            .clone()
-    }
-
     /// Microseconds since `epoch` (the clock of the activity timestamps; 0 means "never").
     fn now_us(&self) -> u64 {
         u64::try_from(self.epoch.elapsed().as_micros()).unwrap_or(u64::MAX)
@@ -306,20 +274,6 @@ impl CudaDevice {
         Arc::new(CudaRegistrar(Arc::clone(self)))
     }
 
-    /// Creates a stream of this device (for callers without one, tests and benchmarks).
-    ///
-    /// # Errors
-    /// A driver error.
-    pub fn create_stream(self: &Arc<Self>) -> Result<CudaStream> {
-        self.bind()?;
-        // SAFETY: the context is current.
-        let stream = unsafe { Stream::new(false) }?;
-        Ok(CudaStream {
-            device: Arc::clone(self),
-            stream,
-        })
-    }
-
     /// Synchronizes the whole context (tests and benchmarks).
     ///
     /// # Errors
@@ -357,5 +311,22 @@ impl HostRegistrar for CudaRegistrar {
         self.0.bind()?;
         // SAFETY: registered by `register`; the region unregisters only when no job uses it.
         unsafe { ffi::host_unregister(ptr) }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::busy_within;
+
+    #[test]
+    fn busy_window() {
+        assert!(!busy_within(0, 5, 100), "never seen: idle");
+        assert!(busy_within(10, 50, 100));
+        assert!(
+            !busy_within(10, 110, 100),
+            "the window is open on the right"
+        );
+        assert!(busy_within(10, 5, 100), "a clock read before the sighting");
+        assert!(busy_within(0, 1 << 40, 0), "window 0: always busy");
     }
 }

@@ -8,9 +8,17 @@
 
 use std::ffi::{c_void, CStr};
 
-use super::device::SendPtr;
 use super::ffi;
 use crate::error::Result;
+
+/// Raw driver handles are plain pointers; the driver API is thread-safe for the calls made here
+/// (each engine's handles are used under `&mut self` or the device's lock).
+pub(super) struct SendPtr<T>(pub(super) T);
+// SAFETY: driver handles may be used from any thread once the context is current there, which
+// every entry point ensures with `bind()`.
+unsafe impl<T> Send for SendPtr<T> {}
+// SAFETY: as above; shared use goes through `&self` methods that only read the handle values.
+unsafe impl<T> Sync for SendPtr<T> {}
 
 /// A device's retained primary context (the one torch uses).
 pub(super) struct PrimaryCtx {

@@ -6,8 +6,9 @@
 
 use std::sync::Arc;
 
+use super::device::CudaDevice;
+use super::ffi;
 use super::handles::{DevMem, PinnedHost, Stream};
-use super::{ffi, CudaDevice};
 use crate::error::{KvoffError, Result};
 
 /// Device memory owned by Rust (tests, benchmarks and Rust servers without another allocator).
@@ -199,5 +200,21 @@ impl Drop for CudaStream {
         // Then `stream` destroys the stream (the driver defers that until queued work has
         // finished).
         let _ = self.device.bind();
+    }
+}
+
+impl CudaDevice {
+    /// Creates a stream of this device (for callers without one, tests and benchmarks).
+    ///
+    /// # Errors
+    /// A driver error.
+    pub fn create_stream(self: &Arc<Self>) -> Result<CudaStream> {
+        self.bind()?;
+        // SAFETY: the context is current.
+        let stream = unsafe { Stream::new(false) }?;
+        Ok(CudaStream {
+            device: Arc::clone(self),
+            stream,
+        })
     }
 }

@@ -4,7 +4,7 @@
 //! Every byte the staged pipeline moves crosses the GPU's memory three times (the pack kernel
 //! reads the KV page and writes the staging slot, the DMA reads the slot; loads the same in
 //! reverse), where batched DMA crosses it once. Beside a model that runs at the memory's peak
-//! that is what the model loses: measured on an H100 (3.35 TB/s peak; BENCHMARKS.md sessions 8–9,
+//! that is what the model loses: measured on an H100 (3.35 TB/s peak; docs/performance.md,
 //! 4 KiB pages, per-layer tensors, stores and loads at once, beside an add at the HBM's peak),
 //! the kernel slowed by 0.12–0.14% per GB/s of staged traffic (+4.1…+5.0% at 33.6–36.9 GB/s,
 //! +7.2% at 50.3), about 4.4 bytes of its memory traffic per staged byte. Beside a GEMM the same

@@ -3,29 +3,15 @@
 // Unsafe: driver calls through `ffi` on handles this engine owns (each block says why it is sound).
 #![allow(unsafe_code)]
 
-use super::engine::{CudaEngine, Prepared};
+use super::engine::{CudaEngine, JobCtx, Prepared};
 use super::ffi;
 use super::handles::{DevMem, Event, Stream};
 use super::kernel::{DescBuf, DESC_BYTES};
-use super::{staged_chunk_count, staged_chunk_len, staged_desc_bound, StagedPacker};
+use super::staged::{
+    staged_chunk_count, staged_chunk_len, staged_desc_bound, Slot, StagedPacker, Staging,
+};
 use crate::error::{KvoffError, Result};
 use crate::plan::{CopyOp, Direction};
-
-/// One device staging slot of the `Staged` method. A slot is always used by the same stream
-/// (even slots: the engine's stream; odd slots: the auxiliary stream), so stream order alone keeps
-/// a chunk from overwriting a slot before its previous chunk was consumed.
-pub(super) struct Slot {
-    pub(super) dev: DevMem,
-}
-
-/// Second stream and staging ring of the `Staged` method (created on first use).
-pub(super) struct Staging {
-    pub(super) aux: Stream,
-    pub(super) fork: Event,
-    pub(super) join: Event,
-    pub(super) slots: Vec<Slot>,
-    pub(super) next: usize,
-}
 
 impl CudaEngine {
     /// Creates the second stream, the fork/join events and the staging slots on first use.
@@ -107,8 +93,10 @@ impl CudaEngine {
     /// there, through the device mapping of pinned memory), then enqueues the kernel and the
     /// batched DMA of its runs, handing the slot between the streams with events. The device
     /// works on chunk `k` while the CPU packs chunk `k + 1`.
+    #[allow(clippy::too_many_arguments)] // the job's context, its parts and the stream
     pub(super) fn enqueue_staged(
         &mut self,
+        job: &mut JobCtx,
         copies: &[CopyOp],
         buf: &DescBuf,
         n_chunks: usize,
@@ -123,19 +111,19 @@ impl CudaEngine {
                 .ok_or_else(|| KvoffError::state("staging missing"))?;
             (st.aux.raw(), st.fork.raw(), st.join.raw())
         };
-        if self.job_staged_cap_mb_s > 0 {
+        if job.staged_cap_mb_s > 0 {
             // Under the serving policy, near the device's cap, the job first waits for its slot
             // in the cap (a host function on the engine's stream: no SM, no wait in `submit`).
             let pacer = std::sync::Arc::clone(&self.device.staged_pacer);
             // SAFETY: live stream of the current context.
-            unsafe { pacer.enqueue(s, total, self.job_staged_cap_mb_s) }?;
+            unsafe { pacer.enqueue(s, total, job.staged_cap_mb_s) }?;
         }
         // SAFETY: live handles of the current context.
         unsafe {
             ffi::event_record(fork, s)?;
             ffi::stream_wait(aux, fork)?;
         }
-        let r = self.enqueue_staged_chunks(copies, buf, n_chunks, first_slot, s, aux);
+        let r = self.enqueue_staged_chunks(job, copies, buf, n_chunks, first_slot, s, aux);
         // SAFETY: as above.
         let j = unsafe { ffi::event_record(join, aux).and_then(|()| ffi::stream_wait(s, join)) };
         r.and(j)
@@ -144,6 +132,7 @@ impl CudaEngine {
     #[allow(clippy::too_many_arguments)] // the two streams and the job's parts
     pub(super) fn enqueue_staged_chunks(
         &mut self,
+        job: &mut JobCtx,
         copies: &[CopyOp],
         buf: &DescBuf,
         n_chunks: usize,
@@ -210,11 +199,11 @@ impl CudaEngine {
                 let kdesc = host_base + (d0 * DESC_BYTES) as u64;
                 let ndesc = (nd - d0) as u64;
                 if d2h {
-                    self.launch(kdesc, ndesc, ctas, st)?;
+                    self.launch(job, kdesc, ndesc, ctas, st)?;
                     self.dma(runs.iter().copied(), false, pitched, st)?;
                 } else {
                     self.dma(runs.iter().copied(), true, pitched, st)?;
-                    self.launch(kdesc, ndesc, ctas, st)?;
+                    self.launch(job, kdesc, ndesc, ctas, st)?;
                 }
             }
             Ok(())

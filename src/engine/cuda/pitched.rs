@@ -6,7 +6,7 @@
 //! move at 4–9 GB/s by batched DMA however the batch is cut, and 32 KiB pages at ~33 GB/s per
 //! thread. A pitched copy of 64 rows costs 2–4 µs of CPU and the copy engines run it at 31–40
 //! GB/s for 4 KiB rows and 47–52 GB/s from 16 KiB rows (93% of the contiguous copy), measured on
-//! an H100 (BENCHMARKS.md, session 7) — with no SMs and a single pass over device memory, which is
+//! an H100 (docs/performance.md) — with no SMs and a single pass over device memory, which is
 //! what a model computing beside the transfer can afford.
 //!
 //! kvoff's planner emits copies block by block, each block's pages tensor after tensor: when the
@@ -151,15 +151,15 @@ impl AllocRanges {
 /// (512 KiB each, four to a 2 MiB segment) gave 4-row runs of 16 KiB at 4 KiB pages, and DMA
 /// moved 3.0 GB/s beside a GEMM (4 KiB × 8 MiB, both directions) where the staged pipeline moved
 /// 9.6 within the budget; a block's pages across 64 evenly spaced tensors (256 KiB runs) move at
-/// 27–29 GB/s (BENCHMARKS.md, session 9).
+/// 27–29 GB/s (docs/performance.md, "How `auto` chooses a copy method").
 pub(crate) const CHOICE_MIN_RUN_BYTES: u64 = 64 << 10;
 
 /// Fewest rows a pitched run must have for `auto` to count on it beside a model, whatever its
 /// bytes. Measured on an H100 beside a memory-bound kernel at the HBM's peak, 32 KiB pages of
 /// torch's small-pool tensors (four 512 KiB tensors to a 2 MiB segment: 4-row runs) moved
-/// 9.0–10.4 GB/s as pitched copies and 19.8–26.5 as batch entries (8 MiB stores, BENCHMARKS.md
-/// session 10), while a block's pages across 64 evenly spaced tensors (64-row runs) moved 38.7
-/// pitched against 31.9 (session 8).
+/// 9.0–10.4 GB/s as pitched copies and 19.8–26.5 as batch entries (8 MiB stores), while a
+/// block's pages across 64 evenly spaced tensors (64-row runs) moved 38.7 pitched against 31.9
+/// (docs/performance.md, "How `auto` chooses a copy method").
 pub(crate) const CHOICE_MIN_ROWS: u64 = 16;
 
 /// The bytes a pitched run of copies averaging `avg_copy` bytes must move to count for `auto`:

@@ -3,6 +3,7 @@
 //! (gather/scatter between the caller's memory and a device staging slot) and host-contiguous DMA
 //! runs (between the slot and pinned host memory).
 
+use super::handles::{DevMem, Event, Stream};
 use super::kernel::KERNEL_CHUNK_BYTES;
 use crate::plan::CopyOp;
 
@@ -151,6 +152,22 @@ impl StagedPacker {
         *nd = n;
         Some(fill)
     }
+}
+
+/// One device staging slot of the `Staged` method. A slot is always used by the same stream
+/// (even slots: the engine's stream; odd slots: the auxiliary stream), so stream order alone keeps
+/// a chunk from overwriting a slot before its previous chunk was consumed.
+pub(super) struct Slot {
+    pub(super) dev: DevMem,
+}
+
+/// Second stream and staging ring of the `Staged` method (created on first use).
+pub(super) struct Staging {
+    pub(super) aux: Stream,
+    pub(super) fork: Event,
+    pub(super) join: Event,
+    pub(super) slots: Vec<Slot>,
+    pub(super) next: usize,
 }
 
 #[cfg(test)]

@@ -3,115 +3,23 @@
 //!
 //! Every function here is `unsafe` because it takes raw handles or pointers; each lists what the
 //! caller must guarantee. Errors become [`KvoffError::Cuda`] naming the call and the driver's error
-//! name and text. Nothing here panics: symbols that an older driver may lack
-//! (`cuMemcpyBatchAsync_v2`) are looked up through the loader and reported as `None`.
+//! name and text; each enqueue call is timed into this thread's `telemetry` record. Nothing here
+//! panics: symbols that an older driver may lack (`cuMemcpyBatchAsync_v2`) are looked up through the
+//! loader and reported as `None`. Device and context calls are in `device`.
 #![allow(unsafe_code)]
 
-use std::cell::Cell;
 use std::ffi::{c_void, CStr};
 use std::ptr;
-use std::time::Instant;
 
 use cudarc::driver::sys;
 
+use super::telemetry::timed;
 use crate::error::{KvoffError, Result};
 
 pub(crate) use sys::{CUcontext, CUdevice, CUevent, CUfunction, CUmodule, CUstream};
 
-/// Enqueue calls made on a thread: how many, and the longest one in wall-clock and in the
-/// thread's own CPU time (a call that waits for queue space in the driver shows wall time without
-/// CPU time). What a `submit` holds the driver for (docs/performance.md: no call over 200 µs).
-#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
-pub(crate) struct CallRecord {
-    pub(crate) calls: u32,
-    pub(crate) longest_ns: u64,
-    pub(crate) longest_cpu_ns: u64,
-    /// The driver entry point of the call with the most CPU time ("" if none).
-    pub(crate) longest_name: &'static str,
-    /// Time spent outside the driver waiting for the device to drain the stream's queue
-    /// (the pacing of long DMA jobs, see `dma::Pace`), ns.
-    pub(crate) paced_ns: u64,
-}
-
-impl CallRecord {
-    fn merge(self, o: Self) -> Self {
-        Self {
-            calls: self.calls.saturating_add(o.calls),
-            longest_ns: self.longest_ns.max(o.longest_ns),
-            longest_cpu_ns: self.longest_cpu_ns.max(o.longest_cpu_ns),
-            longest_name: if o.longest_cpu_ns > self.longest_cpu_ns || self.longest_name.is_empty()
-            {
-                o.longest_name
-            } else {
-                self.longest_name
-            },
-            paced_ns: self.paced_ns.saturating_add(o.paced_ns),
-        }
-    }
-}
-
-thread_local! {
-    /// This thread's calls since the last [`take_call_record`].
-    static CALLS: Cell<CallRecord> = const {
-        Cell::new(CallRecord {
-            calls: 0,
-            longest_ns: 0,
-            longest_cpu_ns: 0,
-            longest_name: "",
-            paced_ns: 0,
-        })
-    };
-}
-
-/// CPU time of the calling thread, ns (0 if the clock is unavailable).
-fn thread_cpu_ns() -> u64 {
-    let mut ts = libc::timespec {
-        tv_sec: 0,
-        tv_nsec: 0,
-    };
-    // SAFETY: `ts` is a valid out-parameter; the clock id is a constant the kernel knows.
-    if unsafe { libc::clock_gettime(libc::CLOCK_THREAD_CPUTIME_ID, &raw mut ts) } != 0 {
-        return 0;
-    }
-    u64::try_from(ts.tv_sec)
-        .unwrap_or(0)
-        .saturating_mul(1_000_000_000)
-        .saturating_add(u64::try_from(ts.tv_nsec).unwrap_or(0))
-}
-
-/// Runs one enqueue call named `name`, adding it to this thread's call record.
-fn timed<T>(name: &'static str, f: impl FnOnce() -> T) -> T {
-    let (t, c0) = (Instant::now(), thread_cpu_ns());
-    let r = f();
-    let one = CallRecord {
-        calls: 1,
-        longest_ns: u64::try_from(t.elapsed().as_nanos()).unwrap_or(u64::MAX),
-        longest_cpu_ns: thread_cpu_ns().saturating_sub(c0),
-        longest_name: name,
-        paced_ns: 0,
-    };
-    CALLS.with(|c| c.set(c.get().merge(one)));
-    r
-}
-
-/// This thread's call record since the last take; resets it.
-pub(crate) fn take_call_record() -> CallRecord {
-    CALLS.with(|c| c.replace(CallRecord::default()))
-}
-
-/// Adds `ns` of pacing (waiting outside the driver for queue room) to this thread's record.
-pub(crate) fn add_paced_ns(ns: u64) {
-    CALLS.with(|c| {
-        let mut r = c.get();
-        r.paced_ns = r.paced_ns.saturating_add(ns);
-        c.set(r);
-    });
-}
-
-/// Adds another thread's call record (its calls made for this thread's job) to this thread's.
-pub(crate) fn add_call_record(other: CallRecord) {
-    CALLS.with(|c| c.set(c.get().merge(other)));
-}
+mod device;
+pub(crate) use device::*;
 
 /// Turns a driver status into a typed error naming the call.
 pub(crate) fn check(r: sys::CUresult, what: &str) -> Result<()> {
@@ -148,91 +56,6 @@ pub(crate) fn error_text(r: sys::CUresult) -> String {
         }
     };
     format!("{} ({})", s(name), s(desc))
-}
-
-/// Whether a CUDA driver library can be loaded. Must be checked before any other call here:
-/// cudarc panics when the library is missing.
-pub(crate) fn driver_present() -> bool {
-    // SAFETY: only tries to dlopen the library names; no other effect.
-    std::panic::catch_unwind(|| unsafe { sys::is_culib_present() }).unwrap_or(false)
-}
-
-/// `cuInit(0)` and the device count.
-///
-/// # Safety
-/// 1. [`driver_present`] returned `true`.
-pub(crate) unsafe fn init() -> Result<i32> {
-    // SAFETY: the caller upholds this function's `# Safety` obligations.
-    check(unsafe { sys::cuInit(0) }, "cuInit")?;
-    let mut n = 0;
-    check(
-        // SAFETY: the caller upholds this function's `# Safety` obligations.
-        unsafe { sys::cuDeviceGetCount(&raw mut n) },
-        "cuDeviceGetCount",
-    )?;
-    Ok(n)
-}
-
-/// The device handle, its retained primary context (the one torch uses), name and SM count.
-///
-/// # Safety
-/// 1. [`init`] succeeded.
-pub(crate) unsafe fn open_device(ordinal: i32) -> Result<(CUdevice, CUcontext, String, i32)> {
-    let mut dev: CUdevice = 0;
-    check(
-        // SAFETY: the caller upholds this function's `# Safety` obligations.
-        unsafe { sys::cuDeviceGet(&raw mut dev, ordinal) },
-        "cuDeviceGet",
-    )?;
-    let mut ctx: CUcontext = ptr::null_mut();
-    check(
-        // SAFETY: the caller upholds this function's `# Safety` obligations.
-        unsafe { sys::cuDevicePrimaryCtxRetain(&raw mut ctx, dev) },
-        "cuDevicePrimaryCtxRetain",
-    )?;
-    let mut name = [0 as std::ffi::c_char; 256];
-    let mut sms = 0;
-    // SAFETY: the caller upholds this function's `# Safety` obligations.
-    let r = unsafe { sys::cuDeviceGetName(name.as_mut_ptr(), 255, dev) };
-    // SAFETY: the caller upholds this function's `# Safety` obligations.
-    let r2 = unsafe {
-        sys::cuDeviceGetAttribute(
-            &raw mut sms,
-            sys::CUdevice_attribute::CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT,
-            dev,
-        )
-    };
-    if let Err(e) = check(r, "cuDeviceGetName").and(check(r2, "cuDeviceGetAttribute")) {
-        // SAFETY: the caller upholds this function's `# Safety` obligations.
-        unsafe { sys::cuDevicePrimaryCtxRelease_v2(dev) };
-        return Err(e);
-    }
-    // SAFETY: the driver wrote a NUL-terminated name into the buffer.
-    let name = unsafe { CStr::from_ptr(name.as_ptr()) }
-        .to_string_lossy()
-        .into_owned();
-    Ok((dev, ctx, name, sms))
-}
-
-/// Releases a primary context retained by [`open_device`].
-///
-/// # Safety
-/// 1. `dev` was opened by [`open_device`] and is released once.
-pub(crate) unsafe fn release_device(dev: CUdevice) -> Result<()> {
-    check(
-        // SAFETY: the caller upholds this function's `# Safety` obligations.
-        unsafe { sys::cuDevicePrimaryCtxRelease_v2(dev) },
-        "cuDevicePrimaryCtxRelease",
-    )
-}
-
-/// Makes `ctx` current on the calling thread.
-///
-/// # Safety
-/// 1. `ctx` is a live context.
-pub(crate) unsafe fn set_current(ctx: CUcontext) -> Result<()> {
-    // SAFETY: the caller upholds this function's `# Safety` obligations.
-    check(unsafe { sys::cuCtxSetCurrent(ctx) }, "cuCtxSetCurrent")
 }
 
 /// A non-blocking stream; `high_priority` picks the greatest priority the context allows, else the
@@ -755,36 +578,6 @@ pub(crate) unsafe fn memcpy_batch(
     )
 }
 
-/// The device's UUID as 32 hex digits, and the driver version (e.g. 13000).
-///
-/// # Safety
-/// 1. [`init`] succeeded and `dev` came from [`open_device`].
-pub(crate) unsafe fn device_identity(dev: CUdevice) -> Result<(String, i32)> {
-    // SAFETY: all-zero is a valid CUuuid.
-    let mut uuid: sys::CUuuid = unsafe { std::mem::zeroed() };
-    check(
-        // SAFETY: the caller upholds this function's `# Safety` obligations.
-        unsafe { sys::cuDeviceGetUuid_v2(&raw mut uuid, dev) },
-        "cuDeviceGetUuid",
-    )?;
-    let mut version = 0;
-    check(
-        // SAFETY: the caller upholds this function's `# Safety` obligations.
-        unsafe { sys::cuDriverGetVersion(&raw mut version) },
-        "cuDriverGetVersion",
-    )?;
-    let hex = uuid
-        .bytes
-        .iter()
-        .fold(String::with_capacity(32), |mut s, b| {
-            use std::fmt::Write as _;
-            #[allow(clippy::cast_sign_loss)] // c_char bytes, printed as unsigned
-            let _ = write!(s, "{:02x}", *b as u8);
-            s
-        });
-    Ok((hex, version))
-}
-
 /// `cuCtxSynchronize`: waits for all work of the current context.
 ///
 /// # Safety
@@ -883,37 +676,4 @@ pub(crate) unsafe fn launch_host_func(
         }),
         "cuLaunchHostFunc",
     )
-}
-
-/// Peak device-memory bandwidth in GB/s from the device's memory clock and bus width (DDR: two
-/// transfers a clock), or `None` where the driver reports neither.
-///
-/// # Safety
-/// 1. `dev` is a device handle from [`open_device`].
-pub(crate) unsafe fn memory_peak_gbps(dev: CUdevice) -> Option<f64> {
-    let (mut khz, mut bits) = (0i32, 0i32);
-    // SAFETY: obligation 1; valid out-parameters.
-    let r1 = unsafe {
-        sys::cuDeviceGetAttribute(
-            &raw mut khz,
-            sys::CUdevice_attribute::CU_DEVICE_ATTRIBUTE_MEMORY_CLOCK_RATE,
-            dev,
-        )
-    };
-    // SAFETY: as above.
-    let r2 = unsafe {
-        sys::cuDeviceGetAttribute(
-            &raw mut bits,
-            sys::CUdevice_attribute::CU_DEVICE_ATTRIBUTE_GLOBAL_MEMORY_BUS_WIDTH,
-            dev,
-        )
-    };
-    if r1 != sys::CUresult::CUDA_SUCCESS
-        || r2 != sys::CUresult::CUDA_SUCCESS
-        || khz <= 0
-        || bits <= 0
-    {
-        return None;
-    }
-    Some(f64::from(khz) * 1e3 * 2.0 * f64::from(bits) / 8.0 / 1e9)
 }
