@@ -26,6 +26,7 @@ from kvoff._names import Direction, EngineName, PolicyName
 from kvoff._native import CPULoadStoreSpec
 from kvoff._progress import Progress
 from kvoff._pyref import PyARC, PyLRU
+from kvoff._toolbase import available_memory, sweep_row_line
 
 KEYS_PER_REQUEST = 64
 
@@ -313,18 +314,6 @@ def format_manager_rows(rows: list[dict[str, Any]]) -> str:
 #: docs/performance.md's scattered-block scenarios: (page bytes, tensors).
 TRANSFER_SCENARIOS = [(4 << 10, 64), (32 << 10, 64), (128 << 10, 64), (2 << 20, 1)]
 MIN_BLOCKS = 256
-
-
-def available_memory(default: int = 8 << 30) -> int:
-    """Bytes of host memory available now (``MemAvailable``), or ``default`` where unknown."""
-    try:
-        with open("/proc/meminfo") as f:
-            for line in f:
-                if line.startswith("MemAvailable:"):
-                    return int(line.split()[1]) * 1024
-    except OSError:
-        pass
-    return default
 
 
 _available_memory = available_memory
@@ -796,16 +785,6 @@ def sweep_host_for_plot(
             region.close()
         del gpu, src_c, dst_c
     return rows
-
-
-def sweep_row_line(r: dict[str, Any]) -> str:
-    """One sweep row as a log line: page, direction, method and its GB/s."""
-    p = int(r["page_kib"])
-    page = f"{p >> 10} MiB" if p >= 1024 else f"{p} KiB"
-    figs = ", ".join(
-        f"{k} {r[f'{k}_gb_s']:.1f}" for k in ("idle", "gemm", "mem") if r.get(f"{k}_gb_s") is not None
-    )
-    return f"  {page:>7} {r['dir']:<5} {r['method']}: {figs} GB/s"
 
 
 #: Largest min-max spread of a point, as a fraction of its median, that ``--plot`` still calls

@@ -630,7 +630,7 @@ def sweep_for_plot(
     import torch
 
     import kvoff
-    from kvoff.bench import sweep_row_line
+    from kvoff._toolbase import sweep_row_line
 
     if not (torch.cuda.is_available() and kvoff.cuda_available()):
         raise RuntimeError("kvoff bench interference --plot needs a CUDA GPU and torch with CUDA")
@@ -686,7 +686,7 @@ def plot_sweep_rows(
     ``{kind}_gb_s``), with a band from ``{kind}_gb_s_min`` to ``_max`` where the rows have them
     (repeated sweeps, :func:`kvoff.bench.repeat_sweeps`). ``note``: lines under the panels. Returns
     the legend labels, in order."""
-    from kvoff.demo import require_matplotlib
+    from kvoff._toolbase import require_matplotlib
 
     require_matplotlib()
     import matplotlib

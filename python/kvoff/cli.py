@@ -71,7 +71,7 @@ def _has_torch() -> bool:
 
 
 def _available_memory() -> int:
-    from kvoff.bench import available_memory
+    from kvoff._toolbase import available_memory
 
     return available_memory()
 
@@ -96,7 +96,7 @@ def _check_job_memory(job_mib: int | None) -> None:
 
 def _plot_needs_matplotlib(cmd: str) -> bool:
     """False (after saying why on stderr) where ``--plot`` cannot draw: matplotlib is missing."""
-    from kvoff.demo import require_matplotlib
+    from kvoff._toolbase import require_matplotlib
 
     try:
         require_matplotlib()
@@ -700,12 +700,12 @@ def _demo(args: argparse.Namespace) -> int:
     if not _has_torch():
         print(f"kvoff demo needs torch: {TORCH_HINT}", file=sys.stderr)
         return 2
+    from kvoff._toolbase import require_matplotlib
     from kvoff.demo import (
         DemoConfig,
         format_result,
         format_sweep,
         plot_sweep,
-        require_matplotlib,
         run_demo,
         sweep_page_sizes,
     )

@@ -36,6 +36,7 @@ from typing import Any, cast
 import kvoff
 from kvoff._names import EngineName, PolicyName
 from kvoff._progress import Progress
+from kvoff._toolbase import available_memory
 from kvoff.metrics import TransferMetrics
 
 # Llama-3-8B KV geometry.
@@ -149,8 +150,6 @@ def _torch() -> Any:
 
 
 def _available_memory() -> int:
-    from kvoff.bench import available_memory
-
     return available_memory(default=4 << 30)
 
 
@@ -503,16 +502,6 @@ def sweep_page_sizes(
                 h.shutdown()
             del kv
     return rows
-
-
-def require_matplotlib() -> None:
-    """Raises a clear ImportError when matplotlib is missing (checked before a long run)."""
-    try:
-        import matplotlib  # noqa: F401
-    except ImportError as e:
-        raise ImportError(
-            "kvoff demo --plot needs matplotlib: pip install matplotlib (the demo itself does not)"
-        ) from e
 
 
 def plot_sweep(rows: list[dict[str, Any]], path: str, title: str = "") -> None:
