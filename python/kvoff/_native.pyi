@@ -386,7 +386,7 @@ class TieredManagerCore:
         memory_rows: int,
         row_stride_bytes: int,
         block_bytes: int,
-        memory_owner: object,
+        memory_owner: HostRegion,
         *,
         namespace: str = ...,
         page_sizes: list[int] = ...,
@@ -406,7 +406,10 @@ class TieredManagerCore:
         direct_io: _DirectIoName = "auto",
         rescan_interval_s: float | None = ...,
         owner: str | None = None,
-        max_promotions: int = 256,
+        max_promotions: int = ...,
+        trusted_uids: list[int] = ...,
+        trusted_gid: int | None = None,
+        allow_writable_dir: bool = False,
     ) -> TieredManagerCore: ...
     def lookup(self, key: bytes) -> bool | None:
         """`True` ready, `None` pending (store or promotion in flight), `False` absent."""
