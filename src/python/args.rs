@@ -182,7 +182,8 @@ impl Int {
                 "{name} must be in {}..={}, got {}",
                 T::MIN_I128,
                 T::MAX_I128,
-                self.0.map_or_else(|| "an int beyond 128 bits".to_owned(), |v| v.to_string())
+                self.0
+                    .map_or_else(|| "an int beyond 128 bits".to_owned(), |v| v.to_string())
             ))
         })
     }

@@ -15,8 +15,8 @@ use pyo3::types::{PyBytes, PyDict};
 
 use super::args::{Float, Int, PathArg};
 use super::enter::{blocking, locked, Hold};
-use super::region::{PyHostRegion, SharedRegion};
 use super::errors::{to_py, IntoPyResult};
+use super::region::{PyHostRegion, SharedRegion};
 use crate::key::ByteKey;
 use crate::manager::{AnyManager, BlockId, ManagerConfig, ManagerStats, PolicyKind, Presence};
 use crate::tier::bench::{run as run_bench, DiskBenchConfig};
@@ -266,9 +266,13 @@ impl PyTieredCore {
         // The tier keeps the region's mapping alive (as a view does) until `shutdown`, so closing
         // the region first never unmaps memory the I/O threads copy into (docs/spec.md §5).
         let region = memory_owner.get().shared_region()?;
-        let (base, len) = locked(py, &region, Hold::Brief, |_| {}, |r| {
-            Ok((r.as_ptr(), r.len_bytes()))
-        })?;
+        let (base, len) = locked(
+            py,
+            &region,
+            Hold::Brief,
+            |_| {},
+            |r| Ok((r.as_ptr(), r.len_bytes())),
+        )?;
         let fits = memory_rows
             .checked_sub(1)
             .and_then(|last| last.checked_mul(row_stride_bytes))

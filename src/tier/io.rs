@@ -254,15 +254,8 @@ pub fn create_at(dir: BorrowedFd<'_>, name: &CStr, direct: bool, mode: u32) -> i
         flags |= libc::O_DIRECT;
     }
     // SAFETY: `dir` is open, `name` NUL-terminated; the mode is passed as the variadic argument.
-    own_fd(unsafe {
-        libc::openat(
-            dir.as_raw_fd(),
-            name.as_ptr(),
-            flags,
-            mode as libc::c_uint,
-        )
-    })
-    .map(File::from)
+    own_fd(unsafe { libc::openat(dir.as_raw_fd(), name.as_ptr(), flags, mode as libc::c_uint) })
+        .map(File::from)
 }
 
 /// `renameat`.

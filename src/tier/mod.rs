@@ -490,7 +490,10 @@ impl Trust {
     /// Writable only by trusted users: not by everyone, by the group only if it is trusted.
     fn write_ok(&self, st: &io::Stat) -> std::result::Result<(), String> {
         if st.mode & 0o002 != 0 {
-            return Err(format!("writable by every user (mode {:o})", st.mode & 0o7777));
+            return Err(format!(
+                "writable by every user (mode {:o})",
+                st.mode & 0o7777
+            ));
         }
         if st.mode & 0o020 != 0 && self.gid != Some(st.gid) {
             return Err(format!(
@@ -505,7 +508,10 @@ impl Trust {
     /// A file the tier may serve.
     fn file(&self, st: &io::Stat) -> std::result::Result<(), String> {
         if !st.is_file() {
-            return Err(format!("not a regular file (type {:o})", st.mode & libc::S_IFMT));
+            return Err(format!(
+                "not a regular file (type {:o})",
+                st.mode & libc::S_IFMT
+            ));
         }
         if !self.owner_ok(st) {
             return Err(format!(
@@ -530,7 +536,10 @@ impl Trust {
     /// A directory of the tier's own tree (namespace or shard directory).
     fn dir(&self, st: &io::Stat) -> std::result::Result<(), String> {
         if !st.is_dir() {
-            return Err(format!("not a directory (type {:o})", st.mode & libc::S_IFMT));
+            return Err(format!(
+                "not a directory (type {:o})",
+                st.mode & libc::S_IFMT
+            ));
         }
         if !self.owner_ok(st) {
             return Err(format!(
@@ -1052,8 +1061,12 @@ impl Shared {
             let n = self.tmp_seq.fetch_add(1, Relaxed);
             let path = || self.ns_dir.join(name).display().to_string();
             let (shard, fname) = split_name(name);
-            let tmp = io::cname(&format!(".tmp.{}.{}.{n}", self.host_tag, std::process::id()))
-                .map_err(|e| format!("writing {}: {e}", path()))?;
+            let tmp = io::cname(&format!(
+                ".tmp.{}.{}.{n}",
+                self.host_tag,
+                std::process::id()
+            ))
+            .map_err(|e| format!("writing {}: {e}", path()))?;
             let dst = io::cname(fname).map_err(|e| format!("writing {}: {e}", path()))?;
             let dir = self
                 .open_shard(shard, true)
@@ -1094,7 +1107,11 @@ impl Shared {
             .map_err(|e| format!("writing {}: {e}", path()))?;
             if foreign {
                 if let Some((_, _, r)) = &old {
-                    self.reject(r, 0, "not a single-link regular file of this user; not overwritten");
+                    self.reject(
+                        r,
+                        0,
+                        "not a single-link regular file of this user; not overwritten",
+                    );
                 }
             }
             Ok(())
@@ -1148,26 +1165,32 @@ impl Shared {
         let flen = usize::try_from(self.file_len).unwrap_or(usize::MAX);
         let (sname, fname) = split_name(name);
         let shard = self.open_shard(sname, false);
-        let opened = shard.as_ref().map_err(|e| std::io::Error::new(e.kind(), e.to_string())).and_then(|d| {
-            let c = io::cname(fname)?;
-            let flags = if self.direct {
-                libc::O_RDONLY | libc::O_DIRECT
-            } else {
-                libc::O_RDONLY
-            };
-            match io::open_at(d.as_fd(), &c, flags) {
-                Ok(f) => {
-                    let st = io::fstat(f.as_fd())?;
-                    Ok(Ok((f, st)))
+        let opened = shard
+            .as_ref()
+            .map_err(|e| std::io::Error::new(e.kind(), e.to_string()))
+            .and_then(|d| {
+                let c = io::cname(fname)?;
+                let flags = if self.direct {
+                    libc::O_RDONLY | libc::O_DIRECT
+                } else {
+                    libc::O_RDONLY
+                };
+                match io::open_at(d.as_fd(), &c, flags) {
+                    Ok(f) => {
+                        let st = io::fstat(f.as_fd())?;
+                        Ok(Ok((f, st)))
+                    }
+                    // A link, a FIFO, a socket at the file's name (`ELOOP`, `ENXIO`, `EINVAL` for
+                    // `O_DIRECT`, ...): say so rather than "missing".
+                    Err(e) => match io::stat_at(d.as_fd(), &c) {
+                        Ok(st) => match self.trust.file(&st) {
+                            Err(why) => Ok(Err((st.ino, why))),
+                            Ok(()) => Err(e),
+                        },
+                        Err(_) => Err(e),
+                    },
                 }
-                // A link or a FIFO (opened for writing by no one) at the file's name.
-                Err(e) if matches!(e.raw_os_error(), Some(libc::ELOOP | libc::ENXIO)) => {
-                    let ino = io::stat_at(d.as_fd(), &c).map_or(0, |s| s.ino);
-                    Ok(Err((ino, e.to_string())))
-                }
-                Err(e) => Err(e),
-            }
-        });
+            });
         let outcome = match opened {
             Err(e) => Outcome::Missing(format!("opening {}: {e}", path.display())),
             Ok(Err((ino, why))) => Outcome::Rejected(ino, why),
@@ -1376,7 +1399,8 @@ impl FileTier {
         let ns_dir = cfg.dir.join(&ns_name);
         // `disk_path` is the user's (links in it are followed); nothing below it is.
         std::fs::create_dir_all(&cfg.dir).map_err(|e| config_err("cannot create", &cfg.dir, &e))?;
-        let top = io::open_dir_path(&cfg.dir).map_err(|e| config_err("cannot open", &cfg.dir, &e))?;
+        let top =
+            io::open_dir_path(&cfg.dir).map_err(|e| config_err("cannot open", &cfg.dir, &e))?;
         let top_st = io::fstat(top.as_fd()).map_err(|e| config_err("cannot open", &cfg.dir, &e))?;
         trust
             .dir_writers(&top_st)
@@ -1391,8 +1415,11 @@ impl FileTier {
             }
         })?;
         drop(top);
-        let ns_st = io::fstat(dir_fd.as_fd()).map_err(|e| config_err("cannot open", &ns_dir, &e))?;
-        trust.dir(&ns_st).map_err(|why| untrusted_dir(&ns_dir, &why))?;
+        let ns_st =
+            io::fstat(dir_fd.as_fd()).map_err(|e| config_err("cannot open", &ns_dir, &e))?;
+        trust
+            .dir(&ns_st)
+            .map_err(|why| untrusted_dir(&ns_dir, &why))?;
         for i in 0..=255u8 {
             let name = format!("{i:02x}");
             let d = ns_dir.join(&name);
