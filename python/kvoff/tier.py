@@ -144,7 +144,9 @@ class TieredOffloadingManager:
             if v is not None and (isinstance(v, bool) or not isinstance(v, int)):
                 raise TypeError(f"{name} must be an int, got {type(v).__name__}")
         if not isinstance(disk_path, (str, os.PathLike)) or isinstance(os.fspath(disk_path), bytes):
-            raise TypeError(f"disk_path must be a str or an os.PathLike of str, got {type(disk_path).__name__}")
+            raise TypeError(
+                f"disk_path must be a str or an os.PathLike of str, got {type(disk_path).__name__}"
+            )
         if not isinstance(region, HostRegion):
             raise TypeError(f"region must be a kvoff.HostRegion, got {type(region).__name__}")
         if region.closed:

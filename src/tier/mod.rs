@@ -93,6 +93,7 @@ pub mod tiered;
 
 use std::collections::{BTreeMap, HashMap, VecDeque};
 use std::ffi::OsStr;
+use std::os::fd::AsFd;
 use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicU64, Ordering::Relaxed};
 use std::sync::{Arc, Condvar, Mutex, MutexGuard, PoisonError};
@@ -761,7 +762,6 @@ impl Shared {
     /// Opens shard directory `shard` (relative to the namespace directory, never through a link)
     /// and checks it is a trusted directory; with `create`, a missing one is created first.
     fn open_shard(&self, shard: &str, create: bool) -> std::io::Result<std::os::fd::OwnedFd> {
-        use std::os::fd::AsFd;
         let c = io::cname(shard)?;
         let fd = match io::open_dir_at(self.dir_fd.as_fd(), &c) {
             Err(e) if create && e.kind() == std::io::ErrorKind::NotFound => {
@@ -802,7 +802,6 @@ impl Shared {
     /// (docs/tier.md "Trust"). Files not yet indexed are checked with `fstatat` (no lock held).
     #[allow(clippy::too_many_lines)] // one pass: list, check the new names, merge
     fn scan(&self, initial: bool) {
-        use std::os::fd::AsFd;
         struct Found {
             key: ByteKey,
             name: Box<str>,
@@ -987,7 +986,6 @@ impl Shared {
         name: &str,
         full: &str,
     ) -> Option<(Vec<u8>, io::Stat)> {
-        use std::os::fd::AsFd;
         let c = io::cname(name).ok()?;
         let f = match io::open_at(shard.as_fd(), &c, libc::O_RDONLY) {
             Ok(f) => f,
@@ -1087,7 +1085,6 @@ impl Shared {
                     std::os::unix::fs::FileExt::write_all_at(f, &image[..flen], 0)
                 }
             };
-            use std::os::fd::AsFd;
             let foreign = io::publish(
                 dir.as_fd(),
                 &tmp,
@@ -1159,7 +1156,6 @@ impl Shared {
             /// Not a trusted regular file: `(inode, why)`.
             Rejected(u64, String),
         }
-        use std::os::fd::AsFd;
         let t0 = Instant::now();
         let path = self.ns_dir.join(name);
         let flen = usize::try_from(self.file_len).unwrap_or(usize::MAX);
@@ -1339,7 +1335,6 @@ impl Shared {
             match job {
                 None => return,
                 Some(Job::Unlink { name }) => {
-                    use std::os::fd::AsFd;
                     let (sname, fname) = split_name(&name);
                     if let (Ok(d), Ok(c)) = (self.open_shard(sname, false), io::cname(fname)) {
                         let _ = io::unlink_at(d.as_fd(), &c);
@@ -1367,7 +1362,6 @@ impl FileTier {
     /// I/O threads, a zero block size or a zero world size.
     #[allow(clippy::too_many_lines, clippy::needless_pass_by_value)] // one linear start-up sequence
     pub fn open(cfg: TierConfig, memory: Arc<dyn BlockMemory>) -> Result<Self> {
-        use std::os::fd::AsFd;
         if cfg.io_threads == 0 || cfg.io_threads > 256 {
             return Err(KvoffError::arg(format!(
                 "io_threads must be in 1..=256, got {}",
