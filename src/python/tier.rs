@@ -141,6 +141,7 @@ fn stats_dict<'py>(
     d.set_item("disk_read_seconds", t.read_seconds)?;
     d.set_item("disk_read_errors", t.read_errors)?;
     d.set_item("disk_corrupt_files", t.corrupt_files)?;
+    d.set_item("disk_rejected_files", t.rejected_files)?;
     d.set_item("disk_evicted_files", t.evicted_files)?;
     d.set_item("disk_indexed_files", t.indexed_files)?;
     d.set_item("disk_own_files", t.own_files)?;
