@@ -147,14 +147,22 @@ def test_region_closed_before_the_manager(tmp_path: Path) -> None:
 
 
 def test_shutdown_in_forked_children_never_hangs(tmp_path: Path) -> None:
-    """40 children fork()ed under a busy rescan: each child's shutdown() returns (it takes no lock
-    a parent thread may hold), and other calls there raise InvalidStateError."""
+    """40 children fork()ed under busy rescans (the I/O threads' and a parent thread's, which holds the
+    manager's lock with the GIL released): each child's shutdown() returns (it takes no lock a parent
+    thread may hold), and other calls there raise InvalidStateError."""
     run_child(
         """
         import warnings
         warnings.simplefilter("ignore", DeprecationWarning)
         seed(range(12))
         m, region = make(rescan_interval_s=0.0005, io_threads=4)
+        import threading
+        stop = threading.Event()
+        def rescans():  # holds the manager's lock with the GIL released, as a busy caller may
+            while not stop.is_set():
+                m.disk_rescan()
+        t = threading.Thread(target=rescans)
+        t.start()
         pids = []
         for n in range(40):
             pid = os.fork()
@@ -184,6 +192,8 @@ def test_shutdown_in_forked_children_never_hangs(tmp_path: Path) -> None:
                     os.waitpid(pid, 0)
                     break
                 time.sleep(0.005)
+        stop.set()
+        t.join()
         assert not hung, f"{len(hung)} of 40 children hung in shutdown()"
         assert m.lookup(K(0)) in (True, None)
         m.shutdown()
