@@ -713,3 +713,227 @@ fn direct_reads_into_aligned_rows() {
     assert_eq!(t.stats().corrupt_files, 2);
     let _ = std::fs::remove_dir_all(&dir);
 }
+
+// ---------- hostile directories (docs/tier.md "Trust") ----------
+
+/// Runs `f` on another thread and fails the test if it has not returned within `secs` (a hang
+/// must fail fast, not wedge the suite; the stuck thread is left behind).
+fn within<T: Send + 'static>(secs: u64, what: &str, f: impl FnOnce() -> T + Send + 'static) -> T {
+    let (tx, rx) = std::sync::mpsc::channel();
+    std::thread::spawn(move || {
+        let _ = tx.send(f());
+    });
+    match rx.recv_timeout(Duration::from_secs(secs)) {
+        Ok(v) => v,
+        Err(_) => panic!("{what} did not return within {secs} s (hung)"),
+    }
+}
+
+fn mkfifo(p: &Path) {
+    let _ = std::fs::remove_file(p);
+    let ok = Command::new("mkfifo").arg(p).status().unwrap().success();
+    assert!(ok, "mkfifo {}", p.display());
+}
+
+/// Key `i`'s file as a fresh tier would name it (the owner tag is the default one).
+fn name_of(dir: &Path, i: u64) -> PathBuf {
+    let (t, _) = open(dir, 1 << 30, 1);
+    t.path_of(&key(i))
+}
+
+#[test]
+fn a_fifo_at_a_key_file_name_is_skipped_never_waited_on() {
+    let dir = tmpdir("fifo");
+    let d = dir.clone();
+    within(30, "the FIFO cases", move || {
+        // Start-up scan: a FIFO at key 1's name and one at a hashed (long-key) name, which the
+        // scan would open to read the key.
+        let p1 = name_of(&d, 1);
+        mkfifo(&p1);
+        let hashed =
+            p1.parent()
+                .unwrap()
+                .join(format!("h{}.r0.{}.kvb", "ab".repeat(16), "00".repeat(8)));
+        mkfifo(&hashed);
+        let (t, mem) = open(&d, 1 << 30, 4);
+        assert!(!t.contains(&key(1)));
+        assert_eq!(t.stats().rejected_files, 2, "{:?}", t.stats());
+        // A FIFO that replaces an indexed file after the start: the promotion fails at once.
+        write_keys(&t, &mem, &[2]);
+        let p2 = t.path_of(&key(2));
+        mkfifo(&p2);
+        assert_eq!(read_key(&t, &mem, 2), Some(false));
+        assert!(!t.contains(&key(2)));
+        assert_eq!(t.stats().rejected_files, 3);
+        // The rescan skips them (counted once per entry).
+        t.rescan();
+        t.rescan();
+        assert_eq!(t.stats().rejected_files, 3);
+        assert!(!t.contains(&key(2)));
+        // Writing key 1 replaces the FIFO with its file.
+        write_keys(&t, &mem, &[1]);
+        assert_eq!(read_key(&t, &mem, 1), Some(true));
+        drop(t);
+    });
+    let _ = std::fs::remove_dir_all(&dir);
+}
+
+#[test]
+fn a_fifo_replacing_an_evicted_own_file_does_not_block_the_write() {
+    let dir = tmpdir("fifo-reuse");
+    let d = dir.clone();
+    within(30, "the write reusing a FIFO", move || {
+        let flen = kvoff::tier::file_len(BLOCK as u64);
+        // Room for one file: writing key 2 evicts key 1 and reuses its file.
+        let (t, mem) = open(&d, flen, 2);
+        write_keys(&t, &mem, &[1]);
+        mkfifo(&t.path_of(&key(1)));
+        write_keys(&t, &mem, &[2]);
+        assert_eq!(read_key(&t, &mem, 2), Some(true));
+        let s = t.stats();
+        assert_eq!(s.rejected_files, 1, "{s:?}");
+        assert_eq!(s.write_errors, 0, "{s:?}");
+    });
+    let _ = std::fs::remove_dir_all(&dir);
+}
+
+#[test]
+fn a_hard_linked_evicted_file_is_not_written_through() {
+    let dir = tmpdir("hardlink");
+    let outside = tmpdir("hardlink-outside").join("victim");
+    let flen = kvoff::tier::file_len(BLOCK as u64);
+    let (t, mem) = open(&dir, flen, 2);
+    write_keys(&t, &mem, &[1]);
+    std::fs::hard_link(t.path_of(&key(1)), &outside).unwrap();
+    let before = std::fs::read(&outside).unwrap();
+    write_keys(&t, &mem, &[2]);
+    assert_eq!(
+        std::fs::read(&outside).unwrap(),
+        before,
+        "the linked file was rewritten"
+    );
+    assert_eq!(read_key(&t, &mem, 2), Some(true));
+    assert_eq!(t.stats().rejected_files, 1);
+    let _ = std::fs::remove_dir_all(&dir);
+    let _ = std::fs::remove_dir_all(outside.parent().unwrap());
+}
+
+#[test]
+fn symlinked_directories_are_never_followed() {
+    let dir = tmpdir("symlink");
+    let outside = tmpdir("symlink-outside");
+    let ns = {
+        let (t, _) = open(&dir, 1 << 30, 1);
+        t.dir().to_path_buf()
+    };
+    // The namespace directory replaced by a link: refused at open, nothing created there.
+    std::fs::rename(&ns, dir.join("moved")).unwrap();
+    std::os::unix::fs::symlink(&outside, &ns).unwrap();
+    let mem = Arc::new(VecMemory::new(2, BLOCK));
+    let e = FileTier::open(cfg(&dir, 1 << 30), mem.clone()).unwrap_err();
+    assert!(
+        matches!(e, KvoffError::Config(ref m) if m.contains("refusing")),
+        "{e:?}"
+    );
+    assert_eq!(std::fs::read_dir(&outside).unwrap().count(), 0);
+    std::fs::remove_file(&ns).unwrap();
+    std::fs::rename(dir.join("moved"), &ns).unwrap();
+    // A shard directory replaced by a link: refused at open.
+    let shard = ns.join("00");
+    std::fs::remove_dir(&shard).unwrap();
+    std::os::unix::fs::symlink(&outside, &shard).unwrap();
+    let e = FileTier::open(cfg(&dir, 1 << 30), mem.clone()).unwrap_err();
+    assert!(
+        matches!(e, KvoffError::Config(ref m) if m.contains("refusing")),
+        "{e:?}"
+    );
+    std::fs::remove_file(&shard).unwrap();
+    // ... and after the start: writes to that shard fail, nothing lands outside.
+    let t = FileTier::open(cfg(&dir, 1 << 30), mem.clone()).unwrap();
+    let ks: Vec<u64> = (0..2000)
+        .filter(|&i| t.path_of(&key(i)).parent() == Some(shard.as_path()))
+        .take(2)
+        .collect();
+    std::fs::remove_dir(&shard).unwrap();
+    std::os::unix::fs::symlink(&outside, &shard).unwrap();
+    for (b, &i) in ks.iter().enumerate() {
+        mem.set_block(b as u32, &content(i, BLOCK)).unwrap();
+        assert!(t.submit_write(&key(i), b as u32));
+    }
+    t.flush();
+    assert_eq!(t.stats().write_errors, 2);
+    assert_eq!(std::fs::read_dir(&outside).unwrap().count(), 0);
+    t.rescan();
+    assert_eq!(t.stats().rejected_files, 1, "{:?}", t.stats());
+    drop(t);
+    let _ = std::fs::remove_dir_all(&dir);
+    let _ = std::fs::remove_dir_all(&outside);
+}
+
+fn chown(p: &Path, uid: u32, gid: u32) {
+    std::os::unix::fs::chown(p, Some(uid), Some(gid)).unwrap();
+}
+
+fn set_mode(p: &Path, mode: u32) {
+    use std::os::unix::fs::PermissionsExt;
+    std::fs::set_permissions(p, std::fs::Permissions::from_mode(mode)).unwrap();
+}
+
+#[test]
+fn files_of_untrusted_users_or_modes_are_not_served() {
+    if !is_root() {
+        eprintln!("skipped: needs root to chown files to another user");
+        return;
+    }
+    let dir = tmpdir("owners");
+    {
+        let (t, mem) = open(&dir, 1 << 30, 4);
+        write_keys(&t, &mem, &[1, 2, 3]);
+        chown(&t.path_of(&key(1)), 65534, 65534);
+        set_mode(&t.path_of(&key(2)), 0o666);
+        chown(&t.path_of(&key(3)), 65534, 4242);
+    }
+    let (t, mem) = open(&dir, 1 << 30, 4);
+    assert!(!t.contains(&key(1)) && !t.contains(&key(2)) && !t.contains(&key(3)));
+    assert_eq!(t.stats().rejected_files, 3);
+    drop(t);
+    // Trusted by setting: uid 65534's file, and group 4242's file.
+    let mut c = cfg(&dir, 1 << 30);
+    c.trusted_uids = vec![65534];
+    c.trusted_gid = Some(4242);
+    let t = FileTier::open(c, mem.clone()).unwrap();
+    assert_eq!(read_key(&t, &mem, 1), Some(true));
+    assert_eq!(read_key(&t, &mem, 3), Some(true));
+    assert!(
+        !t.contains(&key(2)),
+        "a world-writable file is never trusted"
+    );
+    drop(t);
+    let _ = std::fs::remove_dir_all(&dir);
+}
+
+#[test]
+fn writable_directories_need_the_sticky_bit_or_a_setting() {
+    let base = tmpdir("writable");
+    let mem = Arc::new(VecMemory::new(1, BLOCK));
+    set_mode(&base, 0o777);
+    let e = FileTier::open(cfg(&base, 1 << 20), mem.clone()).unwrap_err();
+    assert!(
+        matches!(e, KvoffError::Config(ref m) if m.contains("sticky")),
+        "{e:?}"
+    );
+    let mut c = cfg(&base, 1 << 20);
+    c.allow_writable_dir = true;
+    drop(FileTier::open(c, mem.clone()).unwrap());
+    set_mode(&base, 0o1777);
+    let t = FileTier::open(cfg(&base, 1 << 20), mem.clone()).unwrap();
+    // The namespace directory itself writable by others: refused.
+    set_mode(t.dir(), 0o777);
+    drop(t);
+    let e = FileTier::open(cfg(&base, 1 << 20), mem.clone()).unwrap_err();
+    assert!(
+        matches!(e, KvoffError::Config(ref m) if m.contains("sticky")),
+        "{e:?}"
+    );
+    let _ = std::fs::remove_dir_all(&base);
+}

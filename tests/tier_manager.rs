@@ -241,3 +241,39 @@ fn a_corrupt_file_is_a_miss_after_pending() {
     );
     let _ = std::fs::remove_dir_all(&dir);
 }
+
+/// A key pending because the tier promotes it is not the caller's store: completing it would make
+/// it readable before its bytes arrive, or free a block a read is landing in (docs/spec.md §9).
+#[test]
+fn completes_of_promoting_keys_raise_and_change_nothing() {
+    let dir = tmpdir("promoting");
+    {
+        let (mut m, mem) = make(&dir, 4, TieredConfig::default(), false);
+        let out = m.prepare_store(&[key(1), key(2)]).unwrap().unwrap();
+        for (k, b) in out.keys_to_store.iter().zip(&out.block_ids) {
+            let i = if *k == key(1) { 1 } else { 2 };
+            mem.set_block(*b, &content(i)).unwrap();
+        }
+        m.complete_store(&out.keys_to_store, true).unwrap();
+        m.shutdown();
+    }
+    let (mut m, mem) = make(&dir, 4, TieredConfig::default(), false);
+    assert_eq!(m.lookup_prefix(&[key(1), key(2)]).unwrap(), None);
+    assert_eq!(m.num_promoting(), 2);
+    for success in [true, false] {
+        let e = m.complete_store(&[key(1)], success).unwrap_err();
+        assert!(matches!(e, kvoff::KvoffError::InvalidState(_)), "{e:?}");
+    }
+    let e = m.complete_load(&[key(2)]).unwrap_err();
+    assert!(matches!(e, kvoff::KvoffError::InvalidState(_)), "{e:?}");
+    assert_eq!(m.num_promoting(), 2);
+    m.tier().flush();
+    for i in [1, 2] {
+        assert_eq!(m.lookup(&key(i)).unwrap(), Presence::Ready);
+        let ids = m.prepare_load(&[key(i)]).unwrap();
+        assert_eq!(mem.block(ids[0]).unwrap(), content(i));
+        m.complete_load(&[key(i)]).unwrap();
+    }
+    m.shutdown();
+    let _ = std::fs::remove_dir_all(&dir);
+}

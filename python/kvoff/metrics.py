@@ -61,6 +61,7 @@ from __future__ import annotations
 
 import logging
 import math
+import numbers
 import re
 import threading
 from collections.abc import Iterable, Iterator, Mapping
@@ -208,6 +209,21 @@ def _check_prefix(prefix: str) -> str:
     return prefix
 
 
+def _checked_size_time(size: Any, secs: Any) -> tuple[int, float]:
+    """A transfer's size and time, checked: one bad result must not poison the counters."""
+    if isinstance(size, bool) or not isinstance(size, numbers.Integral):
+        raise TypeError(f"transfer_size must be an int, got {type(size).__name__}")
+    n = int(size)
+    if not 0 <= n < 1 << 63:
+        raise ValueError(f"transfer_size must be in 0..2**63-1 bytes, got {n}")
+    if isinstance(secs, bool) or not isinstance(secs, numbers.Real):
+        raise TypeError(f"transfer_time must be a number of seconds, got {type(secs).__name__}")
+    t = float(secs)
+    if not (math.isfinite(t) and t >= 0.0):
+        raise ValueError(f"transfer_time must be a finite number of seconds >= 0, got {t}")
+    return n, t
+
+
 class TransferMetrics:
     """Accumulates :class:`kvoff.TransferResult`\\ s per direction (see the module docs).
 
@@ -238,11 +254,13 @@ class TransferMetrics:
         ``transfer_time`` and ``transfer_type``, e.g. a :class:`kvoff.TransferResult`).
 
         Raises:
-            ValueError: ``transfer_type`` is not one of the two directions.
+            ValueError: ``transfer_type`` is not one of the two directions, ``transfer_size`` is
+                negative or 2**63 or more, ``transfer_time`` is negative, NaN or infinite.
+            TypeError: ``transfer_size`` is not an int, ``transfer_time`` not a number (``bool``
+                is neither). Nothing is counted when it raises.
         """
         d = _direction(result.transfer_type)
-        size = int(result.transfer_size)
-        secs = float(result.transfer_time)
+        size, secs = _checked_size_time(result.transfer_size, result.transfer_time)
         with self._lock:
             s = self._dirs[d]
             if not result.success:

@@ -19,11 +19,17 @@ directory of files behind its host blocks:
 
 The host memory is a :class:`kvoff.HostRegion` (one rank's slot of each row holds a block), e.g. the
 ``region`` of :class:`kvoff.CpuGpuOffloadingHandlers`. Shut the manager down before closing the
-region: its I/O threads copy into the region until then.
+region: its I/O threads copy into the region until then (the manager keeps the region's memory
+mapped until its ``shutdown``, so closing the region first never unmaps it under them).
+
+The directory is a shared place: only regular files and directories of trusted owners are used, and
+every other entry found there is skipped and counted (``disk_rejected_files``); see docs/tier.md
+"Trust".
 """
 
 from __future__ import annotations
 
+import os
 from collections.abc import Iterable, Sequence
 from typing import Any
 
@@ -58,6 +64,10 @@ DISK_METRICS: dict[str, tuple[str, str]] = {
     "disk_read_seconds": ("kvoff_disk_read_seconds_total", "I/O thread seconds spent reading"),
     "disk_read_errors": ("kvoff_disk_read_errors_total", "promotions whose file vanished"),
     "disk_corrupt_files": ("kvoff_disk_corrupt_files_total", "files rejected by header/checksum"),
+    "disk_rejected_files": (
+        "kvoff_disk_rejected_files_total",
+        "foreign entries skipped (FIFOs, links, untrusted owners; docs/tier.md Trust)",
+    ),
     "disk_evicted_files": ("kvoff_disk_evicted_files_total", "own files removed for capacity"),
     "disk_hits": ("kvoff_disk_hits_total", "host misses found on disk"),
     "disk_indexed_files": ("kvoff_disk_files", "files indexed (gauge)"),
@@ -87,6 +97,15 @@ class TieredOffloadingManager:
         io_threads, write_threads (most I/O threads writing at once), max_queued_writes, fsync,
         direct_io (``"auto"``, ``"on"``, ``"off"``),
         rescan_interval_s (``None``: index only at start), owner: see ``kvoff::tier::TierConfig``.
+        trusted_uids, trusted_gid: users and a group besides this one whose files and directories
+            the tier trusts (a directory shared by several users); allow_writable_dir: accept
+            directories writable by untrusted users without the sticky bit (docs/tier.md "Trust").
+
+    Raises:
+        TypeError: an argument of the wrong type (``bool`` is not an int; ``disk_path`` is a
+            ``str`` or ``os.PathLike``, never ``bytes``).
+        ValueError: an argument out of range.
+        kvoff.ConfigError: a directory that cannot be used or is not trusted.
     """
 
     def __init__(
@@ -94,7 +113,7 @@ class TieredOffloadingManager:
         policy: PolicyName,
         num_blocks: int,
         region: HostRegion,
-        disk_path: str,
+        disk_path: str | os.PathLike[str],
         disk_bytes_to_use: int,
         *,
         block_bytes: int | None = None,
@@ -117,7 +136,17 @@ class TieredOffloadingManager:
         rescan_interval_s: float | None = 2.0,
         owner: str | None = None,
         max_promotions: int = 256,
+        trusted_uids: Sequence[int] = (),
+        trusted_gid: int | None = None,
+        allow_writable_dir: bool = False,
     ) -> None:
+        for name, v in (("num_blocks", num_blocks), ("block_bytes", block_bytes), ("rank", rank)):
+            if v is not None and (isinstance(v, bool) or not isinstance(v, int)):
+                raise TypeError(f"{name} must be an int, got {type(v).__name__}")
+        if not isinstance(disk_path, (str, os.PathLike)) or isinstance(os.fspath(disk_path), bytes):
+            raise TypeError(
+                f"disk_path must be a str or an os.PathLike of str, got {type(disk_path).__name__}"
+            )
         if not isinstance(region, HostRegion):
             raise TypeError(f"region must be a kvoff.HostRegion, got {type(region).__name__}")
         if region.closed:
@@ -140,7 +169,7 @@ class TieredOffloadingManager:
         self._core = TieredManagerCore(
             policy,
             num_blocks,
-            str(disk_path),
+            disk_path,
             disk_bytes_to_use,
             region.ptr + offset,
             region.num_cpu_blocks,
@@ -166,6 +195,9 @@ class TieredOffloadingManager:
             rescan_interval_s=rescan_interval_s,
             owner=owner,
             max_promotions=max_promotions,
+            trusted_uids=list(trusted_uids),
+            trusted_gid=trusted_gid,
+            allow_writable_dir=allow_writable_dir,
         )
 
     # --- docs/spec.md §2 protocol -------------------------------------------------------------------------

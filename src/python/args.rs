@@ -156,3 +156,125 @@ pub(crate) fn list_arg<'py>(o: &Bound<'py, PyAny>, what: &str) -> PyResult<Vec<B
     }
     o.try_iter()?.collect()
 }
+
+/// An `int` argument (never `bool`) as extracted by PyO3: a non-int is a `TypeError` (PyO3 names
+/// the argument); the range is checked by [`Int::get`] (a `ValueError` naming it), so that no
+/// argument raises `OverflowError`.
+#[derive(Clone, Copy, Debug)]
+pub(crate) struct Int(Option<i128>);
+
+impl Int {
+    /// The default value `v` of an argument.
+    pub(crate) const fn of(v: i128) -> Self {
+        Self(Some(v))
+    }
+
+    /// The value in `T`'s range.
+    ///
+    /// # Errors
+    /// `ValueError` naming `name` and the range when it does not fit.
+    pub(crate) fn get<T>(self, name: &str) -> PyResult<T>
+    where
+        T: TryFrom<i128> + num_bounds::Bounds,
+    {
+        self.0.and_then(|v| T::try_from(v).ok()).ok_or_else(|| {
+            PyValueError::new_err(format!(
+                "{name} must be in {}..={}, got {}",
+                T::MIN_I128,
+                T::MAX_I128,
+                self.0
+                    .map_or_else(|| "an int beyond 128 bits".to_owned(), |v| v.to_string())
+            ))
+        })
+    }
+}
+
+impl<'a, 'py> FromPyObject<'a, 'py> for Int {
+    type Error = PyErr;
+
+    fn extract(o: pyo3::Borrowed<'a, 'py, PyAny>) -> PyResult<Self> {
+        if o.is_instance_of::<PyBool>() || !o.is_instance_of::<PyInt>() {
+            return Err(PyTypeError::new_err(format!(
+                "must be an int, got {}",
+                type_name(&o)
+            )));
+        }
+        Ok(Self(o.extract::<i128>().ok()))
+    }
+}
+
+/// Ranges of the integer types [`Int::get`] converts to (for its message).
+pub(crate) mod num_bounds {
+    /// The type's range as `i128`.
+    pub(crate) trait Bounds {
+        const MIN_I128: i128;
+        const MAX_I128: i128;
+    }
+    macro_rules! bounds {
+        ($($t:ty),*) => {$(
+            impl Bounds for $t {
+                const MIN_I128: i128 = <$t>::MIN as i128;
+                #[allow(clippy::cast_lossless, clippy::cast_possible_wrap)]
+                const MAX_I128: i128 = <$t>::MAX as i128;
+            }
+        )*};
+    }
+    bounds!(u32, u64, usize);
+}
+
+/// A number argument (`int` or `float`, never `bool`): a `TypeError` otherwise.
+#[derive(Clone, Copy, Debug)]
+pub(crate) struct Float(pub(crate) f64);
+
+impl<'a, 'py> FromPyObject<'a, 'py> for Float {
+    type Error = PyErr;
+
+    fn extract(o: pyo3::Borrowed<'a, 'py, PyAny>) -> PyResult<Self> {
+        if o.is_instance_of::<PyBool>()
+            || !(o.is_instance_of::<PyInt>() || o.is_instance_of::<pyo3::types::PyFloat>())
+        {
+            return Err(PyTypeError::new_err(format!(
+                "must be a number, got {}",
+                type_name(&o)
+            )));
+        }
+        o.extract::<f64>()
+            .map(Float)
+            .map_err(|_| PyValueError::new_err("the number is out of range"))
+    }
+}
+
+/// A filesystem path argument: a `str` or an `os.PathLike` whose `__fspath__` gives a `str`
+/// (`bytes` paths are refused: a `TypeError`, never a directory named `b'...'`).
+#[derive(Clone, Debug)]
+pub(crate) struct PathArg(pub(crate) std::path::PathBuf);
+
+impl<'a, 'py> FromPyObject<'a, 'py> for PathArg {
+    type Error = PyErr;
+
+    fn extract(o: pyo3::Borrowed<'a, 'py, PyAny>) -> PyResult<Self> {
+        let s = if o.is_instance_of::<PyString>() {
+            o.to_owned()
+        } else if !o.is_instance_of::<PyBytes>() && o.hasattr("__fspath__")? {
+            o.call_method0("__fspath__")?
+        } else {
+            return Err(PyTypeError::new_err(format!(
+                "must be a str or an os.PathLike giving a str, got {}",
+                type_name(&o)
+            )));
+        };
+        if !s.is_instance_of::<PyString>() {
+            return Err(PyTypeError::new_err(format!(
+                "must be a str or an os.PathLike giving a str; __fspath__ gave {}",
+                type_name(&s)
+            )));
+        }
+        let s: String = s.extract()?;
+        if s.is_empty() || s.contains('\0') {
+            return Err(PyValueError::new_err(format!(
+                "must name a directory, got {s:?}"
+            )));
+        }
+        Ok(Self(std::path::PathBuf::from(s)))
+    }
+}

@@ -21,7 +21,7 @@ use super::errors::to_py;
 use crate::error::KvoffError;
 use crate::region::{HostRegion, RegionOptions};
 
-type SharedRegion = Arc<Mutex<HostRegion>>;
+pub(crate) type SharedRegion = Arc<Mutex<HostRegion>>;
 
 /// Runs `f` on the region under its lock (see [`super::enter::locked`]).
 fn with_region<R: Send>(
@@ -88,6 +88,14 @@ impl PyHostRegion {
             path: r.path().map(|p| p.display().to_string()),
             inner: Mutex::new(Some(Arc::new(Mutex::new(r)))),
         }
+    }
+
+    /// The region (an `Arc` that keeps it mapped), for other bindings that copy into it.
+    ///
+    /// # Errors
+    /// `InvalidStateError` once the region is closed.
+    pub(crate) fn shared_region(&self) -> PyResult<SharedRegion> {
+        self.region()
     }
 
     fn region(&self) -> PyResult<SharedRegion> {

@@ -13,8 +13,10 @@ use std::time::Duration;
 use pyo3::prelude::*;
 use pyo3::types::{PyBytes, PyDict};
 
+use super::args::{Float, Int, PathArg};
 use super::enter::{blocking, locked, Hold};
 use super::errors::{to_py, IntoPyResult};
+use super::region::{PyHostRegion, SharedRegion};
 use crate::key::ByteKey;
 use crate::manager::{AnyManager, BlockId, ManagerConfig, ManagerStats, PolicyKind, Presence};
 use crate::tier::bench::{run as run_bench, DiskBenchConfig};
@@ -29,8 +31,11 @@ type Host = AnyManager<ByteKey>;
 #[pyclass(name = "TieredManagerCore", module = "kvoff._native", frozen)]
 pub struct PyTieredCore {
     inner: Mutex<Option<TieredManager<Host>>>,
-    /// Keeps the object that owns the host memory alive while the tier may copy into it.
-    owner: Mutex<Option<Py<PyAny>>>,
+    /// Keeps the host region mapped while the tier may copy into it (dropped at `shutdown`, after
+    /// the I/O threads are joined).
+    region: Mutex<Option<SharedRegion>>,
+    /// The process that created it: a `fork()`ed child takes none of its locks (docs/spec.md §9).
+    pid: u32,
 }
 
 fn keys_of(keys: &Bound<'_, PyAny>) -> PyResult<Vec<ByteKey>> {
@@ -63,6 +68,10 @@ fn shut() -> KvoffError {
 }
 
 impl PyTieredCore {
+    fn forked(&self) -> bool {
+        std::process::id() != self.pid
+    }
+
     /// Runs `f` on the manager under its lock ([`locked`]): brief calls keep the GIL when the
     /// lock is free, `Hold::Long` ones (directory scans) always release it. A panic shuts the
     /// manager down.
@@ -72,6 +81,13 @@ impl PyTieredCore {
         hold: Hold,
         f: impl FnOnce(&mut TieredManager<Host>) -> crate::Result<R> + Send,
     ) -> PyResult<R> {
+        // Before any lock: in a `fork()`ed child a parent thread may have held it at the fork.
+        if self.forked() {
+            return Err(to_py(KvoffError::state(
+                "this tiered manager was created in another process (before fork()); \
+                 create a new one in this process",
+            )));
+        }
         let on_panic = |m: &mut Option<TieredManager<Host>>| {
             if let Some(mut m) = m.take() {
                 m.shutdown();
@@ -125,6 +141,7 @@ fn stats_dict<'py>(
     d.set_item("disk_read_seconds", t.read_seconds)?;
     d.set_item("disk_read_errors", t.read_errors)?;
     d.set_item("disk_corrupt_files", t.corrupt_files)?;
+    d.set_item("disk_rejected_files", t.rejected_files)?;
     d.set_item("disk_evicted_files", t.evicted_files)?;
     d.set_item("disk_indexed_files", t.indexed_files)?;
     d.set_item("disk_own_files", t.own_files)?;
@@ -160,43 +177,76 @@ impl PyTieredCore {
     #[pyo3(signature = (
         policy, num_blocks, disk_path, disk_bytes_to_use, memory_ptr, memory_rows, row_stride_bytes,
         block_bytes, memory_owner, *, namespace = String::new(), page_sizes = Vec::new(),
-        block_size_factor = 1, dtype = String::new(), world_size = 1, rank = 0, block_size = 0,
-        enable_events = false, store_threshold = 0, max_tracker_size = 64000, disk_store_threshold = 0,
-        io_threads = 8, write_threads = 4, max_queued_writes = 256, fsync = false, direct_io = "auto",
-        rescan_interval_s = Some(2.0), owner = None, max_promotions = 256
+        block_size_factor = Int::of(1), dtype = String::new(), world_size = Int::of(1),
+        rank = Int::of(0), block_size = Int::of(0), enable_events = false,
+        store_threshold = Int::of(0), max_tracker_size = Int::of(64000),
+        disk_store_threshold = Int::of(0), io_threads = Int::of(8), write_threads = Int::of(4),
+        max_queued_writes = Int::of(256), fsync = false, direct_io = "auto",
+        rescan_interval_s = Some(Float(2.0)), owner = None, max_promotions = Int::of(256),
+        trusted_uids = Vec::new(), trusted_gid = None, allow_writable_dir = false
     ))]
     #[allow(clippy::too_many_arguments, clippy::fn_params_excessive_bools)]
     fn new(
         py: Python<'_>,
         policy: &str,
-        num_blocks: usize,
-        disk_path: std::path::PathBuf,
-        disk_bytes_to_use: u64,
-        memory_ptr: u64,
-        memory_rows: u64,
-        row_stride_bytes: u64,
-        block_bytes: usize,
-        memory_owner: Py<PyAny>,
+        num_blocks: Int,
+        disk_path: PathArg,
+        disk_bytes_to_use: Int,
+        memory_ptr: Int,
+        memory_rows: Int,
+        row_stride_bytes: Int,
+        block_bytes: Int,
+        memory_owner: &Bound<'_, PyHostRegion>,
         namespace: String,
-        page_sizes: Vec<u64>,
-        block_size_factor: u64,
+        page_sizes: Vec<Int>,
+        block_size_factor: Int,
         dtype: String,
-        world_size: u32,
-        rank: u32,
-        block_size: usize,
+        world_size: Int,
+        rank: Int,
+        block_size: Int,
         enable_events: bool,
-        store_threshold: usize,
-        max_tracker_size: usize,
-        disk_store_threshold: u32,
-        io_threads: usize,
-        write_threads: usize,
-        max_queued_writes: usize,
+        store_threshold: Int,
+        max_tracker_size: Int,
+        disk_store_threshold: Int,
+        io_threads: Int,
+        write_threads: Int,
+        max_queued_writes: Int,
         fsync: bool,
         direct_io: &str,
-        rescan_interval_s: Option<f64>,
+        rescan_interval_s: Option<Float>,
         owner: Option<String>,
-        max_promotions: usize,
+        max_promotions: Int,
+        trusted_uids: Vec<Int>,
+        trusted_gid: Option<Int>,
+        allow_writable_dir: bool,
     ) -> PyResult<Self> {
+        // Every argument is converted (TypeError / ValueError) before anything is created.
+        let num_blocks: usize = num_blocks.get("num_blocks")?;
+        let disk_bytes_to_use: u64 = disk_bytes_to_use.get("disk_bytes_to_use")?;
+        let memory_ptr: u64 = memory_ptr.get("memory_ptr")?;
+        let memory_rows: u64 = memory_rows.get("memory_rows")?;
+        let row_stride_bytes: u64 = row_stride_bytes.get("row_stride_bytes")?;
+        let block_bytes: usize = block_bytes.get("block_bytes")?;
+        let page_sizes = page_sizes
+            .into_iter()
+            .map(|p| p.get::<u64>("page_sizes[i]"))
+            .collect::<PyResult<Vec<u64>>>()?;
+        let block_size_factor: u64 = block_size_factor.get("block_size_factor")?;
+        let world_size: u32 = world_size.get("world_size")?;
+        let rank: u32 = rank.get("rank")?;
+        let block_size: usize = block_size.get("block_size")?;
+        let store_threshold: usize = store_threshold.get("store_threshold")?;
+        let max_tracker_size: usize = max_tracker_size.get("max_tracker_size")?;
+        let disk_store_threshold: u32 = disk_store_threshold.get("disk_store_threshold")?;
+        let io_threads: usize = io_threads.get("io_threads")?;
+        let write_threads: usize = write_threads.get("write_threads")?;
+        let max_queued_writes: usize = max_queued_writes.get("max_queued_writes")?;
+        let max_promotions: usize = max_promotions.get("max_promotions")?;
+        let trusted_uids = trusted_uids
+            .into_iter()
+            .map(|u| u.get::<u32>("trusted_uids[i]"))
+            .collect::<PyResult<Vec<u32>>>()?;
+        let trusted_gid: Option<u32> = trusted_gid.map(|g| g.get("trusted_gid")).transpose()?;
         let direct = parse_direct(direct_io)?;
         if memory_rows < num_blocks as u64 {
             return Err(to_py(KvoffError::arg(format!(
@@ -205,18 +255,41 @@ impl PyTieredCore {
         }
         let rescan = match rescan_interval_s {
             None => None,
-            Some(s) if s.is_finite() && s > 0.0 && s < 1e6 => Some(Duration::from_secs_f64(s)),
-            Some(s) => {
+            Some(Float(s)) if s.is_finite() && s > 0.0 && s < 1e6 => {
+                Some(Duration::from_secs_f64(s))
+            }
+            Some(Float(s)) => {
                 return Err(to_py(KvoffError::arg(format!(
                     "rescan_interval_s must be > 0 and finite, or None; got {s}"
                 ))))
             }
         };
-        // SAFETY: obligation 1 of `RawRows::new` is the caller's, documented on
-        // `kvoff.tier.TieredOffloadingManager` (as for the tensor pointers given to transfer
-        // engines): the memory belongs to `memory_owner`, which this object keeps alive until
-        // `shutdown`, and it is not closed before that. Obligation 2 is kept by `TieredManager`
-        // (write pins, pending promotions).
+        // The tier keeps the region's mapping alive (as a view does) until `shutdown`, so closing
+        // the region first never unmaps memory the I/O threads copy into (docs/spec.md §5).
+        let region = memory_owner.get().shared_region()?;
+        let (base, len) = locked(
+            py,
+            &region,
+            Hold::Brief,
+            |_| {},
+            |r| Ok((r.as_ptr(), r.len_bytes())),
+        )?;
+        let fits = memory_rows
+            .checked_sub(1)
+            .and_then(|last| last.checked_mul(row_stride_bytes))
+            .and_then(|o| o.checked_add(block_bytes as u64))
+            .and_then(|o| memory_ptr.checked_sub(base)?.checked_add(o))
+            .is_some_and(|end| end <= len);
+        if !fits || memory_ptr < base {
+            return Err(to_py(KvoffError::arg(format!(
+                "memory_ptr {memory_ptr:#x} with {memory_rows} rows of {row_stride_bytes} bytes \
+                 ({block_bytes}-byte blocks) is not inside the region ({len} bytes at {base:#x})"
+            ))));
+        }
+        // SAFETY: obligation 1 of `RawRows::new`: the rows were just checked to lie inside the
+        // region's mapping, which `region` (an `Arc` of it, held until `shutdown` has joined the
+        // I/O threads) keeps mapped. Obligation 2 is kept by `TieredManager` (write pins, pending
+        // promotions).
         let memory =
             unsafe { RawRows::new(memory_ptr, memory_rows, row_stride_bytes, block_bytes) }.py()?;
         let mut mc = ManagerConfig::new(num_blocks);
@@ -226,7 +299,7 @@ impl PyTieredCore {
         mc.max_tracker_size = max_tracker_size;
         let host = Host::try_new(PolicyKind::parse(policy).py()?, mc).py()?;
         let mut tc = TierConfig::new(
-            disk_path,
+            disk_path.0,
             disk_bytes_to_use,
             Layout {
                 namespace,
@@ -244,6 +317,9 @@ impl PyTieredCore {
         tc.direct_io = direct;
         tc.rescan_interval = rescan;
         tc.owner = owner;
+        tc.trusted_uids = trusted_uids;
+        tc.trusted_gid = trusted_gid;
+        tc.allow_writable_dir = allow_writable_dir;
         let mem: Arc<dyn BlockMemory> = Arc::new(memory);
         let tier = blocking(py, move || FileTier::open(tc, mem))?;
         let cfg = TieredConfig {
@@ -253,7 +329,8 @@ impl PyTieredCore {
         };
         Ok(Self {
             inner: Mutex::new(Some(TieredManager::new(host, tier, cfg))),
-            owner: Mutex::new(Some(memory_owner)),
+            region: Mutex::new(Some(region)),
+            pid: std::process::id(),
         })
     }
 
@@ -417,6 +494,11 @@ impl PyTieredCore {
 
     /// Waits for disk I/O, stops the I/O threads; idempotent. Later calls raise `InvalidStateError`.
     fn shutdown(&self, py: Python<'_>) -> PyResult<()> {
+        if self.forked() {
+            // The parent's manager, threads and locks are not this process's to touch; what is
+            // left of them here is released with the object, without taking a lock.
+            return Ok(());
+        }
         let m = locked(py, &self.inner, Hold::Brief, |_| {}, |g| Ok(g.take()))?;
         if let Some(mut m) = m {
             blocking(py, move || {
@@ -424,13 +506,16 @@ impl PyTieredCore {
                 Ok(())
             })?;
         }
-        let owner = self
-            .owner
+        let region = self
+            .region
             .lock()
             .unwrap_or_else(std::sync::PoisonError::into_inner)
             .take();
-        drop(owner);
-        Ok(())
+        // The I/O threads are joined: the mapping may go now (if the region was closed).
+        blocking(py, move || {
+            drop(region);
+            Ok(())
+        })
     }
 
     fn __len__(&self, py: Python<'_>) -> PyResult<usize> {
@@ -446,25 +531,28 @@ impl PyTieredCore {
 
 /// Runs the disk benchmark for one layout (GIL released) and returns its row as a dict.
 #[pyfunction]
-#[pyo3(signature = (dir, label, page_sizes, num_blocks = 256, reps = 5, io_threads = 8, direct_io = "auto"))]
+#[pyo3(signature = (dir, label, page_sizes, num_blocks = Int::of(256), reps = Int::of(5), io_threads = Int::of(8), direct_io = "auto"))]
 #[allow(clippy::too_many_arguments)]
 fn bench_disk<'py>(
     py: Python<'py>,
-    dir: std::path::PathBuf,
+    dir: PathArg,
     label: String,
-    page_sizes: Vec<u64>,
-    num_blocks: usize,
-    reps: usize,
-    io_threads: usize,
+    page_sizes: Vec<Int>,
+    num_blocks: Int,
+    reps: Int,
+    io_threads: Int,
     direct_io: &str,
 ) -> PyResult<Bound<'py, PyDict>> {
     let cfg = DiskBenchConfig {
-        dir,
+        dir: dir.0,
         label,
-        page_sizes_bytes: page_sizes,
-        num_blocks,
-        reps,
-        io_threads,
+        page_sizes_bytes: page_sizes
+            .into_iter()
+            .map(|p| p.get::<u64>("page_sizes[i]"))
+            .collect::<PyResult<_>>()?,
+        num_blocks: num_blocks.get("num_blocks")?,
+        reps: reps.get("reps")?,
+        io_threads: io_threads.get("io_threads")?,
         direct_io: parse_direct(direct_io)?,
     };
     let r = blocking(py, || run_bench(&cfg))?;

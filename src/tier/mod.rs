@@ -93,6 +93,7 @@ pub mod tiered;
 
 use std::collections::{BTreeMap, HashMap, VecDeque};
 use std::ffi::OsStr;
+use std::os::fd::AsFd;
 use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicU64, Ordering::Relaxed};
 use std::sync::{Arc, Condvar, Mutex, MutexGuard, PoisonError};
@@ -304,6 +305,15 @@ pub struct TierConfig {
     pub owner: Option<String>,
     /// File mode of new files (default 0o600: only this user may read the KV cache).
     pub file_mode: u32,
+    /// Users besides this process's effective uid whose files and directories are trusted
+    /// (docs/tier.md "Trust"; default none: a directory shared by several users names them here).
+    pub trusted_uids: Vec<u32>,
+    /// A group whose files and directories are trusted, and whose write permission on them is
+    /// accepted (default none).
+    pub trusted_gid: Option<u32>,
+    /// Accept directories writable by untrusted users without the sticky bit (default `false`:
+    /// such a directory is a [`KvoffError::Config`] at [`FileTier::open`]).
+    pub allow_writable_dir: bool,
 }
 
 impl TierConfig {
@@ -323,6 +333,9 @@ impl TierConfig {
             rescan_interval: Some(Duration::from_secs(2)),
             owner: None,
             file_mode: 0o600,
+            trusted_uids: Vec::new(),
+            trusted_gid: None,
+            allow_writable_dir: false,
         }
     }
 }
@@ -350,6 +363,11 @@ pub struct TierStats {
     pub read_errors: u64,
     /// Files rejected by a header or checksum check (and removed).
     pub corrupt_files: u64,
+    /// Foreign entries skipped where the tier expected its own files or shard directories: FIFOs,
+    /// sockets, devices, symbolic links, directories, files of untrusted owners or writable by
+    /// untrusted users, hard-linked files it was about to overwrite (docs/tier.md "Trust"). Each
+    /// entry (name and inode) counts once.
+    pub rejected_files: u64,
     /// Own files removed to respect the capacity.
     pub evicted_files: u64,
     /// Files indexed (readable).
@@ -437,6 +455,8 @@ struct State {
     last_scan: Option<Instant>,
     scanning: bool,
     last_error: Option<String>,
+    /// Foreign entries already counted in [`TierStats::rejected_files`]: name → inode.
+    rejected: HashMap<Box<str>, u64, foldhash::fast::RandomState>,
 }
 
 #[derive(Default)]
@@ -451,11 +471,101 @@ struct Counters {
     read_ns: AtomicU64,
     read_errors: AtomicU64,
     corrupt_files: AtomicU64,
+    rejected_files: AtomicU64,
     evicted_files: AtomicU64,
+}
+
+/// Whom the directory trusts (docs/tier.md "Trust").
+#[derive(Debug)]
+struct Trust {
+    uids: Vec<u32>,
+    gid: Option<u32>,
+    allow_writable_dir: bool,
+}
+
+impl Trust {
+    fn owner_ok(&self, st: &io::Stat) -> bool {
+        self.uids.contains(&st.uid) || self.gid == Some(st.gid)
+    }
+
+    /// Writable only by trusted users: not by everyone, by the group only if it is trusted.
+    fn write_ok(&self, st: &io::Stat) -> std::result::Result<(), String> {
+        if st.mode & 0o002 != 0 {
+            return Err(format!(
+                "writable by every user (mode {:o})",
+                st.mode & 0o7777
+            ));
+        }
+        if st.mode & 0o020 != 0 && self.gid != Some(st.gid) {
+            return Err(format!(
+                "writable by group {} (mode {:o}), which is not trusted_gid",
+                st.gid,
+                st.mode & 0o7777
+            ));
+        }
+        Ok(())
+    }
+
+    /// A file the tier may serve.
+    fn file(&self, st: &io::Stat) -> std::result::Result<(), String> {
+        if !st.is_file() {
+            return Err(format!(
+                "not a regular file (type {:o})",
+                st.mode & libc::S_IFMT
+            ));
+        }
+        if !self.owner_ok(st) {
+            return Err(format!(
+                "owned by uid {} gid {}, which are not trusted",
+                st.uid, st.gid
+            ));
+        }
+        self.write_ok(st)
+    }
+
+    /// A directory whose entries other users cannot rename or remove: writable only by trusted
+    /// users, or with the sticky bit (or `allow_writable_dir`).
+    fn dir_writers(&self, st: &io::Stat) -> std::result::Result<(), String> {
+        if self.allow_writable_dir || st.mode & libc::S_ISVTX != 0 {
+            return Ok(());
+        }
+        self.write_ok(st).map_err(|e| {
+            format!("{e} without the sticky bit (set allow_writable_dir to accept it)")
+        })
+    }
+
+    /// A directory of the tier's own tree (namespace or shard directory).
+    fn dir(&self, st: &io::Stat) -> std::result::Result<(), String> {
+        if !st.is_dir() {
+            return Err(format!(
+                "not a directory (type {:o})",
+                st.mode & libc::S_IFMT
+            ));
+        }
+        if !self.owner_ok(st) {
+            return Err(format!(
+                "owned by uid {} gid {}, which are not trusted",
+                st.uid, st.gid
+            ));
+        }
+        self.dir_writers(st)
+    }
+}
+
+/// `("ab", "<file>")` of an index name `"ab/<file>"`.
+fn split_name(name: &str) -> (&str, &str) {
+    name.split_once('/').unwrap_or(("", name))
+}
+
+fn untrusted(what: String) -> std::io::Error {
+    std::io::Error::new(std::io::ErrorKind::PermissionDenied, what)
 }
 
 struct Shared {
     ns_dir: PathBuf,
+    /// The namespace directory, opened once at start: every name is reached relative to it.
+    dir_fd: std::os::fd::OwnedFd,
+    trust: Trust,
     fingerprint: u64,
     rank: u32,
     world_size: u32,
@@ -581,6 +691,15 @@ fn host_name() -> String {
         .collect()
 }
 
+fn untrusted_dir(path: &Path, why: &str) -> KvoffError {
+    KvoffError::Config(format!(
+        "disk tier: refusing to use {}: {why}; the tier trusts directories and files of this user \
+         (and of trusted_uids / trusted_gid), writable by no one else unless the directory has the \
+         sticky bit (docs/tier.md \"Trust\"); remove it or fix its owner and mode",
+        path.display()
+    ))
+}
+
 fn config_err(what: &str, path: &Path, e: &std::io::Error) -> KvoffError {
     KvoffError::Config(format!(
         "disk tier: {what} {}: {e} (set disk_path to a writable directory)",
@@ -640,30 +759,87 @@ impl Shared {
         lock(&self.state).last_error = Some(e.to_string());
     }
 
+    /// Opens shard directory `shard` (relative to the namespace directory, never through a link)
+    /// and checks it is a trusted directory; with `create`, a missing one is created first.
+    fn open_shard(&self, shard: &str, create: bool) -> std::io::Result<std::os::fd::OwnedFd> {
+        let c = io::cname(shard)?;
+        let fd = match io::open_dir_at(self.dir_fd.as_fd(), &c) {
+            Err(e) if create && e.kind() == std::io::ErrorKind::NotFound => {
+                io::mkdir_at(self.dir_fd.as_fd(), &c)?;
+                io::open_dir_at(self.dir_fd.as_fd(), &c)?
+            }
+            r => r?,
+        };
+        let st = io::fstat(fd.as_fd())?;
+        self.trust
+            .dir(&st)
+            .map_err(|why| untrusted(format!("shard directory {shard}: {why}")))?;
+        Ok(fd)
+    }
+
+    /// Counts a foreign entry (once per name and inode) and says why in `last_error`.
+    fn reject(&self, name: &str, ino: u64, why: &str) {
+        let mut st = lock(&self.state);
+        if st.rejected.get(name) == Some(&ino) {
+            return;
+        }
+        if st.rejected.len() >= 65_536 {
+            st.rejected.clear();
+        }
+        st.rejected.insert(name.into(), ino);
+        self.counters.rejected_files.fetch_add(1, Relaxed);
+        st.last_error = Some(format!(
+            "skipped {}: {why}",
+            self.ns_dir.join(name).display()
+        ));
+    }
+
     /// Lists the directory and merges it into the index. At start (`initial`) own files are
     /// adopted into the LRU (oldest modification first) and stale local temporary files removed.
+    /// Nothing is opened but shard directories and files with hashed names (their header holds the
+    /// key), each `O_NOFOLLOW | O_NONBLOCK`; an entry of the tier's name forms that is not a
+    /// regular file (a directory for shards) of a trusted owner is skipped and counted
+    /// (docs/tier.md "Trust"). Files not yet indexed are checked with `fstatat` (no lock held).
+    #[allow(clippy::too_many_lines)] // one pass: list, check the new names, merge
     fn scan(&self, initial: bool) {
-        let rd = match std::fs::read_dir(&self.ns_dir) {
-            Ok(rd) => rd,
+        struct Found {
+            key: ByteKey,
+            name: Box<str>,
+            owned: bool,
+            /// The `fstat` of a file opened to read its header (hashed names).
+            stat: Option<io::Stat>,
+        }
+        let tops = match io::list_dir(self.dir_fd.as_fd()) {
+            Ok(v) => v,
             Err(e) => {
                 self.note_error(format!("listing {}: {e}", self.ns_dir.display()));
                 return;
             }
         };
-        let mut found: Vec<(ByteKey, Box<str>, bool)> = Vec::new();
-        let mut own_times: Vec<(std::time::SystemTime, usize)> = Vec::new();
+        let mut found: Vec<Found> = Vec::new();
         let tmp_prefix = format!(".tmp.{}.", self.host_tag);
-        for shard in rd.flatten() {
-            let shard_name = shard.file_name();
-            let Some(shard_name) = shard_name.to_str().filter(|n| is_shard(n)) else {
+        for top in tops {
+            let Some(shard_name) = top.name.to_str().filter(|n| is_shard(n)) else {
                 continue;
             };
-            let Ok(files) = std::fs::read_dir(shard.path()) else {
+            if top.kind != libc::DT_DIR && top.kind != libc::DT_UNKNOWN {
+                self.reject(shard_name, top.ino, "not a directory");
+                continue;
+            }
+            let shard = match self.open_shard(shard_name, false) {
+                Ok(fd) => fd,
+                Err(e) => {
+                    if e.kind() != std::io::ErrorKind::NotFound {
+                        self.reject(shard_name, top.ino, &e.to_string());
+                    }
+                    continue;
+                }
+            };
+            let Ok(files) = io::list_dir(shard.as_fd()) else {
                 continue;
             };
-            for ent in files.flatten() {
-                let os_name = ent.file_name();
-                let Some(name) = os_name.to_str() else {
+            for ent in files {
+                let Some(name) = ent.name.to_str() else {
                     continue;
                 };
                 if initial {
@@ -671,7 +847,9 @@ impl Shared {
                         let pid = rest.split('.').next().unwrap_or("");
                         let alive = !pid.is_empty() && Path::new("/proc").join(pid).exists();
                         if !alive {
-                            let _ = std::fs::remove_file(ent.path());
+                            if let Ok(c) = io::cname(name) {
+                                let _ = io::unlink_at(shard.as_fd(), &c);
+                            }
                         }
                         continue;
                     }
@@ -679,28 +857,76 @@ impl Shared {
                 let Some((key, owned)) = self.parse_name(name) else {
                     continue;
                 };
-                let key = match key {
-                    Some(k) => ByteKey::new(&k),
-                    None => match self.read_header_key(&ent.path()) {
-                        Some(k) => ByteKey::new(&k),
+                let full = format!("{shard_name}/{name}");
+                if ent.kind != libc::DT_REG && ent.kind != libc::DT_UNKNOWN {
+                    self.reject(&full, ent.ino, "not a regular file");
+                    continue;
+                }
+                let (key, stat) = match key {
+                    Some(k) => (ByteKey::new(&k), None),
+                    None => match self.read_header_key(&shard, name, &full) {
+                        Some((k, st)) => (ByteKey::new(&k), Some(st)),
                         None => continue,
                     },
                 };
-                if initial && owned {
-                    let t = ent
-                        .metadata()
-                        .and_then(|m| m.modified())
-                        .unwrap_or(std::time::UNIX_EPOCH);
-                    own_times.push((t, found.len()));
-                }
-                found.push((key, format!("{shard_name}/{name}").into_boxed_str(), owned));
+                found.push(Found {
+                    key,
+                    name: full.into_boxed_str(),
+                    owned,
+                    stat,
+                });
             }
         }
-        own_times.sort();
+        // Names not indexed yet are checked (owner, type, mode) before they are indexed; indexed
+        // ones are checked again when a promotion opens them.
+        let unchecked: Vec<usize> = {
+            let st = lock(&self.state);
+            (0..found.len())
+                .filter(|&i| {
+                    found[i].stat.is_none() && (initial || !st.index.contains_key(&found[i].key))
+                })
+                .collect()
+        };
+        let mut ok = vec![true; found.len()];
+        let mut shard: Option<(String, std::os::fd::OwnedFd)> = None;
+        for i in unchecked {
+            let (sname, fname) = split_name(&found[i].name);
+            if shard.as_ref().is_none_or(|(n, _)| n != sname) {
+                shard = self
+                    .open_shard(sname, false)
+                    .ok()
+                    .map(|fd| (sname.to_owned(), fd));
+            }
+            let st = match (&shard, io::cname(fname)) {
+                (Some((_, fd)), Ok(c)) => io::stat_at(fd.as_fd(), &c),
+                _ => Err(std::io::Error::from(std::io::ErrorKind::NotFound)),
+            };
+            match st {
+                Ok(st) => match self.trust.file(&st) {
+                    Ok(()) => found[i].stat = Some(st),
+                    Err(why) => {
+                        ok[i] = false;
+                        self.reject(&found[i].name, st.ino, &why);
+                    }
+                },
+                // Vanished since the listing.
+                Err(_) => ok[i] = false,
+            }
+        }
+        drop(shard);
+        let mut own_times: Vec<(i64, usize)> = Vec::new();
+        if initial {
+            for (i, f) in found.iter().enumerate() {
+                if ok[i] && f.owned {
+                    own_times.push((f.stat.map_or(0, |s| s.mtime), i));
+                }
+            }
+        }
+        own_times.sort_unstable();
         let mut st = lock(&self.state);
         if initial {
             for (_, i) in own_times {
-                let (key, name, _) = &found[i];
+                let Found { key, name, .. } = &found[i];
                 if st.index.contains_key(key) {
                     continue;
                 }
@@ -726,7 +952,10 @@ impl Shared {
         // Files of other owners, and (after the start) files with this owner's tag that this
         // instance does not know (another live process with the same owner tag): readable, but not
         // counted in this instance's capacity.
-        for (key, name, _) in &found {
+        for (i, Found { key, name, .. }) in found.iter().enumerate() {
+            if !ok[i] {
+                continue;
+            }
             seen.insert(key);
             if st.index.contains_key(key) {
                 continue;
@@ -749,12 +978,34 @@ impl Shared {
         st.last_scan = Some(Instant::now());
     }
 
-    fn read_header_key(&self, path: &Path) -> Option<Vec<u8>> {
-        let f = io::open_read(path, false).ok()?;
+    /// The key in the header of the hashed-name file `name` of `shard` (and its `fstat`), if it
+    /// is a trusted regular file of this layout and rank.
+    fn read_header_key(
+        &self,
+        shard: &std::os::fd::OwnedFd,
+        name: &str,
+        full: &str,
+    ) -> Option<(Vec<u8>, io::Stat)> {
+        let c = io::cname(name).ok()?;
+        let f = match io::open_at(shard.as_fd(), &c, libc::O_RDONLY) {
+            Ok(f) => f,
+            Err(e) => {
+                if matches!(e.raw_os_error(), Some(libc::ELOOP | libc::ENXIO)) {
+                    let ino = io::stat_at(shard.as_fd(), &c).map_or(0, |s| s.ino);
+                    self.reject(full, ino, &e.to_string());
+                }
+                return None;
+            }
+        };
+        let st = io::fstat(f.as_fd()).ok()?;
+        if let Err(why) = self.trust.file(&st) {
+            self.reject(full, st.ino, &why);
+            return None;
+        }
         let mut b = vec![0u8; HEADER_BYTES];
         io::read_full(&f, &mut b).ok()?;
         let h = format::decode(&b).ok()?;
-        (h.fingerprint == self.fingerprint && h.rank == self.rank).then_some(h.key)
+        (h.fingerprint == self.fingerprint && h.rank == self.rank).then_some((h.key, st))
     }
 
     fn run_write(
@@ -806,10 +1057,24 @@ impl Shared {
                 ));
             }
             let n = self.tmp_seq.fetch_add(1, Relaxed);
-            let tmp = self
-                .ns_dir
-                .join(name.get(..SHARD_LEN).unwrap_or(""))
-                .join(format!(".tmp.{}.{}.{n}", self.host_tag, std::process::id()));
+            let path = || self.ns_dir.join(name).display().to_string();
+            let (shard, fname) = split_name(name);
+            let tmp = io::cname(&format!(
+                ".tmp.{}.{}.{n}",
+                self.host_tag,
+                std::process::id()
+            ))
+            .map_err(|e| format!("writing {}: {e}", path()))?;
+            let dst = io::cname(fname).map_err(|e| format!("writing {}: {e}", path()))?;
+            let dir = self
+                .open_shard(shard, true)
+                .map_err(|e| format!("writing {}: {e}", path()))?;
+            // The evicted file to overwrite, in its own shard directory.
+            let old = reuse.and_then(|r| {
+                let (rs, rf) = split_name(r);
+                let fd = self.open_shard(rs, false).ok()?;
+                Some((fd, io::cname(rf).ok()?, r))
+            });
             let image: &[u8] = b;
             let mut write = |f: &std::fs::File| -> std::io::Result<()> {
                 if zero_copy {
@@ -820,19 +1085,33 @@ impl Shared {
                     std::os::unix::fs::FileExt::write_all_at(f, &image[..flen], 0)
                 }
             };
-            io::publish(
+            let foreign = io::publish(
+                dir.as_fd(),
                 &tmp,
-                &self.ns_dir.join(name),
+                &dst,
                 self.file_len,
                 &mut write,
-                reuse.map(|r| self.ns_dir.join(r)).as_deref(),
+                old.as_ref().map(|(fd, c, _)| io::Reuse {
+                    dir: fd.as_fd(),
+                    name: c,
+                }),
                 io::PublishOpts {
                     direct: self.direct,
                     fsync: self.fsync,
                     mode: self.file_mode,
                 },
             )
-            .map_err(|e| format!("writing {}: {e}", self.ns_dir.join(name).display()))
+            .map_err(|e| format!("writing {}: {e}", path()))?;
+            if foreign {
+                if let Some((_, _, r)) = &old {
+                    self.reject(
+                        r,
+                        0,
+                        "not a single-link regular file of this user; not overwritten",
+                    );
+                }
+            }
+            Ok(())
         });
         if zero_copy {
             release();
@@ -874,15 +1153,49 @@ impl Shared {
             Ok,
             Missing(String),
             Corrupt,
+            /// Not a trusted regular file: `(inode, why)`.
+            Rejected(u64, String),
         }
         let t0 = Instant::now();
         let path = self.ns_dir.join(name);
         let flen = usize::try_from(self.file_len).unwrap_or(usize::MAX);
-        let outcome = match io::open_read(&path, self.direct) {
+        let (sname, fname) = split_name(name);
+        let shard = self.open_shard(sname, false);
+        let opened = shard
+            .as_ref()
+            .map_err(|e| std::io::Error::new(e.kind(), e.to_string()))
+            .and_then(|d| {
+                let c = io::cname(fname)?;
+                let flags = if self.direct {
+                    libc::O_RDONLY | libc::O_DIRECT
+                } else {
+                    libc::O_RDONLY
+                };
+                match io::open_at(d.as_fd(), &c, flags) {
+                    Ok(f) => {
+                        let st = io::fstat(f.as_fd())?;
+                        Ok(Ok((f, st)))
+                    }
+                    // A link, a FIFO, a socket at the file's name (`ELOOP`, `ENXIO`, `EINVAL` for
+                    // `O_DIRECT`, ...): say so rather than "missing".
+                    Err(e) => match io::stat_at(d.as_fd(), &c) {
+                        Ok(st) => match self.trust.file(&st) {
+                            Err(why) => Ok(Err((st.ino, why))),
+                            Ok(()) => Err(e),
+                        },
+                        Err(_) => Err(e),
+                    },
+                }
+            });
+        let outcome = match opened {
             Err(e) => Outcome::Missing(format!("opening {}: {e}", path.display())),
-            Ok(f) => {
+            Ok(Err((ino, why))) => Outcome::Rejected(ino, why),
+            Ok(Ok((_, st))) if self.trust.file(&st).is_err() => {
+                Outcome::Rejected(st.ino, self.trust.file(&st).err().unwrap_or_default())
+            }
+            Ok(Ok((f, st))) => {
                 // A longer file is not ours either.
-                let longer = f.metadata().is_ok_and(|m| m.len() != self.file_len);
+                let longer = st.size != self.file_len;
                 let expect = self.expect_header(key);
                 let direct_read = if self.direct && !longer {
                     self.memory
@@ -918,6 +1231,10 @@ impl Shared {
         };
         let ns = u64::try_from(t0.elapsed().as_nanos()).unwrap_or(u64::MAX);
         let ok = matches!(outcome, Outcome::Ok);
+        let outcome_note = match &outcome {
+            Outcome::Rejected(ino, why) => Outcome::Rejected(*ino, why.clone()),
+            _ => Outcome::Ok,
+        };
         let mut st = lock(&self.state);
         st.running_reads = st.running_reads.saturating_sub(1);
         match outcome {
@@ -937,7 +1254,12 @@ impl Shared {
                 self.counters.corrupt_files.fetch_add(1, Relaxed);
                 st.last_error = Some(format!("corrupt file {} removed", path.display()));
                 Self::forget(&mut st, key, self.file_len);
-                let _ = std::fs::remove_file(&path);
+                if let (Ok(d), Ok(c)) = (&shard, io::cname(fname)) {
+                    let _ = io::unlink_at(d.as_fd(), &c);
+                }
+            }
+            Outcome::Rejected(..) => {
+                Self::forget(&mut st, key, self.file_len);
             }
         }
         st.completions.push(Completion::Promoted {
@@ -945,6 +1267,10 @@ impl Shared {
             block,
             ok,
         });
+        drop(st);
+        if let Outcome::Rejected(ino, why) = &outcome_note {
+            self.reject(name, *ino, why);
+        }
     }
 
     fn forget(st: &mut State, key: &ByteKey, file_len: u64) {
@@ -1009,7 +1335,10 @@ impl Shared {
             match job {
                 None => return,
                 Some(Job::Unlink { name }) => {
-                    let _ = std::fs::remove_file(self.ns_dir.join(&*name));
+                    let (sname, fname) = split_name(&name);
+                    if let (Ok(d), Ok(c)) = (self.open_shard(sname, false), io::cname(fname)) {
+                        let _ = io::unlink_at(d.as_fd(), &c);
+                    }
                 }
                 Some(Job::Write {
                     key,
@@ -1053,28 +1382,58 @@ impl FileTier {
             )));
         }
         let fingerprint = lay.fingerprint(payload_len as u64);
-        let ns_dir = cfg.dir.join(format!("kvoff-{fingerprint:016x}"));
-        std::fs::create_dir_all(&ns_dir).map_err(|e| config_err("cannot create", &ns_dir, &e))?;
-        let meta =
-            std::fs::metadata(&ns_dir).map_err(|e| config_err("cannot open", &ns_dir, &e))?;
-        if !meta.is_dir() {
-            return Err(KvoffError::Config(format!(
-                "disk tier: {} is not a directory",
-                ns_dir.display()
-            )));
-        }
-        for i in 0..=255u8 {
-            let d = ns_dir.join(format!("{i:02x}"));
-            match std::fs::create_dir(&d) {
-                Ok(()) => {}
-                Err(e) if e.kind() == std::io::ErrorKind::AlreadyExists => {}
-                Err(e) => return Err(config_err("cannot create", &d, &e)),
+        let mut uids = vec![io::euid()];
+        uids.extend(cfg.trusted_uids.iter().copied());
+        let trust = Trust {
+            uids,
+            gid: cfg.trusted_gid,
+            allow_writable_dir: cfg.allow_writable_dir,
+        };
+        let ns_name = format!("kvoff-{fingerprint:016x}");
+        let ns_dir = cfg.dir.join(&ns_name);
+        // `disk_path` is the user's (links in it are followed); nothing below it is.
+        std::fs::create_dir_all(&cfg.dir).map_err(|e| config_err("cannot create", &cfg.dir, &e))?;
+        let top =
+            io::open_dir_path(&cfg.dir).map_err(|e| config_err("cannot open", &cfg.dir, &e))?;
+        let top_st = io::fstat(top.as_fd()).map_err(|e| config_err("cannot open", &cfg.dir, &e))?;
+        trust
+            .dir_writers(&top_st)
+            .map_err(|why| untrusted_dir(&cfg.dir, &why))?;
+        let ns_c = io::cname(&ns_name).map_err(|e| config_err("cannot create", &ns_dir, &e))?;
+        io::mkdir_at(top.as_fd(), &ns_c).map_err(|e| config_err("cannot create", &ns_dir, &e))?;
+        let dir_fd = io::open_dir_at(top.as_fd(), &ns_c).map_err(|e| {
+            if matches!(e.raw_os_error(), Some(libc::ELOOP | libc::ENOTDIR)) {
+                untrusted_dir(&ns_dir, "not a directory (a symbolic link or another file)")
+            } else {
+                config_err("cannot open", &ns_dir, &e)
             }
+        })?;
+        drop(top);
+        let ns_st =
+            io::fstat(dir_fd.as_fd()).map_err(|e| config_err("cannot open", &ns_dir, &e))?;
+        trust
+            .dir(&ns_st)
+            .map_err(|why| untrusted_dir(&ns_dir, &why))?;
+        for i in 0..=255u8 {
+            let name = format!("{i:02x}");
+            let d = ns_dir.join(&name);
+            let c = io::cname(&name).map_err(|e| config_err("cannot create", &d, &e))?;
+            io::mkdir_at(dir_fd.as_fd(), &c).map_err(|e| config_err("cannot create", &d, &e))?;
+            let fd = io::open_dir_at(dir_fd.as_fd(), &c).map_err(|e| {
+                if matches!(e.raw_os_error(), Some(libc::ELOOP | libc::ENOTDIR)) {
+                    untrusted_dir(&d, "not a directory (a symbolic link or another file)")
+                } else {
+                    config_err("cannot open", &d, &e)
+                }
+            })?;
+            let st = io::fstat(fd.as_fd()).map_err(|e| config_err("cannot open", &d, &e))?;
+            trust.dir(&st).map_err(|why| untrusted_dir(&d, &why))?;
         }
         let host_tag = host_name();
-        let probe = ns_dir.join(format!(".tmp.{host_tag}.{}.probe", std::process::id()));
-        let direct_ok =
-            io::probe_direct(&probe).map_err(|e| config_err("cannot write to", &ns_dir, &e))?;
+        let probe = io::cname(&format!(".tmp.{host_tag}.{}.probe", std::process::id()))
+            .map_err(|e| config_err("cannot write to", &ns_dir, &e))?;
+        let direct_ok = io::probe_direct(dir_fd.as_fd(), &probe)
+            .map_err(|e| config_err("cannot write to", &ns_dir, &e))?;
         let direct = match cfg.direct_io {
             DirectIo::Auto => direct_ok,
             DirectIo::Off => false,
@@ -1093,6 +1452,8 @@ impl FileTier {
         let owner = xxh3_64(owner_str.as_bytes());
         let shared = Arc::new(Shared {
             ns_dir,
+            dir_fd,
+            trust,
             fingerprint,
             rank: lay.rank,
             world_size: lay.world_size,
@@ -1401,6 +1762,7 @@ impl FileTier {
             read_seconds: secs(&c.read_ns),
             read_errors: c.read_errors.load(Relaxed),
             corrupt_files: c.corrupt_files.load(Relaxed),
+            rejected_files: c.rejected_files.load(Relaxed),
             evicted_files: c.evicted_files.load(Relaxed),
             indexed_files: st
                 .index
@@ -1421,10 +1783,10 @@ impl FileTier {
     pub fn shutdown(&mut self) {
         if self.forked() {
             // The I/O threads exist only in the parent: never join (or detach) them here.
+            // Nor take a lock: a parent thread may have held it at fork() (docs/spec.md §9).
             for t in self.threads.drain(..) {
                 std::mem::forget(t);
             }
-            lock(&self.shared.state).shutdown = true;
             return;
         }
         lock(&self.shared.state).shutdown = true;

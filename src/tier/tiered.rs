@@ -32,7 +32,7 @@
 use std::collections::HashMap;
 
 use super::{Completion, FileTier, TierStats};
-use crate::error::Result;
+use crate::error::{KvoffError, Result};
 use crate::key::ByteKey;
 use crate::manager::{
     BlockId, ManagerStats, OffloadingEvent, OffloadingManager, PrepareStoreOutput, Presence,
@@ -241,11 +241,25 @@ impl<M: OffloadingManager<ByteKey>> TieredManager<M> {
         self.host.touch(keys)
     }
 
+    /// Refuses a call that names a key the tier is promoting: its host block is still being read
+    /// into, and only the tier completes that store (docs/spec.md §9).
+    fn check_not_promoting(&self, keys: &[ByteKey], call: &str) -> Result<()> {
+        if let Some(k) = keys.iter().find(|k| self.promoting.contains_key(*k)) {
+            return Err(KvoffError::state(format!(
+                "{call}: key {k:?} is pending because the disk tier is promoting it (not a store \
+                 of the caller's); nothing was changed"
+            )));
+        }
+        Ok(())
+    }
+
     /// docs/spec.md §2.2 `complete_load`.
     ///
     /// # Errors
-    /// As the host manager's.
+    /// As the host manager's; [`KvoffError::InvalidState`] (nothing changed) for a key being
+    /// promoted.
     pub fn complete_load(&mut self, keys: &[ByteKey]) -> Result<()> {
+        self.check_not_promoting(keys, "complete_load")?;
         self.host.complete_load(keys)?;
         self.poll()
     }
@@ -283,8 +297,10 @@ impl<M: OffloadingManager<ByteKey>> TieredManager<M> {
     /// the tier (unless it has a file, or is below the disk admission threshold).
     ///
     /// # Errors
-    /// Only after shutdown.
+    /// After shutdown; [`KvoffError::InvalidState`] (nothing changed) for a key being promoted:
+    /// completing it would serve or free a block the tier is still reading into.
     pub fn complete_store(&mut self, keys: &[ByteKey], success: bool) -> Result<()> {
+        self.check_not_promoting(keys, "complete_store")?;
         let was_pending: Vec<bool> =
             if success {
                 keys.iter()
@@ -354,8 +370,16 @@ impl<M: OffloadingManager<ByteKey>> TieredManager<M> {
         self.host.reset()
     }
 
-    /// Waits for the I/O in flight, stops the tier and shuts the host manager down. Idempotent.
+    /// Waits for the I/O in flight, stops the tier and shuts the host manager down. Idempotent. In
+    /// a `fork()`ed child it takes no lock of the tier (a parent thread may have held one at the
+    /// fork) and waits for nothing (docs/spec.md §9).
     pub fn shutdown(&mut self) {
+        if self.tier.forked() {
+            self.tier.shutdown();
+            self.promoting.clear();
+            self.host.shutdown();
+            return;
+        }
         self.tier.flush();
         let _ = self.poll();
         self.tier.shutdown();

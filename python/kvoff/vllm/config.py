@@ -89,6 +89,11 @@ class KvoffOffloadConfig:
         disk_direct_io: ``"auto"`` (O_DIRECT where the filesystem allows it), ``"on"``, ``"off"``.
         disk_rescan_interval_s: how often files written by other engines are picked up (seconds;
             ``None``: only at start).
+        disk_trusted_uids, disk_trusted_gid: users besides the engine's, and a group, whose files
+            and directories the file tier trusts (a directory shared by several users; docs/tier.md
+            "Trust").
+        disk_allow_writable_dir: accept a tier directory writable by untrusted users without the
+            sticky bit.
     """
 
     cpu_bytes_to_use: int
@@ -107,6 +112,9 @@ class KvoffOffloadConfig:
     disk_namespace: str | None = None
     disk_direct_io: DirectIoName = "auto"
     disk_rescan_interval_s: float | None = 2.0
+    disk_trusted_uids: tuple[int, ...] = ()
+    disk_trusted_gid: int | None = None
+    disk_allow_writable_dir: bool = False
 
     @property
     def uses_disk(self) -> bool:
@@ -238,7 +246,27 @@ def _disk_settings(d: Mapping[str, Any], shared: bool | None) -> dict[str, Any]:
         raise ConfigError(
             f"kv_connector_extra_config['disk_rescan_interval_s'] must be > 0 seconds or null, got {rescan!r}"
         )
+    uids = d.get("disk_trusted_uids", ())
+    if uids is None:
+        uids = ()
+    if not isinstance(uids, (list, tuple)) or not all(
+        isinstance(u, int) and not isinstance(u, bool) and 0 <= u < 1 << 32 for u in uids
+    ):
+        raise ConfigError(
+            f"kv_connector_extra_config['disk_trusted_uids'] must be a list of uids, got {uids!r}"
+        )
+    gid = d.get("disk_trusted_gid")
+    if gid is not None and (isinstance(gid, bool) or not isinstance(gid, int) or not 0 <= gid < 1 << 32):
+        raise ConfigError(f"kv_connector_extra_config['disk_trusted_gid'] must be a gid or null, got {gid!r}")
+    writable = d.get("disk_allow_writable_dir", False)
+    if not isinstance(writable, bool):
+        raise ConfigError(
+            f"kv_connector_extra_config['disk_allow_writable_dir'] must be a bool, got {writable!r}"
+        )
     return {
+        "disk_trusted_uids": tuple(uids),
+        "disk_trusted_gid": gid,
+        "disk_allow_writable_dir": writable,
         "disk_path": path,
         "disk_bytes_to_use": nbytes,
         "disk_store_threshold": threshold,

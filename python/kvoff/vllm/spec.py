@@ -171,6 +171,9 @@ class KvoffOffloadingSpec(OffloadingSpec):
                 disk_store_threshold=c.disk_store_threshold,
                 direct_io=c.disk_direct_io,
                 rescan_interval_s=c.disk_rescan_interval_s,
+                trusted_uids=c.disk_trusted_uids,
+                trusted_gid=c.disk_trusted_gid,
+                allow_writable_dir=c.disk_allow_writable_dir,
             )
         except BaseException:
             region.close()
