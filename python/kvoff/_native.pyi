@@ -12,6 +12,7 @@ __all__ = [
     "ENGINES",
     "POLICIES",
     "ARCOffloadingManager",
+    "BlockStore",
     "CPULoadStoreSpec",
     "HostRegion",
     "LRUOffloadingManager",

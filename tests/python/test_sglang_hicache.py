@@ -30,13 +30,12 @@ pytestmark = pytest.mark.sglang
 
 try:
     import torch
+    from kvoff.sglang import KvoffHiCacheStorage
     from sglang.srt.mem_cache.device_pool_info import KVBufferLayout, KVBuffers, MHABufferInfo, MLABufferInfo
     from sglang.srt.mem_cache.hicache_storage import HiCacheStorageConfig
     from sglang.srt.mem_cache.pool_host.mha import MHATokenToKVPoolHost
     from sglang.srt.mem_cache.pool_host.mla import MLATokenToKVPoolHost
     from sglang.srt.mem_cache.storage.backend_factory import StorageBackendFactory
-
-    from kvoff.sglang import KvoffHiCacheStorage
 except ImportError as e:
     if os.environ.get("KVOFF_REQUIRE_SGLANG") == "1":
         raise
@@ -52,7 +51,7 @@ def mha_pool(layout: str, dtype: torch.dtype = torch.bfloat16) -> Any:
     """SGLang's MHA host pool, built by its constructor from CPU stand-ins for the device KV."""
     k = tuple(torch.zeros(DEVICE_TOKENS, HEADS, HEAD_DIM, dtype=dtype) for _ in range(LAYERS))
     v = tuple(torch.zeros(DEVICE_TOKENS, HEADS, HEAD_DIM, dtype=dtype) for _ in range(LAYERS))
-    ptrs = lambda ts: torch.tensor([t.data_ptr() for t in ts], dtype=torch.uint64)  # noqa: E731
+    ptrs = lambda ts: torch.tensor([t.data_ptr() for t in ts], dtype=torch.uint64)
     info = MHABufferInfo(
         buffers=KVBuffers(k=k, v=v, k_data_ptrs=ptrs(k), v_data_ptrs=ptrs(v), layout=KVBufferLayout.NHD),
         page_size=PAGE,
@@ -106,8 +105,15 @@ def mla_pool(layout: str, dtype: torch.dtype = torch.bfloat16) -> Any:
     )
 
 
-def storage_config(path: Any, *, model: str = "org/tiny", tp_rank: int = 0, tp_size: int = 1,
-                   mla: bool = False, page_first: bool = False) -> Any:
+def storage_config(
+    path: Any,
+    *,
+    model: str = "org/tiny",
+    tp_rank: int = 0,
+    tp_size: int = 1,
+    mla: bool = False,
+    page_first: bool = False,
+) -> Any:
     return HiCacheStorageConfig(
         tp_rank=tp_rank,
         tp_size=tp_size,
@@ -159,8 +165,13 @@ def indices(slots: list[int]) -> torch.Tensor:
 
 KEYS = [f"{i:064x}" for i in range(1, 9)]
 
-LAYOUTS = [("mha", "layer_first"), ("mha", "page_first"), ("mha", "page_first_direct"),
-           ("mla", "layer_first"), ("mla", "page_first")]
+LAYOUTS = [
+    ("mha", "layer_first"),
+    ("mha", "page_first"),
+    ("mha", "page_first_direct"),
+    ("mla", "layer_first"),
+    ("mla", "page_first"),
+]
 
 
 @pytest.mark.parametrize(("kind", "layout"), LAYOUTS)
@@ -248,7 +259,9 @@ def test_ranks_and_models_are_isolated(tmp_path: Any) -> None:
     pool0, pool1, pool_other = mha_pool("page_first"), mha_pool("page_first"), mha_pool("page_first")
     r0 = backend(storage_config(tmp_path, tp_rank=0, tp_size=2, page_first=True), pool0)
     r1 = backend(storage_config(tmp_path, tp_rank=1, tp_size=2, page_first=True), pool1)
-    other = backend(storage_config(tmp_path, model="org/other", tp_rank=0, tp_size=2, page_first=True), pool_other)
+    other = backend(
+        storage_config(tmp_path, model="org/other", tp_rank=0, tp_size=2, page_first=True), pool_other
+    )
     single = backend(storage_config(tmp_path, tp_rank=0, tp_size=1, page_first=True), mha_pool("page_first"))
     try:
         fill(pool0, 4)

@@ -29,6 +29,7 @@ pytestmark = pytest.mark.vllm
 
 try:
     import torch
+    from kvoff.vllm.tiering import KvoffFileTier
     from vllm.v1.kv_offload.base import (
         LookupResult,
         OffloadingKVEventsConfig,
@@ -46,8 +47,6 @@ try:
     from vllm.v1.kv_offload.tiering.base import TransferJob
     from vllm.v1.kv_offload.tiering.factory import SecondaryTierFactory
     from vllm.v1.kv_offload.tiering.spec import TieringOffloadingSpec
-
-    from kvoff.vllm.tiering import KvoffFileTier
 except ImportError as e:
     pytest.skip(f"vLLM 0.33's tiering is not importable: {e}", allow_module_level=True)
 
@@ -56,8 +55,14 @@ NUM_CHUNKS = 8
 CHUNK_ELEMS = 16 * mmap.PAGESIZE // 4  # 64 KiB chunks of float32
 
 
-def _config(model: str = "test-model", rank: int = 0, world: int = 1, extra: dict[str, Any] | None = None,
-            worker_bytes: int = 8192, engine_id: str | None = None) -> OffloadingConfig:
+def _config(
+    model: str = "test-model",
+    rank: int = 0,
+    world: int = 1,
+    extra: dict[str, Any] | None = None,
+    worker_bytes: int = 8192,
+    engine_id: str | None = None,
+) -> OffloadingConfig:
     return OffloadingConfig(
         groups=(OffloadingGroupConfig(16, ("layer",), 0),),
         worker_kv_bytes_per_block=worker_bytes,
@@ -166,7 +171,7 @@ def test_store_then_load_is_byte_exact(kv_tier: Any) -> None:
 
 
 def test_store_of_present_key_is_a_success_without_a_write(kv_tier: Any) -> None:
-    tier, t = kv_tier
+    tier, _t = kv_tier
     tier.submit_store(job(1, [key(1)], [0]))
     drain(tier)
     tier.submit_store(job(2, [key(1)], [1]))
@@ -250,9 +255,16 @@ def test_corrupt_file_is_never_served(tmp_path: Any) -> None:
 def test_events_for_stored_chunks(tmp_path: Any) -> None:
     t = _aligned(NUM_CHUNKS, CHUNK_ELEMS)
     spec = _Spec(_config())
-    spec.kv_events_config = OffloadingKVEventsConfig(enable_kv_cache_events=True, self_describing_kv_events=False)
-    cfg = {"type": "kvoff", "module_path": "kvoff.vllm.tiering", "disk_path": str(tmp_path),
-           "enable_kv_events": True, "locality": "LOCAL"}
+    spec.kv_events_config = OffloadingKVEventsConfig(
+        enable_kv_cache_events=True, self_describing_kv_events=False
+    )
+    cfg = {
+        "type": "kvoff",
+        "module_path": "kvoff.vllm.tiering",
+        "disk_path": str(tmp_path),
+        "enable_kv_events": True,
+        "locality": "LOCAL",
+    }
     tier = SecondaryTierFactory.create_secondary_tier(cfg, memoryview(t.numpy()), spec)
     try:
         tier.submit_store(job(1, [key(1), key(2)], [0, 1]))

@@ -5,12 +5,13 @@ from __future__ import annotations
 import logging
 import time
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, cast
 
 import torch
 from sglang.srt.mem_cache.hicache_storage import HiCacheStorage, HiCacheStorageConfig
 
 from kvoff import _native
+from kvoff._names import DirectIoName
 from kvoff.errors import ConfigError
 
 __all__ = ["KvoffHiCacheStorage", "storage_namespace"]
@@ -33,7 +34,9 @@ SETTINGS = (
 )
 
 
-def storage_namespace(cfg: HiCacheStorageConfig, pool: Any, namespace: str | None = None) -> tuple[str, int, int]:
+def storage_namespace(
+    cfg: HiCacheStorageConfig, pool: Any, namespace: str | None = None
+) -> tuple[str, int, int]:
     """``(namespace, rank, world_size)`` of a rank's files.
 
     The namespace holds the model (``namespace`` overrides SGLang's model name), the page size,
@@ -52,6 +55,12 @@ def storage_namespace(cfg: HiCacheStorageConfig, pool: Any, namespace: str | Non
     if cfg.is_mla_model:
         return f"sglang|{model}|mla|{geometry}|{par}", 0, 1
     return f"sglang|{model}|tp{cfg.tp_size}|{geometry}|{par}|dp{cfg.dp_rank}", cfg.tp_rank, cfg.tp_size
+
+
+def _direct(v: Any) -> DirectIoName:
+    if v not in ("auto", "on", "off"):
+        raise ConfigError(f"direct_io must be 'auto', 'on' or 'off', got {v!r}")
+    return cast(DirectIoName, v)
 
 
 @dataclass
@@ -124,7 +133,7 @@ class KvoffHiCacheStorage(HiCacheStorage):
             write_threads=int(s.get("write_threads", 4)),
             max_queued_writes=int(s.get("max_queued_writes", 4096)),
             fsync=bool(s.get("fsync", False)),
-            direct_io=str(s.get("direct_io", "auto")),
+            direct_io=_direct(s.get("direct_io", "auto")),
             rescan_interval_s=s.get("rescan_interval_s", 2.0),
             owner=s.get("owner"),
         )

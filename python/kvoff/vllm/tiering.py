@@ -37,6 +37,7 @@ from vllm.v1.kv_offload.base import (
 from vllm.v1.kv_offload.tiering.base import JobId, JobResult, SecondaryTierManager, TransferJob
 
 from kvoff import _native
+from kvoff._names import DirectIoName
 from kvoff.errors import ConfigError
 
 if TYPE_CHECKING:
@@ -107,7 +108,7 @@ class KvoffFileTier(SecondaryTierManager):
         io_threads: int = 8,
         write_threads: int = 4,
         max_queued_writes: int = 4096,
-        direct_io: str = "auto",
+        direct_io: DirectIoName = "auto",
         fsync: bool = False,
         rescan_interval_s: float | None = 2.0,
         owner: str | None = None,
@@ -128,7 +129,10 @@ class KvoffFileTier(SecondaryTierManager):
         if rows.ndim == 0 or rows.shape[0] == 0:
             raise ConfigError("the primary tier's memory view has no rows")
         self._rows = rows
-        stride = int(primary_kv_view.strides[0])
+        strides = primary_kv_view.strides
+        if not strides:
+            raise ConfigError("the primary tier's memory view has no strides")
+        stride = int(strides[0])
         self._block = stride
         self.namespace = tier_namespace(offloading_spec, namespace)
         cfg = offloading_spec.config
@@ -194,7 +198,9 @@ class KvoffFileTier(SecondaryTierManager):
         )
         if success and not job.is_load and self.events is not None and job.keys:
             self.events.append(
-                OffloadingEvent(keys=list(job.keys), medium=self.medium, removed=False, locality=self.locality)
+                OffloadingEvent(
+                    keys=list(job.keys), medium=self.medium, removed=False, locality=self.locality
+                )
             )
 
     def submit_store(self, job_metadata: TransferJob) -> None:
@@ -288,5 +294,5 @@ class KvoffFileTier(SecondaryTierManager):
         return dict(self.store.stats())
 
 
-class kvoff(KvoffFileTier):  # noqa: N801 - the class name is the tier's ``type`` in vLLM's config
+class kvoff(KvoffFileTier):
     """Alias of :class:`KvoffFileTier`, so that ``"type": "kvoff"`` names it."""

@@ -56,7 +56,9 @@ def _spec(model: str) -> Any:
             ),
         )
         blocks_per_chunk = 1
-        kv_events_config = OffloadingKVEventsConfig(enable_kv_cache_events=False, self_describing_kv_events=False)
+        kv_events_config = OffloadingKVEventsConfig(
+            enable_kv_cache_events=False, self_describing_kv_events=False
+        )
 
     return Spec()
 
@@ -67,13 +69,15 @@ def _aligned(rows: int, row_bytes: int) -> np.ndarray:
     return raw[shift : shift + rows * row_bytes].reshape(rows, row_bytes)
 
 
-def _run_one(name: str, cfg: dict[str, Any], mem: np.ndarray, n: int, per_job: int, rep: int) -> tuple[float, float]:
+def _run_one(
+    name: str, cfg: dict[str, Any], mem: np.ndarray, n: int, per_job: int, rep: int
+) -> tuple[float, float]:
     from vllm.v1.kv_offload.base import ReqContext, make_offload_key
     from vllm.v1.kv_offload.tiering.base import TransferJob
     from vllm.v1.kv_offload.tiering.factory import SecondaryTierFactory
 
     ctx = ReqContext(req_id="bench")
-    tier = SecondaryTierFactory.create_secondary_tier(cfg, memoryview(mem), _spec("bench-model"))
+    tier = SecondaryTierFactory.create_secondary_tier(cfg, memoryview(mem.data), _spec("bench-model"))
     keys = [make_offload_key(f"{name}-{rep}-{i}".encode().ljust(32, b"."), 0) for i in range(n)]
     row_bytes = mem.shape[1]
 
@@ -97,7 +101,7 @@ def _run_one(name: str, cfg: dict[str, Any], mem: np.ndarray, n: int, per_job: i
         dt = time.perf_counter() - t0
         if len(res) != jid or not all(r.success for r in res):
             raise RuntimeError(f"{name}: {sum(not r.success for r in res)} failed jobs of {jid}")
-        return n * row_bytes / dt / 1e9
+        return float(n * row_bytes / dt / 1e9)
 
     try:
         w = run(False)
@@ -124,7 +128,9 @@ def bench(directory: str, chunks: int, chunk_bytes: int, per_job: int, reps: int
         order = list(tiers) if rep % 2 == 0 else list(reversed(tiers))
         for name in order:
             runs[name].append(_run_one(name, tiers[name], mem, chunks, per_job, rep))
-    med = {k: (statistics.median(w for w, _ in v), statistics.median(r for _, r in v)) for k, v in runs.items()}
+    med = {
+        k: (statistics.median(w for w, _ in v), statistics.median(r for _, r in v)) for k, v in runs.items()
+    }
     return {
         "chunks": chunks,
         "chunk_bytes": chunk_bytes,
