@@ -12,7 +12,8 @@ Level: the backend under SGLang's factory and host pools. SGLang's ``HiCacheCont
 calls these methods from its prefetch and backup threads) is built from the device KV pool and
 CUDA streams and does not run on the CPU; an SGLang server needs ``sgl_kernel`` / a GPU.
 
-Runs in the ``sglang`` environment that ``scripts/test.sh`` makes; skipped elsewhere (with
+Runs in the ``sglang`` environment that ``scripts/test.sh`` makes (outside ``tests/python``, so the
+main run does not collect it); skipped elsewhere (with
 ``KVOFF_REQUIRE_SGLANG=1``, as there, a missing SGLang is an error instead).
 """
 
