@@ -22,6 +22,7 @@
 #![allow(unsafe_code)]
 
 use std::collections::HashMap;
+use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex, PoisonError};
 use std::time::Duration;
 
@@ -209,6 +210,25 @@ pub struct PyBlockStore {
     /// Keeps the object that owns the rows alive while the tier may copy into them.
     owner: Mutex<Option<Py<PyAny>>>,
     block_bytes: usize,
+    /// Segments-mode calls in progress: `shutdown` waits for them (their pieces are in use by the
+    /// I/O threads until they return).
+    active: AtomicUsize,
+}
+
+/// Counts one segments-mode call for as long as it lives.
+struct Active<'a>(&'a AtomicUsize);
+
+impl<'a> Active<'a> {
+    fn enter(n: &'a AtomicUsize) -> Self {
+        n.fetch_add(1, Ordering::SeqCst);
+        Self(n)
+    }
+}
+
+impl Drop for Active<'_> {
+    fn drop(&mut self) {
+        self.0.fetch_sub(1, Ordering::SeqCst);
+    }
 }
 
 fn shut() -> KvoffError {
@@ -348,6 +368,10 @@ impl PyBlockStore {
         let mut next = 0usize;
         let mut pieces: Vec<Option<Vec<(u64, usize)>>> = pieces.into_iter().map(Some).collect();
         let lock = &self.inner;
+        // Counted before the first submission (which happens under `lock`): `shutdown` takes the
+        // tier under the same lock only when no call is counted, so no call's pieces are still
+        // in use when the tier goes.
+        let _active = Active::enter(&self.active);
         blocking(py, move || {
             let mut idle_rounds = 0u32;
             loop {
@@ -538,6 +562,7 @@ impl PyBlockStore {
             })),
             owner: Mutex::new(memory_owner),
             block_bytes,
+            active: AtomicUsize::new(0),
         })
     }
 
@@ -749,10 +774,19 @@ impl PyBlockStore {
         })
     }
 
-    /// Waits for the queued I/O and stops the I/O threads; idempotent. Later calls raise
-    /// `InvalidStateError`.
+    /// Waits for segments calls in progress (other threads) and the queued I/O, then stops the
+    /// I/O threads; idempotent. Later calls raise `InvalidStateError`.
     fn shutdown(&self, py: Python<'_>) -> PyResult<()> {
-        let s = locked(py, &self.inner, Hold::Brief, |_| {}, |g| Ok(g.take()))?;
+        let (lock, active) = (&self.inner, &self.active);
+        let s = blocking(py, move || loop {
+            {
+                let mut g = lock.lock().unwrap_or_else(PoisonError::into_inner);
+                if active.load(Ordering::SeqCst) == 0 {
+                    return Ok(g.take());
+                }
+            }
+            std::thread::sleep(Duration::from_millis(1));
+        })?;
         if let Some(mut s) = s {
             blocking(py, move || {
                 s.tier.shutdown();

@@ -247,7 +247,7 @@ def test_second_process_sees_the_pages(tmp_path: Any, layout: str) -> None:
         [sys.executable, "-c", CHILD, json.dumps(args), json.dumps([here, *sys.path])],
         capture_output=True,
         text=True,
-        timeout=300,
+        timeout=1200,
         check=False,
     )
     assert out.returncode == 0, out.stderr[-3000:]
