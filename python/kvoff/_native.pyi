@@ -14,6 +14,7 @@ __all__ = [
     "POLICIES",
     "POLICY_TOUCH_RULES",
     "ARCOffloadingManager",
+    "BlockStore",
     "CPULoadStoreSpec",
     "HostRegion",
     "LRUOffloadingManager",
@@ -473,3 +474,53 @@ def bench_disk(
     direct_io: _DirectIoName = "auto",
 ) -> dict[str, Any]:
     """Runs the disk benchmark for one layout (GIL released) and returns its row as a dict."""
+
+# --- block store (src/python/blockstore.rs); used by kvoff.sglang and kvoff.vllm.tiering ---
+
+@final
+class BlockStore:
+    """kvoff's file tier as a block store for engines that own their host memory (docs/tier.md,
+    "The block store"): rows mode (``rows=(ptr, num_rows, row_stride_bytes)``, queued jobs,
+    ``poll``) or segments mode (``write_segments``/``read_segments`` over lists of pieces)."""
+    def __new__(
+        cls,
+        path: str | os.PathLike[str],
+        capacity_bytes: int,
+        block_bytes: int,
+        *,
+        rows: tuple[int, int, int] | None = None,
+        memory_owner: object | None = None,
+        slots: int = 512,
+        namespace: str = ...,
+        page_sizes: list[int] = ...,
+        block_size_factor: int = 1,
+        dtype: str = ...,
+        world_size: int = 1,
+        rank: int = 0,
+        io_threads: int = 8,
+        write_threads: int = 4,
+        max_queued_writes: int = 256,
+        fsync: bool = False,
+        direct_io: _DirectIoName = "auto",
+        rescan_interval_s: float | None = ...,
+        owner: str | None = None,
+    ) -> BlockStore: ...
+    @property
+    def block_bytes(self) -> int: ...
+    def submit_write(self, keys: Iterable[bytes], blocks: list[int]) -> list[bool]: ...
+    def submit_read(self, keys: Iterable[bytes], blocks: list[int]) -> list[bool]: ...
+    def poll(self) -> tuple[list[tuple[bytes, int, bool]], list[tuple[bytes, int, bool]]]: ...
+    def write_segments(self, keys: Iterable[bytes], ptrs: list[int], sizes: list[int]) -> list[bool]: ...
+    def read_segments(self, keys: Iterable[bytes], ptrs: list[int], sizes: list[int]) -> list[bool]: ...
+    def contains(self, key: bytes) -> bool: ...
+    def contains_many(self, keys: Iterable[bytes]) -> list[bool]: ...
+    def leading_run(self, keys: Iterable[bytes]) -> int: ...
+    def remove(self, key: bytes) -> bool: ...
+    @property
+    def dir(self) -> str: ...
+    def path_of(self, key: bytes) -> str: ...
+    def stats(self) -> dict[str, Any]: ...
+    def num_pending(self) -> int: ...
+    def flush(self) -> None: ...
+    def rescan(self) -> None: ...
+    def shutdown(self) -> None: ...

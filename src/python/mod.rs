@@ -7,9 +7,11 @@
 //!
 //! Modules by concept: [`args`] (argument conversion), [`functions`] (sizing, expansion),
 //! [`region`] (host regions), [`handler`] (the transfer handler and engine choice), [`manager`]
-//! and [`keys`] (scheduler side), [`tier`] (the file tier).
+//! and [`keys`] (scheduler side), [`tier`] (the file tier), [`blockstore`] (the file tier as a block store for engines that own
+//! their host memory).
 
 mod args;
+mod blockstore;
 mod enter;
 mod errors;
 mod functions;
@@ -31,5 +33,6 @@ fn _native(m: &Bound<'_, PyModule>) -> PyResult<()> {
     region::register(m)?;
     handler::register(m)?;
     tier::register(m)?;
+    blockstore::register(m)?;
     Ok(())
 }

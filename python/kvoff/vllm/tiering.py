@@ -1,0 +1,298 @@
+"""kvoff's file tier as a secondary tier of vLLM 0.33's own ``TieringOffloadingSpec``.
+
+vLLM keeps its CPU tier (the primary) and hands each secondary tier a memoryview of it; this tier
+writes chunks from that memory to kvoff's files and reads them back into it, on kvoff's I/O
+threads, with kvoff's file format (docs/tier.md: header with magic, fingerprint, key and
+checksums; atomic publication; namespace directory), so a corrupt, truncated or foreign file is
+never served. Load it by module path (no registration)::
+
+    "secondary_tiers": [{"type": "kvoff", "module_path": "kvoff.vllm.tiering",
+                         "disk_path": "/nvme/kv", "disk_bytes_to_use": 500000000000}]
+
+(``type`` is the class name looked up in ``module_path``: ``KvoffFileTier``; the alias class
+``kvoff`` below lets ``"type": "kvoff"`` work too.) Settings: see :class:`KvoffFileTier`.
+
+Lookups answer from kvoff's in-memory index (no I/O on the scheduler thread, no retry round);
+stores and loads are queued on kvoff's I/O threads and reported through ``get_finished_jobs``.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Collection, Iterable
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any, ClassVar
+
+import numpy as np
+from vllm.v1.kv_offload.base import (
+    Locality,
+    LookupResult,
+    Medium,
+    OffloadingEvent,
+    OffloadKey,
+    ReqContext,
+    RequestOffloadingContext,
+)
+from vllm.v1.kv_offload.tiering.base import JobId, JobResult, SecondaryTierManager, TransferJob
+
+from kvoff import _native
+from kvoff._names import DirectIoName
+from kvoff.errors import ConfigError
+
+if TYPE_CHECKING:
+    from vllm.v1.kv_offload.base import OffloadingSpec
+    from vllm.v1.kv_offload.tiering.backpressure import BackpressureDetector
+
+__all__ = ["KvoffFileTier", "kvoff", "tier_namespace"]
+
+log = logging.getLogger(__name__)
+
+
+def tier_namespace(offloading_spec: OffloadingSpec, namespace: str | None) -> str:
+    """The namespace id of the tier's files: the user's ``namespace``, else the model name, plus
+    what decides the bytes of a chunk (KV dtype, tokens per hash, blocks per chunk, and the
+    parallel layout unless vLLM says the bytes are parallelism-agnostic)."""
+    cfg = offloading_spec.config
+    base = namespace if namespace is not None else cfg.model.name
+    par = cfg.parallel
+    layout = (
+        "agnostic"
+        if par.is_parallelism_agnostic
+        else f"tp{par.tp_size}.pp{par.pp_size}.pcp{par.pcp_size}.dcp{par.dcp_size}.w{par.world_size}"
+    )
+    return (
+        f"vllm-tiering|{base}|{cfg.model.dtype}|t{cfg.cache.tokens_per_hash}"
+        f"|c{cfg.cache.blocks_per_chunk}|{layout}|{'canon' if cfg.canonical_layout else 'direct'}"
+    )
+
+
+@dataclass
+class _Job:
+    keys: list[OffloadKey]
+    is_load: bool
+    pending: int
+    ok_keys: list[OffloadKey] = field(default_factory=list)
+    failed: bool = False
+    t0: float = field(default_factory=time.monotonic)
+
+
+class KvoffFileTier(SecondaryTierManager):
+    """kvoff's file tier behind vLLM's CPU tier.
+
+    Settings (the tier's entry in ``secondary_tiers``):
+
+    - ``disk_path`` (required): directory of the files (local NVMe or a shared filesystem);
+      ``root_dir`` is accepted as an alias (vLLM ``fs`` tier's name).
+    - ``disk_bytes_to_use`` (default 100 GiB): capacity for this instance's own files; the least
+      recently used own files are removed to make room (others' files never, unless corrupt).
+    - ``namespace``: the id that decides which engines share files (default the model name; the
+      KV dtype, block geometry and parallel layout are always added).
+    - ``io_threads`` (8), ``write_threads`` (4), ``max_queued_writes`` (4096), ``direct_io``
+      (``"auto"``/``"on"``/``"off"``), ``fsync`` (False), ``rescan_interval_s`` (2.0; how often
+      other engines' new files are picked up), ``owner`` (the instance's tag; default namespace,
+      rank and host name).
+    - ``enable_kv_events``, ``locality``: as vLLM's ``fs`` tier.
+    """
+
+    medium: ClassVar[Medium] = Medium.STORAGE
+
+    def __init__(
+        self,
+        offloading_spec: OffloadingSpec,
+        primary_kv_view: memoryview,
+        tier_type: str,
+        disk_path: str | None = None,
+        disk_bytes_to_use: int = 100 << 30,
+        namespace: str | None = None,
+        io_threads: int = 8,
+        write_threads: int = 4,
+        max_queued_writes: int = 4096,
+        direct_io: DirectIoName = "auto",
+        fsync: bool = False,
+        rescan_interval_s: float | None = 2.0,
+        owner: str | None = None,
+        enable_kv_events: bool = False,
+        locality: str | None = None,
+        backpressure_detector: BackpressureDetector | None = None,
+        root_dir: str | None = None,
+    ) -> None:
+        super().__init__(offloading_spec, primary_kv_view, tier_type, backpressure_detector)
+        path = disk_path if disk_path is not None else root_dir
+        if not path:
+            raise ConfigError("the kvoff tier needs 'disk_path' (a directory for its files)")
+        self.locality = Locality(locality) if locality is not None else None
+        self.events: list[OffloadingEvent] | None = None
+        if enable_kv_events and offloading_spec.kv_events_config.enable_kv_cache_events:
+            self.events = []
+        rows = np.asarray(primary_kv_view)
+        if rows.ndim == 0 or rows.shape[0] == 0:
+            raise ConfigError("the primary tier's memory view has no rows")
+        self._rows = rows
+        strides = primary_kv_view.strides
+        if not strides:
+            raise ConfigError("the primary tier's memory view has no strides")
+        stride = int(strides[0])
+        self._block = stride
+        self.namespace = tier_namespace(offloading_spec, namespace)
+        cfg = offloading_spec.config
+        self.store = _native.BlockStore(
+            str(path),
+            int(disk_bytes_to_use),
+            stride,
+            rows=(int(rows.ctypes.data), int(rows.shape[0]), stride),
+            memory_owner=rows,
+            namespace=self.namespace,
+            page_sizes=[stride],
+            block_size_factor=int(cfg.cache.blocks_per_chunk),
+            dtype=str(cfg.model.dtype),
+            io_threads=io_threads,
+            write_threads=write_threads,
+            max_queued_writes=max_queued_writes,
+            fsync=fsync,
+            direct_io=direct_io,
+            rescan_interval_s=rescan_interval_s,
+            owner=owner,
+        )
+        self._jobs: dict[JobId, _Job] = {}
+        # (key, chunk id) of a queued write or read -> its job (a key is written once at a time;
+        # the same key may be read into two chunks).
+        self._writes: dict[tuple[bytes, int], JobId] = {}
+        self._reads: dict[tuple[bytes, int], list[JobId]] = {}
+        self._finished: list[JobResult] = []
+        log.info(
+            "kvoff tier %r: %s (%d bytes per chunk, %d chunks in the CPU tier, direct I/O %s)",
+            tier_type,
+            self.store.dir,
+            stride,
+            rows.shape[0],
+            self.store.stats()["disk_direct_io"],
+        )
+
+    # --- lookups ---------------------------------------------------------------------------------
+
+    def lookup(self, key: OffloadKey, req_context: ReqContext) -> LookupResult:
+        """``HIT`` when a published file is indexed (no I/O), else ``MISS``."""
+        return LookupResult.HIT if self.store.contains(bytes(key)) else LookupResult.MISS
+
+    def on_new_request(self, req_context: ReqContext) -> RequestOffloadingContext:
+        return RequestOffloadingContext()
+
+    # --- jobs ------------------------------------------------------------------------------------
+
+    def _finish(self, job_id: JobId, job: _Job, success: bool) -> None:
+        del self._jobs[job_id]
+        n = len(job.ok_keys)
+        if job.is_load and not success:
+            ok: Collection[OffloadKey] | None = tuple(job.ok_keys) if job.ok_keys else None
+        else:
+            ok = None
+        self._finished.append(
+            JobResult(
+                job_id=job_id,
+                success=success,
+                successful_keys=ok,
+                transfer_time=time.monotonic() - job.t0,
+                transfer_bytes=n * self._block if n else None,
+            )
+        )
+        if success and not job.is_load and self.events is not None and job.keys:
+            self.events.append(
+                OffloadingEvent(
+                    keys=list(job.keys), medium=self.medium, removed=False, locality=self.locality
+                )
+            )
+
+    def submit_store(self, job_metadata: TransferJob) -> None:
+        keys = list(job_metadata.keys)
+        chunks = [int(c) for c in job_metadata.chunk_ids]
+        job_id = job_metadata.job_id
+        job = _Job(keys=keys, is_load=False, pending=0)
+        self._jobs[job_id] = job
+        todo = [(bytes(k), c, k) for k, c in zip(keys, chunks) if not self.store.contains(bytes(k))]
+        job.ok_keys.extend(k for k in keys if all(bytes(k) != t[0] for t in todo))
+        queued = self.store.submit_write([t[0] for t in todo], [t[1] for t in todo]) if todo else []
+        for (kb, c, k), q in zip(todo, queued):
+            if q:
+                self._writes[(kb, c)] = job_id
+                job.pending += 1
+            elif self.store.contains(kb):
+                job.ok_keys.append(k)
+            else:
+                job.failed = True  # dropped: write queue full or no capacity
+        if job.pending == 0:
+            self._finish(job_id, job, not job.failed)
+
+    def submit_load(self, job_metadata: TransferJob) -> None:
+        keys = list(job_metadata.keys)
+        chunks = [int(c) for c in job_metadata.chunk_ids]
+        job_id = job_metadata.job_id
+        job = _Job(keys=keys, is_load=True, pending=0)
+        self._jobs[job_id] = job
+        queued = self.store.submit_read([bytes(k) for k in keys], chunks)
+        for k, c, q in zip(keys, chunks, queued):
+            if q:
+                self._reads.setdefault((bytes(k), c), []).append(job_id)
+                job.pending += 1
+            else:
+                job.failed = True
+        if job.pending == 0:
+            self._finish(job_id, job, not job.failed)
+
+    def _collect(self) -> None:
+        writes, reads = self.store.poll()
+        for kb, c, ok in writes:
+            wid = self._writes.pop((kb, c), None)
+            self._done(wid, kb, ok)
+        for kb, c, ok in reads:
+            ids = self._reads.get((kb, c))
+            if not ids:
+                continue
+            rid = ids.pop(0)
+            if not ids:
+                del self._reads[(kb, c)]
+            self._done(rid, kb, ok)
+
+    def _done(self, job_id: JobId | None, kb: bytes, ok: bool) -> None:
+        if job_id is None:
+            return
+        job = self._jobs.get(job_id)
+        if job is None:
+            return
+        job.pending -= 1
+        if ok:
+            job.ok_keys.extend(k for k in job.keys if bytes(k) == kb)
+        else:
+            job.failed = True
+        if job.pending == 0:
+            self._finish(job_id, job, not job.failed)
+
+    def get_finished_jobs(self) -> Iterable[JobResult]:
+        self._collect()
+        out, self._finished = self._finished, []
+        return out
+
+    def has_pending_work(self) -> bool:
+        return bool(self._jobs)
+
+    def take_events(self) -> Iterable[OffloadingEvent]:
+        if self.events:
+            out, self.events = self.events, []
+            return out
+        return ()
+
+    def drain_jobs(self) -> None:
+        """Waits until every queued job has run (results stay for ``get_finished_jobs``)."""
+        self.store.flush()
+        self._collect()
+
+    def shutdown(self) -> None:
+        self.store.shutdown()
+
+    def stats(self) -> dict[str, Any]:
+        """kvoff's ``disk_*`` counters and gauges (as ``kvoff.tier.DISK_METRICS``)."""
+        return dict(self.store.stats())
+
+
+class kvoff(KvoffFileTier):
+    """Alias of :class:`KvoffFileTier`, so that ``"type": "kvoff"`` names it."""

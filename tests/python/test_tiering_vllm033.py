@@ -1,0 +1,354 @@
+"""kvoff's file tier as a secondary tier under vLLM 0.33's own ``TieringOffloadingSpec``.
+
+Two levels, both through vLLM's real code on the CPU:
+
+1. The tier alone, as vLLM's ``tests/v1/kv_offload/tiering/test_fs_tier.py`` drives its ``fs``
+   tier: built by vLLM's ``SecondaryTierFactory`` from a ``module_path`` config, a page-aligned CPU
+   tensor standing in for the CPU tier, ``TransferJob``s in, ``JobResult``s out.
+2. vLLM's ``TieringOffloadingSpec.get_manager()``: the real ``TieringOffloadingManager`` with its
+   real CPU primary tier (``CPUPrimaryTierOffloadingManager`` over the ``SharedOffloadRegion`` in
+   ``/dev/shm``) and kvoff's tier behind it. Stores to the primary cascade into kvoff's files; a
+   fresh spec (a restarted engine) finds them, promotes them into its primary tier, byte-exact.
+   vLLM's CPU-tier *worker* (GPU <-> CPU copies) refuses to start without CUDA ("CPU Offloading
+   is currently only supported on CUDA-alike and XPU GPUs", ``CPUOffloadingSpec.get_worker``), so
+   the bytes a worker would copy into the primary tier are written into its memoryview here.
+"""
+
+from __future__ import annotations
+
+import mmap
+import os
+import time
+import uuid
+from typing import Any
+
+import numpy as np
+import pytest
+
+pytestmark = pytest.mark.vllm
+
+try:
+    import torch
+    from kvoff.vllm.tiering import KvoffFileTier
+    from vllm.v1.kv_offload.base import (
+        LookupResult,
+        OffloadingKVEventsConfig,
+        ReqContext,
+        ScheduleEndContext,
+        make_offload_key,
+    )
+    from vllm.v1.kv_offload.config import (
+        OffloadingCacheConfig,
+        OffloadingConfig,
+        OffloadingGroupConfig,
+        OffloadingModelConfig,
+        OffloadingParallelConfig,
+    )
+    from vllm.v1.kv_offload.tiering.base import TransferJob
+    from vllm.v1.kv_offload.tiering.factory import SecondaryTierFactory
+    from vllm.v1.kv_offload.tiering.spec import TieringOffloadingSpec
+except ImportError as e:
+    pytest.skip(f"vLLM 0.33's tiering is not importable: {e}", allow_module_level=True)
+
+CTX = ReqContext(req_id="test")
+NUM_CHUNKS = 8
+CHUNK_ELEMS = 16 * mmap.PAGESIZE // 4  # 64 KiB chunks of float32
+
+
+def _config(
+    model: str = "test-model",
+    rank: int = 0,
+    world: int = 1,
+    extra: dict[str, Any] | None = None,
+    worker_bytes: int = 8192,
+    engine_id: str | None = None,
+) -> OffloadingConfig:
+    return OffloadingConfig(
+        groups=(OffloadingGroupConfig(16, ("layer",), 0),),
+        worker_kv_bytes_per_block=worker_bytes,
+        enable_kv_cache_events=False,
+        extra_config=dict(extra or {}),
+        engine_id=engine_id or f"kvoff-test-{uuid.uuid4().hex[:8]}",
+        model=OffloadingModelConfig(name=model, dtype="float32", max_model_len=4096),
+        cache=OffloadingCacheConfig(tokens_per_hash=16, blocks_per_chunk=1),
+        parallel=OffloadingParallelConfig(
+            rank=rank,
+            world_size=world,
+            tp_size=world,
+            pp_size=1,
+            pcp_size=1,
+            dcp_size=1,
+            data_parallel_index=0,
+            data_parallel_size=1,
+            data_parallel_rank_local=None,
+            is_parallelism_agnostic=False,
+        ),
+    )
+
+
+class _Spec:
+    """What a secondary tier reads of its ``OffloadingSpec`` (vLLM's fs-tier test uses a mock)."""
+
+    def __init__(self, config: OffloadingConfig) -> None:
+        self.config = config
+        self.blocks_per_chunk = 1
+        self.kv_events_config = OffloadingKVEventsConfig(
+            enable_kv_cache_events=False, self_describing_kv_events=False
+        )
+
+
+def _aligned(num: int, elems: int) -> torch.Tensor:
+    raw = torch.zeros(num * elems * 4 + mmap.PAGESIZE, dtype=torch.uint8)
+    shift = (-raw.data_ptr()) % mmap.PAGESIZE
+    return raw[shift : shift + num * elems * 4].view(torch.float32).view(num, elems)
+
+
+def key(n: int) -> bytes:
+    return make_offload_key(n.to_bytes(8, "big"), 0)
+
+
+def job(job_id: int, keys: list[bytes], chunks: list[int], promotion: bool = False) -> TransferJob:
+    return TransferJob(
+        job_id=job_id,
+        keys=keys,
+        chunk_ids=np.array(chunks, dtype=np.int64),
+        is_promotion=promotion,
+        req_context=CTX,
+    )
+
+
+def _tier(path: Any, tensor: torch.Tensor, model: str = "test-model", **kw: Any) -> KvoffFileTier:
+    cfg = {"type": "KvoffFileTier", "module_path": "kvoff.vllm.tiering", "disk_path": str(path)}
+    cfg.update(kw)
+    tier = SecondaryTierFactory.create_secondary_tier(cfg, memoryview(tensor.numpy()), _Spec(_config(model)))
+    assert isinstance(tier, KvoffFileTier)
+    return tier
+
+
+def drain(tier: KvoffFileTier) -> list[Any]:
+    tier.drain_jobs()
+    return list(tier.get_finished_jobs())
+
+
+@pytest.fixture
+def kv_tier(tmp_path: Any) -> Any:
+    t = _aligned(NUM_CHUNKS, CHUNK_ELEMS)
+    tier = _tier(tmp_path, t)
+    yield tier, t
+    tier.shutdown()
+
+
+# --- level 1: the tier, as vLLM's test_fs_tier.py drives the fs tier ----------------------------
+
+
+def test_lookup_empty_tier(kv_tier: Any) -> None:
+    tier, _ = kv_tier
+    assert [tier.lookup(key(i), CTX) for i in (1, 2)] == [LookupResult.MISS] * 2
+
+
+def test_store_creates_file_and_lookup_succeeds(kv_tier: Any) -> None:
+    tier, t = kv_tier
+    t[0] = torch.rand(CHUNK_ELEMS)
+    tier.submit_store(job(1, [key(1)], [0]))
+    res = drain(tier)
+    assert [(r.job_id, r.success) for r in res] == [(1, True)]
+    assert res[0].transfer_bytes == CHUNK_ELEMS * 4
+    assert tier.lookup(key(1), CTX) is LookupResult.HIT
+    assert os.path.exists(tier.store.path_of(key(1)))
+
+
+def test_store_then_load_is_byte_exact(kv_tier: Any) -> None:
+    tier, t = kv_tier
+    t[:4] = torch.rand(4, CHUNK_ELEMS)
+    want = t[:4].clone()
+    tier.submit_store(job(1, [key(i) for i in range(4)], [0, 1, 2, 3]))
+    assert all(r.success for r in drain(tier))
+    t.zero_()
+    tier.submit_load(job(2, [key(3), key(0)], [5, 6], promotion=True))
+    res = drain(tier)
+    assert [(r.job_id, r.success) for r in res] == [(2, True)]
+    assert torch.equal(t[5], want[3]) and torch.equal(t[6], want[0])
+
+
+def test_store_of_present_key_is_a_success_without_a_write(kv_tier: Any) -> None:
+    tier, _t = kv_tier
+    tier.submit_store(job(1, [key(1)], [0]))
+    drain(tier)
+    tier.submit_store(job(2, [key(1)], [1]))
+    assert [(r.job_id, r.success) for r in drain(tier)] == [(2, True)]
+    assert tier.stats()["disk_files_written"] == 1
+
+
+def test_load_of_missing_key_fails_and_keeps_the_others(kv_tier: Any) -> None:
+    tier, t = kv_tier
+    t[0] = 1.5
+    tier.submit_store(job(1, [key(1)], [0]))
+    drain(tier)
+    tier.submit_load(job(2, [key(1), key(99)], [3, 4], promotion=True))
+    (r,) = drain(tier)
+    assert not r.success and list(r.successful_keys or ()) == [key(1)]
+    assert torch.all(t[3] == 1.5)
+
+
+def test_fresh_instance_loads_the_files(tmp_path: Any) -> None:
+    t = _aligned(NUM_CHUNKS, CHUNK_ELEMS)
+    t[:3] = torch.rand(3, CHUNK_ELEMS)
+    want = t[:3].clone()
+    a = _tier(tmp_path, t)
+    a.submit_store(job(1, [key(i) for i in range(3)], [0, 1, 2]))
+    assert all(r.success for r in drain(a))
+    a.shutdown()
+    t2 = _aligned(NUM_CHUNKS, CHUNK_ELEMS)
+    b = _tier(tmp_path, t2)
+    try:
+        assert [b.lookup(key(i), CTX) for i in range(3)] == [LookupResult.HIT] * 3
+        b.submit_load(job(7, [key(i) for i in range(3)], [7, 6, 5], promotion=True))
+        assert [r.success for r in drain(b)] == [True]
+        assert torch.equal(t2[7], want[0]) and torch.equal(t2[6], want[1]) and torch.equal(t2[5], want[2])
+    finally:
+        b.shutdown()
+
+
+def test_other_model_does_not_see_the_files(tmp_path: Any) -> None:
+    t = _aligned(NUM_CHUNKS, CHUNK_ELEMS)
+    a = _tier(tmp_path, t, model="model-a")
+    a.submit_store(job(1, [key(1)], [0]))
+    drain(a)
+    b = _tier(tmp_path, t, model="model-b")
+    try:
+        assert b.lookup(key(1), CTX) is LookupResult.MISS
+        assert a.lookup(key(1), CTX) is LookupResult.HIT
+    finally:
+        a.shutdown()
+        b.shutdown()
+
+
+def test_corrupt_file_is_never_served(tmp_path: Any) -> None:
+    t = _aligned(NUM_CHUNKS, CHUNK_ELEMS)
+    t[0] = 2.0
+    a = _tier(tmp_path, t)
+    a.submit_store(job(1, [key(1)], [0]))
+    drain(a)
+    path = a.store.path_of(key(1))
+    a.shutdown()
+    with open(path, "r+b") as f:  # flip one payload byte
+        f.seek(4096 + 100)
+        b = f.read(1)
+        f.seek(4096 + 100)
+        f.write(bytes([b[0] ^ 0xFF]))
+    t2 = _aligned(NUM_CHUNKS, CHUNK_ELEMS)
+    c = _tier(tmp_path, t2)
+    try:
+        c.submit_load(job(2, [key(1)], [3], promotion=True))
+        (r,) = drain(c)
+        # The job fails, so vLLM never serves the row (with O_DIRECT into aligned rows the file is
+        # read straight into the row before its checksum is known: the row's bytes are undefined
+        # after a failed load, as after a failed read of vLLM's own fs tier).
+        assert not r.success and not r.successful_keys
+        assert c.stats()["disk_corrupt_files"] == 1
+        assert c.lookup(key(1), CTX) is LookupResult.MISS
+        assert not os.path.exists(path)
+    finally:
+        c.shutdown()
+
+
+def test_events_for_stored_chunks(tmp_path: Any) -> None:
+    t = _aligned(NUM_CHUNKS, CHUNK_ELEMS)
+    spec = _Spec(_config())
+    spec.kv_events_config = OffloadingKVEventsConfig(
+        enable_kv_cache_events=True, self_describing_kv_events=False
+    )
+    cfg = {
+        "type": "kvoff",
+        "module_path": "kvoff.vllm.tiering",
+        "disk_path": str(tmp_path),
+        "enable_kv_events": True,
+        "locality": "LOCAL",
+    }
+    tier = SecondaryTierFactory.create_secondary_tier(cfg, memoryview(t.numpy()), spec)
+    try:
+        tier.submit_store(job(1, [key(1), key(2)], [0, 1]))
+        drain(tier)
+        (ev,) = list(tier.take_events())
+        assert list(ev.keys) == [key(1), key(2)] and not ev.removed
+    finally:
+        tier.shutdown()
+
+
+# --- level 2: vLLM's TieringOffloadingSpec + TieringOffloadingManager ----------------------------
+
+
+def _step(manager: Any) -> None:
+    manager.on_schedule_end(ScheduleEndContext(new_req_ids=[], preempted_req_ids=()))
+    list(manager.take_events())
+
+
+def _tiering_spec(path: Any, engine_id: str) -> Any:
+    extra = {
+        "spec_name": "TieringOffloadingSpec",
+        "cpu_bytes_to_use": 64 * 8192,
+        "secondary_tiers": [
+            {"type": "KvoffFileTier", "module_path": "kvoff.vllm.tiering", "disk_path": str(path)}
+        ],
+    }
+    return TieringOffloadingSpec(_config(extra=extra, engine_id=engine_id))
+
+
+def _wait(manager: Any, tier: Any, cond: Any, what: str) -> None:
+    deadline = time.monotonic() + 30
+    while not cond():
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out waiting for {what}")
+        tier.drain_jobs()
+        _step(manager)
+
+
+def test_tiering_spec_cascades_to_kvoff_and_a_fresh_engine_promotes(tmp_path: Any) -> None:
+    spec = _tiering_spec(tmp_path, f"kvoff-a-{uuid.uuid4().hex[:8]}")
+    manager = spec.get_manager()
+    try:
+        (tier,) = manager.secondary_tiers
+        assert isinstance(tier, KvoffFileTier)
+        view = np.asarray(manager.primary_tier.get_kv_memoryview())
+        keys = [key(100 + i) for i in range(5)]
+        manager.on_new_request(CTX)
+        out = manager.prepare_store(keys, CTX)
+        assert out is not None and len(list(out.keys_to_store)) == 5
+        rng = np.random.default_rng(0)
+        want = {}
+        # The worker's part (GPU -> CPU copy) on the CPU: fill the rows vLLM gave the chunks.
+        ids = list(out.store_spec.block_ids)
+        for k, row in zip(out.keys_to_store, ids):
+            data = rng.integers(0, 255, size=view.shape[1], dtype=np.uint8)
+            view[int(row)].view(np.uint8)[:] = data
+            want[bytes(k)] = data.copy()
+        manager.complete_store(keys, CTX, success=True)
+        manager.on_request_finished(CTX)
+        _wait(manager, tier, lambda: all(tier.store.contains(k) for k in keys), "the cascade to kvoff")
+        assert tier.stats()["disk_files_written"] == 5
+    finally:
+        manager.shutdown()
+
+    # A restarted engine: empty CPU tier, kvoff's files on disk.
+    spec2 = _tiering_spec(tmp_path, f"kvoff-b-{uuid.uuid4().hex[:8]}")
+    m2 = spec2.get_manager()
+    try:
+        (tier2,) = m2.secondary_tiers
+        view2 = np.asarray(m2.primary_tier.get_kv_memoryview())
+        ctx2 = ReqContext(req_id="again")
+        m2.on_new_request(ctx2)
+        first = [m2.lookup(k, ctx2) for k in keys]
+        assert all(r in (LookupResult.HIT_PENDING, LookupResult.RETRY) for r in first), first
+
+        def promoted() -> bool:
+            return all(m2.lookup(k, ctx2) is LookupResult.HIT for k in keys)
+
+        _wait(m2, tier2, promoted, "the promotion from kvoff")
+        spec_load = m2.prepare_load(keys, ctx2)
+        rows = list(spec_load.block_ids)
+        for k, row in zip(keys, rows):
+            assert np.array_equal(view2[int(row)].view(np.uint8), want[bytes(k)]), "promoted bytes differ"
+        m2.complete_load(keys, ctx2)
+        assert tier2.stats()["disk_reads"] == 5
+    finally:
+        m2.shutdown()

@@ -1,0 +1,368 @@
+"""kvoff as SGLang's HiCache L3 backend, through SGLang 0.5.23's real classes on the CPU.
+
+SGLang's real ``HiCacheStorageConfig``, its real host pools (``MHATokenToKVPoolHost``,
+``MLATokenToKVPoolHost``, built by their constructors over CPU tensors standing in for the device
+KV buffers), and its real ``StorageBackendFactory`` with the ``dynamic`` config load
+``kvoff.sglang.KvoffHiCacheStorage``; pages are stored with ``batch_set_v1``, dropped from the host
+pool, and loaded back with ``batch_get_v1`` into other host slots, compared byte for byte with
+SGLang's own ``get_data_page``. A second process (a second server) sees the first's pages; ranks
+and models are isolated; corrupt files are never served.
+
+Level: the backend under SGLang's factory and host pools. SGLang's ``HiCacheController`` (which
+calls these methods from its prefetch and backup threads) is built from the device KV pool and
+CUDA streams and does not run on the CPU; an SGLang server needs ``sgl_kernel`` / a GPU.
+
+Runs in the ``sglang`` environment that ``scripts/test.sh`` makes (outside ``tests/python``, so the
+main run does not collect it); skipped elsewhere (with
+``KVOFF_REQUIRE_SGLANG=1``, as there, a missing SGLang is an error instead).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from typing import Any
+
+import pytest
+
+pytestmark = pytest.mark.sglang
+
+try:
+    import torch
+    from kvoff.sglang import KvoffHiCacheStorage
+    from sglang.srt.mem_cache.device_pool_info import KVBufferLayout, KVBuffers, MHABufferInfo, MLABufferInfo
+    from sglang.srt.mem_cache.hicache_storage import HiCacheStorageConfig
+    from sglang.srt.mem_cache.pool_host.mha import MHATokenToKVPoolHost
+    from sglang.srt.mem_cache.pool_host.mla import MLATokenToKVPoolHost
+    from sglang.srt.mem_cache.storage.backend_factory import StorageBackendFactory
+except ImportError as e:
+    if os.environ.get("KVOFF_REQUIRE_SGLANG") == "1":
+        raise
+    pytest.skip(f"SGLang 0.5.23 is not importable: {e}", allow_module_level=True)
+
+PAGE = 4
+LAYERS = 3
+HEADS, HEAD_DIM = 2, 16
+DEVICE_TOKENS = 64
+
+
+def mha_pool(layout: str, dtype: torch.dtype = torch.bfloat16) -> Any:
+    """SGLang's MHA host pool, built by its constructor from CPU stand-ins for the device KV."""
+    k = tuple(torch.zeros(DEVICE_TOKENS, HEADS, HEAD_DIM, dtype=dtype) for _ in range(LAYERS))
+    v = tuple(torch.zeros(DEVICE_TOKENS, HEADS, HEAD_DIM, dtype=dtype) for _ in range(LAYERS))
+    ptrs = lambda ts: torch.tensor([t.data_ptr() for t in ts], dtype=torch.uint64)
+    info = MHABufferInfo(
+        buffers=KVBuffers(k=k, v=v, k_data_ptrs=ptrs(k), v_data_ptrs=ptrs(v), layout=KVBufferLayout.NHD),
+        page_size=PAGE,
+        head_num=HEADS,
+        head_dim=HEAD_DIM,
+        v_head_dim=HEAD_DIM,
+        dtype=dtype,
+        device=torch.device("cpu"),
+    )
+    return MHATokenToKVPoolHost(
+        info,
+        2.0,
+        0,
+        PAGE,
+        layout,
+        pin_memory=False,
+        device="cpu",
+        device_capacity_tokens=DEVICE_TOKENS,
+        start_layer=0,
+        end_layer=LAYERS,
+    )
+
+
+def mla_pool(layout: str, dtype: torch.dtype = torch.bfloat16) -> Any:
+    lora, rope = 32, 8
+    bufs = tuple(torch.zeros(DEVICE_TOKENS, 1, lora + rope, dtype=dtype) for _ in range(LAYERS))
+    info = MLABufferInfo(
+        buffers=bufs,
+        data_ptrs=torch.tensor([b.data_ptr() for b in bufs], dtype=torch.uint64),
+        layer_indices=tuple(range(LAYERS)),
+        device_layer_num=LAYERS,
+        page_size=PAGE,
+        kv_lora_rank=lora,
+        qk_rope_head_dim=rope,
+        kv_cache_dim=lora + rope,
+        dtype=dtype,
+        device=torch.device("cpu"),
+    )
+    return MLATokenToKVPoolHost(
+        info,
+        2.0,
+        0,
+        PAGE,
+        layout,
+        pin_memory=False,
+        device="cpu",
+        device_capacity_tokens=DEVICE_TOKENS,
+        start_layer=0,
+        end_layer=LAYERS,
+        target_layer_num=LAYERS,
+    )
+
+
+def storage_config(
+    path: Any,
+    *,
+    model: str = "org/tiny",
+    tp_rank: int = 0,
+    tp_size: int = 1,
+    mla: bool = False,
+    page_first: bool = False,
+) -> Any:
+    return HiCacheStorageConfig(
+        tp_rank=tp_rank,
+        tp_size=tp_size,
+        pp_rank=0,
+        pp_size=1,
+        attn_cp_rank=0,
+        attn_cp_size=1,
+        is_mla_model=mla,
+        enable_storage_metrics=True,
+        is_page_first_layout=page_first,
+        model_name=model,
+        extra_config={
+            "backend_name": "kvoff",
+            "module_path": "kvoff.sglang",
+            "class_name": "KvoffHiCacheStorage",
+            "interface_v1": 1,
+            "disk_path": str(path),
+            "disk_bytes_to_use": 1 << 30,
+            "io_threads": 4,
+        },
+    )
+
+
+def backend(cfg: Any, pool: Any) -> Any:
+    """SGLang's factory with the ``dynamic`` config, then the host pool registration the cache
+    controller does."""
+    b = StorageBackendFactory.create_backend("dynamic", cfg, pool)
+    assert isinstance(b, KvoffHiCacheStorage)
+    b.register_mem_pool_host(pool)
+    return b
+
+
+def fill(pool: Any, seed: int) -> None:
+    g = torch.Generator().manual_seed(seed)
+    buf = pool.kv_buffer
+    raw = buf.view(torch.uint8) if buf.is_contiguous() else None
+    assert raw is not None
+    raw.copy_(torch.randint(0, 256, raw.shape, dtype=torch.uint8, generator=g))
+
+
+def page_bytes(pool: Any, slot: int) -> torch.Tensor:
+    """SGLang's own view of one host page (``get_data_page``), as bytes."""
+    return pool.get_data_page(slot * PAGE, flat=True).contiguous().view(torch.uint8).clone()
+
+
+def indices(slots: list[int]) -> torch.Tensor:
+    return torch.cat([torch.arange(s * PAGE, (s + 1) * PAGE, dtype=torch.int64) for s in slots])
+
+
+KEYS = [f"{i:064x}" for i in range(1, 9)]
+
+LAYOUTS = [
+    ("mha", "layer_first"),
+    ("mha", "page_first"),
+    ("mha", "page_first_direct"),
+    ("mla", "layer_first"),
+    ("mla", "page_first"),
+]
+
+
+@pytest.mark.parametrize(("kind", "layout"), LAYOUTS)
+def test_store_drop_load_byte_exact(tmp_path: Any, kind: str, layout: str) -> None:
+    pool = (mha_pool if kind == "mha" else mla_pool)(layout)
+    cfg = storage_config(tmp_path, mla=kind == "mla", page_first=layout != "layer_first")
+    b = backend(cfg, pool)
+    try:
+        fill(pool, 1)
+        src = [1, 2, 3, 4, 5, 6, 7, 8]
+        want = [page_bytes(pool, s) for s in src]
+        assert b.batch_set_v1(KEYS, indices(src)) == [True] * 8
+        assert b.batch_exists(KEYS) == 8
+        assert b.batch_exists(KEYS + ["f" * 64]) == 8
+        assert b.batch_exists(["f" * 64] + KEYS) == 0
+        pool.kv_buffer.zero_()  # the pages leave the host pool
+        dst = [12, 11, 10, 9, 16, 15, 14, 13]
+        assert b.batch_get_v1(KEYS, indices(dst)) == [True] * 8
+        for w, d in zip(want, dst):
+            assert torch.equal(page_bytes(pool, d), w)
+        st = b.kvoff_stats()
+        assert st["disk_files_written"] == 8 and st["disk_reads"] == 8
+        m = b.get_stats()
+        assert sum(m.backup_pgs) == 8 and sum(m.prefetch_pgs) == 8
+        # Stored again: already there, no write.
+        assert b.batch_set_v1(KEYS[:2], indices(src[:2])) == [True, True]
+        assert b.kvoff_stats()["disk_files_written"] == 8
+    finally:
+        b.close()
+
+
+def test_missing_pages_read_false(tmp_path: Any) -> None:
+    pool = mha_pool("page_first")
+    b = backend(storage_config(tmp_path, page_first=True), pool)
+    try:
+        fill(pool, 2)
+        assert b.batch_set_v1(KEYS[:2], indices([1, 2])) == [True, True]
+        assert b.batch_get_v1([KEYS[0], "e" * 64, KEYS[1]], indices([5, 6, 7])) == [True, False, True]
+    finally:
+        b.close()
+
+
+CHILD = r"""
+import json, sys, torch
+sys.path[:0] = json.loads(sys.argv[2])
+import test_sglang_hicache as t
+args = json.loads(sys.argv[1])
+pool = t.mha_pool(args["layout"])
+b = t.backend(t.storage_config(args["path"], page_first=args["layout"] != "layer_first"), pool)
+n = b.batch_exists(args["keys"])
+ok = b.batch_get_v1(args["keys"], t.indices(args["dst"]))
+pages = [t.page_bytes(pool, d).tolist() for d in args["dst"]]
+b.close()
+print(json.dumps({"exists": n, "ok": ok, "pages": pages}))
+"""
+
+
+@pytest.mark.parametrize("layout", ["layer_first", "page_first"])
+def test_second_process_sees_the_pages(tmp_path: Any, layout: str) -> None:
+    pool = mha_pool(layout)
+    b = backend(storage_config(tmp_path, page_first=layout != "layer_first"), pool)
+    try:
+        fill(pool, 3)
+        src = [1, 2, 3, 4]
+        want = [page_bytes(pool, s).tolist() for s in src]
+        assert b.batch_set_v1(KEYS[:4], indices(src)) == [True] * 4
+    finally:
+        b.close()
+    here = os.path.dirname(os.path.abspath(__file__))
+    args = {"path": str(tmp_path), "layout": layout, "keys": KEYS[:4], "dst": [9, 10, 11, 12]}
+    out = subprocess.run(
+        [sys.executable, "-c", CHILD, json.dumps(args), json.dumps([here, *sys.path])],
+        capture_output=True,
+        text=True,
+        timeout=1200,
+        check=False,
+    )
+    assert out.returncode == 0, out.stderr[-3000:]
+    got = json.loads(out.stdout.strip().splitlines()[-1])
+    assert got["exists"] == 4 and got["ok"] == [True] * 4
+    assert got["pages"] == want
+
+
+def test_ranks_and_models_are_isolated(tmp_path: Any) -> None:
+    pool0, pool1, pool_other = mha_pool("page_first"), mha_pool("page_first"), mha_pool("page_first")
+    r0 = backend(storage_config(tmp_path, tp_rank=0, tp_size=2, page_first=True), pool0)
+    r1 = backend(storage_config(tmp_path, tp_rank=1, tp_size=2, page_first=True), pool1)
+    other = backend(
+        storage_config(tmp_path, model="org/other", tp_rank=0, tp_size=2, page_first=True), pool_other
+    )
+    single = backend(storage_config(tmp_path, tp_rank=0, tp_size=1, page_first=True), mha_pool("page_first"))
+    try:
+        fill(pool0, 4)
+        assert r0.batch_set_v1(KEYS[:3], indices([1, 2, 3])) == [True] * 3
+        for b in (r1, other, single):
+            b.store.rescan()
+            assert b.batch_exists(KEYS[:3]) == 0
+            assert b.batch_get_v1(KEYS[:1], indices([5])) == [False]
+        assert r0.batch_exists(KEYS[:3]) == 3
+        # Ranks of one model share the namespace directory; the rank is in each file's name and
+        # header (docs/tier.md), so a rank never reads another's heads.
+        k0 = KEYS[0].encode()
+        assert r0.store.path_of(k0) != r1.store.path_of(k0)
+        assert other.store.dir != r0.store.dir
+    finally:
+        for b in (r0, r1, other, single):
+            b.close()
+
+
+def test_page_sizes_do_not_mix(tmp_path: Any) -> None:
+    global PAGE
+    a = backend(storage_config(tmp_path, page_first=True), mha_pool("page_first"))
+    try:
+        fill(a.mem_pool_host, 5)
+        assert a.batch_set_v1(KEYS[:2], indices([1, 2])) == [True, True]
+    finally:
+        a.close()
+    old = PAGE
+    PAGE = 8
+    try:
+        b = backend(storage_config(tmp_path, page_first=True), mha_pool("page_first"))
+        try:
+            assert b.batch_exists(KEYS[:2]) == 0
+        finally:
+            b.close()
+    finally:
+        PAGE = old
+
+
+def test_mla_one_writer_all_readers(tmp_path: Any) -> None:
+    p0, p1 = mla_pool("page_first"), mla_pool("page_first")
+    r0 = backend(storage_config(tmp_path, tp_rank=0, tp_size=2, mla=True, page_first=True), p0)
+    r1 = backend(storage_config(tmp_path, tp_rank=1, tp_size=2, mla=True, page_first=True), p1)
+    try:
+        assert r0.storage_config.is_storage_writer and not r1.storage_config.is_storage_writer
+        fill(p0, 6)
+        fill(p1, 7)
+        want = [page_bytes(p0, s) for s in (1, 2)]
+        # The non-writer's backup is a no-op (SGLang's controller skips it too): nothing written.
+        assert r1.batch_set_v1(KEYS[:2], indices([1, 2])) == [True, True]
+        assert r1.kvoff_stats()["disk_files_written"] == 0
+        assert r0.batch_set_v1(KEYS[:2], indices([1, 2])) == [True, True]
+        r1.store.rescan()
+        assert r1.batch_exists(KEYS[:2]) == 2
+        assert r1.batch_get_v1(KEYS[:2], indices([8, 9])) == [True, True]
+        assert torch.equal(page_bytes(p1, 8), want[0]) and torch.equal(page_bytes(p1, 9), want[1])
+    finally:
+        r0.close()
+        r1.close()
+
+
+def test_corrupt_files_are_never_served(tmp_path: Any) -> None:
+    pool = mha_pool("layer_first")
+    b = backend(storage_config(tmp_path), pool)
+    try:
+        fill(pool, 8)
+        assert b.batch_set_v1(KEYS[:3], indices([1, 2, 3])) == [True] * 3
+        paths = [b.store.path_of(k.encode()) for k in KEYS[:3]]
+    finally:
+        b.close()
+    with open(paths[1], "r+b") as f:  # flip a payload byte of the middle page
+        f.seek(4096 + 7)
+        x = f.read(1)
+        f.seek(4096 + 7)
+        f.write(bytes([x[0] ^ 0x01]))
+    with open(paths[2], "r+b") as f:  # truncate the last one
+        f.truncate(4096 + 10)
+    pool2 = mha_pool("layer_first")
+    b2 = backend(storage_config(tmp_path), pool2)
+    try:
+        sentinel = page_bytes(pool2, 6)
+        assert b2.batch_get_v1(KEYS[:3], indices([5, 6, 7])) == [True, False, False]
+        assert torch.equal(page_bytes(pool2, 6), sentinel), "bytes of a corrupt file reached the host pool"
+        st = b2.kvoff_stats()
+        assert st["disk_corrupt_files"] == 2
+        assert b2.batch_exists(KEYS[:3]) == 1
+        assert not os.path.exists(paths[1]) and not os.path.exists(paths[2])
+    finally:
+        b2.close()
+
+
+def test_bad_config_and_bad_calls_raise(tmp_path: Any) -> None:
+    cfg = storage_config(tmp_path)
+    cfg.extra_config = {k: v for k, v in cfg.extra_config.items() if k != "disk_path"}
+    with pytest.raises(Exception, match="disk_path"):
+        StorageBackendFactory.create_backend("dynamic", cfg, None)
+    pool = mha_pool("page_first")
+    b = backend(storage_config(tmp_path, page_first=True), pool)
+    try:
+        with pytest.raises(ValueError):
+            b.batch_set_v1(KEYS[:2], indices([1]))  # one page of indices for two keys
+    finally:
+        b.close()
