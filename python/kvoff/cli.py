@@ -1,4 +1,4 @@
-"""The ``kvoff`` command line: ``kvoff bench [managers|transfers|disk|interference]`` (no subcommand:
+"""The ``kvoff`` command line: ``kvoff bench [managers|transfers|disk|interference|serve]`` (no subcommand:
 managers and transfers; ``--plot FILE``: also a page-size sweep plot) and ``kvoff demo`` (a
 simulated serving loop offloading a model-shaped KV cache)."""
 
@@ -363,6 +363,9 @@ def main(argv: list[str] | None = None) -> int:
     i.add_argument("--json", action="store_true", help="print the result as JSON")
     i.add_argument("--quiet", action="store_true", help="no per-row log on stderr")
     i.set_defaults(func=_bench_interference)
+    from kvoff.bench_serve import add_serve_parser
+
+    add_serve_parser(bsub)  # `kvoff bench serve`: its options and checks live in kvoff.bench_serve
     d = sub.add_parser(
         "demo",
         help="simulated serving loop: offload a Llama-3-8B-shaped KV cache, verify "
