@@ -107,7 +107,7 @@ class ModelPreset:
 
     def describe(self) -> str:
         return (
-            f"Llama-shaped, {self.params / 1e6:.0f} M parameters ({self.layers} layers, hidden "
+            f"Llama-shaped, {self.params / 1e6:.3g} M parameters ({self.layers} layers, hidden "
             f"{self.hidden}, {self.heads} heads / {self.kv_heads} KV heads of {self.head_dim}, MLP "
             f"{self.intermediate}, vocabulary {self.vocab}), random weights"
         )
@@ -288,9 +288,9 @@ class ServeOptions:
     workloads: list[str] = field(default_factory=lambda: list(WORKLOADS))
     configs: list[str] = field(default_factory=lambda: ["none", "lru", "arc", "file"])
     users: int = 4
-    turns: int = 4
+    turns: int = 3
     system_tokens: int = 1024
-    first_tokens: int = 512
+    first_tokens: int = 256
     turn_tokens: int = 32
     output_tokens: int = 32
     device_blocks: int | None = None
@@ -300,6 +300,7 @@ class ServeOptions:
     model_dir: str | None = None
     timeout_s: float = 1800.0
     max_batched_tokens: int = 2048
+    compile: bool = False
     log_dir: str | None = None
     quiet: bool = False
 
@@ -435,6 +436,25 @@ def engine_problem() -> str | None:
     return None
 
 
+def cpu_threads_bind() -> str | None:
+    """The CPUs every configuration's model runs on, on vLLM's CPU build (``None`` elsewhere).
+
+    vLLM's CPU build binds its OpenMP threads to all CPUs but one reserved for the scheduler's
+    process, and reserves one more whenever a KV connector is configured (for NIXL); on a small
+    machine that would give the configurations with kvoff fewer (or, when nothing is left, all)
+    CPUs than the one without. So the benchmark fixes the binding for all of them: the user's
+    ``VLLM_CPU_OMP_THREADS_BIND`` if set, else every CPU but the last (vLLM's own choice without
+    a connector)."""
+    found = _installed_vllm()
+    if found is None or found[0] != "vllm-cpu":
+        return None
+    if os.environ.get("VLLM_CPU_OMP_THREADS_BIND"):
+        return os.environ["VLLM_CPU_OMP_THREADS_BIND"]
+    cpus = sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else [0]
+    use = cpus[:-1] or cpus
+    return ",".join(str(c) for c in use)
+
+
 def _device() -> str:
     """The machine the engine runs on, in words (queried without starting CUDA in this process)."""
     found = _installed_vllm()
@@ -474,6 +494,9 @@ def _run_child(spec: dict[str, Any], run_dir: Path, tag: str, timeout_s: float) 
     spec_path.write_text(json.dumps(spec))
     env = dict(os.environ, HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1")
     env.setdefault("VLLM_LOGGING_LEVEL", "INFO")
+    bind = cpu_threads_bind()
+    if bind is not None:
+        env["VLLM_CPU_OMP_THREADS_BIND"] = bind
     cmd = [sys.executable, "-m", "kvoff.bench_serve", "child", str(spec_path)]
     with open(log_path, "w") as log:
         p = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True)
@@ -607,6 +630,7 @@ def run_serve_bench(opts: ServeOptions) -> dict[str, Any]:
             "device_pool_bytes": opts.pool_blocks * opts.block_bytes,
             "working_set_blocks": opts.blocks(reuse.working_set_tokens),
             "cpu_bytes": opts.cpu_bytes,
+            "cpu_threads_bind": cpu_threads_bind(),
             "options": asdict(opts),
             "workloads": {},
         }
@@ -661,6 +685,7 @@ def _run_config(
                 "vocab": opts.model.vocab,
                 "device_blocks": opts.pool_blocks,
                 "max_batched_tokens": max(opts.max_batched_tokens, BLOCK),
+                "compile": opts.compile,
                 "workload": asdict(wl),
                 "kvoff": extra,
             }
@@ -737,10 +762,13 @@ async def _serve(spec: dict[str, Any]) -> dict[str, Any]:
             num_gpu_blocks_override=int(spec["device_blocks"]),
             max_model_len=max_len,
             max_num_seqs=wl.users,
-            max_num_batched_tokens=max(int(spec["max_batched_tokens"]), max_len),
+            max_num_batched_tokens=max(min(int(spec["max_batched_tokens"]), wl.users * max_len), max_len),
             disable_log_stats=False,
             gpu_memory_utilization=0.5,
             seed=wl.seed,
+            # torch.compile costs minutes per engine start and configuration on a small CPU; the
+            # comparison is between configurations of the same mode (--compile: vLLM's default).
+            enforce_eager=not spec.get("compile", False),
             **kw,
         )
     )
@@ -841,7 +869,8 @@ def format_results(doc: dict[str, Any]) -> str:
     m = doc["model"]
     lines = [
         f"kvoff bench serve: vLLM's engine on {doc['device']}, {doc['date']}, kvoff {doc['kvoff']}",
-        f"model: {m['describe']}, {m['dtype']}",
+        f"model: {m['describe']}, {m['dtype']}"
+        + ("" if not doc.get("cpu_threads_bind") else f"; model threads on CPUs {doc['cpu_threads_bind']}"),
         (
             f"device KV pool {doc['device_pool_blocks']} blocks of {doc['block_tokens']} tokens "
             f"({_mib(doc['device_pool_bytes'])} MiB; the reuse working set is {doc['working_set_blocks']} "
@@ -922,7 +951,7 @@ def plot_results(doc: dict[str, Any], path: str) -> None:
         ax.grid(True, axis="y", alpha=0.3)
     m = doc["model"]
     fig.suptitle(
-        f"kvoff bench serve: vLLM engine on {doc['device']}; {m['params'] / 1e6:.0f} M-param Llama "
+        f"kvoff bench serve: vLLM engine on {doc['device']}; {m['params'] / 1e6:.3g} M-param Llama "
         f"({m['dtype']}), device pool {doc['device_pool_blocks']} blocks of {doc['block_tokens']} tokens",
         fontsize=10,
     )
@@ -979,6 +1008,20 @@ def add_serve_parser(subparsers: Any) -> argparse.ArgumentParser:
     s.add_argument("--log-dir", dest="log_dir", default=None, help="keep the engines' logs here")
     s.add_argument("--timeout-s", dest="timeout_s", type=float, default=d.timeout_s, help="per engine run")
     s.add_argument("--max-batched-tokens", dest="max_batched_tokens", type=int, default=d.max_batched_tokens)
+    s.add_argument(
+        "--compile",
+        action="store_true",
+        help="vLLM's default torch.compile mode (default: eager; compiling costs minutes per engine start "
+        "on a small CPU)",
+    )
+    s.add_argument(
+        "--from-json",
+        dest="from_json",
+        metavar="RUN.json",
+        default=None,
+        help="run nothing: print (and --plot) a run saved with --json (e.g. plot in an environment "
+        "with matplotlib a run made in vLLM's)",
+    )
     s.add_argument("--json", action="store_true", help="print the raw figures as JSON")
     s.add_argument("--quiet", action="store_true", help="no progress lines on stderr")
     s.add_argument(
@@ -999,10 +1042,12 @@ def serve_main(args: argparse.Namespace) -> int:
         workloads=[x for x in args.workloads.split(",") if x],
         configs=[x for x in args.configs.split(",") if x],
     )
+    plot = getattr(args, "plot", None)
+    if args.from_json is not None:
+        return _from_json(args.from_json, plot, args.json)
     problem = opts.validate()
     if problem is None:
         problem = engine_problem()
-    plot = getattr(args, "plot", None)
     if problem is None and plot:
         from kvoff.demo import require_matplotlib
 
@@ -1013,6 +1058,8 @@ def serve_main(args: argparse.Namespace) -> int:
     if problem is not None:
         print(f"kvoff bench serve: {problem}", file=sys.stderr)
         return 2
+    # SIGTERM unwinds like Ctrl-C, so that a running engine's process group is killed on the way out.
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
     try:
         doc = run_serve_bench(opts)
     except RuntimeError as e:
@@ -1026,6 +1073,30 @@ def serve_main(args: argparse.Namespace) -> int:
         print(format_results(doc))
         if plot:
             print(f"plot written to {plot}")
+    return 0
+
+
+def _from_json(path: str, plot: str | None, as_json: bool) -> int:
+    """``--from-json``: the table (and plot) of a saved run."""
+    try:
+        doc = json.loads(Path(path).read_text())
+        if doc.get("benchmark") != "kvoff bench serve":
+            raise ValueError("not a kvoff bench serve --json document")
+    except (OSError, ValueError) as e:
+        print(f"kvoff bench serve: --from-json {path}: {e}", file=sys.stderr)
+        return 2
+    if plot:
+        from kvoff.demo import require_matplotlib
+
+        try:
+            require_matplotlib()
+        except ImportError:
+            print("kvoff bench serve: --plot needs matplotlib: pip install matplotlib", file=sys.stderr)
+            return 2
+        plot_results(doc, plot)
+    print(json.dumps(doc, indent=1) if as_json else format_results(doc))
+    if plot and not as_json:
+        print(f"plot written to {plot}")
     return 0
 
 

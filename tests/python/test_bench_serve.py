@@ -5,6 +5,7 @@ the benchmark reports. The engine runs themselves: ``test_vllm_serve.py`` (vllm-
 from __future__ import annotations
 
 import math
+from pathlib import Path
 
 import pytest
 from kvoff import bench_serve, cli
@@ -83,3 +84,10 @@ def test_percentiles_and_ratios() -> None:
     bench_serve._compare([base, other, odd])
     assert other["ttft_p50_vs_none"] == 0.25 and other["throughput_vs_none"] == pytest.approx(0.99)
     assert other["outputs_identical"] is True and odd["outputs_identical"] is False
+
+
+def test_from_json_needs_a_saved_run(capsys: pytest.CaptureFixture[str], tmp_path: Path) -> None:
+    _one_line_error(capsys, ["bench", "serve", "--from-json", str(tmp_path / "none.json")], "--from-json")
+    bad = tmp_path / "bad.json"
+    bad.write_text('{"benchmark": "other"}')
+    _one_line_error(capsys, ["bench", "serve", "--from-json", str(bad)], "not a kvoff bench serve")
