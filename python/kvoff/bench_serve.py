@@ -27,6 +27,14 @@ end-to-end request latency, output tokens/s, prompt tokens computed vs served fr
 prefix cache vs served from kvoff, bytes loaded/stored (and written to/read from files), and
 whether every output is token-identical to the run without offloading.
 
+Fairness between configurations: the engines run eager (``--compile``: vLLM's torch.compile
+mode, minutes per engine start on a small CPU), and on vLLM's CPU build the model's threads are
+bound to the same CPUs in every configuration (:func:`cpu_threads_bind`: vLLM reserves one CPU more
+whenever a KV connector is configured, which would give the kvoff configurations different compute).
+The timed phase starts after one warm-up request (the engine's first step; in the reuse workload it
+also puts the shared system prompt in the device prefix cache, as a running server has it), and
+vLLM's counters are read before and after it.
+
 Configurations are a registry (:data:`CONFIGS`, :func:`register_config`): a name, a label and the
 ``kv_connector_extra_config`` kvoff gets (``None``: no offloading), optionally with a service
 started around the engine (a remote tier's server, say) whose settings are merged in.
