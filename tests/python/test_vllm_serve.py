@@ -38,6 +38,8 @@ except metadata.PackageNotFoundError:
 
 CONFIGS = ["none", "lru", "arc", "file"]
 NOREUSE_CONFIGS = ["none", "lru"]
+#: Per command (four engine starts; each takes tens of seconds on an idle 2-core machine).
+TIMEOUT_S = 1200
 
 
 def _bench(d: Path, workload: str, configs: list[str]) -> dict[str, Any]:
@@ -56,9 +58,20 @@ def _bench(d: Path, workload: str, configs: list[str]) -> dict[str, Any]:
     cmd += ["--turn-tokens", "16", "--output-tokens", "8", "--workloads", workload]
     cmd += ["--configs", ",".join(configs), "--log-dir", str(d / f"logs-{workload}"), "--json", "--quiet"]
     env = dict(os.environ, HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1")
-    p = subprocess.run(cmd, capture_output=True, text=True, timeout=900, env=env, check=False)
-    assert p.returncode == 0, f"kvoff bench serve failed ({p.returncode}):\n{p.stderr[-6000:]}"
-    doc: dict[str, Any] = json.loads(p.stdout)
+    p = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
+    try:
+        out, err = p.communicate(timeout=TIMEOUT_S)
+    except subprocess.TimeoutExpired:
+        # SIGTERM first: the command then kills its running engine's process group on the way out.
+        p.terminate()
+        try:
+            out, err = p.communicate(timeout=30)
+        except subprocess.TimeoutExpired:
+            p.kill()
+            out, err = p.communicate()
+        pytest.fail(f"kvoff bench serve timed out after {TIMEOUT_S}s:\n{err[-6000:]}")
+    assert p.returncode == 0, f"kvoff bench serve failed ({p.returncode}):\n{err[-6000:]}"
+    doc: dict[str, Any] = json.loads(out)
     return doc
 
 
