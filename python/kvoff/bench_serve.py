@@ -772,7 +772,9 @@ async def _serve(spec: dict[str, Any]) -> dict[str, Any]:
             max_num_seqs=wl.users,
             max_num_batched_tokens=max(min(int(spec["max_batched_tokens"]), wl.users * max_len), max_len),
             disable_log_stats=False,
-            gpu_memory_utilization=0.5,
+            # On the CPU build: the share of host memory vLLM checks is free at start; the KV pool
+            # itself is num_gpu_blocks_override blocks.
+            gpu_memory_utilization=0.1,
             seed=wl.seed,
             # torch.compile costs minutes per engine start and configuration on a small CPU; the
             # comparison is between configurations of the same mode (--compile: vLLM's default).
