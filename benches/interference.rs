@@ -41,7 +41,7 @@
 //! on stderr), `KVOFF_BENCH_LAYOUT=perlayer` (one device allocation per KV tensor, as vLLM's
 //! per-layer tensors; the driver refuses pitched copies across allocations, so no pitched run
 //! spans two tensors). The default grid (56 cells) takes about 12 minutes on an H100 with 1 s GEMM rounds;
-//! the 32-cell grid of BENCHMARKS.md (four methods) took 7.
+//! the 32-row grid of BENCHMARKS.md's "Transfers beside compute" (four methods) took 7.
 // Benchmarks: an unwrap that fails is the failure report; pedantic style is for the library.
 #![allow(clippy::unwrap_used, clippy::pedantic)]
 // Unsafe: raw driver and cuBLAS calls on buffers and streams this file owns, and kvoff submits
@@ -135,7 +135,7 @@ fn method_cfg(label: &str) -> Option<CudaEngineConfig> {
             ..d
         },
         // The same with loads on the lowest-priority stream, as `auto` has them beside a model
-        // (does the priority move DMA? BENCHMARKS.md session 8).
+        // (does the priority move DMA? docs/performance.md, "Stream priority": it does not).
         "dma2d-lowload" => CudaEngineConfig {
             method: CopyMethod::Dma,
             load_high_priority: Some(false),
@@ -168,15 +168,15 @@ fn method_cfg(label: &str) -> Option<CudaEngineConfig> {
             idle_after_us: 0,
             ..d
         },
-        // `auto` without the serving policy's cap on the staged pipeline (the default until
-        // session 10).
+        // `auto` without the serving policy's cap on the staged pipeline (the default before the
+        // cap; docs/performance.md, "Serving policy").
         "auto-nocap" => CudaEngineConfig {
             compute_budget_bp: Some(200),
             serving_staged_cap_mb_s: Some(0),
             ..d
         },
-        // The serving policy with large small-copy stores by DMA while loads run (the default
-        // until session 9).
+        // The serving policy with large small-copy stores by DMA while loads run (the former
+        // default; docs/performance.md, "Serving policy").
         "auto-stdma" => CudaEngineConfig {
             compute_budget_bp: Some(200),
             serving_store_dma_beside_loads: true,

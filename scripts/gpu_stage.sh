@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Builds what the GPU machine needs (it has no Rust and no network) into .carry/ (git-ignored):
 # the release wheel, the Rust GPU test binaries and the transfer benchmarks. Then, through the
-# device tool: `scripts/gpu_check.sh <step>` with carry [".carry"] (BENCHMARKS.md names the steps).
+# device tool: `scripts/gpu_check.sh <step>` with carry [".carry"] (its header lists the steps).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 rm -rf .carry && mkdir -p .carry/bin .carry/wheel

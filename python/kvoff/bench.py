@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import functools
 import hashlib
+import os
 import platform
 import random
 import time
@@ -172,11 +173,10 @@ def vllm_manager_factory() -> tuple[str, Callable[[str, int], Any]] | None:
     return str(getattr(vllm, "__version__", "?")), make
 
 
-#: kvoff's targets against vLLM's managers on this workload (docs/performance.md), by policy.
+#: kvoff's targets against vLLM's managers on this workload (docs/performance.md), by policy. They
+#: need vLLM's managers measured in the same run: without vLLM they are "not measured" (the Python
+#: reference is built like vLLM's managers but is not vLLM, so it cannot stand in for it).
 VLLM_RATIO_TARGETS = {"lru": 10.0, "arc": 5.0}
-#: vLLM 0.33's managers on this workload as docs/performance.md recorded them (M key-ops/s), used for the
-#: targets when vLLM is not installed.
-VLLM_RECORDED = {"lru": 0.70, "arc": 1.84}
 
 
 def _time(
@@ -189,7 +189,7 @@ def _time(
 ) -> dict[str, float]:
     rates = []
     result = (0, 0, 0)
-    with Progress(reps * len(wl.requests), label, enabled=show or None) as bar:
+    with Progress(reps * len(wl.requests), label, enabled=None if show else False) as bar:
         for _ in range(reps):
             m = make()
             t0 = time.perf_counter()
@@ -215,14 +215,15 @@ def bench_managers(
     ``RuntimeError`` if it is not). Rows: ``policy``, ``impl`` (``python-ref``, ``vllm``,
     ``kvoff``), ``key_ops``, ``key_ops_per_s``, ``hit_rate``, ``ratio`` (to the Python reference)
     and, on kvoff rows, ``vs_vllm`` (to vLLM in the same run, ``None`` without vLLM),
-    ``vllm_target`` and ``target_met``."""
+    ``vllm_target`` and ``target_met`` (``None``: not measured, as without vLLM the target has no
+    baseline)."""
     wl = make_workload(num_requests, capacity)
     factory = vllm_manager_factory() if vllm is not False else None
     if vllm and factory is None:
         raise RuntimeError("vLLM's offloading managers (vllm.v1.kv_offload) cannot be imported here")
     rows = []
     for policy, ref_cls in (("lru", PyLRU), ("arc", PyARC)):
-        show = bool(show_progress)
+        show = show_progress is not False
         ref = _time(
             functools.partial(ref_cls, capacity), _run_ref, wl, ref_reps, f"python reference {policy}", show
         )
@@ -254,11 +255,8 @@ def bench_managers(
         )
         target = VLLM_RATIO_TARGETS[policy]
         vs_vllm = kv["key_ops_per_s"] / vl["key_ops_per_s"] if vl is not None else None
-        met = (
-            vs_vllm >= target
-            if vs_vllm is not None
-            else kv["key_ops_per_s"] >= target * VLLM_RECORDED[policy] * 1e6
-        )
+        # None: not measured (no vLLM in this run, so no baseline for the target).
+        met = None if vs_vllm is None else vs_vllm >= target
         rows.append(
             {
                 "policy": policy,
@@ -291,20 +289,19 @@ def format_manager_rows(rows: list[dict[str, Any]]) -> str:
         if r["impl"] != "kvoff":
             continue
         policy, target = r["policy"], r["vllm_target"]
-        verdict = "met" if r["target_met"] else "NOT met"
         if r["vs_vllm"] is not None:
             version = next(
                 (v.get("version", "?") for v in rows if v["impl"] == "vllm" and v["policy"] == policy), "?"
             )
+            verdict = "met" if r["target_met"] else "NOT met"
             lines.append(
-                f"target {policy}: >= {target:g}x vLLM {version} in the same run: "
+                f"target {policy}: >= {target:g}x vLLM {version}'s {policy.upper()} manager in the same run: "
                 f"{r['vs_vllm']:.1f}x, {verdict}"
             )
         else:
-            need = target * VLLM_RECORDED[policy]
             lines.append(
-                f"target {policy}: >= {need:.2f} M key-ops/s ({target:g}x vLLM 0.33 as docs/performance.md "
-                f"recorded it; vLLM not installed here): {r['key_ops_per_s'] / 1e6:.2f}, {verdict}"
+                f"target {policy}: >= {target:g}x vLLM's {policy.upper()} manager in the same run: not measured "
+                f"(needs vLLM's managers as the baseline; vLLM is not installed here, or --vllm off)"
             )
     return "\n".join(lines)
 
@@ -349,6 +346,93 @@ def _median(xs: list[float]) -> float:
     return s[len(s) // 2]
 
 
+#: What the host engine (src/engine/host.rs) does with one job: below ``HOST_PARALLEL_MIN_BYTES``
+#: the dispatcher thread copies alone; above, the bytes are split over up to ``threads`` threads,
+#: at least ``HOST_MIN_BYTES_PER_THREAD`` each.
+HOST_PARALLEL_MIN_BYTES = 8 << 20
+HOST_MIN_BYTES_PER_THREAD = 2 << 20
+
+
+def host_engine_threads() -> int:
+    """Threads the host engine splits a job over: the CPUs this process may run on, at most 8
+    (``HostEngine::new``: ``min(available_parallelism, 8)``)."""
+    try:
+        n = len(os.sched_getaffinity(0))
+    except (AttributeError, OSError):
+        n = os.cpu_count() or 1
+    return max(1, min(n, 8))
+
+
+class ThreadedCopy:
+    """One contiguous copy of a buffer split over threads as the host engine splits a job (the
+    same thread count, the same thresholds): the reference that kvoff's host engine is measured
+    against. numpy's ``copyto`` releases the GIL, so the pieces copy in parallel."""
+
+    def __init__(self, threads: int | None = None) -> None:
+        from concurrent.futures import ThreadPoolExecutor
+
+        self.threads = threads or host_engine_threads()
+        self._pool = ThreadPoolExecutor(self.threads - 1) if self.threads > 1 else None
+
+    def pieces(self, nbytes: int) -> int:
+        if nbytes < HOST_PARALLEL_MIN_BYTES:
+            return 1
+        return max(1, min(self.threads, nbytes // HOST_MIN_BYTES_PER_THREAD))
+
+    def copy(self, dst: Any, src: Any) -> None:
+        """``dst[:] = src`` for 1-D uint8 numpy arrays of one size."""
+        import numpy as np
+
+        n = self.pieces(int(src.nbytes))
+        if n == 1 or self._pool is None:
+            np.copyto(dst, src)
+            return
+        cuts = [src.nbytes * k // n for k in range(n + 1)]
+        futs = [
+            self._pool.submit(np.copyto, dst[cuts[k] : cuts[k + 1]], src[cuts[k] : cuts[k + 1]])
+            for k in range(1, n)
+        ]
+        np.copyto(dst[cuts[0] : cuts[1]], src[cuts[0] : cuts[1]])
+        for f in futs:
+            f.result()
+
+    def close(self) -> None:
+        if self._pool is not None:
+            self._pool.shutdown()
+
+    def __enter__(self) -> ThreadedCopy:  # noqa: PYI034 (Self needs typing_extensions on 3.10)
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+def time_host_contiguous(nbytes: int, reps: int) -> tuple[float, int]:
+    """GB/s of one contiguous copy of ``nbytes`` in host memory on the host engine's threads
+    (:class:`ThreadedCopy`; median of ``reps`` after one warm-up) and the threads it used."""
+    import numpy as np
+
+    src, dst = np.ones(nbytes, dtype=np.uint8), np.zeros(nbytes, dtype=np.uint8)
+    with ThreadedCopy() as tc:
+        ts = []
+        for i in range(reps + 1):
+            t0 = time.perf_counter()
+            tc.copy(dst, src)
+            if i:  # the first copy also faults the destination's pages in
+                ts.append(time.perf_counter() - t0)
+        return nbytes / max(_median(ts), 1e-9) / 1e9, tc.pieces(nbytes)
+
+
+#: Direction labels of the transfer tables: on a GPU the link's; on the host engine (no GPU) the
+#: KV side is host memory standing in for GPU memory, so the table says store / load.
+GPU_DIRS = ("GPU->CPU", "CPU->GPU")
+HOST_DIRS = ("store", "load")
+HOST_DIRS_NOTE = (
+    "store: KV blocks (host memory standing in for GPU memory, no GPU here) -> a kvoff host region; "
+    "load: back"
+)
+
+
 def _time_contiguous(torch: Any, nbytes: int, cuda: bool, reps: int) -> dict[str, float]:
     """GB/s of one contiguous copy of ``nbytes`` per direction (the same-run limit)."""
     if cuda:
@@ -369,19 +453,9 @@ def _time_contiguous(torch: Any, nbytes: int, cuda: bool, reps: int) -> dict[str
                     ts.append(a.elapsed_time(b) / 1e3)
             out[name] = nbytes / _median(ts) / 1e9
         return out
-    src = torch.empty(nbytes, dtype=torch.uint8)
-    dst = torch.empty(nbytes, dtype=torch.uint8)
-    _fill_pattern(src, 1)
-    _fill_pattern(dst, 2)
-    ts = []
-    for i in range(reps + 1):
-        t0 = time.perf_counter()
-        dst.copy_(src)
-        dt = time.perf_counter() - t0
-        if i:
-            ts.append(dt)
-    gbs = nbytes / _median(ts) / 1e9
-    return {"GPU->CPU": gbs, "CPU->GPU": gbs}
+    # No GPU: the host engine's reference, a contiguous copy on the engine's threads.
+    gbs, threads = time_host_contiguous(nbytes, reps)
+    return {"store": gbs, "load": gbs, "threads": threads}
 
 
 def bench_transfers(
@@ -418,7 +492,7 @@ def bench_transfers(
     rng = random.Random(seed)
     rows: list[dict[str, Any]] = []
     steps = len(TRANSFER_SCENARIOS) * len(methods) * 2 * (reps + 1)
-    with Progress(steps, "kvoff transfers", enabled=show_progress or None) as bar:
+    with Progress(steps, "kvoff transfers", enabled=False if show_progress is False else None) as bar:
         for page, max_tensors in TRANSFER_SCENARIOS:
             ntensors = max(1, min(max_tensors, job_target // (page * MIN_BLOCKS)))
             blocks = max(MIN_BLOCKS, job_target // (page * ntensors))
@@ -436,9 +510,10 @@ def bench_transfers(
                     else CpuGpuOffloadingHandlers(kv, 1, pool, engine=cast(EngineName, method))
                 )
                 try:
+                    store_dir, load_dir = GPU_DIRS if cuda else HOST_DIRS
                     for direction, handler in (
-                        ("GPU->CPU", h.gpu_to_cpu_handler),
-                        ("CPU->GPU", h.cpu_to_gpu_handler),
+                        (store_dir, h.gpu_to_cpu_handler),
+                        (load_dir, h.cpu_to_gpu_handler),
                     ):
                         secs, walls = [], []
                         gids: list[int] = []
@@ -447,7 +522,7 @@ def bench_transfers(
                             gids = rng.sample(range(pool), blocks)
                             cids = rng.sample(range(pool), blocks)
                             src, dst = (GPULoadStoreSpec(gids), CPULoadStoreSpec(cids))
-                            spec = (src, dst) if direction == "GPU->CPU" else (dst, src)
+                            spec = (src, dst) if direction == store_dir else (dst, src)
                             if cuda:
                                 torch.cuda.synchronize()
                             t0 = time.perf_counter()
@@ -483,7 +558,9 @@ def bench_transfers(
                                 "gb_s": gbs,
                                 "wall_gb_s": job_bytes / _median(walls) / 1e9,
                                 "contiguous_gb_s": ref[direction],
+                                "contiguous_threads": ref.get("threads"),
                                 "ratio": gbs / ref[direction],
+                                "verified_bytes": job_bytes,
                             }
                         )
                 finally:
@@ -532,35 +609,37 @@ def _bench_transfers_host(
     rows: list[dict[str, Any]] = []
     device = platform.processor() or platform.machine()
     steps = len(TRANSFER_SCENARIOS) * 2 * (reps + 1)
-    with Progress(steps, "kvoff transfers (host engine, numpy)", enabled=show_progress or None) as bar:
+    with Progress(
+        steps, "kvoff transfers (host engine, numpy)", enabled=False if show_progress is False else None
+    ) as bar:
         for page, max_tensors in TRANSFER_SCENARIOS:
             ntensors = max(1, min(max_tensors, job_target // (page * MIN_BLOCKS)))
             blocks = max(MIN_BLOCKS, job_target // (page * ntensors))
             job_bytes = blocks * page * ntensors
             pool = 2 * blocks
             gpu, region, cpu, refs = _host_layout(page, ntensors, pool)
+            # The reference: one contiguous copy of the same bytes on the engine's threads, timed
+            # just before each of kvoff's jobs, so that what else the machine does meanwhile
+            # weighs on both alike.
             src_c, dst_c = np.ones(job_bytes, dtype=np.uint8), np.zeros(job_bytes, dtype=np.uint8)
-            ts = []
-            for i in range(reps + 1):
-                t0 = time.perf_counter()
-                np.copyto(dst_c, src_c)
-                if i:
-                    ts.append(time.perf_counter() - t0)
-            contiguous = job_bytes / _median(ts) / 1e9
-            del src_c, dst_c
+            tc = ThreadedCopy()
+            threads = tc.pieces(job_bytes)
             try:
                 dirs: tuple[tuple[str, Direction], ...] = (
-                    ("GPU->CPU", "gpu_to_cpu"),
-                    ("CPU->GPU", "cpu_to_gpu"),
+                    (HOST_DIRS[0], "gpu_to_cpu"),
+                    (HOST_DIRS[1], "cpu_to_gpu"),
                 )
                 for direction, d in dirs:
                     h = _native.TransferHandler(d, gpu, cpu, refs, 1, "host")
-                    secs, walls = [], []
+                    secs, walls, contig = [], [], []
                     gids = cids = np.zeros(0, dtype=np.int64)
                     try:
                         for r in range(reps + 1):
                             gids = np.array(rng.sample(range(pool), blocks), dtype=np.int64)
                             cids = np.array(rng.sample(range(pool), blocks), dtype=np.int64)
+                            t0 = time.perf_counter()
+                            tc.copy(dst_c, src_c)
+                            t_contig = time.perf_counter() - t0
                             t0 = time.perf_counter()
                             h.submit(r, gids, None, None, cids)
                             h.wait([r])
@@ -568,12 +647,14 @@ def _bench_transfers_host(
                             ((_, ok, _, seconds, error),) = h.get_finished()
                             if not ok:
                                 raise RuntimeError(f"transfer failed: {error}")
-                            if r:
+                            if r:  # the first repetition warms up (and faults pages in)
                                 secs.append(seconds)
                                 walls.append(wall)
+                                contig.append(t_contig)
                             bar.update(1)
                     finally:
                         h.shutdown()
+                    contiguous = job_bytes / max(_median(contig), 1e-9) / 1e9
                     for g, c in zip(gpu, cpu):
                         if not np.array_equal(g[gids], c[cids]):
                             raise RuntimeError(
@@ -592,13 +673,16 @@ def _bench_transfers_host(
                             "gb_s": gbs,
                             "wall_gb_s": job_bytes / _median(walls) / 1e9,
                             "contiguous_gb_s": contiguous,
+                            "contiguous_threads": threads,
                             "ratio": gbs / contiguous,
+                            "verified_bytes": job_bytes,
                         }
                     )
             finally:
+                tc.close()
                 del cpu
                 region.close()
-            del gpu
+            del gpu, src_c, dst_c
     return rows
 
 
@@ -608,7 +692,7 @@ HOST_PLOT_PAGES_KIB = [4, 32, 128, 2048]
 HOST_PLOT_JOB_MIB = 32
 #: The host sweep's methods, as the plot labels them.
 HOST_KVOFF = "kvoff host engine"
-HOST_CONTIGUOUS = "contiguous copy (one memcpy)"
+HOST_CONTIGUOUS = "contiguous copy (one memcpy on the engine's threads)"
 HOST_PER_COPY = "per-copy baseline (one numpy copy per page)"
 #: The host plot's note: what it does not show.
 HOST_PLOT_NOTE = "idle only: beside-compute curves need a GPU (kvoff bench --plot on a GPU with torch)"
@@ -624,7 +708,8 @@ def sweep_host_for_plot(
     """The page-size sweep without a GPU (no torch needed): GB/s per page size and direction of
     kvoff's host engine (numpy arrays and a :class:`kvoff.HostRegion`, through the native handler,
     as :func:`bench_transfers` runs it without torch), of one contiguous ``memcpy`` of the same
-    bytes (numpy: the limit) and of one numpy copy per page (the CPU analogue of one batch entry
+    bytes split over the host engine's threads as it splits a job (:class:`ThreadedCopy`: the
+    limit) and of one numpy copy per page (the CPU analogue of one batch entry
     per page, the batched-DMA baseline on a GPU). Wall time per job, median of ``reps`` after one
     warm-up; kvoff's last job per direction is verified byte for byte. Rows:
     ``{page_kib, dir, method, idle_gb_s, job_bytes, tensors, blocks}`` (``dir``: ``store`` moves the
@@ -650,6 +735,7 @@ def sweep_host_for_plot(
         pool = 2 * blocks
         src_c, dst_c = np.ones(job_bytes, dtype=np.uint8), np.zeros(job_bytes, dtype=np.uint8)
         gpu, region, cpu, refs = _host_layout(page, ntensors, pool)
+        tc = ThreadedCopy()
         try:
             dirs: tuple[tuple[str, Direction], ...] = (("store", "gpu_to_cpu"), ("load", "cpu_to_gpu"))
             for d, direction in dirs:
@@ -660,7 +746,7 @@ def sweep_host_for_plot(
                     # machine does meanwhile weighs on each alike.
                     for r in range(reps + 1):
                         t0 = time.perf_counter()
-                        np.copyto(dst_c, src_c)
+                        tc.copy(dst_c, src_c)
                         t_contiguous = time.perf_counter() - t0
                         gids = np.array(rng.sample(range(pool), blocks), dtype=np.int64)
                         cids = np.array(rng.sample(range(pool), blocks), dtype=np.int64)
@@ -703,26 +789,116 @@ def sweep_host_for_plot(
                             "blocks": blocks,
                         }
                     )
-                    say(rows[-1])
+                    say(sweep_row_line(rows[-1]))
         finally:
+            tc.close()
             del cpu
             region.close()
         del gpu, src_c, dst_c
     return rows
 
 
-def plot_host_sweep_rows(rows: list[dict[str, Any]], path: str) -> list[str]:
+def sweep_row_line(r: dict[str, Any]) -> str:
+    """One sweep row as a log line: page, direction, method and its GB/s."""
+    p = int(r["page_kib"])
+    page = f"{p >> 10} MiB" if p >= 1024 else f"{p} KiB"
+    figs = ", ".join(
+        f"{k} {r[f'{k}_gb_s']:.1f}" for k in ("idle", "gemm", "mem") if r.get(f"{k}_gb_s") is not None
+    )
+    return f"  {page:>7} {r['dir']:<5} {r['method']}: {figs} GB/s"
+
+
+#: Largest min-max spread of a point, as a fraction of its median, that ``--plot`` still calls
+#: readable: beyond it the machine was too busy for the curves' order to mean anything.
+SPREAD_LIMIT = 0.25
+#: The figures of a sweep row that repeated sweeps spread (``{kind}_gb_s``).
+_SWEEP_KINDS = ("idle", "gemm", "mem")
+
+
+@dataclass
+class Spread:
+    """How far repeated sweeps disagree: ``worst`` is the largest (max - min) / median of any
+    point, at ``where``."""
+
+    sweeps: int
+    worst: float
+    where: str
+
+    @property
+    def too_large(self) -> bool:
+        return self.sweeps > 1 and self.worst > SPREAD_LIMIT
+
+    @property
+    def note(self) -> str:
+        """A line for the plot and the table."""
+        if self.sweeps < 2:
+            return "1 sweep: no spread measured (--plot-repeats 3 draws the min-max band of 3)"
+        text = (
+            f"{self.sweeps} sweeps: median line, min-max band; largest spread {self.worst:.0%} of the "
+            f"median ({self.where})"
+        )
+        if self.too_large:
+            text += (
+                f". SPREAD TOO LARGE TO READ (> {SPREAD_LIMIT:.0%}): the machine was busy; "
+                "rerun when idle or with more --plot-repeats"
+            )
+        return text
+
+
+def repeat_sweeps(
+    run: Callable[[], list[dict[str, Any]]], repeats: int, log: Callable[[str], None] | None = None
+) -> tuple[list[dict[str, Any]], Spread]:
+    """Runs a page-size sweep ``repeats`` times; returns one row per (page, direction, method)
+    with each figure ``{kind}_gb_s`` the median of the sweeps and ``{kind}_gb_s_min`` /
+    ``_max`` its spread, and the :class:`Spread` of all points."""
+    if repeats < 1:
+        raise ValueError(f"repeats must be >= 1, got {repeats}")
+    sweeps = []
+    for k in range(repeats):
+        if log is not None and repeats > 1:
+            log(f"page-size sweep {k + 1} of {repeats}")
+        sweeps.append(run())
+    merged: dict[tuple[Any, Any, Any], dict[str, Any]] = {}
+    values: dict[tuple[Any, Any, Any], dict[str, list[float]]] = {}
+    for rows in sweeps:
+        for r in rows:
+            key = (r["page_kib"], r["dir"], r["method"])
+            merged.setdefault(key, dict(r))
+            for kind in _SWEEP_KINDS:
+                v = r.get(f"{kind}_gb_s")
+                if v is not None:
+                    values.setdefault(key, {}).setdefault(kind, []).append(float(v))
+    worst, where = 0.0, ""
+    for key, row in merged.items():
+        row["sweeps"] = repeats
+        for kind, vs in values.get(key, {}).items():
+            med = _median(vs)
+            row[f"{kind}_gb_s"], row[f"{kind}_gb_s_min"], row[f"{kind}_gb_s_max"] = med, min(vs), max(vs)
+            spread = (max(vs) - min(vs)) / med if med > 0 else 0.0
+            if spread > worst:
+                p = int(key[0])
+                page = f"{p >> 10} MiB" if p >= 1024 else f"{p} KiB"
+                worst, where = spread, f"{key[2]}, {key[1]}, {page}, {kind}"
+    return list(merged.values()), Spread(repeats, worst, where)
+
+
+def format_spread(spread: Spread) -> str:
+    return f"spread: {spread.note}"
+
+
+def plot_host_sweep_rows(rows: list[dict[str, Any]], path: str, spread_note: str = "") -> list[str]:
     """:func:`sweep_host_for_plot`'s rows as ``kvoff bench --plot`` draws them without a GPU (idle
-    only, with :data:`HOST_PLOT_NOTE` under the panels); returns the legend labels."""
+    only, with :data:`HOST_PLOT_NOTE` and ``spread_note`` under the panels); returns the legend
+    labels."""
     from kvoff.bench_interference import plot_sweep_rows
 
     device = platform.processor() or platform.machine()
     return plot_sweep_rows(
         rows,
         path,
-        title=f"kvoff host engine vs one memcpy and one copy per page, idle ({device})",
+        title=f"kvoff host engine vs a contiguous memcpy and one copy per page, idle ({device})",
         panel_titles={"store": "stores (KV arrays → host region)", "load": "loads (host region → KV arrays)"},
-        note=HOST_PLOT_NOTE,
+        note=HOST_PLOT_NOTE + (f"\n{spread_note}" if spread_note else ""),
     )
 
 
@@ -739,8 +915,10 @@ def _verify(torch: Any, h: Any, gids: list[int], cids: list[int]) -> None:
 
 
 def format_transfer_rows(rows: list[dict[str, Any]]) -> str:
+    """The transfer rows as a table, then what the reference is and what was verified."""
     if not rows:
         return "no transfer results"
+    host = all(r["direction"] in HOST_DIRS for r in rows)
     lines = [
         f"scattered block transfers (docs/performance.md scenarios, scaled): {rows[0]['device']}, kvoff {kvoff.__version__}",
         (
@@ -756,4 +934,18 @@ def format_transfer_rows(rows: list[dict[str, Any]]) -> str:
             f"{r['direction']:<9}{r['gb_s']:>8.2f}{r['wall_gb_s']:>10.2f}{r['contiguous_gb_s']:>12.2f}"
             f"{r['ratio'] * 100:>6.0f}%"
         )
+    if host:
+        threads = sorted({r.get("contiguous_threads") or 1 for r in rows})
+        lines.append(HOST_DIRS_NOTE)
+        lines.append(
+            "contig: one contiguous memcpy of the same bytes in host memory, split over the host "
+            f"engine's threads as it splits a job ({'/'.join(map(str, threads))} here); ratio = GB/s / contig"
+        )
+    else:
+        lines.append("contig: one contiguous copy of the same bytes over the link; ratio = GB/s / contig")
+    verified = sum(int(r.get("verified_bytes", 0)) for r in rows)
+    lines.append(
+        f"verified: the last job of each of the {len(rows)} rows compared byte for byte with its "
+        f"source, {verified / 2**20:,.0f} MiB in all: all equal"
+    )
     return "\n".join(lines)

@@ -630,6 +630,7 @@ def sweep_for_plot(
     import torch
 
     import kvoff
+    from kvoff.bench import sweep_row_line
 
     if not (torch.cuda.is_available() and kvoff.cuda_available()):
         raise RuntimeError("kvoff bench interference --plot needs a CUDA GPU and torch with CUDA")
@@ -657,7 +658,7 @@ def sweep_for_plot(
                         )
                         row[f"{kind}_gb_s"] = near["gb_s"]
                     rows.append(row)
-                    say(row)
+                    say(sweep_row_line(row))
             finally:
                 h.shutdown()
         del kv
@@ -669,7 +670,7 @@ def sweep_for_plot(
             for kind in ("gemm", "mem"):
                 row[f"{kind}_gb_s"] = _contig_phase(torch, nbytes, d, seconds, comp, kind)
             rows.append(row)
-            say(row)
+            say(sweep_row_line(row))
     return rows
 
 
@@ -682,7 +683,9 @@ def plot_sweep_rows(
 ) -> list[str]:
     """One panel per direction: GB/s against page size, one colour per method, solid idle, dashed
     beside the GEMM and dotted beside the memory-bound kernel (each drawn where the rows have it:
-    ``{kind}_gb_s``). ``note``: a line under the panels. Returns the legend labels, in order."""
+    ``{kind}_gb_s``), with a band from ``{kind}_gb_s_min`` to ``_max`` where the rows have them
+    (repeated sweeps, :func:`kvoff.bench.repeat_sweeps`). ``note``: lines under the panels. Returns
+    the legend labels, in order."""
     from kvoff.demo import require_matplotlib
 
     require_matplotlib()
@@ -696,7 +699,8 @@ def plot_sweep_rows(
     methods = list(dict.fromkeys(r["method"] for r in rows))
     drawn = [k for k, *_ in PLOT_PROXIES if all(r.get(f"{k}_gb_s") is not None for r in rows)]
     # One legend under the panels, a row per method: room for it (and the note) below the axes.
-    below = 0.15 + 0.22 * len(methods) + (0.3 if note else 0.0)
+    note_h = 0.25 * (note.count("\n") + 1) + 0.05 if note else 0.0
+    below = 0.15 + 0.22 * len(methods) + note_h
     height = 4.2 + below
     fig, axes = plt.subplots(1, max(1, len(dirs)), figsize=(6.5 * max(1, len(dirs)), height), squeeze=False)
     handles: dict[str, Any] = {}
@@ -715,6 +719,10 @@ def plot_sweep_rows(
                 label = f"{m}, {what}"
                 (line,) = ax.plot(xs, ys, marker=marker, ls=ls, color=f"C{i}", label=label)
                 handles.setdefault(label, line)
+                lo = [r.get(f"{kind}_gb_s_min") for r in mine]
+                hi = [r.get(f"{kind}_gb_s_max") for r in mine]
+                if all(v is not None for v in lo + hi):
+                    ax.fill_between(xs, lo, hi, color=f"C{i}", alpha=0.18, linewidth=0)
         ticks = sorted({r["page_kib"] << 10 for r in rows})
         ax.set_xscale("log", base=2)
         ax.set_xticks(ticks)
@@ -729,14 +737,14 @@ def plot_sweep_rows(
         list(handles.values()),
         labels,
         loc="lower center",
-        bbox_to_anchor=(0.5, (0.3 if note else 0.0) / height),
+        bbox_to_anchor=(0.5, note_h / height),
         ncol=max(1, len(drawn)),
         fontsize=8,
         frameon=False,
     )
     fig.suptitle(title or "kvoff transfers: idle, beside a GEMM and beside a memory-bound kernel")
     if note:
-        fig.text(0.5, 0.08 / height, note, ha="center", va="bottom", fontsize=9, style="italic")
+        fig.text(0.5, 0.06 / height, note, ha="center", va="bottom", fontsize=9, style="italic", wrap=True)
     fig.tight_layout(rect=(0.0, below / height, 1.0, 1.0))
     fig.savefig(path, dpi=120)
     plt.close(fig)
@@ -744,15 +752,19 @@ def plot_sweep_rows(
 
 
 def format_sweep_rows(rows: list[dict[str, Any]]) -> str:
-    """The sweep's rows as a table; the beside-compute columns only where some row has them."""
+    """The sweep's rows as a table; the beside-compute columns only where some row has them, the
+    idle figure's min-max over repeated sweeps where the rows have it."""
     beside = [
         (k, h)
         for k, h in (("gemm", "beside GEMM"), ("mem", "beside mem"))
         if any(f"{k}_gb_s" in r for r in rows)
     ]
     width = max([16] + [len(str(r["method"])) + 2 for r in rows])
+    spread = all("idle_gb_s_min" in r for r in rows)
     lines = [
-        f"{'page':>8} {'dir':<6}{'method':<{width}}{'idle GB/s':>10}" + "".join(f"{h:>12}" for _, h in beside)
+        f"{'page':>8} {'dir':<6}{'method':<{width}}{'idle GB/s':>10}"
+        + (f"{'min-max':>14}" if spread else "")
+        + "".join(f"{h:>12}" for _, h in beside)
     ]
     for r in rows:
         p = r["page_kib"]
@@ -760,5 +772,10 @@ def format_sweep_rows(rows: list[dict[str, Any]]) -> str:
         cells = "".join(
             f"{'-':>12}" if r.get(f"{k}_gb_s") is None else f"{r[f'{k}_gb_s']:>12.1f}" for k, _ in beside
         )
-        lines.append(f"{ps:>8} {r['dir']:<6}{r['method']:<{width}}{r['idle_gb_s']:>10.1f}{cells}")
+        mm = f"{r['idle_gb_s_min']:.1f}-{r['idle_gb_s_max']:.1f}" if spread else ""
+        lines.append(
+            f"{ps:>8} {r['dir']:<6}{r['method']:<{width}}{r['idle_gb_s']:>10.1f}"
+            + (f"{mm:>14}" if spread else "")
+            + cells
+        )
     return "\n".join(lines)

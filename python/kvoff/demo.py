@@ -142,7 +142,9 @@ def _torch() -> Any:
     try:
         import torch
     except ImportError as e:  # pragma: no cover - torch is installed where the demo runs
-        raise ImportError("kvoff demo needs torch: pip install 'kvoff[torch]'") from e
+        raise ImportError(
+            "kvoff demo needs torch: pip install torch (or, in a kvoff checkout: pip install '.[torch]')"
+        ) from e
     return torch
 
 
@@ -408,10 +410,13 @@ def format_result(r: DemoResult) -> str:
             f"{r.already_on_host}, rejected (host full) {r.store_rejected}"
         ),
     ]
-    for d, label in (("GPU_to_CPU", "stores GPU->CPU"), ("CPU_to_GPU", "loads  CPU->GPU")):
+    # Without a GPU the "GPU" pool is host memory too: the labels say what moves where.
+    on_gpu = r.device.startswith("cuda")
+    labels = ("stores GPU->CPU", "loads  CPU->GPU") if on_gpu else ("stores pool->host", "loads  host->pool")
+    for d, label in zip(("GPU_to_CPU", "CPU_to_GPU"), labels):
         t = r.transfers.get(d, {})
         lines.append(
-            f"  {label}      {_mib(t.get('bytes', 0)):>11} in {t.get('transfers', 0):>4} transfers, "
+            f"  {label:<17}    {_mib(t.get('bytes', 0)):>11} in {t.get('transfers', 0):>4} transfers, "
             f"{t.get('seconds', 0.0):7.3f} s  -> {t.get('gb_per_s', 0.0):6.2f} GB/s (engine-timed)"
         )
     verdict = "OK" if r.verified else "FAILED"

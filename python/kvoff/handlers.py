@@ -57,7 +57,10 @@ def _torch() -> Any:
     try:
         import torch
     except ImportError as e:  # pragma: no cover - torch is installed in the test environments
-        raise ImportError("kvoff's transfer handlers need torch: pip install 'kvoff[torch]'") from e
+        raise ImportError(
+            "kvoff's transfer handlers need torch: pip install torch "
+            "(or, in a kvoff checkout: pip install '.[torch]')"
+        ) from e
     return torch
 
 
@@ -340,8 +343,8 @@ class CpuGpuOffloadingHandlers:
             model work was seen for 100 ms (the GPU is idle), it takes the fastest method. The
             model is "seen" when the stream a job is ordered after (the caller's current stream,
             in vLLM the model's) or one of ``compute_streams`` has unfinished work at a submit.
-            ``None``: the idle-GPU policy always (fastest method, may slow a model running beside
-            it by 10–200%; BENCHMARKS.md).
+            ``None``: the idle-GPU policy always (fastest method; beside a model on an H100 it cost
+            a GEMM up to 14% and a memory-bound kernel up to 30%; docs/performance.md).
         compute_streams: torch CUDA streams of the KV caches' device on which the model computes,
             watched besides each job's ordering stream (needed when transfers are submitted from a
             thread whose current stream is not the model's); the handlers keep the stream objects

@@ -16,7 +16,7 @@ service registers in its own registry, or over a standalone HTTP endpoint.
     server.close()
 
 The collector, the server and ``prometheus_text()`` need ``prometheus_client`` (``pip install
-'kvoff[prometheus]'``): the exposition is prometheus_client's own; without it they raise
+prometheus_client``, or ``pip install '.[prometheus]'`` in a kvoff checkout): the exposition is prometheus_client's own; without it they raise
 ``ImportError`` saying so, and everything else here (observing, ``snapshot()``) works.
 
 Families (``prefix="kvoff"``), each ``offload_*`` one with the label
@@ -84,7 +84,7 @@ SIZE_BUCKETS_BYTES: tuple[float, ...] = (1e6, 5e6, 10e6, 20e6, 40e6, 60e6, 80e6,
 #: Label values of ``transfer_type``, in the order they are written.
 DIRECTIONS: tuple[str, str] = ("CPU_to_GPU", "GPU_to_CPU")
 
-#: The install extra that brings ``prometheus_client``: ``pip install 'kvoff[prometheus]'``.
+#: The install extra that brings ``prometheus_client``: ``pip install '.[prometheus]'`` in a checkout.
 PROMETHEUS_EXTRA = "prometheus"
 
 _LABEL_NAME = re.compile(r"[a-zA-Z_][a-zA-Z0-9_]*\Z")
@@ -100,7 +100,7 @@ def _prometheus_client() -> Any:
     except ImportError as e:
         raise ImportError(
             "kvoff's Prometheus collector and metrics server need prometheus_client, which is not "
-            f"installed: pip install 'kvoff[{PROMETHEUS_EXTRA}]' (or pip install prometheus_client)"
+            f"installed: pip install prometheus_client (or, in a kvoff checkout: pip install '.[{PROMETHEUS_EXTRA}]')"
         ) from e
     return prometheus_client
 
@@ -384,7 +384,7 @@ class TransferMetrics:
         ``TransferMetricsCollector(self, prefix=prefix)`` (``prometheus_client.generate_latest``).
 
         Raises:
-            ImportError: prometheus_client is not installed (``pip install 'kvoff[prometheus]'``).
+            ImportError: prometheus_client is not installed (``pip install prometheus_client``).
         """
         _check_prefix(prefix)
         pc = _prometheus_client()
@@ -418,7 +418,7 @@ class TransferMetricsCollector:
         prefix: the family name prefix (``"kvoff"``).
 
     Raises:
-        ImportError: prometheus_client is not installed (``pip install 'kvoff[prometheus]'``).
+        ImportError: prometheus_client is not installed (``pip install prometheus_client``).
     """
 
     def __init__(
@@ -588,7 +588,7 @@ def serve_metrics(
     as a context manager).
 
     Raises:
-        ImportError: prometheus_client is not installed (``pip install 'kvoff[prometheus]'``).
+        ImportError: prometheus_client is not installed (``pip install prometheus_client``).
         OSError: the address cannot be bound.
     """
     if not isinstance(metrics, (TransferMetrics, TransferMetricsCollector)):

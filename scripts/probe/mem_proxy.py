@@ -1,3 +1,4 @@
+# requires: torch and a CUDA GPU (a probe run by hand on a GPU machine; not part of the kvoff package)
 """Probe: what does the memory-bound proxy of the interference benchmarks compete with?
 
 The driver's device-to-device copy (``y.copy_(x)``, ``cuMemcpyDtoDAsync``) against an SM kernel

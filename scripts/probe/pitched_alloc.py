@@ -1,3 +1,4 @@
+# requires: cupy, torch and a CUDA GPU (a probe run by hand on a GPU machine; not part of the kvoff package)
 """Probe: does a pitched copy (cudaMemcpy2DAsync) whose rows lie in *different* allocations run
 as fast as one whose rows lie in one allocation?
 

@@ -576,7 +576,8 @@ def test_without_prometheus_client():
     out = json.loads(p.stdout)
     assert out["snapshot_bytes"] == 350_000_000
     for key in ("text", "collector", "kvoff.collector", "server"):
-        assert out[key] is not None and "pip install 'kvoff[prometheus]'" in out[key], out
+        assert out[key] is not None and "pip install prometheus_client" in out[key], out
+        assert "pip install '.[prometheus]'" in out[key] and "kvoff[" not in out[key]
         assert "prometheus_client" in out[key]
 
 
