@@ -1,4 +1,4 @@
-"""The ``kvoff`` command line: ``kvoff bench [managers|transfers|disk|interference]`` (no subcommand:
+"""The ``kvoff`` command line: ``kvoff bench [managers|transfers|disk|interference|serve]`` (no subcommand:
 managers and transfers; ``--plot FILE``: also a page-size sweep plot) and ``kvoff demo`` (a
 simulated serving loop offloading a model-shaped KV cache).
 
@@ -18,6 +18,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from kvoff._cli_args import Parser, UsageError, float_range, int_list, int_range, usage_exit
+from kvoff.bench_serve import SERVE_HELP, add_serve_options, serve_main
 
 # ---------------------------------------------------------------------------------------------
 # Allowed ranges of the numeric options (one place, shared by the subcommands)
@@ -581,6 +582,8 @@ def _bench_commands() -> list[Command]:
             _interference_cmd,
             _bench_interference,
         ),
+        # Its options and one-line checks live in kvoff.bench_serve (standard library only at import).
+        Command("serve", SERVE_HELP, add_serve_options, serve_main),
     ]
 
 
