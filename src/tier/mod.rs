@@ -89,6 +89,7 @@ pub mod bench;
 mod format;
 #[allow(unsafe_code)]
 mod io;
+pub mod secondary;
 pub mod tiered;
 
 use std::collections::{BTreeMap, HashMap, VecDeque};
