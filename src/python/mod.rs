@@ -7,9 +7,10 @@
 //!
 //! Modules by concept: [`args`] (argument conversion), [`functions`] (sizing, expansion),
 //! [`region`] (host regions), [`handler`] (the transfer handler and engine choice), [`manager`]
-//! and [`keys`] (scheduler side), [`tier`] (the file tier).
+//! and [`keys`] (scheduler side), [`tier`] (the file tier), [`chain`] (the tier chain with the remote tier).
 
 mod args;
+mod chain;
 mod enter;
 mod errors;
 mod functions;
@@ -31,5 +32,6 @@ fn _native(m: &Bound<'_, PyModule>) -> PyResult<()> {
     region::register(m)?;
     handler::register(m)?;
     tier::register(m)?;
+    chain::register(m)?;
     Ok(())
 }

@@ -1115,6 +1115,37 @@ impl SecondaryTier for RemoteTier {
             last_error: st.last_error.clone(),
         }
     }
+
+    fn extra_stats(&self) -> Vec<(&'static str, u64)> {
+        let (present, absent, staged) = self.index_gauges();
+        let st = lock(&self.shared.state);
+        let down = st.down_until.is_some_and(|t| Instant::now() < t);
+        vec![
+            ("known_present", present),
+            ("known_absent", absent),
+            ("staged_bytes", staged),
+            ("inflight_bytes", st.inflight_bytes),
+            ("up", u64::from(!down)),
+        ]
+    }
+}
+
+impl RemoteTier {
+    /// Gauges of the index (for metrics): keys known present, remembered misses, staged bytes.
+    fn index_gauges(&self) -> (u64, u64, u64) {
+        let st = lock(&self.shared.state);
+        let now = Instant::now();
+        let mut present = 0;
+        let mut absent = 0;
+        for e in st.index.values() {
+            match e {
+                Entry::Present { until, value } if value.is_some() || *until > now => present += 1,
+                Entry::Absent { until } if *until > now => absent += 1,
+                _ => {}
+            }
+        }
+        (present, absent, st.staged_bytes)
+    }
 }
 
 impl Drop for RemoteTier {

@@ -124,6 +124,12 @@ pub trait SecondaryTier: Send + std::fmt::Debug {
 
     /// Counters and gauges.
     fn counters(&self) -> SecondaryCounters;
+
+    /// Tier-specific gauges and counters beyond [`SecondaryCounters`], as `(name, value)` (the
+    /// metrics prefix them with [`SecondaryTier::kind`]). The default has none.
+    fn extra_stats(&self) -> Vec<(&'static str, u64)> {
+        Vec::new()
+    }
 }
 
 impl SecondaryTier for FileTier {
@@ -191,6 +197,17 @@ impl SecondaryTier for FileTier {
             queued_writes: s.queued_writes,
             last_error: s.last_error,
         }
+    }
+
+    fn extra_stats(&self) -> Vec<(&'static str, u64)> {
+        let s = self.stats();
+        vec![
+            ("evicted_files", s.evicted_files),
+            ("indexed_files", s.indexed_files),
+            ("own_files", s.own_files),
+            ("own_bytes", s.own_bytes),
+            ("direct_io", u64::from(s.direct_io)),
+        ]
     }
 }
 
