@@ -10,6 +10,7 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 source scripts/envs.sh
+source scripts/redis.sh
 
 step() { printf '\n== %s == (%s)\n' "$*" "$(date +%H:%M:%S)"; }
 T0=$(date +%s)
@@ -23,6 +24,9 @@ step "cargo clippy (python feature)"
 cargo clippy --all-targets --locked --features python -- -D warnings
 step "cargo test"
 cargo test --locked
+
+step "redis-server (Debian) for the remote tier's tests"
+ensure_redis
 
 step "python environments"
 python3 -m pip "${PIP_FLAGS[@]}" install maturin
