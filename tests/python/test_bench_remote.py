@@ -10,7 +10,6 @@ import json
 
 import pytest
 import redis_servers as rs
-
 from kvoff import bench_remote as br
 from kvoff.cli import main
 
