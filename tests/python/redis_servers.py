@@ -921,3 +921,26 @@ def cluster(masters: int = 3, replicas: int = 0, **kw: object) -> Iterator[Redis
         yield c.start()
     finally:
         c.close()
+
+
+def open_fds(pid: int | None = None) -> int:
+    """Open file descriptors of a process (default: this one), for "no fd growth" checks."""
+    return len(os.listdir(f"/proc/{pid or os.getpid()}/fd"))
+
+
+def thread_count(pid: int | None = None) -> int:
+    """Threads of a process (default: this one; native threads included), for "no thread growth"
+    checks."""
+    return len(os.listdir(f"/proc/{pid or os.getpid()}/task"))
+
+
+def rss_bytes(pid: int | None = None) -> int:
+    """Resident memory of a process (default: this one), for "no memory growth" checks."""
+    with open(f"/proc/{pid or os.getpid()}/statm") as f:
+        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+
+
+def client_connections(srv: RedisServer) -> int:
+    """Clients connected to ``srv`` now (``INFO clients``), for connection-leak checks; the
+    ``redis-cli`` asking counts itself, so this is one less than the server's figure."""
+    return int(srv.info("clients")["connected_clients"]) - 1

@@ -275,3 +275,12 @@ def test_servers_die_with_a_sigkilled_test_process(tmp_path: rs.Path) -> None:
     while _alive(pid) and time.monotonic() < deadline:
         time.sleep(0.05)
     assert not _alive(pid), f"redis-server {pid} outlived its SIGKILLed parent"
+
+
+def test_resource_probes(redis_server: rs.RedisServer) -> None:
+    assert rs.open_fds() > 2 and rs.thread_count() >= 1 and rs.rss_bytes() > 1 << 20
+    before = rs.client_connections(redis_server)
+    with socket.create_connection(("127.0.0.1", redis_server.port)) as c:
+        c.sendall(b"PING\r\n")
+        c.recv(64)
+        assert rs.client_connections(redis_server) == before + 1
