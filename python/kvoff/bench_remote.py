@@ -55,7 +55,7 @@ MiB = 1 << 20
 KiB = 1 << 10
 #: Value sizes measured by default: a 2 MiB block (Llama-3-8B, 16 tokens, bf16) and a 32 KiB one.
 DEFAULT_SIZES = (2 * MiB, 32 * KiB)
-#: Bytes each redis-benchmark run moves per operation (runs are at least 8 × clients × pipeline ops).
+#: Bytes each redis-benchmark run moves per operation (runs are at least 2 × clients × pipeline ops).
 DEFAULT_RUN_BYTES = 1 << 30
 
 
@@ -150,7 +150,7 @@ def redis_benchmark_best(
     best: dict[str, dict[str, Any]] = {}
     for p in pipelines:
         for c in clients:
-            n = max(8 * c * p, run_bytes // value_bytes, 16)
+            n = max(2 * c * p, run_bytes // value_bytes, 16)
             cmd = [exe, *t.tool_args(), "-t", "set,get", "-d", str(value_bytes), "-n", str(n)]
             cmd += ["-P", str(p), "-c", str(c), "--csv"]
             if cluster:
