@@ -85,10 +85,14 @@ class RedisTarget:
             db=int(path) if path else 0,
         )
 
-    def tool_args(self) -> list[str]:
-        """Options of ``redis-cli`` / ``redis-benchmark`` that reach this server. The password
-        travels in ``REDISCLI_AUTH`` (:meth:`tool_env`), never on a command line."""
+    def tool_args(self, benchmark: bool = False) -> list[str]:
+        """Options of ``redis-cli`` (or, with ``benchmark``, ``redis-benchmark``) that reach this
+        server. For redis-cli the password travels in ``REDISCLI_AUTH`` (:meth:`tool_env`);
+        redis-benchmark reads no environment variable, so it gets ``-a`` (its command line is
+        never printed or put into an error)."""
         a = ["-h", self.host, "-p", str(self.port)]
+        if benchmark and self.password:
+            a += ["-a", self.password]
         if self.username:
             a += ["--user", self.username]
         if self.tls:
@@ -151,7 +155,7 @@ def redis_benchmark_best(
     for p in pipelines:
         for c in clients:
             n = max(2 * c * p, run_bytes // value_bytes, 16)
-            cmd = [exe, *t.tool_args(), "-t", "set,get", "-d", str(value_bytes), "-n", str(n)]
+            cmd = [exe, *t.tool_args(benchmark=True), "-t", "set,get", "-d", str(value_bytes), "-n", str(n)]
             cmd += ["-P", str(p), "-c", str(c), "--csv"]
             if cluster:
                 cmd.append("--cluster")
