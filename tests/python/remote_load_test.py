@@ -153,6 +153,8 @@ def engine_main(args: argparse.Namespace) -> int:
                 idx = {k: i for i, k in enumerate(keys)}
                 for k, b in zip(out.keys_to_store, out.store_spec.block_ids):
                     view[int(b)] = content(p, idx[k])
+                    if args.engine == args.wrong_engine:  # the script's self-check (see --wrong-engine)
+                        view[int(b)][100] ^= 0xFF
                 m.complete_store(out.keys_to_store)
             counts["computed"] += len(rest)
     wall = time.perf_counter() - t0
@@ -221,7 +223,12 @@ def run(args: argparse.Namespace) -> int:
             cmd += ["--requests", str(args.requests), "--prefixes", str(args.prefixes)]
             cmd += ["--blocks-per-prefix", str(args.blocks_per_prefix), "--block-kib", str(args.block_kib)]
             cmd += ["--host-blocks", str(args.host_blocks), "--zipf", str(args.zipf)]
-            cmd += ["--pending-timeout-s", str(args.pending_timeout_s)]
+            cmd += [
+                "--pending-timeout-s",
+                str(args.pending_timeout_s),
+                "--wrong-engine",
+                str(args.wrong_engine),
+            ]
             if args.backend == "disk":
                 cmd += ["--disk", args.disk]
             else:
@@ -309,6 +316,14 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--zipf", type=float, default=1.0, help="popularity exponent of the prefixes")
     ap.add_argument("--pending-timeout-s", dest="pending_timeout_s", type=float, default=5.0)
     ap.add_argument("--timeout-s", dest="timeout_s", type=float, default=600.0)
+    ap.add_argument(
+        "--wrong-engine",
+        dest="wrong_engine",
+        type=int,
+        default=-1,
+        help="self-check of this script: that engine stores blocks with a wrong byte, which the "
+        "others must detect when served them (the run then fails)",
+    )
     ap.add_argument("--engine-worker", dest="engine", type=int, default=None, help=argparse.SUPPRESS)
     ap.add_argument("--start-at", dest="start_at", type=float, default=0.0, help=argparse.SUPPRESS)
     ap.add_argument("--disk", default=None, help=argparse.SUPPRESS)

@@ -42,6 +42,16 @@ def test_load_script_over_shared_files() -> None:
     assert res["tier_read_bytes"] > 0 and res["tier_written_bytes"] > 0, res
 
 
+def test_load_script_detects_wrong_bytes() -> None:
+    # An engine that stores wrong bytes (valid to the tier: its checksum covers them) is caught by
+    # the others' byte checks, and the run fails.
+    rc, res, err = _run(
+        "--backend", "disk", "--engines", "3", "--requests", "40", "--block-kib", "64", "--wrong-engine", "0"
+    )
+    assert rc == 1 and res is not None, err
+    assert res["wrong"] > 0 and res["failures"] == [], res
+
+
 def test_eight_engines_against_a_three_master_cluster(redis_cluster: rs.RedisCluster) -> None:
     rc, res, err = _run("--url", redis_cluster.url, "--cluster", "--engines", "8", "--requests", "60")
     if rc == 77:
