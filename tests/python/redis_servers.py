@@ -121,12 +121,12 @@ _PORTS_GIVEN: set[int] = set()
 
 def free_port(bus: bool = False) -> int:
     """A free loopback port (and with ``bus``, one whose Cluster bus port, ``port + 10000``, is free
-    too). Ports are drawn at random from 20000-45000 (below the usual ephemeral range, so that a
-    client's outgoing port cannot take a server's between the draw and the bind), never twice per
-    process."""
+    too). Ports are drawn at random from 10000-22000, bus ports 20000-32000 (below Linux's
+    ephemeral range, 32768-60999 by default, so that a client's outgoing port cannot take a
+    server's between the draw and the bind), never twice per process."""
     rng = random.Random()
     for _ in range(1000):
-        p = rng.randrange(20000, 45000)
+        p = rng.randrange(10000, 22000)
         if p in _PORTS_GIVEN or (p + 10000) in _PORTS_GIVEN:
             continue
         if _port_free(p) and (not bus or _port_free(p + 10000)):
@@ -225,6 +225,10 @@ class RedisServer:
         self.binary = b
         self.cluster = cluster
         self.port = port if port is not None else free_port(bus=cluster)
+        # A port drawn here may be taken by another process before the server binds it: start()
+        # then draws another, until the server has run once (restarts keep the port).
+        self._may_move = port is None and announce_port is None
+        self.starts = 0
         self.persistence = persistence
         self.password = password
         self.acl_users = dict(acl_users or {})
@@ -314,10 +318,15 @@ class RedisServer:
         deadline = time.monotonic() + timeout_s
         while time.monotonic() < deadline:
             if self.proc.poll() is not None:
+                if self._may_move and self.starts == 0 and "Address already in use" in self.log_tail():
+                    self.port = free_port(bus=self.cluster)
+                    self.log_path.unlink(missing_ok=True)
+                    return self.start(timeout_s)
                 raise RuntimeError(
                     f"{self.name} on port {self.port} exited with {self.proc.returncode}; log:\n{self.log_tail()}"
                 )
             if self.ping():
+                self.starts += 1
                 return self
             time.sleep(0.05)
         self.stop()
