@@ -214,7 +214,8 @@ def redis_py_pipelined(
     (no MULTI), then GET them back the same way, ``reps`` times; the median GB/s per direction.
     Every value read back is compared with what was written.
 
-    Returns ``{"set_gb_s", "get_gb_s", "pipeline", "blocks", "verified", "redis_py"}``.
+    Returns ``{"set_gb_s", "get_gb_s", "pipeline", "blocks", "verified", "redis_py", "hiredis"}``
+    (``hiredis``: whether redis-py parsed replies with the hiredis C extension).
 
     Raises:
         ImportError: redis-py is not installed (``pip install redis``).
@@ -267,6 +268,7 @@ def redis_py_pipelined(
         "blocks": len(data),
         "verified": verified,
         "redis_py": str(getattr(redis, "__version__", "?")),
+        "hiredis": bool(getattr(importlib.import_module("redis.utils"), "HIREDIS_AVAILABLE", False)),
     }
 
 
@@ -452,7 +454,7 @@ def format_remote(res: dict[str, Any]) -> str:
         )
         rp = row["redis_py"]
         if rp is not None:
-            what = f"redis-py pipelined ({rp['pipeline']}/batch)"
+            what = f"redis-py {rp['redis_py']} pipelined ({rp['pipeline']}/batch{', hiredis' if rp['hiredis'] else ''})"
             ok = "" if rp["verified"] else "   NOT VERIFIED"
             lines.append(f"{v:>8} {what:<34} {rp['set_gb_s']:>10.2f} {rp['get_gb_s']:>10.2f}{ok}")
         else:
