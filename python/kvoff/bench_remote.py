@@ -398,6 +398,7 @@ def bench_remote(
             "private_server": control is not None,
             "cluster": cluster,
             "cpus": os.cpu_count(),
+            "loadavg_start": os.getloadavg()[0],
             "sizes": [],
         }
         for size in sizes:
@@ -430,6 +431,7 @@ def bench_remote(
                     "load_vs_redis_py": (k["get_gb_s"] / rp["get_gb_s"]) if rp else None,
                 }
             out["sizes"].append(row)
+        out["loadavg_end"] = os.getloadavg()[0]
         return out
 
 
@@ -442,7 +444,10 @@ def format_remote(res: dict[str, Any]) -> str:
     head = (
         f"kvoff bench remote: {res['server']} ({'private server' if res['private_server'] else 'given URL'}"
     )
-    lines = [head + f"{', cluster' if res['cluster'] else ''}; {res['cpus']} CPUs), GB/s of values"]
+    load = ""
+    if "loadavg_start" in res:  # other work on the machine shares the cores with the server
+        load = f", load average {res['loadavg_start']:.1f} -> {res.get('loadavg_end', 0.0):.1f}"
+    lines = [head + f"{', cluster' if res['cluster'] else ''}; {res['cpus']} CPUs{load}), GB/s of values"]
     lines.append(f"{'value':>8} {'what':<34} {'SET/store':>10} {'GET/load':>10}")
     for row in res["sizes"]:
         v = _size(row["value_bytes"])
