@@ -647,6 +647,30 @@ class RedisCluster:
                     return next(n for n in self.nodes if port in (n.port, n.client_port))
         raise RuntimeError(f"no master serves slot {slot}")
 
+    def wait_replicated(self, timeout_s: float = 30.0) -> None:
+        """Wait until every running master's replicas have acknowledged all of its writes
+        (``INFO replication``: each replica's ``offset`` equals ``master_repl_offset``). Unlike
+        ``WAIT``, which counts only its own connection's writes, this covers every client's."""
+        deadline = time.monotonic() + timeout_s
+        while True:
+            behind = []
+            for m in self.masters():
+                rep = m.info("replication")
+                target = int(rep.get("master_repl_offset", "0"))
+                n = int(rep.get("connected_slaves", "0"))
+                offs = [
+                    int(dict(kv.split("=", 1) for kv in rep[f"slave{i}"].split(","))["offset"])
+                    for i in range(n)
+                    if f"slave{i}" in rep
+                ]
+                if n < self.replicas_n or any(o < target for o in offs):
+                    behind.append((m.port, target, offs))
+            if not behind:
+                return
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"replicas behind after {timeout_s}s: {behind}")
+            time.sleep(0.05)
+
     def node_id(self, node: RedisServer) -> str:
         """The node's Cluster id (``CLUSTER MYID``)."""
         return node.cli("CLUSTER", "MYID")
