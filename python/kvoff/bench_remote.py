@@ -36,7 +36,7 @@ import time
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
-from urllib.parse import unquote, urlsplit
+from urllib.parse import quote, unquote, urlsplit
 
 __all__ = [
     "DEFAULT_SIZES",
@@ -72,16 +72,20 @@ class RedisTarget:
 
     @classmethod
     def from_url(cls, url: str) -> RedisTarget:
+        """``redis://``, ``rediss://`` or a Cluster's ``redis+cluster://host:port[,host:port]``
+        (``rediss+cluster://``; the first seed node)."""
         u = urlsplit(url)
-        if u.scheme not in ("redis", "rediss"):
-            raise ValueError(f"not a redis:// or rediss:// URL: scheme {u.scheme!r}")
+        if u.scheme not in ("redis", "rediss", "redis+cluster", "rediss+cluster"):
+            raise ValueError(f"not a redis://, rediss:// or redis+cluster:// URL: scheme {u.scheme!r}")
+        if "," in u.netloc:
+            u = u._replace(netloc=u.netloc.split(",")[0])
         path = u.path.lstrip("/")
         return cls(
             host=u.hostname or "127.0.0.1",
             port=u.port or 6379,
             username=unquote(u.username) if u.username else None,
             password=unquote(u.password) if u.password else None,
-            tls=u.scheme == "rediss",
+            tls=u.scheme.startswith("rediss"),
             db=int(path) if path else 0,
         )
 
@@ -100,6 +104,14 @@ class RedisTarget:
         if self.db:
             a += ["--dbnum", str(self.db)]
         return a
+
+    def url(self) -> str:
+        """A plain ``redis://`` / ``rediss://`` URL of this node (for redis-py)."""
+        auth = ""
+        if self.password:
+            auth = f"{quote(self.username or '', safe='')}:{quote(self.password, safe='')}@"
+        db = f"/{self.db}" if self.db else ""
+        return f"{'rediss' if self.tls else 'redis'}://{auth}{self.host}:{self.port}{db}"
 
     def tool_env(self) -> dict[str, str]:
         env = dict(os.environ)
@@ -221,6 +233,7 @@ def redis_py_pipelined(
         ImportError: redis-py is not installed (``pip install redis``).
     """
     redis = importlib.import_module("redis")
+    url = RedisTarget.from_url(url).url()  # redis-py knows no redis+cluster:// scheme
     data = list(blocks) if blocks is not None else _make_blocks(value_bytes, n_blocks)
     keys = [f"kvoff-bench-ref:{value_bytes}:{i}" for i in range(len(data))]
     if cluster:
@@ -388,6 +401,8 @@ def bench_remote(
     """Every row of ``kvoff bench remote`` (see the module docs): per value size, redis-benchmark's
     best, redis-py pipelined, and kvoff's rows where this build has a remote tier, with kvoff's
     ratios to the references. ``url=None``: a private server (:func:`local_redis`)."""
+    if url is not None and "+cluster" in url.split("://", 1)[0]:
+        cluster = True
     with contextlib.ExitStack() as stack:
         control: ServerControl | None = None
         if url is None:

@@ -27,6 +27,10 @@ def test_url_parsing() -> None:
     assert "p@ss" not in " ".join(t.tool_args())  # the password travels in REDISCLI_AUTH only
     assert t.tool_env()["REDISCLI_AUTH"] == "p@ss"
     assert br.RedisTarget.from_url("redis://h").port == 6379
+    c = br.RedisTarget.from_url("redis+cluster://:pw@10.0.0.1:7000,10.0.0.2:7001")
+    assert (c.host, c.port, c.password, c.tls) == ("10.0.0.1", 7000, "pw", False)
+    assert c.url() == "redis://:pw@10.0.0.1:7000"
+    assert br.RedisTarget.from_url(t.url()) == t
     with pytest.raises(ValueError):
         br.RedisTarget.from_url("http://h:1")
 
