@@ -108,7 +108,8 @@ def engine_main(args: argparse.Namespace) -> int:
         return out
 
     counts = {"asked": 0, "ready_at_once": 0, "after_pending": 0, "computed": 0, "wrong": 0}
-    counts.update({"store_skipped": 0, "pending_timeouts": 0})
+    counts.update({"store_skipped": 0, "pending_timeouts": 0, "fetched_from_others": 0})
+    mine: set[tuple[int, int]] = set()  # blocks this engine computed itself
     lookup_ns: list[int] = []
     # Start together (the parent passes a wall-clock start time).
     delay = args.start_at - time.time()
@@ -135,6 +136,8 @@ def engine_main(args: argparse.Namespace) -> int:
                 counts["pending_timeouts"] += 1
             if r is not True:
                 break
+            if waited and (p, ready) not in mine:
+                counts["fetched_from_others"] += 1
             ready += 1
             counts["after_pending" if waited else "ready_at_once"] += 1
         counts["asked"] += n
@@ -157,6 +160,7 @@ def engine_main(args: argparse.Namespace) -> int:
                         view[int(b)][100] ^= 0xFF
                 m.complete_store(out.keys_to_store)
             counts["computed"] += len(rest)
+            mine.update((p, j) for j in range(ready, n))
     wall = time.perf_counter() - t0
     if hasattr(m, "flush"):
         m.flush()
@@ -275,6 +279,7 @@ def run(args: argparse.Namespace) -> int:
             "blocks_asked": tot.get("asked", 0),
             "hit_rate": served / tot["asked"] if tot.get("asked") else 0.0,
             "served_after_fetch": tot.get("after_pending", 0),
+            "fetched_from_others": tot.get("fetched_from_others", 0),
             "computed": tot.get("computed", 0),
             "wrong": tot.get("wrong", 0),
             "pending_timeouts": tot.get("pending_timeouts", 0),
