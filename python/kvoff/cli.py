@@ -1,4 +1,4 @@
-"""The ``kvoff`` command line: ``kvoff bench [managers|transfers|disk|interference]`` (no subcommand:
+"""The ``kvoff`` command line: ``kvoff bench [managers|transfers|disk|remote|interference]`` (no subcommand:
 managers and transfers; ``--plot FILE``: also a page-size sweep plot) and ``kvoff demo`` (a
 simulated serving loop offloading a model-shaped KV cache)."""
 
@@ -110,6 +110,38 @@ def _bench_disk(args: argparse.Namespace) -> int:
     )
     rows = bench_disk_rows(d, args.blocks, args.reps, args.io_threads, args.direct_io)
     print(json.dumps(rows, indent=2) if args.json else format_disk_rows(rows))
+    return 0
+
+
+def _bench_remote(args: argparse.Namespace) -> int:
+    from kvoff.bench_remote import bench_remote, format_remote
+
+    def sizes(v: str) -> list[int]:
+        out = []
+        for x in v.split(","):
+            x = x.strip().lower()
+            mult = 1 << 20 if x.endswith("mib") else 1 << 10 if x.endswith("kib") else 1
+            out.append(int(x.removesuffix("mib").removesuffix("kib")) * mult)
+        return out
+
+    def ints(v: str) -> list[int]:
+        return [int(x) for x in v.split(",")]
+
+    try:
+        res = bench_remote(
+            args.url,
+            sizes(args.sizes),
+            blocks=args.blocks,
+            reps=args.reps,
+            pipelines=ints(args.pipelines),
+            clients=ints(args.clients),
+            cluster=args.cluster,
+            log=None if args.quiet else (lambda s: print(s, file=sys.stderr, flush=True)),
+        )
+    except (FileNotFoundError, RuntimeError, ValueError) as e:
+        print(f"kvoff bench remote: {e}", file=sys.stderr)
+        return 2
+    print(json.dumps(res, indent=1) if args.json else format_remote(res))
     return 0
 
 
@@ -322,6 +354,26 @@ def main(argv: list[str] | None = None) -> int:
     k.add_argument("--direct-io", dest="direct_io", choices=["auto", "on", "off"], default="auto")
     k.add_argument("--json", action="store_true", help="print rows as JSON")
     k.set_defaults(func=_bench_disk)
+    r = bsub.add_parser(
+        "remote",
+        help="remote tier (Redis/Valkey, docs/tier.md) store/load GB/s vs redis-benchmark's best "
+        "and redis-py pipelined SET/GET of the same value size on the same server",
+    )
+    r.add_argument(
+        "--url",
+        default=None,
+        help="redis:// or rediss:// URL of the server (default: start a private redis-server on "
+        "loopback; needs redis-server and redis-benchmark on PATH)",
+    )
+    r.add_argument("--cluster", action="store_true", help="the URL is a Redis Cluster node")
+    r.add_argument("--sizes", default="2MiB,32KiB", help="value (block) sizes, e.g. 2MiB,32KiB")
+    r.add_argument("--blocks", type=int, default=None, help="blocks per repetition (default ~256 MiB)")
+    r.add_argument("--reps", type=int, default=3, help="repetitions (median reported)")
+    r.add_argument("--pipelines", default="1,4,16", help="redis-benchmark -P values tried")
+    r.add_argument("--clients", default="1,4,16", help="redis-benchmark -c values tried")
+    r.add_argument("--json", action="store_true", help="print the result as JSON")
+    r.add_argument("--quiet", action="store_true", help="no per-run log on stderr")
+    r.set_defaults(func=_bench_remote)
     i = bsub.add_parser(
         "interference",
         help="transfers beside compute on a GPU: model slowdown, GB/s, "
