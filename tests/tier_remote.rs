@@ -738,3 +738,102 @@ fn known_answers_of_the_remote_index() {
     tier.flush();
     assert_eq!(mem.block(1).unwrap(), pattern(0));
 }
+
+/// A 3-master Cluster (`redis-cli --cluster create`): values spread over the masters, a second
+/// engine reads them back byte-exact through slot routing.
+#[test]
+fn cluster_round_trip() {
+    let _g = serial();
+    if !have_redis() {
+        return;
+    }
+    let mut nodes: Vec<Server> = (0..3)
+        .map(|i| {
+            let mut s = Server {
+                port: 0,
+                dir: tmpdir(&format!("cl{i}")),
+                extra: vec![
+                    "--cluster-enabled".into(),
+                    "yes".into(),
+                    "--cluster-node-timeout".into(),
+                    "2000".into(),
+                ],
+                child: None,
+            };
+            // The bus port (port + 10000) must be free too.
+            loop {
+                let p = free_port();
+                if p < 55000 && TcpListener::bind(("127.0.0.1", p + 10000)).is_ok() {
+                    s.port = p;
+                    break;
+                }
+            }
+            s.extra.push("--cluster-config-file".into());
+            s.extra.push(s.dir.join("nodes.conf").display().to_string());
+            s.spawn();
+            s
+        })
+        .collect();
+    let addrs: Vec<String> = nodes
+        .iter()
+        .map(|n| format!("127.0.0.1:{}", n.port))
+        .collect();
+    let out = Command::new("redis-cli")
+        .args(["--cluster", "create"])
+        .args(&addrs)
+        .args(["--cluster-replicas", "0", "--cluster-yes"])
+        .output()
+        .unwrap();
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stdout)
+    );
+    let t0 = Instant::now();
+    while !nodes
+        .iter()
+        .all(|n| n.cli(&["CLUSTER", "INFO"]).contains("cluster_state:ok"))
+    {
+        assert!(t0.elapsed() < Duration::from_secs(30), "cluster not ok");
+        std::thread::sleep(Duration::from_millis(100));
+    }
+    let url = format!("redis+cluster://{}", addrs.join(","));
+    let (mut a, mem) = chain(&url, "cl", 64);
+    store(&mut a, &mem, &(0..40).collect::<Vec<_>>());
+    a.flush();
+    let s = remote_stats(&mut a);
+    assert_eq!(s.tier.writes, 40, "{s:?}");
+    let sizes: Vec<usize> = nodes
+        .iter()
+        .map(|n| n.cli(&["DBSIZE"]).trim().parse().unwrap())
+        .collect();
+    assert_eq!(sizes.iter().sum::<usize>(), 40);
+    assert!(sizes.iter().filter(|&&n| n > 0).count() >= 2, "{sizes:?}");
+    let (mut b, mem_b) = chain(&url, "cl", 64);
+    let ks: Vec<ByteKey> = (0..40).map(key).collect();
+    assert_eq!(settle(&mut b, &ks, Duration::from_secs(10)), 40);
+    check_loaded(&mut b, &mem_b, &(0..40).collect::<Vec<_>>());
+    // One master killed (no replica): its blocks become misses, the others are still served,
+    // lookups never wait.
+    nodes[0].kill();
+    let (mut c, mem_c) = chain(&url, "cl", 64);
+    let t0 = Instant::now();
+    let mut served = 0;
+    for i in 0..40 {
+        let t = Instant::now();
+        let n = settle(&mut c, &[key(i)], Duration::from_secs(10));
+        assert!(t.elapsed() < Duration::from_secs(10));
+        if n == 1 {
+            check_loaded(&mut c, &mem_c, &[i]);
+            served += 1;
+        }
+    }
+    eprintln!(
+        "served {served} of 40 with one of 3 masters down in {:?}",
+        t0.elapsed()
+    );
+    assert!(served <= 40 - sizes[0]);
+    for m in [&mut a, &mut b, &mut c] {
+        m.shutdown();
+    }
+}

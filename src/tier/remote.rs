@@ -422,7 +422,9 @@ impl Shared {
         if conn.is_none() {
             {
                 let mut st = lock(&self.state);
-                if st.down_until.is_some_and(|t| Instant::now() < t) || st.probing {
+                // While the server is down only one thread probes it (after the backoff); the
+                // others fail their jobs at once. Before any failure every thread connects.
+                if st.down_until.is_some_and(|t| Instant::now() < t) || (st.failed && st.probing) {
                     return None;
                 }
                 st.probing = true;
@@ -697,6 +699,9 @@ impl Shared {
                 }
             } else {
                 self.counters.write_errors.fetch_add(1, Relaxed);
+                if let Some(v) = ok.as_ref().and_then(|v| v.get(i)) {
+                    st.last_error = Some(format!("{}: SET answered {v:?}", self.url_redacted));
+                }
                 if matches!(st.index.get(k), Some(Entry::Writing)) {
                     st.index.remove(k);
                 }

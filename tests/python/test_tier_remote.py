@@ -125,7 +125,8 @@ def test_cluster_round_trip(redis_cluster: rs.RedisCluster, engines: Callable[..
     a = engines(redis_cluster.url, ns, remote_cluster=True)  # one seed node
     a.store(list(range(24)))
     a.m.flush()
-    assert a.stats()["remote_writes"] == 24
+    s = a.stats()
+    assert s["remote_writes"] == 24, (s["remote_write_errors"], s["remote_last_error"])
     # The values spread over the masters (hash tags per block, not per prefix).
     sizes = [m.dbsize() for m in redis_cluster.masters()]
     assert sum(1 for n in sizes if n > 0) >= 2, sizes
