@@ -236,7 +236,7 @@ fn parse_url(url: &str, password_env: &str) -> Result<Target> {
 
 enum Conn {
     Single(redis::Connection),
-    Cluster(redis::cluster::ClusterConnection),
+    Cluster(Box<redis::cluster::ClusterConnection>),
 }
 
 impl Conn {
@@ -255,7 +255,7 @@ impl Conn {
             let c = client.get_connection()?;
             c.set_read_timeout(Some(io_timeout))?;
             c.set_write_timeout(Some(io_timeout))?;
-            Ok(Self::Cluster(c))
+            Ok(Self::Cluster(Box::new(c)))
         } else {
             let client = redis::Client::open(t.nodes[0].as_str())?;
             let c = client.get_connection_with_timeout(connect_timeout)?;
