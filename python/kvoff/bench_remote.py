@@ -324,10 +324,146 @@ def kvoff_rows(
     """
     native = importlib.import_module("kvoff._native")
     impl = getattr(native, "bench_remote", None)
-    if impl is None:
+    if impl is not None:
+        return dict(impl(url, value_bytes, n_blocks, reps=reps, cluster=cluster, control=control))
+    if getattr(native, "ChainManagerCore", None) is None:
         return None
-    res = impl(url, value_bytes, n_blocks, reps=reps, cluster=cluster, control=control)
-    return dict(res)
+    return _tier_rows(url, value_bytes, n_blocks, reps=reps, cluster=cluster, control=control)
+
+
+def _p(xs: list[float], q: float) -> float:
+    ys = sorted(xs)
+    return ys[min(len(ys) - 1, int(q * len(ys)))]
+
+
+def _tier_rows(
+    url: str, value_bytes: int, n_blocks: int, *, reps: int, cluster: bool, control: ServerControl | None
+) -> dict[str, Any]:
+    """:func:`kvoff_rows` through ``kvoff.tier.TieredOffloadingManager(remote_url=...)``, the way
+    the vLLM plug-in uses it: each value is ``value_bytes`` (the 4 KiB header + a block of
+    ``value_bytes - 4096``); GB/s count the block (payload) bytes. Store: ``complete_store`` of
+    ``n_blocks`` fresh blocks until the server acknowledged all of them. Load: a second engine with
+    its own host memory calls ``lookup_prefix`` over the keys until all are promoted (batched
+    fetches of 64 keys), every promoted block compared byte for byte. Lookup times are of single
+    ``lookup_prefix`` calls on the calling (scheduler) thread over keys the tier does not know
+    (each call starts a fetch): while the server answers (``up``), while it is stopped with SIGSTOP
+    (``slow``: connections open, no answer; only with ``control``) and at a port where nothing
+    listens (``down``)."""
+    import numpy as np
+
+    import kvoff
+    from kvoff.tier import TieredOffloadingManager
+
+    block = value_bytes - 4096
+    if block <= 0:
+        raise ValueError(f"values of {value_bytes} B cannot hold the 4 KiB header and a block")
+    n = n_blocks
+    base = np.random.default_rng(1).integers(0, 256, block, dtype=np.uint8)
+    kw: dict[str, Any] = {
+        "remote_cluster": cluster,
+        "remote_max_queued_writes": n,
+        "remote_max_inflight_bytes": n * value_bytes,
+        "remote_timeout_s": 2.0,
+    }
+
+    def engine(ns: str, url_: str = url, **more: Any) -> tuple[TieredOffloadingManager, kvoff.HostRegion]:
+        region = kvoff.HostRegion.private(n, block)
+        return TieredOffloadingManager("lru", n, region, remote_url=url_, namespace=ns, **kw, **more), region
+
+    def key(ns: str, i: int) -> bytes:
+        return kvoff.make_offload_key(f"{ns}-{i}".encode(), 0)
+
+    set_gbs, get_gbs, lookups_up, promote_us = [], [], [], []
+    verified = True
+    for rep in range(reps):
+        ns = f"bench-{os.getpid()}-{value_bytes}-{rep}-{time.time_ns()}"
+        keys = [key(ns, i) for i in range(n)]
+        a, ra = engine(ns)
+        b, rb = engine(ns)
+        try:
+            out = a.prepare_store(keys)
+            assert out is not None
+            view = ra.view_numpy(0, 0, block)
+            for i, blk in enumerate(out.store_spec.block_ids):
+                view[int(blk)] = base
+                view[int(blk), :8] = np.frombuffer(i.to_bytes(8, "little"), dtype=np.uint8)
+            t0 = time.perf_counter()
+            a.complete_store(out.keys_to_store)
+            while a.get_stats()["remote_queued_writes"] > 0:
+                time.sleep(0.0002)
+            a.flush()
+            dt = time.perf_counter() - t0
+            st = a.get_stats()
+            if st["remote_writes"] != n:
+                raise RuntimeError(f"only {st['remote_writes']} of {n} values written: {st['remote_last_error']}")
+            set_gbs.append(n * block / dt / 1e9)
+            t0 = time.perf_counter()
+            while True:
+                t = time.perf_counter()
+                got = b.lookup_prefix(keys)
+                lookups_up.append(time.perf_counter() - t)
+                if got == n:
+                    break
+                if time.perf_counter() - t0 > 120:
+                    raise RuntimeError(f"load stalled at {got} of {n}: {b.get_stats()['remote_last_error']}")
+            get_gbs.append(n * block / (time.perf_counter() - t0) / 1e9)
+            spec = b.prepare_load(keys)
+            vb = rb.view_numpy(0, 0, block)
+            for i, blk in enumerate(spec.block_ids):
+                row = vb[int(blk)]
+                verified &= bool(np.array_equal(row[8:], base[8:])) and int.from_bytes(row[:8].tobytes(), "little") == i
+            b.complete_load(keys)
+        finally:
+            a.shutdown()
+            b.shutdown()
+            ra.close()
+            rb.close()
+    # Lookup to promoted, one key at a time (the keys of the last repetition are on the server).
+    c, rc = engine(ns)
+    try:
+        for i in range(0, n, max(1, n // 64)):
+            k = [keys[i]]
+            t0 = time.perf_counter()
+            while c.lookup_prefix(k) != 1:
+                pass
+            promote_us.append((time.perf_counter() - t0) * 1e6)
+    finally:
+        c.shutdown()
+        rc.close()
+
+    def lookup_p99(url_: str, pause: bool) -> float:
+        e, r = engine(f"probe-{time.time_ns()}", url_, remote_connect_timeout_s=0.5, remote_timeout_s=0.5)
+        times: list[float] = []
+        try:
+            if pause and control is not None:
+                control.pause()
+            t_end = time.perf_counter() + 2.0
+            i = 0
+            while time.perf_counter() < t_end:
+                ks = [key("unknown", i + j) for j in range(16)]
+                i += 16
+                t = time.perf_counter()
+                e.lookup_prefix(ks)
+                times.append(time.perf_counter() - t)
+        finally:
+            if pause and control is not None:
+                control.resume()
+            e.shutdown()
+            r.close()
+        return _p(times, 0.99) * 1e6
+
+    dead = f"redis://127.0.0.1:{_free_port()}"
+    return {
+        "set_gb_s": statistics.median(set_gbs),
+        "get_gb_s": statistics.median(get_gbs),
+        "promote_p50_us": _p(promote_us, 0.5),
+        "promote_p99_us": _p(promote_us, 0.99),
+        "lookup_p99_us_up": _p(lookups_up, 0.99) * 1e6,
+        "lookup_p99_us_slow": lookup_p99(url, True) if control is not None else None,
+        "lookup_p99_us_down": lookup_p99(dead, False),
+        "verified": verified,
+        "payload_bytes": block,
+    }
 
 
 def _free_port() -> int:
