@@ -395,7 +395,9 @@ def _tier_rows(
             dt = time.perf_counter() - t0
             st = a.get_stats()
             if st["remote_writes"] != n:
-                raise RuntimeError(f"only {st['remote_writes']} of {n} values written: {st['remote_last_error']}")
+                raise RuntimeError(
+                    f"only {st['remote_writes']} of {n} values written: {st['remote_last_error']}"
+                )
             set_gbs.append(n * block / dt / 1e9)
             t0 = time.perf_counter()
             while True:
@@ -411,7 +413,10 @@ def _tier_rows(
             vb = rb.view_numpy(0, 0, block)
             for i, blk in enumerate(spec.block_ids):
                 row = vb[int(blk)]
-                verified &= bool(np.array_equal(row[8:], base[8:])) and int.from_bytes(row[:8].tobytes(), "little") == i
+                verified &= (
+                    bool(np.array_equal(row[8:], base[8:]))
+                    and int.from_bytes(row[:8].tobytes(), "little") == i
+                )
             b.complete_load(keys)
         finally:
             a.shutdown()

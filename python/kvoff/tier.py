@@ -36,7 +36,6 @@ from collections.abc import Iterable, Sequence
 from typing import Any
 
 from kvoff._names import DirectIoName, PolicyName
-from kvoff.errors import ConfigError, InvalidStateError
 from kvoff._native import (
     ChainManagerCore,
     CPULoadStoreSpec,
@@ -46,6 +45,7 @@ from kvoff._native import (
     TieredManagerCore,
     bench_disk,
 )
+from kvoff.errors import ConfigError, InvalidStateError
 
 __all__ = [
     "DISK_METRICS",
@@ -82,14 +82,23 @@ REMOTE_METRICS: dict[str, tuple[str, str]] = {
     "remote_misses": ("kvoff_remote_misses_total", "keys the server did not hold (or could not be asked)"),
     "remote_promotions": ("kvoff_remote_promotions_total", "values promoted into host memory"),
     "remote_bytes_read": ("kvoff_remote_read_bytes_total", "payload bytes promoted from the server"),
-    "remote_read_seconds": ("kvoff_remote_read_seconds_total", "I/O thread seconds spent fetching and reading"),
+    "remote_read_seconds": (
+        "kvoff_remote_read_seconds_total",
+        "I/O thread seconds spent fetching and reading",
+    ),
     "remote_bytes_written": ("kvoff_remote_written_bytes_total", "payload bytes written to the server"),
     "remote_write_seconds": ("kvoff_remote_write_seconds_total", "I/O thread seconds spent writing"),
     "remote_writes": ("kvoff_remote_writes_total", "values written"),
     "remote_write_errors": ("kvoff_remote_write_errors_total", "writes failed (server error, timeout, down)"),
-    "remote_writes_dropped": ("kvoff_remote_writes_dropped_total", "writes dropped (queue or in-flight bytes full)"),
+    "remote_writes_dropped": (
+        "kvoff_remote_writes_dropped_total",
+        "writes dropped (queue or in-flight bytes full)",
+    ),
     "remote_read_errors": ("kvoff_remote_read_errors_total", "promotions whose value vanished or failed"),
-    "remote_rejected_values": ("kvoff_remote_rejected_values_total", "values rejected by header/checksum (deleted)"),
+    "remote_rejected_values": (
+        "kvoff_remote_rejected_values_total",
+        "values rejected by header/checksum (deleted)",
+    ),
     "remote_fetch_errors": ("kvoff_remote_fetch_errors_total", "fetches failed or skipped (server down)"),
     "remote_reconnects": ("kvoff_remote_reconnects_total", "recoveries after a server failure"),
     "remote_fetches": ("kvoff_remote_fetches_total", "batched fetches started"),
@@ -200,7 +209,9 @@ class TieredOffloadingManager:
         self._core: TieredManagerCore | ChainManagerCore
         if remote_url is None:
             if disk_path is None or disk_bytes_to_use is None:
-                raise ConfigError("TieredOffloadingManager needs disk_path and disk_bytes_to_use, or remote_url")
+                raise ConfigError(
+                    "TieredOffloadingManager needs disk_path and disk_bytes_to_use, or remote_url"
+                )
             self._core = TieredManagerCore(
                 policy,
                 num_blocks,

@@ -17,9 +17,8 @@ from typing import Any
 import kvoff
 import numpy as np
 import pytest
-from kvoff.tier import REMOTE_METRICS, TieredOffloadingManager
-
 import redis_servers as rs
+from kvoff.tier import REMOTE_METRICS, TieredOffloadingManager
 
 BLOCK = 32 * 1024
 NUM = 64
@@ -160,7 +159,9 @@ def test_corrupted_value_not_served(redis_server: rs.RedisServer, engines: Calla
 
 
 def test_password_from_env_never_printed(
-    redis_factory: Callable[..., rs.RedisServer], engines: Callable[..., Engine], monkeypatch: pytest.MonkeyPatch
+    redis_factory: Callable[..., rs.RedisServer],
+    engines: Callable[..., Engine],
+    monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     pw = "pyS3cret-pw"
     srv = redis_factory(password=pw)
@@ -254,7 +255,9 @@ def _timed_lookups(e: Engine, ids: list[int], seconds: float) -> float:
     return worst
 
 
-def test_faults_standalone(redis_factory: Callable[..., rs.RedisServer], engines: Callable[..., Engine]) -> None:
+def test_faults_standalone(
+    redis_factory: Callable[..., rs.RedisServer], engines: Callable[..., Engine]
+) -> None:
     fds0, threads0 = rs.open_fds(), rs.thread_count()
     srv = redis_factory(persistence="rdb")
     a = engines(srv.url, "f", num=128)
@@ -276,7 +279,11 @@ def test_faults_standalone(redis_factory: Callable[..., rs.RedisServer], engines
     # Restarted empty: reconnects; engine B misses (nothing wrong served).
     srv.restart(keep_data=False)
     nxt = iter(range(2000, 3000))
-    _wait(lambda: (a.store([next(nxt)]), a.m.flush(), a.stats()["remote_reconnects"] >= 1)[-1], 15, "no reconnect")
+    _wait(
+        lambda: (a.store([next(nxt)]), a.m.flush(), a.stats()["remote_reconnects"] >= 1)[-1],
+        15,
+        "no reconnect",
+    )
     b = engines(srv.url, "f", num=128)
     assert b.settle([0, 1, 2]) == 0
     # Stored again, saved, SIGKILL mid-load, restarted with its data: B serves it byte-exact.
@@ -334,7 +341,9 @@ def test_stalled_proxy(
     assert a.stats()["remote_reconnects"] >= 1
 
 
-def test_maxmemory_eviction(redis_factory: Callable[..., rs.RedisServer], engines: Callable[..., Engine]) -> None:
+def test_maxmemory_eviction(
+    redis_factory: Callable[..., rs.RedisServer], engines: Callable[..., Engine]
+) -> None:
     srv = redis_factory()
     srv.set_maxmemory(3 << 20, "allkeys-lru")
     a = engines(srv.url, "ev", num=256)
@@ -353,7 +362,9 @@ def test_maxmemory_eviction(redis_factory: Callable[..., rs.RedisServer], engine
     assert b.stats()["remote_rejected_values"] == 0
 
 
-def test_cluster_master_killed(cluster_factory: Callable[..., rs.RedisCluster], engines: Callable[..., Engine]) -> None:
+def test_cluster_master_killed(
+    cluster_factory: Callable[..., rs.RedisCluster], engines: Callable[..., Engine]
+) -> None:
     cl = cluster_factory(masters=3, replicas=1)
     seeds = "redis+cluster://" + ",".join(u.split("://", 1)[1] for u in cl.urls)
     a = engines(seeds, "ck", num=128)

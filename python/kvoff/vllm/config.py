@@ -301,7 +301,9 @@ def _remote_settings(d: Mapping[str, Any], shared: bool | None) -> dict[str, Any
     keys = [k for k in d if k.startswith("remote_") and k != "remote_url" and d[k] is not None]
     if url is None:
         if keys:
-            raise ConfigError(f"kv_connector_extra_config: {sorted(keys)} need 'remote_url' (the server's URL)")
+            raise ConfigError(
+                f"kv_connector_extra_config: {sorted(keys)} need 'remote_url' (the server's URL)"
+            )
         return {}
     schemes = ("redis://", "rediss://", "redis+cluster://", "rediss+cluster://")
     if not isinstance(url, str) or not url.startswith(schemes) or len(url) <= len(url.split("://")[0]) + 3:
@@ -320,7 +322,9 @@ def _remote_settings(d: Mapping[str, Any], shared: bool | None) -> dict[str, Any
         raise ConfigError(f"kv_connector_extra_config['remote_cluster'] must be true/false, got {cluster!r}")
     namespace = d.get("remote_namespace")
     if namespace is not None and not isinstance(namespace, str):
-        raise ConfigError(f"kv_connector_extra_config['remote_namespace'] must be a string, got {namespace!r}")
+        raise ConfigError(
+            f"kv_connector_extra_config['remote_namespace'] must be a string, got {namespace!r}"
+        )
     threshold = _int(d, "remote_store_threshold", 0, 0)
     return {
         "remote_url": url,
