@@ -71,6 +71,9 @@ pub const MAX_VALUE_BYTES: u64 = 64 << 20;
 /// Longest key named by its hex bytes (longer keys are named by their hash).
 const MAX_HEX_KEY: usize = 100;
 
+/// Entries of the in-memory index before it is pruned (see `RemoteTier::expire`).
+const INDEX_CAP: usize = 65_536;
+
 /// Settings of a [`RemoteTier`].
 #[derive(Clone)]
 pub struct RemoteConfig {
@@ -878,9 +881,12 @@ impl RemoteTier {
         std::process::id() != self.shared.pid
     }
 
-    /// Drops expired index entries (bounded work; called from submissions).
+    /// Bounds the index (called from submissions): at [`INDEX_CAP`] entries, expired ones go; if
+    /// more than half remain, every remembered answer without a staged value goes too (those keys
+    /// become `Unknown`: a later lookup fetches them again). So the index stays below the cap and
+    /// the scan's cost is amortised over the insertions that filled it.
     fn expire(st: &mut State, now: Instant) {
-        if st.index.len() < 65_536 {
+        if st.index.len() < INDEX_CAP {
             return;
         }
         let mut freed = 0u64;
@@ -895,6 +901,14 @@ impl RemoteTier {
             }
             _ => true,
         });
+        if st.index.len() > INDEX_CAP / 2 {
+            st.index.retain(|_, e| {
+                matches!(
+                    e,
+                    Entry::Fetching | Entry::Writing | Entry::Present { value: Some(_), .. }
+                )
+            });
+        }
         st.staged_bytes -= freed;
     }
 }
@@ -984,6 +998,7 @@ impl SecondaryTier for RemoteTier {
         }
         let now = Instant::now();
         let mut st = lock(&sh.state);
+        Self::expire(&mut st, now);
         let down = st.down_until.is_some_and(|t| now < t);
         let out = items
             .iter()
