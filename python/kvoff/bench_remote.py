@@ -368,7 +368,9 @@ def _tier_rows(
 
     def engine(ns: str, url_: str = url, **more: Any) -> tuple[TieredOffloadingManager, kvoff.HostRegion]:
         region = kvoff.HostRegion.private(n, block)
-        return TieredOffloadingManager("lru", n, region, remote_url=url_, namespace=ns, **{**kw, **more}), region
+        return TieredOffloadingManager(
+            "lru", n, region, remote_url=url_, namespace=ns, **{**kw, **more}
+        ), region
 
     def key(ns: str, i: int) -> bytes:
         return kvoff.make_offload_key(f"{ns}-{i}".encode(), 0)
