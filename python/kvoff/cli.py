@@ -1,4 +1,4 @@
-"""The ``kvoff`` command line: ``kvoff bench [managers|transfers|disk|interference|serve]`` (no subcommand:
+"""The ``kvoff`` command line: ``kvoff bench [managers|transfers|disk|remote|interference|serve]`` (no subcommand:
 managers and transfers; ``--plot FILE``: also a page-size sweep plot) and ``kvoff demo`` (a
 simulated serving loop offloading a model-shaped KV cache).
 
@@ -45,6 +45,8 @@ POOL_BLOCKS = int_range(1, 1 << 20)
 PREFILL_RATE = float_range(0.0, 1e9, lo_open=True)
 SEED = int_range(0, (1 << 63) - 1)
 PORT = int_range(0, 65535)
+REMOTE_BLOCKS = int_range(1, 1 << 20)
+BENCH_PIPELINES = int_list(1, 1024)
 
 #: Engines ``kvoff bench transfers --methods`` takes (``auto-idle``: auto with the idle policy).
 TRANSFER_METHODS = ("auto", "auto-idle", "dma", "kernel", "staged", "host", "cuda")
@@ -274,6 +276,91 @@ def _interference_methods(spec: str | None) -> list[str] | None:
                 f"{', '.join(INTERFERENCE_ENGINES)} and budget a number above 0 to 1 or 'none'"
             )
     return variants
+
+
+def _value_sizes(s: str) -> list[int]:
+    """``--sizes`` of ``kvoff bench remote``: comma-separated value sizes (``2MiB``, ``32KiB`` or
+    bytes), each from 1 KiB to the remote tier's 64 MiB value cap."""
+    allowed = "1 to 8 comma-separated sizes such as 2MiB or 32KiB, each from 1KiB to 64MiB"
+    items = [x.strip().lower() for x in s.split(",") if x.strip()]
+    if not items or len(items) > 8:
+        raise argparse.ArgumentTypeError(f"{s!r}: expected {allowed}")
+    out = []
+    for x in items:
+        mult = 1 << 20 if x.endswith("mib") else 1 << 10 if x.endswith("kib") else 1
+        num = x.removesuffix("mib").removesuffix("kib")
+        if not num.isdigit():
+            raise argparse.ArgumentTypeError(f"{x!r} is not a size (allowed: {allowed})")
+        v = int(num) * mult
+        if not 1 << 10 <= v <= 64 << 20:
+            shown = x if len(x) <= 24 else x[:21] + "..."
+            raise argparse.ArgumentTypeError(f"{shown} is out of range (allowed: {allowed})")
+        out.append(v)
+    return out
+
+
+_value_sizes.__name__ = "list"
+
+
+def _remote_cmd(p: argparse.ArgumentParser) -> None:
+    p.add_argument(
+        "--url",
+        default=None,
+        help="redis:// or rediss:// URL of the server (default: start a private redis-server on "
+        "loopback; needs redis-server and redis-benchmark on PATH)",
+    )
+    p.add_argument("--cluster", action="store_true", help="the URL is a Redis Cluster node")
+    p.add_argument(
+        "--sizes",
+        type=_value_sizes,
+        default=[2 << 20, 32 << 10],
+        help="value (block) sizes (default 2MiB,32KiB)",
+    )
+    p.add_argument(
+        "--blocks",
+        type=REMOTE_BLOCKS,
+        default=None,
+        metavar="N",
+        help="blocks per repetition (default ~256 MiB)",
+    )
+    p.add_argument(
+        "--reps",
+        dest="remote_reps",
+        type=REPS,
+        default=3,
+        metavar="N",
+        help="repetitions, median (1-100, default 3)",
+    )
+    p.add_argument(
+        "--pipelines",
+        type=BENCH_PIPELINES,
+        default=[1, 4, 16],
+        help="redis-benchmark -P values tried (1-1024)",
+    )
+    p.add_argument(
+        "--clients", type=BENCH_PIPELINES, default=[1, 4, 16], help="redis-benchmark -c values tried (1-1024)"
+    )
+    _output_args(p)
+
+
+def _bench_remote(args: argparse.Namespace) -> int:
+    from kvoff.bench_remote import bench_remote, format_remote
+
+    try:
+        res = bench_remote(
+            args.url,
+            args.sizes,
+            blocks=args.blocks,
+            reps=args.remote_reps,
+            pipelines=args.pipelines,
+            clients=args.clients,
+            cluster=args.cluster,
+            log=None if args.quiet else (lambda s: print(s, file=sys.stderr, flush=True)),
+        )
+    except (FileNotFoundError, RuntimeError, ValueError) as e:
+        raise UsageError(f"remote: {e}") from None
+    print(json.dumps(res, indent=1) if args.json else format_remote(res))
+    return 0
 
 
 def _bench_interference(args: argparse.Namespace) -> int:
@@ -574,6 +661,13 @@ def _bench_commands() -> list[Command]:
             "of the same bytes on the same filesystem, promotion latency, CPU per block",
             _disk_cmd,
             _bench_disk,
+        ),
+        Command(
+            "remote",
+            "remote tier (Redis/Valkey, docs/tier.md) store/load GB/s vs redis-benchmark's best "
+            "and redis-py pipelined SET/GET of the same value size on the same server",
+            _remote_cmd,
+            _bench_remote,
         ),
         Command(
             "interference",

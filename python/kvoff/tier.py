@@ -17,6 +17,14 @@ directory of files behind its host blocks:
 - I/O errors (full disk, permissions) are counted in ``get_stats()`` and the store is skipped; a
   directory that cannot be used is a :class:`kvoff.ConfigError` at construction.
 
+With ``remote_url`` (docs/tier.md "Remote tier") a Redis/Valkey server or Cluster sits behind the
+files (or directly behind host memory without ``disk_path``): stored blocks are written there too
+(each tier with its own store threshold and bounded queue), and a lookup that misses host memory
+and the files answers ``None`` while one batched fetch of the following keys of the prefix runs in
+the background; found values are promoted like files, misses are remembered for
+``remote_negative_ttl_s``. No call waits on the network; a server that is slow or gone turns into
+misses and failed stores, counted in the ``remote_*`` stats (see :data:`REMOTE_METRICS`).
+
 The host memory is a :class:`kvoff.HostRegion` (one rank's slot of each row holds a block), e.g. the
 ``region`` of :class:`kvoff.CpuGpuOffloadingHandlers`. Shut the manager down before closing the
 region: its I/O threads copy into the region until then (the manager keeps the region's memory
@@ -35,6 +43,7 @@ from typing import Any
 
 from kvoff._names import DirectIoName, PolicyName
 from kvoff._native import (
+    ChainManagerCore,
     CPULoadStoreSpec,
     HostRegion,
     OffloadingEvent,
@@ -42,9 +51,11 @@ from kvoff._native import (
     TieredManagerCore,
     bench_disk,
 )
+from kvoff.errors import ConfigError, InvalidStateError
 
 __all__ = [
     "DISK_METRICS",
+    "REMOTE_METRICS",
     "TieredOffloadingManager",
     "bench_disk",
     "bench_disk_rows",
@@ -74,6 +85,36 @@ DISK_METRICS: dict[str, tuple[str, str]] = {
     "disk_own_bytes": ("kvoff_disk_own_bytes", "bytes of this instance's files (gauge)"),
 }
 
+#: Stats keys of the remote tier and their Prometheus names (``kvoff_remote_*``; counters end in
+#: ``_total``; GB/s per direction = bytes / seconds).
+REMOTE_METRICS: dict[str, tuple[str, str]] = {
+    "remote_hits": ("kvoff_remote_hits_total", "host (and file) misses found on the server"),
+    "remote_misses": ("kvoff_remote_misses_total", "keys the server did not hold (or could not be asked)"),
+    "remote_promotions": ("kvoff_remote_promotions_total", "values promoted into host memory"),
+    "remote_bytes_read": ("kvoff_remote_read_bytes_total", "payload bytes promoted from the server"),
+    "remote_read_seconds": (
+        "kvoff_remote_read_seconds_total",
+        "I/O thread seconds spent fetching and reading",
+    ),
+    "remote_bytes_written": ("kvoff_remote_written_bytes_total", "payload bytes written to the server"),
+    "remote_write_seconds": ("kvoff_remote_write_seconds_total", "I/O thread seconds spent writing"),
+    "remote_writes": ("kvoff_remote_writes_total", "values written"),
+    "remote_write_errors": ("kvoff_remote_write_errors_total", "writes failed (server error, timeout, down)"),
+    "remote_writes_dropped": (
+        "kvoff_remote_writes_dropped_total",
+        "writes dropped (queue or in-flight bytes full)",
+    ),
+    "remote_read_errors": ("kvoff_remote_read_errors_total", "promotions whose value vanished or failed"),
+    "remote_rejected_values": (
+        "kvoff_remote_rejected_values_total",
+        "values rejected by header/checksum (deleted)",
+    ),
+    "remote_fetch_errors": ("kvoff_remote_fetch_errors_total", "fetches failed or skipped (server down)"),
+    "remote_reconnects": ("kvoff_remote_reconnects_total", "recoveries after a server failure"),
+    "remote_fetches": ("kvoff_remote_fetches_total", "batched fetches started"),
+    "remote_up": ("kvoff_remote_up", "1 while the server is reachable (gauge)"),
+}
+
 
 class TieredOffloadingManager:
     """An LRU/ARC offloading manager with a file tier behind it (see the module docs).
@@ -85,8 +126,9 @@ class TieredOffloadingManager:
             offset ``rank * slot_bytes`` of row ``b`` (``rank=None``: offset 0, up to all ranks'
             slots, one file per block for the whole engine; e.g. the scheduler's
             :meth:`HostRegion.attach` view of a vLLM engine's region).
-        disk_path: directory of the files (created if missing; shared by engines).
-        disk_bytes_to_use: bytes of files this instance may own.
+        disk_path: directory of the files (created if missing; shared by engines); ``None``: no
+            file tier (then ``remote_url`` is required).
+        disk_bytes_to_use: bytes of files this instance may own (required with ``disk_path``).
         block_bytes: bytes of one block of this rank (default: the region's slot).
         rank: this process's rank (its slot and file names), or ``None`` for every rank's slot.
         namespace: model / cache id; engines with different namespaces never share files.
@@ -100,6 +142,20 @@ class TieredOffloadingManager:
         trusted_uids, trusted_gid: users and a group besides this one whose files and directories
             the tier trusts (a directory shared by several users); allow_writable_dir: accept
             directories writable by untrusted users without the sticky bit (docs/tier.md "Trust").
+        remote_url: ``redis://[user:password@]host:port``, ``rediss://…`` (TLS),
+            ``redis+cluster://host:port[,host:port]`` (a Cluster's seed nodes) or ``None`` (no
+            remote tier). A password missing from the URL is read from ``remote_password_env``
+            (default ``KVOFF_REMOTE_PASSWORD``); it is never printed.
+        remote_cluster: treat a ``redis://`` URL as a Cluster's seed node.
+        remote_namespace: the remote tier's namespace (default: ``namespace``).
+        remote_store_threshold: write a block to the server only once it was stored this many
+            times (< 2: always).
+        remote_ttl_s: time to live of each value (``None``: none).
+        remote_connect_timeout_s, remote_timeout_s: timeouts of each connection attempt and of
+            each read/write on a connection.
+        remote_io_threads (one connection each), remote_max_queued_writes,
+        remote_max_inflight_bytes, remote_negative_ttl_s (how long a miss is remembered),
+        remote_max_fetch_keys (keys per batched fetch): see ``kvoff::tier::remote::RemoteConfig``.
 
     Raises:
         TypeError: an argument of the wrong type (``bool`` is not an int; ``disk_path`` is a
@@ -113,8 +169,8 @@ class TieredOffloadingManager:
         policy: PolicyName,
         num_blocks: int,
         region: HostRegion,
-        disk_path: str | os.PathLike[str],
-        disk_bytes_to_use: int,
+        disk_path: str | os.PathLike[str] | None = None,
+        disk_bytes_to_use: int | None = None,
         *,
         block_bytes: int | None = None,
         rank: int | None = 0,
@@ -139,11 +195,26 @@ class TieredOffloadingManager:
         trusted_uids: Sequence[int] = (),
         trusted_gid: int | None = None,
         allow_writable_dir: bool = False,
+        remote_url: str | None = None,
+        remote_cluster: bool = False,
+        remote_namespace: str | None = None,
+        remote_store_threshold: int = 0,
+        remote_ttl_s: float | None = None,
+        remote_connect_timeout_s: float = 1.0,
+        remote_timeout_s: float = 2.0,
+        remote_io_threads: int = 2,
+        remote_max_queued_writes: int = 256,
+        remote_max_inflight_bytes: int = 256 << 20,
+        remote_negative_ttl_s: float = 2.0,
+        remote_max_fetch_keys: int = 64,
+        remote_password_env: str = "KVOFF_REMOTE_PASSWORD",
     ) -> None:
         for name, v in (("num_blocks", num_blocks), ("block_bytes", block_bytes), ("rank", rank)):
             if v is not None and (isinstance(v, bool) or not isinstance(v, int)):
                 raise TypeError(f"{name} must be an int, got {type(v).__name__}")
-        if not isinstance(disk_path, (str, os.PathLike)) or isinstance(os.fspath(disk_path), bytes):
+        if disk_path is not None and (
+            not isinstance(disk_path, (str, os.PathLike)) or isinstance(os.fspath(disk_path), bytes)
+        ):
             raise TypeError(
                 f"disk_path must be a str or an os.PathLike of str, got {type(disk_path).__name__}"
             )
@@ -166,10 +237,54 @@ class TieredOffloadingManager:
             raise ValueError(f"num_blocks = {num_blocks} but the region holds {region.num_cpu_blocks} blocks")
         self.region = region
         self.block_size = block_size
-        self._core = TieredManagerCore(
+        self._core: TieredManagerCore | ChainManagerCore
+        if remote_url is None:
+            if disk_path is None or disk_bytes_to_use is None:
+                raise ConfigError(
+                    "TieredOffloadingManager needs disk_path and disk_bytes_to_use, or remote_url"
+                )
+            self._core = TieredManagerCore(
+                policy,
+                num_blocks,
+                disk_path,
+                disk_bytes_to_use,
+                region.ptr + offset,
+                region.num_cpu_blocks,
+                region.row_stride_bytes,
+                nbytes,
+                region,
+                namespace=namespace,
+                page_sizes=list(page_sizes),
+                block_size_factor=block_size_factor,
+                dtype=dtype,
+                world_size=ws,
+                rank=0 if rank is None else rank,
+                block_size=block_size,
+                enable_events=enable_events,
+                store_threshold=store_threshold,
+                max_tracker_size=max_tracker_size,
+                disk_store_threshold=disk_store_threshold,
+                io_threads=io_threads,
+                write_threads=write_threads,
+                max_queued_writes=max_queued_writes,
+                fsync=fsync,
+                direct_io=direct_io,
+                rescan_interval_s=rescan_interval_s,
+                owner=owner,
+                max_promotions=max_promotions,
+                trusted_uids=list(trusted_uids),
+                trusted_gid=trusted_gid,
+                allow_writable_dir=allow_writable_dir,
+            )
+            return
+        if not isinstance(remote_url, str):
+            raise ConfigError(f"remote_url must be a string, got {type(remote_url).__name__}")
+        if disk_path is not None and disk_bytes_to_use is None:
+            raise ConfigError("disk_bytes_to_use is required with disk_path")
+        self._core = ChainManagerCore(
             policy,
             num_blocks,
-            disk_path,
+            None if disk_path is None else str(os.fspath(disk_path)),
             disk_bytes_to_use,
             region.ptr + offset,
             region.num_cpu_blocks,
@@ -195,9 +310,19 @@ class TieredOffloadingManager:
             rescan_interval_s=rescan_interval_s,
             owner=owner,
             max_promotions=max_promotions,
-            trusted_uids=list(trusted_uids),
-            trusted_gid=trusted_gid,
-            allow_writable_dir=allow_writable_dir,
+            remote_url=remote_url,
+            remote_cluster=remote_cluster,
+            remote_namespace=remote_namespace,
+            remote_store_threshold=remote_store_threshold,
+            remote_ttl_s=remote_ttl_s,
+            remote_connect_timeout_s=remote_connect_timeout_s,
+            remote_timeout_s=remote_timeout_s,
+            remote_io_threads=remote_io_threads,
+            remote_max_queued_writes=remote_max_queued_writes,
+            remote_max_inflight_bytes=remote_max_inflight_bytes,
+            remote_negative_ttl_s=remote_negative_ttl_s,
+            remote_max_fetch_keys=remote_max_fetch_keys,
+            remote_password_env=remote_password_env,
         )
 
     # --- docs/spec.md §2 protocol -------------------------------------------------------------------------
@@ -268,21 +393,42 @@ class TieredOffloadingManager:
         self._core.flush()
 
     @property
-    def disk_dir(self) -> str:
-        """The directory holding this layout's files."""
+    def disk_dir(self) -> str | None:
+        """The directory holding this layout's files (``None`` without a file tier)."""
         return self._core.disk_dir
 
     def disk_path_of(self, key: bytes) -> str:
-        """Path of a key's file."""
+        """Path of a key's file (only without a remote tier)."""
+        if isinstance(self._core, ChainManagerCore):
+            raise InvalidStateError("disk_path_of is available only without remote_url")
         return self._core.disk_path_of(key)
 
     def disk_contains(self, key: bytes) -> bool:
         """Whether a key has a published file (from the index; no I/O)."""
+        if isinstance(self._core, ChainManagerCore):
+            return self._core.tier_index("disk", key) is True
         return self._core.disk_contains(key)
 
     def disk_rescan(self) -> None:
-        """Lists the directory now (files of other engines become visible)."""
+        """Lists the directory now (files of other engines become visible; only without a remote
+        tier, whose file tier rescans on its own every ``rescan_interval_s``)."""
+        if isinstance(self._core, ChainManagerCore):
+            raise InvalidStateError("disk_rescan is available only without remote_url")
         self._core.disk_rescan()
+
+    # --- remote tier ------------------------------------------------------------------------------
+
+    @property
+    def remote_url(self) -> str | None:
+        """The remote URL with its password hidden (``None`` without a remote tier)."""
+        return self._core.remote_url if isinstance(self._core, ChainManagerCore) else None
+
+    def remote_known(self, key: bytes) -> bool | None:
+        """What the remote tier's in-memory index knows (no I/O): ``True`` present, ``False``
+        absent or remembered miss, ``None`` unknown (the next lookup fetches it)."""
+        if not isinstance(self._core, ChainManagerCore):
+            return False
+        return self._core.tier_index("remote", key)
 
     def __enter__(self) -> TieredOffloadingManager:  # noqa: PYI034 (Self needs typing_extensions on 3.10)
         return self

@@ -86,9 +86,12 @@
 #![deny(unsafe_code)]
 
 pub mod bench;
+pub mod chain;
 mod format;
 #[allow(unsafe_code)]
 mod io;
+pub mod remote;
+pub mod secondary;
 pub mod tiered;
 
 use std::collections::{BTreeMap, HashMap, VecDeque};

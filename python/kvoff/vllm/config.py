@@ -94,6 +94,22 @@ class KvoffOffloadConfig:
             "Trust").
         disk_allow_writable_dir: accept a tier directory writable by untrusted users without the
             sticky bit.
+        remote_url: a Redis/Valkey server behind host memory (and the files), shared by engines
+            on many machines (docs/tier.md "Remote tier"): ``redis://[user:password@]host:port``,
+            ``rediss://…`` (TLS), ``redis+cluster://host:port[,host:port]`` (a Cluster); the
+            password may instead be in the environment variable ``KVOFF_REMOTE_PASSWORD``. Blocks
+            stored in host memory are written there too; a lookup that misses host memory (and
+            the files) answers "pending" while one batched fetch runs. Needs the shared host
+            region (the scheduler's process attaches to it).
+        remote_cluster: treat a ``redis://`` URL as a Cluster seed node.
+        remote_namespace: the id that decides which engines share values (default: the model
+            name and KV dtype, like ``disk_namespace``).
+        remote_store_threshold: write a block to the server only once it was stored this many
+            times (< 2: every stored block).
+        remote_ttl_s: time to live of each value in seconds (``None``: none).
+        remote_timeout_s: timeout of each read/write on a connection (seconds, default 2).
+        remote_connect_timeout_s: timeout of each connection attempt (seconds, default 1).
+        remote_negative_ttl_s: how long a miss is remembered (seconds, default 2).
     """
 
     cpu_bytes_to_use: int
@@ -115,11 +131,29 @@ class KvoffOffloadConfig:
     disk_trusted_uids: tuple[int, ...] = ()
     disk_trusted_gid: int | None = None
     disk_allow_writable_dir: bool = False
+    remote_url: str | None = None
+    remote_cluster: bool = False
+    remote_namespace: str | None = None
+    remote_store_threshold: int = 0
+    remote_ttl_s: float | None = None
+    remote_timeout_s: float = 2.0
+    remote_connect_timeout_s: float = 1.0
+    remote_negative_ttl_s: float = 2.0
 
     @property
     def uses_disk(self) -> bool:
         """Whether the file tier is configured."""
         return self.disk_path is not None
+
+    @property
+    def uses_remote(self) -> bool:
+        """Whether the remote tier is configured."""
+        return self.remote_url is not None
+
+    @property
+    def uses_tiers(self) -> bool:
+        """Whether any tier is behind host memory (the scheduler then attaches to the region)."""
+        return self.uses_disk or self.uses_remote
 
     @classmethod
     def valid_keys(cls) -> tuple[str, ...]:
@@ -189,6 +223,7 @@ class KvoffOffloadConfig:
             )
         budget = None if budget is None else float(budget)
         disk = _disk_settings(d, shared)
+        remote = _remote_settings(d, shared)
         store_threshold = _int(d, "store_threshold", 0, 0)
         max_tracker_size = _int(d, "max_tracker_size", 64_000, 1)
         assert store_threshold is not None and max_tracker_size is not None
@@ -204,6 +239,7 @@ class KvoffOffloadConfig:
             region_timeout_s=float(timeout),
             compute_budget=budget,
             **disk,
+            **remote,
         )
 
 
@@ -273,4 +309,58 @@ def _disk_settings(d: Mapping[str, Any], shared: bool | None) -> dict[str, Any]:
         "disk_namespace": namespace,
         "disk_direct_io": cast(DirectIoName, direct),
         "disk_rescan_interval_s": None if rescan is None else float(rescan),
+    }
+
+
+def _seconds(d: Mapping[str, Any], key: str, default: float | None, allow_none: bool) -> float | None:
+    v = d.get(key, default)
+    if v is None and allow_none:
+        return None
+    if isinstance(v, bool) or not isinstance(v, (int, float)) or not 0 < v < 1e7:
+        more = " or null" if allow_none else ""
+        raise ConfigError(f"kv_connector_extra_config['{key}'] must be > 0 seconds{more}, got {v!r}")
+    return float(v)
+
+
+def _remote_settings(d: Mapping[str, Any], shared: bool | None) -> dict[str, Any]:
+    """The remote tier's settings, checked (the URL's form here; the client checks the rest at
+    start). The password never appears in a message."""
+    url = d.get("remote_url")
+    keys = [k for k in d if k.startswith("remote_") and k != "remote_url" and d[k] is not None]
+    if url is None:
+        if keys:
+            raise ConfigError(
+                f"kv_connector_extra_config: {sorted(keys)} need 'remote_url' (the server's URL)"
+            )
+        return {}
+    schemes = ("redis://", "rediss://", "redis+cluster://", "rediss+cluster://")
+    if not isinstance(url, str) or not url.startswith(schemes) or len(url) <= len(url.split("://")[0]) + 3:
+        shown = url.split("://")[0] + "://…" if isinstance(url, str) and "://" in url else type(url).__name__
+        raise ConfigError(
+            f"kv_connector_extra_config['remote_url'] must be redis://host:port, rediss://…, "
+            f"redis+cluster://host:port[,host:port] or rediss+cluster://…; got {shown}"
+        )
+    if shared is False:
+        raise ConfigError(
+            "kv_connector_extra_config: the remote tier ('remote_url') needs the shared host region (the "
+            "scheduler's process attaches to it); remove 'shared_region': false"
+        )
+    cluster = d.get("remote_cluster", False)
+    if not isinstance(cluster, bool):
+        raise ConfigError(f"kv_connector_extra_config['remote_cluster'] must be true/false, got {cluster!r}")
+    namespace = d.get("remote_namespace")
+    if namespace is not None and not isinstance(namespace, str):
+        raise ConfigError(
+            f"kv_connector_extra_config['remote_namespace'] must be a string, got {namespace!r}"
+        )
+    threshold = _int(d, "remote_store_threshold", 0, 0)
+    return {
+        "remote_url": url,
+        "remote_cluster": cluster,
+        "remote_namespace": namespace,
+        "remote_store_threshold": threshold,
+        "remote_ttl_s": _seconds(d, "remote_ttl_s", None, True),
+        "remote_timeout_s": _seconds(d, "remote_timeout_s", 2.0, False),
+        "remote_connect_timeout_s": _seconds(d, "remote_connect_timeout_s", 1.0, False),
+        "remote_negative_ttl_s": _seconds(d, "remote_negative_ttl_s", 2.0, False),
     }

@@ -44,7 +44,7 @@ from kvoff._names import PolicyName
 from kvoff.tier import TieredOffloadingManager
 from kvoff.vllm._compat import ConfigInfoMapping
 
-__all__ = ["DISK_VLLM_METRICS", "KvoffOffloadingManager"]
+__all__ = ["DISK_VLLM_METRICS", "REMOTE_VLLM_METRICS", "KvoffOffloadingManager"]
 
 #: The file tier's figures as vLLM metrics: name → (kind, meaning); the stats key is the name's
 #: ``disk_*`` part. Counters are cumulative in kvoff and reported to vLLM as increments; GB/s per
@@ -63,6 +63,26 @@ DISK_VLLM_METRICS: dict[str, tuple[str, str]] = {
     "vllm:kvoff_disk_evicted_files": ("counter", "own files removed for capacity"),
     "vllm:kvoff_disk_own_bytes": ("gauge", "bytes of this engine's files"),
     "vllm:kvoff_disk_files": ("gauge", "files indexed"),
+}
+
+#: The remote tier's figures as vLLM metrics (docs/tier.md "Remote tier"); the stats key is the
+#: name's ``remote_*`` part, counters reported as increments like the file tier's.
+REMOTE_VLLM_METRICS: dict[str, tuple[str, str]] = {
+    "vllm:kvoff_remote_hits": ("counter", "host-memory (and file) misses found on the server"),
+    "vllm:kvoff_remote_misses": ("counter", "keys the server did not hold or could not be asked"),
+    "vllm:kvoff_remote_promotions": ("counter", "values promoted into host memory"),
+    "vllm:kvoff_remote_bytes_read": ("counter", "bytes promoted from the server"),
+    "vllm:kvoff_remote_read_seconds": ("counter", "I/O thread seconds spent fetching and reading"),
+    "vllm:kvoff_remote_bytes_written": ("counter", "bytes written to the server"),
+    "vllm:kvoff_remote_write_seconds": ("counter", "I/O thread seconds spent writing"),
+    "vllm:kvoff_remote_writes": ("counter", "values written"),
+    "vllm:kvoff_remote_write_errors": ("counter", "writes that failed (server error, timeout, down)"),
+    "vllm:kvoff_remote_writes_dropped": ("counter", "writes dropped (queue or in-flight bytes full)"),
+    "vllm:kvoff_remote_rejected_values": ("counter", "values rejected by their header or checksum"),
+    "vllm:kvoff_remote_read_errors": ("counter", "promotions whose value vanished or failed"),
+    "vllm:kvoff_remote_fetch_errors": ("counter", "fetches failed or skipped while the server was down"),
+    "vllm:kvoff_remote_reconnects": ("counter", "recoveries after a server failure"),
+    "vllm:kvoff_remote_up": ("gauge", "1 while the server is reachable"),
 }
 
 
@@ -217,7 +237,10 @@ class KvoffOffloadingManager(OffloadingManager):
         if self.store_threshold >= 2:
             stats.increase_counter(CPUOffloadingMetrics.STORES_SKIPPED, int(s["stores_skipped"]))
         if self._tiered is not None:
-            for name, (kind, _) in DISK_VLLM_METRICS.items():
+            metrics = dict(DISK_VLLM_METRICS) if "disk_promotions" in s else {}
+            if "remote_promotions" in s:
+                metrics.update(REMOTE_VLLM_METRICS)
+            for name, (kind, _) in metrics.items():
                 key = name.removeprefix("vllm:kvoff_")
                 if key == "disk_files":
                     key = "disk_indexed_files"

@@ -24,7 +24,7 @@ import kvoff
 from kvoff.tier import TieredOffloadingManager
 from kvoff.vllm._compat import CPUOffloadingInfo
 from kvoff.vllm.config import KvoffOffloadConfig
-from kvoff.vllm.manager import DISK_VLLM_METRICS, KvoffOffloadingManager
+from kvoff.vllm.manager import DISK_VLLM_METRICS, REMOTE_VLLM_METRICS, KvoffOffloadingManager
 from kvoff.vllm.worker import KvoffOffloadingWorker
 
 __all__ = ["KvoffOffloadingSpec", "region_name"]
@@ -79,6 +79,10 @@ class KvoffOffloadingSpec(OffloadingSpec):
             for name, (kind, doc) in DISK_VLLM_METRICS.items():
                 meta = OffloadingCounterMetadata if kind == "counter" else OffloadingGaugeMetadata
                 defs[name] = meta(documentation=f"kvoff file tier: {doc}.")
+        if extra_config.get("remote_url") is not None:
+            for name, (kind, doc) in REMOTE_VLLM_METRICS.items():
+                meta = OffloadingCounterMetadata if kind == "counter" else OffloadingGaugeMetadata
+                defs[name] = meta(documentation=f"kvoff remote tier: {doc}.")
         return defs
 
     @classmethod
@@ -113,15 +117,15 @@ class KvoffOffloadingSpec(OffloadingSpec):
 
     @property
     def uses_shared_region(self) -> bool:
-        if self.kvoff_config.uses_disk:
-            return True  # the scheduler's process attaches to it for the file tier
+        if self.kvoff_config.uses_tiers:
+            return True  # the scheduler's process attaches to it for the file and remote tiers
         shared = self.kvoff_config.shared_region
         return self.world_size > 1 if shared is None else shared
 
     def get_manager(self) -> OffloadingManager:
         if self._manager is None:
             c = self.kvoff_config
-            tiered = self._tiered_manager() if c.uses_disk and self.num_chunks > 0 else None
+            tiered = self._tiered_manager() if c.uses_tiers and self.num_chunks > 0 else None
             self._manager = KvoffOffloadingManager(
                 self.num_chunks,
                 eviction_policy=c.eviction_policy,
@@ -139,7 +143,6 @@ class KvoffOffloadingSpec(OffloadingSpec):
         so the region exists; it waits up to ``region_timeout_s`` otherwise), then removes the
         region's name, which the workers kept for it."""
         c = self.kvoff_config
-        assert c.disk_path is not None and c.disk_bytes_to_use is not None
         region = kvoff.HostRegion.attach(region_name(self.config.engine_id), timeout=c.region_timeout_s)
         try:
             region.unlink()
@@ -150,9 +153,9 @@ class KvoffOffloadingSpec(OffloadingSpec):
                 )
             model = getattr(self.config, "model", None)
             dtype = str(getattr(model, "dtype", ""))
-            namespace = c.disk_namespace
-            if namespace is None:
-                namespace = f"{getattr(model, 'name', '')}|{dtype}"
+            default_ns = f"{getattr(model, 'name', '')}|{dtype}"
+            namespace = default_ns if c.disk_namespace is None else c.disk_namespace
+            remote_ns = default_ns if c.remote_namespace is None else c.remote_namespace
             manager = TieredOffloadingManager(
                 c.eviction_policy,
                 self.num_chunks,
@@ -174,18 +177,36 @@ class KvoffOffloadingSpec(OffloadingSpec):
                 trusted_uids=c.disk_trusted_uids,
                 trusted_gid=c.disk_trusted_gid,
                 allow_writable_dir=c.disk_allow_writable_dir,
+                remote_url=c.remote_url,
+                remote_cluster=c.remote_cluster,
+                remote_namespace=remote_ns,
+                remote_store_threshold=c.remote_store_threshold,
+                remote_ttl_s=c.remote_ttl_s,
+                remote_timeout_s=c.remote_timeout_s,
+                remote_connect_timeout_s=c.remote_connect_timeout_s,
+                remote_negative_ttl_s=c.remote_negative_ttl_s,
             )
         except BaseException:
             region.close()
             raise
-        logger.info(
-            "kvoff file tier: %s (%d bytes, namespace %r), %d CPU blocks of %d bytes",
-            manager.disk_dir,
-            c.disk_bytes_to_use,
-            namespace,
-            self.num_chunks,
-            region.world_size * region.slot_bytes,
-        )
+        if c.uses_disk:
+            logger.info(
+                "kvoff file tier: %s (%d bytes, namespace %r), %d CPU blocks of %d bytes",
+                manager.disk_dir,
+                c.disk_bytes_to_use,
+                namespace,
+                self.num_chunks,
+                region.world_size * region.slot_bytes,
+            )
+        if c.uses_remote:
+            # remote_url here has its password hidden.
+            logger.info(
+                "kvoff remote tier: %s (namespace %r), %d CPU blocks of %d bytes",
+                manager.remote_url,
+                remote_ns,
+                self.num_chunks,
+                region.world_size * region.slot_bytes,
+            )
         return manager
 
     def _make_region(self, slot_bytes: int) -> kvoff.HostRegion:
@@ -198,7 +219,7 @@ class KvoffOffloadingSpec(OffloadingSpec):
                 self.rank,
                 timeout=self.kvoff_config.region_timeout_s,
                 # With the file tier the scheduler's process attaches by name and removes it.
-                unlink_when_all_joined=not self.kvoff_config.uses_disk,
+                unlink_when_all_joined=not self.kvoff_config.uses_tiers,
             )
         return kvoff.HostRegion.private(self.num_chunks, slot_bytes)
 

@@ -1,0 +1,645 @@
+"""``kvoff bench remote``: the remote tier (docs/tier.md, Redis / Valkey) against same-run references
+on the same server (docs/performance.md: every figure is a ratio against a reference measured in the
+same run).
+
+References, per value size (one KV block = one value):
+
+- ``redis-benchmark`` SET and GET of values of that size, over a grid of pipeline depths (``-P``)
+  and client counts (``-c``); the best GB/s per operation is the server's own ceiling on this
+  machine (:func:`redis_benchmark_best`);
+- redis-py, pipelined SET then GET of the same blocks, what a Python connector does
+  (:func:`redis_py_pipelined`).
+
+kvoff's own rows come from :func:`kvoff_rows` (the remote tier's store and load GB/s, lookup-to-
+promoted latency and the scheduler thread's lookup time with the server up, slow and down); where
+this build of kvoff has no remote tier, the benchmark reports the references alone and says so.
+
+Without ``url`` the benchmark starts a private ``redis-server`` on loopback (a random port, no
+persistence) and stops it at the end; it needs Debian's ``redis-server`` and ``redis-tools``
+(``redis-benchmark``) or their Valkey equivalents on ``PATH``. Blocks are written under keys
+``kvoff-bench-ref:*`` (redis-py) and redis-benchmark's ``key:__rand_int__``, and deleted at the end.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import csv
+import importlib
+import io
+import os
+import shutil
+import socket
+import statistics
+import subprocess
+import tempfile
+import time
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass
+from typing import Any
+from urllib.parse import quote, unquote, urlsplit
+
+__all__ = [
+    "DEFAULT_SIZES",
+    "RedisTarget",
+    "ServerControl",
+    "bench_remote",
+    "default_blocks",
+    "format_remote",
+    "kvoff_rows",
+    "local_redis",
+    "redis_benchmark_best",
+    "redis_py_pipelined",
+]
+
+MiB = 1 << 20
+KiB = 1 << 10
+#: Value sizes measured by default: a 2 MiB block (Llama-3-8B, 16 tokens, bf16) and a 32 KiB one.
+DEFAULT_SIZES = (2 * MiB, 32 * KiB)
+#: Bytes each redis-benchmark run moves per operation (runs are at least 2 × clients × pipeline ops).
+DEFAULT_RUN_BYTES = 1 << 30
+
+
+@dataclass(frozen=True)
+class RedisTarget:
+    """Where a ``redis://`` / ``rediss://`` URL points (``user:password@host:port/db``)."""
+
+    host: str
+    port: int
+    username: str | None
+    password: str | None
+    tls: bool
+    db: int
+
+    @classmethod
+    def from_url(cls, url: str) -> RedisTarget:
+        """``redis://``, ``rediss://`` or a Cluster's ``redis+cluster://host:port[,host:port]``
+        (``rediss+cluster://``; the first seed node)."""
+        u = urlsplit(url)
+        if u.scheme not in ("redis", "rediss", "redis+cluster", "rediss+cluster"):
+            raise ValueError(f"not a redis://, rediss:// or redis+cluster:// URL: scheme {u.scheme!r}")
+        if "," in u.netloc:
+            u = u._replace(netloc=u.netloc.split(",")[0])
+        path = u.path.lstrip("/")
+        return cls(
+            host=u.hostname or "127.0.0.1",
+            port=u.port or 6379,
+            username=unquote(u.username) if u.username else None,
+            password=unquote(u.password) if u.password else None,
+            tls=u.scheme.startswith("rediss"),
+            db=int(path) if path else 0,
+        )
+
+    def tool_args(self, benchmark: bool = False) -> list[str]:
+        """Options of ``redis-cli`` (or, with ``benchmark``, ``redis-benchmark``) that reach this
+        server. For redis-cli the password travels in ``REDISCLI_AUTH`` (:meth:`tool_env`);
+        redis-benchmark reads no environment variable, so it gets ``-a`` (its command line is
+        never printed or put into an error)."""
+        a = ["-h", self.host, "-p", str(self.port)]
+        if benchmark and self.password:
+            a += ["-a", self.password]
+        if self.username:
+            a += ["--user", self.username]
+        if self.tls:
+            a += ["--tls", "--insecure"]
+        if self.db:
+            a += ["--dbnum", str(self.db)]
+        return a
+
+    def url(self) -> str:
+        """A plain ``redis://`` / ``rediss://`` URL of this node (for redis-py)."""
+        auth = ""
+        if self.password:
+            auth = f"{quote(self.username or '', safe='')}:{quote(self.password, safe='')}@"
+        db = f"/{self.db}" if self.db else ""
+        return f"{'rediss' if self.tls else 'redis'}://{auth}{self.host}:{self.port}{db}"
+
+    def tool_env(self) -> dict[str, str]:
+        env = dict(os.environ)
+        if self.password:
+            env["REDISCLI_AUTH"] = self.password
+        return env
+
+
+def _tool(*names: str) -> str:
+    for n in names:
+        p = shutil.which(n)
+        if p:
+            return p
+    raise FileNotFoundError(
+        f"{names[0]} not found on PATH (Debian: apt-get install redis-tools; Valkey: valkey-tools)"
+    )
+
+
+def _parse_benchmark_csv(text: str) -> dict[str, float]:
+    """``redis-benchmark --csv`` output: ``{"SET": rps, "GET": rps}``."""
+    out = {}
+    for row in csv.reader(io.StringIO(text)):
+        if len(row) >= 2 and row[0] != "test":
+            with contextlib.suppress(ValueError):
+                out[row[0].upper()] = float(row[1])
+    return out
+
+
+def redis_benchmark_best(
+    url: str,
+    value_bytes: int,
+    *,
+    pipelines: Sequence[int] = (1, 4, 16),
+    clients: Sequence[int] = (1, 4, 16),
+    run_bytes: int = DEFAULT_RUN_BYTES,
+    cluster: bool = False,
+    timeout_s: float = 300.0,
+    log: Callable[[str], None] | None = None,
+) -> dict[str, Any]:
+    """``redis-benchmark -t set,get -d value_bytes`` over ``pipelines × clients``; the best GB/s
+    (payload bytes: requests/s × ``value_bytes`` / 1e9) per operation and where it was reached.
+
+    Returns ``{"set": {"gb_s", "pipeline", "clients", "rps"}, "get": {...}, "grid": [rows]}``.
+
+    Raises:
+        FileNotFoundError: no ``redis-benchmark`` (or ``valkey-benchmark``) on ``PATH``.
+        RuntimeError: a run failed (its output is in the message).
+    """
+    exe = _tool("redis-benchmark", "valkey-benchmark")
+    t = RedisTarget.from_url(url)
+    grid: list[dict[str, Any]] = []
+    best: dict[str, dict[str, Any]] = {}
+    for p in pipelines:
+        for c in clients:
+            n = max(2 * c * p, run_bytes // value_bytes, 16)
+            cmd = [exe, *t.tool_args(benchmark=True), "-t", "set,get", "-d", str(value_bytes), "-n", str(n)]
+            cmd += ["-P", str(p), "-c", str(c), "--csv"]
+            if cluster:
+                cmd.append("--cluster")
+            r = subprocess.run(
+                cmd, capture_output=True, text=True, timeout=timeout_s, env=t.tool_env(), check=False
+            )
+            rps = _parse_benchmark_csv(r.stdout)
+            if r.returncode != 0 or "SET" not in rps or "GET" not in rps:
+                raise RuntimeError(
+                    f"redis-benchmark failed (rc {r.returncode}): {r.stdout[-2000:]} {r.stderr[-2000:]}"
+                )
+            for op in ("SET", "GET"):
+                row = {
+                    "op": op.lower(),
+                    "pipeline": p,
+                    "clients": c,
+                    "ops": n,
+                    "rps": rps[op],
+                    "gb_s": rps[op] * value_bytes / 1e9,
+                }
+                grid.append(row)
+                if row["gb_s"] > best.get(op.lower(), {}).get("gb_s", -1.0):
+                    best[op.lower()] = {k: row[k] for k in ("gb_s", "pipeline", "clients", "rps")}
+            if log is not None:
+                log(
+                    f"  redis-benchmark {value_bytes} B -P {p} -c {c}: SET {rps['SET'] * value_bytes / 1e9:.2f} "
+                    f"GET {rps['GET'] * value_bytes / 1e9:.2f} GB/s"
+                )
+    return {"set": best["set"], "get": best["get"], "grid": grid}
+
+
+def default_blocks(value_bytes: int) -> int:
+    """Blocks per repetition: about 256 MiB of values, 64 to 8192 of them."""
+    return max(64, min(8192, (256 * MiB) // value_bytes))
+
+
+def _make_blocks(value_bytes: int, n_blocks: int, seed: int = 0) -> list[bytes]:
+    """``n_blocks`` distinct values: one random buffer, each block with its index in front."""
+    base = (bytes(os.urandom(min(value_bytes, 1 << 16))) * (value_bytes // min(value_bytes, 1 << 16) + 1))[
+        :value_bytes
+    ]
+    return [(i + seed).to_bytes(8, "little") + base[8:] for i in range(n_blocks)]
+
+
+def redis_py_pipelined(
+    url: str,
+    value_bytes: int,
+    n_blocks: int,
+    *,
+    pipeline: int = 16,
+    reps: int = 3,
+    cluster: bool = False,
+    blocks: Sequence[bytes] | None = None,
+) -> dict[str, Any]:
+    """redis-py: SET ``n_blocks`` values of ``value_bytes`` in pipelines of ``pipeline`` commands
+    (no MULTI), then GET them back the same way, ``reps`` times; the median GB/s per direction.
+    Every value read back is compared with what was written.
+
+    Returns ``{"set_gb_s", "get_gb_s", "pipeline", "blocks", "verified", "redis_py", "hiredis"}``
+    (``hiredis``: whether redis-py parsed replies with the hiredis C extension).
+
+    Raises:
+        ImportError: redis-py is not installed (``pip install redis``).
+    """
+    redis = importlib.import_module("redis")
+    url = RedisTarget.from_url(url).url()  # redis-py knows no redis+cluster:// scheme
+    data = list(blocks) if blocks is not None else _make_blocks(value_bytes, n_blocks)
+    keys = [f"kvoff-bench-ref:{value_bytes}:{i}" for i in range(len(data))]
+    if cluster:
+        client = redis.RedisCluster.from_url(url, ssl_cert_reqs=None) if url.startswith("rediss") else None
+        client = client or redis.RedisCluster.from_url(url)
+    else:
+        kw = {"ssl_cert_reqs": None} if url.startswith("rediss") else {}
+        client = redis.Redis.from_url(url, **kw)
+    set_s: list[float] = []
+    get_s: list[float] = []
+    verified = True
+    try:
+        for _ in range(reps):
+            t0 = time.perf_counter()
+            for i in range(0, len(data), pipeline):
+                pipe = client.pipeline(transaction=False)
+                for k, v in zip(keys[i : i + pipeline], data[i : i + pipeline]):
+                    pipe.set(k, v)
+                pipe.execute()
+            set_s.append(time.perf_counter() - t0)
+            got: list[bytes | None] = []
+            t0 = time.perf_counter()
+            for i in range(0, len(data), pipeline):
+                pipe = client.pipeline(transaction=False)
+                for k in keys[i : i + pipeline]:
+                    pipe.get(k)
+                got.extend(pipe.execute())
+            get_s.append(time.perf_counter() - t0)
+            verified = verified and got == data
+            del got
+    finally:
+        for i in range(0, len(keys), 256):
+            with contextlib.suppress(Exception):
+                if cluster:
+                    for k in keys[i : i + 256]:
+                        client.delete(k)
+                else:
+                    client.delete(*keys[i : i + 256])
+        client.close()
+    total = len(data) * value_bytes
+    return {
+        "set_gb_s": total / statistics.median(set_s) / 1e9,
+        "get_gb_s": total / statistics.median(get_s) / 1e9,
+        "pipeline": pipeline,
+        "blocks": len(data),
+        "verified": verified,
+        "redis_py": str(getattr(redis, "__version__", "?")),
+        "hiredis": bool(getattr(importlib.import_module("redis.utils"), "HIREDIS_AVAILABLE", False)),
+    }
+
+
+class ServerControl:
+    """What :func:`kvoff_rows` may do to the server it measures, where the benchmark started it
+    itself (``None`` otherwise): ``pause()``/``resume()`` (SIGSTOP/SIGCONT: a server that keeps
+    its connections but answers nothing, for the scheduler-thread lookup time while the server is
+    down or slow) and the private server's ``url``."""
+
+    def __init__(self, proc: subprocess.Popen[bytes], url: str) -> None:
+        self._proc = proc
+        self.url = url
+
+    def pause(self) -> None:
+        self._proc.send_signal(19)  # SIGSTOP
+
+    def resume(self) -> None:
+        self._proc.send_signal(18)  # SIGCONT
+
+
+def kvoff_rows(
+    url: str,
+    value_bytes: int,
+    n_blocks: int,
+    *,
+    reps: int = 3,
+    cluster: bool = False,
+    control: ServerControl | None = None,
+) -> dict[str, Any] | None:
+    """kvoff's remote tier over ``n_blocks`` blocks of ``value_bytes`` on the server at ``url``:
+
+    ``{"set_gb_s", "get_gb_s"`` (store: host blocks to values; load: values promoted into host
+    blocks, median of ``reps``), ``"promote_p50_us", "promote_p99_us"`` (lookup to promoted),
+    ``"lookup_p99_us_up", "lookup_p99_us_slow", "lookup_p99_us_down"`` (the scheduler thread's
+    ``lookup`` while the server answers, is slowed, is paused via ``control``; ``None`` where
+    ``control`` is ``None``), ``"verified"`` (every promoted block byte-equal to what was stored)}.
+
+    ``None`` where this build of kvoff has no remote tier (the benchmark then reports the
+    references alone).
+    """
+    native = importlib.import_module("kvoff._native")
+    impl = getattr(native, "bench_remote", None)
+    if impl is not None:
+        return dict(impl(url, value_bytes, n_blocks, reps=reps, cluster=cluster, control=control))
+    if getattr(native, "ChainManagerCore", None) is None:
+        return None
+    return _tier_rows(url, value_bytes, n_blocks, reps=reps, cluster=cluster, control=control)
+
+
+def _p(xs: list[float], q: float) -> float:
+    ys = sorted(xs)
+    return ys[min(len(ys) - 1, int(q * len(ys)))]
+
+
+def _tier_rows(
+    url: str, value_bytes: int, n_blocks: int, *, reps: int, cluster: bool, control: ServerControl | None
+) -> dict[str, Any]:
+    """:func:`kvoff_rows` through ``kvoff.tier.TieredOffloadingManager(remote_url=...)``, the way
+    the vLLM plug-in uses it: each value is ``value_bytes`` (the 4 KiB header + a block of
+    ``value_bytes - 4096``); GB/s count the block (payload) bytes. Store: ``complete_store`` of
+    ``n_blocks`` fresh blocks until the server acknowledged all of them. Load: a second engine with
+    its own host memory calls ``lookup_prefix`` over the keys until all are promoted (batched
+    fetches of 64 keys), every promoted block compared byte for byte. Lookup times are of single
+    ``lookup_prefix`` calls on the calling (scheduler) thread over keys the tier does not know
+    (each call starts a fetch): while the server answers (``up``), while it is stopped with SIGSTOP
+    (``slow``: connections open, no answer; only with ``control``) and at a port where nothing
+    listens (``down``)."""
+    import numpy as np
+
+    import kvoff
+    from kvoff.tier import TieredOffloadingManager
+
+    block = value_bytes - 4096
+    if block <= 0:
+        raise ValueError(f"values of {value_bytes} B cannot hold the 4 KiB header and a block")
+    n = n_blocks
+    base = np.random.default_rng(1).integers(0, 256, block, dtype=np.uint8)
+    kw: dict[str, Any] = {
+        "remote_cluster": cluster,
+        "remote_max_queued_writes": n,
+        "remote_max_inflight_bytes": n * value_bytes,
+        "remote_timeout_s": 2.0,
+    }
+
+    def engine(ns: str, url_: str = url, **more: Any) -> tuple[TieredOffloadingManager, kvoff.HostRegion]:
+        region = kvoff.HostRegion.private(n, block)
+        return TieredOffloadingManager(
+            "lru", n, region, remote_url=url_, namespace=ns, **{**kw, **more}
+        ), region
+
+    def key(ns: str, i: int) -> bytes:
+        return kvoff.make_offload_key(f"{ns}-{i}".encode(), 0)
+
+    set_gbs, get_gbs, lookups_up, promote_us = [], [], [], []
+    verified = True
+    for rep in range(reps):
+        ns = f"bench-{os.getpid()}-{value_bytes}-{rep}-{time.time_ns()}"
+        keys = [key(ns, i) for i in range(n)]
+        a, ra = engine(ns)
+        b, rb = engine(ns)
+        try:
+            out = a.prepare_store(keys)
+            assert out is not None
+            view = ra.view_numpy(0, 0, block)
+            for i, blk in enumerate(out.store_spec.block_ids):
+                view[int(blk)] = base
+                view[int(blk), :8] = np.frombuffer(i.to_bytes(8, "little"), dtype=np.uint8)
+            t0 = time.perf_counter()
+            a.complete_store(out.keys_to_store)
+            while a.get_stats()["remote_queued_writes"] > 0:
+                time.sleep(0.0002)
+            a.flush()
+            dt = time.perf_counter() - t0
+            st = a.get_stats()
+            if st["remote_writes"] != n:
+                raise RuntimeError(
+                    f"only {st['remote_writes']} of {n} values written: {st['remote_last_error']}"
+                )
+            set_gbs.append(n * block / dt / 1e9)
+            t0 = time.perf_counter()
+            while True:
+                t = time.perf_counter()
+                got = b.lookup_prefix(keys)
+                lookups_up.append(time.perf_counter() - t)
+                if got == n:
+                    break
+                if time.perf_counter() - t0 > 120:
+                    raise RuntimeError(f"load stalled at {got} of {n}: {b.get_stats()['remote_last_error']}")
+            get_gbs.append(n * block / (time.perf_counter() - t0) / 1e9)
+            spec = b.prepare_load(keys)
+            vb = rb.view_numpy(0, 0, block)
+            for i, blk in enumerate(spec.block_ids):
+                row = vb[int(blk)]
+                verified &= (
+                    bool(np.array_equal(row[8:], base[8:]))
+                    and int.from_bytes(row[:8].tobytes(), "little") == i
+                )
+            b.complete_load(keys)
+        finally:
+            a.shutdown()
+            b.shutdown()
+            ra.close()
+            rb.close()
+    # Lookup to promoted, one key at a time (the keys of the last repetition are on the server).
+    c, rc = engine(ns)
+    try:
+        for i in range(0, n, max(1, n // 64)):
+            k = [keys[i]]
+            t0 = time.perf_counter()
+            while c.lookup_prefix(k) != 1:
+                pass
+            promote_us.append((time.perf_counter() - t0) * 1e6)
+    finally:
+        c.shutdown()
+        rc.close()
+
+    def lookup_p99(url_: str, pause: bool) -> float:
+        e, r = engine(f"probe-{time.time_ns()}", url_, remote_connect_timeout_s=0.5, remote_timeout_s=0.5)
+        times: list[float] = []
+        try:
+            if pause and control is not None:
+                control.pause()
+            t_end = time.perf_counter() + 2.0
+            i = 0
+            while time.perf_counter() < t_end:
+                ks = [key("unknown", i + j) for j in range(16)]
+                i += 16
+                t = time.perf_counter()
+                e.lookup_prefix(ks)
+                times.append(time.perf_counter() - t)
+        finally:
+            if pause and control is not None:
+                control.resume()
+            e.shutdown()
+            r.close()
+        return _p(times, 0.99) * 1e6
+
+    dead = f"redis://127.0.0.1:{_free_port()}"
+    return {
+        "set_gb_s": statistics.median(set_gbs),
+        "get_gb_s": statistics.median(get_gbs),
+        "promote_p50_us": _p(promote_us, 0.5),
+        "promote_p99_us": _p(promote_us, 0.99),
+        "lookup_p99_us_up": _p(lookups_up, 0.99) * 1e6,
+        "lookup_p99_us_slow": lookup_p99(url, True) if control is not None else None,
+        "lookup_p99_us_down": lookup_p99(dead, False),
+        "verified": verified,
+        "payload_bytes": block,
+    }
+
+
+def _free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        port: int = s.getsockname()[1]
+        return port
+
+
+@contextlib.contextmanager
+def local_redis(timeout_s: float = 20.0) -> Iterator[ServerControl]:
+    """A private ``redis-server`` (or ``valkey-server``) on 127.0.0.1 at a free port, no
+    persistence, stopped (SIGKILL) at the end; yields its :class:`ServerControl`."""
+    exe = _tool("redis-server", "valkey-server")
+    cli = _tool("redis-cli", "valkey-cli")
+    d = tempfile.mkdtemp(prefix="kvoff-bench-redis-")
+    port = _free_port()
+    pre = [sp, "--pdeathsig", "KILL"] if (sp := shutil.which("setpriv")) else []
+    cmd = [*pre, exe, "--bind", "127.0.0.1", "--port", str(port), "--save", "", "--appendonly", "no"]
+    cmd += ["--dir", d, "--logfile", os.path.join(d, "server.log"), "--protected-mode", "no"]
+    proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
+    try:
+        deadline = time.monotonic() + timeout_s
+        while True:
+            r = subprocess.run(
+                [cli, "-p", str(port), "PING"], capture_output=True, text=True, timeout=5, check=False
+            )
+            if r.stdout.strip() == "PONG":
+                break
+            if proc.poll() is not None or time.monotonic() > deadline:
+                raise RuntimeError(f"redis-server did not start on port {port} (rc {proc.poll()})")
+            time.sleep(0.05)
+        yield ServerControl(proc, f"redis://127.0.0.1:{port}")
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            proc.send_signal(18)
+            proc.kill()
+        proc.wait()
+        shutil.rmtree(d, ignore_errors=True)
+
+
+def server_version(url: str) -> str:
+    """``redis_version`` (or Valkey's ``valkey_version``) from ``INFO server``."""
+    t = RedisTarget.from_url(url)
+    r = subprocess.run(
+        [_tool("redis-cli", "valkey-cli"), *t.tool_args(), "INFO", "server"],
+        capture_output=True,
+        text=True,
+        timeout=10,
+        env=t.tool_env(),
+        check=False,
+    )
+    info = dict(ln.split(":", 1) for ln in r.stdout.splitlines() if ":" in ln)
+    name = "valkey" if "valkey_version" in info else "redis"
+    return f"{name} {info.get(f'{name}_version', info.get('redis_version', '?')).strip()}"
+
+
+def bench_remote(
+    url: str | None = None,
+    sizes: Sequence[int] = DEFAULT_SIZES,
+    *,
+    blocks: int | None = None,
+    reps: int = 3,
+    pipelines: Sequence[int] = (1, 4, 16),
+    clients: Sequence[int] = (1, 4, 16),
+    py_pipeline: int = 16,
+    run_bytes: int = DEFAULT_RUN_BYTES,
+    cluster: bool = False,
+    log: Callable[[str], None] | None = None,
+) -> dict[str, Any]:
+    """Every row of ``kvoff bench remote`` (see the module docs): per value size, redis-benchmark's
+    best, redis-py pipelined, and kvoff's rows where this build has a remote tier, with kvoff's
+    ratios to the references. ``url=None``: a private server (:func:`local_redis`)."""
+    if url is not None and "+cluster" in url.split("://", 1)[0]:
+        cluster = True
+    with contextlib.ExitStack() as stack:
+        control: ServerControl | None = None
+        if url is None:
+            control = stack.enter_context(local_redis())
+            url = control.url
+        out: dict[str, Any] = {
+            "server": server_version(url),
+            "private_server": control is not None,
+            "cluster": cluster,
+            "cpus": os.cpu_count(),
+            "loadavg_start": os.getloadavg()[0],
+            "sizes": [],
+        }
+        for size in sizes:
+            n = blocks or default_blocks(size)
+            if log is not None:
+                log(f"value size {size} B, {n} blocks")
+            row: dict[str, Any] = {"value_bytes": size, "blocks": n}
+            row["redis_benchmark"] = redis_benchmark_best(
+                url, size, pipelines=pipelines, clients=clients, run_bytes=run_bytes, cluster=cluster, log=log
+            )
+            try:
+                row["redis_py"] = redis_py_pipelined(
+                    url, size, n, pipeline=py_pipeline, reps=reps, cluster=cluster
+                )
+            except ImportError:
+                row["redis_py"] = None
+                row["redis_py_note"] = "redis-py is not installed (pip install redis)"
+            if log is not None and row["redis_py"] is not None:
+                rp = row["redis_py"]
+                log(f"  redis-py pipelined: SET {rp['set_gb_s']:.2f} GET {rp['get_gb_s']:.2f} GB/s")
+            k = kvoff_rows(url, size, n, reps=reps, cluster=cluster, control=control)
+            row["kvoff"] = k
+            if k is None:
+                row["kvoff_note"] = "this build of kvoff has no remote tier: references only"
+            else:
+                rb, rp = row["redis_benchmark"], row["redis_py"]
+                row["ratios"] = {
+                    "store_vs_redis_benchmark": k["set_gb_s"] / rb["set"]["gb_s"],
+                    "load_vs_redis_benchmark": k["get_gb_s"] / rb["get"]["gb_s"],
+                    "load_vs_redis_py": (k["get_gb_s"] / rp["get_gb_s"]) if rp else None,
+                }
+            out["sizes"].append(row)
+        out["loadavg_end"] = os.getloadavg()[0]
+        return out
+
+
+def _size(n: int) -> str:
+    return f"{n // MiB} MiB" if n % MiB == 0 else f"{n // KiB} KiB" if n % KiB == 0 else f"{n} B"
+
+
+def format_remote(res: dict[str, Any]) -> str:
+    """The table of :func:`bench_remote`'s result."""
+    head = (
+        f"kvoff bench remote: {res['server']} ({'private server' if res['private_server'] else 'given URL'}"
+    )
+    load = ""
+    if "loadavg_start" in res:  # other work on the machine shares the cores with the server
+        load = f", load average {res['loadavg_start']:.1f} -> {res.get('loadavg_end', 0.0):.1f}"
+    lines = [head + f"{', cluster' if res['cluster'] else ''}; {res['cpus']} CPUs{load}), GB/s of values"]
+    lines.append(f"{'value':>8} {'what':<34} {'SET/store':>10} {'GET/load':>10}")
+    for row in res["sizes"]:
+        v = _size(row["value_bytes"])
+        rb = row["redis_benchmark"]
+        s, g = rb["set"], rb["get"]
+        lines.append(
+            f"{v:>8} {'redis-benchmark best':<34} {s['gb_s']:>10.2f} {g['gb_s']:>10.2f}"
+            f"   (SET -P {s['pipeline']} -c {s['clients']}; GET -P {g['pipeline']} -c {g['clients']})"
+        )
+        rp = row["redis_py"]
+        if rp is not None:
+            what = f"redis-py {rp['redis_py']} pipelined ({rp['pipeline']}/batch{', hiredis' if rp['hiredis'] else ''})"
+            ok = "" if rp["verified"] else "   NOT VERIFIED"
+            lines.append(f"{v:>8} {what:<34} {rp['set_gb_s']:>10.2f} {rp['get_gb_s']:>10.2f}{ok}")
+        else:
+            lines.append(f"{v:>8} {'redis-py':<34} {row.get('redis_py_note', '')}")
+        k = row["kvoff"]
+        if k is None:
+            lines.append(f"{v:>8} {'kvoff':<34} {row['kvoff_note']}")
+            continue
+        lines.append(f"{v:>8} {'kvoff remote tier':<34} {k['set_gb_s']:>10.2f} {k['get_gb_s']:>10.2f}")
+        r = row["ratios"]
+        vs_py = "" if r["load_vs_redis_py"] is None else f"; load {r['load_vs_redis_py']:.1f}x redis-py"
+        lines.append(
+            f"{'':>8} {'':<34} store {r['store_vs_redis_benchmark']:.0%}, load "
+            f"{r['load_vs_redis_benchmark']:.0%} of redis-benchmark{vs_py}"
+        )
+        for key in (
+            "promote_p50_us",
+            "promote_p99_us",
+            "lookup_p99_us_up",
+            "lookup_p99_us_slow",
+            "lookup_p99_us_down",
+        ):
+            if k.get(key) is not None:
+                lines.append(f"{'':>8} {key:<34} {k[key]:>10.1f}")
+    return "\n".join(lines)

@@ -1,0 +1,523 @@
+//! An offloading manager with an ordered list of secondary tiers behind host memory (docs/tier.md
+//! "Tier chain"): host memory → files (optional) → remote (optional), or any [`SecondaryTier`]s.
+//! The combined tiers behave as one manager of docs/spec.md §2, with the additions of
+//! [`super::tiered`] generalised to several tiers:
+//!
+//! - **Write-through.** When `complete_store(keys, true)` makes a key ready, a write of its block
+//!   is queued to every tier that does not hold it and whose admission threshold
+//!   ([`ChainTier::store_threshold`]: written once stored to host memory that many times) it
+//!   passes. Each write pins the host block (`prepare_load`) until that tier releases it
+//!   ([`Completion::Released`]). A tier that refuses a write (full queue, bounded in-flight bytes,
+//!   server down) counts it and `complete_store` goes on: it never waits.
+//! - **Lookup.** `lookup_prefix(keys)` answers from host memory; for the first key that misses, the
+//!   tiers are asked in order from their in-memory index ([`SecondaryTier::index`]): the first that
+//!   says `Present` promotes the run of following keys it also holds (host blocks reserved as
+//!   pending stores, filled by its I/O threads) and the answer is `None` (pending); a tier that
+//!   answers `Unknown` (a remote store) gets one batched fetch of the key and the following keys
+//!   of the prefix ([`SecondaryTier::submit_fetch`]) and the answer is `None` while it runs; the
+//!   next lookup sees the answer (found: promote; missed: the next tier, remembered as a miss for
+//!   a while). A key no tier holds answers as host memory does.
+//! - **Promotion** completes on a later call (`complete_store(ok)`, emitting the usual stored
+//!   event); a promoted key is then written through to the tiers before the one it came from
+//!   (a block found remote lands in the file tier too).
+//! - **Completions** are applied at the start of every call; nothing here waits for I/O except
+//!   `reset`/`shutdown` ([`SecondaryTier::flush`]), which are not scheduler-step operations.
+#![forbid(unsafe_code)]
+
+use std::collections::HashMap;
+
+use super::secondary::{Known, SecondaryCounters, SecondaryTier};
+use super::Completion;
+use crate::error::Result;
+use crate::key::ByteKey;
+use crate::manager::{
+    BlockId, ManagerStats, OffloadingEvent, OffloadingManager, PrepareStoreOutput, Presence,
+};
+
+type Map<K, V> = HashMap<K, V, foldhash::fast::RandomState>;
+
+/// One tier of the chain and its write admission.
+#[derive(Debug)]
+pub struct ChainTier {
+    /// The tier.
+    pub tier: Box<dyn SecondaryTier>,
+    /// Write a key to this tier only after it was stored to host memory this many times (`< 2`:
+    /// always).
+    pub store_threshold: u32,
+}
+
+impl ChainTier {
+    /// `tier` with no admission threshold.
+    #[must_use]
+    pub fn new(tier: Box<dyn SecondaryTier>) -> Self {
+        Self {
+            tier,
+            store_threshold: 0,
+        }
+    }
+}
+
+/// Settings of a [`ChainManager`] beyond its manager and tiers.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct ChainConfig {
+    /// Bound of each tier's admission counter map.
+    pub max_tracker_size: usize,
+    /// Most keys one lookup promotes.
+    pub max_promotions: usize,
+    /// Most keys of one fetch (the first missing key and the following keys of the prefix).
+    pub max_fetch_keys: usize,
+}
+
+impl Default for ChainConfig {
+    fn default() -> Self {
+        Self {
+            max_tracker_size: 64_000,
+            max_promotions: 256,
+            max_fetch_keys: 64,
+        }
+    }
+}
+
+/// Protocol counters of one tier of the chain (beyond the tier's own [`SecondaryCounters`]).
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct ChainCounters {
+    /// Keys that missed host memory (and earlier tiers) and were found in this tier.
+    pub hits: u64,
+    /// Keys this tier was asked about (index or fetch) and did not hold.
+    pub misses: u64,
+    /// Fetches started (batches) and keys in them.
+    pub fetches: u64,
+    /// Keys asked for in fetches.
+    pub fetch_keys: u64,
+    /// Promotions started.
+    pub promotions_started: u64,
+    /// Promotions that failed (value vanished, rejected, server gone): the key was removed again.
+    pub promotions_failed: u64,
+    /// Hits that could not be promoted: no evictable host block.
+    pub promotions_no_room: u64,
+    /// Writes queued.
+    pub writes_started: u64,
+    /// Writes refused by the tier (queue or bytes bound full, server down).
+    pub writes_refused: u64,
+    /// Keys not written because of the admission threshold.
+    pub writes_below_threshold: u64,
+}
+
+/// Stats of one tier: its kind, its counters and the chain's counters for it.
+#[derive(Clone, Debug, PartialEq)]
+pub struct ChainTierStats {
+    /// [`SecondaryTier::kind`].
+    pub kind: &'static str,
+    /// The tier's counters.
+    pub tier: SecondaryCounters,
+    /// The chain's counters for it.
+    pub chain: ChainCounters,
+}
+
+#[derive(Debug)]
+struct Slot {
+    tier: Box<dyn SecondaryTier>,
+    threshold: u32,
+    offers: Map<ByteKey, u32>,
+    counters: ChainCounters,
+}
+
+/// A host manager with an ordered list of secondary tiers. See the module docs.
+#[derive(Debug)]
+pub struct ChainManager<M> {
+    host: M,
+    slots: Vec<Slot>,
+    cfg: ChainConfig,
+    /// Keys being promoted and the tier they come from.
+    promoting: Map<ByteKey, usize>,
+    /// Write pins held per key (one per tier write in flight).
+    pins: Map<ByteKey, u32>,
+}
+
+impl<M: OffloadingManager<ByteKey>> ChainManager<M> {
+    /// Puts `tiers` (in lookup order) behind `host`. Every tier's memory must be the host blocks
+    /// `host` hands out.
+    pub fn new(host: M, tiers: Vec<ChainTier>, cfg: ChainConfig) -> Self {
+        Self {
+            host,
+            slots: tiers
+                .into_iter()
+                .map(|t| Slot {
+                    tier: t.tier,
+                    threshold: t.store_threshold,
+                    offers: Map::default(),
+                    counters: ChainCounters::default(),
+                })
+                .collect(),
+            cfg,
+            promoting: Map::default(),
+            pins: Map::default(),
+        }
+    }
+
+    /// The host manager.
+    pub fn host(&self) -> &M {
+        &self.host
+    }
+
+    /// The tiers, in lookup order.
+    pub fn tiers(&self) -> impl Iterator<Item = &dyn SecondaryTier> {
+        self.slots.iter().map(|s| s.tier.as_ref())
+    }
+
+    /// The first tier of kind `kind` (`"disk"`, `"remote"`).
+    pub fn tier(&self, kind: &str) -> Option<&dyn SecondaryTier> {
+        self.tiers().find(|t| t.kind() == kind)
+    }
+
+    /// Number of promotions in flight.
+    pub fn num_promoting(&self) -> usize {
+        self.promoting.len()
+    }
+
+    fn unpin(&mut self, key: &ByteKey) -> Result<()> {
+        if let Some(n) = self.pins.get_mut(key) {
+            *n -= 1;
+            if *n == 0 {
+                self.pins.remove(key);
+            }
+            self.host.complete_load(std::slice::from_ref(key))?;
+        }
+        Ok(())
+    }
+
+    /// Applies finished I/O of every tier: releases write pins, completes promotions. Never
+    /// blocks on I/O.
+    ///
+    /// # Errors
+    /// Only after shutdown.
+    pub fn poll(&mut self) -> Result<()> {
+        for t in 0..self.slots.len() {
+            for c in self.slots[t].tier.poll() {
+                match c {
+                    Completion::Released { key, .. } => self.unpin(&key)?,
+                    Completion::Promoted { key, ok, .. } => {
+                        if self.promoting.remove(&key).is_some() {
+                            if !ok {
+                                self.slots[t].counters.promotions_failed += 1;
+                            }
+                            self.host.complete_store(std::slice::from_ref(&key), ok)?;
+                            if ok && t > 0 {
+                                self.write_through(std::slice::from_ref(&key), 0..t)?;
+                            }
+                        }
+                    }
+                }
+            }
+        }
+        Ok(())
+    }
+
+    /// Promotes `keys` (all held by tier `t`); `true` when the first one started.
+    fn promote(&mut self, t: usize, keys: &[ByteKey]) -> Result<bool> {
+        self.slots[t].counters.hits += keys.len() as u64;
+        let Some(out) = self.host.prepare_store(keys)? else {
+            self.slots[t].counters.promotions_no_room += keys.len() as u64;
+            return Ok(false);
+        };
+        let PrepareStoreOutput {
+            keys_to_store,
+            block_ids,
+            ..
+        } = out;
+        let items: Vec<(ByteKey, BlockId)> = keys_to_store.into_iter().zip(block_ids).collect();
+        let flags = self.slots[t].tier.submit_reads(&items);
+        let mut first = false;
+        let mut failed = Vec::new();
+        for ((k, _), ok) in items.into_iter().zip(flags) {
+            if ok {
+                self.slots[t].counters.promotions_started += 1;
+                first |= k == keys[0];
+                self.promoting.insert(k, t);
+            } else {
+                failed.push(k);
+            }
+        }
+        if !failed.is_empty() {
+            self.host.complete_store(&failed, false)?;
+        }
+        if !first {
+            self.slots[t].counters.promotions_no_room += 1;
+        }
+        Ok(first)
+    }
+
+    /// The tiers' answer for `keys[0]` (host-absent): `Some(true)` pending (promotion or fetch
+    /// started), `Some(false)` no tier holds it (or it could not be promoted).
+    fn consult(&mut self, keys: &[ByteKey]) -> Result<bool> {
+        let first = &keys[0];
+        for t in 0..self.slots.len() {
+            let mut known = self.slots[t].tier.index(first);
+            if known == Known::Unknown {
+                // One batched fetch of the key and the following host-absent keys of the prefix.
+                let mut batch = vec![first.clone()];
+                for k in keys.iter().skip(1).take(self.cfg.max_fetch_keys.max(1) - 1) {
+                    if self.host.lookup(k)? != Presence::Absent {
+                        break;
+                    }
+                    batch.push(k.clone());
+                }
+                let n = self.slots[t].tier.submit_fetch(&batch);
+                if n > 0 {
+                    self.slots[t].counters.fetches += 1;
+                    self.slots[t].counters.fetch_keys += n as u64;
+                }
+                known = self.slots[t].tier.index(first);
+                if known == Known::Unknown {
+                    return Ok(true); // the fetch (this one or one in flight) answers later
+                }
+            }
+            match known {
+                Known::Present => {
+                    let mut end = 1;
+                    while end < keys.len()
+                        && end < self.cfg.max_promotions.max(1)
+                        && self.host.lookup(&keys[end])? == Presence::Absent
+                        && self.slots[t].tier.index(&keys[end]) == Known::Present
+                    {
+                        end += 1;
+                    }
+                    return self.promote(t, &keys[..end]);
+                }
+                Known::Absent | Known::Unknown => self.slots[t].counters.misses += 1,
+            }
+        }
+        Ok(false)
+    }
+
+    /// `Ready`/`Pending` as the host manager says; a host miss asks the tiers (see the module
+    /// docs) and answers `Pending` while a promotion or fetch runs.
+    ///
+    /// # Errors
+    /// Only after shutdown.
+    pub fn lookup(&mut self, key: &ByteKey) -> Result<Presence> {
+        self.poll()?;
+        match self.host.lookup(key)? {
+            Presence::Absent => Ok(if self.consult(std::slice::from_ref(key))? {
+                Presence::Pending
+            } else {
+                Presence::Absent
+            }),
+            p => Ok(p),
+        }
+    }
+
+    /// Number of leading keys ready in host memory; `None` if the first non-ready one is pending,
+    /// is being promoted, or a tier is fetching it.
+    ///
+    /// # Errors
+    /// Only after shutdown.
+    pub fn lookup_prefix(&mut self, keys: &[ByteKey]) -> Result<Option<usize>> {
+        self.poll()?;
+        let Some(n) = self.host.lookup_prefix(keys)? else {
+            return Ok(None);
+        };
+        if n == keys.len() {
+            return Ok(Some(n));
+        }
+        Ok(if self.consult(&keys[n..])? {
+            None
+        } else {
+            Some(n)
+        })
+    }
+
+    /// docs/spec.md §2.2 `prepare_load` (host blocks).
+    ///
+    /// # Errors
+    /// As the host manager's.
+    pub fn prepare_load(&mut self, keys: &[ByteKey]) -> Result<Vec<BlockId>> {
+        self.poll()?;
+        self.host.prepare_load(keys)
+    }
+
+    /// docs/spec.md §2.2 `touch`.
+    ///
+    /// # Errors
+    /// Only after shutdown.
+    pub fn touch(&mut self, keys: &[ByteKey]) -> Result<()> {
+        self.host.touch(keys)
+    }
+
+    /// docs/spec.md §2.2 `complete_load`.
+    ///
+    /// # Errors
+    /// As the host manager's.
+    pub fn complete_load(&mut self, keys: &[ByteKey]) -> Result<()> {
+        self.host.complete_load(keys)?;
+        self.poll()
+    }
+
+    /// docs/spec.md §2.3 `prepare_store` (host blocks).
+    ///
+    /// # Errors
+    /// Only after shutdown.
+    pub fn prepare_store(
+        &mut self,
+        keys: &[ByteKey],
+    ) -> Result<Option<PrepareStoreOutput<ByteKey>>> {
+        self.poll()?;
+        self.host.prepare_store(keys)
+    }
+
+    fn admitted(&mut self, t: usize, key: &ByteKey) -> bool {
+        let cap = self.cfg.max_tracker_size.max(1);
+        let s = &mut self.slots[t];
+        if s.threshold < 2 {
+            return true;
+        }
+        if s.offers.len() >= cap && !s.offers.contains_key(key) {
+            s.offers.clear();
+        }
+        let n = s.offers.entry(key.clone()).or_insert(0);
+        *n += 1;
+        if *n >= s.threshold {
+            s.offers.remove(key);
+            true
+        } else {
+            false
+        }
+    }
+
+    /// Queues writes of ready `keys` to tiers `range` (each tier one batch).
+    fn write_through(&mut self, keys: &[ByteKey], range: std::ops::Range<usize>) -> Result<()> {
+        for t in range {
+            let mut items = Vec::new();
+            for k in keys {
+                if self.slots[t].tier.has_or_writing(k) {
+                    continue;
+                }
+                if !self.admitted(t, k) {
+                    self.slots[t].counters.writes_below_threshold += 1;
+                    continue;
+                }
+                let block = self.host.prepare_load(std::slice::from_ref(k))?[0];
+                *self.pins.entry(k.clone()).or_insert(0) += 1;
+                items.push((k.clone(), block));
+            }
+            if items.is_empty() {
+                continue;
+            }
+            let flags = self.slots[t].tier.submit_writes(&items);
+            for ((k, _), ok) in items.iter().zip(flags) {
+                if ok {
+                    self.slots[t].counters.writes_started += 1;
+                } else {
+                    self.slots[t].counters.writes_refused += 1;
+                    self.unpin(k)?;
+                }
+            }
+        }
+        Ok(())
+    }
+
+    /// docs/spec.md §2.2 `complete_store`; on success every key that became ready is written
+    /// through to the tiers (see the module docs).
+    ///
+    /// # Errors
+    /// Only after shutdown.
+    pub fn complete_store(&mut self, keys: &[ByteKey], success: bool) -> Result<()> {
+        let was_pending: Vec<bool> =
+            if success {
+                keys.iter()
+                    .map(|k| {
+                        Ok(self.host.lookup(k)? == Presence::Pending
+                            && !self.promoting.contains_key(k))
+                    })
+                    .collect::<Result<_>>()?
+            } else {
+                Vec::new()
+            };
+        self.host.complete_store(keys, success)?;
+        if success {
+            let mut ready = Vec::new();
+            for (k, pending) in keys.iter().zip(was_pending) {
+                if pending && self.host.lookup(k)? == Presence::Ready {
+                    ready.push(k.clone());
+                }
+            }
+            self.write_through(&ready, 0..self.slots.len())?;
+        }
+        self.poll()
+    }
+
+    /// docs/spec.md §2.2 `take_events` (host events; promotions appear as stores).
+    ///
+    /// # Errors
+    /// Only after shutdown.
+    pub fn take_events(&mut self) -> Result<Vec<OffloadingEvent<ByteKey>>> {
+        self.poll()?;
+        self.host.take_events()
+    }
+
+    /// Host gauges and, per tier, its counters and the chain's.
+    ///
+    /// # Errors
+    /// Only after shutdown.
+    pub fn get_stats(&mut self) -> Result<(ManagerStats, Vec<ChainTierStats>)> {
+        self.poll()?;
+        let tiers = self
+            .slots
+            .iter()
+            .map(|s| ChainTierStats {
+                kind: s.tier.kind(),
+                tier: s.tier.counters(),
+                chain: s.counters.clone(),
+            })
+            .collect();
+        Ok((self.host.get_stats()?, tiers))
+    }
+
+    /// Waits for every tier's I/O in flight (bounded by their timeouts; not a scheduler-step
+    /// operation).
+    pub fn flush(&self) {
+        for s in &self.slots {
+            s.tier.flush();
+        }
+    }
+
+    /// Waits for the I/O in flight, then forgets every host key (the tiers keep their values).
+    ///
+    /// # Errors
+    /// Only after shutdown.
+    pub fn reset(&mut self) -> Result<()> {
+        self.flush();
+        self.poll()?;
+        self.promoting.clear();
+        self.pins.clear();
+        for s in &mut self.slots {
+            s.offers.clear();
+        }
+        self.host.reset()
+    }
+
+    /// Waits for the I/O in flight, stops the tiers and shuts the host manager down. Idempotent.
+    pub fn shutdown(&mut self) {
+        self.flush();
+        let _ = self.poll();
+        for s in &mut self.slots {
+            s.tier.shutdown();
+        }
+        self.host.shutdown();
+    }
+
+    /// Present host keys (pending promotions included).
+    pub fn len(&self) -> usize {
+        self.host.len()
+    }
+
+    /// `true` when no host key is present.
+    pub fn is_empty(&self) -> bool {
+        self.host.is_empty()
+    }
+
+    /// Host capacity in blocks.
+    pub fn num_blocks(&self) -> usize {
+        self.host.num_blocks()
+    }
+}

@@ -1,0 +1,264 @@
+//! One interface for the tiers behind host memory (docs/tier.md "Secondary tiers"): the file tier
+//! ([`FileTier`]), the remote tier on Redis/Valkey (`remote::RemoteTier`) and any third
+//! one (an S3-compatible store, Mooncake) implement [`SecondaryTier`], so a new tier is one module
+//! and the tiered manager (`chain::ChainManager`) needs no change.
+//!
+//! **The contract.** Every method is called on the owner's thread (the engine's scheduler) and
+//! must return without waiting for I/O — no disk access, no network round trip, no lock held by
+//! an I/O thread across I/O. The tier does its work on its own threads and reports finished jobs
+//! through [`SecondaryTier::poll`], which the owner calls at the start of each of its calls.
+//!
+//! - **Index.** [`SecondaryTier::index`] answers from memory: [`Known::Present`],
+//!   [`Known::Absent`] or, for a tier whose index lives elsewhere (a remote store),
+//!   [`Known::Unknown`]. The owner then asks [`SecondaryTier::submit_fetch`] for a batch of keys
+//!   (one round trip for the keys of a prefix); when the answers arrive the index says `Present`
+//!   or `Absent` for them (a tier may remember misses for a while and forget hits it cannot keep).
+//! - **Writes** ([`SecondaryTier::submit_writes`]): a batch of `(key, host block)`; the tier copies
+//!   each block's bytes out of its [`super::BlockMemory`] on an I/O thread. The owner keeps the
+//!   block unchanged (pinned) until [`Completion::Released`] for it comes out of `poll`. A write
+//!   the tier cannot queue (full queue, bounded bytes in flight, shut down) is refused at once
+//!   (`false`) and counted in [`SecondaryCounters::writes_dropped`] when it was a drop.
+//! - **Reads** ([`SecondaryTier::submit_reads`]): a batch of `(key, host block)` for keys whose
+//!   index says `Present`; the block is a pending store the owner reserved. The bytes are valid
+//!   once [`Completion::Promoted`] with `ok` arrives; a value that fails its checks (header,
+//!   layout fingerprint, key, length, checksum) is never copied into the block, is counted in
+//!   [`SecondaryCounters::rejected`] and ends as `ok == false`.
+//! - **Counters** ([`SecondaryTier::counters`]): the same fields for every tier, so metrics are
+//!   exported per tier with one code path (`kvoff_disk_*`, `kvoff_remote_*`).
+#![forbid(unsafe_code)]
+
+use super::{Completion, FileTier};
+use crate::key::ByteKey;
+use crate::manager::BlockId;
+
+/// What a tier's in-memory index knows about a key.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Known {
+    /// The tier holds the key: a read may be submitted.
+    Present,
+    /// The tier does not hold it (or remembers a recent miss).
+    Absent,
+    /// The tier cannot tell without I/O: submit a fetch, then ask again.
+    Unknown,
+}
+
+/// Counters and gauges common to every secondary tier. Counters only grow; per-direction GB/s =
+/// bytes / seconds.
+#[derive(Clone, Debug, Default, PartialEq)]
+pub struct SecondaryCounters {
+    /// Values (files, remote keys) written by this instance.
+    pub writes: u64,
+    /// Payload bytes written.
+    pub bytes_written: u64,
+    /// Seconds the I/O threads spent writing, summed over threads.
+    pub write_seconds: f64,
+    /// Writes that failed (I/O error, server error, timeout).
+    pub write_errors: u64,
+    /// Writes refused because a queue or the in-flight byte bound was full.
+    pub writes_dropped: u64,
+    /// Reads that reached host memory.
+    pub promotions: u64,
+    /// Payload bytes promoted.
+    pub bytes_read: u64,
+    /// Seconds the I/O threads spent reading, summed over threads.
+    pub read_seconds: f64,
+    /// Reads that failed (value vanished, I/O error, timeout).
+    pub read_errors: u64,
+    /// Values rejected by a header, layout, key, length or checksum check (and removed if ours).
+    pub rejected: u64,
+    /// Keys asked for by [`SecondaryTier::submit_fetch`] that were found.
+    pub fetch_hits: u64,
+    /// Keys asked for by [`SecondaryTier::submit_fetch`] that were not found.
+    pub fetch_misses: u64,
+    /// Fetches that failed (server unreachable, timeout): their keys stay unknown.
+    pub fetch_errors: u64,
+    /// Reconnections to a remote store after a failure.
+    pub reconnects: u64,
+    /// Reads queued or running.
+    pub queued_reads: u64,
+    /// Writes queued or running.
+    pub queued_writes: u64,
+    /// The last error, for diagnosis (never contains a password).
+    pub last_error: Option<String>,
+}
+
+/// A tier behind host memory. See the module docs for the contract (no method waits for I/O).
+pub trait SecondaryTier: Send + std::fmt::Debug {
+    /// A short name for metrics and logs (`"disk"`, `"remote"`).
+    fn kind(&self) -> &'static str;
+
+    /// What the in-memory index knows about `key` (no I/O).
+    fn index(&self, key: &ByteKey) -> Known;
+
+    /// Asks the tier to find out whether it holds `keys` (one batch, in the background). Returns
+    /// the number of keys it started to look up (0 when none needed it, the tier does not do
+    /// fetches, or it is busy or down). The default does nothing: the index is always known.
+    fn submit_fetch(&self, keys: &[ByteKey]) -> usize {
+        let _ = keys;
+        0
+    }
+
+    /// Whether the tier holds `key` or is writing it (the owner then does not write it again).
+    fn has_or_writing(&self, key: &ByteKey) -> bool;
+
+    /// Queues writes of host blocks; one flag per item, `true` when queued (then the block stays
+    /// pinned until its [`Completion::Released`]).
+    fn submit_writes(&self, items: &[(ByteKey, BlockId)]) -> Vec<bool>;
+
+    /// Queues reads into pending host blocks; one flag per item, `true` when queued (a
+    /// [`Completion::Promoted`] follows).
+    fn submit_reads(&self, items: &[(ByteKey, BlockId)]) -> Vec<bool>;
+
+    /// Takes the finished jobs.
+    fn poll(&self) -> Vec<Completion>;
+
+    /// Whether jobs are queued, running or not yet polled.
+    fn busy(&self) -> bool;
+
+    /// Blocks until the queued jobs have run (tests, tools, shutdown — never a scheduler step).
+    fn flush(&self);
+
+    /// Finishes or abandons the queued jobs (a remote tier gives up after its timeouts) and stops
+    /// the I/O threads. Idempotent.
+    fn shutdown(&mut self);
+
+    /// Counters and gauges.
+    fn counters(&self) -> SecondaryCounters;
+
+    /// Tier-specific gauges and counters beyond [`SecondaryCounters`], as `(name, value)` (the
+    /// metrics prefix them with [`SecondaryTier::kind`]). The default has none.
+    fn extra_stats(&self) -> Vec<(&'static str, u64)> {
+        Vec::new()
+    }
+}
+
+impl SecondaryTier for FileTier {
+    fn kind(&self) -> &'static str {
+        "disk"
+    }
+
+    fn index(&self, key: &ByteKey) -> Known {
+        if self.contains(key) {
+            Known::Present
+        } else {
+            Known::Absent
+        }
+    }
+
+    fn has_or_writing(&self, key: &ByteKey) -> bool {
+        FileTier::has_or_writing(self, key)
+    }
+
+    fn submit_writes(&self, items: &[(ByteKey, BlockId)]) -> Vec<bool> {
+        items
+            .iter()
+            .map(|(k, b)| self.submit_write(k, *b))
+            .collect()
+    }
+
+    fn submit_reads(&self, items: &[(ByteKey, BlockId)]) -> Vec<bool> {
+        items.iter().map(|(k, b)| self.submit_read(k, *b)).collect()
+    }
+
+    fn poll(&self) -> Vec<Completion> {
+        FileTier::poll(self)
+    }
+
+    fn busy(&self) -> bool {
+        FileTier::busy(self)
+    }
+
+    fn flush(&self) {
+        FileTier::flush(self);
+    }
+
+    fn shutdown(&mut self) {
+        FileTier::shutdown(self);
+    }
+
+    fn counters(&self) -> SecondaryCounters {
+        let s = self.stats();
+        SecondaryCounters {
+            writes: s.files_written,
+            bytes_written: s.bytes_written,
+            write_seconds: s.write_seconds,
+            write_errors: s.write_errors,
+            writes_dropped: s.writes_dropped,
+            promotions: s.promotions,
+            bytes_read: s.bytes_read,
+            read_seconds: s.read_seconds,
+            read_errors: s.read_errors,
+            rejected: s.corrupt_files,
+            fetch_hits: 0,
+            fetch_misses: 0,
+            fetch_errors: 0,
+            reconnects: 0,
+            queued_reads: s.queued_reads,
+            queued_writes: s.queued_writes,
+            last_error: s.last_error,
+        }
+    }
+
+    fn extra_stats(&self) -> Vec<(&'static str, u64)> {
+        let s = self.stats();
+        vec![
+            ("evicted_files", s.evicted_files),
+            ("indexed_files", s.indexed_files),
+            ("own_files", s.own_files),
+            ("own_bytes", s.own_bytes),
+            ("direct_io", u64::from(s.direct_io)),
+        ]
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use std::sync::Arc;
+
+    use super::*;
+    use crate::tier::{Layout, TierConfig, VecMemory};
+
+    /// The file tier through the trait object: write, index, read back, counters.
+    #[test]
+    fn file_tier_through_the_trait() {
+        let dir = std::env::temp_dir().join(format!("kvoff-secondary-{}", std::process::id()));
+        let _ = std::fs::remove_dir_all(&dir);
+        let mem = Arc::new(VecMemory::new(4, 4096));
+        let layout = Layout {
+            namespace: "t".into(),
+            world_size: 1,
+            ..Layout::default()
+        };
+        let tier =
+            FileTier::open(TierConfig::new(&dir, 1 << 20, layout), mem.clone()).expect("open");
+        let mut tier: Box<dyn SecondaryTier> = Box::new(tier);
+        assert_eq!(tier.kind(), "disk");
+        let k = ByteKey::new(b"k1");
+        assert_eq!(tier.index(&k), Known::Absent);
+        assert_eq!(tier.submit_fetch(std::slice::from_ref(&k)), 0);
+        mem.set_block(0, &[9; 4096]).expect("set");
+        assert_eq!(tier.submit_writes(&[(k.clone(), 0)]), vec![true]);
+        assert!(tier.has_or_writing(&k));
+        tier.flush();
+        assert!(tier.poll().contains(&Completion::Released {
+            key: k.clone(),
+            block: 0
+        }));
+        assert_eq!(tier.index(&k), Known::Present);
+        assert_eq!(tier.submit_reads(&[(k.clone(), 1)]), vec![true]);
+        tier.flush();
+        assert_eq!(
+            tier.poll(),
+            vec![Completion::Promoted {
+                key: k,
+                block: 1,
+                ok: true
+            }]
+        );
+        assert_eq!(mem.block(1).expect("block"), vec![9; 4096]);
+        let c = tier.counters();
+        assert_eq!((c.writes, c.promotions, c.bytes_read), (1, 1, 4096));
+        tier.shutdown();
+        let _ = std::fs::remove_dir_all(&dir);
+    }
+}

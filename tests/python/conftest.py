@@ -1,0 +1,100 @@
+"""Shared pytest fixtures: real Redis servers for the remote tier (tests/python/redis_servers.py).
+
+- ``redis_server``: one standalone ``redis-server`` for the whole session (loopback, random port,
+  no persistence). Tests share it: use a namespace / key prefix of your own, or
+  ``redis_server.cli("FLUSHALL")`` first.
+- ``redis_cluster``: one 3-master Cluster (no replicas) for the whole session, the one the
+  issue's tests and the 8-engine load test run against.
+- ``redis_factory`` / ``cluster_factory``: make private servers / clusters (e.g. with
+  ``persistence="aof"``, ``password=``, ``tls=True``, ``replicas=1`` for the failover case,
+  ``proxied=True``) that the test may kill, pause or break; closed when the test ends.
+
+All of them skip the test, saying why, only where redis-server is not installed (scripts/test.sh
+installs Debian's). Servers are stopped when the session ends, also on failure (finalizers, an
+atexit hook, and ``PR_SET_PDEATHSIG`` for a killed test process).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import pytest
+import redis_servers as rs
+
+
+def _require_redis() -> None:
+    reason = rs.missing_reason()
+    if reason is not None:
+        pytest.skip(reason)
+
+
+@pytest.fixture(scope="session")
+def redis_server() -> Iterator[rs.RedisServer]:
+    _require_redis()
+    srv = rs.RedisServer(name="session-standalone")
+    try:
+        yield srv.start()
+    finally:
+        srv.close()
+
+
+@pytest.fixture(scope="session")
+def redis_cluster() -> Iterator[rs.RedisCluster]:
+    _require_redis()
+    c = rs.RedisCluster(masters=3, replicas=0)
+    try:
+        yield c.start()
+    finally:
+        c.close()
+
+
+@pytest.fixture
+def redis_factory() -> Iterator[Callable[..., rs.RedisServer]]:
+    _require_redis()
+    made: list[rs.RedisServer] = []
+
+    def make(**kw: Any) -> rs.RedisServer:
+        srv = rs.RedisServer(**kw)
+        made.append(srv)
+        return srv.start()
+
+    try:
+        yield make
+    finally:
+        for s in made:
+            s.close()
+
+
+@pytest.fixture
+def cluster_factory() -> Iterator[Callable[..., rs.RedisCluster]]:
+    _require_redis()
+    made: list[rs.RedisCluster] = []
+
+    def make(masters: int = 3, replicas: int = 0, **kw: Any) -> rs.RedisCluster:
+        c = rs.RedisCluster(masters, replicas, **kw)
+        made.append(c)
+        return c.start()
+
+    try:
+        yield make
+    finally:
+        for c in made:
+            c.close()
+
+
+@pytest.fixture
+def fault_proxy() -> Iterator[Callable[[int], rs.FaultProxy]]:
+    """``fault_proxy(target_port)``: a :class:`redis_servers.FaultProxy`, closed when the test ends."""
+    made: list[rs.FaultProxy] = []
+
+    def make(port: int) -> rs.FaultProxy:
+        p = rs.FaultProxy(port)
+        made.append(p)
+        return p
+
+    try:
+        yield make
+    finally:
+        for p in made:
+            p.close()

@@ -1,0 +1,98 @@
+"""``kvoff bench remote`` (python/kvoff/bench_remote.py): the same-run references (redis-benchmark's
+best SET/GET, redis-py pipelined SET/GET) against the real session redis-server, and the command
+line end to end on a private server. Small sizes: this checks the machinery, not the figures
+(BENCHMARKS.md has those)."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+
+import pytest
+import redis_servers as rs
+from kvoff import bench_remote as br
+from kvoff.cli import main
+
+
+def test_url_parsing() -> None:
+    t = br.RedisTarget.from_url("rediss://alice:p%40ss@10.0.0.1:7000/2")
+    assert (t.host, t.port, t.username, t.password, t.tls, t.db) == (
+        "10.0.0.1",
+        7000,
+        "alice",
+        "p@ss",
+        True,
+        2,
+    )
+    assert "p@ss" not in " ".join(t.tool_args())  # the password travels in REDISCLI_AUTH only
+    assert t.tool_env()["REDISCLI_AUTH"] == "p@ss"
+    assert br.RedisTarget.from_url("redis://h").port == 6379
+    c = br.RedisTarget.from_url("redis+cluster://:pw@10.0.0.1:7000,10.0.0.2:7001")
+    assert (c.host, c.port, c.password, c.tls) == ("10.0.0.1", 7000, "pw", False)
+    assert c.url() == "redis://:pw@10.0.0.1:7000"
+    assert br.RedisTarget.from_url(t.url()) == t
+    with pytest.raises(ValueError):
+        br.RedisTarget.from_url("http://h:1")
+
+
+def test_benchmark_csv_parsing() -> None:
+    out = '"test","rps","avg_latency_ms"\n"SET","1500.50","1.0"\n"GET","2000.00","0.5"\n'
+    assert br._parse_benchmark_csv(out) == {"SET": 1500.5, "GET": 2000.0}
+
+
+def test_redis_benchmark_best(redis_server: rs.RedisServer) -> None:
+    r = br.redis_benchmark_best(
+        redis_server.url, 32 << 10, pipelines=(1, 4), clients=(1, 2), run_bytes=8 << 20
+    )
+    assert len(r["grid"]) == 2 * 2 * 2
+    for op in ("set", "get"):
+        best = r[op]
+        assert best["gb_s"] > 0 and best["pipeline"] in (1, 4) and best["clients"] in (1, 2)
+        assert best["gb_s"] == max(g["gb_s"] for g in r["grid"] if g["op"] == op)
+
+
+def test_redis_benchmark_password(redis_factory: object) -> None:
+    srv = redis_factory(password="pw")  # type: ignore[operator]
+    r = br.redis_benchmark_best(srv.url, 4096, pipelines=(1,), clients=(1,), run_bytes=1 << 20)
+    assert r["set"]["gb_s"] > 0
+
+
+@pytest.mark.skipif(importlib.util.find_spec("redis") is None, reason="redis-py is not installed")
+def test_redis_py_reference(redis_server: rs.RedisServer) -> None:
+    r = br.redis_py_pipelined(redis_server.url, 32 << 10, 64, pipeline=16, reps=2)
+    assert r["verified"] and r["set_gb_s"] > 0 and r["get_gb_s"] > 0 and r["blocks"] == 64
+    assert redis_server.cli("KEYS", "kvoff-bench-ref:*") == ""  # cleaned up
+
+
+@pytest.mark.skipif(importlib.util.find_spec("redis") is None, reason="redis-py is not installed")
+def test_redis_py_reference_cluster(redis_cluster: rs.RedisCluster) -> None:
+    r = br.redis_py_pipelined(redis_cluster.url, 32 << 10, 48, pipeline=16, reps=1, cluster=True)
+    assert r["verified"]
+
+
+def test_kvoff_rows_contract(redis_server: rs.RedisServer) -> None:
+    # None exactly where this build has no remote tier; otherwise the documented keys.
+    k = br.kvoff_rows(redis_server.url, 32 << 10, 16, reps=1)
+    if k is None:
+        import kvoff._native as native
+
+        assert not hasattr(native, "bench_remote")
+        return
+    for key in ("set_gb_s", "get_gb_s", "promote_p50_us", "promote_p99_us", "lookup_p99_us_up", "verified"):
+        assert key in k, key
+    assert k["verified"] is True and k["set_gb_s"] > 0 and k["get_gb_s"] > 0
+
+
+def test_cli_private_server(capsys: pytest.CaptureFixture[str]) -> None:
+    if rs.missing_reason():
+        pytest.skip(rs.missing_reason() or "")
+    argv = ["bench", "remote", "--sizes", "32KiB", "--blocks", "32", "--reps", "1"]
+    argv += ["--pipelines", "1", "--clients", "1", "--json", "--quiet"]
+    assert main(argv) == 0
+    res = json.loads(capsys.readouterr().out)
+    assert res["private_server"] and res["server"].startswith(("redis ", "valkey "))
+    [row] = res["sizes"]
+    assert row["value_bytes"] == 32 << 10 and row["redis_benchmark"]["set"]["gb_s"] > 0
+    assert (row["kvoff"] is None) == ("kvoff_note" in row)
+    text = br.format_remote(res)
+    assert "redis-benchmark best" in text and "32 KiB" in text

@@ -1,0 +1,839 @@
+//! The remote tier (docs/tier.md "Remote tier") against a real `redis-server` (Debian's, started here
+//! on loopback at a random port, no persistence; the test command installs it — without it these
+//! tests print why they skip): round trips through the tier chain, values that must not be served,
+//! the password, and the faults of docs/tier.md "Remote tier: faults" (server killed, restarted
+//! empty or with its data, stopped, stalled, evicting, a Cluster master killed). Every test is
+//! bounded in time; the tests of this file run one at a time (a global lock), so the fd and thread
+//! counts they compare are this file's.
+// Tests: an unwrap that fails is the failure report; pedantic style is for the library.
+#![allow(clippy::unwrap_used, clippy::pedantic)]
+
+use std::net::TcpListener;
+use std::path::PathBuf;
+use std::process::{Child, Command, Stdio};
+use std::sync::{Arc, Mutex, MutexGuard};
+use std::time::{Duration, Instant};
+
+use kvoff::key::ByteKey;
+use kvoff::manager::{LruManager, ManagerConfig};
+use kvoff::tier::chain::{ChainConfig, ChainManager, ChainTier};
+use kvoff::tier::remote::{redact, RemoteConfig, RemoteTier};
+use kvoff::tier::secondary::{Known, SecondaryTier};
+use kvoff::tier::{FileTier, Layout, TierConfig, VecMemory};
+use kvoff::KvoffError;
+
+const BLOCK: usize = 8192;
+
+static SERIAL: Mutex<()> = Mutex::new(());
+
+fn serial() -> MutexGuard<'static, ()> {
+    SERIAL
+        .lock()
+        .unwrap_or_else(std::sync::PoisonError::into_inner)
+}
+
+fn have_redis() -> bool {
+    let ok = Command::new("redis-server")
+        .arg("--version")
+        .stdout(Stdio::null())
+        .status()
+        .is_ok_and(|s| s.success());
+    if !ok {
+        eprintln!("SKIP: redis-server is not installed (the test command installs Debian's)");
+    }
+    ok
+}
+
+fn free_port() -> u16 {
+    TcpListener::bind("127.0.0.1:0")
+        .unwrap()
+        .local_addr()
+        .unwrap()
+        .port()
+}
+
+fn tmpdir(tag: &str) -> PathBuf {
+    let d = std::env::temp_dir().join(format!("kvoff-remote-{tag}-{}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&d);
+    std::fs::create_dir_all(&d).unwrap();
+    d
+}
+
+/// One `redis-server` process on loopback; killed (SIGKILL) on drop.
+struct Server {
+    port: u16,
+    dir: PathBuf,
+    extra: Vec<String>,
+    child: Option<Child>,
+}
+
+impl Server {
+    fn start(tag: &str, extra: &[&str]) -> Self {
+        let mut s = Self {
+            port: free_port(),
+            dir: tmpdir(tag),
+            extra: extra.iter().map(|s| (*s).to_owned()).collect(),
+            child: None,
+        };
+        s.spawn();
+        s
+    }
+
+    fn spawn(&mut self) {
+        let mut cmd = Command::new("redis-server");
+        cmd.args(["--port", &self.port.to_string(), "--bind", "127.0.0.1"])
+            .args(["--save", "", "--appendonly", "no", "--protected-mode", "no"])
+            .arg("--dir")
+            .arg(&self.dir)
+            .args(&self.extra)
+            .stdout(Stdio::null())
+            .stderr(Stdio::null());
+        self.child = Some(cmd.spawn().unwrap());
+        let t0 = Instant::now();
+        loop {
+            let r = self.cli(&["PING"]);
+            if r.trim() == "PONG" || r.contains("NOAUTH") {
+                break;
+            }
+            assert!(
+                t0.elapsed() < Duration::from_secs(10),
+                "redis-server did not start"
+            );
+            std::thread::sleep(Duration::from_millis(20));
+        }
+    }
+
+    fn url(&self) -> String {
+        format!("redis://127.0.0.1:{}", self.port)
+    }
+
+    fn cli(&self, args: &[&str]) -> String {
+        let out = Command::new("redis-cli")
+            .args(["-p", &self.port.to_string(), "--no-auth-warning"])
+            .args(args)
+            .output()
+            .unwrap();
+        let mut s = String::from_utf8_lossy(&out.stdout).into_owned();
+        s.push_str(&String::from_utf8_lossy(&out.stderr));
+        s
+    }
+
+    fn signal(&self, sig: &str) {
+        let pid = self.child.as_ref().unwrap().id().to_string();
+        assert!(Command::new("kill")
+            .args([sig, &pid])
+            .status()
+            .unwrap()
+            .success());
+    }
+
+    fn kill(&mut self) {
+        if let Some(mut c) = self.child.take() {
+            let _ = c.kill();
+            let _ = c.wait();
+        }
+    }
+
+    fn restart(&mut self) {
+        self.kill();
+        self.spawn();
+    }
+}
+
+impl Drop for Server {
+    fn drop(&mut self) {
+        self.kill();
+        let _ = std::fs::remove_dir_all(&self.dir);
+    }
+}
+
+fn layout(ns: &str) -> Layout {
+    Layout {
+        namespace: ns.into(),
+        dtype: "bfloat16".into(),
+        page_sizes_bytes: vec![BLOCK as u64],
+        block_size_factor: 1,
+        world_size: 1,
+        rank: 0,
+    }
+}
+
+fn quick(mut c: RemoteConfig) -> RemoteConfig {
+    c.connect_timeout = Duration::from_millis(300);
+    c.io_timeout = Duration::from_millis(500);
+    c.negative_ttl = Duration::from_millis(200);
+    c.backoff_min = Duration::from_millis(50);
+    c.backoff_max = Duration::from_millis(400);
+    c
+}
+
+type Chain = ChainManager<LruManager<ByteKey>>;
+
+fn chain(url: &str, ns: &str, blocks: usize) -> (Chain, Arc<VecMemory>) {
+    let mem = Arc::new(VecMemory::new(blocks, BLOCK));
+    let tier = RemoteTier::open(quick(RemoteConfig::new(url, layout(ns))), mem.clone()).unwrap();
+    let m = ChainManager::new(
+        LruManager::new(ManagerConfig::new(blocks)),
+        vec![ChainTier::new(Box::new(tier))],
+        ChainConfig::default(),
+    );
+    (m, mem)
+}
+
+fn key(i: usize) -> ByteKey {
+    ByteKey::new(format!("block-{i:06}").as_bytes())
+}
+
+fn pattern(i: usize) -> Vec<u8> {
+    (0..BLOCK).map(|j| (i * 31 + j * 7) as u8).collect()
+}
+
+/// Stores `keys` through the chain (host block filled, then complete_store → write-through).
+fn store(m: &mut Chain, mem: &VecMemory, keys: &[usize]) {
+    let ks: Vec<ByteKey> = keys.iter().map(|&i| key(i)).collect();
+    let out = m.prepare_store(&ks).unwrap().expect("room");
+    for (k, b) in out.keys_to_store.iter().zip(&out.block_ids) {
+        let i = keys[ks.iter().position(|x| x == k).unwrap()];
+        mem.set_block(*b, &pattern(i)).unwrap();
+    }
+    m.complete_store(&out.keys_to_store, true).unwrap();
+}
+
+/// Polls `lookup_prefix` until it answers (bounded); returns the answer.
+fn settle(m: &mut Chain, keys: &[ByteKey], limit: Duration) -> usize {
+    let t0 = Instant::now();
+    loop {
+        if let Some(n) = m.lookup_prefix(keys).unwrap() {
+            return n;
+        }
+        assert!(t0.elapsed() < limit, "lookup stayed pending for {limit:?}");
+        std::thread::sleep(Duration::from_millis(2));
+    }
+}
+
+fn check_loaded(m: &mut Chain, mem: &VecMemory, idx: &[usize]) {
+    let ks: Vec<ByteKey> = idx.iter().map(|&i| key(i)).collect();
+    let ids = m.prepare_load(&ks).unwrap();
+    for (&i, b) in idx.iter().zip(ids) {
+        assert_eq!(
+            mem.block(b).unwrap(),
+            pattern(i),
+            "block {i} served wrong bytes"
+        );
+    }
+    m.complete_load(&ks).unwrap();
+}
+
+fn remote_stats(m: &mut Chain) -> kvoff::tier::chain::ChainTierStats {
+    m.get_stats().unwrap().1.pop().unwrap()
+}
+
+fn open_fds() -> usize {
+    std::fs::read_dir("/proc/self/fd").unwrap().count()
+}
+
+fn threads() -> usize {
+    std::fs::read_dir("/proc/self/task").unwrap().count()
+}
+
+#[test]
+fn round_trip_between_two_engines() {
+    let _g = serial();
+    if !have_redis() {
+        return;
+    }
+    let srv = Server::start("rt", &[]);
+    let (mut a, mem_a) = chain(&srv.url(), "model-a", 16);
+    store(&mut a, &mem_a, &[0, 1, 2, 3, 4, 5]);
+    a.flush();
+    a.poll().unwrap();
+    let s = remote_stats(&mut a);
+    assert_eq!(s.tier.writes, 6, "{s:?}");
+    assert_eq!(s.tier.bytes_written, 6 * BLOCK as u64);
+    // Every write pin was released.
+    assert_eq!(a.get_stats().unwrap().0.num_evictable, 6);
+
+    // Engine B: its own host memory, same server.
+    let (mut b, mem_b) = chain(&srv.url(), "model-a", 16);
+    let ks: Vec<ByteKey> = (0..8).map(key).collect();
+    // The first lookup answers pending (one batched fetch of the prefix runs) ...
+    assert_eq!(b.lookup_prefix(&ks).unwrap(), None);
+    // ... and settles at the 6 stored blocks (the 7th is a remembered miss).
+    assert_eq!(settle(&mut b, &ks, Duration::from_secs(5)), 6);
+    check_loaded(&mut b, &mem_b, &[0, 1, 2, 3, 4, 5]);
+    let s = remote_stats(&mut b);
+    assert_eq!(s.chain.fetches, 1, "one batched fetch: {s:?}");
+    assert_eq!(s.tier.promotions, 6);
+    assert_eq!(s.tier.rejected, 0);
+    assert!(s.chain.hits >= 6);
+    // Another namespace (another model) sees nothing.
+    let (mut c, _) = chain(&srv.url(), "model-b", 16);
+    assert_eq!(settle(&mut c, &ks, Duration::from_secs(5)), 0);
+    for m in [&mut a, &mut b, &mut c] {
+        m.shutdown();
+    }
+}
+
+#[test]
+fn corrupted_or_foreign_values_are_rejected_and_deleted() {
+    let _g = serial();
+    if !have_redis() {
+        return;
+    }
+    let srv = Server::start("bad", &[]);
+    let (mut a, mem_a) = chain(&srv.url(), "m", 8);
+    store(&mut a, &mem_a, &[0, 1, 2]);
+    a.flush();
+    let tier = RemoteTier::open(
+        quick(RemoteConfig::new(srv.url(), layout("m"))),
+        Arc::new(VecMemory::new(1, BLOCK)),
+    )
+    .unwrap();
+    // Block 0: truncated by another client; block 1: one payload byte flipped; block 2: intact.
+    let k0 = tier.redis_key(&key(0));
+    let k1 = tier.redis_key(&key(1));
+    srv.cli(&["SETRANGE", &k0, "0", "garbage-not-a-header"]);
+    let v1 = Command::new("redis-cli")
+        .args(["-p", &srv.port.to_string(), "--no-raw", "STRLEN", &k1])
+        .output()
+        .unwrap();
+    let len: usize = String::from_utf8_lossy(&v1.stdout)
+        .trim()
+        .trim_start_matches("(integer) ")
+        .parse()
+        .unwrap();
+    assert_eq!(len, tier.value_len());
+    srv.cli(&["SETRANGE", &k1, &(len - 10).to_string(), "XXXX"]);
+    drop(tier);
+
+    let (mut b, mem_b) = chain(&srv.url(), "m", 8);
+    let ks: Vec<ByteKey> = (0..3).map(key).collect();
+    // Block 0 is rejected at the fetch: nothing is served.
+    assert_eq!(settle(&mut b, &ks, Duration::from_secs(5)), 0);
+    let s = remote_stats(&mut b);
+    assert!(s.tier.rejected >= 1, "{s:?}");
+    // Rejected values are deleted (they are in this layout's key space).
+    b.flush();
+    assert_eq!(srv.cli(&["EXISTS", &k0]).trim(), "0");
+    // Blocks 1 and 2 asked alone: 1 rejected, 2 served byte-exact.
+    assert_eq!(settle(&mut b, &ks[1..2], Duration::from_secs(5)), 0);
+    assert_eq!(settle(&mut b, &ks[2..3], Duration::from_secs(5)), 1);
+    check_loaded(&mut b, &mem_b, &[2]);
+    let s = remote_stats(&mut b);
+    assert_eq!(s.tier.rejected, 2, "{s:?}");
+    b.flush();
+    assert_eq!(srv.cli(&["EXISTS", &k1]).trim(), "0");
+    a.shutdown();
+    b.shutdown();
+}
+
+#[test]
+fn password_from_env_never_printed() {
+    let _g = serial();
+    if !have_redis() {
+        return;
+    }
+    let pw = "s3cret-Pa55:word@x";
+    let srv = Server::start("auth", &["--requirepass", pw]);
+    // Without a password: writes fail, counted; nothing blocks.
+    let mem = Arc::new(VecMemory::new(4, BLOCK));
+    let mut cfg = quick(RemoteConfig::new(srv.url(), layout("p")));
+    cfg.password_env = "KVOFF_TEST_REMOTE_PW_UNSET".into();
+    let tier = RemoteTier::open(cfg, mem.clone()).unwrap();
+    mem.set_block(0, &pattern(0)).unwrap();
+    assert_eq!(tier.submit_writes(&[(key(0), 0)]), vec![true]);
+    tier.flush();
+    let c = tier.counters();
+    assert_eq!(c.writes, 0);
+    assert_eq!(c.write_errors, 1);
+    let err = c.last_error.unwrap_or_default();
+    assert!(!err.contains(pw), "password in an error: {err}");
+    drop(tier);
+
+    // From the environment variable.
+    std::env::set_var("KVOFF_TEST_REMOTE_PW", pw);
+    let mut cfg = quick(RemoteConfig::new(srv.url(), layout("p")));
+    cfg.password_env = "KVOFF_TEST_REMOTE_PW".into();
+    let dbg = format!("{cfg:?}");
+    let tier = RemoteTier::open(cfg, mem.clone()).unwrap();
+    assert_eq!(tier.submit_writes(&[(key(0), 0)]), vec![true]);
+    tier.flush();
+    assert_eq!(tier.counters().writes, 1);
+    let shown = format!("{dbg} {tier:?} {}", tier.url());
+    assert!(!shown.contains(pw) && !shown.contains("s3cret"), "{shown}");
+    drop(tier);
+
+    // In the URL: redacted everywhere it is shown.
+    let url = format!("redis://:s3cret-Pa55%3Aword%40x@127.0.0.1:{}", srv.port);
+    assert_eq!(redact(&url), format!("redis://:***@127.0.0.1:{}", srv.port));
+    let cfg = quick(RemoteConfig::new(url.clone(), layout("p")));
+    let tier = RemoteTier::open(cfg.clone(), mem.clone()).unwrap();
+    assert_eq!(tier.submit_writes(&[(key(1), 0)]), vec![true]);
+    tier.flush();
+    assert_eq!(tier.counters().writes, 1);
+    let shown = format!("{cfg:?} {tier:?}");
+    assert!(!shown.contains("s3cret"), "{shown}");
+    // A bad URL is a configuration error that does not print the password either.
+    let bad = RemoteTier::open(
+        RemoteConfig::new("redis://:s3cret@", layout("p")),
+        mem.clone(),
+    )
+    .unwrap_err();
+    assert!(matches!(bad, KvoffError::Config(_)));
+    assert!(!bad.to_string().contains("s3cret"), "{bad}");
+    let bad = RemoteTier::open(RemoteConfig::new("http://x:1", layout("p")), mem).unwrap_err();
+    assert!(matches!(bad, KvoffError::Config(_)), "{bad}");
+    std::env::remove_var("KVOFF_TEST_REMOTE_PW");
+}
+
+#[test]
+fn value_cap_refuses_huge_layouts() {
+    let _g = serial();
+    let mem = Arc::new(VecMemory::new(1, 64 << 20));
+    let e =
+        RemoteTier::open(RemoteConfig::new("redis://127.0.0.1:1", layout("x")), mem).unwrap_err();
+    assert!(matches!(e, KvoffError::Config(_)), "{e}");
+}
+
+/// Scheduler-thread calls while the server is down, killed mid-store, stopped (SIGSTOP) and
+/// restarted: every call returns at once, jobs end as failures, the tier reconnects, and the
+/// process has no more fds or threads than before.
+#[test]
+fn server_killed_stopped_restarted() {
+    let _g = serial();
+    if !have_redis() {
+        return;
+    }
+    let fds0 = open_fds();
+    let threads0 = threads();
+    let mut srv = Server::start("kill", &[]);
+    {
+        let (mut a, mem) = chain(&srv.url(), "k", 64);
+        store(&mut a, &mem, &(0..8).collect::<Vec<_>>());
+        a.flush();
+        assert_eq!(remote_stats(&mut a).tier.writes, 8);
+
+        // SIGKILL mid-store: a batch of writes is queued, the server dies under it.
+        store(&mut a, &mem, &(8..24).collect::<Vec<_>>());
+        srv.kill();
+        let t0 = Instant::now();
+        a.flush(); // bounded by the I/O timeout
+        assert!(t0.elapsed() < Duration::from_secs(5));
+        a.poll().unwrap();
+        // Host memory keeps serving everything stored.
+        let ks: Vec<ByteKey> = (0..24).map(key).collect();
+        assert_eq!(a.lookup_prefix(&ks).unwrap(), Some(24));
+        check_loaded(&mut a, &mem, &(0..24).collect::<Vec<_>>());
+
+        // Down: lookups of unknown keys return at once (the server is not asked while its
+        // backoff runs) and settle as misses; stores do not block.
+        let unknown: Vec<ByteKey> = (100..140).map(key).collect();
+        let mut worst = Duration::ZERO;
+        let t0 = Instant::now();
+        while t0.elapsed() < Duration::from_millis(500) {
+            for k in &unknown {
+                let t = Instant::now();
+                let _ = a.lookup(k).unwrap();
+                worst = worst.max(t.elapsed());
+            }
+        }
+        assert!(
+            worst < Duration::from_millis(50),
+            "a lookup took {worst:?} with the server down"
+        );
+        let t = Instant::now();
+        store(&mut a, &mem, &[40, 41]);
+        assert!(t.elapsed() < Duration::from_millis(50));
+        a.flush();
+        assert_eq!(settle(&mut a, &unknown[..1], Duration::from_secs(5)), 0);
+        let s = remote_stats(&mut a);
+        assert!(s.tier.write_errors + s.chain.writes_refused >= 1, "{s:?}");
+
+        // Restarted empty: the tier reconnects (after its backoff) and writes again.
+        srv.restart();
+        let t0 = Instant::now();
+        let mut next = 1000;
+        loop {
+            next += 1;
+            store(&mut a, &mem, &[next]);
+            a.flush();
+            a.poll().unwrap();
+            let s = remote_stats(&mut a);
+            if s.tier.reconnects >= 1 && srv.cli(&["DBSIZE"]).trim() != "0" {
+                break;
+            }
+            assert!(
+                t0.elapsed() < Duration::from_secs(10),
+                "no reconnect: {s:?}"
+            );
+            std::thread::sleep(Duration::from_millis(50));
+        }
+        // Blocks stored before the restart are gone from the server: engine B misses them, and
+        // serves nothing wrong.
+        let (mut b, mem_b) = chain(&srv.url(), "k", 64);
+        assert_eq!(settle(&mut b, &ks[..4], Duration::from_secs(5)), 0);
+
+        // Stopped (SIGSTOP): a fetch times out, lookups never wait, the fetch ends as a miss.
+        store(&mut a, &mem, &[60]);
+        a.flush();
+        srv.signal("-STOP");
+        let probe = [key(60)];
+        let t0 = Instant::now();
+        let mut worst = Duration::ZERO;
+        let n = loop {
+            let t = Instant::now();
+            let r = b.lookup_prefix(&probe).unwrap();
+            worst = worst.max(t.elapsed());
+            if let Some(n) = r {
+                break n;
+            }
+            assert!(
+                t0.elapsed() < Duration::from_secs(5),
+                "stalled fetch never ended"
+            );
+            std::thread::sleep(Duration::from_millis(1));
+        };
+        assert_eq!(n, 0);
+        assert!(worst < Duration::from_millis(50), "{worst:?}");
+        assert!(
+            t0.elapsed() >= Duration::from_millis(250),
+            "answered before the timeout?"
+        );
+        srv.signal("-CONT");
+        // After the backoff B finds the block.
+        let t0 = Instant::now();
+        loop {
+            if settle(&mut b, &probe, Duration::from_secs(5)) == 1 {
+                break;
+            }
+            assert!(
+                t0.elapsed() < Duration::from_secs(10),
+                "block 60 never found"
+            );
+            std::thread::sleep(Duration::from_millis(100));
+        }
+        check_loaded(&mut b, &mem_b, &[60]);
+        // Restarted with its data (SAVE, then SIGKILL, then start on the same dir).
+        srv.cli(&["CONFIG", "SET", "dbfilename", "dump.rdb"]);
+        assert_eq!(srv.cli(&["SAVE"]).trim(), "OK");
+        srv.extra = vec!["--dbfilename".into(), "dump.rdb".into()];
+        srv.restart();
+        let (mut c, mem_c) = chain(&srv.url(), "k", 64);
+        let t0 = Instant::now();
+        loop {
+            if settle(&mut c, &probe, Duration::from_secs(5)) == 1 {
+                break;
+            }
+            assert!(t0.elapsed() < Duration::from_secs(10));
+            std::thread::sleep(Duration::from_millis(100));
+        }
+        check_loaded(&mut c, &mem_c, &[60]);
+        for m in [&mut a, &mut b, &mut c] {
+            m.shutdown();
+        }
+    }
+    drop(srv);
+    std::thread::sleep(Duration::from_millis(100));
+    assert_eq!(threads(), threads0, "I/O threads left behind");
+    assert!(open_fds() <= fds0 + 2, "fds grew: {fds0} -> {}", open_fds());
+}
+
+/// A loopback proxy that stalls (the network partition of docs/tier.md): data stops flowing
+/// without a connection error, the I/O timeout ends the jobs.
+#[test]
+fn stalled_network_times_out() {
+    let _g = serial();
+    if !have_redis() {
+        return;
+    }
+    use std::io::{Read, Write};
+    use std::sync::atomic::{AtomicBool, Ordering};
+    let srv = Server::start("stall", &[]);
+    let stall = Arc::new(AtomicBool::new(false));
+    let lis = TcpListener::bind("127.0.0.1:0").unwrap();
+    let pport = lis.local_addr().unwrap().port();
+    let up = srv.port;
+    {
+        let stall = stall.clone();
+        std::thread::spawn(move || {
+            for c in lis.incoming() {
+                let Ok(c) = c else { return };
+                let Ok(s) = std::net::TcpStream::connect(("127.0.0.1", up)) else {
+                    return;
+                };
+                for (mut from, mut to) in [(c.try_clone().unwrap(), s.try_clone().unwrap()), (s, c)]
+                {
+                    let stall = stall.clone();
+                    std::thread::spawn(move || {
+                        let mut buf = vec![0u8; 65536];
+                        loop {
+                            let Ok(n) = from.read(&mut buf) else { return };
+                            if n == 0 {
+                                return;
+                            }
+                            while stall.load(Ordering::Relaxed) {
+                                std::thread::sleep(Duration::from_millis(10));
+                            }
+                            if to.write_all(&buf[..n]).is_err() {
+                                return;
+                            }
+                        }
+                    });
+                }
+            }
+        });
+    }
+    let url = format!("redis://127.0.0.1:{pport}");
+    let (mut a, mem) = chain(&url, "s", 16);
+    store(&mut a, &mem, &[0, 1]);
+    a.flush();
+    assert_eq!(remote_stats(&mut a).tier.writes, 2);
+    stall.store(true, std::sync::atomic::Ordering::Relaxed);
+    let t = Instant::now();
+    store(&mut a, &mem, &[2, 3]);
+    assert!(t.elapsed() < Duration::from_millis(50));
+    let t = Instant::now();
+    a.flush();
+    assert!(
+        t.elapsed() < Duration::from_secs(3),
+        "a stalled write was not timed out"
+    );
+    let s = remote_stats(&mut a);
+    assert_eq!(s.tier.writes, 2);
+    assert!(s.tier.write_errors >= 1, "{s:?}");
+    stall.store(false, std::sync::atomic::Ordering::Relaxed);
+    // Reconnects after the backoff; writes flow again.
+    let t0 = Instant::now();
+    let mut i = 10;
+    loop {
+        store(&mut a, &mem, &[i]);
+        i += 1;
+        a.flush();
+        let s = remote_stats(&mut a);
+        if s.tier.writes > 2 {
+            assert!(s.tier.reconnects >= 1);
+            break;
+        }
+        assert!(t0.elapsed() < Duration::from_secs(10), "{s:?}");
+        std::thread::sleep(Duration::from_millis(50));
+    }
+    a.shutdown();
+}
+
+/// `maxmemory` + `allkeys-lru` evicts our values: lookups miss (nothing wrong is served).
+#[test]
+fn evicted_values_are_misses() {
+    let _g = serial();
+    if !have_redis() {
+        return;
+    }
+    let srv = Server::start(
+        "lru",
+        &["--maxmemory", "2mb", "--maxmemory-policy", "allkeys-lru"],
+    );
+    let (mut a, mem) = chain(&srv.url(), "e", 256);
+    for chunk in (0..200).collect::<Vec<_>>().chunks(20) {
+        store(&mut a, &mem, chunk);
+        a.flush();
+    }
+    let written = remote_stats(&mut a).tier.writes;
+    assert!(written >= 100, "{written}");
+    let kept: usize = srv.cli(&["DBSIZE"]).trim().parse().unwrap();
+    assert!(kept < 200, "nothing evicted ({kept})");
+    let (mut b, mem_b) = chain(&srv.url(), "e", 256);
+    let mut served = 0;
+    for i in 0..200 {
+        if settle(&mut b, &[key(i)], Duration::from_secs(5)) == 1 {
+            check_loaded(&mut b, &mem_b, &[i]);
+            served += 1;
+        }
+    }
+    assert!(
+        served > 0 && served <= kept,
+        "served {served}, server kept {kept}"
+    );
+    let s = remote_stats(&mut b);
+    assert_eq!(s.tier.rejected, 0);
+    a.shutdown();
+    b.shutdown();
+}
+
+/// Bounded queues: a flood of writes beyond `max_queued_writes` is dropped and counted, never
+/// blocking `complete_store`; the file tier in front keeps every block.
+#[test]
+fn files_then_remote_and_bounded_writes() {
+    let _g = serial();
+    if !have_redis() {
+        return;
+    }
+    let srv = Server::start("chain", &[]);
+    let dir = tmpdir("chain-files");
+    let mem = Arc::new(VecMemory::new(64, BLOCK));
+    let files = FileTier::open(TierConfig::new(&dir, 1 << 30, layout("c")), mem.clone()).unwrap();
+    let mut rc = quick(RemoteConfig::new(srv.url(), layout("c")));
+    rc.max_queued_writes = 4;
+    let remote = RemoteTier::open(rc, mem.clone()).unwrap();
+    let mut m = ChainManager::new(
+        LruManager::new(ManagerConfig::new(64)),
+        vec![
+            ChainTier::new(Box::new(files)),
+            ChainTier::new(Box::new(remote)),
+        ],
+        ChainConfig::default(),
+    );
+    let t = Instant::now();
+    store(&mut m, &mem, &(0..32).collect::<Vec<_>>());
+    assert!(t.elapsed() < Duration::from_millis(200));
+    m.flush();
+    m.poll().unwrap();
+    let (_, st) = m.get_stats().unwrap();
+    assert_eq!(st[0].kind, "disk");
+    assert_eq!(st[0].tier.writes, 32);
+    assert_eq!(st[1].kind, "remote");
+    assert!(st[1].tier.writes_dropped > 0, "{:?}", st[1]);
+    assert_eq!(
+        st[1].tier.writes + st[1].tier.writes_dropped + st[1].tier.write_errors,
+        32
+    );
+    assert_eq!(
+        m.get_stats().unwrap().0.num_evictable,
+        32,
+        "write pins released"
+    );
+    m.shutdown();
+
+    // A second engine without files finds the written ones remotely; a third with the files
+    // finds all on disk first.
+    let (mut b, mem_b) = chain(&srv.url(), "c", 64);
+    let ks: Vec<ByteKey> = (0..32).map(key).collect();
+    let n = settle(&mut b, &ks, Duration::from_secs(5));
+    assert!(n >= 1);
+    check_loaded(&mut b, &mem_b, &(0..n).collect::<Vec<_>>());
+    b.shutdown();
+    let _ = std::fs::remove_dir_all(&dir);
+}
+
+#[test]
+fn known_answers_of_the_remote_index() {
+    let _g = serial();
+    if !have_redis() {
+        return;
+    }
+    let srv = Server::start("idx", &[]);
+    let mem = Arc::new(VecMemory::new(4, BLOCK));
+    let tier = RemoteTier::open(
+        quick(RemoteConfig::new(srv.url(), layout("i"))),
+        mem.clone(),
+    )
+    .unwrap();
+    assert_eq!(tier.index(&key(0)), Known::Unknown);
+    assert_eq!(tier.submit_fetch(&[key(0)]), 1);
+    tier.flush();
+    assert_eq!(tier.index(&key(0)), Known::Absent);
+    mem.set_block(0, &pattern(0)).unwrap();
+    assert_eq!(tier.submit_writes(&[(key(0), 0)]), vec![true]);
+    tier.flush();
+    assert_eq!(tier.index(&key(0)), Known::Present);
+    assert_eq!(tier.submit_reads(&[(key(0), 1)]), vec![true]);
+    tier.flush();
+    assert_eq!(mem.block(1).unwrap(), pattern(0));
+}
+
+/// A 3-master Cluster (`redis-cli --cluster create`): values spread over the masters, a second
+/// engine reads them back byte-exact through slot routing.
+#[test]
+fn cluster_round_trip() {
+    let _g = serial();
+    if !have_redis() {
+        return;
+    }
+    let mut nodes: Vec<Server> = (0..3)
+        .map(|i| {
+            let mut s = Server {
+                port: 0,
+                dir: tmpdir(&format!("cl{i}")),
+                extra: vec![
+                    "--cluster-enabled".into(),
+                    "yes".into(),
+                    "--cluster-node-timeout".into(),
+                    "2000".into(),
+                ],
+                child: None,
+            };
+            // The bus port (port + 10000) must be free too.
+            loop {
+                let p = free_port();
+                if p < 55000 && TcpListener::bind(("127.0.0.1", p + 10000)).is_ok() {
+                    s.port = p;
+                    break;
+                }
+            }
+            s.extra.push("--cluster-config-file".into());
+            s.extra.push(s.dir.join("nodes.conf").display().to_string());
+            s.spawn();
+            s
+        })
+        .collect();
+    let addrs: Vec<String> = nodes
+        .iter()
+        .map(|n| format!("127.0.0.1:{}", n.port))
+        .collect();
+    let out = Command::new("redis-cli")
+        .args(["--cluster", "create"])
+        .args(&addrs)
+        .args(["--cluster-replicas", "0", "--cluster-yes"])
+        .output()
+        .unwrap();
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stdout)
+    );
+    let t0 = Instant::now();
+    while !nodes
+        .iter()
+        .all(|n| n.cli(&["CLUSTER", "INFO"]).contains("cluster_state:ok"))
+    {
+        assert!(t0.elapsed() < Duration::from_secs(30), "cluster not ok");
+        std::thread::sleep(Duration::from_millis(100));
+    }
+    let url = format!("redis+cluster://{}", addrs.join(","));
+    let (mut a, mem) = chain(&url, "cl", 64);
+    store(&mut a, &mem, &(0..40).collect::<Vec<_>>());
+    a.flush();
+    let s = remote_stats(&mut a);
+    assert_eq!(s.tier.writes, 40, "{s:?}");
+    let sizes: Vec<usize> = nodes
+        .iter()
+        .map(|n| n.cli(&["DBSIZE"]).trim().parse().unwrap())
+        .collect();
+    assert_eq!(sizes.iter().sum::<usize>(), 40);
+    assert!(sizes.iter().filter(|&&n| n > 0).count() >= 2, "{sizes:?}");
+    let (mut b, mem_b) = chain(&url, "cl", 64);
+    let ks: Vec<ByteKey> = (0..40).map(key).collect();
+    assert_eq!(settle(&mut b, &ks, Duration::from_secs(10)), 40);
+    check_loaded(&mut b, &mem_b, &(0..40).collect::<Vec<_>>());
+    // One master killed (no replica): its blocks become misses, the others are still served,
+    // lookups never wait.
+    nodes[0].kill();
+    let (mut c, mem_c) = chain(&url, "cl", 64);
+    let t0 = Instant::now();
+    let mut served = 0;
+    for i in 0..40 {
+        let t = Instant::now();
+        let n = settle(&mut c, &[key(i)], Duration::from_secs(10));
+        assert!(t.elapsed() < Duration::from_secs(10));
+        if n == 1 {
+            check_loaded(&mut c, &mem_c, &[i]);
+            served += 1;
+        }
+    }
+    eprintln!(
+        "served {served} of 40 with one of 3 masters down in {:?}",
+        t0.elapsed()
+    );
+    assert!(served <= 40 - sizes[0]);
+    for m in [&mut a, &mut b, &mut c] {
+        m.shutdown();
+    }
+}
