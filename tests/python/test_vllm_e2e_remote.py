@@ -128,19 +128,23 @@ def _corrupt_every_value(srv: rs.RedisServer) -> int:
 
 
 def test_second_engine_serves_from_redis_and_rejects_corrupt_values(
-    models: Path, baseline: dict[str, Any], redis_factory: Any
+    models: Path, baseline: dict[str, Any], redis_factory: Any, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    # A private server (every key on it is this test's) with a password in the URL, which no
-    # log line may show.
+    # A private server (every key on it is this test's) with a password, which no log line may
+    # show. Inside vLLM the password goes in KVOFF_REMOTE_PASSWORD, not the URL (README): vLLM logs
+    # its own kv_transfer_config, URL included.
     srv: rs.RedisServer = redis_factory(password="hunter2")
-    cfg = _cfg(srv.url, f"e2e-{uuid.uuid4().hex[:8]}")
+    monkeypatch.setenv("KVOFF_REMOTE_PASSWORD", "hunter2")
+    url = f"redis://127.0.0.1:{srv.port}"
+    assert "hunter2" not in url
+    cfg = _cfg(url, f"e2e-{uuid.uuid4().hex[:8]}")
     a, b = _a_then_b(models, baseline, cfg)
     assert INFO_LINE.search(a["log"]), "kvoff's remote-tier INFO line is not in vLLM's log"
     assert "hunter2" not in a["log"] + b["log"]
     keys = srv.dbsize()
     assert keys > 0
     # Another namespace (another model or cache id) sees none of these values.
-    other = _remote_run(models, _cfg(srv.url, "another-namespace"))
+    other = _remote_run(models, _cfg(url, "another-namespace"))
     assert other["outputs"] == baseline["outputs"]
     assert (
         other["metrics"].get(HITS, 0) == 0 and other["metrics"].get("vllm:external_prefix_cache_hits", 0) == 0
