@@ -925,7 +925,7 @@ def format_results(doc: dict[str, Any]) -> str:
 def plot_results(doc: dict[str, Any], path: str) -> None:
     """Per workload: the TTFT distribution of every configuration (CDF) and output tokens/s
     (bars, with the ratio to no offloading), into ``path`` (PNG)."""
-    from kvoff.demo import require_matplotlib
+    from kvoff._toolbase import require_matplotlib
 
     require_matplotlib()
     import matplotlib
@@ -1073,7 +1073,7 @@ def serve_main(args: argparse.Namespace) -> int:
     if problem is None:
         problem = engine_problem()
     if problem is None and plot:
-        from kvoff.demo import require_matplotlib
+        from kvoff._toolbase import require_matplotlib
 
         try:
             require_matplotlib()
@@ -1110,7 +1110,7 @@ def _from_json(path: str, plot: str | None, as_json: bool) -> int:
         print(f"kvoff bench serve: --from-json {path}: {e}", file=sys.stderr)
         return 2
     if plot:
-        from kvoff.demo import require_matplotlib
+        from kvoff._toolbase import require_matplotlib
 
         try:
             require_matplotlib()
