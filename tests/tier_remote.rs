@@ -631,6 +631,45 @@ fn stalled_network_times_out() {
     a.shutdown();
 }
 
+/// A batch on a connection whose server stops answering costs one read timeout, not one per
+/// command: redis-rs's pipeline reads every remaining reply after a timeout, each with the full
+/// timeout, which held a 12-key fetch for 12 × 0.5 s. One I/O thread, so the fetch runs on the
+/// connection the write opened.
+#[test]
+fn stalled_batch_costs_one_timeout() {
+    let _g = serial();
+    if !have_redis() {
+        return;
+    }
+    let mut srv = Server::start("stallbatch", &[]);
+    let mem = Arc::new(VecMemory::new(16, BLOCK));
+    let mut cfg = quick(RemoteConfig::new(&srv.url(), layout("sb")));
+    cfg.io_threads = 1;
+    let tier = RemoteTier::open(cfg, mem.clone()).unwrap();
+    let mut a = ChainManager::new(
+        LruManager::new(ManagerConfig::new(16)),
+        vec![ChainTier::new(Box::new(tier))],
+        ChainConfig::default(),
+    );
+    store(&mut a, &mem, &[0, 1]);
+    a.flush();
+    assert_eq!(remote_stats(&mut a).tier.writes, 2);
+    srv.signal("-STOP");
+    let ks: Vec<ByteKey> = (100..112).map(key).collect();
+    assert_eq!(a.lookup_prefix(&ks).unwrap(), None);
+    let t = Instant::now();
+    a.flush();
+    let took = t.elapsed();
+    srv.signal("-CONT");
+    assert!(
+        took < Duration::from_millis(1500),
+        "a stalled 12-key fetch took {took:?}"
+    );
+    assert!(remote_stats(&mut a).tier.fetch_errors >= 1);
+    a.shutdown();
+    srv.kill();
+}
+
 /// `maxmemory` + `allkeys-lru` evicts our values: lookups miss (nothing wrong is served).
 #[test]
 fn evicted_values_are_misses() {

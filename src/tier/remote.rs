@@ -271,11 +271,20 @@ impl Conn {
     fn run(&mut self, cmds: Vec<redis::Cmd>) -> redis::RedisResult<Vec<redis::Value>> {
         match self {
             Self::Single(c) => {
-                let mut p = redis::Pipeline::with_capacity(cmds.len());
-                for cmd in cmds {
-                    p.add_command(cmd);
+                // Not `Pipeline::query`: redis-rs reads every remaining reply after a timeout,
+                // each with the full read timeout, so a stalled server held a batch of n commands
+                // for n timeouts. Here the first failed read ends the call (the connection is
+                // dropped by the caller): a stalled server costs one read timeout per call.
+                let mut packed = Vec::new();
+                for cmd in &cmds {
+                    cmd.write_packed_command(&mut packed);
                 }
-                p.query(c)
+                c.send_packed_command(&packed)?;
+                let mut out = Vec::with_capacity(cmds.len());
+                for _ in 0..cmds.len() {
+                    out.push(c.recv_response()?);
+                }
+                Ok(out)
             }
             Self::Cluster(c) => {
                 let mut p = redis::cluster::ClusterPipeline::with_capacity(cmds.len());
