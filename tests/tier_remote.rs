@@ -643,7 +643,7 @@ fn stalled_batch_costs_one_timeout() {
     }
     let mut srv = Server::start("stallbatch", &[]);
     let mem = Arc::new(VecMemory::new(16, BLOCK));
-    let mut cfg = quick(RemoteConfig::new(&srv.url(), layout("sb")));
+    let mut cfg = quick(RemoteConfig::new(srv.url(), layout("sb")));
     cfg.io_threads = 1;
     let tier = RemoteTier::open(cfg, mem.clone()).unwrap();
     let mut a = ChainManager::new(
