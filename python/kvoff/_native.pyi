@@ -35,6 +35,9 @@ __all__ = [
     "get_offload_group_idx",
     "make_offload_key",
     "resolve_engine",
+    "set_thread_cpus",
+    "thread_cpus",
+    "thread_placement_error",
 ]
 
 __version__: str
@@ -208,6 +211,17 @@ def compute_sub_block_ptrs(
 
 def cuda_available() -> bool:
     """Whether kvoff can use CUDA here (a driver with at least one device)."""
+
+def set_thread_cpus(cpus: Iterable[int] | str | None) -> None:
+    """The CPUs of the threads kvoff starts from now on (copy, I/O and feeder threads),
+    process-wide: CPU numbers, a Linux CPU list such as ``"1,3,8-11"``, or ``None`` /
+    ``"inherit"`` to keep the creator's (the default; ``KVOFF_THREAD_CPUS`` sets it at start)."""
+
+def thread_cpus() -> list[int] | None:
+    """The CPUs set for kvoff's threads, or ``None`` when they inherit their creator's."""
+
+def thread_placement_error() -> str | None:
+    """Why the CPU setting could not be applied to one of kvoff's threads (the last time)."""
 
 def resolve_engine(
     engine: str, placements: list[int | None], names: list[str] | None = None
