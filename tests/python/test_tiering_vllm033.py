@@ -352,3 +352,103 @@ def test_tiering_spec_cascades_to_kvoff_and_a_fresh_engine_promotes(tmp_path: An
         assert tier2.stats()["disk_reads"] == 5
     finally:
         m2.shutdown()
+
+
+def _prom(extra: dict[str, Any], tmp: Any) -> Any:
+    """vLLM's own Prometheus path for the offloading connector (``KVConnectorProm`` →
+    ``OffloadingConnector.build_prom_metrics`` → ``OffloadPromMetrics``, which asks the spec class —
+    here ``TieringOffloadingSpec``, which asks each secondary tier — for its metric definitions)."""
+    import transformers
+    from vllm.config import DeviceConfig, KVTransferConfig, ModelConfig, VllmConfig
+    from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorProm
+
+    d = tmp / "tiny-llama"
+    transformers.LlamaConfig(
+        vocab_size=512, hidden_size=64, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2
+    ).save_pretrained(d)
+    cfg = VllmConfig(
+        device_config=DeviceConfig(device="cpu"),
+        model_config=ModelConfig(model=str(d), dtype="float16", seed=0, skip_tokenizer_init=True),
+        kv_transfer_config=KVTransferConfig(
+            kv_connector="OffloadingConnector", kv_role="kv_both", kv_connector_extra_config=extra
+        ),
+    )
+    return KVConnectorProm(cfg, ["model_name", "engine"], {0: ["tiny", "0"]})
+
+
+def _sample(name: str, labels: dict[str, str]) -> float:
+    import prometheus_client
+
+    v = prometheus_client.REGISTRY.get_sample_value(name, labels)
+    return 0.0 if v is None else float(v)
+
+
+def test_tier_counters_reach_vllms_metrics(tmp_path: Any) -> None:
+    """kvoff's tier counters (lookup hits and misses, reads, writes, bytes, errors, rejected values)
+    leave through vLLM's metrics path: the tier's ``get_stats`` increments, merged by vLLM's
+    ``TieringOffloadingManager.get_stats``, observed by vLLM's ``OffloadPromMetrics`` into
+    Prometheus series labelled with the tier's type."""
+    import prometheus_client
+    from kvoff.vllm.tiering import TIER_VLLM_METRICS
+
+    before = set(prometheus_client.REGISTRY._names_to_collectors)
+    spec = _tiering_spec(tmp_path, f"kvoff-m-{uuid.uuid4().hex[:8]}")
+    prom = _prom(dict(spec.config.extra_config), tmp_path)
+    labels = {"model_name": "tiny", "engine": "0", "kvoff_tier": "KvoffFileTier"}
+    manager = spec.get_manager()
+    try:
+        (tier,) = manager.secondary_tiers
+        view = np.asarray(manager.primary_tier.get_kv_memoryview())
+        keys = [key(300 + i) for i in range(4)]
+        manager.on_new_request(CTX)
+        out = manager.prepare_store(keys, CTX)
+        assert out is not None
+        for row in out.store_spec.block_ids:
+            view[int(row)].view(np.uint8)[:] = 7
+        manager.complete_store(keys, CTX, success=True)
+        manager.on_request_finished(CTX)
+        _wait(manager, tier, lambda: all(tier.store.contains(k) for k in keys), "the cascade to kvoff")
+        # The tier's own lookups (vLLM asks each secondary tier on a primary miss).
+        assert [tier.lookup(k, CTX) for k in keys] == [LookupResult.HIT] * 4
+        assert tier.lookup(key(999), CTX) is LookupResult.MISS
+        stats = manager.get_stats()
+        assert stats is not None
+        prom.observe(stats.data, 0)
+        chunk = int(view.shape[1])
+        assert _sample("vllm:kvoff_tier_writes_total", labels) == 4
+        assert _sample("vllm:kvoff_tier_bytes_written_total", labels) == 4 * chunk
+        assert _sample("vllm:kvoff_tier_lookup_hits_total", labels) >= 4
+        assert _sample("vllm:kvoff_tier_lookup_misses_total", labels) >= 1
+        assert _sample("vllm:kvoff_tier_entries", labels) == 4
+        assert _sample("vllm:kvoff_tier_stored_bytes", labels) >= 4 * chunk
+        assert _sample("vllm:kvoff_tier_write_errors_total", labels) == 0
+        # Increments, not totals: a second report without new I/O adds nothing.
+        again = manager.get_stats()
+        if again is not None:
+            prom.observe(again.data, 0)
+        assert _sample("vllm:kvoff_tier_writes_total", labels) == 4
+        # A corrupt file: read, rejected, counted, and the counter reaches vLLM.
+        path = tier.store.path_of(keys[0])
+        with open(path, "r+b") as f:
+            f.seek(-1, os.SEEK_END)
+            b = f.read(1)
+            f.seek(-1, os.SEEK_END)
+            f.write(bytes([b[0] ^ 0xFF]))
+        tier.submit_load(job(77, [keys[0], keys[1]], [0, 1]))
+        tier.drain_jobs()
+        (res,) = [r for r in tier.get_finished_jobs() if r.job_id == 77]
+        assert not res.success and list(res.successful_keys or []) == [keys[1]]
+        stats = manager.get_stats()
+        assert stats is not None
+        prom.observe(stats.data, 0)
+        assert _sample("vllm:kvoff_tier_rejected_total", labels) == 1
+        assert _sample("vllm:kvoff_tier_reads_total", labels) == 1
+        assert _sample("vllm:kvoff_tier_bytes_read_total", labels) == chunk
+        # Every declared metric is one vLLM registered.
+        for name in TIER_VLLM_METRICS:
+            assert name in prometheus_client.REGISTRY._names_to_collectors, name
+    finally:
+        manager.shutdown()
+        reg = prometheus_client.REGISTRY
+        for c in {reg._names_to_collectors[n] for n in set(reg._names_to_collectors) - before}:
+            reg.unregister(c)

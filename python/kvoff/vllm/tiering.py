@@ -25,11 +25,15 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, ClassVar
 
 import numpy as np
+from vllm.distributed.kv_transfer.kv_connector.v1.offloading.metrics import OffloadingConnectorStats
 from vllm.v1.kv_offload.base import (
     Locality,
     LookupResult,
     Medium,
+    OffloadingCounterMetadata,
     OffloadingEvent,
+    OffloadingGaugeMetadata,
+    OffloadingMetricMetadata,
     OffloadKey,
     ReqContext,
     RequestOffloadingContext,
@@ -44,7 +48,41 @@ if TYPE_CHECKING:
     from vllm.v1.kv_offload.base import OffloadingSpec
     from vllm.v1.kv_offload.tiering.backpressure import BackpressureDetector
 
-__all__ = ["KvoffFileTier", "kvoff", "tier_namespace"]
+__all__ = ["TIER_VLLM_METRICS", "KvoffFileTier", "kvoff", "tier_namespace"]
+
+#: The kvoff tier's counters as vLLM metrics under vLLM's tiering (docs/vllm.md "kvoff tiers under
+#: vLLM's tiering"): name → (kind, meaning, the ``stats()`` key or ``None`` for a count kept by the
+#: tier's Python side). Each carries the label ``kvoff_tier`` (the tier's ``type``), so several
+#: kvoff tiers in one ``secondary_tiers`` list are told apart. Counters are cumulative in kvoff and
+#: reported to vLLM as increments; GB/s per direction is ``rate(..._bytes) / rate(..._seconds)``.
+TIER_VLLM_METRICS: dict[str, tuple[str, str, str | None]] = {
+    "vllm:kvoff_tier_lookup_hits": ("counter", "chunks the tier's index held when looked up", None),
+    "vllm:kvoff_tier_lookup_misses": ("counter", "chunks the tier's index did not hold", None),
+    "vllm:kvoff_tier_reads": ("counter", "chunks read into vLLM's CPU tier", "disk_reads"),
+    "vllm:kvoff_tier_bytes_read": ("counter", "bytes read into vLLM's CPU tier", "disk_bytes_read"),
+    "vllm:kvoff_tier_read_seconds": ("counter", "I/O thread seconds spent reading", "disk_read_seconds"),
+    "vllm:kvoff_tier_read_errors": ("counter", "reads that failed (value vanished, I/O)", "disk_read_errors"),
+    "vllm:kvoff_tier_writes": ("counter", "chunks written", "disk_files_written"),
+    "vllm:kvoff_tier_bytes_written": ("counter", "bytes written", "disk_bytes_written"),
+    "vllm:kvoff_tier_write_seconds": ("counter", "I/O thread seconds spent writing", "disk_write_seconds"),
+    "vllm:kvoff_tier_write_errors": ("counter", "writes that failed (store skipped)", "disk_write_errors"),
+    "vllm:kvoff_tier_writes_dropped": (
+        "counter",
+        "writes dropped (queue full or no room)",
+        "disk_writes_dropped",
+    ),
+    "vllm:kvoff_tier_rejected": (
+        "counter",
+        "values rejected by their header or checksum",
+        "disk_corrupt_files",
+    ),
+    "vllm:kvoff_tier_evicted": ("counter", "own values removed for capacity", "disk_evicted_files"),
+    "vllm:kvoff_tier_stored_bytes": ("gauge", "bytes of this instance's own values", "disk_own_bytes"),
+    "vllm:kvoff_tier_entries": ("gauge", "values in the tier's index", "disk_indexed_files"),
+}
+
+#: The label of :data:`TIER_VLLM_METRICS`.
+TIER_METRIC_LABEL = "kvoff_tier"
 
 log = logging.getLogger(__name__)
 
@@ -160,6 +198,9 @@ class KvoffFileTier(SecondaryTierManager):
         self._writes: dict[tuple[bytes, int], JobId] = {}
         self._reads: dict[tuple[bytes, int], list[JobId]] = {}
         self._finished: list[JobResult] = []
+        self._hits = 0
+        self._misses = 0
+        self._seen: dict[str, float] = {}
         log.info(
             "kvoff tier %r: %s (%d bytes per chunk, %d chunks in the CPU tier, direct I/O %s)",
             tier_type,
@@ -173,7 +214,11 @@ class KvoffFileTier(SecondaryTierManager):
 
     def lookup(self, key: OffloadKey, req_context: ReqContext) -> LookupResult:
         """``HIT`` when a published file is indexed (no I/O), else ``MISS``."""
-        return LookupResult.HIT if self.store.contains(bytes(key)) else LookupResult.MISS
+        if self.store.contains(bytes(key)):
+            self._hits += 1
+            return LookupResult.HIT
+        self._misses += 1
+        return LookupResult.MISS
 
     def on_new_request(self, req_context: ReqContext) -> RequestOffloadingContext:
         return RequestOffloadingContext()
@@ -292,6 +337,36 @@ class KvoffFileTier(SecondaryTierManager):
     def stats(self) -> dict[str, Any]:
         """kvoff's ``disk_*`` counters and gauges (as ``kvoff.tier.DISK_METRICS``)."""
         return dict(self.store.stats())
+
+    # --- vLLM metrics ----------------------------------------------------------------------------
+
+    @classmethod
+    def build_metric_definitions(cls, extra_config: dict[str, Any]) -> dict[str, OffloadingMetricMetadata]:
+        """:data:`TIER_VLLM_METRICS`, declared to vLLM's Prometheus path (``TieringOffloadingSpec``
+        merges every secondary tier's definitions)."""
+        out: dict[str, OffloadingMetricMetadata] = {}
+        for name, (kind, doc, _) in TIER_VLLM_METRICS.items():
+            meta = OffloadingGaugeMetadata if kind == "gauge" else OffloadingCounterMetadata
+            out[name] = meta(documentation=f"kvoff tier: {doc}.", labelnames=(TIER_METRIC_LABEL,))
+        return out
+
+    def get_stats(self) -> OffloadingConnectorStats | None:
+        """The increments of :data:`TIER_VLLM_METRICS` since the last call (and the gauges);
+        ``TieringOffloadingManager.get_stats`` merges them into the connector's stats."""
+        st = self.store.stats()
+        st_py = {"vllm:kvoff_tier_lookup_hits": self._hits, "vllm:kvoff_tier_lookup_misses": self._misses}
+        out = OffloadingConnectorStats()
+        label = (str(self.tier_type),)
+        for name, (kind, _, key) in TIER_VLLM_METRICS.items():
+            value = float(st_py[name] if key is None else st.get(key, 0))
+            if kind == "gauge":
+                out.set_gauge(name, value, label)
+                continue
+            delta = value - self._seen.get(name, 0.0)
+            self._seen[name] = value
+            if delta:
+                out.increase_counter(name, delta, label)
+        return out
 
 
 class kvoff(KvoffFileTier):
