@@ -558,3 +558,89 @@ def test_v2_mla_mamba_is_sharded(tmp_path: Any) -> None:
         finally:
             b.close()
     assert out == [(1, 1), (0, 1)]  # rank 1 wrote no KV file, and its own Mamba file
+
+
+# --- the remote tier (a real redis-server) under the same backend --------------------------------
+
+
+@pytest.fixture
+def redis_url() -> Any:
+    """A real ``redis-server`` on loopback (tests/python/redis_servers.py)."""
+    sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "python"))
+    import redis_servers as rs
+
+    reason = rs.missing_reason()
+    if reason is not None:
+        if os.environ.get("KVOFF_REQUIRE_REDIS"):
+            pytest.fail(f"KVOFF_REQUIRE_REDIS is set but: {reason}")
+        pytest.skip(reason)
+    srv = rs.RedisServer(name="sglang-hicache")
+    try:
+        yield srv.start().url
+    finally:
+        srv.close()
+
+
+def remote_config(url: str, **kw: Any) -> Any:
+    cfg = storage_config("unused", **kw)
+    extra = dict(cfg.extra_config)
+    del extra["disk_path"]
+    extra["remote_url"] = url
+    cfg.extra_config = extra
+    return cfg
+
+
+def test_remote_tier_second_server_byte_exact(redis_url: str) -> None:
+    """One backend, tiers chosen by its extra config: ``remote_url`` puts SGLang's pages on Redis;
+    a second backend instance (a second server) finds them and loads them byte-exact, v1 and v2."""
+    pool = mha_pool("page_first")
+    mamba = mamba_pool()
+    b = backend(remote_config(redis_url, page_first=True), pool)
+    b.register_mem_host_pool_v2(pool, PoolName.KV)
+    b.register_mem_host_pool_v2(mamba, PoolName.MAMBA)
+    try:
+        assert b.store.kind == "remote"
+        fill(pool, 41)
+        fill_mamba(mamba, 42)
+        src = [1, 2, 3, 4]
+        want = [page_bytes(pool, s) for s in src]
+        want_m = mamba_page(mamba, 3)
+        assert b.batch_set_v1(KEYS[:4], indices(src)) == [True] * 4
+        m = b.batch_set_v2(
+            [PoolTransfer(name=PoolName.MAMBA, host_indices=torch.tensor([3]), keys=[KEYS[3]])]
+        )
+        assert m == {PoolName.MAMBA: [True]}
+        assert b.kvoff_stats()["remote_writes"] == 4
+    finally:
+        b.close()
+    pool2, mamba2 = mha_pool("page_first"), mamba_pool()
+    b2 = backend(remote_config(redis_url, page_first=True), pool2)
+    b2.register_mem_host_pool_v2(pool2, PoolName.KV)
+    b2.register_mem_host_pool_v2(mamba2, PoolName.MAMBA)
+    try:
+        # A fresh index: batch_exists asks the server (one batched round trip).
+        assert b2.batch_exists(KEYS) == 4
+        trailing = PoolTransfer(name=PoolName.MAMBA, keys=[KEYS[0]], hit_policy=PoolHitPolicy.TRAILING_PAGES)
+        r = b2.batch_exists_v2(KEYS[:4], [trailing])
+        assert r.kv_hit_pages == 4 and r.restorable_prefix_pages == [4]
+        dst = [9, 10, 11, 12]
+        assert b2.batch_get_v1(KEYS[:4], indices(dst)) == [True] * 4
+        for w, d in zip(want, dst):
+            assert torch.equal(page_bytes(pool2, d), w)
+        got = b2.batch_get_v2(
+            [PoolTransfer(name=PoolName.MAMBA, host_indices=torch.tensor([6]), keys=[KEYS[3]])]
+        )
+        assert got == {PoolName.MAMBA: [True]}
+        assert torch.equal(mamba_page(mamba2, 6), want_m)
+        assert b2.batch_get_v1(["d" * 64], indices([13])) == [False]
+        st = b2.kvoff_stats()
+        assert st["remote_reads"] == 4 and st["remote_rejected_values"] == 0
+    finally:
+        b2.close()
+
+
+def test_remote_and_disk_together_is_refused(tmp_path: Any, redis_url: str) -> None:
+    cfg = storage_config(tmp_path)
+    cfg.extra_config = {**cfg.extra_config, "remote_url": redis_url}
+    with pytest.raises(Exception, match="not both"):
+        StorageBackendFactory.create_backend("dynamic", cfg, mha_pool("page_first"))

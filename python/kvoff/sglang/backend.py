@@ -38,6 +38,27 @@ SETTINGS = (
     "fsync",
     "rescan_interval_s",
     "owner",
+    "remote_url",
+    "remote_cluster",
+    "remote_ttl_s",
+    "remote_timeout_s",
+    "remote_connect_timeout_s",
+    "remote_max_inflight_bytes",
+    "remote_negative_ttl_s",
+    "remote_max_fetch_keys",
+    "remote_password_env",
+)
+
+#: The remote tier's settings passed through to ``BlockStore`` as they are.
+_REMOTE_PASSTHROUGH = (
+    "remote_cluster",
+    "remote_ttl_s",
+    "remote_timeout_s",
+    "remote_connect_timeout_s",
+    "remote_max_inflight_bytes",
+    "remote_negative_ttl_s",
+    "remote_max_fetch_keys",
+    "remote_password_env",
 )
 
 
@@ -100,7 +121,12 @@ class KvoffHiCacheStorage(HiCacheStorage):
     ``KvoffHiCacheStorage(storage_config, kwargs)``; the files are opened when SGLang registers the
     host pool (the page's bytes are known then). Settings, from the extra config:
 
-    - ``disk_path`` (required; ``file_storage_path`` also accepted): directory of the files.
+    - ``disk_path`` (``file_storage_path`` also accepted): directory of the files; or
+    - ``remote_url`` instead: kvoff's remote tier on Redis/Valkey (``redis://``, ``rediss://``,
+      ``redis+cluster://``; docs/tier.md "Remote tier"), with ``remote_cluster``, ``remote_ttl_s``,
+      ``remote_timeout_s`` (2.0; also the most ``batch_exists`` waits for the server),
+      ``remote_connect_timeout_s``, ``remote_max_inflight_bytes``, ``remote_negative_ttl_s``,
+      ``remote_max_fetch_keys``, ``remote_password_env``.
     - ``disk_bytes_to_use`` (100 GiB): capacity of this rank's own files (LRU eviction).
     - ``namespace``: replaces SGLang's model name in the namespace (engines sharing files must
       agree on it).
@@ -116,10 +142,18 @@ class KvoffHiCacheStorage(HiCacheStorage):
         self.storage_config = storage_config
         extra = dict(storage_config.extra_config or {})
         path = extra.get("disk_path", extra.get("file_storage_path"))
-        if not path:
-            raise ConfigError("kvoff's HiCache backend needs 'disk_path' in the extra config")
-        self.path = str(path)
+        self.remote_url: str | None = extra.get("remote_url")
+        if self.remote_url is not None and path:
+            raise ConfigError(
+                "kvoff's HiCache backend is on files ('disk_path') or remote ('remote_url'), not both"
+            )
+        if not path and self.remote_url is None:
+            raise ConfigError("kvoff's HiCache backend needs 'disk_path' or 'remote_url' in the extra config")
+        self.path = str(path) if path else None
         self.settings = {k: extra[k] for k in SETTINGS if k in extra}
+        # batch_exists on the remote tier: keys its index does not know are asked of the server
+        # (one batched round trip), waiting at most this long; the file tier never waits.
+        self.lookup_wait_s = float(self.settings.get("remote_timeout_s", 2.0)) if self.remote_url else 0.0
         self.is_mla = bool(storage_config.is_mla_model)
         self.is_writer = bool(storage_config.is_storage_writer)
         self.store: Any = None
@@ -135,6 +169,7 @@ class KvoffHiCacheStorage(HiCacheStorage):
 
     def _open(self, ns: str, page_bytes: int, dtype: str, rank: int, world: int) -> Any:
         s = self.settings
+        remote = {k: s[k] for k in _REMOTE_PASSTHROUGH if k in s}
         return _native.BlockStore(
             self.path,
             int(s.get("disk_bytes_to_use", 100 << 30)),
@@ -152,6 +187,8 @@ class KvoffHiCacheStorage(HiCacheStorage):
             direct_io=_direct(s.get("direct_io", "auto")),
             rescan_interval_s=s.get("rescan_interval_s", 2.0),
             owner=s.get("owner"),
+            remote_url=self.remote_url,
+            **remote,
         )
 
     def register_mem_pool_host(self, mem_pool_host: Any) -> None:
@@ -281,11 +318,13 @@ class KvoffHiCacheStorage(HiCacheStorage):
         bw.append(n * self.page_bytes / dt / 1e9)
 
     def batch_exists(self, keys: list[str], extra_info: Any = None) -> int:
-        """Leading run of stored pages, from kvoff's in-memory index (no I/O)."""
-        return int(self._ready().leading_run(self._keys(keys))) if keys else 0
+        """Leading run of stored pages, from kvoff's in-memory index (no I/O on the file tier; the
+        remote tier asks the server about keys its index does not know, one batched round trip
+        bounded by ``remote_timeout_s``)."""
+        return int(self._ready().leading_run(self._keys(keys), self.lookup_wait_s)) if keys else 0
 
     def exists(self, key: str) -> bool:
-        return bool(self._ready().contains(key.encode()))
+        return bool(self._ready().contains_many([key.encode()], self.lookup_wait_s)[0])
 
     # --- v2: hybrid models (several host pools: KV, Mamba, SWA, ...) ------------------------------
 
@@ -316,13 +355,17 @@ class KvoffHiCacheStorage(HiCacheStorage):
         if self.logical_anchor and "kv" not in self.pools:
             kv_pages = len(keys)
         else:
-            kv_pages = int(self._pool("kv").store.leading_run(self._keys(keys))) if keys else 0
+            kv_pages = (
+                int(self._pool("kv").store.leading_run(self._keys(keys), self.lookup_wait_s)) if keys else 0
+            )
         hits: dict[str, int] = {PoolName.KV: kv_pages} if kv_pages else {}
         restorable = list(range(1, kv_pages + 1))
         for t in pool_transfers or []:
             if not restorable:
                 break
-            have = list(self._pool(t.name).store.contains_many(self._keys(keys[:kv_pages])))
+            have = list(
+                self._pool(t.name).store.contains_many(self._keys(keys[:kv_pages]), self.lookup_wait_s)
+            )
             if t.hit_policy == PoolHitPolicy.ALL_PAGES:
                 boundary = have.index(False) if False in have else kv_pages
                 ok = set(range(1, boundary + 1))

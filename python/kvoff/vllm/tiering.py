@@ -48,37 +48,71 @@ if TYPE_CHECKING:
     from vllm.v1.kv_offload.base import OffloadingSpec
     from vllm.v1.kv_offload.tiering.backpressure import BackpressureDetector
 
-__all__ = ["TIER_VLLM_METRICS", "KvoffFileTier", "kvoff", "tier_namespace"]
+__all__ = ["TIER_VLLM_METRICS", "KvoffFileTier", "KvoffRemoteTier", "kvoff", "tier_namespace"]
 
-#: The kvoff tier's counters as vLLM metrics under vLLM's tiering (docs/vllm.md "kvoff tiers under
-#: vLLM's tiering"): name → (kind, meaning, the ``stats()`` key or ``None`` for a count kept by the
-#: tier's Python side). Each carries the label ``kvoff_tier`` (the tier's ``type``), so several
+#: The kvoff tier's counters as vLLM metrics under vLLM's tiering (README "kvoff tiers under vLLM's
+#: tiering"): name → (kind, meaning, the ``stats()`` keys of the file and the remote tier — ``""``
+#: where that tier has none, ``None`` for a count kept by the tier's Python side). Each carries the label ``kvoff_tier`` (the tier's ``type``), so several
 #: kvoff tiers in one ``secondary_tiers`` list are told apart. Counters are cumulative in kvoff and
 #: reported to vLLM as increments; GB/s per direction is ``rate(..._bytes) / rate(..._seconds)``.
-TIER_VLLM_METRICS: dict[str, tuple[str, str, str | None]] = {
+TIER_VLLM_METRICS: dict[str, tuple[str, str, tuple[str, str] | None]] = {
     "vllm:kvoff_tier_lookup_hits": ("counter", "chunks the tier's index held when looked up", None),
     "vllm:kvoff_tier_lookup_misses": ("counter", "chunks the tier's index did not hold", None),
-    "vllm:kvoff_tier_reads": ("counter", "chunks read into vLLM's CPU tier", "disk_reads"),
-    "vllm:kvoff_tier_bytes_read": ("counter", "bytes read into vLLM's CPU tier", "disk_bytes_read"),
-    "vllm:kvoff_tier_read_seconds": ("counter", "I/O thread seconds spent reading", "disk_read_seconds"),
-    "vllm:kvoff_tier_read_errors": ("counter", "reads that failed (value vanished, I/O)", "disk_read_errors"),
-    "vllm:kvoff_tier_writes": ("counter", "chunks written", "disk_files_written"),
-    "vllm:kvoff_tier_bytes_written": ("counter", "bytes written", "disk_bytes_written"),
-    "vllm:kvoff_tier_write_seconds": ("counter", "I/O thread seconds spent writing", "disk_write_seconds"),
-    "vllm:kvoff_tier_write_errors": ("counter", "writes that failed (store skipped)", "disk_write_errors"),
+    "vllm:kvoff_tier_reads": ("counter", "chunks read into vLLM's CPU tier", ("disk_reads", "remote_reads")),
+    "vllm:kvoff_tier_bytes_read": (
+        "counter",
+        "bytes read into vLLM's CPU tier",
+        ("disk_bytes_read", "remote_bytes_read"),
+    ),
+    "vllm:kvoff_tier_read_seconds": (
+        "counter",
+        "I/O thread seconds spent reading",
+        ("disk_read_seconds", "remote_read_seconds"),
+    ),
+    "vllm:kvoff_tier_read_errors": (
+        "counter",
+        "reads that failed (value vanished, I/O, timeout)",
+        ("disk_read_errors", "remote_read_errors"),
+    ),
+    "vllm:kvoff_tier_writes": ("counter", "chunks written", ("disk_files_written", "remote_writes")),
+    "vllm:kvoff_tier_bytes_written": (
+        "counter",
+        "bytes written",
+        ("disk_bytes_written", "remote_bytes_written"),
+    ),
+    "vllm:kvoff_tier_write_seconds": (
+        "counter",
+        "I/O thread seconds spent writing",
+        ("disk_write_seconds", "remote_write_seconds"),
+    ),
+    "vllm:kvoff_tier_write_errors": (
+        "counter",
+        "writes that failed (store skipped)",
+        ("disk_write_errors", "remote_write_errors"),
+    ),
     "vllm:kvoff_tier_writes_dropped": (
         "counter",
         "writes dropped (queue full or no room)",
-        "disk_writes_dropped",
+        ("disk_writes_dropped", "remote_writes_dropped"),
     ),
     "vllm:kvoff_tier_rejected": (
         "counter",
         "values rejected by their header or checksum",
-        "disk_corrupt_files",
+        ("disk_corrupt_files", "remote_rejected_values"),
     ),
-    "vllm:kvoff_tier_evicted": ("counter", "own values removed for capacity", "disk_evicted_files"),
-    "vllm:kvoff_tier_stored_bytes": ("gauge", "bytes of this instance's own values", "disk_own_bytes"),
-    "vllm:kvoff_tier_entries": ("gauge", "values in the tier's index", "disk_indexed_files"),
+    "vllm:kvoff_tier_fetch_errors": (
+        "counter",
+        "remote lookups that failed or were skipped while the server was down",
+        ("", "remote_fetch_errors"),
+    ),
+    "vllm:kvoff_tier_evicted": ("counter", "own files removed for capacity", ("disk_evicted_files", "")),
+    "vllm:kvoff_tier_stored_bytes": ("gauge", "bytes of this instance's own files", ("disk_own_bytes", "")),
+    "vllm:kvoff_tier_entries": (
+        "gauge",
+        "values in the tier's index",
+        ("disk_indexed_files", "remote_known_present"),
+    ),
+    "vllm:kvoff_tier_up": ("gauge", "1 while the tier's store is reachable", ("", "remote_up")),
 }
 
 #: The label of :data:`TIER_VLLM_METRICS`.
@@ -131,6 +165,15 @@ class KvoffFileTier(SecondaryTierManager):
       other engines' new files are picked up), ``owner`` (the instance's tag; default namespace,
       rank and host name).
     - ``enable_kv_events``, ``locality``: as vLLM's ``fs`` tier.
+    - ``remote_url`` (instead of ``disk_path``): kvoff's remote tier on Redis/Valkey
+      (``redis://``, ``rediss://``, ``redis+cluster://``; docs/tier.md "Remote tier") behind the CPU
+      tier, same header/checksum/namespace rules. Its index may not know a chunk: ``lookup`` then
+      starts one batched fetch and answers ``RETRY`` (vLLM asks again next step; never waits).
+      ``remote_cluster``, ``remote_ttl_s``, ``remote_timeout_s`` (2.0), ``remote_connect_timeout_s``
+      (1.0), ``remote_max_inflight_bytes``, ``remote_negative_ttl_s`` (2.0),
+      ``remote_max_fetch_keys`` (64), ``remote_password_env`` (``KVOFF_REMOTE_PASSWORD``);
+      ``io_threads`` and ``max_queued_writes`` apply too. :class:`KvoffRemoteTier` is the same
+      class under the remote tier's name.
     """
 
     medium: ClassVar[Medium] = Medium.STORAGE
@@ -154,11 +197,22 @@ class KvoffFileTier(SecondaryTierManager):
         locality: str | None = None,
         backpressure_detector: BackpressureDetector | None = None,
         root_dir: str | None = None,
+        remote_url: str | None = None,
+        remote_cluster: bool = False,
+        remote_ttl_s: float | None = None,
+        remote_timeout_s: float = 2.0,
+        remote_connect_timeout_s: float = 1.0,
+        remote_max_inflight_bytes: int = 256 << 20,
+        remote_negative_ttl_s: float = 2.0,
+        remote_max_fetch_keys: int = 64,
+        remote_password_env: str = "KVOFF_REMOTE_PASSWORD",
     ) -> None:
         super().__init__(offloading_spec, primary_kv_view, tier_type, backpressure_detector)
         path = disk_path if disk_path is not None else root_dir
-        if not path:
-            raise ConfigError("the kvoff tier needs 'disk_path' (a directory for its files)")
+        if remote_url is not None and path:
+            raise ConfigError("a kvoff tier is either files ('disk_path') or remote ('remote_url'), not both")
+        if not path and remote_url is None:
+            raise ConfigError("the kvoff tier needs 'disk_path' (a directory for its files) or 'remote_url'")
         self.locality = Locality(locality) if locality is not None else None
         self.events: list[OffloadingEvent] | None = None
         if enable_kv_events and offloading_spec.kv_events_config.enable_kv_cache_events:
@@ -175,7 +229,7 @@ class KvoffFileTier(SecondaryTierManager):
         self.namespace = tier_namespace(offloading_spec, namespace)
         cfg = offloading_spec.config
         self.store = _native.BlockStore(
-            str(path),
+            str(path) if path else None,
             int(disk_bytes_to_use),
             stride,
             rows=(int(rows.ctypes.data), int(rows.shape[0]), stride),
@@ -191,6 +245,15 @@ class KvoffFileTier(SecondaryTierManager):
             direct_io=direct_io,
             rescan_interval_s=rescan_interval_s,
             owner=owner,
+            remote_url=remote_url,
+            remote_cluster=remote_cluster,
+            remote_ttl_s=remote_ttl_s,
+            remote_timeout_s=remote_timeout_s,
+            remote_connect_timeout_s=remote_connect_timeout_s,
+            remote_max_inflight_bytes=remote_max_inflight_bytes,
+            remote_negative_ttl_s=remote_negative_ttl_s,
+            remote_max_fetch_keys=remote_max_fetch_keys,
+            remote_password_env=remote_password_env,
         )
         self._jobs: dict[JobId, _Job] = {}
         # (key, chunk id) of a queued write or read -> its job (a key is written once at a time;
@@ -207,14 +270,18 @@ class KvoffFileTier(SecondaryTierManager):
             self.store.dir,
             stride,
             rows.shape[0],
-            self.store.stats()["disk_direct_io"],
+            self.store.stats().get("disk_direct_io", "n/a (remote)"),
         )
 
     # --- lookups ---------------------------------------------------------------------------------
 
     def lookup(self, key: OffloadKey, req_context: ReqContext) -> LookupResult:
-        """``HIT`` when a published file is indexed (no I/O), else ``MISS``."""
-        if self.store.contains(bytes(key)):
+        """``HIT`` when the tier's index holds the chunk (no I/O), ``MISS`` when it does not; the
+        remote tier: ``RETRY`` while its index does not know (a fetch is started; no waiting)."""
+        (known,) = self.store.lookup([bytes(key)])
+        if known is None:
+            return LookupResult.RETRY
+        if known:
             self._hits += 1
             return LookupResult.HIT
         self._misses += 1
@@ -335,7 +402,8 @@ class KvoffFileTier(SecondaryTierManager):
         self.store.shutdown()
 
     def stats(self) -> dict[str, Any]:
-        """kvoff's ``disk_*`` counters and gauges (as ``kvoff.tier.DISK_METRICS``)."""
+        """kvoff's ``disk_*`` counters and gauges (as ``kvoff.tier.DISK_METRICS``), or the remote
+        tier's ``remote_*``."""
         return dict(self.store.stats())
 
     # --- vLLM metrics ----------------------------------------------------------------------------
@@ -357,7 +425,11 @@ class KvoffFileTier(SecondaryTierManager):
         st_py = {"vllm:kvoff_tier_lookup_hits": self._hits, "vllm:kvoff_tier_lookup_misses": self._misses}
         out = OffloadingConnectorStats()
         label = (str(self.tier_type),)
-        for name, (kind, _, key) in TIER_VLLM_METRICS.items():
+        remote = self.store.kind == "remote"
+        for name, (kind, _, keys) in TIER_VLLM_METRICS.items():
+            key = None if keys is None else keys[1 if remote else 0]
+            if key == "":
+                continue
             value = float(st_py[name] if key is None else st.get(key, 0))
             if kind == "gauge":
                 out.set_gauge(name, value, label)
@@ -371,3 +443,8 @@ class KvoffFileTier(SecondaryTierManager):
 
 class kvoff(KvoffFileTier):
     """Alias of :class:`KvoffFileTier`, so that ``"type": "kvoff"`` names it."""
+
+
+class KvoffRemoteTier(KvoffFileTier):
+    """:class:`KvoffFileTier` under the remote tier's name (``"type": "KvoffRemoteTier"`` with
+    ``remote_url``)."""
