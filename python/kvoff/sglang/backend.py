@@ -194,6 +194,10 @@ class KvoffHiCacheStorage(HiCacheStorage):
     def register_mem_pool_host(self, mem_pool_host: Any) -> None:
         super().register_mem_pool_host(mem_pool_host)
         pool = mem_pool_host
+        # A new attach: SGLang registers the v2 pools again after this.
+        for ps in self.pools.values():
+            ps.store.shutdown()
+        self.pools.clear()
         if self.store is not None:
             self.store.shutdown()
             self.store = None
