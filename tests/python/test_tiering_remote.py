@@ -192,3 +192,46 @@ def test_bad_settings_raise(tmp_path: Any, redis_server: Any) -> None:
         assert a.store.remove(base.key(1)) is False
     finally:
         a.shutdown()
+
+
+def test_files_and_redis_as_two_secondary_tiers(tmp_path: Any, redis_factory: Any) -> None:
+    """kvoff's file tier and remote tier as two entries of one ``secondary_tiers`` list: vLLM's
+    cascade reaches both, and each one's counters carry its own ``kvoff_tier`` label."""
+    srv = redis_factory()
+    extra = {
+        "spec_name": "TieringOffloadingSpec",
+        "cpu_bytes_to_use": 64 * 8192,
+        "secondary_tiers": [
+            {"type": "KvoffFileTier", "module_path": "kvoff.vllm.tiering", "disk_path": str(tmp_path)},
+            {"type": "KvoffRemoteTier", "module_path": "kvoff.vllm.tiering", "remote_url": srv.url},
+        ],
+    }
+    manager = TieringOffloadingSpec(
+        base._config(extra=extra, engine_id=f"kvoff-2-{uuid.uuid4().hex[:8]}")
+    ).get_manager()
+    try:
+        files, remote = manager.secondary_tiers
+        assert files.store.kind == "disk" and remote.store.kind == "remote"
+        view = np.asarray(manager.primary_tier.get_kv_memoryview())
+        keys = [base.key(700 + i) for i in range(3)]
+        manager.on_new_request(CTX)
+        out = manager.prepare_store(keys, CTX)
+        assert out is not None
+        for row in out.store_spec.block_ids:
+            view[int(row)].view(np.uint8)[:] = 9
+        manager.complete_store(keys, CTX, success=True)
+        manager.on_request_finished(CTX)
+
+        def both() -> bool:
+            remote.drain_jobs()
+            return files.stats()["disk_files_written"] == 3 and remote.stats()["remote_writes"] == 3
+
+        base._wait(manager, files, both, "the cascade to both kvoff tiers")
+        stats = manager.get_stats()
+        assert stats is not None
+        red = stats.reduce()
+        assert red["vllm:kvoff_tier_writes:('KvoffFileTier',)"] == 3
+        assert red["vllm:kvoff_tier_writes:('KvoffRemoteTier',)"] == 3
+        assert red["vllm:kvoff_tier_entries:('KvoffFileTier',)"] == 3
+    finally:
+        manager.shutdown()
