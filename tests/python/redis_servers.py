@@ -634,7 +634,7 @@ class RedisCluster:
 
     def master_for_key(self, key: str) -> RedisServer:
         """The node that serves ``key``'s slot now."""
-        slot = int(self.nodes[0].cli("CLUSTER", "KEYSLOT", key))
+        slot = int(next(n for n in self.nodes if n.running()).cli("CLUSTER", "KEYSLOT", key))
         for row in self.node_table():
             if "master" not in row["flags"] or "fail" in row["flags"]:
                 continue
