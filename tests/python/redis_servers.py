@@ -558,6 +558,14 @@ class RedisCluster:
         return [f"{scheme}://{auth}127.0.0.1:{nd.client_port}" for nd in self.nodes]
 
     @property
+    def cluster_url(self) -> str:
+        """Every node as a seed: ``redis+cluster://[:password@]127.0.0.1:p1,127.0.0.1:p2,...``
+        (``rediss+cluster://`` with TLS), the multi-seed form of kvoff's ``remote_url``."""
+        auth = f":{self.password}@" if self.password else ""
+        seeds = ",".join(f"127.0.0.1:{nd.client_port}" for nd in self.nodes)
+        return f"{'rediss' if self.tls else 'redis'}+cluster://{auth}{seeds}"
+
+    @property
     def ca_file(self) -> Path | None:
         return self.nodes[0].tls_files.get("ca") if self.tls else None
 
