@@ -1,0 +1,676 @@
+//! Connections, Cluster routing and per-node fault state of the remote tier (docs/tier.md "Remote
+//! tier", "Faults"; the client choice in docs/design.md "Remote tier client").
+//!
+//! **Why not the crate's Cluster connection.** The `redis` crate speaks the protocol and opens the
+//! connections (one [`redis::Connection`] per node and I/O thread, TLS and authentication from the
+//! URL); the routing of a batch is here, because the crate's synchronous `ClusterConnection`
+//! (1.8) fails a whole pipeline when one node of it is down, reads every remaining reply of a
+//! node after a timeout (each with the full read timeout: n commands to a stalled node held the
+//! batch for n timeouts), and reconnects only through the seed nodes of the URL (one dead seed:
+//! no way back, although the Cluster told it every other node).
+//!
+//! **Nodes.** Every node ever known — the URL's seeds, then every master and replica named by
+//! `CLUSTER SLOTS` — stays in [`Router`]'s list, so a topology refresh can ask any of them. Each
+//! node has its own fault state: a failed connect, write or read marks that node down for a
+//! backoff that doubles from `backoff_min` to `backoff_max`; while it is down, commands routed to
+//! it fail at once without a network call, and when the backoff ends one thread probes it (the
+//! others keep failing its commands at once until the probe ends). The first reply after a
+//! failure counts as a reconnect.
+//!
+//! **Routing.** A standalone server is node 0 for every key. In a Cluster a key goes to the master
+//! of its slot (CRC16/XMODEM of the key, or of its `{hash tag}`, modulo 16384 — [`key_slot`]) in
+//! the slot map read with `CLUSTER SLOTS`. A batch is split per node; each node's part is one
+//! pipeline (written to every node first, then the replies read node by node), so a node that
+//! fails or stalls fails only its own commands and costs at most one connect timeout and one I/O
+//! timeout. `MOVED` and `ASK` replies are followed once (`ASKING` before an `ASK`ed command) and
+//! mark the slot map stale; `TRYAGAIN`, `CLUSTERDOWN`, `MASTERDOWN`, `LOADING` and `READONLY` fail
+//! the command (the caller's job ends as a miss or a failed write) and mark it stale too, as does
+//! a command routed to a node that is down or to a slot no master serves. A stale map is read
+//! again by one thread at a time, at most once per `backoff_min`, from the first node that answers
+//! (nodes this thread is connected to first, nodes marked down last and only once their backoff
+//! is over).
+#![forbid(unsafe_code)]
+
+use std::collections::HashMap;
+use std::sync::atomic::{AtomicU64, Ordering::Relaxed};
+use std::sync::{Mutex, MutexGuard, PoisonError};
+use std::time::{Duration, Instant};
+
+/// Slots of a Redis Cluster.
+pub const SLOTS: usize = 16_384;
+
+/// The Cluster slot of `key`: CRC16/XMODEM of the key's hash tag (the bytes between its first `{`
+/// and the next `}`, when not empty) or of the whole key, modulo 16384 (the Redis Cluster
+/// specification, "Keys distribution model").
+#[must_use]
+pub fn key_slot(key: &[u8]) -> u16 {
+    let tagged = key
+        .iter()
+        .position(|&b| b == b'{')
+        .and_then(|open| {
+            let rest = &key[open + 1..];
+            rest.iter()
+                .position(|&b| b == b'}')
+                .map(|close| &rest[..close])
+        })
+        .filter(|tag| !tag.is_empty())
+        .unwrap_or(key);
+    let mut crc: u16 = 0;
+    for &b in tagged {
+        crc ^= u16::from(b) << 8;
+        for _ in 0..8 {
+            crc = if crc & 0x8000 == 0 {
+                crc << 1
+            } else {
+                (crc << 1) ^ 0x1021
+            };
+        }
+    }
+    crc % 16_384
+}
+
+/// No node serves the slot.
+const NO_NODE: u32 = u32::MAX;
+
+/// Settings of a [`Router`].
+#[derive(Clone, Debug)]
+pub(super) struct RouterConfig {
+    pub cluster: bool,
+    pub connect_timeout: Duration,
+    pub io_timeout: Duration,
+    pub backoff_min: Duration,
+    pub backoff_max: Duration,
+}
+
+struct Node {
+    host: String,
+    port: u16,
+    info: redis::ConnectionInfo,
+    /// Commands to this node fail at once until then.
+    down_until: Option<Instant>,
+    backoff: Duration,
+    /// A call failed since the last reply (the next reply is a reconnect).
+    failed: bool,
+    /// A thread is probing the node after its backoff (since then).
+    probing: Option<Instant>,
+}
+
+struct RouterState {
+    nodes: Vec<Node>,
+    by_addr: HashMap<(String, u16), usize>,
+    /// Node of each slot (Cluster only; empty until the first refresh).
+    slots: Vec<u32>,
+    /// The nodes the slot map names (sorted, no repeats).
+    serving: Vec<usize>,
+    /// Bumped at each new slot map (threads then drop connections to nodes that left it).
+    epoch: u64,
+    stale: bool,
+    refreshing: bool,
+    last_refresh: Option<Instant>,
+}
+
+/// One I/O thread's connections, by node.
+#[derive(Default)]
+pub(super) struct Conns {
+    map: HashMap<usize, redis::Connection>,
+    epoch: u64,
+}
+
+/// The replies of a batch: per command its value (server error replies other than redirects
+/// included, as `redis::Value::ServerError`) or `None` when it was not answered (node down or
+/// failing, slot unserved, redirected twice); and the last failure, for the tier's `last_error`.
+pub(super) struct Outcome {
+    pub replies: Vec<Option<redis::Value>>,
+    pub error: Option<String>,
+}
+
+/// See the module docs.
+pub(super) struct Router {
+    cfg: RouterConfig,
+    /// The URL's form for messages (no password).
+    label: String,
+    state: Mutex<RouterState>,
+    /// Replies from a node after a failure of that node.
+    pub reconnects: AtomicU64,
+}
+
+fn lock(m: &Mutex<RouterState>) -> MutexGuard<'_, RouterState> {
+    m.lock().unwrap_or_else(PoisonError::into_inner)
+}
+
+/// One command and its reply (a reply that is a server error is a value, not a failure).
+fn request(c: &mut redis::Connection, cmd: &redis::Cmd) -> redis::RedisResult<redis::Value> {
+    c.send_packed_command(&cmd.get_packed_command())?;
+    c.recv_response()
+}
+
+/// What to do with a reply that is a server error.
+enum Redirect {
+    Moved(String, u16),
+    Ask(String, u16),
+}
+
+/// A batch's command routed to a node (`asking`: send `ASKING` first).
+struct Routed {
+    index: usize,
+    asking: bool,
+}
+
+impl Router {
+    /// A router over the URL's nodes (`seeds`: parsed connection infos, in the URL's order).
+    pub(super) fn new(cfg: RouterConfig, label: String, seeds: Vec<redis::ConnectionInfo>) -> Self {
+        let mut st = RouterState {
+            nodes: Vec::new(),
+            by_addr: HashMap::new(),
+            slots: Vec::new(),
+            serving: Vec::new(),
+            epoch: 0,
+            stale: true,
+            refreshing: false,
+            last_refresh: None,
+        };
+        for info in seeds {
+            let (host, port) = match info.addr() {
+                redis::ConnectionAddr::Tcp(h, p)
+                | redis::ConnectionAddr::TcpTls {
+                    host: h, port: p, ..
+                } => (h.clone(), *p),
+                redis::ConnectionAddr::Unix(p) => (p.display().to_string(), 0),
+                _ => (String::new(), 0),
+            };
+            Self::add_node(&mut st, &cfg, host, port, info);
+        }
+        Self {
+            cfg,
+            label,
+            state: Mutex::new(st),
+            reconnects: AtomicU64::new(0),
+        }
+    }
+
+    fn add_node(
+        st: &mut RouterState,
+        cfg: &RouterConfig,
+        host: String,
+        port: u16,
+        info: redis::ConnectionInfo,
+    ) -> usize {
+        if let Some(&id) = st.by_addr.get(&(host.clone(), port)) {
+            return id;
+        }
+        let id = st.nodes.len();
+        st.by_addr.insert((host.clone(), port), id);
+        st.nodes.push(Node {
+            host,
+            port,
+            info,
+            down_until: None,
+            backoff: cfg.backoff_min,
+            failed: false,
+            probing: None,
+        });
+        id
+    }
+
+    /// The node at `host:port`, added (with the first seed's TLS and credentials) if new.
+    fn node_at(&self, st: &mut RouterState, host: &str, port: u16) -> usize {
+        if let Some(&id) = st.by_addr.get(&(host.to_owned(), port)) {
+            return id;
+        }
+        let base = st.nodes[0].info.clone();
+        let addr = match base.addr() {
+            redis::ConnectionAddr::TcpTls {
+                insecure,
+                tls_params,
+                ..
+            } => redis::ConnectionAddr::TcpTls {
+                host: host.to_owned(),
+                port,
+                insecure: *insecure,
+                tls_params: tls_params.clone(),
+            },
+            _ => redis::ConnectionAddr::Tcp(host.to_owned(), port),
+        };
+        Self::add_node(st, &self.cfg, host.to_owned(), port, base.set_addr(addr))
+    }
+
+    /// Whether every node that serves keys is down now, and if so until when (the earliest end of
+    /// their backoffs): callers then fail jobs without queuing them.
+    pub(super) fn all_down(&self, now: Instant) -> Option<Instant> {
+        let st = lock(&self.state);
+        let all: Vec<usize>;
+        let serving = if st.serving.is_empty() {
+            all = (0..st.nodes.len()).collect();
+            &all
+        } else {
+            &st.serving
+        };
+        let mut until: Option<Instant> = None;
+        for &id in serving {
+            match st.nodes[id].down_until {
+                Some(t) if t > now => until = Some(until.map_or(t, |u| u.min(t))),
+                _ => return None,
+            }
+        }
+        until
+    }
+
+    /// Whether the command to `id` may go out now; sets `probe` when this call probes the node.
+    fn gate(&self, st: &mut RouterState, id: usize, now: Instant, probes: &mut Vec<usize>) -> bool {
+        if probes.contains(&id) {
+            return true;
+        }
+        let n = &mut st.nodes[id];
+        if n.down_until.is_some_and(|t| now < t) {
+            return false;
+        }
+        if n.failed {
+            let limit = (self.cfg.connect_timeout + self.cfg.io_timeout) * 2;
+            if n.probing.is_some_and(|t| now.duration_since(t) < limit) {
+                return false;
+            }
+            n.probing = Some(now);
+            probes.push(id);
+        }
+        true
+    }
+
+    fn mark_down(&self, st: &mut RouterState, id: usize) {
+        let n = &mut st.nodes[id];
+        n.failed = true;
+        n.probing = None;
+        let b = n.backoff.max(self.cfg.backoff_min);
+        n.down_until = Some(Instant::now() + b);
+        n.backoff = (b * 2).min(self.cfg.backoff_max);
+        st.stale = true;
+    }
+
+    fn mark_up(&self, st: &mut RouterState, id: usize) {
+        let n = &mut st.nodes[id];
+        n.probing = None;
+        if n.failed {
+            self.reconnects.fetch_add(1, Relaxed);
+            n.failed = false;
+            n.down_until = None;
+            n.backoff = self.cfg.backoff_min;
+        }
+    }
+
+    fn node_name(st: &RouterState, id: usize) -> String {
+        let n = &st.nodes[id];
+        format!("{}:{}", n.host, n.port)
+    }
+
+    /// A connection to node `id` for this thread (opened if needed; the failure message if not).
+    fn conn<'a>(
+        &self,
+        conns: &'a mut Conns,
+        id: usize,
+        info: Option<redis::ConnectionInfo>,
+    ) -> Result<&'a mut redis::Connection, String> {
+        match conns.map.entry(id) {
+            std::collections::hash_map::Entry::Occupied(e) => Ok(e.into_mut()),
+            std::collections::hash_map::Entry::Vacant(e) => {
+                let info = info.ok_or("no such node")?;
+                let c = redis::Client::open(info)
+                    .and_then(|cl| cl.get_connection_with_timeout(self.cfg.connect_timeout))
+                    .and_then(|c| {
+                        c.set_read_timeout(Some(self.cfg.io_timeout))?;
+                        c.set_write_timeout(Some(self.cfg.io_timeout))?;
+                        Ok(c)
+                    })
+                    .map_err(|e| format!("connecting: {e}"))?;
+                Ok(e.insert(c))
+            }
+        }
+    }
+
+    /// Reads the slot map again when it is stale (or missing) and no other thread does; the last
+    /// failure when no node gave a map (the old map, if any, stays).
+    fn refresh(&self, conns: &mut Conns) -> Option<String> {
+        let now = Instant::now();
+        let candidates: Vec<(usize, redis::ConnectionInfo)> = {
+            let mut st = lock(&self.state);
+            let have_map = !st.slots.is_empty();
+            let due = st.stale
+                && (!have_map
+                    || st
+                        .last_refresh
+                        .is_none_or(|t| now.duration_since(t) >= self.cfg.backoff_min));
+            // Without a map every thread may ask (none can route); with one, one thread at a time.
+            if !due || (have_map && st.refreshing) {
+                return None;
+            }
+            st.refreshing = true;
+            st.last_refresh = Some(now);
+            let mut ids: Vec<usize> = (0..st.nodes.len())
+                .filter(|&i| st.nodes[i].down_until.is_none_or(|t| t <= now))
+                .collect();
+            // Nodes this thread is connected to first, then those never failed, then the others.
+            ids.sort_by_key(|&i| (!conns.map.contains_key(&i), st.nodes[i].failed, i));
+            ids.into_iter()
+                .map(|i| (i, st.nodes[i].info.clone()))
+                .collect()
+        };
+        let mut error = None;
+        for (id, info) in candidates {
+            let reply = self.conn(conns, id, Some(info)).and_then(|c| {
+                request(c, redis::cmd("CLUSTER").arg("SLOTS"))
+                    .map_err(|e| format!("CLUSTER SLOTS: {e}"))
+            });
+            let mut st = lock(&self.state);
+            match reply {
+                Ok(v) => {
+                    self.mark_up(&mut st, id);
+                    let host = st.nodes[id].host.clone();
+                    if let Some(map) = self.parse_slots(&mut st, &v, &host) {
+                        let mut serving: Vec<usize> = map
+                            .iter()
+                            .filter(|&&n| n != NO_NODE)
+                            .map(|&n| n as usize)
+                            .collect();
+                        serving.sort_unstable();
+                        serving.dedup();
+                        st.serving = serving;
+                        st.slots = map;
+                        st.epoch += 1;
+                        st.stale = false;
+                        st.refreshing = false;
+                        return None;
+                    }
+                    error = Some(format!(
+                        "{}: CLUSTER SLOTS answered {v:?}",
+                        Self::node_name(&st, id)
+                    ));
+                }
+                Err(e) => {
+                    conns.map.remove(&id);
+                    self.mark_down(&mut st, id);
+                    error = Some(format!("{}: {e}", Self::node_name(&st, id)));
+                }
+            }
+        }
+        lock(&self.state).refreshing = false;
+        error.map(|e| format!("{} {e}", self.label))
+    }
+
+    /// The slot map of a `CLUSTER SLOTS` reply (nodes added as learned); `None` if malformed.
+    fn parse_slots(&self, st: &mut RouterState, v: &redis::Value, asked: &str) -> Option<Vec<u32>> {
+        let redis::Value::Array(ranges) = v else {
+            return None;
+        };
+        let mut map = vec![NO_NODE; SLOTS];
+        for r in ranges {
+            let redis::Value::Array(parts) = r else {
+                return None;
+            };
+            let int = |v: &redis::Value| match v {
+                redis::Value::Int(i) => usize::try_from(*i).ok(),
+                _ => None,
+            };
+            let start = int(parts.first()?)?;
+            let end = int(parts.get(1)?)?;
+            if start > end || end >= SLOTS {
+                return None;
+            }
+            let mut master = None;
+            for (j, node) in parts.iter().skip(2).enumerate() {
+                let redis::Value::Array(fields) = node else {
+                    return None;
+                };
+                let host = match fields.first()? {
+                    redis::Value::BulkString(b) => String::from_utf8_lossy(b).into_owned(),
+                    redis::Value::SimpleString(s) => s.clone(),
+                    _ => return None,
+                };
+                let port = u16::try_from(int(fields.get(1)?)?).ok()?;
+                // "" : the node asked; "?" : an endpoint the node does not know (skipped).
+                let host = if host.is_empty() {
+                    asked.to_owned()
+                } else {
+                    host
+                };
+                if host == "?" {
+                    continue;
+                }
+                let id = self.node_at(st, &host, port);
+                if j == 0 {
+                    master = Some(id);
+                }
+            }
+            if let Some(m) = master {
+                let m = u32::try_from(m).ok()?;
+                map[start..=end].fill(m);
+            }
+        }
+        Some(map)
+    }
+
+    /// Runs `cmds` (each with the key that routes it) and returns their replies; see the module
+    /// docs for what fails which command, and [`Outcome`].
+    pub(super) fn run(&self, conns: &mut Conns, cmds: &[(String, redis::Cmd)]) -> Outcome {
+        let mut out = Outcome {
+            replies: vec![None; cmds.len()],
+            error: None,
+        };
+        if self.cfg.cluster {
+            out.error = self.refresh(conns);
+        }
+        // Route every command to its node (or fail it now).
+        let now = Instant::now();
+        let mut probes = Vec::new();
+        let mut groups: Vec<(usize, Vec<Routed>)> = Vec::new();
+        {
+            let mut st = lock(&self.state);
+            if st.epoch != conns.epoch {
+                // Connections to nodes that left the map go (no fd kept for a dead master).
+                let keep = &st.serving;
+                conns.map.retain(|id, _| keep.binary_search(id).is_ok());
+                conns.epoch = st.epoch;
+            }
+            for (i, (key, _)) in cmds.iter().enumerate() {
+                let node = if self.cfg.cluster {
+                    match st.slots.get(usize::from(key_slot(key.as_bytes()))) {
+                        Some(&n) if n != NO_NODE => n as usize,
+                        _ => {
+                            st.stale = true;
+                            out.error =
+                                Some(format!("{}: no node serves the slot of a key", self.label));
+                            continue;
+                        }
+                    }
+                } else {
+                    0
+                };
+                if !self.gate(&mut st, node, now, &mut probes) {
+                    if self.cfg.cluster {
+                        st.stale = true;
+                    }
+                    out.error.get_or_insert_with(|| {
+                        format!(
+                            "{} {}: down (backoff)",
+                            self.label,
+                            Self::node_name(&st, node)
+                        )
+                    });
+                    continue;
+                }
+                let routed = Routed {
+                    index: i,
+                    asking: false,
+                };
+                match groups.iter_mut().find(|(n, _)| *n == node) {
+                    Some((_, g)) => g.push(routed),
+                    None => groups.push((node, vec![routed])),
+                }
+            }
+        }
+        let redirects = self.exchange(conns, cmds, groups, &mut out);
+        if !redirects.is_empty() {
+            // One more round for MOVED / ASK (the map is stale; the next call reads it again).
+            let mut st = lock(&self.state);
+            let mut groups: Vec<(usize, Vec<Routed>)> = Vec::new();
+            for (index, r) in redirects {
+                let (host, port, asking) = match r {
+                    Redirect::Moved(h, p) => (h, p, false),
+                    Redirect::Ask(h, p) => (h, p, true),
+                };
+                let node = self.node_at(&mut st, &host, port);
+                if !self.gate(&mut st, node, now, &mut probes) {
+                    continue;
+                }
+                let routed = Routed { index, asking };
+                match groups.iter_mut().find(|(n, _)| *n == node) {
+                    Some((_, g)) => g.push(routed),
+                    None => groups.push((node, vec![routed])),
+                }
+            }
+            drop(st);
+            let again = self.exchange(conns, cmds, groups, &mut out);
+            if !again.is_empty() {
+                out.error = Some(format!("{}: redirected twice", self.label));
+            }
+        }
+        // Probes that neither succeeded nor failed (their commands were not sent) end here.
+        let mut st = lock(&self.state);
+        for id in probes {
+            let n = &mut st.nodes[id];
+            if n.probing.is_some() {
+                n.probing = None;
+            }
+        }
+        out
+    }
+
+    /// One round: writes each node's pipeline, then reads the replies node by node. Returns the
+    /// commands answered with a redirect.
+    fn exchange(
+        &self,
+        conns: &mut Conns,
+        cmds: &[(String, redis::Cmd)],
+        groups: Vec<(usize, Vec<Routed>)>,
+        out: &mut Outcome,
+    ) -> Vec<(usize, Redirect)> {
+        let mut redirects = Vec::new();
+        let mut sent = Vec::with_capacity(groups.len());
+        for (node, group) in groups {
+            let info = {
+                let st = lock(&self.state);
+                (!conns.map.contains_key(&node)).then(|| st.nodes[node].info.clone())
+            };
+            let mut packed = Vec::new();
+            for r in &group {
+                if r.asking {
+                    redis::cmd("ASKING").write_packed_command(&mut packed);
+                }
+                cmds[r.index].1.write_packed_command(&mut packed);
+            }
+            let res = self.conn(conns, node, info).and_then(|c| {
+                c.send_packed_command(&packed)
+                    .map_err(|e| format!("writing: {e}"))
+            });
+            match res {
+                Ok(()) => sent.push((node, group)),
+                Err(e) => self.node_failed(conns, node, &e, out),
+            }
+        }
+        for (node, group) in sent {
+            let Some(c) = conns.map.get_mut(&node) else {
+                continue;
+            };
+            let mut failure = None;
+            let mut answered = false;
+            for r in &group {
+                if r.asking {
+                    if let Err(e) = c.recv_response() {
+                        failure = Some(format!("reading: {e}"));
+                        break;
+                    }
+                }
+                match c.recv_response() {
+                    Ok(v) => {
+                        answered = true;
+                        match self.classify(v, out) {
+                            Ok(v) => out.replies[r.index] = Some(v),
+                            Err(Some(redirect)) => redirects.push((r.index, redirect)),
+                            Err(None) => {}
+                        }
+                    }
+                    Err(e) => {
+                        failure = Some(format!("reading: {e}"));
+                        break;
+                    }
+                }
+            }
+            match failure {
+                // The first failed read ends the node's part: the rest of its replies are not
+                // waited for (the connection, with replies in flight, is dropped).
+                Some(e) => self.node_failed(conns, node, &e, out),
+                None => {
+                    if answered {
+                        let mut st = lock(&self.state);
+                        self.mark_up(&mut st, node);
+                    }
+                }
+            }
+        }
+        redirects
+    }
+
+    fn node_failed(&self, conns: &mut Conns, node: usize, e: &str, out: &mut Outcome) {
+        conns.map.remove(&node);
+        let mut st = lock(&self.state);
+        self.mark_down(&mut st, node);
+        out.error = Some(format!(
+            "{} {}: {e}",
+            self.label,
+            Self::node_name(&st, node)
+        ));
+    }
+
+    /// A reply as the caller sees it: `Ok` (values, and server errors the caller handles),
+    /// `Err(Some)` a redirect to follow, `Err(None)` a Cluster condition that fails the command.
+    fn classify(
+        &self,
+        v: redis::Value,
+        out: &mut Outcome,
+    ) -> Result<redis::Value, Option<Redirect>> {
+        let redis::Value::ServerError(e) = &v else {
+            return Ok(v);
+        };
+        let kind = e.code();
+        let target = || {
+            let addr = e.details()?.split_whitespace().nth(1)?;
+            let (host, port) = addr.rsplit_once(':')?;
+            Some((
+                host.trim_matches(['[', ']']).to_owned(),
+                port.parse::<u16>().ok()?,
+            ))
+        };
+        let stale = |out: &mut Outcome| {
+            lock(&self.state).stale = true;
+            out.error = Some(format!(
+                "{}: {kind} {}",
+                self.label,
+                e.details().unwrap_or("")
+            ));
+        };
+        match kind {
+            "MOVED" | "ASK" => {
+                stale(out);
+                match target() {
+                    Some((h, p)) if !h.is_empty() && kind == "MOVED" => {
+                        Err(Some(Redirect::Moved(h, p)))
+                    }
+                    Some((h, p)) if !h.is_empty() => Err(Some(Redirect::Ask(h, p))),
+                    _ => Err(None),
+                }
+            }
+            "TRYAGAIN" | "CLUSTERDOWN" | "MASTERDOWN" | "LOADING" | "READONLY" => {
+                stale(out);
+                Err(None)
+            }
+            _ => Ok(v),
+        }
+    }
+}
