@@ -91,8 +91,6 @@ struct Node {
     backoff: Duration,
     /// A call failed since the last reply (the next reply is a reconnect).
     failed: bool,
-    /// A thread is probing the node after its backoff (since then).
-    probing: Option<Instant>,
 }
 
 struct RouterState {
@@ -106,6 +104,8 @@ struct RouterState {
     epoch: u64,
     stale: bool,
     refreshing: bool,
+    /// The node a thread is probing after its backoff (one at a time), and since when.
+    probe: Option<(usize, Instant)>,
     last_refresh: Option<Instant>,
 }
 
@@ -150,6 +150,18 @@ enum Redirect {
     Ask(String, u16),
 }
 
+/// Where a command goes: its slot's master, or where a redirect sent it.
+enum Dest {
+    Slot,
+    Redirect(Redirect),
+}
+
+/// What a round left to do: redirected commands, and commands whose node failed (with it).
+struct Round {
+    redirects: Vec<(usize, Redirect)>,
+    failed: Vec<(usize, usize)>,
+}
+
 /// A batch's command routed to a node (`asking`: send `ASKING` first).
 struct Routed {
     index: usize,
@@ -167,6 +179,7 @@ impl Router {
             epoch: 0,
             stale: true,
             refreshing: false,
+            probe: None,
             last_refresh: None,
         };
         for info in seeds {
@@ -207,7 +220,6 @@ impl Router {
             down_until: None,
             backoff: cfg.backoff_min,
             failed: false,
-            probing: None,
         });
         id
     }
@@ -255,30 +267,47 @@ impl Router {
         until
     }
 
-    /// Whether the command to `id` may go out now; sets `probe` when this call probes the node.
-    fn gate(&self, st: &mut RouterState, id: usize, now: Instant, probes: &mut Vec<usize>) -> bool {
-        if probes.contains(&id) {
+    /// Whether a command to `id` may go out now. A node that failed and whose backoff is over is
+    /// probed by one call at a time (across every node and thread: a probe of a node whose host is
+    /// gone holds its thread for a timeout, the other threads keep failing such nodes' commands at
+    /// once); `mine` is the node this call probes (one per call).
+    fn gate(
+        &self,
+        st: &mut RouterState,
+        id: usize,
+        now: Instant,
+        mine: &mut Option<usize>,
+    ) -> bool {
+        if *mine == Some(id) {
             return true;
         }
-        let n = &mut st.nodes[id];
+        let n = &st.nodes[id];
         if n.down_until.is_some_and(|t| now < t) {
             return false;
         }
-        if n.failed {
-            let limit = (self.cfg.connect_timeout + self.cfg.io_timeout) * 2;
-            if n.probing.is_some_and(|t| now.duration_since(t) < limit) {
-                return false;
-            }
-            n.probing = Some(now);
-            probes.push(id);
+        if !n.failed {
+            return true;
         }
+        // A probe older than this is taken over (its thread is gone or stuck past its timeouts).
+        let limit = (self.cfg.connect_timeout + self.cfg.io_timeout) * 2;
+        if mine.is_some() || st.probe.is_some_and(|(_, t)| now.duration_since(t) < limit) {
+            return false;
+        }
+        st.probe = Some((id, now));
+        *mine = Some(id);
         true
     }
 
+    fn end_probe(st: &mut RouterState, id: usize) {
+        if st.probe.is_some_and(|(p, _)| p == id) {
+            st.probe = None;
+        }
+    }
+
     fn mark_down(&self, st: &mut RouterState, id: usize) {
+        Self::end_probe(st, id);
         let n = &mut st.nodes[id];
         n.failed = true;
-        n.probing = None;
         let b = n.backoff.max(self.cfg.backoff_min);
         n.down_until = Some(Instant::now() + b);
         n.backoff = (b * 2).min(self.cfg.backoff_max);
@@ -286,8 +315,8 @@ impl Router {
     }
 
     fn mark_up(&self, st: &mut RouterState, id: usize) {
+        Self::end_probe(st, id);
         let n = &mut st.nodes[id];
-        n.probing = None;
         if n.failed {
             self.reconnects.fetch_add(1, Relaxed);
             n.failed = false;
@@ -327,13 +356,19 @@ impl Router {
 
     /// Reads the slot map again when it is stale (or missing) and no other thread does; the last
     /// failure when no node gave a map (the old map, if any, stays).
-    fn refresh(&self, conns: &mut Conns) -> Option<String> {
+    fn refresh(
+        &self,
+        conns: &mut Conns,
+        mine: &mut Option<usize>,
+        now_please: bool,
+    ) -> Option<String> {
         let now = Instant::now();
-        let candidates: Vec<(usize, redis::ConnectionInfo)> = {
+        let order: Vec<usize> = {
             let mut st = lock(&self.state);
             let have_map = !st.slots.is_empty();
             let due = st.stale
                 && (!have_map
+                    || now_please
                     || st
                         .last_refresh
                         .is_none_or(|t| now.duration_since(t) >= self.cfg.backoff_min));
@@ -343,17 +378,21 @@ impl Router {
             }
             st.refreshing = true;
             st.last_refresh = Some(now);
-            let mut ids: Vec<usize> = (0..st.nodes.len())
-                .filter(|&i| st.nodes[i].down_until.is_none_or(|t| t <= now))
-                .collect();
-            // Nodes this thread is connected to first, then those never failed, then the others.
+            let mut ids: Vec<usize> = (0..st.nodes.len()).collect();
+            // Nodes this thread is connected to first, then those never failed, then the others
+            // (those only as this call's one probe, see `gate`).
             ids.sort_by_key(|&i| (!conns.map.contains_key(&i), st.nodes[i].failed, i));
-            ids.into_iter()
-                .map(|i| (i, st.nodes[i].info.clone()))
-                .collect()
+            ids
         };
         let mut error = None;
-        for (id, info) in candidates {
+        for id in order {
+            let info = {
+                let mut st = lock(&self.state);
+                if !self.gate(&mut st, id, now, mine) {
+                    continue;
+                }
+                st.nodes[id].info.clone()
+            };
             let reply = self.conn(conns, id, Some(info)).and_then(|c| {
                 request(c, redis::cmd("CLUSTER").arg("SLOTS"))
                     .map_err(|e| format!("CLUSTER SLOTS: {e}"))
@@ -453,105 +492,122 @@ impl Router {
             replies: vec![None; cmds.len()],
             error: None,
         };
+        let mut probe = None;
         if self.cfg.cluster {
-            out.error = self.refresh(conns);
+            out.error = self.refresh(conns, &mut probe, false);
         }
-        // Route every command to its node (or fail it now).
-        let now = Instant::now();
-        let mut probes = Vec::new();
-        let mut groups: Vec<(usize, Vec<Routed>)> = Vec::new();
         {
-            let mut st = lock(&self.state);
+            let st = lock(&self.state);
             if st.epoch != conns.epoch {
                 // Connections to nodes that left the map go (no fd kept for a dead master).
-                let keep = &st.serving;
-                conns.map.retain(|id, _| keep.binary_search(id).is_ok());
+                conns
+                    .map
+                    .retain(|id, _| st.serving.binary_search(id).is_ok());
                 conns.epoch = st.epoch;
             }
-            for (i, (key, _)) in cmds.iter().enumerate() {
-                let node = if self.cfg.cluster {
-                    match st.slots.get(usize::from(key_slot(key.as_bytes()))) {
-                        Some(&n) if n != NO_NODE => n as usize,
-                        _ => {
-                            st.stale = true;
-                            out.error =
-                                Some(format!("{}: no node serves the slot of a key", self.label));
-                            continue;
-                        }
-                    }
-                } else {
-                    0
-                };
-                if !self.gate(&mut st, node, now, &mut probes) {
-                    if self.cfg.cluster {
-                        st.stale = true;
-                    }
-                    out.error.get_or_insert_with(|| {
-                        format!(
-                            "{} {}: down (backoff)",
-                            self.label,
-                            Self::node_name(&st, node)
-                        )
-                    });
-                    continue;
-                }
-                let routed = Routed {
-                    index: i,
-                    asking: false,
-                };
-                match groups.iter_mut().find(|(n, _)| *n == node) {
-                    Some((_, g)) => g.push(routed),
-                    None => groups.push((node, vec![routed])),
+        }
+        let first: Vec<(usize, Dest)> = (0..cmds.len()).map(|i| (i, Dest::Slot)).collect();
+        let groups = self.route(cmds, first, &mut probe, &mut out);
+        let round = self.exchange(conns, cmds, groups, &mut out);
+        let mut next: Vec<(usize, Dest)> = round
+            .redirects
+            .into_iter()
+            .map(|(i, r)| (i, Dest::Redirect(r)))
+            .collect();
+        if self.cfg.cluster && !round.failed.is_empty() {
+            // A node failed under this call: read the map now (a replica may have taken over)
+            // and send its commands once more where the map now puts them.
+            if let Some(e) = self.refresh(conns, &mut probe, true) {
+                out.error = Some(e);
+            }
+            let st = lock(&self.state);
+            for (i, old) in round.failed {
+                if Self::slot_node(&st, &cmds[i].0).is_some_and(|n| n != old) {
+                    next.push((i, Dest::Slot));
                 }
             }
         }
-        let redirects = self.exchange(conns, cmds, groups, &mut out);
-        if !redirects.is_empty() {
-            // One more round for MOVED / ASK (the map is stale; the next call reads it again).
-            let mut st = lock(&self.state);
-            let mut groups: Vec<(usize, Vec<Routed>)> = Vec::new();
-            for (index, r) in redirects {
-                let (host, port, asking) = match r {
-                    Redirect::Moved(h, p) => (h, p, false),
-                    Redirect::Ask(h, p) => (h, p, true),
-                };
-                let node = self.node_at(&mut st, &host, port);
-                if !self.gate(&mut st, node, now, &mut probes) {
-                    continue;
-                }
-                let routed = Routed { index, asking };
-                match groups.iter_mut().find(|(n, _)| *n == node) {
-                    Some((_, g)) => g.push(routed),
-                    None => groups.push((node, vec![routed])),
-                }
-            }
-            drop(st);
+        if !next.is_empty() {
+            let groups = self.route(cmds, next, &mut probe, &mut out);
             let again = self.exchange(conns, cmds, groups, &mut out);
-            if !again.is_empty() {
+            if !again.redirects.is_empty() {
                 out.error = Some(format!("{}: redirected twice", self.label));
             }
         }
-        // Probes that neither succeeded nor failed (their commands were not sent) end here.
-        let mut st = lock(&self.state);
-        for id in probes {
-            let n = &mut st.nodes[id];
-            if n.probing.is_some() {
-                n.probing = None;
-            }
+        // A probe that neither succeeded nor failed (its commands were not sent) ends here.
+        if let Some(id) = probe {
+            Self::end_probe(&mut lock(&self.state), id);
         }
         out
     }
 
-    /// One round: writes each node's pipeline, then reads the replies node by node. Returns the
-    /// commands answered with a redirect.
+    fn slot_node(st: &RouterState, key: &str) -> Option<usize> {
+        match st.slots.get(usize::from(key_slot(key.as_bytes()))) {
+            Some(&n) if n != NO_NODE => Some(n as usize),
+            _ => None,
+        }
+    }
+
+    /// Groups commands by the node they go to; commands whose node is down (or that no node
+    /// serves) fail here, without a network call.
+    fn route(
+        &self,
+        cmds: &[(String, redis::Cmd)],
+        dests: Vec<(usize, Dest)>,
+        probe: &mut Option<usize>,
+        out: &mut Outcome,
+    ) -> Vec<(usize, Vec<Routed>)> {
+        let now = Instant::now();
+        let mut st = lock(&self.state);
+        let mut groups: Vec<(usize, Vec<Routed>)> = Vec::new();
+        for (index, dest) in dests {
+            let (node, asking) = match dest {
+                Dest::Slot if !self.cfg.cluster => (0, false),
+                Dest::Slot => {
+                    let Some(n) = Self::slot_node(&st, &cmds[index].0) else {
+                        st.stale = true;
+                        out.error =
+                            Some(format!("{}: no node serves the slot of a key", self.label));
+                        continue;
+                    };
+                    (n, false)
+                }
+                Dest::Redirect(Redirect::Moved(h, p)) => (self.node_at(&mut st, &h, p), false),
+                Dest::Redirect(Redirect::Ask(h, p)) => (self.node_at(&mut st, &h, p), true),
+            };
+            if !self.gate(&mut st, node, now, probe) {
+                // The map may be stale (a replica may have taken over the down master's slots).
+                st.stale = true;
+                out.error.get_or_insert_with(|| {
+                    format!(
+                        "{} {}: down (backoff)",
+                        self.label,
+                        Self::node_name(&st, node)
+                    )
+                });
+                continue;
+            }
+            let routed = Routed { index, asking };
+            match groups.iter_mut().find(|(n, _)| *n == node) {
+                Some((_, g)) => g.push(routed),
+                None => groups.push((node, vec![routed])),
+            }
+        }
+        groups
+    }
+
+    /// One round: writes each node's pipeline, then reads the replies node by node.
     fn exchange(
         &self,
         conns: &mut Conns,
         cmds: &[(String, redis::Cmd)],
         groups: Vec<(usize, Vec<Routed>)>,
         out: &mut Outcome,
-    ) -> Vec<(usize, Redirect)> {
-        let mut redirects = Vec::new();
+    ) -> Round {
+        let mut round = Round {
+            redirects: Vec::new(),
+            failed: Vec::new(),
+        };
         let mut sent = Vec::with_capacity(groups.len());
         for (node, group) in groups {
             let info = {
@@ -571,7 +627,10 @@ impl Router {
             });
             match res {
                 Ok(()) => sent.push((node, group)),
-                Err(e) => self.node_failed(conns, node, &e, out),
+                Err(e) => {
+                    self.node_failed(conns, node, &e, out);
+                    round.failed.extend(group.iter().map(|r| (r.index, node)));
+                }
             }
         }
         for (node, group) in sent {
@@ -579,7 +638,7 @@ impl Router {
                 continue;
             };
             let mut failure = None;
-            let mut answered = false;
+            let mut answered = 0;
             for r in &group {
                 if r.asking {
                     if let Err(e) = c.recv_response() {
@@ -589,10 +648,10 @@ impl Router {
                 }
                 match c.recv_response() {
                     Ok(v) => {
-                        answered = true;
+                        answered += 1;
                         match self.classify(v, out) {
                             Ok(v) => out.replies[r.index] = Some(v),
-                            Err(Some(redirect)) => redirects.push((r.index, redirect)),
+                            Err(Some(redirect)) => round.redirects.push((r.index, redirect)),
                             Err(None) => {}
                         }
                     }
@@ -605,16 +664,16 @@ impl Router {
             match failure {
                 // The first failed read ends the node's part: the rest of its replies are not
                 // waited for (the connection, with replies in flight, is dropped).
-                Some(e) => self.node_failed(conns, node, &e, out),
-                None => {
-                    if answered {
-                        let mut st = lock(&self.state);
-                        self.mark_up(&mut st, node);
-                    }
+                Some(e) => {
+                    self.node_failed(conns, node, &e, out);
+                    round
+                        .failed
+                        .extend(group[answered..].iter().map(|r| (r.index, node)));
                 }
+                None => self.mark_up(&mut lock(&self.state), node),
             }
         }
-        redirects
+        round
     }
 
     fn node_failed(&self, conns: &mut Conns, node: usize, e: &str, out: &mut Outcome) {
