@@ -1,16 +1,17 @@
 //! The remote tier (docs/tier.md "Remote tier"): blocks kept as values in Redis ≥ 7 or Valkey,
 //! standalone or Cluster, shared by engines on many machines.
 //!
-//! **Client.** The `redis` crate's synchronous client (docs/design.md "Remote tier client"): Cluster
-//! slot routing with MOVED/ASK and failover handled by the crate, pipelines, `rediss://` over
-//! rustls. Each I/O thread owns one connection (a [`redis::Connection`] or a
-//! [`redis::cluster::ClusterConnection`]); every network call has a timeout
-//! ([`RemoteConfig::connect_timeout`], [`RemoteConfig::io_timeout`]). A failed call drops the
-//! connection (a timed-out pipeline leaves replies in flight) and marks the server down for a
+//! **Client.** The `redis` crate's synchronous connections (docs/design.md "Remote tier client"),
+//! `rediss://` over rustls; the routing of Cluster commands, the per-node fault state and the
+//! timeouts are in [`super::remote_route`] (docs/tier.md "Faults", "Cluster routing"). Each I/O
+//! thread owns one connection per node it talks to; every network call has a timeout
+//! ([`RemoteConfig::connect_timeout`], [`RemoteConfig::io_timeout`]). A failed call drops its
+//! connection (a timed-out pipeline leaves replies in flight) and marks that node down for a
 //! backoff that doubles from [`RemoteConfig::backoff_min`] to [`RemoteConfig::backoff_max`];
-//! while it is down, jobs fail at once without touching the network (fetches answer "absent",
-//! writes are counted as errors, reads as failed promotions), and one thread tries to reconnect
-//! when the backoff ends ([`SecondaryCounters::reconnects`] counts the successes).
+//! while it is down, its commands fail at once without touching the network (fetches answer
+//! "absent", writes are counted as errors, reads as failed promotions), the batch's other keys go
+//! to their nodes, and one thread probes the node when the backoff ends
+//! ([`SecondaryCounters::reconnects`] counts the recoveries).
 //!
 //! **URLs.** `redis://[user:password@]host:port[/db]` (standalone), `rediss://…` (TLS), and
 //! `redis+cluster://host:port[,host:port…]` / `rediss+cluster://…` for a Cluster (seed nodes). A
@@ -254,6 +255,8 @@ enum Entry {
 }
 
 enum Job {
+    /// Not queued: an idle I/O thread's turn to probe a failed node (see `worker`).
+    Probe,
     Fetch(Vec<ByteKey>),
     Read(ByteKey, BlockId),
     Write(Vec<(ByteKey, BlockId)>),
@@ -608,6 +611,11 @@ impl Shared {
     fn worker(self: &Arc<Self>) {
         let mut conns = Conns::default();
         loop {
+            // A failed node whose backoff is over is probed between jobs (one thread at a time);
+            // jobs meanwhile fail its commands at once.
+            if let Some(e) = self.router.probe(&mut conns) {
+                lock(&self.state).last_error = Some(e);
+            }
             let mut st = lock(&self.state);
             let job = loop {
                 if let Some(j) = st.jobs_reads.pop_front() {
@@ -625,15 +633,24 @@ impl Shared {
                 if st.shutdown {
                     break None;
                 }
+                let idle = Duration::from_millis(500);
+                let wait = self
+                    .router
+                    .next_probe(Instant::now())
+                    .map_or(idle, |d| d.min(idle));
+                if wait.is_zero() {
+                    break Some(Job::Probe);
+                }
                 st = self
                     .cv
-                    .wait_timeout(st, Duration::from_millis(500))
+                    .wait_timeout(st, wait)
                     .unwrap_or_else(PoisonError::into_inner)
                     .0;
             };
             drop(st);
             match job {
                 None => return,
+                Some(Job::Probe) => {}
                 Some(Job::Fetch(keys)) => self.run_fetch(&mut conns, &keys),
                 Some(Job::Read(k, b)) => self.run_read(&mut conns, &k, b),
                 Some(Job::Write(items)) => self.run_writes(&mut conns, &items),

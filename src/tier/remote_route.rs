@@ -11,11 +11,11 @@
 //!
 //! **Nodes.** Every node ever known — the URL's seeds, then every master and replica named by
 //! `CLUSTER SLOTS` — stays in [`Router`]'s list, so a topology refresh can ask any of them. Each
-//! node has its own fault state: a failed connect, write or read marks that node down for a
-//! backoff that doubles from `backoff_min` to `backoff_max`; while it is down, commands routed to
-//! it fail at once without a network call, and when the backoff ends one thread probes it (the
-//! others keep failing its commands at once until the probe ends). The first reply after a
-//! failure counts as a reconnect.
+//! node has its own fault state: a failed connect, write or read marks that node failed, with a
+//! backoff that doubles from `backoff_min` to `backoff_max`. Commands routed to a failed node fail
+//! at once without a network call until a probe ([`Router::probe`], run by an I/O thread between
+//! jobs, one at a time across all nodes and threads) gets a reply from it after its backoff: jobs
+//! never wait for a node that is known to be failing. That reply counts as a reconnect.
 //!
 //! **Routing.** A standalone server is node 0 for every key. In a Cluster a key goes to the master
 //! of its slot (CRC16/XMODEM of the key, or of its `{hash tag}`, modulo 16384 — [`key_slot`]) in
@@ -250,52 +250,100 @@ impl Router {
     /// their backoffs): callers then fail jobs without queuing them.
     pub(super) fn all_down(&self, now: Instant) -> Option<Instant> {
         let st = lock(&self.state);
-        let all: Vec<usize>;
-        let serving = if st.serving.is_empty() {
-            all = (0..st.nodes.len()).collect();
-            &all
-        } else {
-            &st.serving
-        };
         let mut until: Option<Instant> = None;
-        for &id in serving {
-            match st.nodes[id].down_until {
-                Some(t) if t > now => until = Some(until.map_or(t, |u| u.min(t))),
-                _ => return None,
+        for id in Self::watched(&st) {
+            let n = &st.nodes[id];
+            if !n.failed {
+                return None;
             }
+            let t = n.down_until.unwrap_or(now);
+            until = Some(until.map_or(t, |u| u.min(t)));
         }
-        until
+        // At least `backoff_min` (a probe may be due already, its result is not known yet).
+        until.map(|t| t.max(now + self.cfg.backoff_min))
     }
 
-    /// Whether a command to `id` may go out now. A node that failed and whose backoff is over is
-    /// probed by one call at a time (across every node and thread: a probe of a node whose host is
-    /// gone holds its thread for a timeout, the other threads keep failing such nodes' commands at
-    /// once); `mine` is the node this call probes (one per call).
-    fn gate(
-        &self,
-        st: &mut RouterState,
-        id: usize,
-        now: Instant,
-        mine: &mut Option<usize>,
-    ) -> bool {
-        if *mine == Some(id) {
-            return true;
+    /// The nodes whose state matters: those the slot map names (every node while there is none:
+    /// standalone, or before the first map).
+    fn watched(st: &RouterState) -> Vec<usize> {
+        if st.serving.is_empty() {
+            (0..st.nodes.len()).collect()
+        } else {
+            st.serving.clone()
         }
-        let n = &st.nodes[id];
-        if n.down_until.is_some_and(|t| now < t) {
-            return false;
+    }
+
+    /// Whether commands may go to node `id`: not while it is failed (until a probe succeeds).
+    fn usable(st: &RouterState, id: usize) -> bool {
+        !st.nodes[id].failed
+    }
+
+    /// How long until a probe is due (zero: now), `None` when no watched node is failed or a
+    /// probe is running. The I/O threads wait at most this long for a job.
+    pub(super) fn next_probe(&self, now: Instant) -> Option<Duration> {
+        let st = lock(&self.state);
+        if st
+            .probe
+            .is_some_and(|(_, t)| now.duration_since(t) < self.probe_limit())
+        {
+            return None;
         }
-        if !n.failed {
-            return true;
+        Self::watched(&st)
+            .into_iter()
+            .filter(|&i| st.nodes[i].failed)
+            .map(|i| {
+                st.nodes[i]
+                    .down_until
+                    .map_or(Duration::ZERO, |t| t.saturating_duration_since(now))
+            })
+            .min()
+    }
+
+    /// A probe older than this is taken over (its thread is gone or stuck past its timeouts).
+    fn probe_limit(&self) -> Duration {
+        (self.cfg.connect_timeout + self.cfg.io_timeout) * 2
+    }
+
+    /// Probes one failed node whose backoff is over (a new connection and `PING`), unless another
+    /// thread is probing: after a reply the node takes commands again (a reconnect), otherwise its
+    /// backoff doubles. Jobs never wait for a probe (they fail the node's commands at once), and
+    /// one probe runs at a time across all nodes and threads, so a partition of every node never
+    /// ties up every I/O thread.
+    pub(super) fn probe(&self, conns: &mut Conns) -> Option<String> {
+        let now = Instant::now();
+        let (id, info) = {
+            let mut st = lock(&self.state);
+            if st
+                .probe
+                .is_some_and(|(_, t)| now.duration_since(t) < self.probe_limit())
+            {
+                return None;
+            }
+            let due = Self::watched(&st).into_iter().find(|&i| {
+                let n = &st.nodes[i];
+                n.failed && n.down_until.is_none_or(|t| t <= now)
+            });
+            let id = due?;
+            st.probe = Some((id, now));
+            (id, st.nodes[id].info.clone())
+        };
+        conns.map.remove(&id);
+        let r = self
+            .conn(conns, id, Some(info))
+            .and_then(|c| request(c, &redis::cmd("PING")).map_err(|e| format!("PING: {e}")));
+        let mut st = lock(&self.state);
+        match r {
+            Ok(_) => {
+                self.mark_up(&mut st, id);
+                st.stale = true;
+                None
+            }
+            Err(e) => {
+                conns.map.remove(&id);
+                self.mark_down(&mut st, id);
+                Some(format!("{} {}: {e}", self.label, Self::node_name(&st, id)))
+            }
         }
-        // A probe older than this is taken over (its thread is gone or stuck past its timeouts).
-        let limit = (self.cfg.connect_timeout + self.cfg.io_timeout) * 2;
-        if mine.is_some() || st.probe.is_some_and(|(_, t)| now.duration_since(t) < limit) {
-            return false;
-        }
-        st.probe = Some((id, now));
-        *mine = Some(id);
-        true
     }
 
     fn end_probe(st: &mut RouterState, id: usize) {
@@ -356,12 +404,7 @@ impl Router {
 
     /// Reads the slot map again when it is stale (or missing) and no other thread does; the last
     /// failure when no node gave a map (the old map, if any, stays).
-    fn refresh(
-        &self,
-        conns: &mut Conns,
-        mine: &mut Option<usize>,
-        now_please: bool,
-    ) -> Option<String> {
+    fn refresh(&self, conns: &mut Conns, now_please: bool) -> Option<String> {
         let now = Instant::now();
         let order: Vec<usize> = {
             let mut st = lock(&self.state);
@@ -378,17 +421,19 @@ impl Router {
             }
             st.refreshing = true;
             st.last_refresh = Some(now);
-            let mut ids: Vec<usize> = (0..st.nodes.len()).collect();
-            // Nodes this thread is connected to first, then those never failed, then the others
-            // (those only as this call's one probe, see `gate`).
-            ids.sort_by_key(|&i| (!conns.map.contains_key(&i), st.nodes[i].failed, i));
+            // Nodes not failed (failed ones come back through `probe`), those this thread is
+            // connected to first.
+            let mut ids: Vec<usize> = (0..st.nodes.len())
+                .filter(|&i| Self::usable(&st, i))
+                .collect();
+            ids.sort_by_key(|&i| (!conns.map.contains_key(&i), i));
             ids
         };
         let mut error = None;
         for id in order {
             let info = {
-                let mut st = lock(&self.state);
-                if !self.gate(&mut st, id, now, mine) {
+                let st = lock(&self.state);
+                if !Self::usable(&st, id) {
                     continue;
                 }
                 st.nodes[id].info.clone()
@@ -492,9 +537,8 @@ impl Router {
             replies: vec![None; cmds.len()],
             error: None,
         };
-        let mut probe = None;
         if self.cfg.cluster {
-            out.error = self.refresh(conns, &mut probe, false);
+            out.error = self.refresh(conns, false);
         }
         {
             let st = lock(&self.state);
@@ -507,7 +551,7 @@ impl Router {
             }
         }
         let first: Vec<(usize, Dest)> = (0..cmds.len()).map(|i| (i, Dest::Slot)).collect();
-        let groups = self.route(cmds, first, &mut probe, &mut out);
+        let groups = self.route(cmds, first, &mut out);
         let round = self.exchange(conns, cmds, groups, &mut out);
         let mut next: Vec<(usize, Dest)> = round
             .redirects
@@ -517,7 +561,7 @@ impl Router {
         if self.cfg.cluster && !round.failed.is_empty() {
             // A node failed under this call: read the map now (a replica may have taken over)
             // and send its commands once more where the map now puts them.
-            if let Some(e) = self.refresh(conns, &mut probe, true) {
+            if let Some(e) = self.refresh(conns, true) {
                 out.error = Some(e);
             }
             let st = lock(&self.state);
@@ -528,15 +572,11 @@ impl Router {
             }
         }
         if !next.is_empty() {
-            let groups = self.route(cmds, next, &mut probe, &mut out);
+            let groups = self.route(cmds, next, &mut out);
             let again = self.exchange(conns, cmds, groups, &mut out);
             if !again.redirects.is_empty() {
                 out.error = Some(format!("{}: redirected twice", self.label));
             }
-        }
-        // A probe that neither succeeded nor failed (its commands were not sent) ends here.
-        if let Some(id) = probe {
-            Self::end_probe(&mut lock(&self.state), id);
         }
         out
     }
@@ -554,10 +594,8 @@ impl Router {
         &self,
         cmds: &[(String, redis::Cmd)],
         dests: Vec<(usize, Dest)>,
-        probe: &mut Option<usize>,
         out: &mut Outcome,
     ) -> Vec<(usize, Vec<Routed>)> {
-        let now = Instant::now();
         let mut st = lock(&self.state);
         let mut groups: Vec<(usize, Vec<Routed>)> = Vec::new();
         for (index, dest) in dests {
@@ -575,7 +613,7 @@ impl Router {
                 Dest::Redirect(Redirect::Moved(h, p)) => (self.node_at(&mut st, &h, p), false),
                 Dest::Redirect(Redirect::Ask(h, p)) => (self.node_at(&mut st, &h, p), true),
             };
-            if !self.gate(&mut st, node, now, probe) {
+            if !Self::usable(&st, node) {
                 // The map may be stale (a replica may have taken over the down master's slots).
                 st.stale = true;
                 out.error.get_or_insert_with(|| {
