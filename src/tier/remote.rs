@@ -111,6 +111,9 @@ pub struct RemoteConfig {
     pub backoff_max: Duration,
     /// Environment variable holding the password when the URL has none.
     pub password_env: String,
+    /// PEM file of the certificate authority that signed the servers' certificates, for
+    /// `rediss://` (`None`: the system's roots).
+    pub tls_ca_file: Option<std::path::PathBuf>,
     /// Identity of this instance in value headers (default: namespace, rank and host name).
     pub owner: Option<String>,
 }
@@ -152,6 +155,7 @@ impl RemoteConfig {
             backoff_min: Duration::from_millis(100),
             backoff_max: Duration::from_secs(5),
             password_env: "KVOFF_REMOTE_PASSWORD".into(),
+            tls_ca_file: None,
             owner: None,
         }
     }
@@ -195,7 +199,7 @@ struct Target {
     nodes: Vec<redis::ConnectionInfo>,
 }
 
-fn parse_url(url: &str, password_env: &str) -> Result<Target> {
+fn parse_url(url: &str, password_env: &str, ca_file: Option<&std::path::Path>) -> Result<Target> {
     let bad = |why: &str| {
         KvoffError::Config(format!(
             "remote tier: {why} in remote_url {} (expected redis://host:port, rediss://…, \
@@ -235,6 +239,38 @@ fn parse_url(url: &str, password_env: &str) -> Result<Target> {
         let info = redis::IntoConnectionInfo::into_connection_info(node.as_str())
             .map_err(|e| bad(&format!("{:?}", e.kind())))?;
         nodes.push(info);
+    }
+    if let Some(path) = ca_file {
+        if base != "rediss" {
+            return Err(KvoffError::Config(format!(
+                "remote tier: a TLS CA file ({}) needs a rediss:// URL, got {}",
+                path.display(),
+                redact(url)
+            )));
+        }
+        let pem = std::fs::read(path).map_err(|e| {
+            KvoffError::Config(format!(
+                "remote tier: cannot read the TLS CA file {}: {e}",
+                path.display()
+            ))
+        })?;
+        // The CA goes into each node's connection info (nodes learned later copy the first's).
+        for info in &mut nodes {
+            let certs = redis::TlsCertificates {
+                client_tls: None,
+                root_cert: Some(pem.clone()),
+            };
+            *info = redis::Client::build_with_tls(info.clone(), certs)
+                .map_err(|e| {
+                    KvoffError::Config(format!(
+                        "remote tier: the TLS CA file {} is not usable: {:?}",
+                        path.display(),
+                        e.kind()
+                    ))
+                })?
+                .get_connection_info()
+                .clone();
+        }
     }
     Ok(Target { cluster, nodes })
 }
@@ -712,7 +748,7 @@ impl RemoteTier {
         if cfg.io_timeout.is_zero() || cfg.connect_timeout.is_zero() {
             return Err(KvoffError::arg("remote timeouts must be positive"));
         }
-        let target = parse_url(&cfg.url, &cfg.password_env)?;
+        let target = parse_url(&cfg.url, &cfg.password_env, cfg.tls_ca_file.as_deref())?;
         let fingerprint = lay.fingerprint(payload_len as u64);
         let owner_str = cfg
             .owner
