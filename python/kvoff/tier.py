@@ -109,10 +109,13 @@ REMOTE_METRICS: dict[str, tuple[str, str]] = {
         "kvoff_remote_rejected_values_total",
         "values rejected by header/checksum (deleted)",
     ),
-    "remote_fetch_errors": ("kvoff_remote_fetch_errors_total", "fetches failed or skipped (server down)"),
-    "remote_reconnects": ("kvoff_remote_reconnects_total", "recoveries after a server failure"),
+    "remote_fetch_errors": (
+        "kvoff_remote_fetch_errors_total",
+        "keys whose fetch failed or was skipped (their node down)",
+    ),
+    "remote_reconnects": ("kvoff_remote_reconnects_total", "recoveries of a node after a failure"),
     "remote_fetches": ("kvoff_remote_fetches_total", "batched fetches started"),
-    "remote_up": ("kvoff_remote_up", "1 while the server is reachable (gauge)"),
+    "remote_up": ("kvoff_remote_up", "1 while some node of the server or Cluster is reachable (gauge)"),
 }
 
 

@@ -91,6 +91,7 @@ mod format;
 #[allow(unsafe_code)]
 mod io;
 pub mod remote;
+pub mod remote_route;
 pub mod secondary;
 pub mod tiered;
 

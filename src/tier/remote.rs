@@ -1,16 +1,17 @@
 //! The remote tier (docs/tier.md "Remote tier"): blocks kept as values in Redis ≥ 7 or Valkey,
 //! standalone or Cluster, shared by engines on many machines.
 //!
-//! **Client.** The `redis` crate's synchronous client (docs/design.md "Remote tier client"): Cluster
-//! slot routing with MOVED/ASK and failover handled by the crate, pipelines, `rediss://` over
-//! rustls. Each I/O thread owns one connection (a [`redis::Connection`] or a
-//! [`redis::cluster::ClusterConnection`]); every network call has a timeout
-//! ([`RemoteConfig::connect_timeout`], [`RemoteConfig::io_timeout`]). A failed call drops the
-//! connection (a timed-out pipeline leaves replies in flight) and marks the server down for a
+//! **Client.** The `redis` crate's synchronous connections (docs/design.md "Remote tier client"),
+//! `rediss://` over rustls; the routing of Cluster commands, the per-node fault state and the
+//! timeouts are in [`super::remote_route`] (docs/tier.md "Faults", "Cluster routing"). Each I/O
+//! thread owns one connection per node it talks to; every network call has a timeout
+//! ([`RemoteConfig::connect_timeout`], [`RemoteConfig::io_timeout`]). A failed call drops its
+//! connection (a timed-out pipeline leaves replies in flight) and marks that node down for a
 //! backoff that doubles from [`RemoteConfig::backoff_min`] to [`RemoteConfig::backoff_max`];
-//! while it is down, jobs fail at once without touching the network (fetches answer "absent",
-//! writes are counted as errors, reads as failed promotions), and one thread tries to reconnect
-//! when the backoff ends ([`SecondaryCounters::reconnects`] counts the successes).
+//! while it is down, its commands fail at once without touching the network (fetches answer
+//! "absent", writes are counted as errors, reads as failed promotions), the batch's other keys go
+//! to their nodes, and one thread probes the node when the backoff ends
+//! ([`SecondaryCounters::reconnects`] counts the recoveries).
 //!
 //! **URLs.** `redis://[user:password@]host:port[/db]` (standalone), `rediss://…` (TLS), and
 //! `redis+cluster://host:port[,host:port…]` / `rediss+cluster://…` for a Cluster (seed nodes). A
@@ -58,6 +59,7 @@ use std::time::{Duration, Instant};
 use xxhash_rust::xxh3::{xxh3_128, xxh3_64};
 
 use super::format::{self, HEADER_BYTES};
+use super::remote_route::{Conns, Router, RouterConfig};
 use super::secondary::{Known, SecondaryCounters, SecondaryTier};
 use super::{BlockMemory, Completion, Layout};
 use crate::error::{KvoffError, Result};
@@ -109,6 +111,9 @@ pub struct RemoteConfig {
     pub backoff_max: Duration,
     /// Environment variable holding the password when the URL has none.
     pub password_env: String,
+    /// PEM file of the certificate authority that signed the servers' certificates, for
+    /// `rediss://` (`None`: the system's roots).
+    pub tls_ca_file: Option<std::path::PathBuf>,
     /// Identity of this instance in value headers (default: namespace, rank and host name).
     pub owner: Option<String>,
 }
@@ -150,6 +155,7 @@ impl RemoteConfig {
             backoff_min: Duration::from_millis(100),
             backoff_max: Duration::from_secs(5),
             password_env: "KVOFF_REMOTE_PASSWORD".into(),
+            tls_ca_file: None,
             owner: None,
         }
     }
@@ -187,13 +193,13 @@ fn pct_encode(s: &str) -> String {
     out
 }
 
-/// The parsed target: node URLs for the `redis` crate, cluster or not.
+/// The parsed target: the URL's nodes for the `redis` crate, cluster or not.
 struct Target {
     cluster: bool,
-    nodes: Vec<String>,
+    nodes: Vec<redis::ConnectionInfo>,
 }
 
-fn parse_url(url: &str, password_env: &str) -> Result<Target> {
+fn parse_url(url: &str, password_env: &str, ca_file: Option<&std::path::Path>) -> Result<Target> {
     let bad = |why: &str| {
         KvoffError::Config(format!(
             "remote tier: {why} in remote_url {} (expected redis://host:port, rediss://…, \
@@ -229,72 +235,44 @@ fn parse_url(url: &str, password_env: &str) -> Result<Target> {
             }
             _ => format!("{base}://{node}"),
         };
-        // Checked here so that a bad URL is a configuration error at open, not a later I/O error.
-        redis::IntoConnectionInfo::into_connection_info(node.as_str())
+        // Parsed here so that a bad URL is a configuration error at open, not a later I/O error.
+        let info = redis::IntoConnectionInfo::into_connection_info(node.as_str())
             .map_err(|e| bad(&format!("{:?}", e.kind())))?;
-        nodes.push(node);
+        nodes.push(info);
+    }
+    if let Some(path) = ca_file {
+        if base != "rediss" {
+            return Err(KvoffError::Config(format!(
+                "remote tier: a TLS CA file ({}) needs a rediss:// URL, got {}",
+                path.display(),
+                redact(url)
+            )));
+        }
+        let pem = std::fs::read(path).map_err(|e| {
+            KvoffError::Config(format!(
+                "remote tier: cannot read the TLS CA file {}: {e}",
+                path.display()
+            ))
+        })?;
+        // The CA goes into each node's connection info (nodes learned later copy the first's).
+        for info in &mut nodes {
+            let certs = redis::TlsCertificates {
+                client_tls: None,
+                root_cert: Some(pem.clone()),
+            };
+            *info = redis::Client::build_with_tls(info.clone(), certs)
+                .map_err(|e| {
+                    KvoffError::Config(format!(
+                        "remote tier: the TLS CA file {} is not usable: {:?}",
+                        path.display(),
+                        e.kind()
+                    ))
+                })?
+                .get_connection_info()
+                .clone();
+        }
     }
     Ok(Target { cluster, nodes })
-}
-
-enum Conn {
-    Single(redis::Connection),
-    Cluster(Box<redis::cluster::ClusterConnection>),
-}
-
-impl Conn {
-    fn connect(
-        t: &Target,
-        connect_timeout: Duration,
-        io_timeout: Duration,
-    ) -> redis::RedisResult<Self> {
-        if t.cluster {
-            let client =
-                redis::cluster::ClusterClientBuilder::new(t.nodes.iter().map(String::as_str))
-                    .connection_timeout(connect_timeout)
-                    .response_timeout(io_timeout)
-                    .retries(2)
-                    .build()?;
-            let c = client.get_connection()?;
-            c.set_read_timeout(Some(io_timeout))?;
-            c.set_write_timeout(Some(io_timeout))?;
-            Ok(Self::Cluster(Box::new(c)))
-        } else {
-            let client = redis::Client::open(t.nodes[0].as_str())?;
-            let c = client.get_connection_with_timeout(connect_timeout)?;
-            c.set_read_timeout(Some(io_timeout))?;
-            c.set_write_timeout(Some(io_timeout))?;
-            Ok(Self::Single(c))
-        }
-    }
-
-    fn run(&mut self, cmds: Vec<redis::Cmd>) -> redis::RedisResult<Vec<redis::Value>> {
-        match self {
-            Self::Single(c) => {
-                // Not `Pipeline::query`: redis-rs reads every remaining reply after a timeout,
-                // each with the full read timeout, so a stalled server held a batch of n commands
-                // for n timeouts. Here the first failed read ends the call (the connection is
-                // dropped by the caller): a stalled server costs one read timeout per call.
-                let mut packed = Vec::new();
-                for cmd in &cmds {
-                    cmd.write_packed_command(&mut packed);
-                }
-                c.send_packed_command(&packed)?;
-                let mut out = Vec::with_capacity(cmds.len());
-                for _ in 0..cmds.len() {
-                    out.push(c.recv_response()?);
-                }
-                Ok(out)
-            }
-            Self::Cluster(c) => {
-                let mut p = redis::cluster::ClusterPipeline::with_capacity(cmds.len());
-                for cmd in cmds {
-                    p.add_command(cmd);
-                }
-                p.query(c)
-            }
-        }
-    }
 }
 
 #[derive(Clone, Debug)]
@@ -313,6 +291,8 @@ enum Entry {
 }
 
 enum Job {
+    /// Not queued: an idle I/O thread's turn to probe a failed node (see `worker`).
+    Probe,
     Fetch(Vec<ByteKey>),
     Read(ByteKey, BlockId),
     Write(Vec<(ByteKey, BlockId)>),
@@ -330,13 +310,6 @@ struct State {
     staged_bytes: u64,
     completions: Vec<Completion>,
     shutdown: bool,
-    /// The server is considered down until then (no network call before).
-    down_until: Option<Instant>,
-    backoff: Duration,
-    /// A thread is trying to reconnect.
-    probing: bool,
-    /// Whether a connection failed since the last success (the next success is a reconnect).
-    failed: bool,
     last_error: Option<String>,
 }
 
@@ -355,11 +328,11 @@ struct Counters {
     fetch_hits: AtomicU64,
     fetch_misses: AtomicU64,
     fetch_errors: AtomicU64,
-    reconnects: AtomicU64,
 }
 
 struct Shared {
-    target: Target,
+    cluster: bool,
+    router: Router,
     url_redacted: String,
     fingerprint: u64,
     fp_hex: String,
@@ -389,6 +362,8 @@ enum Checked {
     Ok(Vec<u8>),
     Missing,
     Rejected,
+    /// No answer (node down or failing, slot unserved) or a server error reply.
+    Failed,
 }
 
 impl Shared {
@@ -414,11 +389,12 @@ impl Shared {
         }
     }
 
-    fn check(&self, key: &ByteKey, v: redis::Value) -> Checked {
+    fn check(&self, key: &ByteKey, v: Option<redis::Value>) -> Checked {
         let bytes = match v {
-            redis::Value::Nil => return Checked::Missing,
-            redis::Value::BulkString(b) => b,
-            _ => return Checked::Rejected,
+            None | Some(redis::Value::ServerError(_)) => return Checked::Failed,
+            Some(redis::Value::Nil) => return Checked::Missing,
+            Some(redis::Value::BulkString(b)) => b,
+            Some(_) => return Checked::Rejected,
         };
         if bytes.len() != self.value_len {
             return Checked::Rejected;
@@ -429,101 +405,35 @@ impl Shared {
         }
     }
 
-    /// A connection, reusing `conn`; `None` while the server is down (no network call then).
-    fn connection<'a>(&self, conn: &'a mut Option<Conn>) -> Option<&'a mut Conn> {
-        if conn.is_none() {
-            {
-                let mut st = lock(&self.state);
-                // While the server is down only one thread probes it (after the backoff); the
-                // others fail their jobs at once. Before any failure every thread connects.
-                if st.down_until.is_some_and(|t| Instant::now() < t) || (st.failed && st.probing) {
-                    return None;
-                }
-                st.probing = true;
-            }
-            let r = Conn::connect(&self.target, self.cfg.connect_timeout, self.cfg.io_timeout);
-            let mut st = lock(&self.state);
-            st.probing = false;
-            match r {
-                // Counted as a reconnect when the first command on it succeeds (`run`).
-                Ok(c) => *conn = Some(c),
-                Err(e) => {
-                    self.mark_down(
-                        &mut st,
-                        &format!("connecting to {}: {e}", self.url_redacted),
-                    );
-                    return None;
-                }
-            }
+    /// Runs `cmds` (each with its key) through the router: one reply per command, `None` for a
+    /// command that was not answered (see `remote_route`); failures go to `last_error`.
+    fn run(&self, conns: &mut Conns, cmds: &[(String, redis::Cmd)]) -> Vec<Option<redis::Value>> {
+        let out = self.router.run(conns, cmds);
+        if let Some(e) = out.error {
+            lock(&self.state).last_error = Some(e);
         }
-        conn.as_mut()
+        out.replies
     }
 
-    fn mark_down(&self, st: &mut State, msg: &str) {
-        st.failed = true;
-        let b = st.backoff.max(self.cfg.backoff_min);
-        st.down_until = Some(Instant::now() + b);
-        st.backoff = (b * 2).min(self.cfg.backoff_max);
-        st.last_error = Some(msg.to_owned());
-    }
-
-    /// Runs `cmds` on the connection; on failure drops it and marks the server down.
-    fn run(&self, conn: &mut Option<Conn>, cmds: Vec<redis::Cmd>) -> Option<Vec<redis::Value>> {
-        let c = self.connection(conn)?;
-        match c.run(cmds) {
-            Ok(v) => {
-                let mut st = lock(&self.state);
-                if st.failed {
-                    // Back after a failure (this connection or another thread's new one).
-                    self.counters.reconnects.fetch_add(1, Relaxed);
-                    st.failed = false;
-                    st.down_until = None;
-                    st.backoff = self.cfg.backoff_min;
-                }
-                Some(v)
-            }
-            Err(e) => {
-                *conn = None;
-                let mut st = lock(&self.state);
-                // A server error reply (not a network failure) does not mark the server down.
-                if e.is_io_error() || e.is_timeout() || e.is_connection_dropped() {
-                    self.mark_down(&mut st, &format!("{}: {e}", self.url_redacted));
-                } else {
-                    st.last_error = Some(format!("{}: {e}", self.url_redacted));
-                }
-                None
-            }
-        }
-    }
-
-    fn delete(&self, conn: &mut Option<Conn>, key: &ByteKey) {
+    fn delete(&self, conns: &mut Conns, key: &ByteKey) {
+        let k = self.redis_key(key);
         let mut c = redis::cmd("DEL");
-        c.arg(self.redis_key(key));
-        let _ = self.run(conn, vec![c]);
+        c.arg(&k);
+        let _ = self.run(conns, &[(k, c)]);
     }
 
-    fn run_fetch(&self, conn: &mut Option<Conn>, keys: &[ByteKey]) {
+    fn run_fetch(&self, conns: &mut Conns, keys: &[ByteKey]) {
         let t0 = Instant::now();
-        let cmds = keys
+        let cmds: Vec<(String, redis::Cmd)> = keys
             .iter()
             .map(|k| {
+                let rk = self.redis_key(k);
                 let mut c = redis::cmd("GET");
-                c.arg(self.redis_key(k));
-                c
+                c.arg(&rk);
+                (rk, c)
             })
             .collect();
-        let Some(values) = self.run(conn, cmds).filter(|v| v.len() == keys.len()) else {
-            self.counters.fetch_errors.fetch_add(1, Relaxed);
-            // Unreachable: remember the keys as absent for a while (no refetch storm).
-            let until = Instant::now() + self.cfg.negative_ttl;
-            let mut st = lock(&self.state);
-            for k in keys {
-                if matches!(st.index.get(k), Some(Entry::Fetching)) {
-                    st.index.insert(k.clone(), Entry::Absent { until });
-                }
-            }
-            return;
-        };
+        let values = self.run(conns, &cmds);
         let mut rejected = Vec::new();
         let mut results = Vec::with_capacity(keys.len());
         for (k, v) in keys.iter().zip(values) {
@@ -533,7 +443,9 @@ impl Shared {
             }
             results.push(c);
         }
-        self.counters.read_ns.fetch_add(ns(t0), Relaxed);
+        if results.iter().any(|c| !matches!(c, Checked::Failed)) {
+            self.counters.read_ns.fetch_add(ns(t0), Relaxed);
+        }
         {
             let now = Instant::now();
             let mut st = lock(&self.state);
@@ -567,16 +479,24 @@ impl Shared {
                             until: now + self.cfg.negative_ttl,
                         }
                     }
+                    // Unanswered (its node down, failing or redirected away): remembered as
+                    // absent for a while (no refetch storm); the other keys of the batch stand.
+                    Checked::Failed => {
+                        self.counters.fetch_errors.fetch_add(1, Relaxed);
+                        Entry::Absent {
+                            until: now + self.cfg.negative_ttl,
+                        }
+                    }
                 };
                 st.index.insert(k.clone(), e);
             }
         }
         for k in &rejected {
-            self.delete(conn, k);
+            self.delete(conns, k);
         }
     }
 
-    fn run_read(&self, conn: &mut Option<Conn>, key: &ByteKey, block: BlockId) {
+    fn run_read(&self, conns: &mut Conns, key: &ByteKey, block: BlockId) {
         let t0 = Instant::now();
         let staged = {
             let mut st = lock(&self.state);
@@ -590,18 +510,17 @@ impl Shared {
             lock(&self.state).staged_bytes -= v.len() as u64;
             Some(v)
         } else {
+            let rk = self.redis_key(key);
             let mut c = redis::cmd("GET");
-            c.arg(self.redis_key(key));
-            match self.run(conn, vec![c]).and_then(|mut v| v.pop()) {
-                Some(v) => match self.check(key, v) {
-                    Checked::Ok(b) => Some(Arc::new(b)),
-                    Checked::Missing => None,
-                    Checked::Rejected => {
-                        rejected = true;
-                        None
-                    }
-                },
-                None => None,
+            c.arg(&rk);
+            let v = self.run(conns, &[(rk, c)]).pop().flatten();
+            match self.check(key, v) {
+                Checked::Ok(b) => Some(Arc::new(b)),
+                Checked::Missing | Checked::Failed => None,
+                Checked::Rejected => {
+                    rejected = true;
+                    None
+                }
             }
         };
         let ok = value.as_ref().is_some_and(|v| {
@@ -611,7 +530,7 @@ impl Shared {
         });
         if rejected {
             self.counters.rejected.fetch_add(1, Relaxed);
-            self.delete(conn, key);
+            self.delete(conns, key);
         }
         let mut st = lock(&self.state);
         st.running_reads = st.running_reads.saturating_sub(1);
@@ -637,7 +556,7 @@ impl Shared {
         });
     }
 
-    fn run_writes(&self, conn: &mut Option<Conn>, items: &[(ByteKey, BlockId)]) {
+    fn run_writes(&self, conns: &mut Conns, items: &[(ByteKey, BlockId)]) {
         let t0 = Instant::now();
         // Copy every block out first and release it: the host block is free during the network.
         let mut values = Vec::with_capacity(items.len());
@@ -662,22 +581,24 @@ impl Shared {
         let mut sent = Vec::new();
         for ((k, _), v) in items.iter().zip(&values) {
             if let Some(v) = v {
+                let rk = self.redis_key(k);
                 let mut c = redis::cmd("SET");
-                c.arg(self.redis_key(k)).arg(v.as_slice());
+                c.arg(&rk).arg(v.as_slice());
                 if let Some(ttl) = self.cfg.ttl {
                     c.arg("PX")
                         .arg(u64::try_from(ttl.as_millis()).unwrap_or(u64::MAX).max(1));
                 }
-                cmds.push(c);
+                cmds.push((rk, c));
                 sent.push(k.clone());
             }
         }
         let n_failed_local = items.len() - sent.len();
-        let ok = if cmds.is_empty() {
-            Some(Vec::new())
+        let replies = if cmds.is_empty() {
+            Vec::new()
         } else {
-            self.run(conn, cmds)
+            self.run(conns, &cmds)
         };
+        drop(cmds);
         drop(values);
         let elapsed = ns(t0);
         let mut st = lock(&self.state);
@@ -691,9 +612,8 @@ impl Shared {
             .fetch_add(n_failed_local as u64, Relaxed);
         let now = Instant::now();
         for (i, k) in sent.iter().enumerate() {
-            let good = ok
-                .as_ref()
-                .and_then(|v| v.get(i))
+            let reply = replies.get(i).and_then(Option::as_ref);
+            let good = reply
                 .is_some_and(|v| matches!(v, redis::Value::Okay | redis::Value::SimpleString(_)));
             if good {
                 self.counters.writes.fetch_add(1, Relaxed);
@@ -711,7 +631,7 @@ impl Shared {
                 }
             } else {
                 self.counters.write_errors.fetch_add(1, Relaxed);
-                if let Some(v) = ok.as_ref().and_then(|v| v.get(i)) {
+                if let Some(v) = reply {
                     st.last_error = Some(format!("{}: SET answered {v:?}", self.url_redacted));
                 }
                 if matches!(st.index.get(k), Some(Entry::Writing)) {
@@ -725,8 +645,13 @@ impl Shared {
     }
 
     fn worker(self: &Arc<Self>) {
-        let mut conn: Option<Conn> = None;
+        let mut conns = Conns::default();
         loop {
+            // A failed node whose backoff is over is probed between jobs (one thread at a time);
+            // jobs meanwhile fail its commands at once.
+            if let Some(e) = self.router.probe(&mut conns) {
+                lock(&self.state).last_error = Some(e);
+            }
             let mut st = lock(&self.state);
             let job = loop {
                 if let Some(j) = st.jobs_reads.pop_front() {
@@ -744,18 +669,27 @@ impl Shared {
                 if st.shutdown {
                     break None;
                 }
+                let idle = Duration::from_millis(500);
+                let wait = self
+                    .router
+                    .next_probe(Instant::now())
+                    .map_or(idle, |d| d.min(idle));
+                if wait.is_zero() {
+                    break Some(Job::Probe);
+                }
                 st = self
                     .cv
-                    .wait_timeout(st, Duration::from_millis(500))
+                    .wait_timeout(st, wait)
                     .unwrap_or_else(PoisonError::into_inner)
                     .0;
             };
             drop(st);
             match job {
                 None => return,
-                Some(Job::Fetch(keys)) => self.run_fetch(&mut conn, &keys),
-                Some(Job::Read(k, b)) => self.run_read(&mut conn, &k, b),
-                Some(Job::Write(items)) => self.run_writes(&mut conn, &items),
+                Some(Job::Probe) => {}
+                Some(Job::Fetch(keys)) => self.run_fetch(&mut conns, &keys),
+                Some(Job::Read(k, b)) => self.run_read(&mut conns, &k, b),
+                Some(Job::Write(items)) => self.run_writes(&mut conns, &items),
             }
         }
     }
@@ -771,7 +705,7 @@ impl std::fmt::Debug for RemoteTier {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.debug_struct("RemoteTier")
             .field("url", &self.shared.url_redacted)
-            .field("cluster", &self.shared.target.cluster)
+            .field("cluster", &self.shared.cluster)
             .finish_non_exhaustive()
     }
 }
@@ -814,14 +748,26 @@ impl RemoteTier {
         if cfg.io_timeout.is_zero() || cfg.connect_timeout.is_zero() {
             return Err(KvoffError::arg("remote timeouts must be positive"));
         }
-        let target = parse_url(&cfg.url, &cfg.password_env)?;
+        let target = parse_url(&cfg.url, &cfg.password_env, cfg.tls_ca_file.as_deref())?;
         let fingerprint = lay.fingerprint(payload_len as u64);
         let owner_str = cfg
             .owner
             .clone()
             .unwrap_or_else(|| format!("{}|{}|{}", lay.namespace, lay.rank, super::host_name()));
+        let router = Router::new(
+            RouterConfig {
+                cluster: target.cluster,
+                connect_timeout: cfg.connect_timeout,
+                io_timeout: cfg.io_timeout,
+                backoff_min: cfg.backoff_min,
+                backoff_max: cfg.backoff_max,
+            },
+            redact(&cfg.url),
+            target.nodes,
+        );
         let shared = Arc::new(Shared {
-            target,
+            cluster: target.cluster,
+            router,
             url_redacted: redact(&cfg.url),
             fingerprint,
             fp_hex: format!("{fingerprint:016x}"),
@@ -830,10 +776,7 @@ impl RemoteTier {
             owner: xxh3_64(owner_str.as_bytes()),
             payload_len,
             value_len,
-            state: Mutex::new(State {
-                backoff: cfg.backoff_min,
-                ..State::default()
-            }),
+            state: Mutex::new(State::default()),
             cfg,
             memory,
             cv: Condvar::new(),
@@ -866,7 +809,7 @@ impl RemoteTier {
     /// Whether the URL names a Cluster.
     #[must_use]
     pub fn is_cluster(&self) -> bool {
-        self.shared.target.cluster
+        self.shared.cluster
     }
 
     /// The server key of `key` (for tests and tools).
@@ -963,9 +906,11 @@ impl SecondaryTier for RemoteTier {
             return 0;
         }
         Self::expire(&mut st, now);
-        // While the server is down, remember the keys as misses: no job, no network.
-        let down = st.down_until.is_some_and(|t| now < t);
-        let down_until = st.down_until.unwrap_or(now);
+        // While every node is down, remember the keys as misses: no job, no network. (A node
+        // down among live ones fails its own keys in the I/O thread, also without a network call.)
+        let down_until = sh.router.all_down(now);
+        let down = down_until.is_some();
+        let down_until = down_until.unwrap_or(now);
         let mut batch = Vec::new();
         for k in keys.iter().take(sh.cfg.max_fetch_keys.max(1)) {
             let unknown = match st.index.get(k) {
@@ -1011,7 +956,7 @@ impl SecondaryTier for RemoteTier {
         let now = Instant::now();
         let mut st = lock(&sh.state);
         Self::expire(&mut st, now);
-        let down = st.down_until.is_some_and(|t| now < t);
+        let down = sh.router.all_down(now).is_some();
         let out = items
             .iter()
             .map(|(k, b)| {
@@ -1141,7 +1086,7 @@ impl SecondaryTier for RemoteTier {
             fetch_hits: c.fetch_hits.load(Relaxed),
             fetch_misses: c.fetch_misses.load(Relaxed),
             fetch_errors: c.fetch_errors.load(Relaxed),
-            reconnects: c.reconnects.load(Relaxed),
+            reconnects: self.shared.router.reconnects.load(Relaxed),
             queued_reads: st.jobs_reads.len() as u64 + st.running_reads,
             queued_writes: st.queued_writes as u64,
             last_error: st.last_error.clone(),
@@ -1150,8 +1095,8 @@ impl SecondaryTier for RemoteTier {
 
     fn extra_stats(&self) -> Vec<(&'static str, u64)> {
         let (present, absent, staged) = self.index_gauges();
+        let down = self.shared.router.all_down(Instant::now()).is_some();
         let st = lock(&self.shared.state);
-        let down = st.down_until.is_some_and(|t| Instant::now() < t);
         vec![
             ("known_present", present),
             ("known_absent", absent),

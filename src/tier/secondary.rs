@@ -70,9 +70,10 @@ pub struct SecondaryCounters {
     pub fetch_hits: u64,
     /// Keys asked for by [`SecondaryTier::submit_fetch`] that were not found.
     pub fetch_misses: u64,
-    /// Fetches that failed (server unreachable, timeout): their keys stay unknown.
+    /// Keys whose fetch failed (server or node unreachable, timeout, error reply) or was skipped
+    /// while it was down: remembered as absent for a while, never as present.
     pub fetch_errors: u64,
-    /// Reconnections to a remote store after a failure.
+    /// Recoveries of a remote store (of each of its nodes) after a failure.
     pub reconnects: u64,
     /// Reads queued or running.
     pub queued_reads: u64,

@@ -558,6 +558,14 @@ class RedisCluster:
         return [f"{scheme}://{auth}127.0.0.1:{nd.client_port}" for nd in self.nodes]
 
     @property
+    def cluster_url(self) -> str:
+        """Every node as a seed: ``redis+cluster://[:password@]127.0.0.1:p1,127.0.0.1:p2,...``
+        (``rediss+cluster://`` with TLS), the multi-seed form of kvoff's ``remote_url``."""
+        auth = f":{self.password}@" if self.password else ""
+        seeds = ",".join(f"127.0.0.1:{nd.client_port}" for nd in self.nodes)
+        return f"{'rediss' if self.tls else 'redis'}+cluster://{auth}{seeds}"
+
+    @property
     def ca_file(self) -> Path | None:
         return self.nodes[0].tls_files.get("ca") if self.tls else None
 
@@ -634,7 +642,7 @@ class RedisCluster:
 
     def master_for_key(self, key: str) -> RedisServer:
         """The node that serves ``key``'s slot now."""
-        slot = int(self.nodes[0].cli("CLUSTER", "KEYSLOT", key))
+        slot = int(next(n for n in self.nodes if n.running()).cli("CLUSTER", "KEYSLOT", key))
         for row in self.node_table():
             if "master" not in row["flags"] or "fail" in row["flags"]:
                 continue

@@ -80,9 +80,9 @@ REMOTE_VLLM_METRICS: dict[str, tuple[str, str]] = {
     "vllm:kvoff_remote_writes_dropped": ("counter", "writes dropped (queue or in-flight bytes full)"),
     "vllm:kvoff_remote_rejected_values": ("counter", "values rejected by their header or checksum"),
     "vllm:kvoff_remote_read_errors": ("counter", "promotions whose value vanished or failed"),
-    "vllm:kvoff_remote_fetch_errors": ("counter", "fetches failed or skipped while the server was down"),
-    "vllm:kvoff_remote_reconnects": ("counter", "recoveries after a server failure"),
-    "vllm:kvoff_remote_up": ("gauge", "1 while the server is reachable"),
+    "vllm:kvoff_remote_fetch_errors": ("counter", "keys whose fetch failed or was skipped (their node down)"),
+    "vllm:kvoff_remote_reconnects": ("counter", "recoveries of a node after a failure"),
+    "vllm:kvoff_remote_up": ("gauge", "1 while some node of the server or Cluster is reachable"),
 }
 
 

@@ -1,0 +1,773 @@
+//! Connections, Cluster routing and per-node fault state of the remote tier (docs/tier.md "Remote
+//! tier", "Faults"; the client choice in docs/design.md "Remote tier client").
+//!
+//! **Why not the crate's Cluster connection.** The `redis` crate speaks the protocol and opens the
+//! connections (one [`redis::Connection`] per node and I/O thread, TLS and authentication from the
+//! URL); the routing of a batch is here, because the crate's synchronous `ClusterConnection`
+//! (1.8) fails a whole pipeline when one node of it is down, reads every remaining reply of a
+//! node after a timeout (each with the full read timeout: n commands to a stalled node held the
+//! batch for n timeouts), and reconnects only through the seed nodes of the URL (one dead seed:
+//! no way back, although the Cluster told it every other node).
+//!
+//! **Nodes.** Every node ever known — the URL's seeds, then every master and replica named by
+//! `CLUSTER SLOTS` — stays in [`Router`]'s list, so a topology refresh can ask any of them. Each
+//! node has its own fault state: a failed connect, write or read marks that node failed, with a
+//! backoff that doubles from `backoff_min` to `backoff_max`. Commands routed to a failed node fail
+//! at once without a network call until a probe ([`Router::probe`], run by an I/O thread between
+//! jobs, one at a time across all nodes and threads) gets a reply from it after its backoff: jobs
+//! never wait for a node that is known to be failing. That reply counts as a reconnect.
+//!
+//! **Routing.** A standalone server is node 0 for every key. In a Cluster a key goes to the master
+//! of its slot (CRC16/XMODEM of the key, or of its `{hash tag}`, modulo 16384 — [`key_slot`]) in
+//! the slot map read with `CLUSTER SLOTS`. A batch is split per node; each node's part is one
+//! pipeline (written to every node first, then the replies read node by node), so a node that
+//! fails or stalls fails only its own commands and costs at most one connect timeout and one I/O
+//! timeout. `MOVED` and `ASK` replies are followed once (`ASKING` before an `ASK`ed command) and
+//! mark the slot map stale; `TRYAGAIN`, `CLUSTERDOWN`, `MASTERDOWN`, `LOADING` and `READONLY` fail
+//! the command (the caller's job ends as a miss or a failed write) and mark it stale too, as does
+//! a command routed to a node that is down or to a slot no master serves. A stale map is read
+//! again by one thread at a time, at most once per `backoff_min`, from the first node that answers
+//! (nodes this thread is connected to first, nodes marked down last and only once their backoff
+//! is over).
+#![forbid(unsafe_code)]
+
+use std::collections::HashMap;
+use std::sync::atomic::{AtomicU64, Ordering::Relaxed};
+use std::sync::{Mutex, MutexGuard, PoisonError};
+use std::time::{Duration, Instant};
+
+/// Slots of a Redis Cluster.
+pub const SLOTS: usize = 16_384;
+
+/// The Cluster slot of `key`: CRC16/XMODEM of the key's hash tag (the bytes between its first `{`
+/// and the next `}`, when not empty) or of the whole key, modulo 16384 (the Redis Cluster
+/// specification, "Keys distribution model").
+#[must_use]
+pub fn key_slot(key: &[u8]) -> u16 {
+    let tagged = key
+        .iter()
+        .position(|&b| b == b'{')
+        .and_then(|open| {
+            let rest = &key[open + 1..];
+            rest.iter()
+                .position(|&b| b == b'}')
+                .map(|close| &rest[..close])
+        })
+        .filter(|tag| !tag.is_empty())
+        .unwrap_or(key);
+    let mut crc: u16 = 0;
+    for &b in tagged {
+        crc ^= u16::from(b) << 8;
+        for _ in 0..8 {
+            crc = if crc & 0x8000 == 0 {
+                crc << 1
+            } else {
+                (crc << 1) ^ 0x1021
+            };
+        }
+    }
+    crc % 16_384
+}
+
+/// No node serves the slot.
+const NO_NODE: u32 = u32::MAX;
+
+/// Settings of a [`Router`].
+#[derive(Clone, Debug)]
+pub(super) struct RouterConfig {
+    pub cluster: bool,
+    pub connect_timeout: Duration,
+    pub io_timeout: Duration,
+    pub backoff_min: Duration,
+    pub backoff_max: Duration,
+}
+
+struct Node {
+    host: String,
+    port: u16,
+    info: redis::ConnectionInfo,
+    /// Commands to this node fail at once until then.
+    down_until: Option<Instant>,
+    backoff: Duration,
+    /// A call failed since the last reply (the next reply is a reconnect).
+    failed: bool,
+}
+
+struct RouterState {
+    nodes: Vec<Node>,
+    by_addr: HashMap<(String, u16), usize>,
+    /// Node of each slot (Cluster only; empty until the first refresh).
+    slots: Vec<u32>,
+    /// The nodes the slot map names (sorted, no repeats).
+    serving: Vec<usize>,
+    /// Bumped at each new slot map (threads then drop connections to nodes that left it).
+    epoch: u64,
+    stale: bool,
+    refreshing: bool,
+    /// The node a thread is probing after its backoff (one at a time), and since when.
+    probe: Option<(usize, Instant)>,
+    last_refresh: Option<Instant>,
+}
+
+/// One I/O thread's connections, by node.
+#[derive(Default)]
+pub(super) struct Conns {
+    map: HashMap<usize, redis::Connection>,
+    epoch: u64,
+}
+
+/// The replies of a batch: per command its value (server error replies other than redirects
+/// included, as `redis::Value::ServerError`) or `None` when it was not answered (node down or
+/// failing, slot unserved, redirected twice); and the last failure, for the tier's `last_error`.
+pub(super) struct Outcome {
+    pub replies: Vec<Option<redis::Value>>,
+    pub error: Option<String>,
+}
+
+/// See the module docs.
+pub(super) struct Router {
+    cfg: RouterConfig,
+    /// The URL's form for messages (no password).
+    label: String,
+    state: Mutex<RouterState>,
+    /// Replies from a node after a failure of that node.
+    pub reconnects: AtomicU64,
+}
+
+fn lock(m: &Mutex<RouterState>) -> MutexGuard<'_, RouterState> {
+    m.lock().unwrap_or_else(PoisonError::into_inner)
+}
+
+/// One command and its reply (a reply that is a server error is a value, not a failure).
+fn request(c: &mut redis::Connection, cmd: &redis::Cmd) -> redis::RedisResult<redis::Value> {
+    c.send_packed_command(&cmd.get_packed_command())?;
+    c.recv_response()
+}
+
+/// What to do with a reply that is a server error.
+enum Redirect {
+    Moved(String, u16),
+    Ask(String, u16),
+}
+
+/// Where a command goes: its slot's master, or where a redirect sent it.
+enum Dest {
+    Slot,
+    Redirect(Redirect),
+}
+
+/// What a round left to do: redirected commands, and commands whose node failed (with it).
+struct Round {
+    redirects: Vec<(usize, Redirect)>,
+    failed: Vec<(usize, usize)>,
+}
+
+/// A batch's command routed to a node (`asking`: send `ASKING` first).
+struct Routed {
+    index: usize,
+    asking: bool,
+}
+
+impl Router {
+    /// A router over the URL's nodes (`seeds`: parsed connection infos, in the URL's order).
+    pub(super) fn new(cfg: RouterConfig, label: String, seeds: Vec<redis::ConnectionInfo>) -> Self {
+        let mut st = RouterState {
+            nodes: Vec::new(),
+            by_addr: HashMap::new(),
+            slots: Vec::new(),
+            serving: Vec::new(),
+            epoch: 0,
+            stale: true,
+            refreshing: false,
+            probe: None,
+            last_refresh: None,
+        };
+        for info in seeds {
+            let (host, port) = match info.addr() {
+                redis::ConnectionAddr::Tcp(h, p)
+                | redis::ConnectionAddr::TcpTls {
+                    host: h, port: p, ..
+                } => (h.clone(), *p),
+                redis::ConnectionAddr::Unix(p) => (p.display().to_string(), 0),
+                _ => (String::new(), 0),
+            };
+            Self::add_node(&mut st, &cfg, host, port, info);
+        }
+        Self {
+            cfg,
+            label,
+            state: Mutex::new(st),
+            reconnects: AtomicU64::new(0),
+        }
+    }
+
+    fn add_node(
+        st: &mut RouterState,
+        cfg: &RouterConfig,
+        host: String,
+        port: u16,
+        info: redis::ConnectionInfo,
+    ) -> usize {
+        if let Some(&id) = st.by_addr.get(&(host.clone(), port)) {
+            return id;
+        }
+        let id = st.nodes.len();
+        st.by_addr.insert((host.clone(), port), id);
+        st.nodes.push(Node {
+            host,
+            port,
+            info,
+            down_until: None,
+            backoff: cfg.backoff_min,
+            failed: false,
+        });
+        id
+    }
+
+    /// The node at `host:port`, added (with the first seed's TLS and credentials) if new.
+    fn node_at(&self, st: &mut RouterState, host: &str, port: u16) -> usize {
+        if let Some(&id) = st.by_addr.get(&(host.to_owned(), port)) {
+            return id;
+        }
+        let base = st.nodes[0].info.clone();
+        let addr = match base.addr() {
+            redis::ConnectionAddr::TcpTls {
+                insecure,
+                tls_params,
+                ..
+            } => redis::ConnectionAddr::TcpTls {
+                host: host.to_owned(),
+                port,
+                insecure: *insecure,
+                tls_params: tls_params.clone(),
+            },
+            _ => redis::ConnectionAddr::Tcp(host.to_owned(), port),
+        };
+        Self::add_node(st, &self.cfg, host.to_owned(), port, base.set_addr(addr))
+    }
+
+    /// Whether every node that serves keys is down now, and if so until when (the earliest end of
+    /// their backoffs): callers then fail jobs without queuing them.
+    pub(super) fn all_down(&self, now: Instant) -> Option<Instant> {
+        let st = lock(&self.state);
+        let mut until: Option<Instant> = None;
+        for id in Self::watched(&st) {
+            let n = &st.nodes[id];
+            if !n.failed {
+                return None;
+            }
+            let t = n.down_until.unwrap_or(now);
+            until = Some(until.map_or(t, |u| u.min(t)));
+        }
+        // At least `backoff_min` (a probe may be due already, its result is not known yet).
+        until.map(|t| t.max(now + self.cfg.backoff_min))
+    }
+
+    /// The nodes whose state matters: those the slot map names (every node while there is none:
+    /// standalone, or before the first map).
+    fn watched(st: &RouterState) -> Vec<usize> {
+        if st.serving.is_empty() {
+            (0..st.nodes.len()).collect()
+        } else {
+            st.serving.clone()
+        }
+    }
+
+    /// Whether commands may go to node `id`: not while it is failed (until a probe succeeds).
+    fn usable(st: &RouterState, id: usize) -> bool {
+        !st.nodes[id].failed
+    }
+
+    /// How long until a probe is due (zero: now), `None` when no watched node is failed or a
+    /// probe is running. The I/O threads wait at most this long for a job.
+    pub(super) fn next_probe(&self, now: Instant) -> Option<Duration> {
+        let st = lock(&self.state);
+        if st
+            .probe
+            .is_some_and(|(_, t)| now.duration_since(t) < self.probe_limit())
+        {
+            return None;
+        }
+        Self::watched(&st)
+            .into_iter()
+            .filter(|&i| st.nodes[i].failed)
+            .map(|i| {
+                st.nodes[i]
+                    .down_until
+                    .map_or(Duration::ZERO, |t| t.saturating_duration_since(now))
+            })
+            .min()
+    }
+
+    /// A probe older than this is taken over (its thread is gone or stuck past its timeouts).
+    fn probe_limit(&self) -> Duration {
+        (self.cfg.connect_timeout + self.cfg.io_timeout) * 2
+    }
+
+    /// Probes one failed node whose backoff is over (a new connection and `PING`), unless another
+    /// thread is probing: after a reply the node takes commands again (a reconnect), otherwise its
+    /// backoff doubles. Jobs never wait for a probe (they fail the node's commands at once), and
+    /// one probe runs at a time across all nodes and threads, so a partition of every node never
+    /// ties up every I/O thread.
+    pub(super) fn probe(&self, conns: &mut Conns) -> Option<String> {
+        let now = Instant::now();
+        let (id, info) = {
+            let mut st = lock(&self.state);
+            if st
+                .probe
+                .is_some_and(|(_, t)| now.duration_since(t) < self.probe_limit())
+            {
+                return None;
+            }
+            let due = Self::watched(&st).into_iter().find(|&i| {
+                let n = &st.nodes[i];
+                n.failed && n.down_until.is_none_or(|t| t <= now)
+            });
+            let id = due?;
+            st.probe = Some((id, now));
+            (id, st.nodes[id].info.clone())
+        };
+        conns.map.remove(&id);
+        let r = self
+            .conn(conns, id, Some(info))
+            .and_then(|c| request(c, &redis::cmd("PING")).map_err(|e| format!("PING: {e}")));
+        let mut st = lock(&self.state);
+        match r {
+            Ok(_) => {
+                self.mark_up(&mut st, id);
+                st.stale = true;
+                None
+            }
+            Err(e) => {
+                conns.map.remove(&id);
+                self.mark_down(&mut st, id);
+                Some(format!("{} {}: {e}", self.label, Self::node_name(&st, id)))
+            }
+        }
+    }
+
+    fn end_probe(st: &mut RouterState, id: usize) {
+        if st.probe.is_some_and(|(p, _)| p == id) {
+            st.probe = None;
+        }
+    }
+
+    fn mark_down(&self, st: &mut RouterState, id: usize) {
+        Self::end_probe(st, id);
+        let n = &mut st.nodes[id];
+        n.failed = true;
+        let b = n.backoff.max(self.cfg.backoff_min);
+        n.down_until = Some(Instant::now() + b);
+        n.backoff = (b * 2).min(self.cfg.backoff_max);
+        st.stale = true;
+    }
+
+    fn mark_up(&self, st: &mut RouterState, id: usize) {
+        Self::end_probe(st, id);
+        let n = &mut st.nodes[id];
+        if n.failed {
+            self.reconnects.fetch_add(1, Relaxed);
+            n.failed = false;
+            n.down_until = None;
+            n.backoff = self.cfg.backoff_min;
+        }
+    }
+
+    fn node_name(st: &RouterState, id: usize) -> String {
+        let n = &st.nodes[id];
+        format!("{}:{}", n.host, n.port)
+    }
+
+    /// A connection to node `id` for this thread (opened if needed; the failure message if not).
+    fn conn<'a>(
+        &self,
+        conns: &'a mut Conns,
+        id: usize,
+        info: Option<redis::ConnectionInfo>,
+    ) -> Result<&'a mut redis::Connection, String> {
+        match conns.map.entry(id) {
+            std::collections::hash_map::Entry::Occupied(e) => Ok(e.into_mut()),
+            std::collections::hash_map::Entry::Vacant(e) => {
+                let info = info.ok_or("no such node")?;
+                let c = redis::Client::open(info)
+                    .and_then(|cl| cl.get_connection_with_timeout(self.cfg.connect_timeout))
+                    .and_then(|c| {
+                        c.set_read_timeout(Some(self.cfg.io_timeout))?;
+                        c.set_write_timeout(Some(self.cfg.io_timeout))?;
+                        Ok(c)
+                    })
+                    .map_err(|e| format!("connecting: {e}"))?;
+                Ok(e.insert(c))
+            }
+        }
+    }
+
+    /// Reads the slot map again when it is stale (or missing) and no other thread does; the last
+    /// failure when no node gave a map (the old map, if any, stays).
+    fn refresh(&self, conns: &mut Conns, now_please: bool) -> Option<String> {
+        let now = Instant::now();
+        let order: Vec<usize> = {
+            let mut st = lock(&self.state);
+            let have_map = !st.slots.is_empty();
+            let due = st.stale
+                && (!have_map
+                    || now_please
+                    || st
+                        .last_refresh
+                        .is_none_or(|t| now.duration_since(t) >= self.cfg.backoff_min));
+            // Without a map every thread may ask (none can route); with one, one thread at a time.
+            if !due || (have_map && st.refreshing) {
+                return None;
+            }
+            st.refreshing = true;
+            st.last_refresh = Some(now);
+            // Nodes not failed (failed ones come back through `probe`), those this thread is
+            // connected to first.
+            let mut ids: Vec<usize> = (0..st.nodes.len())
+                .filter(|&i| Self::usable(&st, i))
+                .collect();
+            ids.sort_by_key(|&i| (!conns.map.contains_key(&i), i));
+            ids
+        };
+        let mut error = None;
+        for id in order {
+            let info = {
+                let st = lock(&self.state);
+                if !Self::usable(&st, id) {
+                    continue;
+                }
+                st.nodes[id].info.clone()
+            };
+            let reply = self.conn(conns, id, Some(info)).and_then(|c| {
+                request(c, redis::cmd("CLUSTER").arg("SLOTS"))
+                    .map_err(|e| format!("CLUSTER SLOTS: {e}"))
+            });
+            let mut st = lock(&self.state);
+            match reply {
+                Ok(v) => {
+                    self.mark_up(&mut st, id);
+                    let host = st.nodes[id].host.clone();
+                    if let Some(map) = self.parse_slots(&mut st, &v, &host) {
+                        let mut serving: Vec<usize> = map
+                            .iter()
+                            .filter(|&&n| n != NO_NODE)
+                            .map(|&n| n as usize)
+                            .collect();
+                        serving.sort_unstable();
+                        serving.dedup();
+                        st.serving = serving;
+                        st.slots = map;
+                        st.epoch += 1;
+                        st.stale = false;
+                        st.refreshing = false;
+                        return None;
+                    }
+                    error = Some(format!(
+                        "{}: CLUSTER SLOTS answered {v:?}",
+                        Self::node_name(&st, id)
+                    ));
+                }
+                Err(e) => {
+                    conns.map.remove(&id);
+                    self.mark_down(&mut st, id);
+                    error = Some(format!("{}: {e}", Self::node_name(&st, id)));
+                }
+            }
+        }
+        lock(&self.state).refreshing = false;
+        error.map(|e| format!("{} {e}", self.label))
+    }
+
+    /// The slot map of a `CLUSTER SLOTS` reply (nodes added as learned); `None` if malformed.
+    fn parse_slots(&self, st: &mut RouterState, v: &redis::Value, asked: &str) -> Option<Vec<u32>> {
+        let redis::Value::Array(ranges) = v else {
+            return None;
+        };
+        let mut map = vec![NO_NODE; SLOTS];
+        for r in ranges {
+            let redis::Value::Array(parts) = r else {
+                return None;
+            };
+            let int = |v: &redis::Value| match v {
+                redis::Value::Int(i) => usize::try_from(*i).ok(),
+                _ => None,
+            };
+            let start = int(parts.first()?)?;
+            let end = int(parts.get(1)?)?;
+            if start > end || end >= SLOTS {
+                return None;
+            }
+            let mut master = None;
+            for (j, node) in parts.iter().skip(2).enumerate() {
+                let redis::Value::Array(fields) = node else {
+                    return None;
+                };
+                let host = match fields.first()? {
+                    redis::Value::BulkString(b) => String::from_utf8_lossy(b).into_owned(),
+                    redis::Value::SimpleString(s) => s.clone(),
+                    _ => return None,
+                };
+                let port = u16::try_from(int(fields.get(1)?)?).ok()?;
+                // "" : the node asked; "?" : an endpoint the node does not know (skipped).
+                let host = if host.is_empty() {
+                    asked.to_owned()
+                } else {
+                    host
+                };
+                if host == "?" {
+                    continue;
+                }
+                let id = self.node_at(st, &host, port);
+                if j == 0 {
+                    master = Some(id);
+                }
+            }
+            if let Some(m) = master {
+                let m = u32::try_from(m).ok()?;
+                map[start..=end].fill(m);
+            }
+        }
+        Some(map)
+    }
+
+    /// Runs `cmds` (each with the key that routes it) and returns their replies; see the module
+    /// docs for what fails which command, and [`Outcome`].
+    pub(super) fn run(&self, conns: &mut Conns, cmds: &[(String, redis::Cmd)]) -> Outcome {
+        let mut out = Outcome {
+            replies: vec![None; cmds.len()],
+            error: None,
+        };
+        if self.cfg.cluster {
+            out.error = self.refresh(conns, false);
+        }
+        {
+            let st = lock(&self.state);
+            if st.epoch != conns.epoch {
+                // Connections to nodes that left the map go (no fd kept for a dead master).
+                conns
+                    .map
+                    .retain(|id, _| st.serving.binary_search(id).is_ok());
+                conns.epoch = st.epoch;
+            }
+        }
+        let first: Vec<(usize, Dest)> = (0..cmds.len()).map(|i| (i, Dest::Slot)).collect();
+        let groups = self.route(cmds, first, &mut out);
+        let round = self.exchange(conns, cmds, groups, &mut out);
+        let mut next: Vec<(usize, Dest)> = round
+            .redirects
+            .into_iter()
+            .map(|(i, r)| (i, Dest::Redirect(r)))
+            .collect();
+        if self.cfg.cluster && !round.failed.is_empty() {
+            // A node failed under this call: read the map now (a replica may have taken over)
+            // and send its commands once more where the map now puts them.
+            if let Some(e) = self.refresh(conns, true) {
+                out.error = Some(e);
+            }
+            let st = lock(&self.state);
+            for (i, old) in round.failed {
+                if Self::slot_node(&st, &cmds[i].0).is_some_and(|n| n != old) {
+                    next.push((i, Dest::Slot));
+                }
+            }
+        }
+        if !next.is_empty() {
+            let groups = self.route(cmds, next, &mut out);
+            let again = self.exchange(conns, cmds, groups, &mut out);
+            if !again.redirects.is_empty() {
+                out.error = Some(format!("{}: redirected twice", self.label));
+            }
+        }
+        out
+    }
+
+    fn slot_node(st: &RouterState, key: &str) -> Option<usize> {
+        match st.slots.get(usize::from(key_slot(key.as_bytes()))) {
+            Some(&n) if n != NO_NODE => Some(n as usize),
+            _ => None,
+        }
+    }
+
+    /// Groups commands by the node they go to; commands whose node is down (or that no node
+    /// serves) fail here, without a network call.
+    fn route(
+        &self,
+        cmds: &[(String, redis::Cmd)],
+        dests: Vec<(usize, Dest)>,
+        out: &mut Outcome,
+    ) -> Vec<(usize, Vec<Routed>)> {
+        let mut st = lock(&self.state);
+        let mut groups: Vec<(usize, Vec<Routed>)> = Vec::new();
+        for (index, dest) in dests {
+            let (node, asking) = match dest {
+                Dest::Slot if !self.cfg.cluster => (0, false),
+                Dest::Slot => {
+                    let Some(n) = Self::slot_node(&st, &cmds[index].0) else {
+                        st.stale = true;
+                        out.error =
+                            Some(format!("{}: no node serves the slot of a key", self.label));
+                        continue;
+                    };
+                    (n, false)
+                }
+                Dest::Redirect(Redirect::Moved(h, p)) => (self.node_at(&mut st, &h, p), false),
+                Dest::Redirect(Redirect::Ask(h, p)) => (self.node_at(&mut st, &h, p), true),
+            };
+            if !Self::usable(&st, node) {
+                // The map may be stale (a replica may have taken over the down master's slots).
+                st.stale = true;
+                out.error.get_or_insert_with(|| {
+                    format!(
+                        "{} {}: down (backoff)",
+                        self.label,
+                        Self::node_name(&st, node)
+                    )
+                });
+                continue;
+            }
+            let routed = Routed { index, asking };
+            match groups.iter_mut().find(|(n, _)| *n == node) {
+                Some((_, g)) => g.push(routed),
+                None => groups.push((node, vec![routed])),
+            }
+        }
+        groups
+    }
+
+    /// One round: writes each node's pipeline, then reads the replies node by node.
+    fn exchange(
+        &self,
+        conns: &mut Conns,
+        cmds: &[(String, redis::Cmd)],
+        groups: Vec<(usize, Vec<Routed>)>,
+        out: &mut Outcome,
+    ) -> Round {
+        let mut round = Round {
+            redirects: Vec::new(),
+            failed: Vec::new(),
+        };
+        let mut sent = Vec::with_capacity(groups.len());
+        for (node, group) in groups {
+            let info = {
+                let st = lock(&self.state);
+                (!conns.map.contains_key(&node)).then(|| st.nodes[node].info.clone())
+            };
+            let mut packed = Vec::new();
+            for r in &group {
+                if r.asking {
+                    redis::cmd("ASKING").write_packed_command(&mut packed);
+                }
+                cmds[r.index].1.write_packed_command(&mut packed);
+            }
+            let res = self.conn(conns, node, info).and_then(|c| {
+                c.send_packed_command(&packed)
+                    .map_err(|e| format!("writing: {e}"))
+            });
+            match res {
+                Ok(()) => sent.push((node, group)),
+                Err(e) => {
+                    self.node_failed(conns, node, &e, out);
+                    round.failed.extend(group.iter().map(|r| (r.index, node)));
+                }
+            }
+        }
+        for (node, group) in sent {
+            let Some(c) = conns.map.get_mut(&node) else {
+                continue;
+            };
+            let mut failure = None;
+            let mut answered = 0;
+            for r in &group {
+                if r.asking {
+                    if let Err(e) = c.recv_response() {
+                        failure = Some(format!("reading: {e}"));
+                        break;
+                    }
+                }
+                match c.recv_response() {
+                    Ok(v) => {
+                        answered += 1;
+                        match self.classify(v, out) {
+                            Ok(v) => out.replies[r.index] = Some(v),
+                            Err(Some(redirect)) => round.redirects.push((r.index, redirect)),
+                            Err(None) => {}
+                        }
+                    }
+                    Err(e) => {
+                        failure = Some(format!("reading: {e}"));
+                        break;
+                    }
+                }
+            }
+            match failure {
+                // The first failed read ends the node's part: the rest of its replies are not
+                // waited for (the connection, with replies in flight, is dropped).
+                Some(e) => {
+                    self.node_failed(conns, node, &e, out);
+                    round
+                        .failed
+                        .extend(group[answered..].iter().map(|r| (r.index, node)));
+                }
+                None => self.mark_up(&mut lock(&self.state), node),
+            }
+        }
+        round
+    }
+
+    fn node_failed(&self, conns: &mut Conns, node: usize, e: &str, out: &mut Outcome) {
+        conns.map.remove(&node);
+        let mut st = lock(&self.state);
+        self.mark_down(&mut st, node);
+        out.error = Some(format!(
+            "{} {}: {e}",
+            self.label,
+            Self::node_name(&st, node)
+        ));
+    }
+
+    /// A reply as the caller sees it: `Ok` (values, and server errors the caller handles),
+    /// `Err(Some)` a redirect to follow, `Err(None)` a Cluster condition that fails the command.
+    fn classify(
+        &self,
+        v: redis::Value,
+        out: &mut Outcome,
+    ) -> Result<redis::Value, Option<Redirect>> {
+        let redis::Value::ServerError(e) = &v else {
+            return Ok(v);
+        };
+        let kind = e.code();
+        let target = || {
+            let addr = e.details()?.split_whitespace().nth(1)?;
+            let (host, port) = addr.rsplit_once(':')?;
+            Some((
+                host.trim_matches(['[', ']']).to_owned(),
+                port.parse::<u16>().ok()?,
+            ))
+        };
+        let stale = |out: &mut Outcome| {
+            lock(&self.state).stale = true;
+            out.error = Some(format!(
+                "{}: {kind} {}",
+                self.label,
+                e.details().unwrap_or("")
+            ));
+        };
+        match kind {
+            "MOVED" | "ASK" => {
+                stale(out);
+                match target() {
+                    Some((h, p)) if !h.is_empty() && kind == "MOVED" => {
+                        Err(Some(Redirect::Moved(h, p)))
+                    }
+                    Some((h, p)) if !h.is_empty() => Err(Some(Redirect::Ask(h, p))),
+                    _ => Err(None),
+                }
+            }
+            "TRYAGAIN" | "CLUSTERDOWN" | "MASTERDOWN" | "LOADING" | "READONLY" => {
+                stale(out);
+                Err(None)
+            }
+            _ => Ok(v),
+        }
+    }
+}
