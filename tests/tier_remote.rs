@@ -20,6 +20,7 @@ use std::sync::{Arc, Mutex, MutexGuard};
 use std::time::{Duration, Instant};
 
 use kvoff::key::ByteKey;
+use kvoff::manager::BlockId;
 use kvoff::manager::{LruManager, ManagerConfig};
 use kvoff::tier::chain::{ChainConfig, ChainManager, ChainTier};
 use kvoff::tier::remote::{redact, RemoteConfig, RemoteTier};
@@ -1288,4 +1289,105 @@ fn tls_round_trip_with_a_private_ca() {
     let _ = child.kill();
     let _ = child.wait();
     let _ = std::fs::remove_dir_all(&dir);
+}
+
+/// Host memory whose copies panic on demand: stands in for any panic inside an I/O thread's job.
+struct PanickyMemory {
+    inner: Arc<VecMemory>,
+    panic_out: std::sync::atomic::AtomicBool,
+    panic_in: std::sync::atomic::AtomicBool,
+}
+
+impl kvoff::tier::BlockMemory for PanickyMemory {
+    fn block_bytes(&self) -> usize {
+        self.inner.block_bytes()
+    }
+    fn num_blocks(&self) -> u64 {
+        self.inner.num_blocks()
+    }
+    fn copy_out(&self, block: BlockId, out: &mut [u8]) -> kvoff::Result<()> {
+        assert!(
+            !self.panic_out.load(std::sync::atomic::Ordering::SeqCst),
+            "copy_out panics (test)"
+        );
+        self.inner.copy_out(block, out)
+    }
+    fn copy_in(&self, block: BlockId, data: &[u8]) -> kvoff::Result<()> {
+        assert!(
+            !self.panic_in.load(std::sync::atomic::Ordering::SeqCst),
+            "copy_in panics (test)"
+        );
+        self.inner.copy_in(block, data)
+    }
+}
+
+/// A panic inside a write or a read job fails that job (blocks released, keys absent, errors
+/// counted, the reason in `last_error`); `flush` still returns, the thread keeps working, and
+/// nothing wrong is served.
+#[test]
+fn a_panic_in_an_io_job_fails_the_job_only() {
+    use std::sync::atomic::Ordering::SeqCst;
+    let _g = serial();
+    if !have_redis() {
+        return;
+    }
+    let srv = Server::start("panic", &[]);
+    let mk = || {
+        let inner = Arc::new(VecMemory::new(16, BLOCK));
+        let mem = Arc::new(PanickyMemory {
+            inner: inner.clone(),
+            panic_out: false.into(),
+            panic_in: false.into(),
+        });
+        let tier = RemoteTier::open(
+            quick(RemoteConfig::new(srv.url(), layout("pn"))),
+            mem.clone(),
+        )
+        .unwrap();
+        let m = ChainManager::new(
+            LruManager::new(ManagerConfig::new(16)),
+            vec![ChainTier::new(Box::new(tier))],
+            ChainConfig::default(),
+        );
+        (m, inner, mem)
+    };
+    let (mut a, inner_a, mem_a) = mk();
+    mem_a.panic_out.store(true, SeqCst);
+    store(&mut a, &inner_a, &[0, 1]);
+    let t = Instant::now();
+    a.flush();
+    assert!(t.elapsed() < Duration::from_secs(3));
+    let s = remote_stats(&mut a);
+    assert_eq!(s.tier.writes, 0);
+    assert!(s.tier.write_errors >= 2, "{s:?}");
+    // The host blocks were released: they can be evicted for new stores.
+    assert_eq!(a.get_stats().unwrap().0.num_evictable, 2);
+    mem_a.panic_out.store(false, SeqCst);
+    store(&mut a, &inner_a, &[2, 3]);
+    a.flush();
+    assert_eq!(
+        remote_stats(&mut a).tier.writes,
+        2,
+        "the thread stopped working"
+    );
+    // A read job panics on a second engine: the promotion fails, nothing is served.
+    let (mut b, inner_b, mem_b) = mk();
+    mem_b.panic_in.store(true, SeqCst);
+    let ks: Vec<ByteKey> = [2, 3].iter().map(|&i| key(i)).collect();
+    let n = settle(&mut b, &ks, Duration::from_secs(10));
+    b.flush();
+    let s = remote_stats(&mut b);
+    if n > 0 {
+        // Promotions were scheduled before the copy panicked: they failed, and a new lookup
+        // no longer counts them.
+        assert!(s.tier.read_errors >= 1, "{s:?}");
+    }
+    mem_b.panic_in.store(false, SeqCst);
+    std::thread::sleep(Duration::from_millis(300)); // negative TTL
+    let n = settle(&mut b, &ks, Duration::from_secs(10));
+    assert_eq!(n, 2, "not served after the panicking reads");
+    b.flush();
+    check_loaded(&mut b, &inner_b, &[2, 3]);
+    a.shutdown();
+    b.shutdown();
 }

@@ -556,7 +556,8 @@ impl Shared {
         });
     }
 
-    fn run_writes(&self, conns: &mut Conns, items: &[(ByteKey, BlockId)]) {
+    /// Writes `items`; sets `released` once their host blocks are handed back (completions).
+    fn run_writes(&self, conns: &mut Conns, items: &[(ByteKey, BlockId)], released: &mut bool) {
         let t0 = Instant::now();
         // Copy every block out first and release it: the host block is free during the network.
         let mut values = Vec::with_capacity(items.len());
@@ -576,6 +577,7 @@ impl Shared {
                     block: *b,
                 });
             }
+            *released = true;
         }
         let mut cmds = Vec::new();
         let mut sent = Vec::new();
@@ -684,15 +686,86 @@ impl Shared {
                     .0;
             };
             drop(st);
-            match job {
-                None => return,
-                Some(Job::Probe) => {}
-                Some(Job::Fetch(keys)) => self.run_fetch(&mut conns, &keys),
-                Some(Job::Read(k, b)) => self.run_read(&mut conns, &k, b),
-                Some(Job::Write(items)) => self.run_writes(&mut conns, &items),
+            let Some(job) = job else { return };
+            // A panic inside a job (a bug in a dependency or a `BlockMemory`) must not leave the
+            // job's accounting open, or `flush` and `shutdown` would wait for ever: the job fails
+            // (its keys absent, its blocks released, counted as errors), the thread's connections
+            // are dropped and the thread goes on (docs/tier.md, remote tier, Faults).
+            let mut released = false;
+            let r = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| match &job {
+                Job::Probe => {}
+                Job::Fetch(keys) => self.run_fetch(&mut conns, keys),
+                Job::Read(k, b) => self.run_read(&mut conns, k, *b),
+                Job::Write(items) => self.run_writes(&mut conns, items, &mut released),
+            }));
+            if let Err(p) = r {
+                conns = Conns::default();
+                self.fail_panicked(&job, released, &panic_text(p.as_ref()));
             }
         }
     }
+
+    /// Closes the accounting of a job whose thread panicked (see `worker`).
+    fn fail_panicked(&self, job: &Job, released: bool, why: &str) {
+        let mut st = lock(&self.state);
+        st.last_error = Some(format!(
+            "a remote I/O thread panicked (its job failed): {why}"
+        ));
+        let until = Instant::now() + self.cfg.negative_ttl;
+        match job {
+            Job::Probe => {}
+            Job::Fetch(keys) => {
+                for k in keys {
+                    if matches!(st.index.get(k), Some(Entry::Fetching)) {
+                        self.counters.fetch_errors.fetch_add(1, Relaxed);
+                        st.index.insert(k.clone(), Entry::Absent { until });
+                    }
+                }
+            }
+            Job::Read(k, b) => {
+                st.running_reads = st.running_reads.saturating_sub(1);
+                self.counters.read_errors.fetch_add(1, Relaxed);
+                st.index.insert(k.clone(), Entry::Absent { until });
+                st.completions.push(Completion::Promoted {
+                    key: k.clone(),
+                    block: *b,
+                    ok: false,
+                });
+            }
+            Job::Write(items) => {
+                if !released {
+                    for (k, b) in items {
+                        st.completions.push(Completion::Released {
+                            key: k.clone(),
+                            block: *b,
+                        });
+                    }
+                }
+                st.inflight_bytes = st
+                    .inflight_bytes
+                    .saturating_sub((items.len() * self.value_len) as u64);
+                st.running_writes = st.running_writes.saturating_sub(items.len() as u64);
+                st.queued_writes = st.queued_writes.saturating_sub(items.len());
+                self.counters
+                    .write_errors
+                    .fetch_add(items.len() as u64, Relaxed);
+                for (k, _) in items {
+                    if matches!(st.index.get(k), Some(Entry::Writing)) {
+                        st.index.remove(k);
+                    }
+                }
+            }
+        }
+        drop(st);
+        self.cv.notify_all();
+    }
+}
+
+fn panic_text(p: &(dyn std::any::Any + Send)) -> String {
+    p.downcast_ref::<&str>()
+        .map(|s| (*s).to_string())
+        .or_else(|| p.downcast_ref::<String>().cloned())
+        .unwrap_or_else(|| "unknown panic payload".into())
 }
 
 /// The remote tier. See the module docs.
