@@ -7,12 +7,11 @@
 //!
 //! Modules by concept: [`args`] (argument conversion), [`functions`] (sizing, expansion),
 //! [`region`] (host regions), [`handler`] (the transfer handler and engine choice), [`manager`]
-//! and [`keys`] (scheduler side), [`tier`] (the file tier), [`chain`] (the tier chain with the remote tier),
+//! and [`keys`] (scheduler side), [`tier`] (the tiered manager: file and remote tiers),
 //! [`blockstore`] (the file tier as a block store for engines that own their host memory).
 
 mod args;
 mod blockstore;
-mod chain;
 mod enter;
 mod errors;
 mod functions;
@@ -35,6 +34,5 @@ fn _native(m: &Bound<'_, PyModule>) -> PyResult<()> {
     handler::register(m)?;
     tier::register(m)?;
     blockstore::register(m)?;
-    chain::register(m)?;
     Ok(())
 }

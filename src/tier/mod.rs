@@ -47,19 +47,22 @@
 //! permissions changed, file vanished) is counted in [`TierStats`], the store is skipped or the
 //! promotion fails, and the tier keeps working.
 //!
-//! [`tiered::TieredManager`] puts a tier behind an offloading manager (the protocol of docs/spec.md §9).
+//! [`chain::ChainManager`] puts a tier (or several: files, then a remote store) behind an offloading
+//! manager (the protocol of docs/spec.md §9, docs/tier.md "Tier chain").
 //!
 //! ```
 //! use std::sync::Arc;
 //! use kvoff::key::ByteKey;
 //! use kvoff::manager::{LruManager, ManagerConfig, Presence};
-//! use kvoff::tier::{tiered::{TieredConfig, TieredManager}, FileTier, Layout, TierConfig, VecMemory};
+//! use kvoff::tier::chain::{ChainConfig, ChainManager, ChainTier};
+//! use kvoff::tier::{FileTier, Layout, TierConfig, VecMemory};
 //!
 //! let dir = std::env::temp_dir().join(format!("kvoff-doc-{}", std::process::id()));
 //! let layout = Layout { namespace: "my-model".into(), world_size: 1, ..Layout::default() };
-//! let open = |mem: Arc<VecMemory>| -> kvoff::Result<TieredManager<LruManager<ByteKey>>> {
+//! let open = |mem: Arc<VecMemory>| -> kvoff::Result<ChainManager<LruManager<ByteKey>>> {
 //!     let tier = FileTier::open(TierConfig::new(&dir, 1 << 30, layout.clone()), mem)?;
-//!     Ok(TieredManager::new(LruManager::new(ManagerConfig::new(4)), tier, TieredConfig::default()))
+//!     let tiers = vec![ChainTier::new(Box::new(tier))];
+//!     Ok(ChainManager::new(LruManager::new(ManagerConfig::new(4)), tiers, ChainConfig::default()))
 //! };
 //! let key = ByteKey::new(b"block-hash\0\0\0\0");
 //! {
@@ -74,7 +77,7 @@
 //! let mem = Arc::new(VecMemory::new(4, 4096));
 //! let mut m = open(mem.clone())?;
 //! assert_eq!(m.lookup(&key)?, Presence::Pending);
-//! m.tier().flush();
+//! m.flush();
 //! assert_eq!(m.lookup(&key)?, Presence::Ready);
 //! let ids = m.prepare_load(&[key.clone()])?;
 //! assert_eq!(mem.block(ids[0])?, vec![7; 4096]);
@@ -92,7 +95,6 @@ mod format;
 mod io;
 pub mod remote;
 pub mod secondary;
-pub mod tiered;
 
 use std::collections::{BTreeMap, HashMap, VecDeque};
 use std::ffi::OsStr;

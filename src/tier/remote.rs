@@ -1101,6 +1101,14 @@ impl SecondaryTier for RemoteTier {
         }
     }
 
+    fn forked(&self) -> bool {
+        RemoteTier::forked(self)
+    }
+
+    fn as_any(&self) -> &dyn std::any::Any {
+        self
+    }
+
     fn shutdown(&mut self) {
         if self.forked() {
             for t in self.threads.drain(..) {
