@@ -395,7 +395,7 @@ impl Shared {
     fn redis_key(&self, key: &ByteKey) -> String {
         let k = key.as_bytes();
         let stem = if k.len() <= MAX_HEX_KEY {
-            super::hex(k)
+            super::file::hex(k)
         } else {
             format!("h{:032x}", xxh3_128(k))
         };
@@ -816,10 +816,14 @@ impl RemoteTier {
         }
         let target = parse_url(&cfg.url, &cfg.password_env)?;
         let fingerprint = lay.fingerprint(payload_len as u64);
-        let owner_str = cfg
-            .owner
-            .clone()
-            .unwrap_or_else(|| format!("{}|{}|{}", lay.namespace, lay.rank, super::host_name()));
+        let owner_str = cfg.owner.clone().unwrap_or_else(|| {
+            format!(
+                "{}|{}|{}",
+                lay.namespace,
+                lay.rank,
+                super::file::host_name()
+            )
+        });
         let shared = Arc::new(Shared {
             target,
             url_redacted: redact(&cfg.url),
