@@ -303,3 +303,61 @@ fn completes_of_promoting_keys_raise_and_change_nothing() {
     m.shutdown();
     let _ = std::fs::remove_dir_all(&dir);
 }
+
+/// Two file tiers in one chain (docs/tier.md "Tier chain"): a key missing from the first and found
+/// in the second is promoted from the second, counted as the first's miss and the second's hit,
+/// and then written through to the first.
+#[test]
+fn a_key_found_in_the_second_tier_lands_in_the_first() {
+    let (near, far) = (tmpdir("near"), tmpdir("far"));
+    let open = |dir: &Path, mem: &Arc<VecMemory>| {
+        let mut tc = TierConfig::new(
+            dir,
+            1 << 30,
+            Layout {
+                namespace: "m".into(),
+                page_sizes_bytes: vec![BLOCK as u64],
+                world_size: 1,
+                ..Layout::default()
+            },
+        );
+        tc.rescan_interval = None;
+        ChainTier::new(Box::new(FileTier::open(tc, mem.clone()).unwrap()))
+    };
+    {
+        // Only the far tier holds the block.
+        let mem = Arc::new(VecMemory::new(4, BLOCK));
+        let tiers = vec![open(&far, &mem)];
+        let mut m = ChainManager::new(
+            LruManager::new(ManagerConfig::new(4)),
+            tiers,
+            ChainConfig::default(),
+        );
+        store(&mut m, &mem, &[7]);
+        m.shutdown();
+    }
+    let mem = Arc::new(VecMemory::new(4, BLOCK));
+    let tiers = vec![open(&near, &mem), open(&far, &mem)];
+    let mut m = ChainManager::new(
+        LruManager::new(ManagerConfig::new(4)),
+        tiers,
+        ChainConfig::default(),
+    );
+    assert_eq!(m.lookup(&key(7)).unwrap(), Presence::Pending);
+    wait_ready(&mut m, &key(7));
+    let ids = m.prepare_load(&[key(7)]).unwrap();
+    assert_eq!(mem.block(ids[0]).unwrap(), content(7));
+    m.complete_load(&[key(7)]).unwrap();
+    settle(&mut m);
+    let (_, tiers) = m.get_stats().unwrap();
+    assert_eq!((tiers[0].chain.misses, tiers[0].chain.hits), (1, 0));
+    assert_eq!((tiers[1].chain.hits, tiers[1].tier.promotions), (1, 1));
+    assert_eq!(tiers[0].tier.writes, 1, "written through to the near tier");
+    assert_eq!(
+        tiers[1].tier.writes, 0,
+        "not written back to where it came from"
+    );
+    m.shutdown();
+    let _ = std::fs::remove_dir_all(&near);
+    let _ = std::fs::remove_dir_all(&far);
+}
