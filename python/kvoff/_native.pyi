@@ -23,7 +23,6 @@ __all__ = [
     "OffloadingManager",
     "PrepareStoreOutput",
     "RegionBuffer",
-    "TieredManagerCore",
     "TransferHandler",
     "__version__",
     "bench_disk",
@@ -394,17 +393,17 @@ class TransferHandler:
     def num_tensors(self) -> int:
         """Number of tensors kept alive by the handler (GPU side + CPU side)."""
 
-# --- file tier (src/python/tier.rs); the public wrapper is kvoff.tier.TieredOffloadingManager ---
+# --- tiered manager (src/python/tier.rs); the public wrapper is kvoff.tier.TieredOffloadingManager ---
 
 @final
-class TieredManagerCore:
+class ChainManagerCore:
     """A tiered manager for Python: see the module docs."""
     def __new__(
         cls,
         policy: _PolicyName,
         num_blocks: int,
-        disk_path: str | os.PathLike[str],
-        disk_bytes_to_use: int,
+        disk_path: str | os.PathLike[str] | None,
+        disk_bytes_to_use: int | None,
         memory_ptr: int,
         memory_rows: int,
         row_stride_bytes: int,
@@ -433,86 +432,6 @@ class TieredManagerCore:
         trusted_uids: list[int] = ...,
         trusted_gid: int | None = None,
         allow_writable_dir: bool = False,
-    ) -> TieredManagerCore: ...
-    def lookup(self, key: bytes) -> bool | None:
-        """`True` ready, `None` pending (store or promotion in flight), `False` absent."""
-    def lookup_prefix(self, keys: Iterable[bytes]) -> int | None:
-        """Leading ready keys, or `None` when the first non-ready one is pending or being promoted."""
-    def prepare_load(self, keys: Iterable[bytes]) -> list[int]:
-        """Pins the keys for a load; returns their block ids."""
-    def touch(self, keys: Iterable[bytes]) -> None:
-        """Recency update."""
-    def complete_load(self, keys: Iterable[bytes]) -> None:
-        """Unpins loaded keys."""
-    def prepare_store(self, keys: Iterable[bytes]) -> tuple[list[bytes], list[int], list[bytes]] | None:
-        """`(keys_to_store, block_ids, evicted_keys)` or `None`."""
-    def complete_store(self, keys: Iterable[bytes], success: bool = True) -> None:
-        """Finishes stores (and writes the stored blocks through to the disk tier)."""
-    def take_events(self) -> list[tuple[list[bytes], bool]]:
-        """Events as `(keys, removed)` pairs, in order."""
-    def get_stats(self) -> dict[str, Any]:
-        """Host gauges (docs/spec.md §2.2) plus `disk_*` counters and gauges."""
-    def poll(self) -> None:
-        """Applies finished disk I/O (never blocks)."""
-    def flush(self) -> None:
-        """Waits (GIL released, manager lock not held) until the queued disk I/O has run, then
-        applies it.
-        """
-    def num_promoting(self) -> int:
-        """Number of promotions in flight."""
-    @property
-    def disk_dir(self) -> str:
-        """The directory of this layout's files."""
-    def disk_path_of(self, key: bytes) -> str:
-        """Path of a key's file (whether or not it exists)."""
-    def disk_contains(self, key: bytes) -> bool:
-        """Whether a key has a published file (no I/O)."""
-    def disk_rescan(self) -> None:
-        """Lists the disk directory again now (GIL released)."""
-    def reset(self) -> None:
-        """Waits for disk I/O, then forgets every host key (files stay)."""
-    def shutdown(self) -> None:
-        """Waits for disk I/O, stops the I/O threads; idempotent. Later calls raise `InvalidStateError`."""
-    def __len__(self) -> int:
-        """Return len(self)."""
-    @property
-    def num_blocks(self) -> int:
-        """Host capacity in blocks."""
-
-@final
-class ChainManagerCore:
-    """A tier chain for Python: see the module docs."""
-    def __new__(
-        cls,
-        policy: _PolicyName,
-        num_blocks: int,
-        disk_path: str | os.PathLike[str] | None,
-        disk_bytes_to_use: int | None,
-        memory_ptr: int,
-        memory_rows: int,
-        row_stride_bytes: int,
-        block_bytes: int,
-        memory_owner: object,
-        *,
-        namespace: str = ...,
-        page_sizes: list[int] = ...,
-        block_size_factor: int = 1,
-        dtype: str = ...,
-        world_size: int = 1,
-        rank: int = 0,
-        block_size: int = 0,
-        enable_events: bool = False,
-        store_threshold: int = 0,
-        max_tracker_size: int = 64000,
-        disk_store_threshold: int = 0,
-        io_threads: int = 8,
-        write_threads: int = 4,
-        max_queued_writes: int = 256,
-        fsync: bool = False,
-        direct_io: _DirectIoName = "auto",
-        rescan_interval_s: float | None = ...,
-        owner: str | None = None,
-        max_promotions: int = 256,
         remote_url: str | None = None,
         remote_cluster: bool = False,
         remote_namespace: str | None = None,
@@ -550,8 +469,9 @@ class ChainManagerCore:
     def poll(self) -> None:
         """Applies finished I/O (never blocks)."""
     def flush(self) -> None:
-        """Waits (GIL released) until the queued I/O has run — bounded by the remote timeouts — then
-        applies it. For tests and tools, not a scheduler.
+        """Waits (GIL released; for the file tier without the manager's lock) until the queued I/O
+        has run — bounded by the remote timeouts — then applies it. For tests and tools, not a
+        scheduler.
         """
     def num_promoting(self) -> int:
         """Number of promotions in flight."""
@@ -561,6 +481,10 @@ class ChainManagerCore:
     @property
     def remote_url(self) -> str | None:
         """The remote URL with its password hidden, or `None` without a remote tier."""
+    def disk_path_of(self, key: bytes) -> str:
+        """Path of a key's file (whether or not it exists)."""
+    def disk_rescan(self) -> None:
+        """Lists the file tier's directory again now (GIL released)."""
     def tier_index(self, kind: str, key: bytes) -> bool | None:
         """What tier `kind`'s index knows about a key (no I/O): `True` present, `False` absent,
         `None` unknown (a fetch would ask the server); `False` when there is no such tier.

@@ -48,10 +48,9 @@ from kvoff._native import (
     HostRegion,
     OffloadingEvent,
     PrepareStoreOutput,
-    TieredManagerCore,
     bench_disk,
 )
-from kvoff.errors import ConfigError, InvalidStateError
+from kvoff.errors import ConfigError
 
 __all__ = [
     "DISK_METRICS",
@@ -120,7 +119,7 @@ REMOTE_METRICS: dict[str, tuple[str, str]] = {
 
 
 class TieredOffloadingManager:
-    """An LRU/ARC offloading manager with a file tier behind it (see the module docs).
+    """An LRU/ARC offloading manager with a file tier, a remote tier or both behind it (see the module docs).
 
     Args:
         policy: ``"lru"`` or ``"arc"``.
@@ -240,54 +239,17 @@ class TieredOffloadingManager:
             raise ValueError(f"num_blocks = {num_blocks} but the region holds {region.num_cpu_blocks} blocks")
         self.region = region
         self.block_size = block_size
-        self._core: TieredManagerCore | ChainManagerCore
-        if remote_url is None:
-            if disk_path is None or disk_bytes_to_use is None:
-                raise ConfigError(
-                    "TieredOffloadingManager needs disk_path and disk_bytes_to_use, or remote_url"
-                )
-            self._core = TieredManagerCore(
-                policy,
-                num_blocks,
-                disk_path,
-                disk_bytes_to_use,
-                region.ptr + offset,
-                region.num_cpu_blocks,
-                region.row_stride_bytes,
-                nbytes,
-                region,
-                namespace=namespace,
-                page_sizes=list(page_sizes),
-                block_size_factor=block_size_factor,
-                dtype=dtype,
-                world_size=ws,
-                rank=0 if rank is None else rank,
-                block_size=block_size,
-                enable_events=enable_events,
-                store_threshold=store_threshold,
-                max_tracker_size=max_tracker_size,
-                disk_store_threshold=disk_store_threshold,
-                io_threads=io_threads,
-                write_threads=write_threads,
-                max_queued_writes=max_queued_writes,
-                fsync=fsync,
-                direct_io=direct_io,
-                rescan_interval_s=rescan_interval_s,
-                owner=owner,
-                max_promotions=max_promotions,
-                trusted_uids=list(trusted_uids),
-                trusted_gid=trusted_gid,
-                allow_writable_dir=allow_writable_dir,
-            )
-            return
-        if not isinstance(remote_url, str):
+        if remote_url is None and (disk_path is None or disk_bytes_to_use is None):
+            raise ConfigError("TieredOffloadingManager needs disk_path and disk_bytes_to_use, or remote_url")
+        if remote_url is not None and not isinstance(remote_url, str):
             raise ConfigError(f"remote_url must be a string, got {type(remote_url).__name__}")
         if disk_path is not None and disk_bytes_to_use is None:
             raise ConfigError("disk_bytes_to_use is required with disk_path")
+        # One tiered manager over every tier (docs/tier.md "Tier chain"): files, then the remote store.
         self._core = ChainManagerCore(
             policy,
             num_blocks,
-            None if disk_path is None else str(os.fspath(disk_path)),
+            disk_path,
             disk_bytes_to_use,
             region.ptr + offset,
             region.num_cpu_blocks,
@@ -313,6 +275,9 @@ class TieredOffloadingManager:
             rescan_interval_s=rescan_interval_s,
             owner=owner,
             max_promotions=max_promotions,
+            trusted_uids=list(trusted_uids),
+            trusted_gid=trusted_gid,
+            allow_writable_dir=allow_writable_dir,
             remote_url=remote_url,
             remote_cluster=remote_cluster,
             remote_namespace=remote_namespace,
@@ -401,22 +366,16 @@ class TieredOffloadingManager:
         return self._core.disk_dir
 
     def disk_path_of(self, key: bytes) -> str:
-        """Path of a key's file (only without a remote tier)."""
-        if isinstance(self._core, ChainManagerCore):
-            raise InvalidStateError("disk_path_of is available only without remote_url")
+        """Path of a key's file, whether or not it exists (InvalidStateError without a file tier)."""
         return self._core.disk_path_of(key)
 
     def disk_contains(self, key: bytes) -> bool:
         """Whether a key has a published file (from the index; no I/O)."""
-        if isinstance(self._core, ChainManagerCore):
-            return self._core.tier_index("disk", key) is True
-        return self._core.disk_contains(key)
+        return self._core.tier_index("disk", key) is True
 
     def disk_rescan(self) -> None:
-        """Lists the directory now (files of other engines become visible; only without a remote
-        tier, whose file tier rescans on its own every ``rescan_interval_s``)."""
-        if isinstance(self._core, ChainManagerCore):
-            raise InvalidStateError("disk_rescan is available only without remote_url")
+        """Lists the directory now: files of other engines become visible (InvalidStateError
+        without a file tier)."""
         self._core.disk_rescan()
 
     # --- remote tier ------------------------------------------------------------------------------
@@ -424,13 +383,11 @@ class TieredOffloadingManager:
     @property
     def remote_url(self) -> str | None:
         """The remote URL with its password hidden (``None`` without a remote tier)."""
-        return self._core.remote_url if isinstance(self._core, ChainManagerCore) else None
+        return self._core.remote_url
 
     def remote_known(self, key: bytes) -> bool | None:
         """What the remote tier's in-memory index knows (no I/O): ``True`` present, ``False``
         absent or remembered miss, ``None`` unknown (the next lookup fetches it)."""
-        if not isinstance(self._core, ChainManagerCore):
-            return False
         return self._core.tier_index("remote", key)
 
     def __enter__(self) -> TieredOffloadingManager:  # noqa: PYI034 (Self needs typing_extensions on 3.10)

@@ -7,12 +7,12 @@
 //!
 //! Modules by concept: [`args`] (argument conversion), [`functions`] (sizing, expansion),
 //! [`region`] (host regions), [`handler`] (the transfer handler and engine choice), [`manager`]
-//! and [`keys`] (scheduler side), [`tier`] (the file tier), [`chain`] (the tier chain with the remote tier),
+//! and [`keys`] (scheduler side), [`tier`] (the tiered manager: file and remote tiers),
+//! [`tier_bench`] (`bench_disk`),
 //! [`blockstore`] (the file tier as a block store for engines that own their host memory).
 
 mod args;
 mod blockstore;
-mod chain;
 mod enter;
 mod errors;
 mod functions;
@@ -21,6 +21,7 @@ mod keys;
 mod manager;
 mod region;
 mod tier;
+mod tier_bench;
 
 use pyo3::prelude::*;
 
@@ -34,7 +35,7 @@ fn _native(m: &Bound<'_, PyModule>) -> PyResult<()> {
     region::register(m)?;
     handler::register(m)?;
     tier::register(m)?;
+    tier_bench::register(m)?;
     blockstore::register(m)?;
-    chain::register(m)?;
     Ok(())
 }

@@ -1,9 +1,13 @@
-//! Bindings of the file tier (docs/spec.md §9): `TieredManagerCore`, a [`TieredManager`] over an LRU or ARC
-//! manager with plain return values (the Python class `kvoff.tier.TieredOffloadingManager` wraps it
-//! into docs/spec.md §2's types), and `bench_disk`.
+//! Bindings of the tiered manager (docs/spec.md §9, docs/tier.md "Tier chain", "Remote tier"):
+//! `ChainManagerCore`, a [`ChainManager`] over an LRU or ARC manager with host memory → files
+//! (optional) → Redis/Valkey (optional) behind it, with plain return values (the Python class
+//! `kvoff.tier.TieredOffloadingManager` wraps it into docs/spec.md §2's types).
 //!
 //! Keys are extracted before the lock is taken and Python objects are built after it is released;
-//! calls that wait for I/O (`flush`, `reset`, `shutdown`, `bench_disk`) release the GIL.
+//! calls that wait for I/O (`flush`, `reset`, `shutdown`) release the GIL, and wait
+//! for the file tier without holding the manager's lock. No call waits on the network: the tiers'
+//! I/O threads do (docs/tier.md "Remote tier"). In a `fork()`ed child no call takes a lock of the
+//! parent's manager (docs/spec.md §9).
 // Unsafe: the one `RawRows::new` over the caller's host memory (see its SAFETY comment).
 #![allow(unsafe_code)]
 
@@ -18,22 +22,27 @@ use super::enter::{blocking, locked, Hold};
 use super::errors::{to_py, IntoPyResult};
 use super::region::{PyHostRegion, SharedRegion};
 use crate::key::ByteKey;
-use crate::manager::{AnyManager, BlockId, ManagerConfig, ManagerStats, PolicyKind, Presence};
-use crate::tier::bench::{run as run_bench, DiskBenchConfig};
-use crate::tier::tiered::{TieredConfig, TieredCounters, TieredManager};
-use crate::tier::{BlockMemory, DirectIo, FileTier, Layout, RawRows, TierConfig, TierStats};
+use crate::manager::{AnyManager, BlockId, ManagerConfig, PolicyKind, Presence};
+use crate::tier::chain::{ChainConfig, ChainManager, ChainTier, ChainTierStats};
+use crate::tier::remote::{RemoteConfig, RemoteTier};
+use crate::tier::secondary::Known;
+use crate::tier::{BlockMemory, DirectIo, FileTier, Layout, RawRows, TierConfig};
 use crate::KvoffError;
 
-/// The host manager behind the tier.
+/// The host manager behind the tiers.
 type Host = AnyManager<ByteKey>;
 
 /// A tiered manager for Python: see the module docs.
-#[pyclass(name = "TieredManagerCore", module = "kvoff._native", frozen)]
-pub struct PyTieredCore {
-    inner: Mutex<Option<TieredManager<Host>>>,
-    /// Keeps the host region mapped while the tier may copy into it (dropped at `shutdown`, after
+#[pyclass(name = "ChainManagerCore", module = "kvoff._native", frozen)]
+pub struct PyChainCore {
+    inner: Mutex<Option<ChainManager<Host>>>,
+    /// Keeps the host region mapped while the tiers may copy into it (dropped at `shutdown`, after
     /// the I/O threads are joined).
     region: Mutex<Option<SharedRegion>>,
+    /// The file tier's directory, when there is one.
+    disk_dir: Option<String>,
+    /// The remote URL with its password hidden, when there is a remote tier.
+    remote_url: Option<String>,
     /// The process that created it: a `fork()`ed child takes none of its locks (docs/spec.md §9).
     pid: u32,
 }
@@ -67,99 +76,33 @@ fn shut() -> KvoffError {
     KvoffError::state("the tiered manager is shut down")
 }
 
-impl PyTieredCore {
-    fn forked(&self) -> bool {
-        std::process::id() != self.pid
-    }
+fn other_process() -> KvoffError {
+    KvoffError::state(
+        "this tiered manager was created in another process (before fork()); \
+         create a new one in this process",
+    )
+}
 
-    /// Runs `f` on the manager under its lock ([`locked`]): brief calls keep the GIL when the
-    /// lock is free, `Hold::Long` ones (directory scans) always release it. A panic shuts the
-    /// manager down.
-    fn with_hold<R: Send>(
-        &self,
-        py: Python<'_>,
-        hold: Hold,
-        f: impl FnOnce(&mut TieredManager<Host>) -> crate::Result<R> + Send,
-    ) -> PyResult<R> {
-        // Before any lock: in a `fork()`ed child a parent thread may have held it at the fork.
-        if self.forked() {
-            return Err(to_py(KvoffError::state(
-                "this tiered manager was created in another process (before fork()); \
-                 create a new one in this process",
-            )));
-        }
-        let on_panic = |m: &mut Option<TieredManager<Host>>| {
-            if let Some(mut m) = m.take() {
-                m.shutdown();
-            }
-        };
-        locked(py, &self.inner, hold, on_panic, |g| {
-            let m = g.as_mut().ok_or_else(shut)?;
-            if m.tier().forked() {
-                return Err(KvoffError::state(
-                    "this tiered manager was created in another process (before fork()); \
-                     create a new one in this process",
-                ));
-            }
-            f(m)
-        })
-    }
+fn no_file_tier() -> KvoffError {
+    KvoffError::state("this tiered manager has no file tier (no disk_path)")
+}
 
-    fn with<R: Send>(
-        &self,
-        py: Python<'_>,
-        f: impl FnOnce(&mut TieredManager<Host>) -> crate::Result<R> + Send,
-    ) -> PyResult<R> {
-        self.with_hold(py, Hold::Brief, f)
+/// The file tier of `m`, or an error naming the call.
+fn file_tier(m: &ChainManager<Host>) -> crate::Result<&FileTier> {
+    m.tier_as::<FileTier>().ok_or_else(no_file_tier)
+}
+
+fn seconds(name: &str, s: f64) -> PyResult<Duration> {
+    if s.is_finite() && s > 0.0 && s < 1e7 {
+        Ok(Duration::from_secs_f64(s))
+    } else {
+        Err(to_py(KvoffError::Config(format!(
+            "{name} must be > 0 seconds and finite, got {s}"
+        ))))
     }
 }
 
-fn stats_dict<'py>(
-    py: Python<'py>,
-    h: Option<&ManagerStats>,
-    t: &TierStats,
-    c: &TieredCounters,
-) -> PyResult<Bound<'py, PyDict>> {
-    let d = PyDict::new(py);
-    if let Some(s) = h {
-        d.set_item("usage", s.usage)?;
-        d.set_item("write_usage", s.write_usage)?;
-        d.set_item("read_usage", s.read_usage)?;
-        d.set_item("num_blocks", s.num_blocks)?;
-        d.set_item("num_present", s.num_present)?;
-        d.set_item("num_free", s.num_free)?;
-        d.set_item("num_evictable", s.num_evictable)?;
-        d.set_item("stores_skipped", s.stores_skipped)?;
-    }
-    d.set_item("disk_files_written", t.files_written)?;
-    d.set_item("disk_bytes_written", t.bytes_written)?;
-    d.set_item("disk_write_seconds", t.write_seconds)?;
-    d.set_item("disk_write_errors", t.write_errors)?;
-    d.set_item("disk_writes_dropped", t.writes_dropped)?;
-    d.set_item("disk_promotions", t.promotions)?;
-    d.set_item("disk_bytes_read", t.bytes_read)?;
-    d.set_item("disk_read_seconds", t.read_seconds)?;
-    d.set_item("disk_read_errors", t.read_errors)?;
-    d.set_item("disk_corrupt_files", t.corrupt_files)?;
-    d.set_item("disk_rejected_files", t.rejected_files)?;
-    d.set_item("disk_evicted_files", t.evicted_files)?;
-    d.set_item("disk_indexed_files", t.indexed_files)?;
-    d.set_item("disk_own_files", t.own_files)?;
-    d.set_item("disk_own_bytes", t.own_bytes)?;
-    d.set_item("disk_queued_reads", t.queued_reads)?;
-    d.set_item("disk_queued_writes", t.queued_writes)?;
-    d.set_item("disk_direct_io", t.direct_io)?;
-    d.set_item("disk_last_error", t.last_error.clone())?;
-    d.set_item("disk_hits", c.disk_hits)?;
-    d.set_item("disk_promotions_started", c.promotions_started)?;
-    d.set_item("disk_promotions_failed", c.promotions_failed)?;
-    d.set_item("disk_promotions_no_room", c.promotions_no_room)?;
-    d.set_item("disk_writes_started", c.writes_started)?;
-    d.set_item("disk_writes_below_threshold", c.writes_below_threshold)?;
-    Ok(d)
-}
-
-fn parse_direct(s: &str) -> PyResult<DirectIo> {
+pub(super) fn parse_direct(s: &str) -> PyResult<DirectIo> {
     match s {
         "auto" => Ok(DirectIo::Auto),
         "on" => Ok(DirectIo::On),
@@ -170,8 +113,222 @@ fn parse_direct(s: &str) -> PyResult<DirectIo> {
     }
 }
 
+impl PyChainCore {
+    fn forked(&self) -> bool {
+        std::process::id() != self.pid
+    }
+
+    /// Runs `f` on the manager under its lock ([`locked`]): brief calls keep the GIL when the
+    /// lock is free, `Hold::Long` ones (directory scans, waits) always release it. A panic shuts
+    /// the manager down.
+    fn with_hold<R: Send>(
+        &self,
+        py: Python<'_>,
+        hold: Hold,
+        f: impl FnOnce(&mut ChainManager<Host>) -> crate::Result<R> + Send,
+    ) -> PyResult<R> {
+        // Before any lock: in a `fork()`ed child a parent thread may have held it at the fork.
+        if self.forked() {
+            return Err(to_py(other_process()));
+        }
+        let on_panic = |m: &mut Option<ChainManager<Host>>| {
+            if let Some(mut m) = m.take() {
+                m.shutdown();
+            }
+        };
+        locked(py, &self.inner, hold, on_panic, |g| {
+            let m = g.as_mut().ok_or_else(shut)?;
+            if m.forked() {
+                return Err(other_process());
+            }
+            f(m)
+        })
+    }
+
+    fn with<R: Send>(
+        &self,
+        py: Python<'_>,
+        f: impl FnOnce(&mut ChainManager<Host>) -> crate::Result<R> + Send,
+    ) -> PyResult<R> {
+        self.with_hold(py, Hold::Brief, f)
+    }
+
+    /// Waits (GIL released, manager lock not held) until the file tier's queued I/O has run, then
+    /// waits for the other tiers' under the lock (GIL released; bounded by their timeouts).
+    fn wait_idle(&self, py: Python<'_>) -> PyResult<()> {
+        let (waiter, others) = self.with(py, |m| {
+            let file = m.tier_as::<FileTier>();
+            Ok((
+                file.map(FileTier::idle_waiter),
+                m.tiers().count() > usize::from(file.is_some()),
+            ))
+        })?;
+        if let Some(w) = waiter {
+            blocking(py, move || {
+                w.wait();
+                Ok(())
+            })?;
+        }
+        if others {
+            self.with_hold(py, Hold::Long, |m| {
+                m.flush();
+                Ok(())
+            })?;
+        }
+        Ok(())
+    }
+}
+
+/// Stats keys of one tier: `<kind>_<name>`, with the file tier's historical names
+/// (`disk_files_written`, `disk_corrupt_files`) and the remote tier's `remote_rejected_values`.
+fn tier_stats(d: &Bound<'_, PyDict>, s: &ChainTierStats) -> PyResult<()> {
+    let p = s.kind;
+    let t = &s.tier;
+    let c = &s.chain;
+    let (writes, rejected) = if p == "disk" {
+        ("files_written", "corrupt_files")
+    } else {
+        ("writes", "rejected_values")
+    };
+    let put = |name: &str, v: u64| d.set_item(format!("{p}_{name}"), v);
+    put(writes, t.writes)?;
+    put("bytes_written", t.bytes_written)?;
+    d.set_item(format!("{p}_write_seconds"), t.write_seconds)?;
+    put("write_errors", t.write_errors)?;
+    put("writes_dropped", t.writes_dropped)?;
+    put("promotions", t.promotions)?;
+    put("bytes_read", t.bytes_read)?;
+    d.set_item(format!("{p}_read_seconds"), t.read_seconds)?;
+    put("read_errors", t.read_errors)?;
+    put(rejected, t.rejected)?;
+    put("queued_reads", t.queued_reads)?;
+    put("queued_writes", t.queued_writes)?;
+    d.set_item(format!("{p}_last_error"), t.last_error.clone())?;
+    put("hits", c.hits)?;
+    put("misses", c.misses)?;
+    put("promotions_started", c.promotions_started)?;
+    put("promotions_failed", c.promotions_failed)?;
+    put("promotions_no_room", c.promotions_no_room)?;
+    put("writes_started", c.writes_started)?;
+    put("writes_refused", c.writes_refused)?;
+    put("writes_below_threshold", c.writes_below_threshold)?;
+    if p != "disk" {
+        put("fetches", c.fetches)?;
+        put("fetch_keys", c.fetch_keys)?;
+        put("fetch_hits", t.fetch_hits)?;
+        put("fetch_misses", t.fetch_misses)?;
+        put("fetch_errors", t.fetch_errors)?;
+        put("reconnects", t.reconnects)?;
+    }
+    Ok(())
+}
+
+/// Host gauges (docs/spec.md §2.2) plus every tier's counters and gauges.
+fn stats_dict<'py>(
+    py: Python<'py>,
+    h: &crate::manager::ManagerStats,
+    tiers: &[ChainTierStats],
+    extra: Vec<(&'static str, Vec<(&'static str, u64)>)>,
+) -> PyResult<Bound<'py, PyDict>> {
+    let d = PyDict::new(py);
+    d.set_item("usage", h.usage)?;
+    d.set_item("write_usage", h.write_usage)?;
+    d.set_item("read_usage", h.read_usage)?;
+    d.set_item("num_blocks", h.num_blocks)?;
+    d.set_item("num_present", h.num_present)?;
+    d.set_item("num_free", h.num_free)?;
+    d.set_item("num_evictable", h.num_evictable)?;
+    d.set_item("stores_skipped", h.stores_skipped)?;
+    for s in tiers {
+        tier_stats(&d, s)?;
+    }
+    for (kind, kv) in extra {
+        for (name, v) in kv {
+            if kind == "disk" && name == "direct_io" {
+                d.set_item("disk_direct_io", v != 0)?;
+            } else {
+                d.set_item(format!("{kind}_{name}"), v)?;
+            }
+        }
+    }
+    Ok(d)
+}
+
+/// The file tier's settings.
+struct DiskArgs {
+    dir: std::path::PathBuf,
+    bytes: u64,
+    io_threads: usize,
+    write_threads: usize,
+    max_queued_writes: usize,
+    fsync: bool,
+    direct: DirectIo,
+    rescan: Option<Duration>,
+    trusted_uids: Vec<u32>,
+    trusted_gid: Option<u32>,
+    allow_writable_dir: bool,
+}
+
+impl DiskArgs {
+    fn config(self, layout: Layout, owner: Option<String>) -> TierConfig {
+        let mut tc = TierConfig::new(self.dir, self.bytes, layout);
+        tc.io_threads = self.io_threads;
+        tc.write_threads = self.write_threads;
+        tc.max_queued_writes = self.max_queued_writes;
+        tc.fsync = self.fsync;
+        tc.direct_io = self.direct;
+        tc.rescan_interval = self.rescan;
+        tc.owner = owner;
+        tc.trusted_uids = self.trusted_uids;
+        tc.trusted_gid = self.trusted_gid;
+        tc.allow_writable_dir = self.allow_writable_dir;
+        tc
+    }
+}
+
+/// The remote tier's settings.
+struct RemoteArgs {
+    url: String,
+    cluster: bool,
+    namespace: Option<String>,
+    ttl: Option<Duration>,
+    connect_timeout: Duration,
+    io_timeout: Duration,
+    io_threads: usize,
+    max_queued_writes: usize,
+    max_inflight_bytes: u64,
+    negative_ttl: Duration,
+    max_fetch_keys: usize,
+    password_env: String,
+}
+
+impl RemoteArgs {
+    fn config(self, mut layout: Layout, owner: Option<String>) -> RemoteConfig {
+        if let Some(ns) = self.namespace {
+            layout.namespace = ns;
+        }
+        let url = if self.cluster && !self.url.contains("+cluster://") {
+            self.url.replacen("://", "+cluster://", 1)
+        } else {
+            self.url
+        };
+        let mut rc = RemoteConfig::new(url, layout);
+        rc.ttl = self.ttl;
+        rc.connect_timeout = self.connect_timeout;
+        rc.io_timeout = self.io_timeout;
+        rc.io_threads = self.io_threads;
+        rc.max_queued_writes = self.max_queued_writes;
+        rc.max_inflight_bytes = self.max_inflight_bytes;
+        rc.negative_ttl = self.negative_ttl;
+        rc.max_fetch_keys = self.max_fetch_keys;
+        rc.password_env = self.password_env;
+        rc.owner = owner;
+        rc
+    }
+}
+
 #[pymethods]
-impl PyTieredCore {
+impl PyChainCore {
     /// See `kvoff.tier.TieredOffloadingManager`.
     #[new]
     #[pyo3(signature = (
@@ -183,15 +340,20 @@ impl PyTieredCore {
         disk_store_threshold = Int::of(0), io_threads = Int::of(8), write_threads = Int::of(4),
         max_queued_writes = Int::of(256), fsync = false, direct_io = "auto",
         rescan_interval_s = Some(Float(2.0)), owner = None, max_promotions = Int::of(256),
-        trusted_uids = Vec::new(), trusted_gid = None, allow_writable_dir = false
+        trusted_uids = Vec::new(), trusted_gid = None, allow_writable_dir = false,
+        remote_url = None, remote_cluster = false, remote_namespace = None, remote_store_threshold = 0,
+        remote_ttl_s = None, remote_connect_timeout_s = 1.0, remote_timeout_s = 2.0,
+        remote_io_threads = 2, remote_max_queued_writes = 256, remote_max_inflight_bytes = 256 << 20,
+        remote_negative_ttl_s = 2.0, remote_max_fetch_keys = 64,
+        remote_password_env = String::from("KVOFF_REMOTE_PASSWORD")
     ))]
     #[allow(clippy::too_many_arguments, clippy::fn_params_excessive_bools)]
     fn new(
         py: Python<'_>,
         policy: &str,
         num_blocks: Int,
-        disk_path: PathArg,
-        disk_bytes_to_use: Int,
+        disk_path: Option<PathArg>,
+        disk_bytes_to_use: Option<Int>,
         memory_ptr: Int,
         memory_rows: Int,
         row_stride_bytes: Int,
@@ -219,10 +381,23 @@ impl PyTieredCore {
         trusted_uids: Vec<Int>,
         trusted_gid: Option<Int>,
         allow_writable_dir: bool,
+        remote_url: Option<String>,
+        remote_cluster: bool,
+        remote_namespace: Option<String>,
+        remote_store_threshold: u32,
+        remote_ttl_s: Option<f64>,
+        remote_connect_timeout_s: f64,
+        remote_timeout_s: f64,
+        remote_io_threads: usize,
+        remote_max_queued_writes: usize,
+        remote_max_inflight_bytes: u64,
+        remote_negative_ttl_s: f64,
+        remote_max_fetch_keys: usize,
+        remote_password_env: String,
     ) -> PyResult<Self> {
-        // Every argument is converted (TypeError / ValueError) before anything is created.
+        // Every argument is converted (TypeError / ValueError / ConfigError) before anything is
+        // created.
         let num_blocks: usize = num_blocks.get("num_blocks")?;
-        let disk_bytes_to_use: u64 = disk_bytes_to_use.get("disk_bytes_to_use")?;
         let memory_ptr: u64 = memory_ptr.get("memory_ptr")?;
         let memory_rows: u64 = memory_rows.get("memory_rows")?;
         let row_stride_bytes: u64 = row_stride_bytes.get("row_stride_bytes")?;
@@ -231,28 +406,22 @@ impl PyTieredCore {
             .into_iter()
             .map(|p| p.get::<u64>("page_sizes[i]"))
             .collect::<PyResult<Vec<u64>>>()?;
-        let block_size_factor: u64 = block_size_factor.get("block_size_factor")?;
-        let world_size: u32 = world_size.get("world_size")?;
-        let rank: u32 = rank.get("rank")?;
+        let layout = Layout {
+            namespace,
+            page_sizes_bytes: page_sizes,
+            block_size_factor: block_size_factor.get("block_size_factor")?,
+            dtype,
+            world_size: world_size.get("world_size")?,
+            rank: rank.get("rank")?,
+        };
         let block_size: usize = block_size.get("block_size")?;
         let store_threshold: usize = store_threshold.get("store_threshold")?;
         let max_tracker_size: usize = max_tracker_size.get("max_tracker_size")?;
         let disk_store_threshold: u32 = disk_store_threshold.get("disk_store_threshold")?;
-        let io_threads: usize = io_threads.get("io_threads")?;
-        let write_threads: usize = write_threads.get("write_threads")?;
-        let max_queued_writes: usize = max_queued_writes.get("max_queued_writes")?;
         let max_promotions: usize = max_promotions.get("max_promotions")?;
-        let trusted_uids = trusted_uids
-            .into_iter()
-            .map(|u| u.get::<u32>("trusted_uids[i]"))
-            .collect::<PyResult<Vec<u32>>>()?;
-        let trusted_gid: Option<u32> = trusted_gid.map(|g| g.get("trusted_gid")).transpose()?;
-        let direct = parse_direct(direct_io)?;
-        if memory_rows < num_blocks as u64 {
-            return Err(to_py(KvoffError::arg(format!(
-                "the host memory has {memory_rows} rows but num_blocks = {num_blocks}"
-            ))));
-        }
+        let disk_bytes_to_use: Option<u64> = disk_bytes_to_use
+            .map(|b| b.get("disk_bytes_to_use"))
+            .transpose()?;
         let rescan = match rescan_interval_s {
             None => None,
             Some(Float(s)) if s.is_finite() && s > 0.0 && s < 1e6 => {
@@ -264,7 +433,59 @@ impl PyTieredCore {
                 ))))
             }
         };
-        // The tier keeps the region's mapping alive (as a view does) until `shutdown`, so closing
+        let disk = match disk_path {
+            None => None,
+            Some(dir) => Some(DiskArgs {
+                dir: dir.0,
+                bytes: disk_bytes_to_use.ok_or_else(|| {
+                    to_py(KvoffError::Config(
+                        "disk_bytes_to_use is required with disk_path".into(),
+                    ))
+                })?,
+                io_threads: io_threads.get("io_threads")?,
+                write_threads: write_threads.get("write_threads")?,
+                max_queued_writes: max_queued_writes.get("max_queued_writes")?,
+                fsync,
+                direct: parse_direct(direct_io)?,
+                rescan,
+                trusted_uids: trusted_uids
+                    .into_iter()
+                    .map(|u| u.get::<u32>("trusted_uids[i]"))
+                    .collect::<PyResult<Vec<u32>>>()?,
+                trusted_gid: trusted_gid.map(|g| g.get("trusted_gid")).transpose()?,
+                allow_writable_dir,
+            }),
+        };
+        let remote = match remote_url {
+            None => None,
+            Some(url) => Some(RemoteArgs {
+                url,
+                cluster: remote_cluster,
+                namespace: remote_namespace,
+                ttl: remote_ttl_s
+                    .map(|s| seconds("remote_ttl_s", s))
+                    .transpose()?,
+                connect_timeout: seconds("remote_connect_timeout_s", remote_connect_timeout_s)?,
+                io_timeout: seconds("remote_timeout_s", remote_timeout_s)?,
+                io_threads: remote_io_threads,
+                max_queued_writes: remote_max_queued_writes,
+                max_inflight_bytes: remote_max_inflight_bytes,
+                negative_ttl: seconds("remote_negative_ttl_s", remote_negative_ttl_s)?,
+                max_fetch_keys: remote_max_fetch_keys.max(1),
+                password_env: remote_password_env,
+            }),
+        };
+        if disk.is_none() && remote.is_none() {
+            return Err(to_py(KvoffError::Config(
+                "a tiered manager needs disk_path, remote_url or both".into(),
+            )));
+        }
+        if memory_rows < num_blocks as u64 {
+            return Err(to_py(KvoffError::arg(format!(
+                "the host memory has {memory_rows} rows but num_blocks = {num_blocks}"
+            ))));
+        }
+        // The tiers keep the region's mapping alive (as a view does) until `shutdown`, so closing
         // the region first never unmaps memory the I/O threads copy into (docs/spec.md §5).
         let region = memory_owner.get().shared_region()?;
         let (base, len) = locked(
@@ -288,7 +509,7 @@ impl PyTieredCore {
         }
         // SAFETY: obligation 1 of `RawRows::new`: the rows were just checked to lie inside the
         // region's mapping, which `region` (an `Arc` of it, held until `shutdown` has joined the
-        // I/O threads) keeps mapped. Obligation 2 is kept by `TieredManager` (write pins, pending
+        // I/O threads) keeps mapped. Obligation 2 is kept by `ChainManager` (write pins, pending
         // promotions).
         let memory =
             unsafe { RawRows::new(memory_ptr, memory_rows, row_stride_bytes, block_bytes) }.py()?;
@@ -298,43 +519,44 @@ impl PyTieredCore {
         mc.store_threshold = store_threshold;
         mc.max_tracker_size = max_tracker_size;
         let host = Host::try_new(PolicyKind::parse(policy).py()?, mc).py()?;
-        let mut tc = TierConfig::new(
-            disk_path.0,
-            disk_bytes_to_use,
-            Layout {
-                namespace,
-                page_sizes_bytes: page_sizes,
-                block_size_factor,
-                dtype,
-                world_size,
-                rank,
-            },
-        );
-        tc.io_threads = io_threads;
-        tc.write_threads = write_threads;
-        tc.max_queued_writes = max_queued_writes;
-        tc.fsync = fsync;
-        tc.direct_io = direct;
-        tc.rescan_interval = rescan;
-        tc.owner = owner;
-        tc.trusted_uids = trusted_uids;
-        tc.trusted_gid = trusted_gid;
-        tc.allow_writable_dir = allow_writable_dir;
         let mem: Arc<dyn BlockMemory> = Arc::new(memory);
-        let tier = blocking(py, move || FileTier::open(tc, mem))?;
-        let cfg = TieredConfig {
-            disk_store_threshold,
+        let mut tiers = Vec::new();
+        let mut disk_dir = None;
+        let max_fetch_keys = remote.as_ref().map_or(64, |r| r.max_fetch_keys);
+        if let Some(d) = disk {
+            let tc = d.config(layout.clone(), owner.clone());
+            let m = Arc::clone(&mem);
+            let tier = blocking(py, move || FileTier::open(tc, m))?;
+            disk_dir = Some(tier.dir().display().to_string());
+            tiers.push(ChainTier {
+                tier: Box::new(tier),
+                store_threshold: disk_store_threshold,
+            });
+        }
+        let mut shown_url = None;
+        if let Some(r) = remote {
+            let tier = RemoteTier::open(r.config(layout, owner), mem).py()?;
+            shown_url = Some(tier.url().to_owned());
+            tiers.push(ChainTier {
+                tier: Box::new(tier),
+                store_threshold: remote_store_threshold,
+            });
+        }
+        let cfg = ChainConfig {
             max_tracker_size,
             max_promotions,
+            max_fetch_keys,
         };
         Ok(Self {
-            inner: Mutex::new(Some(TieredManager::new(host, tier, cfg))),
+            inner: Mutex::new(Some(ChainManager::new(host, tiers, cfg))),
             region: Mutex::new(Some(region)),
+            disk_dir,
+            remote_url: shown_url,
             pid: std::process::id(),
         })
     }
 
-    /// `True` ready, `None` pending (store or promotion in flight), `False` absent.
+    /// `True` ready, `None` pending (store, promotion or fetch in flight), `False` absent.
     fn lookup(&self, py: Python<'_>, key: &Bound<'_, PyAny>) -> PyResult<Option<bool>> {
         let k = key_of(key)?;
         Ok(match self.with(py, |m| m.lookup(&k))? {
@@ -344,7 +566,8 @@ impl PyTieredCore {
         })
     }
 
-    /// Leading ready keys, or `None` when the first non-ready one is pending or being promoted.
+    /// Leading ready keys, or `None` when the first non-ready one is pending, being promoted or
+    /// being fetched.
     fn lookup_prefix(&self, py: Python<'_>, keys: &Bound<'_, PyAny>) -> PyResult<Option<usize>> {
         let k = keys_of(keys)?;
         self.with(py, |m| m.lookup_prefix(&k))
@@ -398,7 +621,7 @@ impl PyTieredCore {
         }))
     }
 
-    /// Finishes stores (and writes the stored blocks through to the disk tier).
+    /// Finishes stores (and writes the stored blocks through to the tiers).
     #[pyo3(signature = (keys, success = true))]
     fn complete_store(
         &self,
@@ -412,7 +635,7 @@ impl PyTieredCore {
 
     /// Events as `(keys, removed)` pairs, in order.
     fn take_events<'py>(&self, py: Python<'py>) -> PyResult<Vec<(Vec<Bound<'py, PyBytes>>, bool)>> {
-        let evs = self.with(py, TieredManager::take_events)?;
+        let evs = self.with(py, ChainManager::take_events)?;
         Ok(evs
             .into_iter()
             .map(|e| {
@@ -427,26 +650,28 @@ impl PyTieredCore {
             .collect())
     }
 
-    /// Host gauges (docs/spec.md §2.2) plus `disk_*` counters and gauges.
+    /// Host gauges (docs/spec.md §2.2) plus `disk_*` and `remote_*` counters and gauges.
     fn get_stats<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyDict>> {
-        let (h, t, c) = self.with(py, TieredManager::get_stats)?;
-        stats_dict(py, Some(&h), &t, &c)
-    }
-
-    /// Applies finished disk I/O (never blocks).
-    fn poll(&self, py: Python<'_>) -> PyResult<()> {
-        self.with(py, TieredManager::poll)
-    }
-
-    /// Waits (GIL released, manager lock not held) until the queued disk I/O has run, then
-    /// applies it.
-    fn flush(&self, py: Python<'_>) -> PyResult<()> {
-        let waiter = self.with(py, |m| Ok(m.tier().idle_waiter()))?;
-        blocking(py, move || {
-            waiter.wait();
-            Ok(())
+        let (h, tiers, extra) = self.with(py, |m| {
+            let (h, t) = m.get_stats()?;
+            let extra: Vec<(&'static str, Vec<(&'static str, u64)>)> =
+                m.tiers().map(|t| (t.kind(), t.extra_stats())).collect();
+            Ok((h, t, extra))
         })?;
-        self.with(py, TieredManager::poll)
+        stats_dict(py, &h, &tiers, extra)
+    }
+
+    /// Applies finished I/O (never blocks).
+    fn poll(&self, py: Python<'_>) -> PyResult<()> {
+        self.with(py, ChainManager::poll)
+    }
+
+    /// Waits (GIL released; for the file tier without the manager's lock) until the queued I/O
+    /// has run — bounded by the remote timeouts — then applies it. For tests and tools, not a
+    /// scheduler.
+    fn flush(&self, py: Python<'_>) -> PyResult<()> {
+        self.wait_idle(py)?;
+        self.with(py, ChainManager::poll)
     }
 
     /// Number of promotions in flight.
@@ -454,45 +679,61 @@ impl PyTieredCore {
         self.with(py, |m| Ok(m.num_promoting()))
     }
 
-    /// The directory of this layout's files.
+    /// The directory of this layout's files, or `None` without a file tier.
     #[getter]
-    fn disk_dir(&self, py: Python<'_>) -> PyResult<String> {
-        self.with(py, |m| Ok(m.tier().dir().display().to_string()))
+    fn disk_dir(&self) -> Option<String> {
+        self.disk_dir.clone()
+    }
+
+    /// The remote URL with its password hidden, or `None` without a remote tier.
+    #[getter]
+    fn remote_url(&self) -> Option<String> {
+        self.remote_url.clone()
     }
 
     /// Path of a key's file (whether or not it exists).
     fn disk_path_of(&self, py: Python<'_>, key: &Bound<'_, PyAny>) -> PyResult<String> {
         let k = key_of(key)?;
-        self.with(py, |m| Ok(m.tier().path_of(&k).display().to_string()))
+        self.with(py, |m| Ok(file_tier(m)?.path_of(&k).display().to_string()))
     }
 
-    /// Whether a key has a published file (no I/O).
-    fn disk_contains(&self, py: Python<'_>, key: &Bound<'_, PyAny>) -> PyResult<bool> {
-        let k = key_of(key)?;
-        self.with(py, |m| Ok(m.tier().contains(&k)))
-    }
-
-    /// Lists the disk directory again now (GIL released).
+    /// Lists the file tier's directory again now (GIL released).
     fn disk_rescan(&self, py: Python<'_>) -> PyResult<()> {
         self.with_hold(py, Hold::Long, |m| {
-            m.tier().rescan();
+            file_tier(m)?.rescan();
             Ok(())
         })
     }
 
-    /// Waits for disk I/O, then forgets every host key (files stay).
+    /// What tier `kind`'s index knows about a key (no I/O): `True` present, `False` absent,
+    /// `None` unknown (a fetch would ask the server); `False` when there is no such tier.
+    fn tier_index(
+        &self,
+        py: Python<'_>,
+        kind: &str,
+        key: &Bound<'_, PyAny>,
+    ) -> PyResult<Option<bool>> {
+        let k = key_of(key)?;
+        let kind = kind.to_owned();
+        self.with(py, move |m| {
+            Ok(match m.tier(&kind).map(|t| t.index(&k)) {
+                Some(Known::Present) => Some(true),
+                Some(Known::Unknown) => None,
+                Some(Known::Absent) | None => Some(false),
+            })
+        })
+    }
+
+    /// Waits for I/O, then forgets every host key (the tiers keep their values).
     fn reset(&self, py: Python<'_>) -> PyResult<()> {
         // Wait without the lock first, so other threads are not held up for the whole wait; the
         // reset itself then finds (almost) nothing in flight.
-        let waiter = self.with(py, |m| Ok(m.tier().idle_waiter()))?;
-        blocking(py, move || {
-            waiter.wait();
-            Ok(())
-        })?;
-        self.with_hold(py, Hold::Long, TieredManager::reset)
+        self.wait_idle(py)?;
+        self.with_hold(py, Hold::Long, ChainManager::reset)
     }
 
-    /// Waits for disk I/O, stops the I/O threads; idempotent. Later calls raise `InvalidStateError`.
+    /// Waits for I/O (bounded by the remote timeouts), stops the I/O threads; idempotent. Later
+    /// calls raise `InvalidStateError`.
     fn shutdown(&self, py: Python<'_>) -> PyResult<()> {
         if self.forked() {
             // The parent's manager, threads and locks are not this process's to touch; what is
@@ -529,62 +770,7 @@ impl PyTieredCore {
     }
 }
 
-/// Runs the disk benchmark for one layout (GIL released) and returns its row as a dict.
-#[pyfunction]
-#[pyo3(signature = (dir, label, page_sizes, num_blocks = Int::of(256), reps = Int::of(5), io_threads = Int::of(8), direct_io = "auto"))]
-#[allow(clippy::too_many_arguments)]
-fn bench_disk<'py>(
-    py: Python<'py>,
-    dir: PathArg,
-    label: String,
-    page_sizes: Vec<Int>,
-    num_blocks: Int,
-    reps: Int,
-    io_threads: Int,
-    direct_io: &str,
-) -> PyResult<Bound<'py, PyDict>> {
-    let cfg = DiskBenchConfig {
-        dir: dir.0,
-        label,
-        page_sizes_bytes: page_sizes
-            .into_iter()
-            .map(|p| p.get::<u64>("page_sizes[i]"))
-            .collect::<PyResult<_>>()?,
-        num_blocks: num_blocks.get("num_blocks")?,
-        reps: reps.get("reps")?,
-        io_threads: io_threads.get("io_threads")?,
-        direct_io: parse_direct(direct_io)?,
-    };
-    let r = blocking(py, || run_bench(&cfg))?;
-    let d = PyDict::new(py);
-    d.set_item("label", r.label)?;
-    d.set_item("block_bytes", r.block_bytes)?;
-    d.set_item("num_blocks", r.num_blocks)?;
-    d.set_item("io_threads", r.io_threads)?;
-    d.set_item("direct_io", r.direct_io)?;
-    d.set_item("baseline_direct_io", r.baseline_direct_io)?;
-    d.set_item("fill_write_gbps", r.fill_write_gbps)?;
-    d.set_item("tier_write_gbps", r.tier_write_gbps)?;
-    d.set_item("tier_read_gbps", r.tier_read_gbps)?;
-    d.set_item("seq_write_gbps", r.seq_write_gbps)?;
-    d.set_item("seq_read_gbps", r.seq_read_gbps)?;
-    d.set_item("seq_write_block_req_gbps", r.seq_write_block_req_gbps)?;
-    d.set_item("seq_read_block_req_gbps", r.seq_read_block_req_gbps)?;
-    d.set_item("scattered_write_gbps", r.scattered_write_gbps)?;
-    d.set_item("scattered_read_gbps", r.scattered_read_gbps)?;
-    d.set_item("write_ratio", r.write_ratio)?;
-    d.set_item("read_ratio", r.read_ratio)?;
-    d.set_item("promotion_p50_us", r.promotion_p50_us)?;
-    d.set_item("promotion_p90_us", r.promotion_p90_us)?;
-    d.set_item("write_cpu_us_per_block", r.write_cpu_us_per_block)?;
-    d.set_item("read_cpu_us_per_block", r.read_cpu_us_per_block)?;
-    d.set_item("seq_cpu_us_per_block", r.seq_cpu_us_per_block)?;
-    d.set_item("lookup_hit_ns_per_key", r.lookup_hit_ns_per_key)?;
-    Ok(d)
-}
-
 pub(crate) fn register(m: &Bound<'_, PyModule>) -> PyResult<()> {
-    m.add_class::<PyTieredCore>()?;
-    m.add_function(wrap_pyfunction!(bench_disk, m)?)?;
+    m.add_class::<PyChainCore>()?;
     Ok(())
 }

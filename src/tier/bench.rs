@@ -13,7 +13,7 @@
 //! overwrite evicted files as the baseline overwrites its file; the first fill of the empty tier
 //! (new files) is reported separately. Ratios are taken per repetition; medians over `reps`. CPU time is the process's user + system time (`/proc/self/stat`, 10 ms
 //! ticks) over the phase, divided by the blocks. Promotion latency: one block at a time, submit →
-//! completion seen by `poll`, idle tier. Lookup cost: a [`TieredManager`] over the files just
+//! completion seen by `poll`, idle tier. Lookup cost: a [`ChainManager`] with the file tier over the files just
 //! written, each key's first `lookup` (host miss, file hit: `prepare_store` + queued read).
 #![forbid(unsafe_code)]
 
@@ -21,7 +21,7 @@ use std::path::{Path, PathBuf};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use super::tiered::{TieredConfig, TieredManager};
+use super::chain::{ChainConfig, ChainManager, ChainTier};
 use super::{
     AlignedBuf, AlignedRows, BlockMemory, Completion, DirectIo, FileTier, Layout, TierConfig,
 };
@@ -515,7 +515,11 @@ fn run_in(
     let dst_dyn: Arc<dyn super::BlockMemory> = dst.clone();
     let tier = FileTier::open(tc, dst_dyn)?;
     let host = LruManager::new(ManagerConfig::new(n));
-    let mut m = TieredManager::new(host, tier, TieredConfig::default());
+    let mut m = ChainManager::new(
+        host,
+        vec![ChainTier::new(Box::new(tier))],
+        ChainConfig::default(),
+    );
     let keys: Vec<ByteKey> = (0..n).map(key).collect();
     let t0 = Instant::now();
     for k in &keys {

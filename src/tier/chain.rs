@@ -1,34 +1,51 @@
-//! An offloading manager with an ordered list of secondary tiers behind host memory (docs/tier.md
-//! "Tier chain"): host memory → files (optional) → remote (optional), or any [`SecondaryTier`]s.
-//! The combined tiers behave as one manager of docs/spec.md §2, with the additions of
-//! [`super::tiered`] generalised to several tiers:
+//! The tiered manager: an offloading manager with an ordered list of secondary tiers behind host
+//! memory (docs/tier.md "Tier chain", docs/spec.md §9): host memory → files (optional) → remote
+//! (optional), or any [`SecondaryTier`]s. A file tier alone is a chain of one. The combined tiers
+//! behave as one manager of docs/spec.md §2, with these additions.
 //!
 //! - **Write-through.** When `complete_store(keys, true)` makes a key ready, a write of its block
 //!   is queued to every tier that does not hold it and whose admission threshold
-//!   ([`ChainTier::store_threshold`]: written once stored to host memory that many times) it
-//!   passes. Each write pins the host block (`prepare_load`) until that tier releases it
-//!   ([`Completion::Released`]). A tier that refuses a write (full queue, bounded in-flight bytes,
-//!   server down) counts it and `complete_store` goes on: it never waits.
+//!   ([`ChainTier::store_threshold`]: written once stored to host memory that many times, a bounded
+//!   counter map cleared when it holds `max_tracker_size` keys) it passes. Each write pins the host
+//!   block (`prepare_load`) until that tier releases it ([`Completion::Released`]: the file tier
+//!   releases it after the `O_DIRECT` write straight from 4 KiB-aligned host memory, or, for other
+//!   memory, as soon as an I/O thread has copied the block into its own buffer). A tier that
+//!   refuses a write (full queue, bounded in-flight bytes, server down) counts it and
+//!   `complete_store` goes on: it never waits. Write-back on host eviction was not chosen: the
+//!   victim's block is handed to the new store in the same `prepare_store` call (docs/spec.md §2.3
+//!   is atomic), so write-back would either delay that call by the write (or a copy) of every
+//!   victim or break the atomicity — the same work as write-through, but on the scheduler's
+//!   critical path at the moment host memory is short. Write-through also means a block is in the
+//!   tiers before host memory needs its space, and is shared with other engines at once.
 //! - **Lookup.** `lookup_prefix(keys)` answers from host memory; for the first key that misses, the
 //!   tiers are asked in order from their in-memory index ([`SecondaryTier::index`]): the first that
-//!   says `Present` promotes the run of following keys it also holds (host blocks reserved as
-//!   pending stores, filled by its I/O threads) and the answer is `None` (pending); a tier that
-//!   answers `Unknown` (a remote store) gets one batched fetch of the key and the following keys
-//!   of the prefix ([`SecondaryTier::submit_fetch`]) and the answer is `None` while it runs; the
-//!   next lookup sees the answer (found: promote; missed: the next tier, remembered as a miss for
-//!   a while). A key no tier holds answers as host memory does.
+//!   says `Present` promotes the run of following keys it also holds (at most `max_promotions`;
+//!   host blocks reserved by `prepare_store` as pending stores, so docs/spec.md §2's protection
+//!   holds: not readable, not evictable; filled by its I/O threads) and the answer is `None`
+//!   (pending); a tier that answers `Unknown` (a remote store) gets one batched fetch of the key and
+//!   the following keys of the prefix ([`SecondaryTier::submit_fetch`]) and the answer is `None`
+//!   while it runs; the next lookup sees the answer (found: promote; missed: the next tier,
+//!   remembered as a miss for a while). A key no tier holds answers as host memory does; when host
+//!   memory has no evictable block, a hit answers absent. These lookups therefore have a side
+//!   effect, unlike docs/spec.md §2.2's.
 //! - **Promotion** completes on a later call (`complete_store(ok)`, emitting the usual stored
-//!   event); a promoted key is then written through to the tiers before the one it came from
-//!   (a block found remote lands in the file tier too).
-//! - **Completions** are applied at the start of every call; nothing here waits for I/O except
-//!   `reset`/`shutdown` ([`SecondaryTier::flush`]), which are not scheduler-step operations.
+//!   event); the key then answers `True` and loads as usual. A failed promotion (value vanished,
+//!   rejected) removes the pending key: the next lookup is a miss. A promoted key is then written
+//!   through to the tiers before the one it came from (a block found remote lands in the file tier
+//!   too). A key being promoted is not the caller's store: `complete_store` / `complete_load` of it
+//!   are refused ([`crate::KvoffError::InvalidState`], nothing changed).
+//! - **Completions** are applied at the start of every call (no thread calls the manager), so a
+//!   caller that stops calling sees no progress; [`ChainManager::poll`] applies them explicitly.
+//!   Nothing here waits for I/O except `reset`/`shutdown` ([`SecondaryTier::flush`]), which are
+//!   not scheduler-step operations. In a `fork()`ed child ([`SecondaryTier::forked`]) `shutdown`
+//!   takes no lock of the tiers and waits for nothing (docs/spec.md §9).
 #![forbid(unsafe_code)]
 
 use std::collections::HashMap;
 
 use super::secondary::{Known, SecondaryCounters, SecondaryTier};
 use super::Completion;
-use crate::error::Result;
+use crate::error::{KvoffError, Result};
 use crate::key::ByteKey;
 use crate::manager::{
     BlockId, ManagerStats, OffloadingEvent, OffloadingManager, PrepareStoreOutput, Presence,
@@ -168,6 +185,16 @@ impl<M: OffloadingManager<ByteKey>> ChainManager<M> {
     /// The first tier of kind `kind` (`"disk"`, `"remote"`).
     pub fn tier(&self, kind: &str) -> Option<&dyn SecondaryTier> {
         self.tiers().find(|t| t.kind() == kind)
+    }
+
+    /// The first tier of type `T` (e.g. [`super::FileTier`], for its own methods).
+    pub fn tier_as<T: SecondaryTier>(&self) -> Option<&T> {
+        self.tiers().find_map(|t| t.as_any().downcast_ref::<T>())
+    }
+
+    /// Whether a tier is a `fork()`ed copy (its I/O threads exist only in the parent).
+    pub fn forked(&self) -> bool {
+        self.tiers().any(SecondaryTier::forked)
     }
 
     /// Number of promotions in flight.
@@ -344,11 +371,26 @@ impl<M: OffloadingManager<ByteKey>> ChainManager<M> {
         self.host.touch(keys)
     }
 
+    /// Refuses a call that names a key a tier is promoting: its host block is still being read
+    /// into, and only the tier completes that store (docs/spec.md §9).
+    fn check_not_promoting(&self, keys: &[ByteKey], call: &str) -> Result<()> {
+        if let Some((k, &t)) = keys.iter().find_map(|k| self.promoting.get_key_value(k)) {
+            let kind = self.slots.get(t).map_or("secondary", |s| s.tier.kind());
+            return Err(KvoffError::state(format!(
+                "{call}: key {k:?} is pending because the {kind} tier is promoting it (not a \
+                 store of the caller's); nothing was changed"
+            )));
+        }
+        Ok(())
+    }
+
     /// docs/spec.md §2.2 `complete_load`.
     ///
     /// # Errors
-    /// As the host manager's.
+    /// As the host manager's; [`KvoffError::InvalidState`] (nothing changed) for a key being
+    /// promoted.
     pub fn complete_load(&mut self, keys: &[ByteKey]) -> Result<()> {
+        self.check_not_promoting(keys, "complete_load")?;
         self.host.complete_load(keys)?;
         self.poll()
     }
@@ -420,8 +462,10 @@ impl<M: OffloadingManager<ByteKey>> ChainManager<M> {
     /// through to the tiers (see the module docs).
     ///
     /// # Errors
-    /// Only after shutdown.
+    /// After shutdown; [`KvoffError::InvalidState`] (nothing changed) for a key being promoted:
+    /// completing it would serve or free a block a tier is still reading into.
     pub fn complete_store(&mut self, keys: &[ByteKey], success: bool) -> Result<()> {
+        self.check_not_promoting(keys, "complete_store")?;
         let was_pending: Vec<bool> =
             if success {
                 keys.iter()
@@ -496,8 +540,19 @@ impl<M: OffloadingManager<ByteKey>> ChainManager<M> {
         self.host.reset()
     }
 
-    /// Waits for the I/O in flight, stops the tiers and shuts the host manager down. Idempotent.
+    /// Waits for the I/O in flight, stops the tiers and shuts the host manager down. Idempotent. In
+    /// a `fork()`ed child it takes no lock of the tiers (a parent thread may have held one at the
+    /// fork) and waits for nothing (docs/spec.md §9).
     pub fn shutdown(&mut self) {
+        if self.forked() {
+            for s in &mut self.slots {
+                s.tier.shutdown();
+            }
+            self.promoting.clear();
+            self.pins.clear();
+            self.host.shutdown();
+            return;
+        }
         self.flush();
         let _ = self.poll();
         for s in &mut self.slots {

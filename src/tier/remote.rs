@@ -370,7 +370,7 @@ impl Shared {
     fn redis_key(&self, key: &ByteKey) -> String {
         let k = key.as_bytes();
         let stem = if k.len() <= MAX_HEX_KEY {
-            super::hex(k)
+            super::file::hex(k)
         } else {
             format!("h{:032x}", xxh3_128(k))
         };
@@ -823,10 +823,14 @@ impl RemoteTier {
         }
         let target = parse_url(&cfg.url, &cfg.password_env, cfg.tls_ca_file.as_deref())?;
         let fingerprint = lay.fingerprint(payload_len as u64);
-        let owner_str = cfg
-            .owner
-            .clone()
-            .unwrap_or_else(|| format!("{}|{}|{}", lay.namespace, lay.rank, super::host_name()));
+        let owner_str = cfg.owner.clone().unwrap_or_else(|| {
+            format!(
+                "{}|{}|{}",
+                lay.namespace,
+                lay.rank,
+                super::file::host_name()
+            )
+        });
         let router = Router::new(
             RouterConfig {
                 cluster: target.cluster,
@@ -1120,6 +1124,14 @@ impl SecondaryTier for RemoteTier {
             self.shared.cv.notify_all();
             std::thread::sleep(Duration::from_micros(500));
         }
+    }
+
+    fn forked(&self) -> bool {
+        RemoteTier::forked(self)
+    }
+
+    fn as_any(&self) -> &dyn std::any::Any {
+        self
     }
 
     fn shutdown(&mut self) {

@@ -27,6 +27,8 @@
 //!   exported per tier with one code path (`kvoff_disk_*`, `kvoff_remote_*`).
 #![forbid(unsafe_code)]
 
+use std::any::Any;
+
 use super::{Completion, FileTier};
 use crate::key::ByteKey;
 use crate::manager::BlockId;
@@ -84,7 +86,7 @@ pub struct SecondaryCounters {
 }
 
 /// A tier behind host memory. See the module docs for the contract (no method waits for I/O).
-pub trait SecondaryTier: Send + std::fmt::Debug {
+pub trait SecondaryTier: Send + std::fmt::Debug + 'static {
     /// A short name for metrics and logs (`"disk"`, `"remote"`).
     fn kind(&self) -> &'static str;
 
@@ -125,6 +127,16 @@ pub trait SecondaryTier: Send + std::fmt::Debug {
 
     /// Counters and gauges.
     fn counters(&self) -> SecondaryCounters;
+
+    /// Whether this is a `fork()`ed copy of the tier (its I/O threads exist only in the parent):
+    /// then [`SecondaryTier::shutdown`] must take no lock and wait for nothing. The default: never.
+    fn forked(&self) -> bool {
+        false
+    }
+
+    /// The tier as [`Any`], so an owner can reach a tier's own methods
+    /// (`ChainManager::tier_as`).
+    fn as_any(&self) -> &dyn Any;
 
     /// Tier-specific gauges and counters beyond [`SecondaryCounters`], as `(name, value)` (the
     /// metrics prefix them with [`SecondaryTier::kind`]). The default has none.
@@ -177,6 +189,14 @@ impl SecondaryTier for FileTier {
         FileTier::shutdown(self);
     }
 
+    fn forked(&self) -> bool {
+        FileTier::forked(self)
+    }
+
+    fn as_any(&self) -> &dyn Any {
+        self
+    }
+
     fn counters(&self) -> SecondaryCounters {
         let s = self.stats();
         SecondaryCounters {
@@ -203,6 +223,7 @@ impl SecondaryTier for FileTier {
     fn extra_stats(&self) -> Vec<(&'static str, u64)> {
         let s = self.stats();
         vec![
+            ("rejected_files", s.rejected_files),
             ("evicted_files", s.evicted_files),
             ("indexed_files", s.indexed_files),
             ("own_files", s.own_files),

@@ -1,0 +1,703 @@
+//! The file tier's I/O threads: file names, directory scans, writes and reads (docs/spec.md §9,
+//! the [`super::super`] module docs), and [`IdleWaiter`].
+#![deny(unsafe_code)]
+
+use std::os::fd::AsFd;
+use std::path::Path;
+use std::sync::atomic::Ordering::Relaxed;
+use std::sync::{Arc, PoisonError};
+use std::time::{Duration, Instant};
+
+use xxhash_rust::xxh3::{xxh3_128, xxh3_64};
+
+use super::super::{format, io, AlignedBuf, Completion, HEADER_BYTES};
+use super::{
+    hex, is_shard, lock, split_name, unhex, untrusted, Entry, FileState, Job, Shared, State,
+    MAX_HEX_KEY,
+};
+use crate::key::ByteKey;
+use crate::manager::BlockId;
+
+/// Waits until a tier's queued jobs have run; see [`super::FileTier::idle_waiter`].
+pub struct IdleWaiter(pub(super) Arc<Shared>);
+
+impl std::fmt::Debug for IdleWaiter {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("IdleWaiter").finish_non_exhaustive()
+    }
+}
+
+impl IdleWaiter {
+    /// Blocks until no job is queued or running (returns at once in a `fork()`ed child or after
+    /// shutdown, where no thread runs them). Completions stay for [`super::FileTier::poll`].
+    pub fn wait(&self) {
+        let sh = &self.0;
+        if std::process::id() != sh.pid {
+            return;
+        }
+        loop {
+            {
+                let st = lock(&sh.state);
+                let idle = st.reads.is_empty()
+                    && st.writes.is_empty()
+                    && st.unlinks.is_empty()
+                    && st.running_reads == 0
+                    && st.running_writes == 0;
+                if idle || (st.shutdown && st.running_reads == 0 && st.running_writes == 0) {
+                    return;
+                }
+            }
+            sh.cv.notify_all();
+            std::thread::sleep(Duration::from_micros(200));
+        }
+    }
+}
+
+impl Shared {
+    pub(super) fn file_name(&self, key: &ByteKey) -> Box<str> {
+        let k = key.as_bytes();
+        let stem = if k.len() <= MAX_HEX_KEY {
+            hex(k)
+        } else {
+            format!("h{:032x}", xxh3_128(k))
+        };
+        format!(
+            "{:02x}/{stem}.r{}.{}.kvb",
+            xxh3_64(k) & 0xff,
+            self.rank,
+            self.owner_hex
+        )
+        .into_boxed_str()
+    }
+
+    /// `(key, owned)` of a file name of this rank; `None` for other names. Hashed names need the
+    /// header: `Some((None, owned))`.
+    pub(super) fn parse_name(&self, name: &str) -> Option<(Option<Vec<u8>>, bool)> {
+        let rest = name.strip_suffix(".kvb")?;
+        let (rest, owner_tag) = rest.rsplit_once('.')?;
+        let (stem, rank) = rest.rsplit_once('.')?;
+        if rank.strip_prefix('r')?.parse::<u32>().ok()? != self.rank {
+            return None;
+        }
+        let owned = owner_tag == self.owner_hex;
+        if let Some(h) = stem.strip_prefix('h') {
+            if h.len() == 32 && h.bytes().all(|b| b.is_ascii_hexdigit()) {
+                return Some((None, owned));
+            }
+            return None;
+        }
+        Some((Some(unhex(stem)?), owned))
+    }
+
+    pub(super) fn expect_header(&self, key: &ByteKey) -> format::Header {
+        format::Header {
+            fingerprint: self.fingerprint,
+            rank: self.rank,
+            world_size: self.world_size,
+            payload_len: self.payload_len as u64,
+            payload_sum: 0,
+            owner: self.owner,
+            key: key.as_bytes().to_vec(),
+        }
+    }
+
+    pub(super) fn note_error(&self, e: impl std::fmt::Display) {
+        lock(&self.state).last_error = Some(e.to_string());
+    }
+
+    /// Opens shard directory `shard` (relative to the namespace directory, never through a link)
+    /// and checks it is a trusted directory; with `create`, a missing one is created first.
+    pub(super) fn open_shard(
+        &self,
+        shard: &str,
+        create: bool,
+    ) -> std::io::Result<std::os::fd::OwnedFd> {
+        let c = io::cname(shard)?;
+        let fd = match io::open_dir_at(self.dir_fd.as_fd(), &c) {
+            Err(e) if create && e.kind() == std::io::ErrorKind::NotFound => {
+                io::mkdir_at(self.dir_fd.as_fd(), &c)?;
+                io::open_dir_at(self.dir_fd.as_fd(), &c)?
+            }
+            r => r?,
+        };
+        let st = io::fstat(fd.as_fd())?;
+        self.trust
+            .dir(&st)
+            .map_err(|why| untrusted(format!("shard directory {shard}: {why}")))?;
+        Ok(fd)
+    }
+
+    /// Counts a foreign entry (once per name and inode) and says why in `last_error`.
+    pub(super) fn reject(&self, name: &str, ino: u64, why: &str) {
+        let mut st = lock(&self.state);
+        if st.rejected.get(name) == Some(&ino) {
+            return;
+        }
+        if st.rejected.len() >= 65_536 {
+            st.rejected.clear();
+        }
+        st.rejected.insert(name.into(), ino);
+        self.counters.rejected_files.fetch_add(1, Relaxed);
+        st.last_error = Some(format!(
+            "skipped {}: {why}",
+            self.ns_dir.join(name).display()
+        ));
+    }
+
+    /// Lists the directory and merges it into the index. At start (`initial`) own files are
+    /// adopted into the LRU (oldest modification first) and stale local temporary files removed.
+    /// Nothing is opened but shard directories and files with hashed names (their header holds the
+    /// key), each `O_NOFOLLOW | O_NONBLOCK`; an entry of the tier's name forms that is not a
+    /// regular file (a directory for shards) of a trusted owner is skipped and counted
+    /// (docs/tier.md "Trust"). Files not yet indexed are checked with `fstatat` (no lock held).
+    #[allow(clippy::too_many_lines)] // one pass: list, check the new names, merge
+    pub(super) fn scan(&self, initial: bool) {
+        struct Found {
+            key: ByteKey,
+            name: Box<str>,
+            owned: bool,
+            /// The `fstat` of a file opened to read its header (hashed names).
+            stat: Option<io::Stat>,
+        }
+        let tops = match io::list_dir(self.dir_fd.as_fd()) {
+            Ok(v) => v,
+            Err(e) => {
+                self.note_error(format!("listing {}: {e}", self.ns_dir.display()));
+                return;
+            }
+        };
+        let mut found: Vec<Found> = Vec::new();
+        let tmp_prefix = format!(".tmp.{}.", self.host_tag);
+        for top in tops {
+            let Some(shard_name) = top.name.to_str().filter(|n| is_shard(n)) else {
+                continue;
+            };
+            if top.kind != libc::DT_DIR && top.kind != libc::DT_UNKNOWN {
+                self.reject(shard_name, top.ino, "not a directory");
+                continue;
+            }
+            let shard = match self.open_shard(shard_name, false) {
+                Ok(fd) => fd,
+                Err(e) => {
+                    if e.kind() != std::io::ErrorKind::NotFound {
+                        self.reject(shard_name, top.ino, &e.to_string());
+                    }
+                    continue;
+                }
+            };
+            let Ok(files) = io::list_dir(shard.as_fd()) else {
+                continue;
+            };
+            for ent in files {
+                let Some(name) = ent.name.to_str() else {
+                    continue;
+                };
+                if initial {
+                    if let Some(rest) = name.strip_prefix(&tmp_prefix) {
+                        let pid = rest.split('.').next().unwrap_or("");
+                        let alive = !pid.is_empty() && Path::new("/proc").join(pid).exists();
+                        if !alive {
+                            if let Ok(c) = io::cname(name) {
+                                let _ = io::unlink_at(shard.as_fd(), &c);
+                            }
+                        }
+                        continue;
+                    }
+                }
+                let Some((key, owned)) = self.parse_name(name) else {
+                    continue;
+                };
+                let full = format!("{shard_name}/{name}");
+                if ent.kind != libc::DT_REG && ent.kind != libc::DT_UNKNOWN {
+                    self.reject(&full, ent.ino, "not a regular file");
+                    continue;
+                }
+                let (key, stat) = match key {
+                    Some(k) => (ByteKey::new(&k), None),
+                    None => match self.read_header_key(&shard, name, &full) {
+                        Some((k, st)) => (ByteKey::new(&k), Some(st)),
+                        None => continue,
+                    },
+                };
+                found.push(Found {
+                    key,
+                    name: full.into_boxed_str(),
+                    owned,
+                    stat,
+                });
+            }
+        }
+        // Names not indexed yet are checked (owner, type, mode) before they are indexed; indexed
+        // ones are checked again when a promotion opens them.
+        let unchecked: Vec<usize> = {
+            let st = lock(&self.state);
+            (0..found.len())
+                .filter(|&i| {
+                    found[i].stat.is_none() && (initial || !st.index.contains_key(&found[i].key))
+                })
+                .collect()
+        };
+        let mut ok = vec![true; found.len()];
+        let mut shard: Option<(String, std::os::fd::OwnedFd)> = None;
+        for i in unchecked {
+            let (sname, fname) = split_name(&found[i].name);
+            if shard.as_ref().is_none_or(|(n, _)| n != sname) {
+                shard = self
+                    .open_shard(sname, false)
+                    .ok()
+                    .map(|fd| (sname.to_owned(), fd));
+            }
+            let st = match (&shard, io::cname(fname)) {
+                (Some((_, fd)), Ok(c)) => io::stat_at(fd.as_fd(), &c),
+                _ => Err(std::io::Error::from(std::io::ErrorKind::NotFound)),
+            };
+            match st {
+                Ok(st) => match self.trust.file(&st) {
+                    Ok(()) => found[i].stat = Some(st),
+                    Err(why) => {
+                        ok[i] = false;
+                        self.reject(&found[i].name, st.ino, &why);
+                    }
+                },
+                // Vanished since the listing.
+                Err(_) => ok[i] = false,
+            }
+        }
+        drop(shard);
+        let mut own_times: Vec<(i64, usize)> = Vec::new();
+        if initial {
+            for (i, f) in found.iter().enumerate() {
+                if ok[i] && f.owned {
+                    own_times.push((f.stat.map_or(0, |s| s.mtime), i));
+                }
+            }
+        }
+        own_times.sort_unstable();
+        let mut st = lock(&self.state);
+        if initial {
+            for (_, i) in own_times {
+                let Found { key, name, .. } = &found[i];
+                if st.index.contains_key(key) {
+                    continue;
+                }
+                st.stamp += 1;
+                let stamp = st.stamp;
+                st.own_lru.insert(stamp, key.clone());
+                st.own_bytes += self.file_len;
+                st.index.insert(
+                    key.clone(),
+                    Entry {
+                        name: name.clone(),
+                        state: FileState::Published,
+                        own_stamp: Some(stamp),
+                    },
+                );
+            }
+        }
+        let mut seen: std::collections::HashSet<&ByteKey, foldhash::fast::RandomState> =
+            std::collections::HashSet::with_capacity_and_hasher(
+                found.len(),
+                foldhash::fast::RandomState::default(),
+            );
+        // Files of other owners, and (after the start) files with this owner's tag that this
+        // instance does not know (another live process with the same owner tag): readable, but not
+        // counted in this instance's capacity.
+        for (i, Found { key, name, .. }) in found.iter().enumerate() {
+            if !ok[i] {
+                continue;
+            }
+            seen.insert(key);
+            if st.index.contains_key(key) {
+                continue;
+            }
+            st.index.insert(
+                key.clone(),
+                Entry {
+                    name: name.clone(),
+                    state: FileState::Published,
+                    own_stamp: None,
+                },
+            );
+        }
+        if !initial {
+            // Forget other engines' files that disappeared.
+            st.index.retain(|k, e| {
+                e.own_stamp.is_some() || e.state == FileState::Writing || seen.contains(k)
+            });
+        }
+        st.last_scan = Some(Instant::now());
+    }
+
+    /// The key in the header of the hashed-name file `name` of `shard` (and its `fstat`), if it
+    /// is a trusted regular file of this layout and rank.
+    pub(super) fn read_header_key(
+        &self,
+        shard: &std::os::fd::OwnedFd,
+        name: &str,
+        full: &str,
+    ) -> Option<(Vec<u8>, io::Stat)> {
+        let c = io::cname(name).ok()?;
+        let f = match io::open_at(shard.as_fd(), &c, libc::O_RDONLY) {
+            Ok(f) => f,
+            Err(e) => {
+                if matches!(e.raw_os_error(), Some(libc::ELOOP | libc::ENXIO)) {
+                    let ino = io::stat_at(shard.as_fd(), &c).map_or(0, |s| s.ino);
+                    self.reject(full, ino, &e.to_string());
+                }
+                return None;
+            }
+        };
+        let st = io::fstat(f.as_fd()).ok()?;
+        if let Err(why) = self.trust.file(&st) {
+            self.reject(full, st.ino, &why);
+            return None;
+        }
+        let mut b = vec![0u8; HEADER_BYTES];
+        io::read_full(&f, &mut b).ok()?;
+        let h = format::decode(&b).ok()?;
+        (h.fingerprint == self.fingerprint && h.rank == self.rank).then_some((h.key, st))
+    }
+
+    pub(super) fn run_write(
+        &self,
+        key: &ByteKey,
+        block: BlockId,
+        name: &str,
+        reuse: Option<&str>,
+        buf: &mut AlignedBuf,
+    ) {
+        let t0 = Instant::now();
+        let flen = usize::try_from(self.file_len).unwrap_or(usize::MAX);
+        let release = || {
+            lock(&self.state).completions.push(Completion::Released {
+                key: key.clone(),
+                block,
+            });
+        };
+        // Straight from host memory when it is aligned for `O_DIRECT` (the block stays pinned
+        // until the write is done); else copy it into the buffer and release it at once.
+        let in_place = if self.direct {
+            self.memory.payload_sum(block)
+        } else {
+            None
+        };
+        let zero_copy = in_place.is_some();
+        let sum = if let Some(r) = in_place {
+            r.map_err(|e| e.to_string())
+        } else {
+            let b = buf.as_mut_slice();
+            let r = self
+                .memory
+                .copy_out(block, &mut b[HEADER_BYTES..HEADER_BYTES + self.payload_len]);
+            // The host block is free again whatever happens next.
+            release();
+            r.map_err(|e| e.to_string()).map(|()| {
+                b[HEADER_BYTES + self.payload_len..flen].fill(0);
+                format::payload_sum(&b[HEADER_BYTES..HEADER_BYTES + self.payload_len])
+            })
+        };
+        let result = sum.and_then(|sum| {
+            let b = buf.as_mut_slice();
+            let mut h = self.expect_header(key);
+            h.payload_sum = sum;
+            if !format::encode(&h, b) {
+                return Err(format!(
+                    "key of {} bytes is too long for the file header",
+                    h.key.len()
+                ));
+            }
+            let n = self.tmp_seq.fetch_add(1, Relaxed);
+            let path = || self.ns_dir.join(name).display().to_string();
+            let (shard, fname) = split_name(name);
+            let tmp = io::cname(&format!(
+                ".tmp.{}.{}.{n}",
+                self.host_tag,
+                std::process::id()
+            ))
+            .map_err(|e| format!("writing {}: {e}", path()))?;
+            let dst = io::cname(fname).map_err(|e| format!("writing {}: {e}", path()))?;
+            let dir = self
+                .open_shard(shard, true)
+                .map_err(|e| format!("writing {}: {e}", path()))?;
+            // The evicted file to overwrite, in its own shard directory.
+            let old = reuse.and_then(|r| {
+                let (rs, rf) = split_name(r);
+                let fd = self.open_shard(rs, false).ok()?;
+                Some((fd, io::cname(rf).ok()?, r))
+            });
+            let image: &[u8] = b;
+            let mut write = |f: &std::fs::File| -> std::io::Result<()> {
+                if zero_copy {
+                    self.memory
+                        .write_file_from(block, f, &image[..HEADER_BYTES])
+                        .unwrap_or_else(|| Err(std::io::Error::other("direct write not supported")))
+                } else {
+                    std::os::unix::fs::FileExt::write_all_at(f, &image[..flen], 0)
+                }
+            };
+            let foreign = io::publish(
+                dir.as_fd(),
+                &tmp,
+                &dst,
+                self.file_len,
+                &mut write,
+                old.as_ref().map(|(fd, c, _)| io::Reuse {
+                    dir: fd.as_fd(),
+                    name: c,
+                }),
+                io::PublishOpts {
+                    direct: self.direct,
+                    fsync: self.fsync,
+                    mode: self.file_mode,
+                },
+            )
+            .map_err(|e| format!("writing {}: {e}", path()))?;
+            if foreign {
+                if let Some((_, _, r)) = &old {
+                    self.reject(
+                        r,
+                        0,
+                        "not a single-link regular file of this user; not overwritten",
+                    );
+                }
+            }
+            Ok(())
+        });
+        if zero_copy {
+            release();
+        }
+        let ns = u64::try_from(t0.elapsed().as_nanos()).unwrap_or(u64::MAX);
+        let mut st = lock(&self.state);
+        st.running_writes = st.running_writes.saturating_sub(1);
+        match result {
+            Ok(()) => {
+                self.counters.files_written.fetch_add(1, Relaxed);
+                self.counters
+                    .bytes_written
+                    .fetch_add(self.payload_len as u64, Relaxed);
+                self.counters.write_ns.fetch_add(ns, Relaxed);
+                match st.index.get_mut(key) {
+                    Some(e) if e.state == FileState::Writing => e.state = FileState::Published,
+                    // Forgotten meanwhile (reset of the index): do not leave an unaccounted file.
+                    _ => st.unlinks.push_back(Job::Unlink { name: name.into() }),
+                }
+            }
+            Err(msg) => {
+                self.counters.write_errors.fetch_add(1, Relaxed);
+                st.last_error = Some(msg);
+                if let Some(e) = st.index.remove(key) {
+                    if let Some(s) = e.own_stamp {
+                        st.own_lru.remove(&s);
+                        st.own_bytes = st.own_bytes.saturating_sub(self.file_len);
+                    }
+                }
+            }
+        }
+        drop(st);
+        // A writer slot is free: wake a thread that may be waiting for one.
+        self.cv.notify_one();
+    }
+
+    pub(super) fn run_read(&self, key: &ByteKey, block: BlockId, name: &str, buf: &mut AlignedBuf) {
+        enum Outcome {
+            Ok,
+            Missing(String),
+            Corrupt,
+            /// Not a trusted regular file: `(inode, why)`.
+            Rejected(u64, String),
+        }
+        let t0 = Instant::now();
+        let path = self.ns_dir.join(name);
+        let flen = usize::try_from(self.file_len).unwrap_or(usize::MAX);
+        let (sname, fname) = split_name(name);
+        let shard = self.open_shard(sname, false);
+        let opened = shard
+            .as_ref()
+            .map_err(|e| std::io::Error::new(e.kind(), e.to_string()))
+            .and_then(|d| {
+                let c = io::cname(fname)?;
+                let flags = if self.direct {
+                    libc::O_RDONLY | libc::O_DIRECT
+                } else {
+                    libc::O_RDONLY
+                };
+                match io::open_at(d.as_fd(), &c, flags) {
+                    Ok(f) => {
+                        let st = io::fstat(f.as_fd())?;
+                        Ok(Ok((f, st)))
+                    }
+                    // A link, a FIFO, a socket at the file's name (`ELOOP`, `ENXIO`, `EINVAL` for
+                    // `O_DIRECT`, ...): say so rather than "missing".
+                    Err(e) => match io::stat_at(d.as_fd(), &c) {
+                        Ok(st) => match self.trust.file(&st) {
+                            Err(why) => Ok(Err((st.ino, why))),
+                            Ok(()) => Err(e),
+                        },
+                        Err(_) => Err(e),
+                    },
+                }
+            });
+        let outcome = match opened {
+            Err(e) => Outcome::Missing(format!("opening {}: {e}", path.display())),
+            Ok(Err((ino, why))) => Outcome::Rejected(ino, why),
+            Ok(Ok((_, st))) if self.trust.file(&st).is_err() => {
+                Outcome::Rejected(st.ino, self.trust.file(&st).err().unwrap_or_default())
+            }
+            Ok(Ok((f, st))) => {
+                // A longer file is not ours either.
+                let longer = st.size != self.file_len;
+                let expect = self.expect_header(key);
+                let direct_read = if self.direct && !longer {
+                    self.memory
+                        .read_file_into(block, &f, &mut buf.as_mut_slice()[..HEADER_BYTES])
+                } else {
+                    None
+                };
+                match direct_read {
+                    // Straight into the (pending) host block: check header and checksum there.
+                    Some(Ok(sum)) => {
+                        match format::verify_header(&buf.as_slice()[..HEADER_BYTES], &expect) {
+                            Ok(h) if h.payload_sum == sum => Outcome::Ok,
+                            _ => Outcome::Corrupt,
+                        }
+                    }
+                    Some(Err(e)) if e.kind() == std::io::ErrorKind::UnexpectedEof => {
+                        Outcome::Corrupt
+                    }
+                    Some(Err(e)) => Outcome::Missing(format!("reading {}: {e}", path.display())),
+                    None => match io::read_full(&f, &mut buf.as_mut_slice()[..flen]) {
+                        Err(e) if e.kind() == std::io::ErrorKind::UnexpectedEof => Outcome::Corrupt,
+                        Err(e) => Outcome::Missing(format!("reading {}: {e}", path.display())),
+                        Ok(()) => match format::verify(&buf.as_slice()[..flen], &expect) {
+                            Ok(payload) if !longer => match self.memory.copy_in(block, payload) {
+                                Ok(()) => Outcome::Ok,
+                                Err(e) => Outcome::Missing(e.to_string()),
+                            },
+                            _ => Outcome::Corrupt,
+                        },
+                    },
+                }
+            }
+        };
+        let ns = u64::try_from(t0.elapsed().as_nanos()).unwrap_or(u64::MAX);
+        let ok = matches!(outcome, Outcome::Ok);
+        let outcome_note = match &outcome {
+            Outcome::Rejected(ino, why) => Outcome::Rejected(*ino, why.clone()),
+            _ => Outcome::Ok,
+        };
+        let mut st = lock(&self.state);
+        st.running_reads = st.running_reads.saturating_sub(1);
+        match outcome {
+            Outcome::Ok => {
+                self.counters.promotions.fetch_add(1, Relaxed);
+                self.counters
+                    .bytes_read
+                    .fetch_add(self.payload_len as u64, Relaxed);
+                self.counters.read_ns.fetch_add(ns, Relaxed);
+            }
+            Outcome::Missing(msg) => {
+                self.counters.read_errors.fetch_add(1, Relaxed);
+                st.last_error = Some(msg);
+                Self::forget(&mut st, key, self.file_len);
+            }
+            Outcome::Corrupt => {
+                self.counters.corrupt_files.fetch_add(1, Relaxed);
+                st.last_error = Some(format!("corrupt file {} removed", path.display()));
+                Self::forget(&mut st, key, self.file_len);
+                if let (Ok(d), Ok(c)) = (&shard, io::cname(fname)) {
+                    let _ = io::unlink_at(d.as_fd(), &c);
+                }
+            }
+            Outcome::Rejected(..) => {
+                Self::forget(&mut st, key, self.file_len);
+            }
+        }
+        st.completions.push(Completion::Promoted {
+            key: key.clone(),
+            block,
+            ok,
+        });
+        drop(st);
+        if let Outcome::Rejected(ino, why) = &outcome_note {
+            self.reject(name, *ino, why);
+        }
+    }
+
+    pub(super) fn forget(st: &mut State, key: &ByteKey, file_len: u64) {
+        if st
+            .index
+            .get(key)
+            .is_some_and(|e| e.state == FileState::Published)
+        {
+            if let Some(e) = st.index.remove(key) {
+                if let Some(s) = e.own_stamp {
+                    st.own_lru.remove(&s);
+                    st.own_bytes = st.own_bytes.saturating_sub(file_len);
+                }
+            }
+        }
+    }
+
+    pub(super) fn worker(self: &Arc<Self>, mut buf: AlignedBuf) {
+        loop {
+            let mut st = lock(&self.state);
+            let job = loop {
+                if let Some(j) = st.unlinks.pop_front() {
+                    break Some(j);
+                }
+                if let Some(j) = st.reads.pop_front() {
+                    st.running_reads += 1;
+                    break Some(j);
+                }
+                if st.running_writes < self.write_threads {
+                    if let Some(j) = st.writes.pop_front() {
+                        st.running_writes += 1;
+                        break Some(j);
+                    }
+                }
+                if st.shutdown {
+                    break None;
+                }
+                if let Some(iv) = self.rescan_interval {
+                    let due = st.last_scan.is_none_or(|t| t.elapsed() >= iv);
+                    if due && !st.scanning {
+                        st.scanning = true;
+                        drop(st);
+                        self.scan(false);
+                        st = lock(&self.state);
+                        st.scanning = false;
+                        continue;
+                    }
+                    let wait = st
+                        .last_scan
+                        .map_or(iv, |t| iv.saturating_sub(t.elapsed()))
+                        .max(Duration::from_millis(1));
+                    st = self
+                        .cv
+                        .wait_timeout(st, wait)
+                        .unwrap_or_else(PoisonError::into_inner)
+                        .0;
+                } else {
+                    st = self.cv.wait(st).unwrap_or_else(PoisonError::into_inner);
+                }
+            };
+            drop(st);
+            match job {
+                None => return,
+                Some(Job::Unlink { name }) => {
+                    let (sname, fname) = split_name(&name);
+                    if let (Ok(d), Ok(c)) = (self.open_shard(sname, false), io::cname(fname)) {
+                        let _ = io::unlink_at(d.as_fd(), &c);
+                    }
+                }
+                Some(Job::Write {
+                    key,
+                    block,
+                    name,
+                    reuse,
+                }) => self.run_write(&key, block, &name, reuse.as_deref(), &mut buf),
+                Some(Job::Read { key, block, name }) => self.run_read(&key, block, &name, &mut buf),
+            }
+        }
+    }
+}
