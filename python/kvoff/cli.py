@@ -17,6 +17,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
+from kvoff import _native
 from kvoff._cli_args import Parser, UsageError, float_range, int_list, int_range, usage_exit
 from kvoff.bench_serve import SERVE_HELP, add_serve_options, serve_main
 
@@ -48,10 +49,12 @@ PORT = int_range(0, 65535)
 REMOTE_BLOCKS = int_range(1, 1 << 20)
 BENCH_PIPELINES = int_list(1, 1024)
 
+# The closed name sets come from the native module (the Rust enums `EngineKind`, `PolicyKind` and
+# the file tier's `DirectIo`; docs/design.md "Closed name sets live in one Rust enum").
 #: Engines ``kvoff bench transfers --methods`` takes (``auto-idle``: auto with the idle policy).
-TRANSFER_METHODS = ("auto", "auto-idle", "dma", "kernel", "staged", "host", "cuda")
+TRANSFER_METHODS: tuple[str, ...] = (*_native.ENGINES, "auto-idle")
 #: Engines of ``kvoff bench interference --methods`` variants.
-INTERFERENCE_ENGINES = ("auto", "cuda", "dma", "kernel", "staged", "host")
+INTERFERENCE_ENGINES: tuple[str, ...] = _native.ENGINES
 
 # ---------------------------------------------------------------------------------------------
 # Helpers
@@ -559,7 +562,7 @@ def _disk_cmd(p: argparse.ArgumentParser) -> None:
         metavar="N",
         help="the tier's I/O threads (1-256, default 8)",
     )
-    p.add_argument("--direct-io", dest="direct_io", choices=["auto", "on", "off"], default="auto")
+    p.add_argument("--direct-io", dest="direct_io", choices=_native.DIRECT_IO, default="auto")
     _output_args(p)
 
 
@@ -719,11 +722,11 @@ def _demo_cmd(d: argparse.ArgumentParser) -> None:
         help="host offload capacity in blocks of 2 MiB (1 and what memory allows; default 192, less "
         "when memory is short)",
     )
-    d.add_argument("--policy", choices=["lru", "arc"], default="arc")
+    d.add_argument("--policy", choices=_native.POLICIES, default="arc")
     d.add_argument(
         "--engine",
         default="auto",
-        choices=["auto", "host", "cuda", "dma", "kernel", "staged"],
+        choices=_native.ENGINES,
         help="handler engine (default auto)",
     )
     d.add_argument(

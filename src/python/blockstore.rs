@@ -31,11 +31,10 @@ use pyo3::types::{PyBytes, PyDict};
 
 use super::enter::{blocking, locked, Hold};
 use super::errors::{to_py, IntoPyResult};
+use super::names::parse_direct_io;
 use crate::key::ByteKey;
 use crate::manager::BlockId;
-use crate::tier::{
-    BlockMemory, Completion, DirectIo, FileTier, Layout, RawRows, TierConfig, TierStats,
-};
+use crate::tier::{BlockMemory, Completion, FileTier, Layout, RawRows, TierConfig, TierStats};
 use crate::KvoffError;
 
 /// Host memory given as per-block lists of `(address, length)` pieces, set for each job.
@@ -250,17 +249,6 @@ fn bytes_key(k: &Bound<'_, PyAny>) -> PyResult<ByteKey> {
 
 fn keys_of(keys: &Bound<'_, PyAny>) -> PyResult<Vec<ByteKey>> {
     keys.try_iter()?.map(|k| bytes_key(&k?)).collect()
-}
-
-fn parse_direct(s: &str) -> PyResult<DirectIo> {
-    match s {
-        "auto" => Ok(DirectIo::Auto),
-        "on" => Ok(DirectIo::On),
-        "off" => Ok(DirectIo::Off),
-        _ => Err(to_py(KvoffError::Config(format!(
-            "direct_io must be 'auto', 'on' or 'off', got {s:?}"
-        )))),
-    }
 }
 
 /// Splits flat `(ptrs, sizes)` into one list of pieces per key (the same number for each).
@@ -488,7 +476,7 @@ impl PyBlockStore {
         rescan_interval_s: Option<f64>,
         owner: Option<String>,
     ) -> PyResult<Self> {
-        let direct = parse_direct(direct_io)?;
+        let direct = parse_direct_io(direct_io)?;
         let rescan = match rescan_interval_s {
             None => None,
             Some(s) if s.is_finite() && s > 0.0 && s < 1e6 => Some(Duration::from_secs_f64(s)),

@@ -17,12 +17,13 @@ use pyo3::types::{PyBytes, PyDict};
 
 use super::enter::{blocking, locked, Hold};
 use super::errors::{to_py, IntoPyResult};
+use super::names::parse_direct_io;
 use crate::key::ByteKey;
 use crate::manager::{AnyManager, BlockId, ManagerConfig, PolicyKind, Presence};
 use crate::tier::chain::{ChainConfig, ChainManager, ChainTier, ChainTierStats};
 use crate::tier::remote::{RemoteConfig, RemoteTier};
 use crate::tier::secondary::Known;
-use crate::tier::{BlockMemory, DirectIo, FileTier, Layout, RawRows, TierConfig};
+use crate::tier::{BlockMemory, FileTier, Layout, RawRows, TierConfig};
 use crate::KvoffError;
 
 type Host = AnyManager<ByteKey>;
@@ -223,16 +224,7 @@ impl PyChainCore {
                 "the host memory has {memory_rows} rows but num_blocks = {num_blocks}"
             ))));
         }
-        let direct = match direct_io {
-            "auto" => DirectIo::Auto,
-            "on" => DirectIo::On,
-            "off" => DirectIo::Off,
-            _ => {
-                return Err(to_py(KvoffError::Config(format!(
-                    "direct_io must be 'auto', 'on' or 'off', got {direct_io:?}"
-                ))))
-            }
-        };
+        let direct = parse_direct_io(direct_io)?;
         let rescan = rescan_interval_s
             .map(|s| seconds("rescan_interval_s", s))
             .transpose()?;

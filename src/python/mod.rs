@@ -8,7 +8,8 @@
 //! Modules by concept: [`args`] (argument conversion), [`functions`] (sizing, expansion),
 //! [`region`] (host regions), [`handler`] (the transfer handler and engine choice), [`manager`]
 //! and [`keys`] (scheduler side), [`tier`] (the file tier), [`chain`] (the tier chain with the remote tier),
-//! [`blockstore`] (the file tier as a block store for engines that own their host memory).
+//! [`blockstore`] (the file tier as a block store for engines that own their host memory),
+//! [`names`] (the `direct_io` modes by name).
 
 mod args;
 mod blockstore;
@@ -19,6 +20,7 @@ mod functions;
 mod handler;
 mod keys;
 mod manager;
+mod names;
 mod region;
 mod tier;
 
@@ -36,5 +38,6 @@ fn _native(m: &Bound<'_, PyModule>) -> PyResult<()> {
     tier::register(m)?;
     blockstore::register(m)?;
     chain::register(m)?;
+    names::register(m)?;
     Ok(())
 }

@@ -16,12 +16,13 @@ use pyo3::types::{PyBytes, PyDict};
 use super::args::{Float, Int, PathArg};
 use super::enter::{blocking, locked, Hold};
 use super::errors::{to_py, IntoPyResult};
+use super::names::parse_direct_io;
 use super::region::{PyHostRegion, SharedRegion};
 use crate::key::ByteKey;
 use crate::manager::{AnyManager, BlockId, ManagerConfig, ManagerStats, PolicyKind, Presence};
 use crate::tier::bench::{run as run_bench, DiskBenchConfig};
 use crate::tier::tiered::{TieredConfig, TieredCounters, TieredManager};
-use crate::tier::{BlockMemory, DirectIo, FileTier, Layout, RawRows, TierConfig, TierStats};
+use crate::tier::{BlockMemory, FileTier, Layout, RawRows, TierConfig, TierStats};
 use crate::KvoffError;
 
 /// The host manager behind the tier.
@@ -159,17 +160,6 @@ fn stats_dict<'py>(
     Ok(d)
 }
 
-fn parse_direct(s: &str) -> PyResult<DirectIo> {
-    match s {
-        "auto" => Ok(DirectIo::Auto),
-        "on" => Ok(DirectIo::On),
-        "off" => Ok(DirectIo::Off),
-        _ => Err(to_py(KvoffError::Config(format!(
-            "direct_io must be 'auto', 'on' or 'off', got {s:?}"
-        )))),
-    }
-}
-
 #[pymethods]
 impl PyTieredCore {
     /// See `kvoff.tier.TieredOffloadingManager`.
@@ -247,7 +237,7 @@ impl PyTieredCore {
             .map(|u| u.get::<u32>("trusted_uids[i]"))
             .collect::<PyResult<Vec<u32>>>()?;
         let trusted_gid: Option<u32> = trusted_gid.map(|g| g.get("trusted_gid")).transpose()?;
-        let direct = parse_direct(direct_io)?;
+        let direct = parse_direct_io(direct_io)?;
         if memory_rows < num_blocks as u64 {
             return Err(to_py(KvoffError::arg(format!(
                 "the host memory has {memory_rows} rows but num_blocks = {num_blocks}"
@@ -553,7 +543,7 @@ fn bench_disk<'py>(
         num_blocks: num_blocks.get("num_blocks")?,
         reps: reps.get("reps")?,
         io_threads: io_threads.get("io_threads")?,
-        direct_io: parse_direct(direct_io)?,
+        direct_io: parse_direct_io(direct_io)?,
     };
     let r = blocking(py, || run_bench(&cfg))?;
     let d = PyDict::new(py);
