@@ -630,7 +630,7 @@ def sweep_for_plot(
     import torch
 
     import kvoff
-    from kvoff._toolbase import sweep_row_line
+    from kvoff.tools._toolbase import sweep_row_line
 
     if not (torch.cuda.is_available() and kvoff.cuda_available()):
         raise RuntimeError("kvoff bench interference --plot needs a CUDA GPU and torch with CUDA")
@@ -684,9 +684,9 @@ def plot_sweep_rows(
     """One panel per direction: GB/s against page size, one colour per method, solid idle, dashed
     beside the GEMM and dotted beside the memory-bound kernel (each drawn where the rows have it:
     ``{kind}_gb_s``), with a band from ``{kind}_gb_s_min`` to ``_max`` where the rows have them
-    (repeated sweeps, :func:`kvoff.bench.repeat_sweeps`). ``note``: lines under the panels. Returns
+    (repeated sweeps, :func:`kvoff.tools.bench.repeat_sweeps`). ``note``: lines under the panels. Returns
     the legend labels, in order."""
-    from kvoff._toolbase import require_matplotlib
+    from kvoff.tools._toolbase import require_matplotlib
 
     require_matplotlib()
     import matplotlib
