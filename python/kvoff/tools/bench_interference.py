@@ -18,6 +18,7 @@ import threading
 import time
 from typing import Any, cast
 
+from kvoff import _native
 from kvoff._names import EngineName
 
 TENSORS = 64
@@ -44,8 +45,8 @@ DEFAULT_METHODS = [
     ("kernel", "kernel", None, ""),
     ("staged", "staged", None, ""),
     ("auto-idle", "auto", None, ""),
-    ("auto-serve", "auto", 0.02, "idleafter=0"),
-    ("auto", "auto", 0.02, ""),
+    ("auto-serve", "auto", _native.DEFAULT_COMPUTE_BUDGET, "idleafter=0"),
+    ("auto", "auto", _native.DEFAULT_COMPUTE_BUDGET, ""),
 ]
 
 
@@ -381,7 +382,7 @@ def parse_method(s: str) -> tuple[str, str, float | None, str]:
         for m in DEFAULT_METHODS:  # a default method by its label (auto-idle, auto-serve, ...)
             if m[0] == s:
                 return m
-        return (s, s, 0.02 if s == "auto" else None, "")
+        return (s, s, _native.DEFAULT_COMPUTE_BUDGET if s == "auto" else None, "")
     budget = None if len(parts) < 3 or parts[2] in ("", "none") else float(parts[2])
     return (parts[0], parts[1], budget, parts[3] if len(parts) > 3 else "")
 
@@ -644,7 +645,10 @@ def sweep_for_plot(
         blocks = max(4, (job_mib << 20) // (tensors * page))
         ngpu = ncpu = 4 * blocks
         kv = [torch.empty(ngpu, page, dtype=torch.uint8, device="cuda") for _ in range(tensors)]
-        for label, engine, budget in (("kvoff auto", "auto", 0.02), ("batched DMA", "dma", None)):
+        for label, engine, budget in (
+            ("kvoff auto", "auto", _native.DEFAULT_COMPUTE_BUDGET),
+            ("batched DMA", "dma", None),
+        ):
             # Plain batched DMA (one batch entry per page) as the baseline.
             h = _handlers(kvoff, torch, kv, ncpu, engine, budget, "pitched=0" if engine == "dma" else "")
             try:
