@@ -435,6 +435,11 @@ def test_direct_io_names_come_from_one_list(tmp_path):
     for bad in ("ON", "yes", ""):
         with pytest.raises(kvoff.ConfigError, match=r"direct_io must be one of 'auto', 'on', 'off'"):
             _native.BlockStore(str(tmp_path), 4096, 4, direct_io=bad)
-    extra = {"cpu_bytes_to_use": 1 << 20, "disk_path": str(tmp_path), "disk_direct_io": "ON"}
+    extra = {
+        "cpu_bytes_to_use": 1 << 20,
+        "disk_path": str(tmp_path),
+        "disk_bytes_to_use": 1 << 20,
+        "disk_direct_io": "ON",
+    }
     with pytest.raises(kvoff.ConfigError, match=r"must be one of \['auto', 'on', 'off'\]"):
         KvoffOffloadConfig.from_extra_config(extra)
