@@ -84,6 +84,8 @@ if [ "${KVOFF_SKIP_SGLANG:-0}" != 1 ]; then
   install_sglang_env "$SGLANG_ENV"
   "$SGLANG_ENV/bin/python" -m pip "${PIP_FLAGS[@]}" install "${PYTEST_PLUGINS[@]}"
   "$SGLANG_ENV/bin/python" -m pip "${PIP_FLAGS[@]}" install --force-reinstall --no-deps "$WHEEL"
+  # v1 and v2 (hybrid pools) on the file tier, and the remote tier against a real redis-server
+  # (KVOFF_REQUIRE_REDIS, exported above, makes a missing server a failure there too).
   step "pytest tests/sglang: kvoff.sglang through SGLang's factory and host pools ($SGLANG_ENV)"
   KVOFF_REQUIRE_SGLANG=1 "$SGLANG_ENV/bin/python" -m pytest -q -p no:cacheprovider -rs tests/sglang
   "$MAIN/bin/python" -m ruff check tests/sglang

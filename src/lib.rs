@@ -24,6 +24,7 @@
 //! | [`sizing`] | host budget → row stride and number of CPU blocks | no |
 //! | [`expand`] | block ids → sub-block ids / pointers | no |
 //! | [`plan`] | specs × tensor descriptors → bounds-checked, merged [`plan::CopyPlan`] | no |
+//! | [`affinity`] | the CPUs of kvoff's own threads (one process-wide setting) | yes |
 //! | [`region`] | host memory: private or shared-by-name mmap, rank slots, prefault, pinning hook | yes |
 //! | [`engine`] | transfer engines: job queue, results, host memcpy engine | yes |
 //! | [`tier`] | file tier behind host memory (docs/spec.md §9): one file per block, I/O threads, tiered manager | only `tier::io` (aligned buffers, raw host rows) |
@@ -55,6 +56,7 @@
 //! assert_eq!(m.lookup_prefix(&[1, 2, 3]).unwrap(), Some(2));
 //! ```
 
+pub mod affinity;
 pub mod engine;
 pub mod error;
 pub mod expand;

@@ -26,6 +26,9 @@ from kvoff._native import (
     get_offload_block_hash,
     get_offload_group_idx,
     make_offload_key,
+    set_thread_cpus,
+    thread_cpus,
+    thread_placement_error,
 )
 from kvoff.errors import (
     ConfigError,
@@ -114,4 +117,7 @@ __all__ = [
     "get_offload_group_idx",
     "make_offload_key",
     "serve_metrics",
+    "set_thread_cpus",
+    "thread_cpus",
+    "thread_placement_error",
 ]

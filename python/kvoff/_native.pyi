@@ -36,6 +36,9 @@ __all__ = [
     "get_offload_group_idx",
     "make_offload_key",
     "resolve_engine",
+    "set_thread_cpus",
+    "thread_cpus",
+    "thread_placement_error",
 ]
 
 __version__: str
@@ -211,6 +214,17 @@ def compute_sub_block_ptrs(
 
 def cuda_available() -> bool:
     """Whether kvoff can use CUDA here (a driver with at least one device)."""
+
+def set_thread_cpus(cpus: Iterable[int] | str | None) -> None:
+    """The CPUs of the threads kvoff starts from now on (copy, I/O and feeder threads),
+    process-wide: CPU numbers, a Linux CPU list such as ``"1,3,8-11"``, or ``None`` /
+    ``"inherit"`` to keep the creator's (the default; ``KVOFF_THREAD_CPUS`` sets it at start)."""
+
+def thread_cpus() -> list[int] | None:
+    """The CPUs set for kvoff's threads, or ``None`` when they inherit their creator's."""
+
+def thread_placement_error() -> str | None:
+    """Why the CPU setting could not be applied to one of kvoff's threads (the last time)."""
 
 def resolve_engine(
     engine: str, placements: list[int | None], names: list[str] | None = None
@@ -581,12 +595,14 @@ def bench_disk(
 
 @final
 class BlockStore:
-    """kvoff's file tier as a block store for engines that own their host memory (docs/tier.md,
-    "The block store"): rows mode (``rows=(ptr, num_rows, row_stride_bytes)``, queued jobs,
-    ``poll``) or segments mode (``write_segments``/``read_segments`` over lists of pieces)."""
+    """One of kvoff's secondary tiers — the file tier (``path``) or the remote tier on
+    Redis/Valkey (``path=None, remote_url=...``) — as a block store for engines that own their host
+    memory (docs/tier.md, "The block store"): rows mode (``rows=(ptr, num_rows, row_stride_bytes)``,
+    queued jobs, ``poll``) or segments mode (``write_segments``/``read_segments`` over lists of
+    pieces)."""
     def __new__(
         cls,
-        path: str | os.PathLike[str],
+        path: str | os.PathLike[str] | None,
         capacity_bytes: int,
         block_bytes: int,
         *,
@@ -606,17 +622,29 @@ class BlockStore:
         direct_io: _DirectIoName = "auto",
         rescan_interval_s: float | None = ...,
         owner: str | None = None,
+        remote_url: str | None = None,
+        remote_cluster: bool = False,
+        remote_ttl_s: float | None = None,
+        remote_connect_timeout_s: float = 1.0,
+        remote_timeout_s: float = 2.0,
+        remote_max_inflight_bytes: int = ...,
+        remote_negative_ttl_s: float = 2.0,
+        remote_max_fetch_keys: int = 64,
+        remote_password_env: str = ...,
     ) -> BlockStore: ...
     @property
     def block_bytes(self) -> int: ...
+    @property
+    def kind(self) -> Literal["disk", "remote"]: ...
     def submit_write(self, keys: Iterable[bytes], blocks: list[int]) -> list[bool]: ...
     def submit_read(self, keys: Iterable[bytes], blocks: list[int]) -> list[bool]: ...
     def poll(self) -> tuple[list[tuple[bytes, int, bool]], list[tuple[bytes, int, bool]]]: ...
     def write_segments(self, keys: Iterable[bytes], ptrs: list[int], sizes: list[int]) -> list[bool]: ...
     def read_segments(self, keys: Iterable[bytes], ptrs: list[int], sizes: list[int]) -> list[bool]: ...
     def contains(self, key: bytes) -> bool: ...
-    def contains_many(self, keys: Iterable[bytes]) -> list[bool]: ...
-    def leading_run(self, keys: Iterable[bytes]) -> int: ...
+    def lookup(self, keys: Iterable[bytes]) -> list[bool | None]: ...
+    def contains_many(self, keys: Iterable[bytes], wait_s: float = 0.0) -> list[bool]: ...
+    def leading_run(self, keys: Iterable[bytes], wait_s: float = 0.0) -> int: ...
     def remove(self, key: bytes) -> bool: ...
     @property
     def dir(self) -> str: ...

@@ -2,7 +2,9 @@
 //! across several threads.
 //!
 //! One dispatcher thread takes jobs from a FIFO queue and runs them one at a time (so jobs complete in
-//! submission order). A job of at least [`PARALLEL_MIN_BYTES`] is cut into equal byte ranges (cut
+//! submission order). A thread in `wait` whose jobs are still queued while no job is being copied
+//! copies the next queued jobs itself, still one at a time and in order (no hand-off to wake the
+//! dispatcher). kvoff's threads go to the CPUs set by [`crate::affinity`], if any. A job of at least [`PARALLEL_MIN_BYTES`] is cut into equal byte ranges (cut
 //! points may fall inside a copy) copied by scoped helper threads plus the dispatcher itself.
 //!
 //! Invariants: the shared state is only touched under its mutex; a job id is in `busy` from submit
@@ -60,6 +62,8 @@ struct State {
     results: VecDeque<JobResult>,
     closing: bool,
     dispatcher_gone: bool,
+    /// A job is being copied (by the dispatcher or by a thread in `wait`): jobs run one at a time.
+    running: bool,
 }
 
 struct Shared {
@@ -83,6 +87,7 @@ pub struct HostEngine {
     shared: Arc<Shared>,
     dispatcher: Option<JoinHandle<()>>,
     threads: usize,
+    copier: CopyFn,
     last_stats: SubmitStats,
 }
 
@@ -132,6 +137,7 @@ impl HostEngine {
             shared,
             dispatcher: Some(dispatcher),
             threads,
+            copier,
             last_stats: SubmitStats::default(),
         })
     }
@@ -190,6 +196,24 @@ impl TransferEngine for HostEngine {
     fn wait(&mut self, job_ids: &[i64]) -> Result<()> {
         let mut st = self.shared.lock();
         while job_ids.iter().any(|id| st.unfinished.contains(id)) {
+            // While no job is being copied, the waiting thread copies the next queued one itself
+            // (in order) rather than handing it to the dispatcher and sleeping until the OS runs
+            // that thread: the hand-off cost a scheduler time slice on a busy CPU (docs/performance.md,
+            // "kvoff's threads and the model's CPUs").
+            if !st.running && !st.closing && !st.dispatcher_gone {
+                if let Some(job) = st.queue.pop_front() {
+                    st.running = true;
+                    drop(st);
+                    let result = execute(&job, self.threads, self.copier);
+                    st = self.shared.lock();
+                    finish(&mut st, &job, result);
+                    drop(st);
+                    self.shared.done.notify_all();
+                    self.shared.work.notify_one();
+                    st = self.shared.lock();
+                    continue;
+                }
+            }
             st = self
                 .shared
                 .done
@@ -253,25 +277,35 @@ fn failed(job: &Job, seconds: f64, error: String) -> JobResult {
     }
 }
 
+/// Records `job`'s result and frees the copying slot.
+fn finish(st: &mut State, job: &Job, result: JobResult) {
+    st.running = false;
+    st.unfinished.remove(&job.job_id);
+    st.results.push_back(result);
+}
+
 fn dispatch(shared: &Shared, threads: usize, copier: CopyFn) {
+    crate::affinity::place_current_thread();
     let _guard = DispatcherGuard(shared);
     loop {
         let job = {
             let mut st = shared.lock();
             loop {
-                if let Some(j) = st.queue.pop_front() {
-                    break j;
-                }
-                if st.closing {
-                    return;
+                if !st.running {
+                    if let Some(j) = st.queue.pop_front() {
+                        st.running = true;
+                        break j;
+                    }
+                    if st.closing {
+                        return;
+                    }
                 }
                 st = shared.work.wait(st).unwrap_or_else(PoisonError::into_inner);
             }
         };
         let result = execute(&job, threads, copier);
         let mut st = shared.lock();
-        st.unfinished.remove(&job.job_id);
-        st.results.push_back(result);
+        finish(&mut st, &job, result);
         drop(st);
         shared.done.notify_all();
     }
@@ -390,6 +424,7 @@ unsafe fn run_copies(copies: &[CopyOp], total: u64, threads: usize, copier: Copy
             let spawned = std::thread::Builder::new()
                 .name("kvoff-host-copy".into())
                 .spawn_scoped(s, move || {
+                    crate::affinity::place_current_thread();
                     // SAFETY: as above: the caller's obligations cover these copies, and the
                     // byte ranges of different threads are disjoint.
                     unsafe { copy_between(copies, a, b, copier) }
@@ -446,6 +481,65 @@ mod tests {
             }
             assert_eq!(abs(cuts[n]), total);
         }
+    }
+
+    static RUNNING: std::sync::atomic::AtomicUsize = std::sync::atomic::AtomicUsize::new(0);
+    static OVERLAPS: std::sync::atomic::AtomicUsize = std::sync::atomic::AtomicUsize::new(0);
+    static ON_WAITER: std::sync::atomic::AtomicUsize = std::sync::atomic::AtomicUsize::new(0);
+
+    /// memcpy that counts overlapping calls and calls made on the test's own (waiting) thread.
+    unsafe fn watching_copier(src: u64, dst: u64, len: usize) {
+        use std::sync::atomic::Ordering::SeqCst;
+        if RUNNING.fetch_add(1, SeqCst) > 0 {
+            OVERLAPS.fetch_add(1, SeqCst);
+        }
+        if std::thread::current().name() == Some("waiter") {
+            ON_WAITER.fetch_add(1, SeqCst);
+        }
+        // SAFETY: forwarded (CopyFn's obligations).
+        unsafe { memcpy_raw(src, dst, len) };
+        RUNNING.fetch_sub(1, SeqCst);
+    }
+
+    /// `wait` copies still-queued jobs on the waiting thread: still one job at a time, results in
+    /// submission order, every byte right.
+    #[test]
+    fn wait_runs_queued_jobs_in_order_one_at_a_time() {
+        use std::sync::atomic::Ordering::SeqCst;
+        std::thread::Builder::new()
+            .name("waiter".into())
+            .spawn(|| {
+                let mut e = HostEngine::start(1, watching_copier).unwrap();
+                let n = 4096;
+                for round in 0..200u64 {
+                    let srcs: Vec<Vec<u8>> = (0..8)
+                        .map(|j| {
+                            (0..n)
+                                .map(|i| (i as u64 * 31 + j * 7 + round) as u8)
+                                .collect()
+                        })
+                        .collect();
+                    let mut dsts = vec![vec![0u8; n]; 8];
+                    for (j, (src, dst)) in srcs.iter().zip(dsts.iter_mut()).enumerate() {
+                        let plan = plan_of(src, dst, &[(0, 0, n)]);
+                        // SAFETY: src/dst live and disjoint until the wait below returns.
+                        unsafe { e.submit(Job::new(j as i64, plan)).unwrap() };
+                    }
+                    e.wait(&[7]).unwrap();
+                    let ids: Vec<i64> = e.poll().iter().map(|r| r.job_id).collect();
+                    assert_eq!(ids, (0..8).collect::<Vec<_>>(), "round {round}");
+                    assert_eq!(srcs, dsts, "round {round}");
+                }
+                assert_eq!(OVERLAPS.load(SeqCst), 0, "two jobs were copied at once");
+                // Both threads copied some (the waiter, while the dispatcher slept).
+                assert!(
+                    ON_WAITER.load(SeqCst) > 0,
+                    "the waiting thread never copied"
+                );
+            })
+            .unwrap()
+            .join()
+            .unwrap();
     }
 
     #[test]

@@ -1,10 +1,13 @@
-//! `BlockStore`: kvoff's file tier (docs/tier.md) as a plain block store, for engines that own
-//! their host memory — SGLang's HiCache host pool (`kvoff.sglang`) and vLLM 0.33's CPU tier under
-//! its `TieringOffloadingSpec` (`kvoff.vllm.tiering`). See docs/tier.md "The block store".
+//! `BlockStore`: one of kvoff's secondary tiers (docs/tier.md "Secondary tiers": the file tier, or
+//! the remote tier on Redis/Valkey) as a plain block store, for engines that own their host
+//! memory — SGLang's HiCache host pool (`kvoff.sglang`) and vLLM 0.33's CPU tier under its
+//! `TieringOffloadingSpec` (`kvoff.vllm.tiering`). See docs/tier.md "The block store".
 //!
 //! No host manager is involved: the engine says which host bytes belong to which key, and the
-//! tier's I/O threads copy them to and from files with the tier's header, checksum and namespace
-//! rules. Two ways to name the host bytes, fixed at construction:
+//! tier's I/O threads copy them to and from files (or the server) with the tier's header,
+//! checksum and namespace rules. Every job goes through the [`SecondaryTier`] trait; only the
+//! file tier's extras (its directory, a key's path, removal, rescans) are asked of it by name.
+//! Two ways to name the host bytes, fixed at construction:
 //! - **rows** (`rows=(ptr, num_rows, row_stride_bytes)`): block `i` is row `i` of one buffer
 //!   (vLLM's CPU tier). `submit_write`/`submit_read` queue jobs and return at once; `poll` returns
 //!   the finished ones. With 4 KiB-aligned rows and `O_DIRECT` the bytes move straight between the
@@ -15,6 +18,10 @@
 //!   for it with the GIL released; the I/O thread gathers or scatters the pieces through its buffer.
 //!
 //! `contains`, `contains_many` and `leading_run` answer from the tier's in-memory index (no I/O).
+//! The remote tier's index may not know a key (docs/tier.md "Remote tier"): `lookup` starts a
+//! fetch for such keys and answers `None` for them; `contains_many`/`leading_run` with `wait_s`
+//! fetch them and wait (GIL released, lock not held) up to that long; `read_segments` fetches the
+//! keys it is asked for first (bounded by the tier's timeouts).
 //! Keys are converted before the lock is taken and Python objects built after it is released;
 //! every wait releases the GIL and holds no kvoff lock.
 // Unsafe: `RawRows::new` over the caller's rows and `SlotMemory::set` (`segments`) with the
@@ -24,7 +31,7 @@
 use std::collections::HashMap;
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex, PoisonError};
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 use pyo3::prelude::*;
 use pyo3::types::{PyBytes, PyDict};
@@ -35,8 +42,46 @@ use super::names::parse_direct_io;
 use super::segments::{split_pieces, SlotMemory};
 use crate::key::ByteKey;
 use crate::manager::BlockId;
+use crate::tier::remote::{RemoteConfig, RemoteTier};
+use crate::tier::secondary::{Known, SecondaryCounters, SecondaryTier};
 use crate::tier::{BlockMemory, Completion, FileTier, Layout, RawRows, TierConfig, TierStats};
 use crate::KvoffError;
+
+/// The tier behind a block store: every job goes through [`SecondaryTier`]; the file tier's
+/// extras through [`Backend::file`].
+enum Backend {
+    File(FileTier),
+    Remote(RemoteTier),
+}
+
+impl Backend {
+    fn sec(&self) -> &dyn SecondaryTier {
+        match self {
+            Self::File(t) => t,
+            Self::Remote(t) => t,
+        }
+    }
+
+    fn sec_mut(&mut self) -> &mut dyn SecondaryTier {
+        match self {
+            Self::File(t) => t,
+            Self::Remote(t) => t,
+        }
+    }
+
+    fn file(&self, what: &str) -> crate::Result<&FileTier> {
+        match self {
+            Self::File(t) => Ok(t),
+            Self::Remote(_) => Err(KvoffError::state(format!(
+                "{what} is a file-tier operation; this block store is on the remote tier"
+            ))),
+        }
+    }
+
+    fn present(&self, key: &ByteKey) -> bool {
+        self.sec().index(key) == Known::Present
+    }
+}
 
 /// A write queued on the tier and not yet reported.
 struct PendingWrite {
@@ -45,7 +90,9 @@ struct PendingWrite {
 }
 
 struct Inner {
-    tier: FileTier,
+    tier: Backend,
+    /// The process that opened the tier (a `fork()`ed child must open its own).
+    pid: u32,
     /// Segments mode: the slot memory and its free slots.
     slots: Option<Arc<SlotMemory>>,
     free: Vec<BlockId>,
@@ -60,7 +107,7 @@ struct Inner {
 impl Inner {
     /// Takes the tier's completions; a write is finished once its file is published or gone.
     fn pump(&mut self) {
-        for c in self.tier.poll() {
+        for c in self.tier.sec().poll() {
             match c {
                 Completion::Released { key, .. } => {
                     if let Some(w) = self.writes.get_mut(&key) {
@@ -83,9 +130,9 @@ impl Inner {
                 if !w.released {
                     continue;
                 }
-                if tier.contains(k) {
+                if tier.present(k) {
                     finished.push((k.clone(), w.block, true));
-                } else if !tier.has_or_writing(k) {
+                } else if !tier.sec().has_or_writing(k) {
                     finished.push((k.clone(), w.block, false));
                 }
             }
@@ -100,8 +147,24 @@ impl Inner {
         }
     }
 
+    /// Asks the tier about the keys its index does not know (remote tier); returns how many are
+    /// still unknown.
+    fn fetch_unknown(&mut self, keys: &[ByteKey]) -> usize {
+        self.pump();
+        let t = self.tier.sec();
+        let unknown: Vec<ByteKey> = keys
+            .iter()
+            .filter(|k| t.index(k) == Known::Unknown)
+            .cloned()
+            .collect();
+        if !unknown.is_empty() {
+            t.submit_fetch(&unknown);
+        }
+        unknown.len()
+    }
+
     fn check(&self) -> crate::Result<()> {
-        if self.tier.forked() {
+        if std::process::id() != self.pid {
             return Err(KvoffError::state(
                 "this block store was created in another process (before fork()); \
                  create a new one in this process",
@@ -199,13 +262,36 @@ impl PyBlockStore {
     ) -> PyResult<R> {
         let on_panic = |s: &mut Option<Inner>| {
             if let Some(mut s) = s.take() {
-                s.tier.shutdown();
+                s.tier.sec_mut().shutdown();
             }
         };
         locked(py, &self.inner, hold, on_panic, |g| {
             let s = g.as_mut().ok_or_else(shut)?;
             s.check()?;
             f(s)
+        })
+    }
+
+    /// The keys, after fetching those the remote tier does not know when `wait_s` > 0.
+    fn resolved(
+        &self,
+        py: Python<'_>,
+        keys: &Bound<'_, PyAny>,
+        wait_s: f64,
+    ) -> PyResult<Vec<ByteKey>> {
+        let k = keys_of(keys)?;
+        if !(wait_s.is_finite() && (0.0..1e6).contains(&wait_s)) {
+            return Err(to_py(KvoffError::arg(format!(
+                "wait_s must be >= 0 and finite, got {wait_s}"
+            ))));
+        }
+        if wait_s == 0.0 {
+            return Ok(k);
+        }
+        let lock = &self.inner;
+        blocking(py, move || {
+            resolve(lock, &k, Duration::from_secs_f64(wait_s))?;
+            Ok(k)
         })
     }
 
@@ -230,6 +316,11 @@ impl PyBlockStore {
         // in use when the tier goes.
         let _active = Active::enter(&self.active);
         blocking(py, move || {
+            if dir == Dir::Read {
+                // The remote tier reads only keys its index knows to be there: ask for the
+                // others first (bounded by the tier's timeouts; the file tier knows every key).
+                resolve(lock, &keys, RESOLVE_WAIT)?;
+            }
             let mut idle_rounds = 0u32;
             loop {
                 let progressed;
@@ -256,7 +347,7 @@ impl PyBlockStore {
                     while next < n {
                         let i = next;
                         let key = &keys[i];
-                        if dir == Dir::Write && s.tier.has_or_writing(key) {
+                        if dir == Dir::Write && s.tier.sec().has_or_writing(key) {
                             // Already stored (or being stored by another caller).
                             result[i] = true;
                             next += 1;
@@ -275,7 +366,7 @@ impl PyBlockStore {
                         }
                         let queued = match dir {
                             Dir::Write => {
-                                let q = s.tier.submit_write(key, slot);
+                                let q = submit_one(s.tier.sec(), key, slot, Dir::Write);
                                 if q {
                                     s.writes.insert(
                                         key.clone(),
@@ -287,7 +378,7 @@ impl PyBlockStore {
                                 }
                                 q
                             }
-                            Dir::Read => s.tier.submit_read(key, slot),
+                            Dir::Read => submit_one(s.tier.sec(), key, slot, Dir::Read),
                         };
                         next += 1;
                         moved = true;
@@ -311,6 +402,70 @@ impl PyBlockStore {
     }
 }
 
+/// How long `read_segments` waits for the remote tier to learn about the keys it reads (each
+/// fetch is bounded by the tier's own I/O timeout; this bounds the rounds).
+const RESOLVE_WAIT: Duration = Duration::from_secs(10);
+
+fn submit_one(t: &dyn SecondaryTier, key: &ByteKey, block: BlockId, dir: Dir) -> bool {
+    let item = [(key.clone(), block)];
+    let q = match dir {
+        Dir::Write => t.submit_writes(&item),
+        Dir::Read => t.submit_reads(&item),
+    };
+    q.first().copied().unwrap_or(false)
+}
+
+/// Fetches the keys the tier's index does not know and waits (call it inside `blocking`: GIL
+/// released; the lock is taken only briefly each round) until it knows them all or `wait` passed.
+/// The file tier knows every key: it returns at once.
+fn resolve(lock: &Mutex<Option<Inner>>, keys: &[ByteKey], wait: Duration) -> crate::Result<()> {
+    let deadline = Instant::now() + wait;
+    loop {
+        {
+            let mut g = lock.lock().unwrap_or_else(PoisonError::into_inner);
+            let s = g.as_mut().ok_or_else(shut)?;
+            s.check()?;
+            if matches!(s.tier, Backend::File(_)) || s.fetch_unknown(keys) == 0 {
+                return Ok(());
+            }
+        }
+        if Instant::now() >= deadline {
+            return Ok(());
+        }
+        std::thread::sleep(Duration::from_micros(200));
+    }
+}
+
+/// The remote tier's counters under `remote_*` names (docs/tier.md "The block store").
+fn remote_stats_dict<'py>(
+    py: Python<'py>,
+    c: &SecondaryCounters,
+    extra: &[(&'static str, u64)],
+) -> PyResult<Bound<'py, PyDict>> {
+    let d = PyDict::new(py);
+    d.set_item("remote_writes", c.writes)?;
+    d.set_item("remote_bytes_written", c.bytes_written)?;
+    d.set_item("remote_write_seconds", c.write_seconds)?;
+    d.set_item("remote_write_errors", c.write_errors)?;
+    d.set_item("remote_writes_dropped", c.writes_dropped)?;
+    d.set_item("remote_reads", c.promotions)?;
+    d.set_item("remote_bytes_read", c.bytes_read)?;
+    d.set_item("remote_read_seconds", c.read_seconds)?;
+    d.set_item("remote_read_errors", c.read_errors)?;
+    d.set_item("remote_rejected_values", c.rejected)?;
+    d.set_item("remote_fetch_hits", c.fetch_hits)?;
+    d.set_item("remote_fetch_misses", c.fetch_misses)?;
+    d.set_item("remote_fetch_errors", c.fetch_errors)?;
+    d.set_item("remote_reconnects", c.reconnects)?;
+    d.set_item("remote_queued_reads", c.queued_reads)?;
+    d.set_item("remote_queued_writes", c.queued_writes)?;
+    d.set_item("remote_last_error", c.last_error.clone())?;
+    for (name, v) in extra {
+        d.set_item(format!("remote_{name}"), *v)?;
+    }
+    Ok(d)
+}
+
 #[pymethods]
 impl PyBlockStore {
     /// See `kvoff.BlockStore` in `_native.pyi`.
@@ -320,12 +475,15 @@ impl PyBlockStore {
         namespace = String::new(), page_sizes = Vec::new(), block_size_factor = 1,
         dtype = String::new(), world_size = 1, rank = 0, io_threads = 8, write_threads = 4,
         max_queued_writes = 256, fsync = false, direct_io = "auto", rescan_interval_s = Some(2.0),
-        owner = None
+        owner = None, remote_url = None, remote_cluster = false, remote_ttl_s = None,
+        remote_connect_timeout_s = 1.0, remote_timeout_s = 2.0,
+        remote_max_inflight_bytes = 256 << 20, remote_negative_ttl_s = 2.0,
+        remote_max_fetch_keys = 64, remote_password_env = String::from("KVOFF_REMOTE_PASSWORD")
     ))]
     #[allow(clippy::too_many_arguments)]
     fn new(
         py: Python<'_>,
-        path: std::path::PathBuf,
+        path: Option<std::path::PathBuf>,
         capacity_bytes: u64,
         block_bytes: usize,
         rows: Option<(u64, u64, u64)>,
@@ -344,7 +502,36 @@ impl PyBlockStore {
         direct_io: &str,
         rescan_interval_s: Option<f64>,
         owner: Option<String>,
+        remote_url: Option<String>,
+        remote_cluster: bool,
+        remote_ttl_s: Option<f64>,
+        remote_connect_timeout_s: f64,
+        remote_timeout_s: f64,
+        remote_max_inflight_bytes: u64,
+        remote_negative_ttl_s: f64,
+        remote_max_fetch_keys: usize,
+        remote_password_env: String,
     ) -> PyResult<Self> {
+        let secs = |name: &str, s: f64| {
+            if s.is_finite() && s > 0.0 && s < 1e7 {
+                Ok(Duration::from_secs_f64(s))
+            } else {
+                Err(to_py(KvoffError::Config(format!(
+                    "{name} must be > 0 seconds and finite, got {s}"
+                ))))
+            }
+        };
+        let remote_ttl = remote_ttl_s.map(|s| secs("remote_ttl_s", s)).transpose()?;
+        let connect_timeout = secs("remote_connect_timeout_s", remote_connect_timeout_s)?;
+        let io_timeout = secs("remote_timeout_s", remote_timeout_s)?;
+        let negative_ttl = secs("remote_negative_ttl_s", remote_negative_ttl_s)?;
+        if path.is_some() == remote_url.is_some() {
+            return Err(to_py(KvoffError::Config(
+                "a block store needs a path (the file tier) or remote_url (the remote tier), \
+                 not both"
+                    .into(),
+            )));
+        }
         let direct = parse_direct_io(direct_io)?;
         let rescan = match rescan_interval_s {
             None => None,
@@ -382,26 +569,43 @@ impl PyBlockStore {
                 let m = Arc::new(SlotMemory::new(slots, block_bytes));
                 (m.clone() as Arc<dyn BlockMemory>, Some(m))
             };
-        let mut tc = TierConfig::new(
-            path,
-            capacity_bytes,
-            Layout {
-                namespace,
-                page_sizes_bytes: page_sizes,
-                block_size_factor,
-                dtype,
-                world_size,
-                rank,
-            },
-        );
-        tc.io_threads = io_threads;
-        tc.write_threads = write_threads;
-        tc.max_queued_writes = max_queued_writes;
-        tc.fsync = fsync;
-        tc.direct_io = direct;
-        tc.rescan_interval = rescan;
-        tc.owner = owner;
-        let tier = blocking(py, move || FileTier::open(tc, mem))?;
+        let layout = Layout {
+            namespace,
+            page_sizes_bytes: page_sizes,
+            block_size_factor,
+            dtype,
+            world_size,
+            rank,
+        };
+        let tier = if let Some(url) = remote_url {
+            let url = if remote_cluster && !url.contains("+cluster://") {
+                url.replacen("://", "+cluster://", 1)
+            } else {
+                url
+            };
+            let mut rc = RemoteConfig::new(url, layout);
+            rc.ttl = remote_ttl;
+            rc.connect_timeout = connect_timeout;
+            rc.io_timeout = io_timeout;
+            rc.io_threads = io_threads;
+            rc.max_queued_writes = max_queued_writes;
+            rc.max_inflight_bytes = remote_max_inflight_bytes;
+            rc.negative_ttl = negative_ttl;
+            rc.max_fetch_keys = remote_max_fetch_keys.max(1);
+            rc.password_env = remote_password_env;
+            rc.owner = owner;
+            Backend::Remote(blocking(py, move || RemoteTier::open(rc, mem))?)
+        } else {
+            let mut tc = TierConfig::new(path.unwrap_or_default(), capacity_bytes, layout);
+            tc.io_threads = io_threads;
+            tc.write_threads = write_threads;
+            tc.max_queued_writes = max_queued_writes;
+            tc.fsync = fsync;
+            tc.direct_io = direct;
+            tc.rescan_interval = rescan;
+            tc.owner = owner;
+            Backend::File(blocking(py, move || FileTier::open(tc, mem))?)
+        };
         let free = if slot_mem.is_some() {
             (0..u32::try_from(slots).unwrap_or(0)).rev().collect()
         } else {
@@ -410,6 +614,7 @@ impl PyBlockStore {
         Ok(Self {
             inner: Mutex::new(Some(Inner {
                 tier,
+                pid: std::process::id(),
                 slots: slot_mem,
                 free,
                 writes: HashMap::default(),
@@ -448,19 +653,18 @@ impl PyBlockStore {
                 ));
             }
             s.pump();
-            let mut out = Vec::with_capacity(keys.len());
-            for (k, b) in keys.iter().zip(blocks) {
-                let q = s.tier.submit_write(k, b);
+            let items: Vec<(ByteKey, BlockId)> = keys.into_iter().zip(blocks).collect();
+            let out = s.tier.sec().submit_writes(&items);
+            for ((k, b), &q) in items.into_iter().zip(&out) {
                 if q {
                     s.writes.insert(
-                        k.clone(),
+                        k,
                         PendingWrite {
                             block: b,
                             released: false,
                         },
                     );
                 }
-                out.push(q);
             }
             Ok(out)
         })
@@ -485,11 +689,8 @@ impl PyBlockStore {
                 ));
             }
             s.pump();
-            Ok(keys
-                .iter()
-                .zip(blocks)
-                .map(|(k, b)| s.tier.submit_read(k, b))
-                .collect())
+            let items: Vec<(ByteKey, BlockId)> = keys.into_iter().zip(blocks).collect();
+            Ok(s.tier.sec().submit_reads(&items))
         })
     }
 
@@ -552,70 +753,149 @@ impl PyBlockStore {
         self.run_segments(py, Dir::Read, keys, pieces)
     }
 
-    /// Whether a published file for `key` is indexed (no I/O).
+    /// Whether the tier's index holds `key` (no I/O; the remote tier: `False` also while it does
+    /// not know — see `lookup`).
     fn contains(&self, py: Python<'_>, key: &Bound<'_, PyAny>) -> PyResult<bool> {
         let k = bytes_key(key)?;
-        self.with(py, Hold::Brief, move |s| Ok(s.tier.contains(&k)))
-    }
-
-    /// `contains` for each key (no I/O).
-    fn contains_many(&self, py: Python<'_>, keys: &Bound<'_, PyAny>) -> PyResult<Vec<bool>> {
-        let k = keys_of(keys)?;
         self.with(py, Hold::Brief, move |s| {
-            Ok(k.iter().map(|k| s.tier.contains(k)).collect())
+            s.pump();
+            Ok(s.tier.present(&k))
         })
     }
 
-    /// Number of leading keys with a published file (no I/O).
-    fn leading_run(&self, py: Python<'_>, keys: &Bound<'_, PyAny>) -> PyResult<usize> {
+    /// Per key what the tier's index knows (never waits): `True` held, `False` not held, `None`
+    /// unknown — the remote tier then starts a fetch for it; ask again later.
+    fn lookup(&self, py: Python<'_>, keys: &Bound<'_, PyAny>) -> PyResult<Vec<Option<bool>>> {
         let k = keys_of(keys)?;
         self.with(py, Hold::Brief, move |s| {
-            Ok(k.iter().take_while(|k| s.tier.contains(k)).count())
+            s.fetch_unknown(&k);
+            let t = s.tier.sec();
+            Ok(k.iter()
+                .map(|k| match t.index(k) {
+                    Known::Present => Some(true),
+                    Known::Absent => Some(false),
+                    Known::Unknown => None,
+                })
+                .collect())
         })
     }
 
-    /// Removes `key`'s file if this instance owns it (queued). Returns whether it did.
+    /// `contains` for each key. With `wait_s` > 0 the keys the remote tier's index does not know
+    /// are fetched first, waiting (GIL released) up to `wait_s`; else no I/O.
+    #[pyo3(signature = (keys, wait_s = 0.0))]
+    fn contains_many(
+        &self,
+        py: Python<'_>,
+        keys: &Bound<'_, PyAny>,
+        wait_s: f64,
+    ) -> PyResult<Vec<bool>> {
+        let k = self.resolved(py, keys, wait_s)?;
+        self.with(py, Hold::Brief, move |s| {
+            Ok(k.iter().map(|k| s.tier.present(k)).collect())
+        })
+    }
+
+    /// Number of leading keys the tier holds; `wait_s` as in `contains_many`.
+    #[pyo3(signature = (keys, wait_s = 0.0))]
+    fn leading_run(&self, py: Python<'_>, keys: &Bound<'_, PyAny>, wait_s: f64) -> PyResult<usize> {
+        let k = self.resolved(py, keys, wait_s)?;
+        self.with(py, Hold::Brief, move |s| {
+            Ok(k.iter().take_while(|k| s.tier.present(k)).count())
+        })
+    }
+
+    /// The tier: `"disk"` (files) or `"remote"` (Redis/Valkey).
+    #[getter]
+    fn kind(&self, py: Python<'_>) -> PyResult<&'static str> {
+        self.with(py, Hold::Brief, |s| Ok(s.tier.sec().kind()))
+    }
+
+    /// File tier: removes `key`'s file if this instance owns it (queued). Returns whether it did;
+    /// `False` on the remote tier (values there expire by TTL or the server's eviction).
     fn remove(&self, py: Python<'_>, key: &Bound<'_, PyAny>) -> PyResult<bool> {
         let k = bytes_key(key)?;
-        self.with(py, Hold::Brief, move |s| Ok(s.tier.remove_own(&k)))
+        self.with(py, Hold::Brief, move |s| match &s.tier {
+            Backend::File(t) => Ok(t.remove_own(&k)),
+            Backend::Remote(_) => Ok(false),
+        })
     }
 
-    /// The directory of this layout's files.
+    /// The directory of this layout's files; the remote tier: its URL, password hidden.
     #[getter]
     fn dir(&self, py: Python<'_>) -> PyResult<String> {
-        self.with(py, Hold::Brief, |s| Ok(s.tier.dir().display().to_string()))
+        self.with(py, Hold::Brief, |s| {
+            Ok(match &s.tier {
+                Backend::File(t) => t.dir().display().to_string(),
+                Backend::Remote(t) => t.url().to_owned(),
+            })
+        })
     }
 
-    /// Path of a key's file (whether or not it exists).
+    /// File tier: path of a key's file (whether or not it exists).
     fn path_of(&self, py: Python<'_>, key: &Bound<'_, PyAny>) -> PyResult<String> {
         let k = bytes_key(key)?;
         self.with(py, Hold::Brief, move |s| {
-            Ok(s.tier.path_of(&k).display().to_string())
+            Ok(s.tier.file("path_of")?.path_of(&k).display().to_string())
         })
     }
 
-    /// Counters and gauges (`disk_*`, as `kvoff.tier.DISK_METRICS`; `disk_reads` counts reads).
+    /// Counters and gauges: the file tier's `disk_*` (as `kvoff.tier.DISK_METRICS`; `disk_reads`
+    /// counts reads), the remote tier's `remote_*` (`remote_reads` counts reads).
     fn stats<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyDict>> {
-        let t = self.with(py, Hold::Brief, |s| Ok(s.tier.stats()))?;
-        stats_dict(py, &t)
+        enum St {
+            File(TierStats),
+            Remote(SecondaryCounters, Vec<(&'static str, u64)>),
+        }
+        let t = self.with(py, Hold::Brief, |s| {
+            s.pump();
+            Ok(match &s.tier {
+                Backend::File(t) => St::File(t.stats()),
+                Backend::Remote(t) => St::Remote(t.counters(), t.extra_stats()),
+            })
+        })?;
+        match t {
+            St::File(t) => stats_dict(py, &t),
+            St::Remote(c, e) => remote_stats_dict(py, &c, &e),
+        }
     }
 
     /// Number of jobs queued or running and not yet reported.
     fn num_pending(&self, py: Python<'_>) -> PyResult<usize> {
         self.with(py, Hold::Brief, |s| {
             s.pump();
-            let st = s.tier.stats();
-            let q = usize::try_from(st.queued_reads + st.queued_writes).unwrap_or(usize::MAX);
+            let c = s.tier.sec().counters();
+            let q = usize::try_from(c.queued_reads + c.queued_writes).unwrap_or(usize::MAX);
             Ok(q.max(s.writes.len()))
         })
     }
 
-    /// Waits (GIL released, lock not held) until the queued I/O has run; results stay for `poll`.
+    /// Waits (GIL released, lock not held) until the queued I/O has run (the remote tier: or
+    /// given up after its timeouts); results stay for `poll`.
     fn flush(&self, py: Python<'_>) -> PyResult<()> {
-        let waiter = self.with(py, Hold::Brief, |s| Ok(s.tier.idle_waiter()))?;
+        let waiter = self.with(py, Hold::Brief, |s| {
+            Ok(match &s.tier {
+                Backend::File(t) => Some(t.idle_waiter()),
+                Backend::Remote(_) => None,
+            })
+        })?;
+        let lock = &self.inner;
         blocking(py, move || {
-            waiter.wait();
-            Ok(())
+            if let Some(w) = waiter {
+                w.wait();
+                return Ok(());
+            }
+            loop {
+                {
+                    let mut g = lock.lock().unwrap_or_else(PoisonError::into_inner);
+                    let s = g.as_mut().ok_or_else(shut)?;
+                    s.pump();
+                    let busy = s.tier.sec().busy() || s.writes.values().any(|w| !w.released);
+                    if !busy {
+                        return Ok(());
+                    }
+                }
+                std::thread::sleep(Duration::from_micros(500));
+            }
         })?;
         self.with(py, Hold::Brief, |s| {
             s.pump();
@@ -623,10 +903,13 @@ impl PyBlockStore {
         })
     }
 
-    /// Lists the directory again now (other engines' new files become visible; GIL released).
+    /// File tier: lists the directory again now (other engines' new files become visible; GIL
+    /// released). The remote tier: nothing to do (its index asks the server).
     fn rescan(&self, py: Python<'_>) -> PyResult<()> {
         self.with(py, Hold::Long, |s| {
-            s.tier.rescan();
+            if let Backend::File(t) = &s.tier {
+                t.rescan();
+            }
             Ok(())
         })
     }
@@ -646,7 +929,7 @@ impl PyBlockStore {
         })?;
         if let Some(mut s) = s {
             blocking(py, move || {
-                s.tier.shutdown();
+                s.tier.sec_mut().shutdown();
                 Ok(())
             })?;
         }

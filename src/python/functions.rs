@@ -1,5 +1,5 @@
 //! Free functions of `kvoff._native`: host sizing (docs/spec.md §3), block-id and sub-block pointer
-//! expansion (docs/spec.md §4) and CUDA detection. Pure computations on converted arguments; no lock.
+//! expansion (docs/spec.md §4), CUDA detection and the CPUs of kvoff's threads (`crate::affinity`). Pure computations on converted arguments; no lock.
 #![forbid(unsafe_code)]
 
 use numpy::PyArray1;
@@ -137,7 +137,55 @@ fn cuda_available() -> bool {
     }
 }
 
+/// `set_thread_cpus(cpus)`: the CPUs of the threads kvoff starts from now on (copy, I/O and feeder
+/// threads), process-wide: a list of CPU numbers, a Linux CPU list string such as `"1,3,8-11"`, or
+/// `None` / `"inherit"` to keep the creator's (the default; `KVOFF_THREAD_CPUS` sets it at start).
+#[pyfunction]
+fn set_thread_cpus(cpus: Option<&Bound<'_, PyAny>>) -> PyResult<()> {
+    let list: Option<Vec<usize>> = match cpus {
+        None => None,
+        Some(o) if o.is_none() => None,
+        Some(o) => {
+            if let Ok(text) = o.extract::<String>() {
+                quick(|| crate::affinity::parse_cpu_list(&text))?
+            } else {
+                let items: Vec<Bound<'_, PyAny>> = o
+                    .try_iter()
+                    .map_err(|_| {
+                        PyTypeError::new_err(format!(
+                            "cpus must be a list of CPU numbers, a CPU list string or None, not {}",
+                            type_name(o)
+                        ))
+                    })?
+                    .collect::<PyResult<_>>()?;
+                Some(
+                    items
+                        .iter()
+                        .map(|c| usize_arg(c, "cpu"))
+                        .collect::<PyResult<_>>()?,
+                )
+            }
+        }
+    };
+    quick(|| crate::affinity::set_thread_cpus(list.as_deref()))
+}
+
+/// The CPUs set for kvoff's threads, or `None` when they inherit their creator's.
+#[pyfunction]
+fn thread_cpus() -> Option<Vec<usize>> {
+    crate::affinity::thread_cpus()
+}
+
+/// Why the CPU setting could not be applied to one of kvoff's threads (the last time), or `None`.
+#[pyfunction]
+fn thread_placement_error() -> Option<String> {
+    crate::affinity::last_placement_error()
+}
+
 pub(crate) fn register(m: &Bound<'_, PyModule>) -> PyResult<()> {
+    m.add_function(wrap_pyfunction!(set_thread_cpus, m)?)?;
+    m.add_function(wrap_pyfunction!(thread_cpus, m)?)?;
+    m.add_function(wrap_pyfunction!(thread_placement_error, m)?)?;
     m.add_function(wrap_pyfunction!(cpu_sizing, m)?)?;
     m.add_function(wrap_pyfunction!(expand_block_ids, m)?)?;
     m.add_function(wrap_pyfunction!(compute_sub_block_ptrs, m)?)?;

@@ -1497,7 +1497,10 @@ impl FileTier {
             let buf = AlignedBuf::new(usize::try_from(shared.file_len).unwrap_or(0));
             let t = std::thread::Builder::new()
                 .name(format!("kvoff-disk-{i}"))
-                .spawn(move || s.worker(buf));
+                .spawn(move || {
+                    crate::affinity::place_current_thread();
+                    s.worker(buf);
+                });
             match t {
                 Ok(t) => threads.push(t),
                 Err(e) => {

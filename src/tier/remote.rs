@@ -845,7 +845,10 @@ impl RemoteTier {
             let sh = Arc::clone(&shared);
             let t = std::thread::Builder::new()
                 .name(format!("kvoff-remote-{i}"))
-                .spawn(move || sh.worker())
+                .spawn(move || {
+                    crate::affinity::place_current_thread();
+                    sh.worker();
+                })
                 .map_err(|e| {
                     KvoffError::Config(format!("remote tier: cannot start a thread: {e}"))
                 })?;

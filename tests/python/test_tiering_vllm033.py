@@ -352,3 +352,265 @@ def test_tiering_spec_cascades_to_kvoff_and_a_fresh_engine_promotes(tmp_path: An
         assert tier2.stats()["disk_reads"] == 5
     finally:
         m2.shutdown()
+
+
+def _prom(extra: dict[str, Any], tmp: Any) -> Any:
+    """vLLM's own Prometheus path for the offloading connector (``KVConnectorProm`` →
+    ``OffloadingConnector.build_prom_metrics`` → ``OffloadPromMetrics``, which asks the spec class —
+    here ``TieringOffloadingSpec``, which asks each secondary tier — for its metric definitions)."""
+    import transformers
+    from vllm.config import DeviceConfig, KVTransferConfig, ModelConfig, VllmConfig
+    from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorProm
+
+    d = tmp / "tiny-llama"
+    transformers.LlamaConfig(
+        vocab_size=512, hidden_size=64, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2
+    ).save_pretrained(d)
+    cfg = VllmConfig(
+        device_config=DeviceConfig(device="cpu"),
+        model_config=ModelConfig(model=str(d), dtype="float16", seed=0, skip_tokenizer_init=True),
+        kv_transfer_config=KVTransferConfig(
+            kv_connector="OffloadingConnector", kv_role="kv_both", kv_connector_extra_config=extra
+        ),
+    )
+    return KVConnectorProm(cfg, ["model_name", "engine"], {0: ["tiny", "0"]})
+
+
+def _sample(name: str, labels: dict[str, str]) -> float:
+    import prometheus_client
+
+    v = prometheus_client.REGISTRY.get_sample_value(name, labels)
+    return 0.0 if v is None else float(v)
+
+
+def test_tier_counters_reach_vllms_metrics(tmp_path: Any) -> None:
+    """kvoff's tier counters (lookup hits and misses, reads, writes, bytes, errors, rejected values)
+    leave through vLLM's metrics path: the tier's ``get_stats`` increments, merged by vLLM's
+    ``TieringOffloadingManager.get_stats``, observed by vLLM's ``OffloadPromMetrics`` into
+    Prometheus series labelled with the tier's type."""
+    import prometheus_client
+    from kvoff.vllm.tiering import TIER_VLLM_METRICS
+
+    before = set(prometheus_client.REGISTRY._names_to_collectors)
+    spec = _tiering_spec(tmp_path, f"kvoff-m-{uuid.uuid4().hex[:8]}")
+    prom = _prom(dict(spec.config.extra_config), tmp_path)
+    labels = {"model_name": "tiny", "engine": "0", "kvoff_tier": "KvoffFileTier"}
+    manager = spec.get_manager()
+    try:
+        (tier,) = manager.secondary_tiers
+        view = np.asarray(manager.primary_tier.get_kv_memoryview())
+        keys = [key(300 + i) for i in range(4)]
+        manager.on_new_request(CTX)
+        out = manager.prepare_store(keys, CTX)
+        assert out is not None
+        for row in out.store_spec.block_ids:
+            view[int(row)].view(np.uint8)[:] = 7
+        manager.complete_store(keys, CTX, success=True)
+        manager.on_request_finished(CTX)
+        _wait(manager, tier, lambda: all(tier.store.contains(k) for k in keys), "the cascade to kvoff")
+        # The tier's own lookups (vLLM asks each secondary tier on a primary miss).
+        assert [tier.lookup(k, CTX) for k in keys] == [LookupResult.HIT] * 4
+        assert tier.lookup(key(999), CTX) is LookupResult.MISS
+        stats = manager.get_stats()
+        assert stats is not None
+        prom.observe(stats.data, 0)
+        chunk = int(view.shape[1])
+        assert _sample("vllm:kvoff_tier_writes_total", labels) == 4
+        assert _sample("vllm:kvoff_tier_bytes_written_total", labels) == 4 * chunk
+        assert _sample("vllm:kvoff_tier_lookup_hits_total", labels) >= 4
+        assert _sample("vllm:kvoff_tier_lookup_misses_total", labels) >= 1
+        assert _sample("vllm:kvoff_tier_entries", labels) == 4
+        assert _sample("vllm:kvoff_tier_stored_bytes", labels) >= 4 * chunk
+        assert _sample("vllm:kvoff_tier_write_errors_total", labels) == 0
+        # Increments, not totals: a second report without new I/O adds nothing.
+        again = manager.get_stats()
+        if again is not None:
+            prom.observe(again.data, 0)
+        assert _sample("vllm:kvoff_tier_writes_total", labels) == 4
+        # A corrupt file: read, rejected, counted, and the counter reaches vLLM.
+        path = tier.store.path_of(keys[0])
+        with open(path, "r+b") as f:
+            f.seek(-1, os.SEEK_END)
+            b = f.read(1)
+            f.seek(-1, os.SEEK_END)
+            f.write(bytes([b[0] ^ 0xFF]))
+        tier.submit_load(job(77, [keys[0], keys[1]], [0, 1]))
+        tier.drain_jobs()
+        (res,) = [r for r in tier.get_finished_jobs() if r.job_id == 77]
+        assert not res.success and list(res.successful_keys or []) == [keys[1]]
+        stats = manager.get_stats()
+        assert stats is not None
+        prom.observe(stats.data, 0)
+        assert _sample("vllm:kvoff_tier_rejected_total", labels) == 1
+        assert _sample("vllm:kvoff_tier_reads_total", labels) == 1
+        assert _sample("vllm:kvoff_tier_bytes_read_total", labels) == chunk
+        # Every declared metric is one vLLM registered.
+        for name in TIER_VLLM_METRICS:
+            assert name in prometheus_client.REGISTRY._names_to_collectors, name
+    finally:
+        manager.shutdown()
+        reg = prometheus_client.REGISTRY
+        for c in {reg._names_to_collectors[n] for n in set(reg._names_to_collectors) - before}:
+            reg.unregister(c)
+
+
+def test_tier_counters_through_vllms_scheduler(tmp_path: Any) -> None:
+    """The deepest level that runs without a GPU: vLLM's real ``Scheduler`` with its scheduler-role
+    ``OffloadingConnector`` over ``TieringOffloadingSpec`` and kvoff's tier. The tier holds a
+    request's chunks (a previous engine's cascade); the scheduler's lookup finds them in kvoff's
+    index, vLLM's tiering promotes them into its CPU tier (kvoff reads the files, byte-exact), and
+    kvoff's counters leave in ``SchedulerStats.kv_connector_stats`` from ``update_from_output`` —
+    vLLM's own path — into vLLM's Prometheus metrics. (The worker's CPU→GPU load needs CUDA.)"""
+    import prometheus_client
+    import test_vllm_scheduler as ts
+    from vllm.config import (
+        CacheConfig,
+        DeviceConfig,
+        KVTransferConfig,
+        ModelConfig,
+        SchedulerConfig,
+        VllmConfig,
+        set_current_vllm_config,
+    )
+    from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorProm
+    from vllm.distributed.kv_transfer.kv_connector.v1.offloading.metrics import OffloadingConnectorStats
+    from vllm.sampling_params import SamplingParams
+    from vllm.utils.hashing import sha256
+    from vllm.v1.core.kv_cache_utils import (
+        get_request_block_hasher,
+        init_none_hash,
+        resolve_kv_cache_block_sizes,
+    )
+    from vllm.v1.core.sched.scheduler import Scheduler
+    from vllm.v1.kv_cache_interface import FullAttentionSpec, KVCacheConfig, KVCacheGroupSpec, KVCacheTensor
+    from vllm.v1.outputs import ModelRunnerOutput
+    from vllm.v1.request import Request
+    from vllm.v1.structured_output import StructuredOutputManager
+
+    extra = {
+        "spec_name": "TieringOffloadingSpec",
+        "cpu_bytes_to_use": 64 << 20,
+        "secondary_tiers": [
+            {"type": "KvoffFileTier", "module_path": "kvoff.vllm.tiering", "disk_path": str(tmp_path / "kv")}
+        ],
+    }
+    vc = VllmConfig(
+        device_config=DeviceConfig(device="cpu"),
+        model_config=ModelConfig(
+            model=ts._model_dir(tmp_path), dtype="float16", seed=0, skip_tokenizer_init=True
+        ),
+        scheduler_config=SchedulerConfig(
+            max_num_seqs=4,
+            max_num_batched_tokens=256,
+            max_model_len=1024,
+            enable_chunked_prefill=True,
+            is_encoder_decoder=False,
+        ),
+        cache_config=CacheConfig(block_size=ts.BLOCK, enable_prefix_caching=True),
+        kv_transfer_config=KVTransferConfig(
+            kv_connector="OffloadingConnector",
+            kv_role="kv_both",
+            kv_connector_extra_config=extra,
+            engine_id=f"kvoff-s-{uuid.uuid4().hex[:8]}",
+        ),
+    )
+    spec = FullAttentionSpec(
+        block_size=ts.BLOCK, num_kv_heads=ts.HEADS, head_size=ts.HEAD_DIM, dtype=torch.float16
+    )
+    n, page = 32, spec.page_size_bytes
+    kcc = KVCacheConfig(
+        num_blocks=n,
+        kv_cache_tensors=[KVCacheTensor(size=page * n, shared_by=[name]) for name in ts.LAYERS]
+        if "shared_by" in KVCacheTensor.__dataclass_fields__
+        else [
+            KVCacheTensor(
+                size=page * n * len(ts.LAYERS),
+                layers=list(ts.LAYERS),
+                layer_stride=page * n,
+                block_stride=page,
+            )
+        ],
+        kv_cache_groups=[KVCacheGroupSpec(list(ts.LAYERS), spec)],
+    )
+    vc.cache_config.num_gpu_blocks = n
+    bs, hbs = resolve_kv_cache_block_sizes(kcc, vc)
+    before = set(prometheus_client.REGISTRY._names_to_collectors)
+    with set_current_vllm_config(vc):
+        sched = Scheduler(
+            vllm_config=vc,
+            kv_cache_config=kcc,
+            structured_output_manager=StructuredOutputManager(vc),
+            block_size=bs,
+            hash_block_size=hbs,
+            log_stats=True,
+        )
+        prom = KVConnectorProm(vc, ["model_name", "engine"], {0: ["tiny", "0"]})
+    manager = sched.connector.connector_scheduler.manager
+    try:
+        (tier,) = manager.secondary_tiers
+        assert isinstance(tier, KvoffFileTier)
+        view = np.asarray(manager.primary_tier.get_kv_memoryview())
+        init_none_hash(sha256)
+        sp = SamplingParams(max_tokens=2, ignore_eos=True)
+        sp.update_from_generation_config({}, ts.EOS)
+        req = Request(
+            request_id="r0",
+            prompt_token_ids=list(range(10, 10 + 4 * ts.BLOCK + 3)),
+            sampling_params=sp,
+            pooling_params=None,
+            block_hasher=get_request_block_hasher(ts.BLOCK, sha256),
+        )
+        keys = [make_offload_key(h, 0) for h in req.block_hashes]
+        assert len(keys) == 4
+        # A previous engine's cascade: the chunks' bytes in kvoff's files (stored from unallocated
+        # CPU-tier rows, then cleared).
+        for i in range(4):
+            view[i].view(np.uint8)[:] = i + 1
+        tier.submit_store(job(10**6, keys, [0, 1, 2, 3]))
+        assert all(r.success for r in drain(tier))
+        view[:4] = 0
+        sched.add_request(req)
+        got: dict[str, float] = {}
+        reads = "vllm:kvoff_tier_reads:('KvoffFileTier',)"
+        for _ in range(500):
+            so = sched.schedule()
+            running = [r for r in sched.running if r.request_id in so.num_scheduled_tokens]
+            mro = ModelRunnerOutput(
+                req_ids=[r.request_id for r in running],
+                req_id_to_index={r.request_id: i for i, r in enumerate(running)},
+                sampled_token_ids=[[] for _ in running],
+                logprobs=None,
+                prompt_logprobs_dict={},
+                pooler_output=None,
+            )
+            for out in sched.update_from_output(so, mro).values():
+                kcs = out.scheduler_stats.kv_connector_stats if out.scheduler_stats else None
+                if not kcs:
+                    continue
+                data = kcs if isinstance(kcs, dict) else kcs.data
+                prom.observe(data, 0)
+                for name, value in OffloadingConnectorStats(data=data).reduce().items():
+                    if name.startswith("vllm:kvoff_tier_") and isinstance(value, (int, float)):
+                        got[name] = got.get(name, 0.0) + value if "entries" not in name else value
+            if got.get(reads, 0) >= 4:
+                break
+            time.sleep(0.002)
+        assert got.get(reads) == 4, got
+        assert got["vllm:kvoff_tier_bytes_read:('KvoffFileTier',)"] == 4 * view.shape[1]
+        assert got["vllm:kvoff_tier_lookup_hits:('KvoffFileTier',)"] >= 4
+        # The promoted rows hold the stored bytes.
+        firsts = sorted(int(view[r].view(np.uint8)[0]) for r in range(view.shape[0]) if view[r].any())
+        assert firsts == [1, 2, 3, 4]
+        for r in range(view.shape[0]):
+            row = view[r].view(np.uint8)
+            if row.any():
+                assert np.all(row == row[0])
+        labels = {"model_name": "tiny", "engine": "0", "kvoff_tier": "KvoffFileTier"}
+        assert _sample("vllm:kvoff_tier_reads_total", labels) == 4
+        assert _sample("vllm:kvoff_tier_lookup_hits_total", labels) >= 4
+        assert _sample("vllm:kvoff_tier_entries", labels) == 4
+    finally:
+        manager.shutdown()
+        reg = prometheus_client.REGISTRY
+        for c in {reg._names_to_collectors[n] for n in set(reg._names_to_collectors) - before}:
+            reg.unregister(c)

@@ -112,6 +112,33 @@ def test_reuse_computes_fewer_prompt_tokens_with_kvoff(run: dict[str, Any]) -> N
     assert rows["file"]["disk_bytes_written"] > 0
 
 
+def _cpus(text: str) -> set[int]:
+    out: set[int] = set()
+    for part in text.split(","):
+        lo, _, hi = part.partition("-")
+        out.update(range(int(lo), int(hi or lo) + 1))
+    return out
+
+
+def test_kvoff_threads_stay_off_the_model_cpus(run: dict[str, Any]) -> None:
+    """vLLM's CPU build binds the engine's main thread to the model's CPUs; kvoff's copy and I/O
+    threads, started from it, go to the process's other CPUs (docs/performance.md, "kvoff's threads
+    and the model's CPUs") rather than take time from the model."""
+    bind = run.get("cpu_threads_bind")
+    if not bind:
+        pytest.skip("the model's CPUs are not bound here")
+    model = _cpus(bind)
+    if not set(os.sched_getaffinity(0)) - model:
+        pytest.skip(f"no CPU is left beside the model's ({bind})")
+    for name in CONFIGS[1:]:
+        procs = _rows(run, "reuse")[name]["threads"]
+        bound = [p for p in procs if p["main"] and _cpus(p["main"]) == model]
+        assert any(p["kvoff"] for p in bound), f"{name}: no kvoff thread in a model process: {procs}"
+        for p in bound:
+            for c in p["kvoff"]:
+                assert not _cpus(c) & model, f"{name}: kvoff threads on the model's CPUs: {procs}"
+
+
 def test_noreuse_serves_nothing_and_matches(run: dict[str, Any]) -> None:
     rows = _rows(run, "noreuse")
     assert list(rows) == NOREUSE_CONFIGS

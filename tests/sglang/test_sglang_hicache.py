@@ -32,8 +32,20 @@ pytestmark = pytest.mark.sglang
 try:
     import torch
     from kvoff.sglang import KvoffHiCacheStorage
-    from sglang.srt.mem_cache.device_pool_info import KVBufferLayout, KVBuffers, MHABufferInfo, MLABufferInfo
-    from sglang.srt.mem_cache.hicache_storage import HiCacheStorageConfig
+    from sglang.srt.mem_cache.device_pool_info import (
+        KVBufferLayout,
+        KVBuffers,
+        MambaStateBufferInfo,
+        MHABufferInfo,
+        MLABufferInfo,
+    )
+    from sglang.srt.mem_cache.hicache_storage import (
+        HiCacheStorageConfig,
+        PoolHitPolicy,
+        PoolName,
+        PoolTransfer,
+    )
+    from sglang.srt.mem_cache.pool_host.mamba import MambaPoolHost
     from sglang.srt.mem_cache.pool_host.mha import MHATokenToKVPoolHost
     from sglang.srt.mem_cache.pool_host.mla import MLATokenToKVPoolHost
     from sglang.srt.mem_cache.storage.backend_factory import StorageBackendFactory
@@ -366,3 +378,269 @@ def test_bad_config_and_bad_calls_raise(tmp_path: Any) -> None:
             b.batch_set_v1(KEYS[:2], indices([1]))  # one page of indices for two keys
     finally:
         b.close()
+
+
+# --- v2: hybrid models (several host pools), SGLang's batch_*_v2 with PoolTransfers -------------
+
+MAMBA_SLOTS = 8
+
+
+def mamba_pool(side_state: bool = False) -> Any:
+    """SGLang's Mamba host pool (page-first, one state slot per page), built by its constructor from
+    CPU stand-ins for the device state; ``side_state`` adds a per-slot side buffer (then SGLang has no
+    zero-copy page description and kvoff goes through its flat data pages)."""
+    extra = (torch.zeros(MAMBA_SLOTS, 5, dtype=torch.int32),) if side_state else ()
+    info = MambaStateBufferInfo(
+        temporal=torch.zeros(LAYERS, MAMBA_SLOTS, 4, 8, dtype=torch.float32),
+        conv=(torch.zeros(LAYERS, MAMBA_SLOTS, 3, 16, dtype=torch.bfloat16),),
+        extra_checkpoint_buffers=extra,
+    )
+    return MambaPoolHost(
+        info, 2.0, 0, device_capacity=MAMBA_SLOTS, pin_memory=False, device="cpu", layout="page_first"
+    )
+
+
+def fill_mamba(pool: Any, seed: int) -> None:
+    g = torch.Generator().manual_seed(seed)
+    for t in [pool.temporal_buffer, *pool.conv_buffer, *pool.slot_state_buffers]:
+        raw = t.view(torch.uint8)
+        raw.copy_(torch.randint(0, 256, raw.shape, dtype=torch.uint8, generator=g))
+
+
+def zero_mamba(pool: Any) -> None:
+    for t in [pool.temporal_buffer, *pool.conv_buffer, *pool.slot_state_buffers]:
+        t.zero_()
+
+
+def mamba_page(pool: Any, slot: int) -> torch.Tensor:
+    return pool.get_data_page(slot, flat=True).contiguous().view(torch.uint8).clone()
+
+
+def hybrid(tmp_path: Any, **kw: Any) -> tuple[Any, Any, Any]:
+    """A hybrid model's registration as SGLang's hybrid cache controller does it: the KV anchor,
+    then every host pool of the group through ``register_mem_host_pool_v2``."""
+    kv, mamba = mha_pool("page_first"), mamba_pool(kw.pop("side_state", False))
+    b = backend(storage_config(tmp_path, page_first=True, **kw), kv)
+    b.register_mem_host_pool_v2(kv, PoolName.KV)
+    b.register_mem_host_pool_v2(mamba, PoolName.MAMBA)
+    b.on_host_pools_registered()
+    return b, kv, mamba
+
+
+@pytest.mark.parametrize("side_state", [False, True])
+def test_v2_kv_and_mamba_byte_exact(tmp_path: Any, side_state: bool) -> None:
+    b, kv, mamba = hybrid(tmp_path, side_state=side_state)
+    try:
+        fill(kv, 11)
+        fill_mamba(mamba, 12)
+        src_kv, src_m = [1, 2, 3, 4], [1, 2, 3, 4]
+        want_kv = [page_bytes(kv, s) for s in src_kv]
+        want_m = [mamba_page(mamba, s) for s in src_m]
+        res = b.batch_set_v2(
+            [
+                PoolTransfer(name=PoolName.KV, host_indices=indices(src_kv), keys=KEYS[:4]),
+                PoolTransfer(name=PoolName.MAMBA, host_indices=torch.tensor(src_m), keys=KEYS[:4]),
+            ]
+        )
+        assert res == {PoolName.KV: [True] * 4, PoolName.MAMBA: [True] * 4}
+        kv.kv_buffer.zero_()
+        zero_mamba(mamba)
+        dst_kv, dst_m = [12, 11, 10, 9], [7, 6, 5, 0]
+        res = b.batch_get_v2(
+            [
+                PoolTransfer(name=PoolName.KV, host_indices=indices(dst_kv), keys=KEYS[:4]),
+                PoolTransfer(name=PoolName.MAMBA, host_indices=torch.tensor(dst_m), keys=KEYS[:4]),
+            ]
+        )
+        assert res == {PoolName.KV: [True] * 4, PoolName.MAMBA: [True] * 4}
+        for w, d in zip(want_kv, dst_kv):
+            assert torch.equal(page_bytes(kv, d), w)
+        for w, d in zip(want_m, dst_m):
+            assert torch.equal(mamba_page(mamba, d), w)
+        assert b.kvoff_stats()["disk_files_written"] == 4
+        assert b.kvoff_stats("mamba")["disk_files_written"] == 4
+        assert b.kvoff_stats("mamba")["disk_reads"] == 4
+        assert b.pools["mamba"].flat == side_state
+        # The Mamba pool's files are a namespace of their own: same keys, separate pages.
+        assert b.pools["mamba"].store.dir != b.store.dir
+    finally:
+        b.close()
+
+
+def test_v2_exists_hit_policies(tmp_path: Any) -> None:
+    b, kv, mamba = hybrid(tmp_path)
+    try:
+        fill(kv, 13)
+        fill_mamba(mamba, 14)
+        # KV for 6 pages; Mamba state only at pages 3 and 6 (SGLang keeps the state at node ends).
+        assert (
+            b.batch_set_v2([PoolTransfer(name=PoolName.KV, host_indices=indices(range(6)), keys=KEYS[:6])])[
+                PoolName.KV
+            ]
+            == [True] * 6
+        )
+        m = b.batch_set_v2(
+            [PoolTransfer(name=PoolName.MAMBA, host_indices=torch.tensor([2, 5]), keys=[KEYS[2], KEYS[5]])]
+        )
+        assert m[PoolName.MAMBA] == [True, True]
+        trailing = PoolTransfer(name=PoolName.MAMBA, keys=[KEYS[0]], hit_policy=PoolHitPolicy.TRAILING_PAGES)
+        r = b.batch_exists_v2(KEYS, [trailing])
+        assert r.kv_hit_pages == 6 and r.restorable_prefix_pages == [3, 6]
+        assert r.extra_pool_hit_pages == {PoolName.KV: 6, PoolName.MAMBA: 6}
+        every = PoolTransfer(name=PoolName.MAMBA, keys=KEYS[:6], hit_policy=PoolHitPolicy.ALL_PAGES)
+        r = b.batch_exists_v2(KEYS, [every])
+        assert r.kv_hit_pages == 0 and r.restorable_prefix_pages == []
+        r = b.batch_exists_v2(KEYS[:3], [trailing])
+        assert r.kv_hit_pages == 3 and r.restorable_prefix_pages == [3]
+        r = b.batch_exists_v2(["f" * 64, *KEYS], [trailing])
+        assert r.kv_hit_pages == 0
+        # SGLang's own result type, and its policy check for an unknown policy.
+        blocks = PoolTransfer(name=PoolName.MAMBA, keys=KEYS[:1], hit_policy=PoolHitPolicy.BLOCK_GROUPS)
+        with pytest.raises(ValueError, match="hit policy"):
+            b.batch_exists_v2(KEYS, [blocks])
+    finally:
+        b.close()
+
+
+def test_v2_swa_pool_and_errors(tmp_path: Any) -> None:
+    """An SWA side pool (an MHA host pool of its own, layer-first) next to the KV anchor."""
+    kv, swa = mha_pool("page_first"), mha_pool("layer_first")
+    b = backend(storage_config(tmp_path, page_first=True), kv)
+    try:
+        b.register_mem_host_pool_v2(kv, PoolName.KV)
+        b.register_mem_host_pool_v2(swa, PoolName.SWA)
+        fill(swa, 15)
+        want = [page_bytes(swa, s) for s in (1, 2)]
+        t = PoolTransfer(name=PoolName.SWA, host_indices=indices([1, 2]), keys=KEYS[:2])
+        assert b.batch_set_v2([t]) == {PoolName.SWA: [True, True]}
+        assert b.batch_exists(KEYS[:2]) == 0  # SWA pages are not KV pages
+        swa.kv_buffer.zero_()
+        got = b.batch_get_v2([PoolTransfer(name=PoolName.SWA, host_indices=indices([5, 6]), keys=KEYS[:2])])
+        assert got == {PoolName.SWA: [True, True]}
+        assert torch.equal(page_bytes(swa, 5), want[0]) and torch.equal(page_bytes(swa, 6), want[1])
+        missing = b.batch_get_v2(
+            [PoolTransfer(name=PoolName.SWA, host_indices=indices([7]), keys=["e" * 64])]
+        )
+        assert missing == {PoolName.SWA: [False]}
+        with pytest.raises(ValueError, match="not registered"):
+            b.batch_get_v2([PoolTransfer(name=PoolName.INDEXER, host_indices=indices([1]), keys=KEYS[:1])])
+        with pytest.raises(ValueError, match="host indices"):
+            b.batch_set_v2([PoolTransfer(name=PoolName.SWA, host_indices=indices([1]), keys=KEYS[:2])])
+    finally:
+        b.close()
+
+
+def test_v2_mla_mamba_is_sharded(tmp_path: Any) -> None:
+    """MLA KV is replicated (rank 0 writes, every rank reads); Mamba state is TP-sharded (each rank
+    writes its own), as in SGLang's ``file`` backend."""
+    out: list[tuple[int, int]] = []
+    for rank in (0, 1):
+        kv, mamba = mla_pool("page_first"), mamba_pool()
+        b = backend(storage_config(tmp_path, mla=True, tp_rank=rank, tp_size=2, page_first=True), kv)
+        b.register_mem_host_pool_v2(kv, PoolName.KV)
+        b.register_mem_host_pool_v2(mamba, PoolName.MAMBA)
+        try:
+            fill(kv, 20 + rank)
+            fill_mamba(mamba, 30 + rank)
+            every = PoolTransfer(name=PoolName.MAMBA, keys=KEYS[:1], hit_policy=PoolHitPolicy.ALL_PAGES)
+            seen = b.batch_exists_v2(KEYS[:1], [every])
+            # Rank 1 sees rank 0's MLA KV page (shared) but not its Mamba state (rank 0's shard).
+            assert seen.extra_pool_hit_pages == ({} if rank == 0 else {PoolName.KV: 1})
+            assert seen.kv_hit_pages == 0
+            res = b.batch_set_v2(
+                [
+                    PoolTransfer(name=PoolName.KV, host_indices=indices([1]), keys=KEYS[:1]),
+                    PoolTransfer(name=PoolName.MAMBA, host_indices=torch.tensor([1]), keys=KEYS[:1]),
+                ]
+            )
+            assert res == {PoolName.KV: [True], PoolName.MAMBA: [True]}
+            out.append((b.kvoff_stats()["disk_files_written"], b.kvoff_stats("mamba")["disk_files_written"]))
+        finally:
+            b.close()
+    assert out == [(1, 1), (0, 1)]  # rank 1 wrote no KV file, and its own Mamba file
+
+
+# --- the remote tier (a real redis-server) under the same backend --------------------------------
+
+
+@pytest.fixture
+def redis_url() -> Any:
+    """A real ``redis-server`` on loopback (tests/python/redis_servers.py)."""
+    sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "python"))
+    import redis_servers as rs
+
+    reason = rs.missing_reason()
+    if reason is not None:
+        if os.environ.get("KVOFF_REQUIRE_REDIS"):
+            pytest.fail(f"KVOFF_REQUIRE_REDIS is set but: {reason}")
+        pytest.skip(reason)
+    srv = rs.RedisServer(name="sglang-hicache")
+    try:
+        yield srv.start().url
+    finally:
+        srv.close()
+
+
+def remote_config(url: str, **kw: Any) -> Any:
+    cfg = storage_config("unused", **kw)
+    extra = dict(cfg.extra_config)
+    del extra["disk_path"]
+    extra["remote_url"] = url
+    cfg.extra_config = extra
+    return cfg
+
+
+def test_remote_tier_second_server_byte_exact(redis_url: str) -> None:
+    """One backend, tiers chosen by its extra config: ``remote_url`` puts SGLang's pages on Redis;
+    a second backend instance (a second server) finds them and loads them byte-exact, v1 and v2."""
+    pool = mha_pool("page_first")
+    mamba = mamba_pool()
+    b = backend(remote_config(redis_url, page_first=True), pool)
+    b.register_mem_host_pool_v2(pool, PoolName.KV)
+    b.register_mem_host_pool_v2(mamba, PoolName.MAMBA)
+    try:
+        assert b.store.kind == "remote"
+        fill(pool, 41)
+        fill_mamba(mamba, 42)
+        src = [1, 2, 3, 4]
+        want = [page_bytes(pool, s) for s in src]
+        want_m = mamba_page(mamba, 3)
+        assert b.batch_set_v1(KEYS[:4], indices(src)) == [True] * 4
+        m = b.batch_set_v2(
+            [PoolTransfer(name=PoolName.MAMBA, host_indices=torch.tensor([3]), keys=[KEYS[3]])]
+        )
+        assert m == {PoolName.MAMBA: [True]}
+        assert b.kvoff_stats()["remote_writes"] == 4
+    finally:
+        b.close()
+    pool2, mamba2 = mha_pool("page_first"), mamba_pool()
+    b2 = backend(remote_config(redis_url, page_first=True), pool2)
+    b2.register_mem_host_pool_v2(pool2, PoolName.KV)
+    b2.register_mem_host_pool_v2(mamba2, PoolName.MAMBA)
+    try:
+        # A fresh index: batch_exists asks the server (one batched round trip).
+        assert b2.batch_exists(KEYS) == 4
+        trailing = PoolTransfer(name=PoolName.MAMBA, keys=[KEYS[0]], hit_policy=PoolHitPolicy.TRAILING_PAGES)
+        r = b2.batch_exists_v2(KEYS[:4], [trailing])
+        assert r.kv_hit_pages == 4 and r.restorable_prefix_pages == [4]
+        dst = [9, 10, 11, 12]
+        assert b2.batch_get_v1(KEYS[:4], indices(dst)) == [True] * 4
+        for w, d in zip(want, dst):
+            assert torch.equal(page_bytes(pool2, d), w)
+        got = b2.batch_get_v2(
+            [PoolTransfer(name=PoolName.MAMBA, host_indices=torch.tensor([6]), keys=[KEYS[3]])]
+        )
+        assert got == {PoolName.MAMBA: [True]}
+        assert torch.equal(mamba_page(mamba2, 6), want_m)
+        assert b2.batch_get_v1(["d" * 64], indices([13])) == [False]
+        st = b2.kvoff_stats()
+        assert st["remote_reads"] == 4 and st["remote_rejected_values"] == 0
+    finally:
+        b2.close()
+
+
+def test_remote_and_disk_together_is_refused(tmp_path: Any, redis_url: str) -> None:
+    cfg = storage_config(tmp_path)
+    cfg.extra_config = {**cfg.extra_config, "remote_url": redis_url}
+    with pytest.raises(Exception, match="not both"):
+        StorageBackendFactory.create_backend("dynamic", cfg, mha_pool("page_first"))

@@ -8,7 +8,14 @@ from dataclasses import dataclass, field
 from typing import Any, cast
 
 import torch
-from sglang.srt.mem_cache.hicache_storage import HiCacheStorage, HiCacheStorageConfig
+from sglang.srt.mem_cache.hicache_storage import (
+    HiCacheStorage,
+    HiCacheStorageConfig,
+    PoolHitPolicy,
+    PoolName,
+    PoolTransfer,
+    PoolTransferResult,
+)
 
 from kvoff import _native
 from kvoff._names import DirectIoName
@@ -31,6 +38,27 @@ SETTINGS = (
     "fsync",
     "rescan_interval_s",
     "owner",
+    "remote_url",
+    "remote_cluster",
+    "remote_ttl_s",
+    "remote_timeout_s",
+    "remote_connect_timeout_s",
+    "remote_max_inflight_bytes",
+    "remote_negative_ttl_s",
+    "remote_max_fetch_keys",
+    "remote_password_env",
+)
+
+#: The remote tier's settings passed through to ``BlockStore`` as they are.
+_REMOTE_PASSTHROUGH = (
+    "remote_cluster",
+    "remote_ttl_s",
+    "remote_timeout_s",
+    "remote_connect_timeout_s",
+    "remote_max_inflight_bytes",
+    "remote_negative_ttl_s",
+    "remote_max_fetch_keys",
+    "remote_password_env",
 )
 
 
@@ -47,7 +75,8 @@ def storage_namespace(
     """
     model = namespace if namespace is not None else (cfg.model_name or "")
     geometry = (
-        f"{type(pool).__name__}|{pool.layout}|{pool.dtype}|page{pool.page_size}|layers{pool.layer_num}"
+        f"{type(pool).__name__}|{pool.layout}|{pool.dtype}|page{pool.page_size}"
+        f"|layers{getattr(pool, 'layer_num', getattr(pool, 'num_mamba_layers', ''))}"
         f"|{getattr(pool, 'head_num', '')}x{getattr(pool, 'head_dim', '')}"
         f"x{getattr(pool, 'v_head_dim', getattr(pool, 'kv_lora_rank', ''))}"
     )
@@ -71,6 +100,20 @@ class _Stats:
     backup_bandwidth: list[float] = field(default_factory=list)
 
 
+@dataclass
+class _PoolStore:
+    """A registered host pool (v2) and the block store of its pages."""
+
+    pool: Any
+    store: Any
+    page_bytes: int
+    page_size: int
+    #: Replicated across TP ranks (MLA): only SGLang's storage writer writes.
+    replicated: bool
+    #: Through SGLang's flat data pages (no zero-copy page description for this pool).
+    flat: bool = False
+
+
 class KvoffHiCacheStorage(HiCacheStorage):
     """SGLang's L3 storage on kvoff's file tier.
 
@@ -78,7 +121,12 @@ class KvoffHiCacheStorage(HiCacheStorage):
     ``KvoffHiCacheStorage(storage_config, kwargs)``; the files are opened when SGLang registers the
     host pool (the page's bytes are known then). Settings, from the extra config:
 
-    - ``disk_path`` (required; ``file_storage_path`` also accepted): directory of the files.
+    - ``disk_path`` (``file_storage_path`` also accepted): directory of the files; or
+    - ``remote_url`` instead: kvoff's remote tier on Redis/Valkey (``redis://``, ``rediss://``,
+      ``redis+cluster://``; docs/tier.md "Remote tier"), with ``remote_cluster``, ``remote_ttl_s``,
+      ``remote_timeout_s`` (2.0; also the most ``batch_exists`` waits for the server),
+      ``remote_connect_timeout_s``, ``remote_max_inflight_bytes``, ``remote_negative_ttl_s``,
+      ``remote_max_fetch_keys``, ``remote_password_env``.
     - ``disk_bytes_to_use`` (100 GiB): capacity of this rank's own files (LRU eviction).
     - ``namespace``: replaces SGLang's model name in the namespace (engines sharing files must
       agree on it).
@@ -94,10 +142,18 @@ class KvoffHiCacheStorage(HiCacheStorage):
         self.storage_config = storage_config
         extra = dict(storage_config.extra_config or {})
         path = extra.get("disk_path", extra.get("file_storage_path"))
-        if not path:
-            raise ConfigError("kvoff's HiCache backend needs 'disk_path' in the extra config")
-        self.path = str(path)
+        self.remote_url: str | None = extra.get("remote_url")
+        if self.remote_url is not None and path:
+            raise ConfigError(
+                "kvoff's HiCache backend is on files ('disk_path') or remote ('remote_url'), not both"
+            )
+        if not path and self.remote_url is None:
+            raise ConfigError("kvoff's HiCache backend needs 'disk_path' or 'remote_url' in the extra config")
+        self.path = str(path) if path else None
         self.settings = {k: extra[k] for k in SETTINGS if k in extra}
+        # batch_exists on the remote tier: keys its index does not know are asked of the server
+        # (one batched round trip), waiting at most this long; the file tier never waits.
+        self.lookup_wait_s = float(self.settings.get("remote_timeout_s", 2.0)) if self.remote_url else 0.0
         self.is_mla = bool(storage_config.is_mla_model)
         self.is_writer = bool(storage_config.is_storage_writer)
         self.store: Any = None
@@ -105,28 +161,23 @@ class KvoffHiCacheStorage(HiCacheStorage):
         self.stats_ = _Stats()
         self.enable_metrics = bool(storage_config.enable_storage_metrics)
         self.page_bytes = 0
+        #: v2: one block store per registered pool (``PoolName`` value → :class:`_PoolStore`).
+        self.pools: dict[str, _PoolStore] = {}
+        self.logical_anchor = False
 
     # --- set-up ----------------------------------------------------------------------------------
 
-    def register_mem_pool_host(self, mem_pool_host: Any) -> None:
-        super().register_mem_pool_host(mem_pool_host)
-        pool = mem_pool_host
-        page = int(pool.page_size)
-        _, sizes = pool.get_page_buffer_meta(torch.arange(page, dtype=torch.int64))
-        self.page_bytes = int(sum(int(s) for s in sizes))
-        ns, rank, world = storage_namespace(self.storage_config, pool, self.settings.get("namespace"))
-        self.namespace = ns
+    def _open(self, ns: str, page_bytes: int, dtype: str, rank: int, world: int) -> Any:
         s = self.settings
-        if self.store is not None:
-            self.store.shutdown()
-        self.store = _native.BlockStore(
+        remote = {k: s[k] for k in _REMOTE_PASSTHROUGH if k in s}
+        return _native.BlockStore(
             self.path,
             int(s.get("disk_bytes_to_use", 100 << 30)),
-            self.page_bytes,
+            page_bytes,
             slots=int(s.get("slots", 512)),
             namespace=ns,
-            page_sizes=[self.page_bytes],
-            dtype=str(pool.dtype),
+            page_sizes=[page_bytes],
+            dtype=dtype,
             world_size=world,
             rank=rank,
             io_threads=int(s.get("io_threads", 8)),
@@ -136,7 +187,32 @@ class KvoffHiCacheStorage(HiCacheStorage):
             direct_io=_direct(s.get("direct_io", "auto")),
             rescan_interval_s=s.get("rescan_interval_s", 2.0),
             owner=s.get("owner"),
+            remote_url=self.remote_url,
+            **remote,
         )
+
+    def register_mem_pool_host(self, mem_pool_host: Any) -> None:
+        super().register_mem_pool_host(mem_pool_host)
+        pool = mem_pool_host
+        # A new attach: SGLang registers the v2 pools again after this.
+        for ps in self.pools.values():
+            ps.store.shutdown()
+        self.pools.clear()
+        if self.store is not None:
+            self.store.shutdown()
+            self.store = None
+        if getattr(pool, "kv_buffer", True) is None:
+            # A hybrid model's logical anchor owns only allocation indices; its physical pools
+            # (KV included) arrive through register_mem_host_pool_v2.
+            self.logical_anchor = True
+            return
+        self.logical_anchor = False
+        page = int(pool.page_size)
+        _, sizes = pool.get_page_buffer_meta(torch.arange(page, dtype=torch.int64))
+        self.page_bytes = int(sum(int(s) for s in sizes))
+        ns, rank, world = storage_namespace(self.storage_config, pool, self.settings.get("namespace"))
+        self.namespace = ns
+        self.store = self._open(ns, self.page_bytes, str(pool.dtype), rank, world)
         log.info(
             "kvoff HiCache storage: %s, %d bytes per page, %s layout, rank %d of %d%s",
             self.store.dir,
@@ -146,6 +222,54 @@ class KvoffHiCacheStorage(HiCacheStorage):
             world,
             " (MLA, this rank writes)" if self.is_mla and self.is_writer else "",
         )
+
+    def register_mem_host_pool_v2(self, host_pool: Any, host_pool_name: Any) -> None:
+        """v2 (hybrid models): one block store per pool, its own namespace (pool name, geometry).
+
+        Mamba states are TP-sharded even in MLA models (each rank writes its own files); the other
+        pools of an MLA model are replicated like its KV (one writer, shared files). A pool whose
+        pages SGLang cannot describe for zero-copy I/O (Mamba with side states) goes through
+        SGLang's flat data pages instead.
+        """
+        super().register_mem_host_pool_v2(host_pool, host_pool_name)
+        name = str(host_pool_name)
+        old = self.pools.pop(name, None)
+        if old is not None and old.store is not self.store:
+            old.store.shutdown()
+        if name == "kv" and host_pool is self.mem_pool_host and self.store is not None:
+            self.pools[name] = _PoolStore(
+                host_pool, self.store, self.page_bytes, int(host_pool.page_size), self.is_mla
+            )
+            return
+        page = int(getattr(host_pool, "page_size", 1) or 1)
+        flat = False
+        try:
+            _, sizes = host_pool.get_page_buffer_meta(torch.arange(page, dtype=torch.int64))
+            pieces = ",".join(str(int(s)) for s in sizes)
+            nbytes = int(sum(int(s) for s in sizes))
+        except (NotImplementedError, ValueError):
+            d = host_pool.get_dummy_flat_data_page()
+            nbytes, flat = int(d.numel() * d.element_size()), True
+            pieces = f"flat{nbytes}"
+        sharded = name == "mamba" or not self.is_mla
+        ns, rank, world = storage_namespace(self.storage_config, host_pool, self.settings.get("namespace"))
+        if self.is_mla and sharded:
+            # Mamba in an MLA model: each TP rank's own shard.
+            cfg = self.storage_config
+            ns, rank, world = ns.replace("|mla|", f"|tp{cfg.tp_size}|", 1), cfg.tp_rank, cfg.tp_size
+        # The pool's name and the pieces of a page (their order and sizes) decide its bytes; a
+        # Mamba pool's state shapes and dtypes too.
+        shapes = "|".join(
+            f"{a}={getattr(host_pool, a)}"
+            for a in ("temporal_state_shape", "conv_state_shapes", "temporal_dtype", "conv_dtype")
+            if hasattr(host_pool, a)
+        )
+        ns = f"{ns}|pool={name}|pieces={pieces}|{shapes}"
+        store = self._open(ns, nbytes, str(getattr(host_pool, "dtype", "")), rank, world)
+        self.pools[name] = _PoolStore(host_pool, store, nbytes, page, not sharded, flat)
+        if name == "kv" and self.logical_anchor:
+            self.store, self.page_bytes, self.namespace = store, nbytes, ns
+        log.info("kvoff HiCache storage: pool %s in %s, %d bytes per page", name, store.dir, nbytes)
 
     def _ready(self) -> Any:
         if self.store is None:
@@ -198,11 +322,134 @@ class KvoffHiCacheStorage(HiCacheStorage):
         bw.append(n * self.page_bytes / dt / 1e9)
 
     def batch_exists(self, keys: list[str], extra_info: Any = None) -> int:
-        """Leading run of stored pages, from kvoff's in-memory index (no I/O)."""
-        return int(self._ready().leading_run(self._keys(keys))) if keys else 0
+        """Leading run of stored pages, from kvoff's in-memory index (no I/O on the file tier; the
+        remote tier asks the server about keys its index does not know, one batched round trip
+        bounded by ``remote_timeout_s``)."""
+        return int(self._ready().leading_run(self._keys(keys), self.lookup_wait_s)) if keys else 0
 
     def exists(self, key: str) -> bool:
-        return bool(self._ready().contains(key.encode()))
+        return bool(self._ready().contains_many([key.encode()], self.lookup_wait_s)[0])
+
+    # --- v2: hybrid models (several host pools: KV, Mamba, SWA, ...) ------------------------------
+
+    def _pool(self, name: Any) -> _PoolStore:
+        n = str(name)
+        ps = self.pools.get(n)
+        if ps is None and n == "kv" and self.store is not None and not self.logical_anchor:
+            ps = self.pools[n] = _PoolStore(
+                self.mem_pool_host,
+                self.store,
+                self.page_bytes,
+                int(self.mem_pool_host.page_size),
+                self.is_mla,
+            )
+        if ps is None:
+            raise ValueError(
+                f"kvoff HiCache storage: pool {n!r} is not registered (register_mem_host_pool_v2)"
+            )
+        return ps
+
+    def batch_exists_v2(
+        self, keys: list[str], pool_transfers: list[PoolTransfer] | None = None, extra_info: Any = None
+    ) -> PoolTransferResult:
+        """The usable prefix over the KV pages and every extra pool's hit policy, from kvoff's
+        in-memory indexes (no I/O): ``all_pages`` needs each page of the prefix, ``trailing_pages``
+        the last ``len(transfer.keys)`` pages before each stop point (SGLang's semantics, as its
+        ``file`` backend)."""
+        if self.logical_anchor and "kv" not in self.pools:
+            kv_pages = len(keys)
+        else:
+            kv_pages = (
+                int(self._pool("kv").store.leading_run(self._keys(keys), self.lookup_wait_s)) if keys else 0
+            )
+        hits: dict[str, int] = {PoolName.KV: kv_pages} if kv_pages else {}
+        restorable = list(range(1, kv_pages + 1))
+        for t in pool_transfers or []:
+            if not restorable:
+                break
+            have = list(
+                self._pool(t.name).store.contains_many(self._keys(keys[:kv_pages]), self.lookup_wait_s)
+            )
+            if t.hit_policy == PoolHitPolicy.ALL_PAGES:
+                boundary = have.index(False) if False in have else kv_pages
+                ok = set(range(1, boundary + 1))
+            elif t.hit_policy == PoolHitPolicy.TRAILING_PAGES:
+                trailing = max(1, len(t.keys) if t.keys else 1)
+                ok = {n for n in range(1, kv_pages + 1) if all(have[max(0, n - trailing) : n])}
+                boundary = max(ok, default=0)
+            else:
+                raise ValueError(f"kvoff HiCache storage: unsupported pool hit policy {t.hit_policy}")
+            if boundary:
+                hits[t.name] = boundary
+            restorable = [n for n in restorable if n in ok]
+        return PoolTransferResult(restorable[-1] if restorable else 0, hits, restorable)
+
+    def _io_v2(self, transfers: list[PoolTransfer], write: bool) -> dict[str, list[bool]]:
+        out: dict[str, list[bool]] = {}
+        for t in transfers:
+            ps = self._pool(t.name)
+            keys = list(t.keys or [])
+            idx = t.host_indices
+            if idx is None or int(idx.numel()) != len(keys) * ps.page_size:
+                raise ValueError(
+                    f"kvoff HiCache storage: pool {t.name}: {len(keys)} keys for "
+                    f"{0 if idx is None else int(idx.numel())} host indices (page size {ps.page_size})"
+                )
+            if not keys:
+                out[t.name] = []
+                continue
+            if write and ps.replicated and not self.is_writer:
+                out[t.name] = [True] * len(keys)
+                continue
+            t0 = time.perf_counter()
+            if ps.flat:
+                res = self._flat_io(ps, keys, idx, write)
+            else:
+                p, s = ps.pool.get_page_buffer_meta(idx)
+                ptrs, sizes = [int(x) for x in p], [int(x) for x in s]
+                op = ps.store.write_segments if write else ps.store.read_segments
+                res = list(op(self._keys(keys), ptrs, sizes))
+            if t.name == PoolName.KV or str(t.name) == "kv":
+                st = self.stats_
+                pgs, bw = (
+                    (st.backup_pgs, st.backup_bandwidth)
+                    if write
+                    else (st.prefetch_pgs, st.prefetch_bandwidth)
+                )
+                self._record(pgs, bw, sum(res), t0)
+            out[t.name] = res
+        return out
+
+    def _flat_io(self, ps: _PoolStore, keys: list[str], idx: torch.Tensor, write: bool) -> list[bool]:
+        """A pool without zero-copy page description: SGLang's flat data pages as staging."""
+        starts = [int(i) for i in idx.reshape(-1, ps.page_size)[:, 0].tolist()]
+        if write:
+            pages = [ps.pool.get_data_page(i, flat=True).contiguous() for i in starts]
+            return list(
+                ps.store.write_segments(
+                    self._keys(keys), [int(t.data_ptr()) for t in pages], [ps.page_bytes] * len(pages)
+                )
+            )
+        pages = [ps.pool.get_dummy_flat_data_page().contiguous().clone() for _ in starts]
+        res = list(
+            ps.store.read_segments(
+                self._keys(keys), [int(t.data_ptr()) for t in pages], [ps.page_bytes] * len(pages)
+            )
+        )
+        for ok, i, t in zip(res, starts, pages):
+            if ok:
+                ps.pool.set_from_flat_data_page(i, t)
+        return res
+
+    def batch_get_v2(self, transfers: list[PoolTransfer], extra_info: Any = None) -> dict[str, list[bool]]:
+        """Reads each transfer's pages into its pool's host slots; per pool, per page, whether its
+        bytes arrived (checked before they land)."""
+        return self._io_v2(transfers, write=False)
+
+    def batch_set_v2(self, transfers: list[PoolTransfer], extra_info: Any = None) -> dict[str, list[bool]]:
+        """Writes each transfer's pages from its pool's host slots; per pool, per page, whether it
+        is stored."""
+        return self._io_v2(transfers, write=True)
 
     # --- the older tensor interface (a page as one flat tensor) -----------------------------------
 
@@ -265,10 +512,15 @@ class KvoffHiCacheStorage(HiCacheStorage):
         self.stats_ = _Stats()
         return m
 
-    def kvoff_stats(self) -> dict[str, Any]:
-        """kvoff's ``disk_*`` counters and gauges for this rank's files."""
+    def kvoff_stats(self, pool: str | None = None) -> dict[str, Any]:
+        """kvoff's ``disk_*`` counters and gauges for this rank's KV files, or for a v2 pool's
+        (``pool="mamba"``, ...)."""
+        if pool is not None:
+            return dict(self._pool(pool).store.stats())
         return dict(self._ready().stats())
 
     def close(self) -> None:
+        for ps in self.pools.values():
+            ps.store.shutdown()
         if self.store is not None:
             self.store.shutdown()

@@ -589,6 +589,7 @@ def _summarize(cfg: ServeConfig, runs: list[dict[str, Any]]) -> dict[str, Any]:
         "disk_bytes_written": m.get("vllm:kvoff_disk_bytes_written", 0.0),
         "disk_bytes_read": m.get("vllm:kvoff_disk_bytes_read", 0.0),
         "startup_s": [run["startup_s"] for run in runs],
+        "threads": runs[0].get("threads", []),
         "metrics": m,
         "outputs": [run["outputs"] for run in runs],
     }
@@ -853,14 +854,58 @@ async def _serve(spec: dict[str, Any]) -> dict[str, Any]:
     for r in results:
         r["submit"] -= t1
     results.sort(key=lambda r: (r["user"], r["turn"]))
+    threads = thread_cpus_of_engine()
     engine.shutdown()
     return {
+        "threads": threads,
         "requests": results,
         "outputs": outputs,
         "wall_s": wall,
         "startup_s": startup,
         "metrics": metrics,
     }
+
+
+def _descendants(root: int) -> list[int]:
+    """The process ids below ``root`` (Linux /proc; empty elsewhere)."""
+    parent: dict[int, int] = {}
+    for d in Path("/proc").glob("[0-9]*"):
+        try:
+            stat = (d / "stat").read_text()
+            parent[int(d.name)] = int(stat.rsplit(")", 1)[1].split()[1])
+        except (OSError, ValueError, IndexError):
+            continue
+    out, todo = [], [root]
+    while todo:
+        p = todo.pop()
+        kids = [c for c, pp in parent.items() if pp == p]
+        out += kids
+        todo += kids
+    return out
+
+
+def thread_cpus_of_engine() -> list[dict[str, Any]]:
+    """Per engine process started by this one: the CPUs (``Cpus_allowed_list``) of its main thread
+    and of its kvoff threads (``kvoff-*``)."""
+    procs: list[dict[str, Any]] = []
+    for pid in _descendants(os.getpid()):
+        main, kv = "", set()
+        for t in Path(f"/proc/{pid}/task").glob("[0-9]*"):
+            try:
+                name = (t / "comm").read_text().strip()
+                cpus = next(
+                    ln.split(":", 1)[1].strip()
+                    for ln in (t / "status").read_text().splitlines()
+                    if ln.startswith("Cpus_allowed_list")
+                )
+            except (OSError, StopIteration):
+                continue
+            if t.name == str(pid):
+                main = cpus
+            elif name.startswith("kvoff-"):
+                kv.add(cpus)
+        procs.append({"pid": pid, "main": main, "kvoff": sorted(kv)})
+    return procs
 
 
 def _child(spec_path: str) -> int:
@@ -915,6 +960,16 @@ def format_results(doc: dict[str, Any]) -> str:
                 f"{_mib(r['disk_bytes_written']) + '/' + _mib(r['disk_bytes_read']):>13}  "
                 f"{'-' if ident is None else ('yes' if ident else 'NO')}"
             )
+        placed = sorted(
+            {
+                f"{c} (main thread {p['main']})"
+                for r in w["rows"]
+                for p in r.get("threads", [])
+                for c in p["kvoff"]
+            }
+        )
+        if placed:
+            lines.append(f"  kvoff's threads ran on CPUs {'; '.join(placed)}")
         lines.append(
             "  TTFT/latency in seconds over all requests; prompt tokens: computed by the model, served "
             "from vLLM's device prefix cache, served from kvoff (vLLM's own metrics)"

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import hashlib
+import os
 import re
 from typing import Any
 
@@ -33,6 +34,41 @@ __all__ = ["KvoffOffloadingSpec", "region_name"]
 #: level (``VLLM_LOGGING_LEVEL``) in every vLLM process; a logger outside that tree has no
 #: handler there and its INFO lines would be lost.
 logger = init_logger("vllm.kvoff")
+
+
+def thread_cpus_beside_model() -> list[int] | None:
+    """The CPUs for kvoff's threads in this vLLM process, or ``None`` to leave them where they are.
+
+    vLLM's CPU build binds its OpenMP threads (the engine's main thread among them) to the CPUs of
+    ``VLLM_CPU_OMP_THREADS_BIND`` and keeps the others of the process's CPUs for everything else;
+    kvoff's threads, started from the bound thread, would inherit the model's CPUs. They go to the
+    parent process's CPUs that the model does not use (docs/performance.md, "kvoff's threads and
+    the model's CPUs"). Nothing changes on a GPU, when the process is not bound, when no CPU is
+    left over, or when ``KVOFF_THREAD_CPUS`` is set (kvoff reads it itself)."""
+    if os.environ.get("KVOFF_THREAD_CPUS") is not None or not hasattr(os, "sched_getaffinity"):
+        return None
+    try:
+        from vllm.platforms import current_platform
+
+        if not current_platform.is_cpu():
+            return None
+        mine = os.sched_getaffinity(0)
+        around = os.sched_getaffinity(os.getppid())
+    except (ImportError, OSError, AttributeError):
+        return None
+    rest = sorted(around - mine)
+    return rest or None
+
+
+def _place_threads() -> None:
+    cpus = thread_cpus_beside_model()
+    if cpus is not None and kvoff.thread_cpus() != cpus:
+        kvoff.set_thread_cpus(cpus)
+        logger.info(
+            "kvoff: its copy and I/O threads run on CPUs %s (the model's: %s)",
+            cpus,
+            sorted(os.sched_getaffinity(0)),
+        )
 
 
 def region_name(engine_id: str) -> str:
@@ -91,6 +127,7 @@ class KvoffOffloadingSpec(OffloadingSpec):
 
     def __init__(self, config: OffloadingConfig) -> None:
         super().__init__(config)
+        _place_threads()
         self.kvoff_config = KvoffOffloadConfig.from_extra_config(self.extra_config)
         self.world_size = max(int(config.parallel.world_size), 1)
         self.rank = int(config.parallel.rank)

@@ -25,11 +25,15 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, ClassVar
 
 import numpy as np
+from vllm.distributed.kv_transfer.kv_connector.v1.offloading.metrics import OffloadingConnectorStats
 from vllm.v1.kv_offload.base import (
     Locality,
     LookupResult,
     Medium,
+    OffloadingCounterMetadata,
     OffloadingEvent,
+    OffloadingGaugeMetadata,
+    OffloadingMetricMetadata,
     OffloadKey,
     ReqContext,
     RequestOffloadingContext,
@@ -44,7 +48,75 @@ if TYPE_CHECKING:
     from vllm.v1.kv_offload.base import OffloadingSpec
     from vllm.v1.kv_offload.tiering.backpressure import BackpressureDetector
 
-__all__ = ["KvoffFileTier", "kvoff", "tier_namespace"]
+__all__ = ["TIER_VLLM_METRICS", "KvoffFileTier", "KvoffRemoteTier", "kvoff", "tier_namespace"]
+
+#: The kvoff tier's counters as vLLM metrics under vLLM's tiering (README "kvoff tiers under vLLM's
+#: tiering"): name → (kind, meaning, the ``stats()`` keys of the file and the remote tier — ``""``
+#: where that tier has none, ``None`` for a count kept by the tier's Python side). Each carries the label ``kvoff_tier`` (the tier's ``type``), so several
+#: kvoff tiers in one ``secondary_tiers`` list are told apart. Counters are cumulative in kvoff and
+#: reported to vLLM as increments; GB/s per direction is ``rate(..._bytes) / rate(..._seconds)``.
+TIER_VLLM_METRICS: dict[str, tuple[str, str, tuple[str, str] | None]] = {
+    "vllm:kvoff_tier_lookup_hits": ("counter", "chunks the tier's index held when looked up", None),
+    "vllm:kvoff_tier_lookup_misses": ("counter", "chunks the tier's index did not hold", None),
+    "vllm:kvoff_tier_reads": ("counter", "chunks read into vLLM's CPU tier", ("disk_reads", "remote_reads")),
+    "vllm:kvoff_tier_bytes_read": (
+        "counter",
+        "bytes read into vLLM's CPU tier",
+        ("disk_bytes_read", "remote_bytes_read"),
+    ),
+    "vllm:kvoff_tier_read_seconds": (
+        "counter",
+        "I/O thread seconds spent reading",
+        ("disk_read_seconds", "remote_read_seconds"),
+    ),
+    "vllm:kvoff_tier_read_errors": (
+        "counter",
+        "reads that failed (value vanished, I/O, timeout)",
+        ("disk_read_errors", "remote_read_errors"),
+    ),
+    "vllm:kvoff_tier_writes": ("counter", "chunks written", ("disk_files_written", "remote_writes")),
+    "vllm:kvoff_tier_bytes_written": (
+        "counter",
+        "bytes written",
+        ("disk_bytes_written", "remote_bytes_written"),
+    ),
+    "vllm:kvoff_tier_write_seconds": (
+        "counter",
+        "I/O thread seconds spent writing",
+        ("disk_write_seconds", "remote_write_seconds"),
+    ),
+    "vllm:kvoff_tier_write_errors": (
+        "counter",
+        "writes that failed (store skipped)",
+        ("disk_write_errors", "remote_write_errors"),
+    ),
+    "vllm:kvoff_tier_writes_dropped": (
+        "counter",
+        "writes dropped (queue full or no room)",
+        ("disk_writes_dropped", "remote_writes_dropped"),
+    ),
+    "vllm:kvoff_tier_rejected": (
+        "counter",
+        "values rejected by their header or checksum",
+        ("disk_corrupt_files", "remote_rejected_values"),
+    ),
+    "vllm:kvoff_tier_fetch_errors": (
+        "counter",
+        "remote lookups that failed or were skipped while the server was down",
+        ("", "remote_fetch_errors"),
+    ),
+    "vllm:kvoff_tier_evicted": ("counter", "own files removed for capacity", ("disk_evicted_files", "")),
+    "vllm:kvoff_tier_stored_bytes": ("gauge", "bytes of this instance's own files", ("disk_own_bytes", "")),
+    "vllm:kvoff_tier_entries": (
+        "gauge",
+        "values in the tier's index",
+        ("disk_indexed_files", "remote_known_present"),
+    ),
+    "vllm:kvoff_tier_up": ("gauge", "1 while the tier's store is reachable", ("", "remote_up")),
+}
+
+#: The label of :data:`TIER_VLLM_METRICS`.
+TIER_METRIC_LABEL = "kvoff_tier"
 
 log = logging.getLogger(__name__)
 
@@ -93,6 +165,15 @@ class KvoffFileTier(SecondaryTierManager):
       other engines' new files are picked up), ``owner`` (the instance's tag; default namespace,
       rank and host name).
     - ``enable_kv_events``, ``locality``: as vLLM's ``fs`` tier.
+    - ``remote_url`` (instead of ``disk_path``): kvoff's remote tier on Redis/Valkey
+      (``redis://``, ``rediss://``, ``redis+cluster://``; docs/tier.md "Remote tier") behind the CPU
+      tier, same header/checksum/namespace rules. Its index may not know a chunk: ``lookup`` then
+      starts one batched fetch and answers ``RETRY`` (vLLM asks again next step; never waits).
+      ``remote_cluster``, ``remote_ttl_s``, ``remote_timeout_s`` (2.0), ``remote_connect_timeout_s``
+      (1.0), ``remote_max_inflight_bytes``, ``remote_negative_ttl_s`` (2.0),
+      ``remote_max_fetch_keys`` (64), ``remote_password_env`` (``KVOFF_REMOTE_PASSWORD``);
+      ``io_threads`` and ``max_queued_writes`` apply too. :class:`KvoffRemoteTier` is the same
+      class under the remote tier's name.
     """
 
     medium: ClassVar[Medium] = Medium.STORAGE
@@ -116,11 +197,22 @@ class KvoffFileTier(SecondaryTierManager):
         locality: str | None = None,
         backpressure_detector: BackpressureDetector | None = None,
         root_dir: str | None = None,
+        remote_url: str | None = None,
+        remote_cluster: bool = False,
+        remote_ttl_s: float | None = None,
+        remote_timeout_s: float = 2.0,
+        remote_connect_timeout_s: float = 1.0,
+        remote_max_inflight_bytes: int = 256 << 20,
+        remote_negative_ttl_s: float = 2.0,
+        remote_max_fetch_keys: int = 64,
+        remote_password_env: str = "KVOFF_REMOTE_PASSWORD",
     ) -> None:
         super().__init__(offloading_spec, primary_kv_view, tier_type, backpressure_detector)
         path = disk_path if disk_path is not None else root_dir
-        if not path:
-            raise ConfigError("the kvoff tier needs 'disk_path' (a directory for its files)")
+        if remote_url is not None and path:
+            raise ConfigError("a kvoff tier is either files ('disk_path') or remote ('remote_url'), not both")
+        if not path and remote_url is None:
+            raise ConfigError("the kvoff tier needs 'disk_path' (a directory for its files) or 'remote_url'")
         self.locality = Locality(locality) if locality is not None else None
         self.events: list[OffloadingEvent] | None = None
         if enable_kv_events and offloading_spec.kv_events_config.enable_kv_cache_events:
@@ -137,7 +229,7 @@ class KvoffFileTier(SecondaryTierManager):
         self.namespace = tier_namespace(offloading_spec, namespace)
         cfg = offloading_spec.config
         self.store = _native.BlockStore(
-            str(path),
+            str(path) if path else None,
             int(disk_bytes_to_use),
             stride,
             rows=(int(rows.ctypes.data), int(rows.shape[0]), stride),
@@ -153,6 +245,15 @@ class KvoffFileTier(SecondaryTierManager):
             direct_io=direct_io,
             rescan_interval_s=rescan_interval_s,
             owner=owner,
+            remote_url=remote_url,
+            remote_cluster=remote_cluster,
+            remote_ttl_s=remote_ttl_s,
+            remote_timeout_s=remote_timeout_s,
+            remote_connect_timeout_s=remote_connect_timeout_s,
+            remote_max_inflight_bytes=remote_max_inflight_bytes,
+            remote_negative_ttl_s=remote_negative_ttl_s,
+            remote_max_fetch_keys=remote_max_fetch_keys,
+            remote_password_env=remote_password_env,
         )
         self._jobs: dict[JobId, _Job] = {}
         # (key, chunk id) of a queued write or read -> its job (a key is written once at a time;
@@ -160,20 +261,31 @@ class KvoffFileTier(SecondaryTierManager):
         self._writes: dict[tuple[bytes, int], JobId] = {}
         self._reads: dict[tuple[bytes, int], list[JobId]] = {}
         self._finished: list[JobResult] = []
+        self._hits = 0
+        self._misses = 0
+        self._seen: dict[str, float] = {}
         log.info(
             "kvoff tier %r: %s (%d bytes per chunk, %d chunks in the CPU tier, direct I/O %s)",
             tier_type,
             self.store.dir,
             stride,
             rows.shape[0],
-            self.store.stats()["disk_direct_io"],
+            self.store.stats().get("disk_direct_io", "n/a (remote)"),
         )
 
     # --- lookups ---------------------------------------------------------------------------------
 
     def lookup(self, key: OffloadKey, req_context: ReqContext) -> LookupResult:
-        """``HIT`` when a published file is indexed (no I/O), else ``MISS``."""
-        return LookupResult.HIT if self.store.contains(bytes(key)) else LookupResult.MISS
+        """``HIT`` when the tier's index holds the chunk (no I/O), ``MISS`` when it does not; the
+        remote tier: ``RETRY`` while its index does not know (a fetch is started; no waiting)."""
+        (known,) = self.store.lookup([bytes(key)])
+        if known is None:
+            return LookupResult.RETRY
+        if known:
+            self._hits += 1
+            return LookupResult.HIT
+        self._misses += 1
+        return LookupResult.MISS
 
     def on_new_request(self, req_context: ReqContext) -> RequestOffloadingContext:
         return RequestOffloadingContext()
@@ -290,9 +402,49 @@ class KvoffFileTier(SecondaryTierManager):
         self.store.shutdown()
 
     def stats(self) -> dict[str, Any]:
-        """kvoff's ``disk_*`` counters and gauges (as ``kvoff.tier.DISK_METRICS``)."""
+        """kvoff's ``disk_*`` counters and gauges (as ``kvoff.tier.DISK_METRICS``), or the remote
+        tier's ``remote_*``."""
         return dict(self.store.stats())
+
+    # --- vLLM metrics ----------------------------------------------------------------------------
+
+    @classmethod
+    def build_metric_definitions(cls, extra_config: dict[str, Any]) -> dict[str, OffloadingMetricMetadata]:
+        """:data:`TIER_VLLM_METRICS`, declared to vLLM's Prometheus path (``TieringOffloadingSpec``
+        merges every secondary tier's definitions)."""
+        out: dict[str, OffloadingMetricMetadata] = {}
+        for name, (kind, doc, _) in TIER_VLLM_METRICS.items():
+            meta = OffloadingGaugeMetadata if kind == "gauge" else OffloadingCounterMetadata
+            out[name] = meta(documentation=f"kvoff tier: {doc}.", labelnames=(TIER_METRIC_LABEL,))
+        return out
+
+    def get_stats(self) -> OffloadingConnectorStats | None:
+        """The increments of :data:`TIER_VLLM_METRICS` since the last call (and the gauges);
+        ``TieringOffloadingManager.get_stats`` merges them into the connector's stats."""
+        st = self.store.stats()
+        st_py = {"vllm:kvoff_tier_lookup_hits": self._hits, "vllm:kvoff_tier_lookup_misses": self._misses}
+        out = OffloadingConnectorStats()
+        label = (str(self.tier_type),)
+        remote = self.store.kind == "remote"
+        for name, (kind, _, keys) in TIER_VLLM_METRICS.items():
+            key = None if keys is None else keys[1 if remote else 0]
+            if key == "":
+                continue
+            value = float(st_py[name] if key is None else st.get(key, 0))
+            if kind == "gauge":
+                out.set_gauge(name, value, label)
+                continue
+            delta = value - self._seen.get(name, 0.0)
+            self._seen[name] = value
+            if delta:
+                out.increase_counter(name, delta, label)
+        return out
 
 
 class kvoff(KvoffFileTier):
     """Alias of :class:`KvoffFileTier`, so that ``"type": "kvoff"`` names it."""
+
+
+class KvoffRemoteTier(KvoffFileTier):
+    """:class:`KvoffFileTier` under the remote tier's name (``"type": "KvoffRemoteTier"`` with
+    ``remote_url``)."""

@@ -337,6 +337,7 @@ fn spawn_enqueuer(
     let thread = std::thread::Builder::new()
         .name(name.into())
         .spawn(move || {
+            crate::affinity::place_current_thread();
             while let Ok(mut w) = work_rx.recv() {
                 let _ = telemetry::take_call_record();
                 let r = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
