@@ -8,8 +8,7 @@
 //! Modules by concept: [`args`] (argument conversion), [`functions`] (sizing, expansion),
 //! [`region`] (host regions), [`handler`] (the transfer handler and engine choice), [`manager`]
 //! and [`keys`] (scheduler side), [`tier`] (the file tier), [`chain`] (the tier chain with the remote tier),
-//! [`blockstore`] (the file tier as a block store for engines that own their host memory, with
-//! [`segments`]: its host memory given as pieces),
+//! [`blockstore`] (the file tier as a block store for engines that own their host memory),
 //! [`names`] (the `direct_io` modes by name).
 
 mod args;
@@ -23,7 +22,6 @@ mod keys;
 mod manager;
 mod names;
 mod region;
-mod segments;
 mod tier;
 
 use pyo3::prelude::*;

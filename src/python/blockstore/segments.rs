@@ -1,4 +1,4 @@
-//! Host memory of the block store's segments mode (`super::blockstore`): each key's block is a
+//! Host memory of the block store's segments mode (`super`): each key's block is a
 //! list of `(address, length)` pieces anywhere in host memory ([`SlotMemory`], set per job), and
 //! the flat `(ptrs, sizes)` arrays the caller passes are split into those lists
 //! ([`split_pieces`]).
