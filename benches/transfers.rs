@@ -195,9 +195,11 @@ fn time_method(
     if method == CopyMethod::Auto {
         // The method `auto` picked for this job (every job of the scenario is the same).
         let counts = eng.method_counts();
-        let names = ["dma", "kernel", "loop", "staged"];
-        let best = (0..4).max_by_key(|&i| counts[i]).unwrap_or(0);
-        AUTO_METHOD.with(|m| *m.borrow_mut() = names[best]);
+        let best = counts
+            .iter()
+            .max_by_key(|(_, n)| *n)
+            .map_or("dma", |(m, _)| m.name());
+        AUTO_METHOD.with(|m| *m.borrow_mut() = best);
     }
     let ok = setup.verify(dir, copies);
     let bytes: u64 = copies.iter().map(|c| c.bytes).sum();

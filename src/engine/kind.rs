@@ -1,6 +1,9 @@
 //! The engines a transfer handler can be asked for, by name: the one list that the bindings, the
-//! Python package (`kvoff._native.ENGINES`) and the vLLM plug-in's settings all take their names
-//! from, and the one place where a name and the tensors' placement decide which engine serves.
+//! Python package (`kvoff._native.ENGINES`), the `kvoff` command's choices and the vLLM plug-in's
+//! settings all take their names from, and the one place where a name and the tensors' placement
+//! decide which engine serves. Beside it, [`CopyMethod`]: the CUDA engine's copy methods, which
+//! take their names from [`EngineKind`] (a new method is a variant of both, here, and its code in
+//! `engine/cuda/`: docs/design.md "Recipe: adding a copy method").
 
 use crate::error::{KvoffError, Result};
 
@@ -125,10 +128,110 @@ impl EngineKind {
     }
 }
 
+/// How a job's bytes are moved.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub enum CopyMethod {
+    /// Choose per job (page size, copy count, whether the host memory is mapped).
+    Auto,
+    /// Batched DMA: one `cuMemcpyBatchAsync` per job (or a per-copy loop without it).
+    Dma,
+    /// The gather/scatter copy kernel (needs pinned, device-mapped host memory).
+    Kernel,
+    /// One `cuMemcpyAsync` per copy (a baseline for benchmarks).
+    Loop,
+    /// Staged: the kernel gathers (stores) or scatters (loads) the GPU side through device staging
+    /// slots, and the copy engines move host-contiguous runs over PCIe with batched DMA. The job
+    /// is cut into chunks (2, 4, 8 … MiB up to a slot) that alternate between two streams, so one
+    /// stream's kernel overlaps the other's DMA; each chunk is packed on the CPU just before it is
+    /// enqueued, so the device starts after little CPU work. Two driver calls per chunk. Best when
+    /// host-side runs are long (kvoff's block-major host layout) and especially when stores and
+    /// loads run at the same time.
+    Staged,
+}
+
+impl CopyMethod {
+    /// The methods a job can run (every one but `Auto`, which picks one of these per job), in the
+    /// order of `CudaEngine::method_counts`.
+    pub const RUN: [Self; 4] = [Self::Dma, Self::Kernel, Self::Loop, Self::Staged];
+
+    /// The method a CUDA engine of kind `kind` runs: `Auto` for `"auto"` and `"cuda"`, the named
+    /// method for the others; `None` for `"host"`. The names are [`EngineKind`]'s (one list).
+    #[must_use]
+    pub const fn for_kind(kind: EngineKind) -> Option<Self> {
+        match kind {
+            EngineKind::Host => None,
+            EngineKind::Auto | EngineKind::Cuda => Some(Self::Auto),
+            EngineKind::Dma => Some(Self::Dma),
+            EngineKind::Kernel => Some(Self::Kernel),
+            EngineKind::Loop => Some(Self::Loop),
+            EngineKind::Staged => Some(Self::Staged),
+        }
+    }
+
+    /// The engine kind that runs this method (`Auto`: `"auto"`).
+    #[must_use]
+    pub const fn kind(self) -> EngineKind {
+        match self {
+            Self::Auto => EngineKind::Auto,
+            Self::Dma => EngineKind::Dma,
+            Self::Kernel => EngineKind::Kernel,
+            Self::Loop => EngineKind::Loop,
+            Self::Staged => EngineKind::Staged,
+        }
+    }
+
+    /// Parses an engine name that names a CUDA method (every [`EngineKind`] name but `"host"`;
+    /// `"cuda"` is `Auto`).
+    ///
+    /// # Errors
+    /// [`KvoffError::InvalidArgument`] naming the valid choices.
+    pub fn parse(s: &str) -> Result<Self> {
+        if let Some(m) = EngineKind::parse(s).ok().and_then(Self::for_kind) {
+            return Ok(m);
+        }
+        let valid: Vec<String> = EngineKind::ALL
+            .iter()
+            .filter(|k| Self::for_kind(**k).is_some())
+            .map(|k| format!("{:?}", k.name()))
+            .collect();
+        Err(KvoffError::arg(format!(
+            "unknown CUDA copy method {s:?}; valid: {}",
+            valid.join(", ")
+        )))
+    }
+
+    /// Lower-case name (the [`EngineKind`] name of [`Self::kind`]).
+    #[must_use]
+    pub const fn name(self) -> &'static str {
+        self.kind().name()
+    }
+}
+
 #[cfg(test)]
 #[allow(clippy::pedantic)] // tests: style lints are for the library
 mod tests {
-    use super::EngineKind;
+    use super::{CopyMethod, EngineKind};
+
+    #[test]
+    fn copy_methods_take_their_names_from_the_engine_kinds() {
+        for k in EngineKind::ALL {
+            match CopyMethod::for_kind(k) {
+                None => assert_eq!(k, EngineKind::Host),
+                Some(m) => {
+                    assert_eq!(CopyMethod::parse(k.name()).unwrap(), m);
+                    assert!(
+                        m == CopyMethod::Auto || CopyMethod::RUN.contains(&m),
+                        "{m:?}"
+                    );
+                }
+            }
+        }
+        for m in CopyMethod::RUN {
+            assert_eq!(CopyMethod::for_kind(m.kind()), Some(m));
+        }
+        let e = CopyMethod::parse("host").unwrap_err().to_string();
+        assert!(e.contains("\"dma\""), "{e}");
+    }
 
     #[test]
     fn names_round_trip_and_unknown_names_list_the_choices() {

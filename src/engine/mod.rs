@@ -30,7 +30,7 @@ mod kind;
 mod open;
 
 pub use host::HostEngine;
-pub use kind::EngineKind;
+pub use kind::{CopyMethod, EngineKind};
 pub use open::{
     budget_bp, cuda_usable, open, EngineOptions, EngineTensor, DEFAULT_COMPUTE_BUDGET_BP,
 };

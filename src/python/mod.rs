@@ -9,7 +9,8 @@
 //! [`region`] (host regions), [`handler`] (the transfer handler and engine choice), [`manager`]
 //! and [`keys`] (scheduler side), [`tier`] (the tiered manager: file and remote tiers),
 //! [`tier_bench`] (`bench_disk`),
-//! [`blockstore`] (the file tier as a block store for engines that own their host memory).
+//! [`blockstore`] (the file or remote tier as a block store for engines that own their host memory),
+//! [`names`] (the `direct_io` modes by name).
 
 mod args;
 mod blockstore;
@@ -19,6 +20,7 @@ mod functions;
 mod handler;
 mod keys;
 mod manager;
+mod names;
 mod region;
 mod tier;
 mod tier_bench;
@@ -37,5 +39,6 @@ fn _native(m: &Bound<'_, PyModule>) -> PyResult<()> {
     tier::register(m)?;
     tier_bench::register(m)?;
     blockstore::register(m)?;
+    names::register(m)?;
     Ok(())
 }

@@ -20,6 +20,7 @@ use pyo3::types::{PyBytes, PyDict};
 use super::args::{Float, Int, PathArg};
 use super::enter::{blocking, locked, Hold};
 use super::errors::{to_py, IntoPyResult};
+use super::names::parse_direct_io;
 use super::region::{PyHostRegion, SharedRegion};
 use crate::key::ByteKey;
 use crate::manager::{AnyManager, BlockId, ManagerConfig, PolicyKind, Presence};
@@ -99,17 +100,6 @@ fn seconds(name: &str, s: f64) -> PyResult<Duration> {
         Err(to_py(KvoffError::Config(format!(
             "{name} must be > 0 seconds and finite, got {s}"
         ))))
-    }
-}
-
-pub(super) fn parse_direct(s: &str) -> PyResult<DirectIo> {
-    match s {
-        "auto" => Ok(DirectIo::Auto),
-        "on" => Ok(DirectIo::On),
-        "off" => Ok(DirectIo::Off),
-        _ => Err(to_py(KvoffError::Config(format!(
-            "direct_io must be 'auto', 'on' or 'off', got {s:?}"
-        )))),
     }
 }
 
@@ -446,7 +436,7 @@ impl PyChainCore {
                 write_threads: write_threads.get("write_threads")?,
                 max_queued_writes: max_queued_writes.get("max_queued_writes")?,
                 fsync,
-                direct: parse_direct(direct_io)?,
+                direct: parse_direct_io(direct_io)?,
                 rescan,
                 trusted_uids: trusted_uids
                     .into_iter()

@@ -7,7 +7,7 @@ use pyo3::types::PyDict;
 
 use super::args::{Int, PathArg};
 use super::enter::blocking;
-use super::tier::parse_direct;
+use super::names::parse_direct_io;
 use crate::tier::bench::{run as run_bench, DiskBenchConfig};
 
 /// Runs the disk benchmark for one layout (GIL released) and returns its row as a dict.
@@ -34,7 +34,7 @@ fn bench_disk<'py>(
         num_blocks: num_blocks.get("num_blocks")?,
         reps: reps.get("reps")?,
         io_threads: io_threads.get("io_threads")?,
-        direct_io: parse_direct(direct_io)?,
+        direct_io: parse_direct_io(direct_io)?,
     };
     let r = blocking(py, || run_bench(&cfg))?;
     let d = PyDict::new(py);

@@ -773,6 +773,8 @@ class FaultProxy:
         self._delay = 0.0
         self._closed = False
         self._pairs: list[tuple[socket.socket, socket.socket]] = []
+        # Pumps still running per (client, server) pair: the last one to end closes both sockets.
+        self._pumps: dict[tuple[socket.socket, socket.socket], int] = {}
         self.connections = 0
         self.bytes_up = 0
         self.bytes_down = 0
@@ -868,6 +870,7 @@ class FaultProxy:
                 x.settimeout(0.2)
             with self._cv:
                 self._pairs.append((c, s))
+                self._pumps[(c, s)] = 2
                 self.connections += 1
             for src, dst, up in ((c, s, True), (s, c, False)):
                 t = threading.Thread(target=self._pump, args=(src, dst, up), daemon=True)
@@ -917,8 +920,18 @@ class FaultProxy:
             _reset(src)
             _reset(dst)
         finally:
+            pair = (src, dst) if up else (dst, src)
             with self._cv:
                 self._pairs = [p for p in self._pairs if src not in p]
+                left = self._pumps.get(pair, 1) - 1
+                if left:
+                    self._pumps[pair] = left
+                else:
+                    self._pumps.pop(pair, None)
+            if not left:
+                for x in pair:
+                    with contextlib.suppress(OSError):
+                        x.close()
 
 
 def _reset(s: socket.socket) -> None:

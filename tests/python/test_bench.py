@@ -9,7 +9,7 @@ import json
 
 import kvoff
 import pytest
-from kvoff import bench, cli
+from kvoff.tools import bench, cli
 
 
 def _small(**kw: object) -> list[dict[str, object]]:
@@ -98,7 +98,7 @@ def test_bench_transfers_small_job() -> None:
 
 
 def test_interference_method_specs_parse():
-    from kvoff.bench_interference import parse_method
+    from kvoff.tools.bench_interference import parse_method
 
     assert parse_method("auto") == ("auto", "auto", 0.02, "")
     assert parse_method("dma") == ("dma", "dma", None, "pitched=0"), "plain batched DMA"
@@ -128,7 +128,7 @@ def _interference_row(**extra: object) -> dict[str, object]:
 def test_interference_slowdown_from_alternating_rounds():
     """The slowdown is median(beside) / median(alone) - 1 over the rounds, so one outlier round on
     either side does not move it, and a drift shared by both sides cancels."""
-    from kvoff.bench_interference import format_row, slowdown_row
+    from kvoff.tools.bench_interference import format_row, slowdown_row
 
     r = slowdown_row("gemm", [1.50, 1.52, 9.0], [1.53, 1.56, 1.55], [10.0, 30.0, 20.0])
     assert r["gemm_slowdown"] == pytest.approx(1.55 / 1.52 - 1)
@@ -141,7 +141,7 @@ def test_interference_slowdown_from_alternating_rounds():
 def test_interference_method_mix_names_methods_and_reasons_per_direction():
     """The bench logs which method each direction's jobs took beside compute, and why (the CUDA
     engine's ``last_submit_stats["reason"]``), as shares, largest first."""
-    from kvoff.bench_interference import method_mix
+    from kvoff.tools.bench_interference import method_mix
 
     mix = method_mix(
         {
@@ -161,7 +161,7 @@ def test_interference_bracketed_rounds_cancel_drift():
     """With alone rounds around each beside round (A B A B A B A), a proxy that drifts steadily
     over the cell reads no slowdown when the transfers cost it nothing — where comparing medians of
     A B A B A B reads the drift as a slowdown — and a real slowdown reads through the drift."""
-    from kvoff.bench_interference import format_row, slowdown_row
+    from kvoff.tools.bench_interference import format_row, slowdown_row
 
     alone = [1.0, 1.2, 1.4, 1.6]  # +10% per phase, steady
     r = slowdown_row("gemm", alone, [1.1, 1.3, 1.5], [20.0, 21.0, 22.0])
@@ -178,7 +178,7 @@ def test_interference_bracketed_rounds_cancel_drift():
     row = _interference_row(**r3, **r4)
     assert "+60.0/+0.0" in format_row(row)
     with pytest.raises(ValueError, match="rounds"):
-        from kvoff.bench_interference import bench_interference
+        from kvoff.tools.bench_interference import bench_interference
 
         bench_interference(rounds=0)
 
@@ -188,7 +188,7 @@ def test_interference_plot_draws_both_directions(tmp_path):
     baseline and the contiguous limit, idle, beside the GEMM and beside the memory-bound kernel, one
     panel per direction."""
     pytest.importorskip("matplotlib")
-    from kvoff.bench_interference import format_sweep_rows, plot_sweep_rows
+    from kvoff.tools.bench_interference import format_sweep_rows, plot_sweep_rows
 
     methods = ("kvoff auto", "batched DMA", "contiguous copy")
     rows = [
@@ -224,7 +224,7 @@ def test_interference_plot_line_styles(tmp_path, monkeypatch):
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
-    from kvoff import bench_interference as bi
+    from kvoff.tools import bench_interference as bi
 
     rows = [
         {"page_kib": p, "dir": "store", "method": m, "idle_gb_s": 1.0, "gemm_gb_s": 2.0, "mem_gb_s": 3.0}
@@ -330,7 +330,7 @@ def test_bench_transfers_without_torch() -> None:
 
     code = (
         "import sys; sys.modules['torch'] = None\n"
-        "from kvoff.cli import main\n"
+        "from kvoff.tools.cli import main\n"
         "sys.exit(main(['bench', 'transfers', '--job-mib', '8', '--reps', '1', '--quiet', '--json']))\n"
     )
     out = subprocess.run(
@@ -349,7 +349,7 @@ def test_interference_compute_keeps_a_bounded_queue():
     """The compute proxy's thread waits on an event whenever more than ``_DEPTH`` chunks would be
     queued (a serving engine's depth), instead of queueing a whole round at once: with a second of
     GEMMs queued the driver's launch queue fills and other threads' calls on the stream wait."""
-    from kvoff import bench_interference as bi
+    from kvoff.tools import bench_interference as bi
 
     log: list[tuple[str, int]] = []
 
@@ -411,8 +411,8 @@ def test_interference_compute_keeps_a_bounded_queue():
 # shrunk so the test takes seconds.
 _NO_TORCH = """\
 import sys; sys.modules['torch'] = None
-from kvoff import bench
-from kvoff.cli import main
+from kvoff.tools import bench
+from kvoff.tools.cli import main
 managers, transfers, sweep = bench.bench_managers, bench.bench_transfers, bench.sweep_host_for_plot
 bench.bench_managers = lambda *a, **k: managers(80, 600, 1, 1, show_progress=False, vllm=False)
 bench.bench_transfers = lambda job_mib, reps, methods, show_progress: transfers(4, 1, methods, False)
@@ -463,7 +463,7 @@ def test_bench_transfers_plot_json_without_torch(tmp_path):
 def test_plot_given_before_the_subcommand_is_kept(monkeypatch):
     """``kvoff bench --plot F transfers`` (or ``interference``): the subcommand's own ``--plot``
     must not reset the one given before it; without any, ``plot`` is None."""
-    from kvoff import cli
+    from kvoff.tools import cli
 
     seen: list[object] = []
 
@@ -485,7 +485,7 @@ def test_repeat_sweeps_median_band_and_spread(tmp_path):
     """`--plot` repeats the sweep: each point is the median of the sweeps with its min and max,
     and a spread above SPREAD_LIMIT of the median is called too large to read."""
     pytest.importorskip("matplotlib")
-    from kvoff import bench_interference as bi
+    from kvoff.tools import bench_interference as bi
 
     def sweep(idle: float, gemm: float) -> list[dict[str, object]]:
         return [
@@ -537,7 +537,7 @@ def test_gpu_plot_path_repeats_the_sweep(monkeypatch, tmp_path, capsys):
     sweep stood in for by fixed rows (the sweep itself needs a GPU: test_worker_gpu.py and the
     lead's GPU runs): the sweep runs --plot-repeats times and the table shows its spread."""
     pytest.importorskip("matplotlib")
-    from kvoff import bench_interference as bi
+    from kvoff.tools import bench_interference as bi
 
     calls: list[int] = []
 

@@ -1,4 +1,4 @@
-"""``kvoff bench remote`` (python/kvoff/bench_remote.py): the same-run references (redis-benchmark's
+"""``kvoff bench remote`` (python/kvoff/tools/bench_remote.py): the same-run references (redis-benchmark's
 best SET/GET, redis-py pipelined SET/GET) against the real session redis-server, and the command
 line end to end on a private server. Small sizes: this checks the machinery, not the figures
 (BENCHMARKS.md has those)."""
@@ -10,8 +10,8 @@ import json
 
 import pytest
 import redis_servers as rs
-from kvoff import bench_remote as br
-from kvoff.cli import main
+from kvoff.tools import bench_remote as br
+from kvoff.tools.cli import main
 
 
 def test_url_parsing() -> None:

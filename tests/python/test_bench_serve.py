@@ -8,7 +8,7 @@ import math
 from pathlib import Path
 
 import pytest
-from kvoff import bench_serve, cli
+from kvoff.tools import bench_serve, cli
 
 
 def _one_line_error(capsys: pytest.CaptureFixture[str], argv: list[str], *needles: str) -> str:

@@ -1,6 +1,6 @@
 """The ``kvoff`` command line never shows a traceback for a bad value: every numeric option of every
 subcommand, fed a negative, zero, huge and non-numeric value in a child process (as a user runs
-it), exits 2 with one line naming the option and its allowed range (kvoff._cli_args)."""
+it), exits 2 with one line naming the option and its allowed range (kvoff.tools._cli_args)."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ import sys
 from concurrent.futures import ThreadPoolExecutor
 
 import pytest
-from kvoff import cli
+from kvoff.tools import cli
 
 # (command, option, values that are valid, so that zero is accepted where the range starts at 0)
 NUMERIC = [
@@ -53,7 +53,7 @@ BAD = {"negative": "-3", "zero": "0", "huge": "1" + "0" * 30, "non-numeric": "ab
 
 
 def _numeric_options(parser: object, path: list[str]) -> set[tuple[str, str]]:
-    """Every option of the real parser whose ``type`` is a range check (kvoff._cli_args), so that
+    """Every option of the real parser whose ``type`` is a range check (kvoff.tools._cli_args), so that
     an option added later without a case here fails this test."""
     import argparse
 
@@ -77,7 +77,7 @@ def _run(argv: list[str]) -> subprocess.CompletedProcess[str]:
     env = dict(os.environ, PYTHONUNBUFFERED="1")
     env.pop("KVOFF_TRACEBACK", None)
     return subprocess.run(
-        [sys.executable, "-c", "import sys; from kvoff.cli import main; sys.exit(main())", *argv],
+        [sys.executable, "-c", "import sys; from kvoff.tools.cli import main; sys.exit(main())", *argv],
         capture_output=True,
         text=True,
         timeout=120,
@@ -178,7 +178,7 @@ def test_demo_without_torch_prints_only_its_message() -> None:
         [
             sys.executable,
             "-c",
-            "import sys; sys.modules['torch'] = None\nfrom kvoff.cli import main\nsys.exit(main(['demo']))",
+            "import sys; sys.modules['torch'] = None\nfrom kvoff.tools.cli import main\nsys.exit(main(['demo']))",
         ],
         capture_output=True,
         text=True,
@@ -195,7 +195,7 @@ def test_an_unexpected_error_is_one_line(
     monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
 ) -> None:
     """A failure inside a benchmark: one line with the error, exit 1 (KVOFF_TRACEBACK=1 re-raises)."""
-    from kvoff import bench
+    from kvoff.tools import bench
 
     def boom(*_: object, **__: object) -> None:
         raise RuntimeError("disk on fire")
@@ -221,8 +221,8 @@ def test_no_progress_frames_or_dicts_on_a_redirected_stderr(tmp_path: object) ->
     png = pathlib.Path(str(tmp_path)) / "s.png"
     code = (
         "import sys; sys.modules['torch'] = None\n"
-        "from kvoff import bench\n"
-        "from kvoff.cli import main\n"
+        "from kvoff.tools import bench\n"
+        "from kvoff.tools.cli import main\n"
         "t, s = bench.bench_transfers, bench.sweep_host_for_plot\n"
         "bench.bench_transfers = lambda job_mib, reps, methods, show_progress: t(4, 1, methods, show_progress)\n"
         "bench.sweep_host_for_plot = lambda job_mib, reps, log: s(pages_kib=[4, 2048], job_mib=4, reps=1, log=log)\n"

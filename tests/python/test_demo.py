@@ -10,8 +10,8 @@ import kvoff
 import pytest
 
 torch = pytest.importorskip("torch")
-from kvoff import demo
-from kvoff.cli import main
+from kvoff.tools import demo
+from kvoff.tools.cli import main
 
 TINY = {
     "requests": 30,

@@ -422,3 +422,24 @@ def test_literal_types_spell_the_runtime_lists():
 
     assert typing.get_args(kvoff.PolicyName) == _native.POLICIES
     assert typing.get_args(kvoff.EngineName) == _native.ENGINES
+    assert typing.get_args(kvoff.DirectIoName) == _native.DIRECT_IO
+
+
+def test_direct_io_names_come_from_one_list(tmp_path):
+    # kvoff._native.DIRECT_IO is the one list of the file tier's direct_io modes: the bindings
+    # parse them in one place, the vLLM settings and the kvoff command take their choices from it.
+    from kvoff import _native
+    from kvoff.vllm.config import KvoffOffloadConfig
+
+    assert _native.DIRECT_IO == ("auto", "on", "off")
+    for bad in ("ON", "yes", ""):
+        with pytest.raises(kvoff.ConfigError, match=r"direct_io must be one of 'auto', 'on', 'off'"):
+            _native.BlockStore(str(tmp_path), 4096, 4, direct_io=bad)
+    extra = {
+        "cpu_bytes_to_use": 1 << 20,
+        "disk_path": str(tmp_path),
+        "disk_bytes_to_use": 1 << 20,
+        "disk_direct_io": "ON",
+    }
+    with pytest.raises(kvoff.ConfigError, match=r"must be one of \['auto', 'on', 'off'\]"):
+        KvoffOffloadConfig.from_extra_config(extra)

@@ -271,6 +271,8 @@ def test_servers_die_with_a_sigkilled_test_process(tmp_path: rs.Path) -> None:
     finally:
         p.kill()
         p.wait()
+        if p.stdout is not None:
+            p.stdout.close()
     deadline = time.monotonic() + 10
     while _alive(pid) and time.monotonic() < deadline:
         time.sleep(0.05)

@@ -7,7 +7,7 @@ with ``pytest -m vllm`` (scripts/test.sh does)."""
 from __future__ import annotations
 
 import pytest
-from kvoff import bench
+from kvoff.tools import bench
 
 pytestmark = pytest.mark.vllm
 

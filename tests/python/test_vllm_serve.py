@@ -47,7 +47,7 @@ def _bench(d: Path, workload: str, configs: list[str]) -> dict[str, Any]:
     cmd = [
         sys.executable,
         "-m",
-        "kvoff.cli",
+        "kvoff.tools.cli",
         "bench",
         "serve",
         "--model",
@@ -153,7 +153,7 @@ def test_noreuse_serves_nothing_and_matches(run: dict[str, Any]) -> None:
 def test_table_and_plot_from_json(
     run: dict[str, Any], tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    from kvoff import cli
+    from kvoff.tools import cli
 
     saved = tmp_path / "run.json"
     saved.write_text(json.dumps(run))

@@ -87,8 +87,8 @@ def storage_namespace(
 
 
 def _direct(v: Any) -> DirectIoName:
-    if v not in ("auto", "on", "off"):
-        raise ConfigError(f"direct_io must be 'auto', 'on' or 'off', got {v!r}")
+    if v not in _native.DIRECT_IO:
+        raise ConfigError(f"direct_io must be one of {list(_native.DIRECT_IO)}, got {v!r}")
     return cast(DirectIoName, v)
 
 

@@ -271,9 +271,10 @@ def _disk_settings(d: Mapping[str, Any], shared: bool | None) -> dict[str, Any]:
     if namespace is not None and not isinstance(namespace, str):
         raise ConfigError(f"kv_connector_extra_config['disk_namespace'] must be a string, got {namespace!r}")
     direct = d.get("disk_direct_io", "auto")
-    if direct not in ("auto", "on", "off"):
+    if direct not in _native.DIRECT_IO:
         raise ConfigError(
-            f"kv_connector_extra_config['disk_direct_io'] must be 'auto', 'on' or 'off', got {direct!r}"
+            f"kv_connector_extra_config['disk_direct_io'] must be one of {list(_native.DIRECT_IO)}, "
+            f"got {direct!r}"
         )
     rescan = d.get("disk_rescan_interval_s", 2.0)
     if rescan is not None and (

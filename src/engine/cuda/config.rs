@@ -1,84 +1,10 @@
-//! The engine's settings: the copy methods and [`CudaEngineConfig`].
+//! The engine's settings, [`CudaEngineConfig`] (the copy methods themselves, [`CopyMethod`], are
+//! listed beside the engine names in `engine/kind.rs`).
 
 #![forbid(unsafe_code)]
 
-use crate::engine::EngineKind;
+pub use crate::engine::CopyMethod;
 use crate::error::{KvoffError, Result};
-
-/// How a job's bytes are moved.
-#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
-pub enum CopyMethod {
-    /// Choose per job (page size, copy count, whether the host memory is mapped).
-    Auto,
-    /// Batched DMA: one `cuMemcpyBatchAsync` per job (or a per-copy loop without it).
-    Dma,
-    /// The gather/scatter copy kernel (needs pinned, device-mapped host memory).
-    Kernel,
-    /// One `cuMemcpyAsync` per copy (a baseline for benchmarks).
-    Loop,
-    /// Staged: the kernel gathers (stores) or scatters (loads) the GPU side through device staging
-    /// slots, and the copy engines move host-contiguous runs over PCIe with batched DMA. The job
-    /// is cut into chunks (2, 4, 8 … MiB up to a slot) that alternate between two streams, so one
-    /// stream's kernel overlaps the other's DMA; each chunk is packed on the CPU just before it is
-    /// enqueued, so the device starts after little CPU work. Two driver calls per chunk. Best when
-    /// host-side runs are long (kvoff's block-major host layout) and especially when stores and
-    /// loads run at the same time.
-    Staged,
-}
-
-impl CopyMethod {
-    /// The method a CUDA engine of kind `kind` runs: `Auto` for `"auto"` and `"cuda"`, the named
-    /// method for the others; `None` for `"host"`. The names are [`EngineKind`]'s (one list).
-    #[must_use]
-    pub const fn for_kind(kind: EngineKind) -> Option<Self> {
-        match kind {
-            EngineKind::Host => None,
-            EngineKind::Auto | EngineKind::Cuda => Some(Self::Auto),
-            EngineKind::Dma => Some(Self::Dma),
-            EngineKind::Kernel => Some(Self::Kernel),
-            EngineKind::Loop => Some(Self::Loop),
-            EngineKind::Staged => Some(Self::Staged),
-        }
-    }
-
-    /// The engine kind that runs this method (`Auto`: `"auto"`).
-    #[must_use]
-    pub const fn kind(self) -> EngineKind {
-        match self {
-            Self::Auto => EngineKind::Auto,
-            Self::Dma => EngineKind::Dma,
-            Self::Kernel => EngineKind::Kernel,
-            Self::Loop => EngineKind::Loop,
-            Self::Staged => EngineKind::Staged,
-        }
-    }
-
-    /// Parses an engine name that names a CUDA method (every [`EngineKind`] name but `"host"`;
-    /// `"cuda"` is `Auto`).
-    ///
-    /// # Errors
-    /// [`KvoffError::InvalidArgument`] naming the valid choices.
-    pub fn parse(s: &str) -> Result<Self> {
-        if let Some(m) = EngineKind::parse(s).ok().and_then(Self::for_kind) {
-            return Ok(m);
-        }
-        let valid: Vec<String> = EngineKind::ALL
-            .iter()
-            .filter(|k| Self::for_kind(**k).is_some())
-            .map(|k| format!("{:?}", k.name()))
-            .collect();
-        Err(KvoffError::arg(format!(
-            "unknown CUDA copy method {s:?}; valid: {}",
-            valid.join(", ")
-        )))
-    }
-
-    /// Lower-case name (the [`EngineKind`] name of [`Self::kind`]).
-    #[must_use]
-    pub const fn name(self) -> &'static str {
-        self.kind().name()
-    }
-}
 
 /// Engine settings.
 #[derive(Clone, Debug, PartialEq, Eq)]

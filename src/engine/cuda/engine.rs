@@ -107,20 +107,12 @@ impl JobCtx {
     }
 }
 
-/// Jobs per copy method an engine ran, keyed by method (`Dma` counts jobs of batched DMA; a DMA
-/// job where the driver lacks the batch API counts as `Loop`).
+/// Jobs per copy method an engine ran, keyed by method (one count per [`CopyMethod::RUN`]; `Dma`
+/// counts jobs of batched DMA, a DMA job where the driver lacks the batch API counts as `Loop`).
 #[derive(Clone, Copy, Debug, Default)]
-pub(super) struct MethodCounts([u64; 4]);
+pub(super) struct MethodCounts([u64; CopyMethod::RUN.len()]);
 
 impl MethodCounts {
-    /// The methods counted, in the order of [`CudaEngine::method_counts`].
-    pub(super) const ORDER: [CopyMethod; 4] = [
-        CopyMethod::Dma,
-        CopyMethod::Kernel,
-        CopyMethod::Loop,
-        CopyMethod::Staged,
-    ];
-
     /// Counts a job that ran `method` (`Auto` is never run: it counts as `Dma`).
     pub(super) fn add(&mut self, method: CopyMethod) {
         let m = if method == CopyMethod::Auto {
@@ -128,17 +120,14 @@ impl MethodCounts {
         } else {
             method
         };
-        if let Some(i) = Self::ORDER.iter().position(|&o| o == m) {
+        if let Some(i) = CopyMethod::RUN.iter().position(|&o| o == m) {
             self.0[i] += 1;
         }
     }
 
-    /// Jobs that ran `method`.
-    pub(super) fn get(&self, method: CopyMethod) -> u64 {
-        Self::ORDER
-            .iter()
-            .position(|&o| o == method)
-            .map_or(0, |i| self.0[i])
+    /// Jobs per method, in the order of [`CopyMethod::RUN`].
+    pub(super) fn all(&self) -> [(CopyMethod, u64); CopyMethod::RUN.len()] {
+        std::array::from_fn(|i| (CopyMethod::RUN[i], self.0[i]))
     }
 }
 
@@ -331,11 +320,11 @@ impl CudaEngine {
         self.device.compute_seen_within(self.cfg.idle_after_us)
     }
 
-    /// Jobs run per method since creation: `[dma (batched, or per-copy loop without the batch API),
-    /// kernel, loop, staged]`.
+    /// Jobs run per method since creation, one entry per [`CopyMethod::RUN`] (`Dma`: batched DMA;
+    /// a DMA job where the driver lacks the batch API counts as `Loop`).
     #[must_use]
-    pub fn method_counts(&self) -> [u64; 4] {
-        MethodCounts::ORDER.map(|m| self.method_counts.get(m))
+    pub fn method_counts(&self) -> [(CopyMethod, u64); CopyMethod::RUN.len()] {
+        self.method_counts.all()
     }
 
     /// CPU time of the last `submit` and of its staged packing, in nanoseconds.

@@ -39,7 +39,7 @@ Configurations are a registry (:data:`CONFIGS`, :func:`register_config`): a name
 ``kv_connector_extra_config`` kvoff gets (``None``: no offloading), optionally with a service
 started around the engine (a remote tier's server, say) whose settings are merged in.
 
-The engine side runs in a child process: ``python -m kvoff.bench_serve child SPEC.json``.
+The engine side runs in a child process: ``python -m kvoff.tools.bench_serve child SPEC.json``.
 """
 
 from __future__ import annotations
@@ -499,7 +499,7 @@ def _log(opts: ServeOptions, msg: str) -> None:
 
 
 def _run_child(spec: dict[str, Any], run_dir: Path, tag: str, timeout_s: float) -> dict[str, Any]:
-    """Runs ``python -m kvoff.bench_serve child`` over ``spec`` in its own process group (vLLM's
+    """Runs ``python -m kvoff.tools.bench_serve child`` over ``spec`` in its own process group (vLLM's
     engine-core processes must not outlive it) and returns its result."""
     spec_path = run_dir / f"{tag}.spec.json"
     out_path = run_dir / f"{tag}.result.json"
@@ -511,7 +511,7 @@ def _run_child(spec: dict[str, Any], run_dir: Path, tag: str, timeout_s: float) 
     bind = cpu_threads_bind()
     if bind is not None:
         env["VLLM_CPU_OMP_THREADS_BIND"] = bind
-    cmd = [sys.executable, "-m", "kvoff.bench_serve", "child", str(spec_path)]
+    cmd = [sys.executable, "-m", "kvoff.tools.bench_serve", "child", str(spec_path)]
     with open(log_path, "w") as log:
         p = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True)
         try:
@@ -616,7 +616,7 @@ def run_serve_bench(opts: ServeOptions) -> dict[str, Any]:
         build = [
             sys.executable,
             "-m",
-            "kvoff.bench_serve",
+            "kvoff.tools.bench_serve",
             "build",
             str(model_dir),
             opts.preset,
@@ -980,7 +980,7 @@ def format_results(doc: dict[str, Any]) -> str:
 def plot_results(doc: dict[str, Any], path: str) -> None:
     """Per workload: the TTFT distribution of every configuration (CDF) and output tokens/s
     (bars, with the ratio to no offloading), into ``path`` (PNG)."""
-    from kvoff._toolbase import require_matplotlib
+    from kvoff.tools._toolbase import require_matplotlib
 
     require_matplotlib()
     import matplotlib
@@ -1128,7 +1128,7 @@ def serve_main(args: argparse.Namespace) -> int:
     if problem is None:
         problem = engine_problem()
     if problem is None and plot:
-        from kvoff._toolbase import require_matplotlib
+        from kvoff.tools._toolbase import require_matplotlib
 
         try:
             require_matplotlib()
@@ -1165,7 +1165,7 @@ def _from_json(path: str, plot: str | None, as_json: bool) -> int:
         print(f"kvoff bench serve: --from-json {path}: {e}", file=sys.stderr)
         return 2
     if plot:
-        from kvoff._toolbase import require_matplotlib
+        from kvoff.tools._toolbase import require_matplotlib
 
         try:
             require_matplotlib()
@@ -1193,7 +1193,10 @@ def _entry(argv: list[str]) -> int:
     if len(argv) == 5 and argv[0] == "build":
         build_model(Path(argv[1]), argv[2], argv[3], int(argv[4]))
         return 0
-    print("usage: python -m kvoff.bench_serve child SPEC.json | build DIR PRESET DTYPE SEED", file=sys.stderr)
+    print(
+        "usage: python -m kvoff.tools.bench_serve child SPEC.json | build DIR PRESET DTYPE SEED",
+        file=sys.stderr,
+    )
     return 2
 
 

@@ -18,6 +18,7 @@ import threading
 import time
 from typing import Any, cast
 
+from kvoff import _native
 from kvoff._names import EngineName
 
 TENSORS = 64
@@ -44,8 +45,8 @@ DEFAULT_METHODS = [
     ("kernel", "kernel", None, ""),
     ("staged", "staged", None, ""),
     ("auto-idle", "auto", None, ""),
-    ("auto-serve", "auto", 0.02, "idleafter=0"),
-    ("auto", "auto", 0.02, ""),
+    ("auto-serve", "auto", _native.DEFAULT_COMPUTE_BUDGET, "idleafter=0"),
+    ("auto", "auto", _native.DEFAULT_COMPUTE_BUDGET, ""),
 ]
 
 
@@ -381,7 +382,7 @@ def parse_method(s: str) -> tuple[str, str, float | None, str]:
         for m in DEFAULT_METHODS:  # a default method by its label (auto-idle, auto-serve, ...)
             if m[0] == s:
                 return m
-        return (s, s, 0.02 if s == "auto" else None, "")
+        return (s, s, _native.DEFAULT_COMPUTE_BUDGET if s == "auto" else None, "")
     budget = None if len(parts) < 3 or parts[2] in ("", "none") else float(parts[2])
     return (parts[0], parts[1], budget, parts[3] if len(parts) > 3 else "")
 
@@ -630,7 +631,7 @@ def sweep_for_plot(
     import torch
 
     import kvoff
-    from kvoff._toolbase import sweep_row_line
+    from kvoff.tools._toolbase import sweep_row_line
 
     if not (torch.cuda.is_available() and kvoff.cuda_available()):
         raise RuntimeError("kvoff bench interference --plot needs a CUDA GPU and torch with CUDA")
@@ -644,7 +645,10 @@ def sweep_for_plot(
         blocks = max(4, (job_mib << 20) // (tensors * page))
         ngpu = ncpu = 4 * blocks
         kv = [torch.empty(ngpu, page, dtype=torch.uint8, device="cuda") for _ in range(tensors)]
-        for label, engine, budget in (("kvoff auto", "auto", 0.02), ("batched DMA", "dma", None)):
+        for label, engine, budget in (
+            ("kvoff auto", "auto", _native.DEFAULT_COMPUTE_BUDGET),
+            ("batched DMA", "dma", None),
+        ):
             # Plain batched DMA (one batch entry per page) as the baseline.
             h = _handlers(kvoff, torch, kv, ncpu, engine, budget, "pitched=0" if engine == "dma" else "")
             try:
@@ -684,9 +688,9 @@ def plot_sweep_rows(
     """One panel per direction: GB/s against page size, one colour per method, solid idle, dashed
     beside the GEMM and dotted beside the memory-bound kernel (each drawn where the rows have it:
     ``{kind}_gb_s``), with a band from ``{kind}_gb_s_min`` to ``_max`` where the rows have them
-    (repeated sweeps, :func:`kvoff.bench.repeat_sweeps`). ``note``: lines under the panels. Returns
+    (repeated sweeps, :func:`kvoff.tools.bench.repeat_sweeps`). ``note``: lines under the panels. Returns
     the legend labels, in order."""
-    from kvoff._toolbase import require_matplotlib
+    from kvoff.tools._toolbase import require_matplotlib
 
     require_matplotlib()
     import matplotlib

@@ -35,9 +35,9 @@ from typing import Any, cast
 
 import kvoff
 from kvoff._names import EngineName, PolicyName
-from kvoff._progress import Progress
-from kvoff._toolbase import available_memory
 from kvoff.metrics import TransferMetrics
+from kvoff.tools._progress import Progress
+from kvoff.tools._toolbase import available_memory
 
 # Llama-3-8B KV geometry.
 LAYERS = 32

@@ -4,7 +4,7 @@
 a GPU, the host engine otherwise), against one contiguous copy of the same bytes in the same run.
 
 ``managers``: the manager workload of docs/performance.md through the Python API, for both policies, with the
-pure-Python reference managers (``kvoff._pyref``, built like vLLM's) measured in the same run as the
+pure-Python reference managers (``kvoff.tools._pyref``, built like vLLM's) measured in the same run as the
 baseline, and vLLM's own offloading managers (``CPUOffloadingManager``) too where vLLM is installed.
 Every figure is a ratio against a reference measured in the same run.
 """
@@ -24,9 +24,9 @@ from typing import Any, cast
 import kvoff
 from kvoff._names import Direction, EngineName, PolicyName
 from kvoff._native import CPULoadStoreSpec
-from kvoff._progress import Progress
-from kvoff._pyref import PyARC, PyLRU
-from kvoff._toolbase import available_memory, sweep_row_line
+from kvoff.tools._progress import Progress
+from kvoff.tools._pyref import PyARC, PyLRU
+from kvoff.tools._toolbase import available_memory, sweep_row_line
 
 KEYS_PER_REQUEST = 64
 
@@ -869,7 +869,7 @@ def plot_host_sweep_rows(rows: list[dict[str, Any]], path: str, spread_note: str
     """:func:`sweep_host_for_plot`'s rows as ``kvoff bench --plot`` draws them without a GPU (idle
     only, with :data:`HOST_PLOT_NOTE` and ``spread_note`` under the panels); returns the legend
     labels."""
-    from kvoff.bench_interference import plot_sweep_rows
+    from kvoff.tools.bench_interference import plot_sweep_rows
 
     device = platform.processor() or platform.machine()
     return plot_sweep_rows(

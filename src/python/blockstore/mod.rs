@@ -24,247 +24,33 @@
 //! keys it is asked for first (bounded by the tier's timeouts).
 //! Keys are converted before the lock is taken and Python objects built after it is released;
 //! every wait releases the GIL and holds no kvoff lock.
-// Unsafe: copies between the tier's buffer and the caller's host memory (`SlotMemory`), and
-// `RawRows::new` over it; each block says which obligation of the caller's contract holds.
+// Unsafe: `RawRows::new` over the caller's rows and `SlotMemory::set` (`segments`) with the
+// caller's pieces; each block says which obligation of the caller's contract holds.
 #![allow(unsafe_code)]
 
 use std::collections::HashMap;
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex, PoisonError};
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
 use pyo3::prelude::*;
 use pyo3::types::{PyBytes, PyDict};
 
-use super::enter::{blocking, locked, Hold};
+mod segments;
+mod state;
+
+use state::{remote_stats_dict, stats_dict, Backend, Dir, Inner, PendingWrite};
+
+use super::enter::{blocking, Hold};
 use super::errors::{to_py, IntoPyResult};
+use super::names::parse_direct_io;
 use crate::key::ByteKey;
 use crate::manager::BlockId;
 use crate::tier::remote::{RemoteConfig, RemoteTier};
 use crate::tier::secondary::{Known, SecondaryCounters, SecondaryTier};
-use crate::tier::{
-    BlockMemory, Completion, DirectIo, FileTier, Layout, RawRows, TierConfig, TierStats,
-};
+use crate::tier::{BlockMemory, FileTier, Layout, RawRows, TierConfig, TierStats};
 use crate::KvoffError;
-
-/// Host memory given as per-block lists of `(address, length)` pieces, set for each job.
-///
-/// The I/O threads read a slot's pieces while it is in flight; the store only changes a slot's
-/// pieces while no job uses it.
-#[derive(Debug)]
-struct SlotMemory {
-    slots: Vec<Mutex<Vec<(u64, usize)>>>,
-    block_bytes: usize,
-}
-
-impl SlotMemory {
-    fn new(num_slots: usize, block_bytes: usize) -> Self {
-        Self {
-            slots: (0..num_slots).map(|_| Mutex::new(Vec::new())).collect(),
-            block_bytes,
-        }
-    }
-
-    /// Sets slot `slot`'s pieces.
-    ///
-    /// # Safety
-    /// 1. Every piece `addr .. addr + len` is mapped, readable and writable until the job queued
-    ///    with this slot has finished (its completion came out of the tier's `poll`).
-    /// 2. No one else writes the pieces while a write job copies them out, nor reads or writes them
-    ///    while a read job copies into them.
-    unsafe fn set(&self, slot: BlockId, pieces: Vec<(u64, usize)>) -> crate::Result<()> {
-        let total: usize = pieces.iter().map(|p| p.1).sum();
-        if total != self.block_bytes || pieces.iter().any(|p| p.0 == 0) {
-            return Err(KvoffError::arg(format!(
-                "a block's pieces must be non-null and add up to {} bytes, got {total}",
-                self.block_bytes
-            )));
-        }
-        let s = self
-            .slots
-            .get(slot as usize)
-            .ok_or_else(|| KvoffError::arg(format!("slot {slot} out of range")))?;
-        *s.lock().unwrap_or_else(PoisonError::into_inner) = pieces;
-        Ok(())
-    }
-
-    fn pieces(&self, block: BlockId, len: usize) -> crate::Result<Vec<(u64, usize)>> {
-        if len != self.block_bytes {
-            return Err(KvoffError::arg(format!(
-                "{len} bytes for a block of {}",
-                self.block_bytes
-            )));
-        }
-        let s = self
-            .slots
-            .get(block as usize)
-            .ok_or_else(|| KvoffError::arg(format!("slot {block} out of range")))?;
-        Ok(s.lock().unwrap_or_else(PoisonError::into_inner).clone())
-    }
-}
-
-impl BlockMemory for SlotMemory {
-    fn block_bytes(&self) -> usize {
-        self.block_bytes
-    }
-
-    fn num_blocks(&self) -> u64 {
-        self.slots.len() as u64
-    }
-
-    fn copy_out(&self, block: BlockId, out: &mut [u8]) -> crate::Result<()> {
-        let mut at = 0;
-        for (addr, len) in self.pieces(block, out.len())? {
-            // SAFETY: obligation 1 of `SlotMemory::set` (the piece is mapped while its job runs,
-            // and this runs inside the job) and 2 (no one writes it while a write copies it out);
-            // `set` checked that the pieces add up to `out.len()`.
-            let src = unsafe { std::slice::from_raw_parts(addr as *const u8, len) };
-            out[at..at + len].copy_from_slice(src);
-            at += len;
-        }
-        Ok(())
-    }
-
-    fn copy_in(&self, block: BlockId, data: &[u8]) -> crate::Result<()> {
-        let mut at = 0;
-        for (addr, len) in self.pieces(block, data.len())? {
-            // SAFETY: obligations 1 and 2 of `SlotMemory::set` (mapped and writable while the
-            // read job runs, and no one else touches it meanwhile); the lengths add up to
-            // `data.len()`.
-            let dst = unsafe { std::slice::from_raw_parts_mut(addr as *mut u8, len) };
-            dst.copy_from_slice(&data[at..at + len]);
-            at += len;
-        }
-        Ok(())
-    }
-}
-
-/// The tier behind a block store: every job goes through [`SecondaryTier`]; the file tier's
-/// extras through [`Backend::file`].
-enum Backend {
-    File(FileTier),
-    Remote(RemoteTier),
-}
-
-impl Backend {
-    fn sec(&self) -> &dyn SecondaryTier {
-        match self {
-            Self::File(t) => t,
-            Self::Remote(t) => t,
-        }
-    }
-
-    fn sec_mut(&mut self) -> &mut dyn SecondaryTier {
-        match self {
-            Self::File(t) => t,
-            Self::Remote(t) => t,
-        }
-    }
-
-    fn file(&self, what: &str) -> crate::Result<&FileTier> {
-        match self {
-            Self::File(t) => Ok(t),
-            Self::Remote(_) => Err(KvoffError::state(format!(
-                "{what} is a file-tier operation; this block store is on the remote tier"
-            ))),
-        }
-    }
-
-    fn present(&self, key: &ByteKey) -> bool {
-        self.sec().index(key) == Known::Present
-    }
-}
-
-/// A write queued on the tier and not yet reported.
-struct PendingWrite {
-    block: BlockId,
-    released: bool,
-}
-
-struct Inner {
-    tier: Backend,
-    /// The process that opened the tier (a `fork()`ed child must open its own).
-    pid: u32,
-    /// Segments mode: the slot memory and its free slots.
-    slots: Option<Arc<SlotMemory>>,
-    free: Vec<BlockId>,
-    writes: HashMap<ByteKey, PendingWrite, foldhash::fast::RandomState>,
-    /// Rows mode: finished jobs not yet returned by `poll`.
-    done_writes: Vec<(ByteKey, BlockId, bool)>,
-    done_reads: Vec<(ByteKey, BlockId, bool)>,
-    /// Segments mode: finished jobs by slot.
-    slot_done: HashMap<BlockId, bool, foldhash::fast::RandomState>,
-}
-
-impl Inner {
-    /// Takes the tier's completions; a write is finished once its file is published or gone.
-    fn pump(&mut self) {
-        for c in self.tier.sec().poll() {
-            match c {
-                Completion::Released { key, .. } => {
-                    if let Some(w) = self.writes.get_mut(&key) {
-                        w.released = true;
-                    }
-                }
-                Completion::Promoted { key, block, ok } => {
-                    if self.slots.is_some() {
-                        self.slot_done.insert(block, ok);
-                    } else {
-                        self.done_reads.push((key, block, ok));
-                    }
-                }
-            }
-        }
-        if self.writes.values().any(|w| w.released) {
-            let tier = &self.tier;
-            let mut finished = Vec::new();
-            for (k, w) in &self.writes {
-                if !w.released {
-                    continue;
-                }
-                if tier.present(k) {
-                    finished.push((k.clone(), w.block, true));
-                } else if !tier.sec().has_or_writing(k) {
-                    finished.push((k.clone(), w.block, false));
-                }
-            }
-            for (k, block, ok) in finished {
-                self.writes.remove(&k);
-                if self.slots.is_some() {
-                    self.slot_done.insert(block, ok);
-                } else {
-                    self.done_writes.push((k, block, ok));
-                }
-            }
-        }
-    }
-
-    /// Asks the tier about the keys its index does not know (remote tier); returns how many are
-    /// still unknown.
-    fn fetch_unknown(&mut self, keys: &[ByteKey]) -> usize {
-        self.pump();
-        let t = self.tier.sec();
-        let unknown: Vec<ByteKey> = keys
-            .iter()
-            .filter(|k| t.index(k) == Known::Unknown)
-            .cloned()
-            .collect();
-        if !unknown.is_empty() {
-            t.submit_fetch(&unknown);
-        }
-        unknown.len()
-    }
-
-    fn check(&self) -> crate::Result<()> {
-        if std::process::id() != self.pid {
-            return Err(KvoffError::state(
-                "this block store was created in another process (before fork()); \
-                 create a new one in this process",
-            ));
-        }
-        Ok(())
-    }
-}
+use segments::{split_pieces, SlotMemory};
 
 /// The block store: see the module docs.
 #[pyclass(name = "BlockStore", module = "kvoff._native", frozen)]
@@ -279,10 +65,10 @@ pub struct PyBlockStore {
 }
 
 /// Counts one segments-mode call for as long as it lives.
-struct Active<'a>(&'a AtomicUsize);
+pub(super) struct Active<'a>(&'a AtomicUsize);
 
 impl<'a> Active<'a> {
-    fn enter(n: &'a AtomicUsize) -> Self {
+    pub(super) fn enter(n: &'a AtomicUsize) -> Self {
         n.fetch_add(1, Ordering::SeqCst);
         Self(n)
     }
@@ -294,7 +80,7 @@ impl Drop for Active<'_> {
     }
 }
 
-fn shut() -> KvoffError {
+pub(super) fn shut() -> KvoffError {
     KvoffError::state("the block store is shut down")
 }
 
@@ -311,302 +97,8 @@ fn bytes_key(k: &Bound<'_, PyAny>) -> PyResult<ByteKey> {
     Ok(ByteKey::new(b.as_bytes()))
 }
 
-fn keys_of(keys: &Bound<'_, PyAny>) -> PyResult<Vec<ByteKey>> {
+pub(super) fn keys_of(keys: &Bound<'_, PyAny>) -> PyResult<Vec<ByteKey>> {
     keys.try_iter()?.map(|k| bytes_key(&k?)).collect()
-}
-
-fn parse_direct(s: &str) -> PyResult<DirectIo> {
-    match s {
-        "auto" => Ok(DirectIo::Auto),
-        "on" => Ok(DirectIo::On),
-        "off" => Ok(DirectIo::Off),
-        _ => Err(to_py(KvoffError::Config(format!(
-            "direct_io must be 'auto', 'on' or 'off', got {s:?}"
-        )))),
-    }
-}
-
-/// Splits flat `(ptrs, sizes)` into one list of pieces per key (the same number for each).
-fn split_pieces(
-    n_keys: usize,
-    ptrs: &[u64],
-    sizes: &[u64],
-) -> crate::Result<Vec<Vec<(u64, usize)>>> {
-    if ptrs.len() != sizes.len() {
-        return Err(KvoffError::arg(format!(
-            "{} pointers but {} sizes",
-            ptrs.len(),
-            sizes.len()
-        )));
-    }
-    if n_keys == 0 {
-        return if ptrs.is_empty() {
-            Ok(Vec::new())
-        } else {
-            Err(KvoffError::arg("pointers given for no keys"))
-        };
-    }
-    if ptrs.len() % n_keys != 0 || ptrs.is_empty() {
-        return Err(KvoffError::arg(format!(
-            "{} pieces do not divide evenly among {n_keys} keys",
-            ptrs.len()
-        )));
-    }
-    let per = ptrs.len() / n_keys;
-    let mut out = Vec::with_capacity(n_keys);
-    for i in 0..n_keys {
-        let mut v = Vec::with_capacity(per);
-        for j in i * per..(i + 1) * per {
-            let len = usize::try_from(sizes[j])
-                .map_err(|_| KvoffError::arg(format!("piece of {} bytes", sizes[j])))?;
-            v.push((ptrs[j], len));
-        }
-        out.push(v);
-    }
-    Ok(out)
-}
-
-fn stats_dict<'py>(py: Python<'py>, t: &TierStats) -> PyResult<Bound<'py, PyDict>> {
-    let d = PyDict::new(py);
-    d.set_item("disk_files_written", t.files_written)?;
-    d.set_item("disk_bytes_written", t.bytes_written)?;
-    d.set_item("disk_write_seconds", t.write_seconds)?;
-    d.set_item("disk_write_errors", t.write_errors)?;
-    d.set_item("disk_writes_dropped", t.writes_dropped)?;
-    d.set_item("disk_reads", t.promotions)?;
-    d.set_item("disk_bytes_read", t.bytes_read)?;
-    d.set_item("disk_read_seconds", t.read_seconds)?;
-    d.set_item("disk_read_errors", t.read_errors)?;
-    d.set_item("disk_corrupt_files", t.corrupt_files)?;
-    d.set_item("disk_evicted_files", t.evicted_files)?;
-    d.set_item("disk_indexed_files", t.indexed_files)?;
-    d.set_item("disk_own_files", t.own_files)?;
-    d.set_item("disk_own_bytes", t.own_bytes)?;
-    d.set_item("disk_queued_reads", t.queued_reads)?;
-    d.set_item("disk_queued_writes", t.queued_writes)?;
-    d.set_item("disk_direct_io", t.direct_io)?;
-    d.set_item("disk_last_error", t.last_error.clone())?;
-    Ok(d)
-}
-
-/// Kinds of batch job in segments mode.
-#[derive(Clone, Copy, PartialEq, Eq)]
-enum Dir {
-    Write,
-    Read,
-}
-
-impl PyBlockStore {
-    fn with<R: Send>(
-        &self,
-        py: Python<'_>,
-        hold: Hold,
-        f: impl FnOnce(&mut Inner) -> crate::Result<R> + Send,
-    ) -> PyResult<R> {
-        let on_panic = |s: &mut Option<Inner>| {
-            if let Some(mut s) = s.take() {
-                s.tier.sec_mut().shutdown();
-            }
-        };
-        locked(py, &self.inner, hold, on_panic, |g| {
-            let s = g.as_mut().ok_or_else(shut)?;
-            s.check()?;
-            f(s)
-        })
-    }
-
-    /// The keys, after fetching those the remote tier does not know when `wait_s` > 0.
-    fn resolved(
-        &self,
-        py: Python<'_>,
-        keys: &Bound<'_, PyAny>,
-        wait_s: f64,
-    ) -> PyResult<Vec<ByteKey>> {
-        let k = keys_of(keys)?;
-        if !(wait_s.is_finite() && (0.0..1e6).contains(&wait_s)) {
-            return Err(to_py(KvoffError::arg(format!(
-                "wait_s must be >= 0 and finite, got {wait_s}"
-            ))));
-        }
-        if wait_s == 0.0 {
-            return Ok(k);
-        }
-        let lock = &self.inner;
-        blocking(py, move || {
-            resolve(lock, &k, Duration::from_secs_f64(wait_s))?;
-            Ok(k)
-        })
-    }
-
-    /// Runs one batch in segments mode: queues as many keys as there are free slots, waits (GIL
-    /// released, lock not held between rounds) for them, until every key is done.
-    fn run_segments(
-        &self,
-        py: Python<'_>,
-        dir: Dir,
-        keys: Vec<ByteKey>,
-        pieces: Vec<Vec<(u64, usize)>>,
-    ) -> PyResult<Vec<bool>> {
-        let n = keys.len();
-        let mut result = vec![false; n];
-        // (key index, slot) in flight.
-        let mut inflight: Vec<(usize, BlockId)> = Vec::new();
-        let mut next = 0usize;
-        let mut pieces: Vec<Option<Vec<(u64, usize)>>> = pieces.into_iter().map(Some).collect();
-        let lock = &self.inner;
-        // Counted before the first submission (which happens under `lock`): `shutdown` takes the
-        // tier under the same lock only when no call is counted, so no call's pieces are still
-        // in use when the tier goes.
-        let _active = Active::enter(&self.active);
-        blocking(py, move || {
-            if dir == Dir::Read {
-                // The remote tier reads only keys its index knows to be there: ask for the
-                // others first (bounded by the tier's timeouts; the file tier knows every key).
-                resolve(lock, &keys, RESOLVE_WAIT)?;
-            }
-            let mut idle_rounds = 0u32;
-            loop {
-                let progressed;
-                {
-                    let mut g = lock.lock().unwrap_or_else(PoisonError::into_inner);
-                    let s = g.as_mut().ok_or_else(shut)?;
-                    s.check()?;
-                    let Some(mem) = s.slots.clone() else {
-                        return Err(KvoffError::state(
-                            "this block store was made over rows: use submit_write/submit_read",
-                        ));
-                    };
-                    s.pump();
-                    let before = inflight.len();
-                    inflight.retain(|&(i, slot)| match s.slot_done.remove(&slot) {
-                        Some(ok) => {
-                            result[i] = ok;
-                            s.free.push(slot);
-                            false
-                        }
-                        None => true,
-                    });
-                    let mut moved = before != inflight.len();
-                    while next < n {
-                        let i = next;
-                        let key = &keys[i];
-                        if dir == Dir::Write && s.tier.sec().has_or_writing(key) {
-                            // Already stored (or being stored by another caller).
-                            result[i] = true;
-                            next += 1;
-                            moved = true;
-                            continue;
-                        }
-                        let Some(slot) = s.free.pop() else { break };
-                        let p = pieces[i].take().unwrap_or_default();
-                        // SAFETY: obligations 1 and 2 of `SlotMemory::set` are the caller's,
-                        // documented on `BlockStore.write_segments`/`read_segments`: the pieces
-                        // stay valid and untouched until this call returns, and it returns only
-                        // once the job using this slot has finished (no timeout).
-                        if let Err(e) = unsafe { mem.set(slot, p) } {
-                            s.free.push(slot);
-                            return Err(e);
-                        }
-                        let queued = match dir {
-                            Dir::Write => {
-                                let q = submit_one(s.tier.sec(), key, slot, Dir::Write);
-                                if q {
-                                    s.writes.insert(
-                                        key.clone(),
-                                        PendingWrite {
-                                            block: slot,
-                                            released: false,
-                                        },
-                                    );
-                                }
-                                q
-                            }
-                            Dir::Read => submit_one(s.tier.sec(), key, slot, Dir::Read),
-                        };
-                        next += 1;
-                        moved = true;
-                        if queued {
-                            inflight.push((i, slot));
-                        } else {
-                            s.free.push(slot);
-                        }
-                    }
-                    progressed = moved;
-                    if next >= n && inflight.is_empty() {
-                        return Ok(std::mem::take(&mut result));
-                    }
-                }
-                // Short sleeps while jobs finish quickly, longer ones on a slow disk.
-                idle_rounds = if progressed { 0 } else { idle_rounds + 1 };
-                let us = if idle_rounds < 20 { 50 } else { 500 };
-                std::thread::sleep(Duration::from_micros(us));
-            }
-        })
-    }
-}
-
-/// How long `read_segments` waits for the remote tier to learn about the keys it reads (each
-/// fetch is bounded by the tier's own I/O timeout; this bounds the rounds).
-const RESOLVE_WAIT: Duration = Duration::from_secs(10);
-
-fn submit_one(t: &dyn SecondaryTier, key: &ByteKey, block: BlockId, dir: Dir) -> bool {
-    let item = [(key.clone(), block)];
-    let q = match dir {
-        Dir::Write => t.submit_writes(&item),
-        Dir::Read => t.submit_reads(&item),
-    };
-    q.first().copied().unwrap_or(false)
-}
-
-/// Fetches the keys the tier's index does not know and waits (call it inside `blocking`: GIL
-/// released; the lock is taken only briefly each round) until it knows them all or `wait` passed.
-/// The file tier knows every key: it returns at once.
-fn resolve(lock: &Mutex<Option<Inner>>, keys: &[ByteKey], wait: Duration) -> crate::Result<()> {
-    let deadline = Instant::now() + wait;
-    loop {
-        {
-            let mut g = lock.lock().unwrap_or_else(PoisonError::into_inner);
-            let s = g.as_mut().ok_or_else(shut)?;
-            s.check()?;
-            if matches!(s.tier, Backend::File(_)) || s.fetch_unknown(keys) == 0 {
-                return Ok(());
-            }
-        }
-        if Instant::now() >= deadline {
-            return Ok(());
-        }
-        std::thread::sleep(Duration::from_micros(200));
-    }
-}
-
-/// The remote tier's counters under `remote_*` names (docs/tier.md "The block store").
-fn remote_stats_dict<'py>(
-    py: Python<'py>,
-    c: &SecondaryCounters,
-    extra: &[(&'static str, u64)],
-) -> PyResult<Bound<'py, PyDict>> {
-    let d = PyDict::new(py);
-    d.set_item("remote_writes", c.writes)?;
-    d.set_item("remote_bytes_written", c.bytes_written)?;
-    d.set_item("remote_write_seconds", c.write_seconds)?;
-    d.set_item("remote_write_errors", c.write_errors)?;
-    d.set_item("remote_writes_dropped", c.writes_dropped)?;
-    d.set_item("remote_reads", c.promotions)?;
-    d.set_item("remote_bytes_read", c.bytes_read)?;
-    d.set_item("remote_read_seconds", c.read_seconds)?;
-    d.set_item("remote_read_errors", c.read_errors)?;
-    d.set_item("remote_rejected_values", c.rejected)?;
-    d.set_item("remote_fetch_hits", c.fetch_hits)?;
-    d.set_item("remote_fetch_misses", c.fetch_misses)?;
-    d.set_item("remote_fetch_errors", c.fetch_errors)?;
-    d.set_item("remote_reconnects", c.reconnects)?;
-    d.set_item("remote_queued_reads", c.queued_reads)?;
-    d.set_item("remote_queued_writes", c.queued_writes)?;
-    d.set_item("remote_last_error", c.last_error.clone())?;
-    for (name, v) in extra {
-        d.set_item(format!("remote_{name}"), *v)?;
-    }
-    Ok(d)
 }
 
 #[pymethods]
@@ -675,7 +167,7 @@ impl PyBlockStore {
                     .into(),
             )));
         }
-        let direct = parse_direct(direct_io)?;
+        let direct = parse_direct_io(direct_io)?;
         let rescan = match rescan_interval_s {
             None => None,
             Some(s) if s.is_finite() && s > 0.0 && s < 1e6 => Some(Duration::from_secs_f64(s)),

@@ -1,4 +1,4 @@
-"""Argument checking shared by the ``kvoff`` command line (:mod:`kvoff.cli`) and its subcommands.
+"""Argument checking shared by the ``kvoff`` command line (:mod:`kvoff.tools.cli`) and its subcommands.
 
 Every numeric option is parsed by one of the ``type=`` factories below, which state the allowed
 range; a value outside it (negative, zero, huge, not a number) is a one-line error naming the
@@ -8,7 +8,7 @@ option and the range, exit status 2, never a traceback::
 
 :class:`Parser` is the parser class (its ``error`` prints that one line instead of argparse's usage
 block); checks that involve several options or the machine (memory) raise :class:`UsageError`
-from a subcommand's handler, which :func:`kvoff.cli.main` prints the same way.
+from a subcommand's handler, which :func:`kvoff.tools.cli.main` prints the same way.
 """
 
 from __future__ import annotations

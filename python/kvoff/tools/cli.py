@@ -3,7 +3,7 @@ managers and transfers; ``--plot FILE``: also a page-size sweep plot) and ``kvof
 simulated serving loop offloading a model-shaped KV cache).
 
 Subcommands of ``kvoff bench`` are rows of :func:`_bench_commands` (name, help, a function adding its
-options, a function running it). Numeric options take their ``type=`` from :mod:`kvoff._cli_args`,
+options, a function running it). Numeric options take their ``type=`` from :mod:`kvoff.tools._cli_args`,
 which states the allowed range; errors are one line, exit status 2, and no input shows a traceback
 (``KVOFF_TRACEBACK=1`` shows one for an unexpected error)."""
 
@@ -17,8 +17,9 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-from kvoff._cli_args import Parser, UsageError, float_range, int_list, int_range, usage_exit
-from kvoff.bench_serve import SERVE_HELP, add_serve_options, serve_main
+from kvoff import _native
+from kvoff.tools._cli_args import Parser, UsageError, float_range, int_list, int_range, usage_exit
+from kvoff.tools.bench_serve import SERVE_HELP, add_serve_options, serve_main
 
 # ---------------------------------------------------------------------------------------------
 # Allowed ranges of the numeric options (one place, shared by the subcommands)
@@ -48,10 +49,12 @@ PORT = int_range(0, 65535)
 REMOTE_BLOCKS = int_range(1, 1 << 20)
 BENCH_PIPELINES = int_list(1, 1024)
 
+# The closed name sets come from the native module (the Rust enums `EngineKind`, `PolicyKind` and
+# the file tier's `DirectIo`; docs/design.md "Closed name sets live in one Rust enum").
 #: Engines ``kvoff bench transfers --methods`` takes (``auto-idle``: auto with the idle policy).
-TRANSFER_METHODS = ("auto", "auto-idle", "dma", "kernel", "staged", "host", "cuda")
+TRANSFER_METHODS: tuple[str, ...] = (*_native.ENGINES, "auto-idle")
 #: Engines of ``kvoff bench interference --methods`` variants.
-INTERFERENCE_ENGINES = ("auto", "cuda", "dma", "kernel", "staged", "host")
+INTERFERENCE_ENGINES: tuple[str, ...] = _native.ENGINES
 
 # ---------------------------------------------------------------------------------------------
 # Helpers
@@ -74,7 +77,7 @@ def _has_torch() -> bool:
 
 
 def _available_memory() -> int:
-    from kvoff._toolbase import available_memory
+    from kvoff.tools._toolbase import available_memory
 
     return available_memory()
 
@@ -99,7 +102,7 @@ def _check_job_memory(job_mib: int | None) -> None:
 
 def _plot_needs_matplotlib(cmd: str) -> bool:
     """False (after saying why on stderr) where ``--plot`` cannot draw: matplotlib is missing."""
-    from kvoff._toolbase import require_matplotlib
+    from kvoff.tools._toolbase import require_matplotlib
 
     try:
         require_matplotlib()
@@ -130,7 +133,7 @@ def _gpu_for_plot() -> bool:
 
 
 def _bench_managers(args: argparse.Namespace) -> int:
-    from kvoff.bench import bench_managers, format_manager_rows, vllm_manager_factory
+    from kvoff.tools.bench import bench_managers, format_manager_rows, vllm_manager_factory
 
     sys.stdout.flush()
     vllm = {"auto": None, "on": True, "off": False}[getattr(args, "vllm", "auto")]
@@ -156,14 +159,14 @@ def _page_size_sweep(args: argparse.Namespace) -> tuple[list[dict[str, object]],
     ``kvoff bench interference --plot``'s (kvoff, batched DMA and a contiguous copy, idle and beside
     compute); otherwise the host engine's (kvoff, a contiguous copy on the engine's threads, one
     copy per page, idle only). Returns the rows and their table."""
-    from kvoff.bench import (
+    from kvoff.tools.bench import (
         HOST_PLOT_NOTE,
         format_spread,
         plot_host_sweep_rows,
         repeat_sweeps,
         sweep_host_for_plot,
     )
-    from kvoff.bench_interference import format_sweep_rows, plot_sweep_rows, sweep_for_plot
+    from kvoff.tools.bench_interference import format_sweep_rows, plot_sweep_rows, sweep_for_plot
 
     log = _log(args)
     repeats = args.plot_repeats
@@ -208,7 +211,7 @@ def _check_transfer_args(args: argparse.Namespace) -> list[str] | None:
 
 
 def _bench_transfers(args: argparse.Namespace) -> int:
-    from kvoff.bench import bench_transfers, format_transfer_rows
+    from kvoff.tools.bench import bench_transfers, format_transfer_rows
 
     plot = getattr(args, "plot", None)
     methods = _check_transfer_args(args)
@@ -260,7 +263,7 @@ def _bench_disk(args: argparse.Namespace) -> int:
 
 def _interference_methods(spec: str | None) -> list[str] | None:
     """``--methods`` of ``kvoff bench interference``, each variant checked (:class:`UsageError`)."""
-    from kvoff.bench_interference import parse_method
+    from kvoff.tools.bench_interference import parse_method
 
     if not spec:
         return None
@@ -344,7 +347,7 @@ def _remote_cmd(p: argparse.ArgumentParser) -> None:
 
 
 def _bench_remote(args: argparse.Namespace) -> int:
-    from kvoff.bench_remote import bench_remote, format_remote
+    from kvoff.tools.bench_remote import bench_remote, format_remote
 
     try:
         res = bench_remote(
@@ -364,7 +367,7 @@ def _bench_remote(args: argparse.Namespace) -> int:
 
 
 def _bench_interference(args: argparse.Namespace) -> int:
-    from kvoff.bench_interference import (
+    from kvoff.tools.bench_interference import (
         bench_interference,
         format_interference,
         format_sweep_rows,
@@ -388,7 +391,7 @@ def _bench_interference(args: argparse.Namespace) -> int:
         )
         return 1
     if args.plot:
-        from kvoff.bench import format_spread, repeat_sweeps
+        from kvoff.tools.bench import format_spread, repeat_sweeps
 
         job_mib, seconds, log = args.plot_job_mib, args.seconds, _log(args)
         rows, spread = repeat_sweeps(
@@ -559,7 +562,7 @@ def _disk_cmd(p: argparse.ArgumentParser) -> None:
         metavar="N",
         help="the tier's I/O threads (1-256, default 8)",
     )
-    p.add_argument("--direct-io", dest="direct_io", choices=["auto", "on", "off"], default="auto")
+    p.add_argument("--direct-io", dest="direct_io", choices=_native.DIRECT_IO, default="auto")
     _output_args(p)
 
 
@@ -676,7 +679,7 @@ def _bench_commands() -> list[Command]:
             _interference_cmd,
             _bench_interference,
         ),
-        # Its options and one-line checks live in kvoff.bench_serve (standard library only at import).
+        # Its options and one-line checks live in kvoff.tools.bench_serve (standard library only at import).
         Command("serve", SERVE_HELP, add_serve_options, serve_main),
     ]
 
@@ -719,11 +722,11 @@ def _demo_cmd(d: argparse.ArgumentParser) -> None:
         help="host offload capacity in blocks of 2 MiB (1 and what memory allows; default 192, less "
         "when memory is short)",
     )
-    d.add_argument("--policy", choices=["lru", "arc"], default="arc")
+    d.add_argument("--policy", choices=_native.POLICIES, default="arc")
     d.add_argument(
         "--engine",
         default="auto",
-        choices=["auto", "host", "cuda", "dma", "kernel", "staged"],
+        choices=_native.ENGINES,
         help="handler engine (default auto)",
     )
     d.add_argument(
@@ -772,7 +775,7 @@ def _demo_cmd(d: argparse.ArgumentParser) -> None:
 
 
 def _check_demo_args(args: argparse.Namespace) -> None:
-    from kvoff.demo import BLOCK_BYTES
+    from kvoff.tools.demo import BLOCK_BYTES
 
     bpr = args.blocks_per_request
     if args.gpu_blocks is not None and args.gpu_blocks < bpr:
@@ -797,8 +800,9 @@ def _demo(args: argparse.Namespace) -> int:
     if not _has_torch():
         print(f"kvoff demo needs torch: {TORCH_HINT}", file=sys.stderr)
         return 2
-    from kvoff._toolbase import require_matplotlib
-    from kvoff.demo import (
+    from kvoff.metrics import TransferMetrics, serve_metrics
+    from kvoff.tools._toolbase import require_matplotlib
+    from kvoff.tools.demo import (
         DemoConfig,
         format_result,
         format_sweep,
@@ -806,7 +810,6 @@ def _demo(args: argparse.Namespace) -> int:
         run_demo,
         sweep_page_sizes,
     )
-    from kvoff.metrics import TransferMetrics, serve_metrics
 
     if args.plot:
         try:
