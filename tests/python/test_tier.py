@@ -266,9 +266,11 @@ def test_full_disk_skips_stores_and_keeps_serving(tmp_path: Path) -> None:
         subprocess.run(["umount", str(mnt)], check=False)
 
 
-def test_lookup_that_hits_a_file_costs_at_most_5us_per_key(tmp_path: Path) -> None:
-    """Scheduler-side cost of a lookup that misses host memory and finds a file: the call that
-    reserves a host block and queues the read, measured through Python (no I/O on this thread)."""
+def test_lookup_that_hits_a_file_answers_pending_then_hits(tmp_path: Path) -> None:
+    """A lookup that misses host memory and finds a file answers pending (it reserves a host block
+    and queues the read, no I/O on the caller's thread); once the reads ran, every key hits. Its
+    cost per key is a benchmark figure (``kvoff bench disk``'s lookup column, BENCHMARKS.md "File
+    tier"), not a wall-clock bound here."""
     n = 2000
     region = kvoff.HostRegion.private(n, 4096)
     m = TieredOffloadingManager(
@@ -279,7 +281,7 @@ def test_lookup_that_hits_a_file_costs_at_most_5us_per_key(tmp_path: Path) -> No
         1 << 40,
         rescan_interval_s=None,
         max_queued_writes=n + 1,
-        io_threads=1,  # the reads it queues run beside the caller; on 2 cores, one reader thread
+        io_threads=1,
     )
     keys = [K(i) for i in range(n)]
     for start in range(0, n, 256):
@@ -288,21 +290,11 @@ def test_lookup_that_hits_a_file_costs_at_most_5us_per_key(tmp_path: Path) -> No
         m.complete_store(out.keys_to_store)
     m.flush()
     assert m.get_stats()["disk_files_written"] == n
-    best = float("inf")
-    # Best of up to 10 rounds (stopping once under the target): on a 2-core machine the I/O
-    # threads this queues share the cores with the caller, and other load shows up as noise.
-    for _ in range(10):
-        if best <= 5e-6:
-            break
-        m.reset()  # host memory empty, every key on disk
-        t0 = time.perf_counter()
-        for k in keys:
-            if m.lookup(k) is not None:
-                raise AssertionError("a file hit must answer pending")
-        best = min(best, (time.perf_counter() - t0) / n)
-        m.flush()
-    print(f"lookup hitting a file: {best * 1e6:.2f} us per key (Python call included)")
-    assert best <= 5e-6, f"{best * 1e6:.2f} us per key"
+    m.reset()  # host memory empty, every key on disk
+    for k in keys:
+        assert m.lookup(k) is None, "a file hit must answer pending"
+    m.flush()
+    assert all(m.lookup(k) for k in keys)
     m.shutdown()
     region.close()
 
