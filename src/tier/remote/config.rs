@@ -1,0 +1,209 @@
+//! The remote tier's settings and URLs (docs/tier.md "Remote tier"): [`RemoteConfig`], the
+//! password-free form of a URL ([`redact`]) and the parsing of standalone and Cluster URLs.
+#![forbid(unsafe_code)]
+
+#[allow(clippy::wildcard_imports)]
+use super::*;
+
+/// Settings of a [`RemoteTier`].
+#[derive(Clone)]
+pub struct RemoteConfig {
+    /// Server URL (see the module docs); may hold a password, never printed.
+    pub url: String,
+    /// What the blocks are.
+    pub layout: Layout,
+    /// Time to live of each value written (`None`: none; `maxmemory` policies still apply).
+    pub ttl: Option<Duration>,
+    /// Timeout of each connection attempt.
+    pub connect_timeout: Duration,
+    /// Timeout of each read and write on a connection (a pipeline of many values included).
+    pub io_timeout: Duration,
+    /// Number of I/O threads (one connection each).
+    pub io_threads: usize,
+    /// Writes queued or running beyond this are dropped (counted).
+    pub max_queued_writes: usize,
+    /// Bytes of values copied out of host memory and not yet acknowledged by the server.
+    pub max_inflight_bytes: u64,
+    /// Bytes of fetched values kept until they are read into host blocks.
+    pub max_staged_bytes: u64,
+    /// Most keys of one fetch.
+    pub max_fetch_keys: usize,
+    /// Most values of one write pipeline.
+    pub max_write_batch: usize,
+    /// How long a miss is remembered (a lookup then answers absent without a round trip).
+    pub negative_ttl: Duration,
+    /// How long a key found or written is believed present before it is fetched again.
+    pub present_ttl: Duration,
+    /// First wait before reconnecting after a failure.
+    pub backoff_min: Duration,
+    /// Longest wait between reconnection attempts.
+    pub backoff_max: Duration,
+    /// Environment variable holding the password when the URL has none.
+    pub password_env: String,
+    /// PEM file of the certificate authority that signed the servers' certificates, for
+    /// `rediss://` (`None`: the system's roots).
+    pub tls_ca_file: Option<std::path::PathBuf>,
+    /// Identity of this instance in value headers (default: namespace, rank and host name).
+    pub owner: Option<String>,
+}
+
+impl std::fmt::Debug for RemoteConfig {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("RemoteConfig")
+            .field("url", &redact(&self.url))
+            .field("layout", &self.layout)
+            .field("ttl", &self.ttl)
+            .field("connect_timeout", &self.connect_timeout)
+            .field("io_timeout", &self.io_timeout)
+            .field("io_threads", &self.io_threads)
+            .finish_non_exhaustive()
+    }
+}
+
+impl RemoteConfig {
+    /// Defaults: no TTL, 1 s connect and 2 s I/O timeouts, 2 I/O threads, 256 queued writes,
+    /// 256 MiB in flight, 256 MiB staged, fetches of up to 64 keys, writes of up to 16 values per
+    /// pipeline, misses remembered 2 s, hits 30 s, backoff 100 ms → 5 s, password from
+    /// `KVOFF_REMOTE_PASSWORD`.
+    #[must_use]
+    pub fn new(url: impl Into<String>, layout: Layout) -> Self {
+        Self {
+            url: url.into(),
+            layout,
+            ttl: None,
+            connect_timeout: Duration::from_secs(1),
+            io_timeout: Duration::from_secs(2),
+            io_threads: 2,
+            max_queued_writes: 256,
+            max_inflight_bytes: 256 << 20,
+            max_staged_bytes: 256 << 20,
+            max_fetch_keys: 64,
+            max_write_batch: 16,
+            negative_ttl: Duration::from_secs(2),
+            present_ttl: Duration::from_secs(30),
+            backoff_min: Duration::from_millis(100),
+            backoff_max: Duration::from_secs(5),
+            password_env: "KVOFF_REMOTE_PASSWORD".into(),
+            tls_ca_file: None,
+            owner: None,
+        }
+    }
+}
+
+/// The URL with any password replaced by `***` (the only form kvoff prints).
+#[must_use]
+pub fn redact(url: &str) -> String {
+    let Some((scheme, rest)) = url.split_once("://") else {
+        return "<unparsable url>".into();
+    };
+    let parts: Vec<String> = rest
+        .split(',')
+        .map(|node| match node.rsplit_once('@') {
+            Some((auth, host)) => match auth.split_once(':') {
+                Some((user, _)) => format!("{user}:***@{host}"),
+                None => format!("***@{host}"),
+            },
+            None => node.to_owned(),
+        })
+        .collect();
+    format!("{scheme}://{}", parts.join(","))
+}
+
+pub(super) fn pct_encode(s: &str) -> String {
+    use std::fmt::Write;
+    let mut out = String::with_capacity(s.len());
+    for b in s.bytes() {
+        if b.is_ascii_alphanumeric() || b"-._~".contains(&b) {
+            out.push(char::from(b));
+        } else {
+            let _ = write!(out, "%{b:02X}");
+        }
+    }
+    out
+}
+
+/// The parsed target: the URL's nodes for the `redis` crate, cluster or not.
+pub(super) struct Target {
+    pub(super) cluster: bool,
+    pub(super) nodes: Vec<redis::ConnectionInfo>,
+}
+
+pub(super) fn parse_url(
+    url: &str,
+    password_env: &str,
+    ca_file: Option<&std::path::Path>,
+) -> Result<Target> {
+    let bad = |why: &str| {
+        KvoffError::Config(format!(
+            "remote tier: {why} in remote_url {} (expected redis://host:port, rediss://…, \
+             redis+cluster://host:port[,host:port] or rediss+cluster://…)",
+            redact(url)
+        ))
+    };
+    let (scheme, rest) = url.split_once("://").ok_or_else(|| bad("no scheme"))?;
+    let (cluster, base) = match scheme {
+        "redis" => (false, "redis"),
+        "rediss" => (false, "rediss"),
+        "redis+cluster" => (true, "redis"),
+        "rediss+cluster" => (true, "rediss"),
+        _ => return Err(bad("unknown scheme")),
+    };
+    let env_pw = if password_env.is_empty() {
+        None
+    } else {
+        std::env::var(password_env).ok().filter(|p| !p.is_empty())
+    };
+    let mut nodes = Vec::new();
+    for node in rest.split(',') {
+        if node.is_empty() {
+            return Err(bad("an empty node"));
+        }
+        if !cluster && !nodes.is_empty() {
+            return Err(bad("several nodes without +cluster"));
+        }
+        let node = match (&env_pw, node.rsplit_once('@')) {
+            (Some(pw), None) => format!("{base}://:{}@{node}", pct_encode(pw)),
+            (Some(pw), Some((user, host))) if !user.contains(':') => {
+                format!("{base}://{user}:{}@{host}", pct_encode(pw))
+            }
+            _ => format!("{base}://{node}"),
+        };
+        // Parsed here so that a bad URL is a configuration error at open, not a later I/O error.
+        let info = redis::IntoConnectionInfo::into_connection_info(node.as_str())
+            .map_err(|e| bad(&format!("{:?}", e.kind())))?;
+        nodes.push(info);
+    }
+    if let Some(path) = ca_file {
+        if base != "rediss" {
+            return Err(KvoffError::Config(format!(
+                "remote tier: a TLS CA file ({}) needs a rediss:// URL, got {}",
+                path.display(),
+                redact(url)
+            )));
+        }
+        let pem = std::fs::read(path).map_err(|e| {
+            KvoffError::Config(format!(
+                "remote tier: cannot read the TLS CA file {}: {e}",
+                path.display()
+            ))
+        })?;
+        // The CA goes into each node's connection info (nodes learned later copy the first's).
+        for info in &mut nodes {
+            let certs = redis::TlsCertificates {
+                client_tls: None,
+                root_cert: Some(pem.clone()),
+            };
+            *info = redis::Client::build_with_tls(info.clone(), certs)
+                .map_err(|e| {
+                    KvoffError::Config(format!(
+                        "remote tier: the TLS CA file {} is not usable: {:?}",
+                        path.display(),
+                        e.kind()
+                    ))
+                })?
+                .get_connection_info()
+                .clone();
+        }
+    }
+    Ok(Target { cluster, nodes })
+}

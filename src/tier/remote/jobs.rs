@@ -1,0 +1,508 @@
+//! The remote tier's shared state and I/O threads (docs/tier.md "Remote tier"): the partial
+//! index, the job queues, the counters, and the jobs the threads run (fetch, read, write).
+#![forbid(unsafe_code)]
+
+#[allow(clippy::wildcard_imports)]
+use super::*;
+
+#[derive(Clone, Debug)]
+pub(super) enum Entry {
+    /// A fetch is asking the server.
+    Fetching,
+    /// Being written by this instance.
+    Writing,
+    /// Found or written; `value` holds a fetched, checked value until it is read.
+    Present {
+        value: Option<Arc<Vec<u8>>>,
+        until: Instant,
+    },
+    /// Not found (remembered until `until`).
+    Absent { until: Instant },
+}
+
+pub(super) enum Job {
+    /// Not queued: an idle I/O thread's turn to probe a failed node (see `worker`).
+    Probe,
+    Fetch(Vec<ByteKey>),
+    Read(ByteKey, BlockId),
+    Write(Vec<(ByteKey, BlockId)>),
+}
+
+#[derive(Default)]
+pub(super) struct State {
+    pub(super) index: HashMap<ByteKey, Entry, foldhash::fast::RandomState>,
+    pub(super) jobs_reads: VecDeque<Job>,
+    pub(super) jobs_writes: VecDeque<(ByteKey, BlockId)>,
+    pub(super) queued_writes: usize,
+    pub(super) running_reads: u64,
+    pub(super) running_writes: u64,
+    pub(super) inflight_bytes: u64,
+    pub(super) staged_bytes: u64,
+    pub(super) completions: Vec<Completion>,
+    pub(super) shutdown: bool,
+    pub(super) last_error: Option<String>,
+}
+
+#[derive(Default)]
+pub(super) struct Counters {
+    pub(super) writes: AtomicU64,
+    pub(super) bytes_written: AtomicU64,
+    pub(super) write_ns: AtomicU64,
+    pub(super) write_errors: AtomicU64,
+    pub(super) writes_dropped: AtomicU64,
+    pub(super) promotions: AtomicU64,
+    pub(super) bytes_read: AtomicU64,
+    pub(super) read_ns: AtomicU64,
+    pub(super) read_errors: AtomicU64,
+    pub(super) rejected: AtomicU64,
+    pub(super) fetch_hits: AtomicU64,
+    pub(super) fetch_misses: AtomicU64,
+    pub(super) fetch_errors: AtomicU64,
+}
+
+pub(super) struct Shared {
+    pub(super) cluster: bool,
+    pub(super) router: Router,
+    pub(super) url_redacted: String,
+    pub(super) fingerprint: u64,
+    pub(super) fp_hex: String,
+    pub(super) rank: u32,
+    pub(super) world_size: u32,
+    pub(super) owner: u64,
+    pub(super) payload_len: usize,
+    pub(super) value_len: usize,
+    pub(super) cfg: RemoteConfig,
+    pub(super) memory: Arc<dyn BlockMemory>,
+    pub(super) state: Mutex<State>,
+    pub(super) cv: Condvar,
+    pub(super) counters: Counters,
+    pub(super) pid: u32,
+}
+
+pub(super) fn lock(m: &Mutex<State>) -> MutexGuard<'_, State> {
+    m.lock().unwrap_or_else(PoisonError::into_inner)
+}
+
+pub(super) fn ns(t0: Instant) -> u64 {
+    u64::try_from(t0.elapsed().as_nanos()).unwrap_or(u64::MAX)
+}
+
+/// What checking a fetched value found.
+pub(super) enum Checked {
+    Ok(Vec<u8>),
+    Missing,
+    Rejected,
+    /// No answer (node down or failing, slot unserved) or a server error reply.
+    Failed,
+}
+
+impl Shared {
+    pub(super) fn redis_key(&self, key: &ByteKey) -> String {
+        let k = key.as_bytes();
+        let stem = if k.len() <= MAX_HEX_KEY {
+            crate::tier::file::hex(k)
+        } else {
+            format!("h{:032x}", xxh3_128(k))
+        };
+        format!("kvoff:{{{}:{stem}}}:r{}", self.fp_hex, self.rank)
+    }
+
+    pub(super) fn expect_header(&self, key: &ByteKey) -> format::Header {
+        format::Header {
+            fingerprint: self.fingerprint,
+            rank: self.rank,
+            world_size: self.world_size,
+            payload_len: self.payload_len as u64,
+            payload_sum: 0,
+            owner: self.owner,
+            key: key.as_bytes().to_vec(),
+        }
+    }
+
+    pub(super) fn check(&self, key: &ByteKey, v: Option<redis::Value>) -> Checked {
+        let bytes = match v {
+            None | Some(redis::Value::ServerError(_)) => return Checked::Failed,
+            Some(redis::Value::Nil) => return Checked::Missing,
+            Some(redis::Value::BulkString(b)) => b,
+            Some(_) => return Checked::Rejected,
+        };
+        if bytes.len() != self.value_len {
+            return Checked::Rejected;
+        }
+        match format::verify(&bytes, &self.expect_header(key)) {
+            Ok(_) => Checked::Ok(bytes),
+            Err(_) => Checked::Rejected,
+        }
+    }
+
+    /// Runs `cmds` (each with its key) through the router: one reply per command, `None` for a
+    /// command that was not answered (see `remote_route`); failures go to `last_error`.
+    pub(super) fn run(
+        &self,
+        conns: &mut Conns,
+        cmds: &[(String, redis::Cmd)],
+    ) -> Vec<Option<redis::Value>> {
+        let out = self.router.run(conns, cmds);
+        if let Some(e) = out.error {
+            lock(&self.state).last_error = Some(e);
+        }
+        out.replies
+    }
+
+    pub(super) fn delete(&self, conns: &mut Conns, key: &ByteKey) {
+        let k = self.redis_key(key);
+        let mut c = redis::cmd("DEL");
+        c.arg(&k);
+        let _ = self.run(conns, &[(k, c)]);
+    }
+
+    pub(super) fn run_fetch(&self, conns: &mut Conns, keys: &[ByteKey]) {
+        let t0 = Instant::now();
+        let cmds: Vec<(String, redis::Cmd)> = keys
+            .iter()
+            .map(|k| {
+                let rk = self.redis_key(k);
+                let mut c = redis::cmd("GET");
+                c.arg(&rk);
+                (rk, c)
+            })
+            .collect();
+        let values = self.run(conns, &cmds);
+        let mut rejected = Vec::new();
+        let mut results = Vec::with_capacity(keys.len());
+        for (k, v) in keys.iter().zip(values) {
+            let c = self.check(k, v);
+            if matches!(c, Checked::Rejected) {
+                rejected.push(k.clone());
+            }
+            results.push(c);
+        }
+        if results.iter().any(|c| !matches!(c, Checked::Failed)) {
+            self.counters.read_ns.fetch_add(ns(t0), Relaxed);
+        }
+        {
+            let now = Instant::now();
+            let mut st = lock(&self.state);
+            for (k, c) in keys.iter().zip(results) {
+                if !matches!(st.index.get(k), Some(Entry::Fetching)) {
+                    continue; // written or forgotten meanwhile
+                }
+                let e = match c {
+                    Checked::Ok(v) => {
+                        self.counters.fetch_hits.fetch_add(1, Relaxed);
+                        let keep = st.staged_bytes + v.len() as u64 <= self.cfg.max_staged_bytes;
+                        let value = keep.then(|| {
+                            st.staged_bytes += v.len() as u64;
+                            Arc::new(v)
+                        });
+                        Entry::Present {
+                            value,
+                            until: now + self.cfg.present_ttl,
+                        }
+                    }
+                    Checked::Missing => {
+                        self.counters.fetch_misses.fetch_add(1, Relaxed);
+                        Entry::Absent {
+                            until: now + self.cfg.negative_ttl,
+                        }
+                    }
+                    Checked::Rejected => {
+                        self.counters.rejected.fetch_add(1, Relaxed);
+                        self.counters.fetch_misses.fetch_add(1, Relaxed);
+                        Entry::Absent {
+                            until: now + self.cfg.negative_ttl,
+                        }
+                    }
+                    // Unanswered (its node down, failing or redirected away): remembered as
+                    // absent for a while (no refetch storm); the other keys of the batch stand.
+                    Checked::Failed => {
+                        self.counters.fetch_errors.fetch_add(1, Relaxed);
+                        Entry::Absent {
+                            until: now + self.cfg.negative_ttl,
+                        }
+                    }
+                };
+                st.index.insert(k.clone(), e);
+            }
+        }
+        for k in &rejected {
+            self.delete(conns, k);
+        }
+    }
+
+    pub(super) fn run_read(&self, conns: &mut Conns, key: &ByteKey, block: BlockId) {
+        let t0 = Instant::now();
+        let staged = {
+            let mut st = lock(&self.state);
+            match st.index.get_mut(key) {
+                Some(Entry::Present { value, .. }) => value.take(),
+                _ => None,
+            }
+        };
+        let mut rejected = false;
+        let value = if let Some(v) = staged {
+            lock(&self.state).staged_bytes -= v.len() as u64;
+            Some(v)
+        } else {
+            let rk = self.redis_key(key);
+            let mut c = redis::cmd("GET");
+            c.arg(&rk);
+            let v = self.run(conns, &[(rk, c)]).pop().flatten();
+            match self.check(key, v) {
+                Checked::Ok(b) => Some(Arc::new(b)),
+                Checked::Missing | Checked::Failed => None,
+                Checked::Rejected => {
+                    rejected = true;
+                    None
+                }
+            }
+        };
+        let ok = value.as_ref().is_some_and(|v| {
+            self.memory
+                .copy_in(block, &v[HEADER_BYTES..HEADER_BYTES + self.payload_len])
+                .is_ok()
+        });
+        if rejected {
+            self.counters.rejected.fetch_add(1, Relaxed);
+            self.delete(conns, key);
+        }
+        let mut st = lock(&self.state);
+        st.running_reads = st.running_reads.saturating_sub(1);
+        if ok {
+            self.counters.promotions.fetch_add(1, Relaxed);
+            self.counters
+                .bytes_read
+                .fetch_add(self.payload_len as u64, Relaxed);
+            self.counters.read_ns.fetch_add(ns(t0), Relaxed);
+        } else {
+            self.counters.read_errors.fetch_add(1, Relaxed);
+            st.index.insert(
+                key.clone(),
+                Entry::Absent {
+                    until: Instant::now() + self.cfg.negative_ttl,
+                },
+            );
+        }
+        st.completions.push(Completion::Promoted {
+            key: key.clone(),
+            block,
+            ok,
+        });
+    }
+
+    /// Writes `items`; sets `released` once their host blocks are handed back (completions).
+    pub(super) fn run_writes(
+        &self,
+        conns: &mut Conns,
+        items: &[(ByteKey, BlockId)],
+        released: &mut bool,
+    ) {
+        let t0 = Instant::now();
+        // Copy every block out first and release it: the host block is free during the network.
+        let mut values = Vec::with_capacity(items.len());
+        for (k, b) in items {
+            let mut v = vec![0u8; self.value_len];
+            let copied = self.memory.copy_out(*b, &mut v[HEADER_BYTES..]).is_ok();
+            let mut h = self.expect_header(k);
+            h.payload_sum = format::payload_sum(&v[HEADER_BYTES..]);
+            let encoded = copied && format::encode(&h, &mut v);
+            values.push(encoded.then_some(v));
+        }
+        {
+            let mut st = lock(&self.state);
+            for (k, b) in items {
+                st.completions.push(Completion::Released {
+                    key: k.clone(),
+                    block: *b,
+                });
+            }
+            *released = true;
+        }
+        let mut cmds = Vec::new();
+        let mut sent = Vec::new();
+        for ((k, _), v) in items.iter().zip(&values) {
+            if let Some(v) = v {
+                let rk = self.redis_key(k);
+                let mut c = redis::cmd("SET");
+                c.arg(&rk).arg(v.as_slice());
+                if let Some(ttl) = self.cfg.ttl {
+                    c.arg("PX")
+                        .arg(u64::try_from(ttl.as_millis()).unwrap_or(u64::MAX).max(1));
+                }
+                cmds.push((rk, c));
+                sent.push(k.clone());
+            }
+        }
+        let n_failed_local = items.len() - sent.len();
+        let replies = if cmds.is_empty() {
+            Vec::new()
+        } else {
+            self.run(conns, &cmds)
+        };
+        drop(cmds);
+        drop(values);
+        let elapsed = ns(t0);
+        let mut st = lock(&self.state);
+        st.inflight_bytes = st
+            .inflight_bytes
+            .saturating_sub((items.len() * self.value_len) as u64);
+        st.running_writes = st.running_writes.saturating_sub(items.len() as u64);
+        st.queued_writes = st.queued_writes.saturating_sub(items.len());
+        self.counters
+            .write_errors
+            .fetch_add(n_failed_local as u64, Relaxed);
+        let now = Instant::now();
+        for (i, k) in sent.iter().enumerate() {
+            let reply = replies.get(i).and_then(Option::as_ref);
+            let good = reply
+                .is_some_and(|v| matches!(v, redis::Value::Okay | redis::Value::SimpleString(_)));
+            if good {
+                self.counters.writes.fetch_add(1, Relaxed);
+                self.counters
+                    .bytes_written
+                    .fetch_add(self.payload_len as u64, Relaxed);
+                if matches!(st.index.get(k), Some(Entry::Writing)) {
+                    st.index.insert(
+                        k.clone(),
+                        Entry::Present {
+                            value: None,
+                            until: now + self.cfg.present_ttl,
+                        },
+                    );
+                }
+            } else {
+                self.counters.write_errors.fetch_add(1, Relaxed);
+                if let Some(v) = reply {
+                    st.last_error = Some(format!("{}: SET answered {v:?}", self.url_redacted));
+                }
+                if matches!(st.index.get(k), Some(Entry::Writing)) {
+                    st.index.remove(k);
+                }
+            }
+        }
+        self.counters.write_ns.fetch_add(elapsed, Relaxed);
+        drop(st);
+        self.cv.notify_all();
+    }
+
+    pub(super) fn worker(self: &Arc<Self>) {
+        let mut conns = Conns::default();
+        loop {
+            // A failed node whose backoff is over is probed between jobs (one thread at a time);
+            // jobs meanwhile fail its commands at once.
+            if let Some(e) = self.router.probe(&mut conns) {
+                lock(&self.state).last_error = Some(e);
+            }
+            let mut st = lock(&self.state);
+            let job = loop {
+                if let Some(j) = st.jobs_reads.pop_front() {
+                    if matches!(j, Job::Read(..)) {
+                        st.running_reads += 1;
+                    }
+                    break Some(j);
+                }
+                if !st.jobs_writes.is_empty() {
+                    let n = st.jobs_writes.len().min(self.cfg.max_write_batch.max(1));
+                    let batch: Vec<_> = st.jobs_writes.drain(..n).collect();
+                    st.running_writes += batch.len() as u64;
+                    break Some(Job::Write(batch));
+                }
+                if st.shutdown {
+                    break None;
+                }
+                let idle = Duration::from_millis(500);
+                let wait = self
+                    .router
+                    .next_probe(Instant::now())
+                    .map_or(idle, |d| d.min(idle));
+                if wait.is_zero() {
+                    break Some(Job::Probe);
+                }
+                st = self
+                    .cv
+                    .wait_timeout(st, wait)
+                    .unwrap_or_else(PoisonError::into_inner)
+                    .0;
+            };
+            drop(st);
+            let Some(job) = job else { return };
+            // A panic inside a job (a bug in a dependency or a `BlockMemory`) must not leave the
+            // job's accounting open, or `flush` and `shutdown` would wait for ever: the job fails
+            // (its keys absent, its blocks released, counted as errors), the thread's connections
+            // are dropped and the thread goes on (docs/tier.md, remote tier, Faults).
+            let mut released = false;
+            let r = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| match &job {
+                Job::Probe => {}
+                Job::Fetch(keys) => self.run_fetch(&mut conns, keys),
+                Job::Read(k, b) => self.run_read(&mut conns, k, *b),
+                Job::Write(items) => self.run_writes(&mut conns, items, &mut released),
+            }));
+            if let Err(p) = r {
+                conns = Conns::default();
+                self.fail_panicked(&job, released, &panic_text(p.as_ref()));
+            }
+        }
+    }
+
+    /// Closes the accounting of a job whose thread panicked (see `worker`).
+    pub(super) fn fail_panicked(&self, job: &Job, released: bool, why: &str) {
+        let mut st = lock(&self.state);
+        st.last_error = Some(format!(
+            "a remote I/O thread panicked (its job failed): {why}"
+        ));
+        let until = Instant::now() + self.cfg.negative_ttl;
+        match job {
+            Job::Probe => {}
+            Job::Fetch(keys) => {
+                for k in keys {
+                    if matches!(st.index.get(k), Some(Entry::Fetching)) {
+                        self.counters.fetch_errors.fetch_add(1, Relaxed);
+                        st.index.insert(k.clone(), Entry::Absent { until });
+                    }
+                }
+            }
+            Job::Read(k, b) => {
+                st.running_reads = st.running_reads.saturating_sub(1);
+                self.counters.read_errors.fetch_add(1, Relaxed);
+                st.index.insert(k.clone(), Entry::Absent { until });
+                st.completions.push(Completion::Promoted {
+                    key: k.clone(),
+                    block: *b,
+                    ok: false,
+                });
+            }
+            Job::Write(items) => {
+                if !released {
+                    for (k, b) in items {
+                        st.completions.push(Completion::Released {
+                            key: k.clone(),
+                            block: *b,
+                        });
+                    }
+                }
+                st.inflight_bytes = st
+                    .inflight_bytes
+                    .saturating_sub((items.len() * self.value_len) as u64);
+                st.running_writes = st.running_writes.saturating_sub(items.len() as u64);
+                st.queued_writes = st.queued_writes.saturating_sub(items.len());
+                self.counters
+                    .write_errors
+                    .fetch_add(items.len() as u64, Relaxed);
+                for (k, _) in items {
+                    if matches!(st.index.get(k), Some(Entry::Writing)) {
+                        st.index.remove(k);
+                    }
+                }
+            }
+        }
+        drop(st);
+        self.cv.notify_all();
+    }
+}
+
+pub(super) fn panic_text(p: &(dyn std::any::Any + Send)) -> String {
+    p.downcast_ref::<&str>()
+        .map(|s| (*s).to_string())
+        .or_else(|| p.downcast_ref::<String>().cloned())
+        .unwrap_or_else(|| "unknown panic payload".into())
+}

@@ -1,0 +1,534 @@
+//! The remote tier (docs/tier.md "Remote tier"): blocks kept as values in Redis ≥ 7 or Valkey,
+//! standalone or Cluster, shared by engines on many machines.
+//!
+//! **Client.** The `redis` crate's synchronous connections (docs/design.md "Remote tier client"),
+//! `rediss://` over rustls; the routing of Cluster commands, the per-node fault state and the
+//! timeouts are in [`super::remote_route`] (docs/tier.md "Faults", "Cluster routing"). Each I/O
+//! thread owns one connection per node it talks to; every network call has a timeout
+//! ([`RemoteConfig::connect_timeout`], [`RemoteConfig::io_timeout`]). A failed call drops its
+//! connection (a timed-out pipeline leaves replies in flight) and marks that node down for a
+//! backoff that doubles from [`RemoteConfig::backoff_min`] to [`RemoteConfig::backoff_max`];
+//! while it is down, its commands fail at once without touching the network (fetches answer
+//! "absent", writes are counted as errors, reads as failed promotions), the batch's other keys go
+//! to their nodes, and one thread probes the node when the backoff ends
+//! ([`SecondaryCounters::reconnects`] counts the recoveries).
+//!
+//! **URLs.** `redis://[user:password@]host:port[/db]` (standalone), `rediss://…` (TLS), and
+//! `redis+cluster://host:port[,host:port…]` / `rediss+cluster://…` for a Cluster (seed nodes). A
+//! password missing from the URL is taken from the environment variable
+//! [`RemoteConfig::password_env`] (default `KVOFF_REMOTE_PASSWORD`). The password never appears in
+//! a log line, error, `Debug` output or metric label: [`redact`] is the only form of the URL kvoff
+//! prints.
+//!
+//! **Keys.** `kvoff:{<fingerprint>:<key>}:r<rank>` where `<fingerprint>` is the 16-hex-digit
+//! layout fingerprint ([`super::Layout::fingerprint`]: namespace, page sizes, block factor, dtype,
+//! world size, payload length) and `<key>` the block key in hex (keys longer than 100 bytes: `h` +
+//! xxh3-128). The Cluster hash tag `{fingerprint:key}` leaves the rank out, so the ranks of one
+//! block land on one shard (a block is useful only whole, and one shard lost loses whole blocks,
+//! not a slot of each), while consecutive blocks of a prefix spread over the shards (their fetches
+//! and the load go to every shard).
+//!
+//! **Values.** Exactly the bytes of a tier file without its padding: the 4 KiB header of
+//! [`super::format`] (magic, version, layout fingerprint, rank, world size, payload length, xxh3-64
+//! of the payload, owner tag, the key, header checksum), then the payload. A value is served only
+//! when its length is exact and every header field and the payload checksum match; otherwise it is
+//! rejected ([`SecondaryCounters::rejected`]), never copied into host memory, and deleted (its key
+//! is in this layout's key space, so no valid value of another layout can live there). A value is
+//! at most [`MAX_VALUE_BYTES`] (far below Redis's 512 MB limit): a layout whose block is larger is
+//! refused at [`RemoteTier::open`]. An optional TTL ([`RemoteConfig::ttl`]) is set with each write.
+//!
+//! **Index.** The tier's index is in memory and partial: keys this instance wrote or fetched are
+//! `Present`, recent misses are `Absent` for [`RemoteConfig::negative_ttl`], others are
+//! `Unknown` until a fetch ([`SecondaryTier::submit_fetch`]) runs: one pipelined `GET` of a batch
+//! of keys (the rest of a prefix) whose found values are checked and kept (at most
+//! [`RemoteConfig::max_staged_bytes`]) until the owner reads them into host blocks. Keys known
+//! `Present` go stale after [`RemoteConfig::present_ttl`] (another engine, a TTL or `maxmemory`
+//! may have removed them); a read of a vanished value is a failed promotion, never wrong data.
+//!
+//! **Bounds.** Writes queued beyond [`RemoteConfig::max_queued_writes`] or beyond
+//! [`RemoteConfig::max_inflight_bytes`] (values copied out of host memory and not yet sent) are
+//! dropped and counted; a fetch batch is at most [`RemoteConfig::max_fetch_keys`] keys.
+#![forbid(unsafe_code)]
+
+use std::collections::{HashMap, VecDeque};
+use std::sync::atomic::{AtomicU64, Ordering::Relaxed};
+use std::sync::{Arc, Condvar, Mutex, MutexGuard, PoisonError};
+use std::thread::JoinHandle;
+use std::time::{Duration, Instant};
+
+use xxhash_rust::xxh3::{xxh3_128, xxh3_64};
+
+use super::format::{self, HEADER_BYTES};
+use super::remote_route::{Conns, Router, RouterConfig};
+use super::secondary::{Known, SecondaryCounters, SecondaryTier};
+use super::{BlockMemory, Completion, Layout};
+use crate::error::{KvoffError, Result};
+use crate::key::ByteKey;
+use crate::manager::BlockId;
+
+mod config;
+mod jobs;
+
+#[allow(clippy::wildcard_imports)]
+use config::*;
+pub use config::{redact, RemoteConfig};
+#[allow(clippy::wildcard_imports)]
+use jobs::*;
+
+/// Largest value (header + payload) the remote tier writes: 64 MiB, far below Redis's 512 MB
+/// string limit and small enough that one value does not stall a server's event loop for long.
+pub const MAX_VALUE_BYTES: u64 = 64 << 20;
+
+/// Longest key named by its hex bytes (longer keys are named by their hash).
+const MAX_HEX_KEY: usize = 100;
+
+/// Entries of the in-memory index before it is pruned (see `RemoteTier::expire`).
+const INDEX_CAP: usize = 65_536;
+
+/// The remote tier. See the module docs.
+pub struct RemoteTier {
+    shared: Arc<Shared>,
+    threads: Vec<JoinHandle<()>>,
+}
+
+impl std::fmt::Debug for RemoteTier {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("RemoteTier")
+            .field("url", &self.shared.url_redacted)
+            .field("cluster", &self.shared.cluster)
+            .finish_non_exhaustive()
+    }
+}
+
+impl RemoteTier {
+    /// Parses the URL, checks the layout and starts the I/O threads. Does not connect: the first
+    /// job does (so an engine starts while the server is down; jobs fail until it is up).
+    ///
+    /// # Errors
+    /// [`KvoffError::Config`] for a bad URL or a value larger than [`MAX_VALUE_BYTES`];
+    /// [`KvoffError::InvalidArgument`] for zero I/O threads, a zero block size or a bad rank.
+    pub fn open(cfg: RemoteConfig, memory: Arc<dyn BlockMemory>) -> Result<Self> {
+        if cfg.io_threads == 0 || cfg.io_threads > 64 {
+            return Err(KvoffError::arg(format!(
+                "remote io_threads must be in 1..=64, got {}",
+                cfg.io_threads
+            )));
+        }
+        let payload_len = memory.block_bytes();
+        if payload_len == 0 {
+            return Err(KvoffError::arg(
+                "the remote tier needs blocks of at least one byte",
+            ));
+        }
+        let value_len = HEADER_BYTES + payload_len;
+        if value_len as u64 > MAX_VALUE_BYTES {
+            return Err(KvoffError::Config(format!(
+                "remote tier: a block of {payload_len} bytes exceeds the value cap of {} bytes \
+                 (use a smaller block_size or fewer layers per rank)",
+                MAX_VALUE_BYTES - HEADER_BYTES as u64
+            )));
+        }
+        let lay = &cfg.layout;
+        if lay.world_size == 0 || lay.rank >= lay.world_size {
+            return Err(KvoffError::arg(format!(
+                "rank {} out of range for world_size {}",
+                lay.rank, lay.world_size
+            )));
+        }
+        if cfg.io_timeout.is_zero() || cfg.connect_timeout.is_zero() {
+            return Err(KvoffError::arg("remote timeouts must be positive"));
+        }
+        let target = parse_url(&cfg.url, &cfg.password_env, cfg.tls_ca_file.as_deref())?;
+        let fingerprint = lay.fingerprint(payload_len as u64);
+        let owner_str = cfg.owner.clone().unwrap_or_else(|| {
+            format!(
+                "{}|{}|{}",
+                lay.namespace,
+                lay.rank,
+                super::file::host_name()
+            )
+        });
+        let router = Router::new(
+            RouterConfig {
+                cluster: target.cluster,
+                connect_timeout: cfg.connect_timeout,
+                io_timeout: cfg.io_timeout,
+                backoff_min: cfg.backoff_min,
+                backoff_max: cfg.backoff_max,
+            },
+            redact(&cfg.url),
+            target.nodes,
+        );
+        let shared = Arc::new(Shared {
+            cluster: target.cluster,
+            router,
+            url_redacted: redact(&cfg.url),
+            fingerprint,
+            fp_hex: format!("{fingerprint:016x}"),
+            rank: lay.rank,
+            world_size: lay.world_size,
+            owner: xxh3_64(owner_str.as_bytes()),
+            payload_len,
+            value_len,
+            state: Mutex::new(State::default()),
+            cfg,
+            memory,
+            cv: Condvar::new(),
+            counters: Counters::default(),
+            pid: std::process::id(),
+        });
+        let mut threads = Vec::new();
+        for i in 0..shared.cfg.io_threads {
+            let sh = Arc::clone(&shared);
+            let t = std::thread::Builder::new()
+                .name(format!("kvoff-remote-{i}"))
+                .spawn(move || {
+                    crate::affinity::place_current_thread();
+                    sh.worker();
+                })
+                .map_err(|e| {
+                    KvoffError::Config(format!("remote tier: cannot start a thread: {e}"))
+                })?;
+            threads.push(t);
+        }
+        Ok(Self { shared, threads })
+    }
+
+    /// The URL with the password hidden.
+    #[must_use]
+    pub fn url(&self) -> &str {
+        &self.shared.url_redacted
+    }
+
+    /// Whether the URL names a Cluster.
+    #[must_use]
+    pub fn is_cluster(&self) -> bool {
+        self.shared.cluster
+    }
+
+    /// The server key of `key` (for tests and tools).
+    #[must_use]
+    pub fn redis_key(&self, key: &ByteKey) -> String {
+        self.shared.redis_key(key)
+    }
+
+    /// Bytes of one value (header + payload).
+    #[must_use]
+    pub fn value_len(&self) -> usize {
+        self.shared.value_len
+    }
+
+    /// Forgets what the index knows about `key` (the next lookup asks the server).
+    pub fn forget(&self, key: &ByteKey) {
+        let mut st = lock(&self.shared.state);
+        if let Some(Entry::Present { value: Some(v), .. }) = st.index.remove(key) {
+            st.staged_bytes -= v.len() as u64;
+        }
+    }
+
+    fn forked(&self) -> bool {
+        std::process::id() != self.shared.pid
+    }
+
+    /// Bounds the index (called from submissions): at [`INDEX_CAP`] entries, expired ones go; if
+    /// more than half remain, every remembered answer without a staged value goes too (those keys
+    /// become `Unknown`: a later lookup fetches them again). So the index stays below the cap and
+    /// the scan's cost is amortised over the insertions that filled it.
+    fn expire(st: &mut State, now: Instant) {
+        if st.index.len() < INDEX_CAP {
+            return;
+        }
+        let mut freed = 0u64;
+        st.index.retain(|_, e| match e {
+            Entry::Absent { until } => *until > now,
+            Entry::Present { until, value } => {
+                let keep = *until > now;
+                if !keep {
+                    freed += value.as_ref().map_or(0, |v| v.len() as u64);
+                }
+                keep
+            }
+            _ => true,
+        });
+        if st.index.len() > INDEX_CAP / 2 {
+            st.index.retain(|_, e| {
+                matches!(
+                    e,
+                    Entry::Fetching | Entry::Writing | Entry::Present { value: Some(_), .. }
+                )
+            });
+        }
+        st.staged_bytes -= freed;
+    }
+}
+
+impl SecondaryTier for RemoteTier {
+    fn kind(&self) -> &'static str {
+        "remote"
+    }
+
+    fn index(&self, key: &ByteKey) -> Known {
+        let st = lock(&self.shared.state);
+        match st.index.get(key) {
+            // A fetch in flight answers later; a key being written is not readable yet.
+            None | Some(Entry::Writing | Entry::Fetching) => Known::Unknown,
+            Some(Entry::Present { until, value }) => {
+                if value.is_some() || *until > Instant::now() {
+                    Known::Present
+                } else {
+                    Known::Unknown
+                }
+            }
+            Some(Entry::Absent { until }) => {
+                if *until > Instant::now() {
+                    Known::Absent
+                } else {
+                    Known::Unknown
+                }
+            }
+        }
+    }
+
+    fn submit_fetch(&self, keys: &[ByteKey]) -> usize {
+        if self.forked() || keys.is_empty() {
+            return 0;
+        }
+        let sh = &self.shared;
+        let now = Instant::now();
+        let mut st = lock(&sh.state);
+        if st.shutdown {
+            return 0;
+        }
+        Self::expire(&mut st, now);
+        // While every node is down, remember the keys as misses: no job, no network. (A node
+        // down among live ones fails its own keys in the I/O thread, also without a network call.)
+        let down_until = sh.router.all_down(now);
+        let down = down_until.is_some();
+        let down_until = down_until.unwrap_or(now);
+        let mut batch = Vec::new();
+        for k in keys.iter().take(sh.cfg.max_fetch_keys.max(1)) {
+            let unknown = match st.index.get(k) {
+                None => true,
+                Some(Entry::Absent { until }) => *until <= now,
+                Some(Entry::Present { until, value }) => value.is_none() && *until <= now,
+                Some(Entry::Fetching | Entry::Writing) => false,
+            };
+            if !unknown {
+                continue;
+            }
+            if down {
+                sh.counters.fetch_errors.fetch_add(1, Relaxed);
+                st.index
+                    .insert(k.clone(), Entry::Absent { until: down_until });
+                continue;
+            }
+            st.index.insert(k.clone(), Entry::Fetching);
+            batch.push(k.clone());
+        }
+        let n = batch.len();
+        if n > 0 {
+            st.jobs_reads.push_back(Job::Fetch(batch));
+            drop(st);
+            sh.cv.notify_one();
+        }
+        n
+    }
+
+    fn has_or_writing(&self, key: &ByteKey) -> bool {
+        self.index(key) == Known::Present
+            || matches!(
+                lock(&self.shared.state).index.get(key),
+                Some(Entry::Writing)
+            )
+    }
+
+    fn submit_writes(&self, items: &[(ByteKey, BlockId)]) -> Vec<bool> {
+        let sh = &self.shared;
+        if self.forked() {
+            return vec![false; items.len()];
+        }
+        let now = Instant::now();
+        let mut st = lock(&sh.state);
+        Self::expire(&mut st, now);
+        let down = sh.router.all_down(now).is_some();
+        let out = items
+            .iter()
+            .map(|(k, b)| {
+                if st.shutdown {
+                    return false;
+                }
+                if matches!(st.index.get(k), Some(Entry::Writing)) {
+                    return false;
+                }
+                if down {
+                    // Counted as an error: the server is unreachable (its backoff runs).
+                    sh.counters.write_errors.fetch_add(1, Relaxed);
+                    return false;
+                }
+                if st.queued_writes >= sh.cfg.max_queued_writes
+                    || st.inflight_bytes + sh.value_len as u64 > sh.cfg.max_inflight_bytes
+                {
+                    sh.counters.writes_dropped.fetch_add(1, Relaxed);
+                    return false;
+                }
+                st.queued_writes += 1;
+                st.inflight_bytes += sh.value_len as u64;
+                if let Some(Entry::Present { value: Some(v), .. }) =
+                    st.index.insert(k.clone(), Entry::Writing)
+                {
+                    st.staged_bytes -= v.len() as u64;
+                }
+                st.jobs_writes.push_back((k.clone(), *b));
+                true
+            })
+            .collect();
+        drop(st);
+        sh.cv.notify_one();
+        out
+    }
+
+    fn submit_reads(&self, items: &[(ByteKey, BlockId)]) -> Vec<bool> {
+        let sh = &self.shared;
+        if self.forked() {
+            return vec![false; items.len()];
+        }
+        let mut st = lock(&sh.state);
+        let out = items
+            .iter()
+            .map(|(k, b)| {
+                if st.shutdown || !matches!(st.index.get(k), Some(Entry::Present { .. })) {
+                    return false;
+                }
+                st.jobs_reads.push_back(Job::Read(k.clone(), *b));
+                true
+            })
+            .collect();
+        drop(st);
+        sh.cv.notify_all();
+        out
+    }
+
+    fn poll(&self) -> Vec<Completion> {
+        std::mem::take(&mut lock(&self.shared.state).completions)
+    }
+
+    fn busy(&self) -> bool {
+        let st = lock(&self.shared.state);
+        !(st.jobs_reads.is_empty()
+            && st.jobs_writes.is_empty()
+            && st.running_reads == 0
+            && st.running_writes == 0
+            && st.completions.is_empty()
+            && !st.index.values().any(|e| matches!(e, Entry::Fetching)))
+    }
+
+    fn flush(&self) {
+        if self.threads.is_empty() || self.forked() {
+            return;
+        }
+        loop {
+            {
+                let st = lock(&self.shared.state);
+                let idle = st.jobs_reads.is_empty()
+                    && st.jobs_writes.is_empty()
+                    && st.running_reads == 0
+                    && st.running_writes == 0
+                    && !st.index.values().any(|e| matches!(e, Entry::Fetching));
+                if idle || st.shutdown {
+                    return;
+                }
+            }
+            self.shared.cv.notify_all();
+            std::thread::sleep(Duration::from_micros(500));
+        }
+    }
+
+    fn forked(&self) -> bool {
+        RemoteTier::forked(self)
+    }
+
+    fn as_any(&self) -> &dyn std::any::Any {
+        self
+    }
+
+    fn shutdown(&mut self) {
+        if self.forked() {
+            for t in self.threads.drain(..) {
+                std::mem::forget(t);
+            }
+            lock(&self.shared.state).shutdown = true;
+            return;
+        }
+        self.flush();
+        lock(&self.shared.state).shutdown = true;
+        self.shared.cv.notify_all();
+        for t in self.threads.drain(..) {
+            if t.join().is_err() {
+                lock(&self.shared.state).last_error = Some("a remote I/O thread panicked".into());
+            }
+        }
+    }
+
+    fn counters(&self) -> SecondaryCounters {
+        let c = &self.shared.counters;
+        let st = lock(&self.shared.state);
+        #[allow(clippy::cast_precision_loss)]
+        let secs = |ns: &AtomicU64| ns.load(Relaxed) as f64 * 1e-9;
+        SecondaryCounters {
+            writes: c.writes.load(Relaxed),
+            bytes_written: c.bytes_written.load(Relaxed),
+            write_seconds: secs(&c.write_ns),
+            write_errors: c.write_errors.load(Relaxed),
+            writes_dropped: c.writes_dropped.load(Relaxed),
+            promotions: c.promotions.load(Relaxed),
+            bytes_read: c.bytes_read.load(Relaxed),
+            read_seconds: secs(&c.read_ns),
+            read_errors: c.read_errors.load(Relaxed),
+            rejected: c.rejected.load(Relaxed),
+            fetch_hits: c.fetch_hits.load(Relaxed),
+            fetch_misses: c.fetch_misses.load(Relaxed),
+            fetch_errors: c.fetch_errors.load(Relaxed),
+            reconnects: self.shared.router.reconnects.load(Relaxed),
+            queued_reads: st.jobs_reads.len() as u64 + st.running_reads,
+            queued_writes: st.queued_writes as u64,
+            last_error: st.last_error.clone(),
+        }
+    }
+
+    fn extra_stats(&self) -> Vec<(&'static str, u64)> {
+        let (present, absent, staged) = self.index_gauges();
+        let down = self.shared.router.all_down(Instant::now()).is_some();
+        let st = lock(&self.shared.state);
+        vec![
+            ("known_present", present),
+            ("known_absent", absent),
+            ("staged_bytes", staged),
+            ("inflight_bytes", st.inflight_bytes),
+            ("up", u64::from(!down)),
+        ]
+    }
+}
+
+impl RemoteTier {
+    /// Gauges of the index (for metrics): keys known present, remembered misses, staged bytes.
+    fn index_gauges(&self) -> (u64, u64, u64) {
+        let st = lock(&self.shared.state);
+        let now = Instant::now();
+        let mut present = 0;
+        let mut absent = 0;
+        for e in st.index.values() {
+            match e {
+                Entry::Present { until, value } if value.is_some() || *until > now => present += 1,
+                Entry::Absent { until } if *until > now => absent += 1,
+                _ => {}
+            }
+        }
+        (present, absent, st.staged_bytes)
+    }
+}
+
+impl Drop for RemoteTier {
+    fn drop(&mut self) {
+        SecondaryTier::shutdown(self);
+    }
+}
