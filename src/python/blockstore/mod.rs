@@ -101,6 +101,25 @@ pub(super) fn keys_of(keys: &Bound<'_, PyAny>) -> PyResult<Vec<ByteKey>> {
     keys.try_iter()?.map(|k| bytes_key(&k?)).collect()
 }
 
+/// Rows mode's `(key, row)` pairs: `keys` and `blocks` of one length.
+fn keyed_rows(keys: &Bound<'_, PyAny>, blocks: Vec<BlockId>) -> PyResult<Vec<(ByteKey, BlockId)>> {
+    let keys = keys_of(keys)?;
+    if keys.len() != blocks.len() {
+        return Err(to_py(KvoffError::arg("keys and blocks differ in length")));
+    }
+    Ok(keys.into_iter().zip(blocks).collect())
+}
+
+/// Refuses a rows-mode call on a store given segments (`instead`: the call to use).
+fn rows_only(s: &Inner, instead: &str) -> crate::Result<()> {
+    if s.slots.is_some() {
+        return Err(KvoffError::state(format!(
+            "this block store has no rows: use {instead}"
+        )));
+    }
+    Ok(())
+}
+
 #[pymethods]
 impl PyBlockStore {
     /// See `kvoff.BlockStore` in `_native.pyi`.
@@ -277,18 +296,10 @@ impl PyBlockStore {
         keys: &Bound<'_, PyAny>,
         blocks: Vec<BlockId>,
     ) -> PyResult<Vec<bool>> {
-        let keys = keys_of(keys)?;
-        if keys.len() != blocks.len() {
-            return Err(to_py(KvoffError::arg("keys and blocks differ in length")));
-        }
+        let items = keyed_rows(keys, blocks)?;
         self.with(py, Hold::Brief, move |s| {
-            if s.slots.is_some() {
-                return Err(KvoffError::state(
-                    "this block store has no rows: use write_segments",
-                ));
-            }
+            rows_only(s, "write_segments")?;
             s.pump();
-            let items: Vec<(ByteKey, BlockId)> = keys.into_iter().zip(blocks).collect();
             let out = s.tier.sec().submit_writes(&items);
             for ((k, b), &q) in items.into_iter().zip(&out) {
                 if q {
@@ -313,18 +324,10 @@ impl PyBlockStore {
         keys: &Bound<'_, PyAny>,
         blocks: Vec<BlockId>,
     ) -> PyResult<Vec<bool>> {
-        let keys = keys_of(keys)?;
-        if keys.len() != blocks.len() {
-            return Err(to_py(KvoffError::arg("keys and blocks differ in length")));
-        }
+        let items = keyed_rows(keys, blocks)?;
         self.with(py, Hold::Brief, move |s| {
-            if s.slots.is_some() {
-                return Err(KvoffError::state(
-                    "this block store has no rows: use read_segments",
-                ));
-            }
+            rows_only(s, "read_segments")?;
             s.pump();
-            let items: Vec<(ByteKey, BlockId)> = keys.into_iter().zip(blocks).collect();
             Ok(s.tier.sec().submit_reads(&items))
         })
     }

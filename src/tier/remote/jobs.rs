@@ -343,14 +343,7 @@ impl Shared {
         drop(values);
         let elapsed = ns(t0);
         let mut st = lock(&self.state);
-        st.inflight_bytes = st
-            .inflight_bytes
-            .saturating_sub((items.len() * self.value_len) as u64);
-        st.running_writes = st.running_writes.saturating_sub(items.len() as u64);
-        st.queued_writes = st.queued_writes.saturating_sub(items.len());
-        self.counters
-            .write_errors
-            .fetch_add(n_failed_local as u64, Relaxed);
+        self.end_writes(&mut st, items.len(), n_failed_local);
         let now = Instant::now();
         for (i, k) in sent.iter().enumerate() {
             let reply = replies.get(i).and_then(Option::as_ref);
@@ -444,6 +437,17 @@ impl Shared {
         }
     }
 
+    /// Takes a finished write batch of `n` values off the queue and in-flight accounting and
+    /// counts `failed` of them as write errors.
+    pub(super) fn end_writes(&self, st: &mut State, n: usize, failed: usize) {
+        st.inflight_bytes = st
+            .inflight_bytes
+            .saturating_sub((n * self.value_len) as u64);
+        st.running_writes = st.running_writes.saturating_sub(n as u64);
+        st.queued_writes = st.queued_writes.saturating_sub(n);
+        self.counters.write_errors.fetch_add(failed as u64, Relaxed);
+    }
+
     /// Closes the accounting of a job whose thread panicked (see `worker`).
     pub(super) fn fail_panicked(&self, job: &Job, released: bool, why: &str) {
         let mut st = lock(&self.state);
@@ -480,14 +484,7 @@ impl Shared {
                         });
                     }
                 }
-                st.inflight_bytes = st
-                    .inflight_bytes
-                    .saturating_sub((items.len() * self.value_len) as u64);
-                st.running_writes = st.running_writes.saturating_sub(items.len() as u64);
-                st.queued_writes = st.queued_writes.saturating_sub(items.len());
-                self.counters
-                    .write_errors
-                    .fetch_add(items.len() as u64, Relaxed);
+                self.end_writes(&mut st, items.len(), items.len());
                 for (k, _) in items {
                     if matches!(st.index.get(k), Some(Entry::Writing)) {
                         st.index.remove(k);
