@@ -78,7 +78,7 @@ def _block_runs(shape: Sequence[int], stride: Sequence[int]) -> tuple[int, list[
     — equal contiguous runs of ``run`` elements at element ``offsets`` — or ``None`` when its
     innermost elements are not contiguous or it repeats memory (a zero stride)."""
     merged: list[tuple[int, int]] = []  # (size, stride), inner → outer, adjacent contiguous dims merged
-    for size, st in zip(reversed(shape), reversed(stride)):
+    for size, st in zip(reversed(shape), reversed(stride), strict=True):
         if size == 1:
             continue
         if merged and st == merged[-1][0] * merged[-1][1]:

@@ -154,7 +154,7 @@ def engine_main(args: argparse.Namespace) -> int:
                 counts["store_skipped"] += len(rest)
             else:
                 idx = {k: i for i, k in enumerate(keys)}
-                for k, b in zip(out.keys_to_store, out.store_spec.block_ids):
+                for k, b in zip(out.keys_to_store, out.store_spec.block_ids, strict=True):
                     view[int(b)] = content(p, idx[k])
                     if args.engine == args.wrong_engine:  # the script's self-check (see --wrong-engine)
                         view[int(b)][100] ^= 0xFF

@@ -45,7 +45,7 @@ def store(m: TieredOffloadingManager, region: kvoff.HostRegion, ids: list[int]) 
     assert out is not None
     view = rows(region)
     by_key = {K(i): i for i in ids}
-    for k, b in zip(out.keys_to_store, out.store_spec.block_ids):
+    for k, b in zip(out.keys_to_store, out.store_spec.block_ids, strict=True):
         view[b] = content(by_key[k])
     m.complete_store(out.keys_to_store)
 

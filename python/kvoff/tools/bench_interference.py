@@ -248,7 +248,7 @@ def _roundtrip(torch: Any, kvoff: Any, h: Any, comp: _Compute, blocks: int, ngpu
         ld.wait([10**9 + 1])
     torch.cuda.synchronize()
     ok = all(r.success for r in st.get_finished() + ld.get_finished())
-    return ok and all(torch.equal(b, t[dst]) for b, t in zip(before, h.gpu_tensors))
+    return ok and all(torch.equal(b, t[dst]) for b, t in zip(before, h.gpu_tensors, strict=True))
 
 
 def _run_phase(
@@ -708,7 +708,8 @@ def plot_sweep_rows(
     height = 4.2 + below
     fig, axes = plt.subplots(1, max(1, len(dirs)), figsize=(6.5 * max(1, len(dirs)), height), squeeze=False)
     handles: dict[str, Any] = {}
-    for ax, d in zip(axes[0], dirs):
+    # strict=False: with no directions there is still one (empty) axis, and nothing to draw.
+    for ax, d in zip(axes[0], dirs, strict=False):
         for i, m in enumerate(methods):
             mine = sorted(
                 (r for r in rows if r["dir"] == d and r["method"] == m), key=lambda r: r["page_kib"]

@@ -250,7 +250,7 @@ def redis_py_pipelined(
             t0 = time.perf_counter()
             for i in range(0, len(data), pipeline):
                 pipe = client.pipeline(transaction=False)
-                for k, v in zip(keys[i : i + pipeline], data[i : i + pipeline]):
+                for k, v in zip(keys[i : i + pipeline], data[i : i + pipeline], strict=True):
                     pipe.set(k, v)
                 pipe.execute()
             set_s.append(time.perf_counter() - t0)

@@ -358,7 +358,7 @@ def run_demo(cfg: DemoConfig | None = None, metrics: TransferMetrics | None = No
                 res.mismatched_blocks += pool.mismatches(hit_blocks, keys[:g])
                 res.verified_gpu_blocks += g
                 manager.touch(keys)
-                for k, b in zip(keys[g:], fresh):
+                for k, b in zip(keys[g:], fresh, strict=True):
                     gpu_lru[k] = b
                 bar.update(1)
         if cuda:
@@ -412,7 +412,7 @@ def format_result(r: DemoResult) -> str:
     # Without a GPU the "GPU" pool is host memory too: the labels say what moves where.
     on_gpu = r.device.startswith("cuda")
     labels = ("stores GPU->CPU", "loads  CPU->GPU") if on_gpu else ("stores pool->host", "loads  host->pool")
-    for d, label in zip(("GPU_to_CPU", "CPU_to_GPU"), labels):
+    for d, label in zip(("GPU_to_CPU", "CPU_to_GPU"), labels, strict=True):
         t = r.transfers.get(d, {})
         lines.append(
             f"  {label:<17}    {_mib(t.get('bytes', 0)):>11} in {t.get('transfers', 0):>4} transfers, "
