@@ -78,7 +78,7 @@ def _block_runs(shape: Sequence[int], stride: Sequence[int]) -> tuple[int, list[
     — equal contiguous runs of ``run`` elements at element ``offsets`` — or ``None`` when its
     innermost elements are not contiguous or it repeats memory (a zero stride)."""
     merged: list[tuple[int, int]] = []  # (size, stride), inner → outer, adjacent contiguous dims merged
-    for size, st in zip(reversed(shape), reversed(stride)):
+    for size, st in zip(reversed(shape), reversed(stride), strict=True):
         if size == 1:
             continue
         if merged and st == merged[-1][0] * merged[-1][1]:
@@ -258,6 +258,28 @@ def canonicalize_kv_caches(
             whose views overlap (or share memory within one group), an unknown or missing layer in
             ``groups``. Messages name the layer, dtype, shape, strides and device.
     """
+    items, is_dict = _cache_items(kv_caches)
+    num_blocks = _common_num_blocks(items, num_blocks)
+    group_lists = _group_lists(groups, [k for k, _, _ in items], is_dict)
+    group_of = {k: g for g, layers in enumerate(group_lists) for k in layers}
+
+    entries: list[_Entry] = []
+    by_key: dict[tuple[int, int, int], int] = {}
+    layer_parts: dict[Any, list[tuple[int, int]]] = {}  # layer → [(entry index, page bytes)]
+    for key, name, t in items:
+        layer_parts[key] = _add_layer_views(entries, by_key, name, t, num_blocks, group_of[key])
+    _check_disjoint(entries)
+    tensors = [CanonicalKVCacheTensor(e.view, e.width, "; ".join(d for _, d in e.owners)) for e in entries]
+    refs = [
+        [CanonicalKVCacheRef(idx, page) for layer in layers for idx, page in layer_parts[layer]]
+        for layers in group_lists
+    ]
+    return CanonicalKVCaches(tensors, refs)
+
+
+def _cache_items(kv_caches: Any) -> tuple[list[tuple[Any, str, Any]], bool]:
+    """``(key, name, tensor)`` of each KV-cache tensor and whether ``kv_caches`` is a dict, checked:
+    torch tensors of at least 2 dimensions, all on one cpu or cuda device."""
     torch = _torch()
     is_dict = isinstance(kv_caches, Mapping)
     if is_dict:
@@ -285,6 +307,11 @@ def canonicalize_kv_caches(
                 f"KV caches are on different devices ({first[1]} on {first[2].device}, {name} on "
                 f"{t.device}); one set of handlers serves one device"
             )
+    return items, is_dict
+
+
+def _common_num_blocks(items: list[tuple[Any, str, Any]], num_blocks: Any) -> int:
+    """``num_blocks`` checked, or (``None``) the one the tensors' shapes share."""
     if num_blocks is None:
         common = set.intersection(*(_shape_candidates(t) for _, _, t in items))
         if not common:
@@ -294,51 +321,65 @@ def canonicalize_kv_caches(
                 f"(num_blocks, …) or (2, num_blocks, …)"
             )
         # Several candidates only when every tensor is (2, n, …): read that as the K/V split.
-        num_blocks = next(iter(common - {2}), 2) if len(common) > 1 else next(iter(common))
-    elif isinstance(num_blocks, bool) or not isinstance(num_blocks, int) or num_blocks < 0:
+        return next(iter(common - {2}), 2) if len(common) > 1 else next(iter(common))
+    if isinstance(num_blocks, bool) or not isinstance(num_blocks, int) or num_blocks < 0:
         raise ValueError(f"num_blocks must be an int >= 0, got {num_blocks!r}")
-    group_lists = _group_lists(groups, [k for k, _, _ in items], is_dict)
-    group_of = {k: g for g, layers in enumerate(group_lists) for k in layers}
+    return num_blocks
 
-    entries: list[_Entry] = []
-    by_key: dict[tuple[int, int, int], int] = {}
-    layer_parts: dict[Any, list[tuple[int, int]]] = {}  # layer → [(entry index, page bytes)]
-    for key, name, t in items:
-        s = tuple(t.shape)
-        if len(s) >= 3 and s[0] == 2 and s[1] == num_blocks:
-            halves = [(f"{name}[0] (K)", t[0]), (f"{name}[1] (V)", t[1])]
-        elif s[0] == num_blocks:
-            halves = [(name, t)]
-        else:
-            raise ValueError(
-                f"{name}: {_describe(t)} is neither (num_blocks, …) nor (2, num_blocks, …) with "
-                f"num_blocks = {num_blocks}"
-            )
-        g = group_of[key]
-        parts = []
-        for what, half in halves:
-            for desc, v in _block_views(half, what):
-                ptr = int(v.data_ptr())
-                row_stride = int(v.stride(0)) if num_blocks > 1 else int(v.shape[1])
-                desc = f"{desc} ({_describe(t)})"
-                k = (ptr, row_stride, int(v.shape[0]))
-                idx = by_key.get(k)
-                if idx is None:
-                    idx = by_key[k] = len(entries)
-                    entries.append(_Entry(v, ptr, row_stride))
-                e = entries[idx]
-                same = [d for og, d in e.owners if og == g]
-                if same:
-                    raise ValueError(
-                        f"{desc} and {same[0]} view the same memory; the layers of one KV-cache group "
-                        f"need their own bytes (layers of different groups may share a tensor: pass "
-                        f"groups=...)"
-                    )
-                if v.shape[1] > e.width:
-                    e.view = v
-                e.owners.append((g, desc))
-                parts.append((idx, int(v.shape[1])))
-        layer_parts[key] = parts
+
+def _layer_halves(name: str, t: Any, num_blocks: int) -> list[tuple[str, Any]]:
+    """The layer's ``(num_blocks, …)`` tensors with their names: K and V of a ``(2, num_blocks, …)``
+    tensor, else the tensor itself."""
+    s = tuple(t.shape)
+    if len(s) >= 3 and s[0] == 2 and s[1] == num_blocks:
+        return [(f"{name}[0] (K)", t[0]), (f"{name}[1] (V)", t[1])]
+    if s[0] == num_blocks:
+        return [(name, t)]
+    raise ValueError(
+        f"{name}: {_describe(t)} is neither (num_blocks, …) nor (2, num_blocks, …) with "
+        f"num_blocks = {num_blocks}"
+    )
+
+
+def _add_layer_views(
+    entries: list[_Entry],
+    by_key: dict[tuple[int, int, int], int],
+    name: str,
+    t: Any,
+    num_blocks: int,
+    g: int,
+) -> list[tuple[int, int]]:
+    """Adds the block views of layer ``name`` (tensor ``t``, group ``g``) to ``entries`` (an
+    identical view of a layer of another group joins its entry) and returns the layer's
+    ``(entry index, page bytes)``, K before V."""
+    parts = []
+    for what, half in _layer_halves(name, t, num_blocks):
+        for desc, v in _block_views(half, what):
+            ptr = int(v.data_ptr())
+            row_stride = int(v.stride(0)) if num_blocks > 1 else int(v.shape[1])
+            desc = f"{desc} ({_describe(t)})"
+            k = (ptr, row_stride, int(v.shape[0]))
+            idx = by_key.get(k)
+            if idx is None:
+                idx = by_key[k] = len(entries)
+                entries.append(_Entry(v, ptr, row_stride))
+            e = entries[idx]
+            same = [d for og, d in e.owners if og == g]
+            if same:
+                raise ValueError(
+                    f"{desc} and {same[0]} view the same memory; the layers of one KV-cache group "
+                    f"need their own bytes (layers of different groups may share a tensor: pass "
+                    f"groups=...)"
+                )
+            if v.shape[1] > e.width:
+                e.view = v
+            e.owners.append((g, desc))
+            parts.append((idx, int(v.shape[1])))
+    return parts
+
+
+def _check_disjoint(entries: list[_Entry]) -> None:
+    """ValueError when two canonical tensors overlap in memory (sweep in address order)."""
     order = sorted(range(len(entries)), key=lambda i: entries[i].span())
     for n, i in enumerate(order):
         a = entries[i]
@@ -351,9 +392,3 @@ def canonicalize_kv_caches(
                     f"{a.owners[0][1]} and {b.owners[0][1]} overlap in memory; every layer's KV cache "
                     f"must have its own bytes (or be the identical view of a layer of another group)"
                 )
-    tensors = [CanonicalKVCacheTensor(e.view, e.width, "; ".join(d for _, d in e.owners)) for e in entries]
-    refs = [
-        [CanonicalKVCacheRef(idx, page) for layer in layers for idx, page in layer_parts[layer]]
-        for layers in group_lists
-    ]
-    return CanonicalKVCaches(tensors, refs)

@@ -320,6 +320,86 @@ def _check_medium(spec: Any, medium: str, role: str) -> None:
             )
 
 
+def _stream_handles(compute_streams: tuple[Any, ...]) -> list[int]:
+    """The raw CUDA stream handles of ``compute_streams`` (TypeError for anything else)."""
+    stream_handles = []
+    for st in compute_streams:
+        if not hasattr(st, "cuda_stream"):
+            raise TypeError(f"compute_streams must hold torch CUDA streams, got {type(st).__name__}")
+        stream_handles.append(int(st.cuda_stream))
+    return stream_handles
+
+
+def _check_sizes(engine: Any, block_size_factor: Any, num_cpu_blocks: Any) -> None:
+    """Type and range checks of :class:`CpuGpuOffloadingHandlers`' scalar arguments."""
+    if not isinstance(engine, str):
+        raise TypeError(f"engine must be a str, one of {list(ENGINES)}; got {type(engine).__name__}")
+    for name, v in (("block_size_factor", block_size_factor), ("num_cpu_blocks", num_cpu_blocks)):
+        if isinstance(v, bool) or not isinstance(v, int):
+            raise TypeError(f"{name} must be an int, got {type(v).__name__}")
+    if block_size_factor < 1:
+        raise ValueError(f"block_size_factor must be >= 1, got {block_size_factor}")
+    if num_cpu_blocks < 0:
+        raise ValueError(f"num_cpu_blocks must be >= 0, got {num_cpu_blocks}")
+
+
+def _gpu_views(caches: CanonicalKVCaches) -> list[Any]:
+    """Each canonical tensor as ``uint8`` rows cut to its page (ValueError for a bad page size or
+    no tensor at all)."""
+    torch = _torch()
+    gpu_views = []
+    for i, ct in enumerate(caches.tensors):
+        v = ct.tensor
+        if not (isinstance(v, torch.Tensor) and v.dtype == torch.uint8 and v.dim() == 2):
+            v = _byte_rows(v, f"canonical tensor {i}")
+        if not 0 < ct.page_size_bytes <= v.shape[1]:
+            raise ValueError(
+                f"canonical tensor {i}: page_size_bytes {ct.page_size_bytes} must be in 1..{v.shape[1]}"
+            )
+        gpu_views.append(v[:, : ct.page_size_bytes])
+    if not gpu_views:
+        raise ValueError("there must be at least one KV-cache tensor")
+    return gpu_views
+
+
+def _host_region(
+    region: HostRegion | None, num_cpu_blocks: int, slot_bytes: int, block_size_factor: int
+) -> tuple[HostRegion, int]:
+    """The host region (a private one for ``None``) and this rank in it, checked to hold
+    ``num_cpu_blocks`` slots of ``slot_bytes``."""
+    if region is None:
+        return HostRegion.private(num_cpu_blocks, slot_bytes), 0
+    if not isinstance(region, HostRegion):
+        raise TypeError(f"region must be a kvoff.HostRegion, got {type(region).__name__}")
+    rank = region.rank or 0
+    if region.num_cpu_blocks < num_cpu_blocks:
+        raise ValueError(
+            f"the region holds {region.num_cpu_blocks} CPU blocks but num_cpu_blocks = {num_cpu_blocks}"
+        )
+    if region.slot_bytes < slot_bytes:
+        raise ValueError(
+            f"the region's slot ({region.slot_bytes} bytes per rank per block) is smaller than "
+            f"one CPU block of these KV caches ({slot_bytes} bytes = Σ page × factor "
+            f"{block_size_factor}); size it with kvoff.cpu_sizing"
+        )
+    return region, rank
+
+
+def _pin_or_warn(region: HostRegion, device: Any) -> None:
+    """Pins ``region`` for ``device``; a failure is a RuntimeWarning (transfers then use unpinned
+    memory)."""
+    ordinal = device.index if device is not None and device.index is not None else 0
+    try:
+        region.pin(ordinal)
+    except KvoffError as e:
+        warnings.warn(
+            f"kvoff: could not pin the host region ({e}); transfers use unpinned memory "
+            f"(slower; the 'kernel' method is unavailable)",
+            RuntimeWarning,
+            stacklevel=3,
+        )
+
+
 class CpuGpuOffloadingHandlers:
     """Store and load handlers between GPU-side KV caches and a host allocation (docs/spec.md §6).
 
@@ -370,60 +450,20 @@ class CpuGpuOffloadingHandlers:
         compute_budget: float | None = _native.DEFAULT_COMPUTE_BUDGET,
         compute_streams: Sequence[Any] | None = (),
     ) -> None:
-        torch = _torch()
+        _torch()  # first: without torch, the ImportError that says so
         if metrics is not None and not isinstance(metrics, TransferMetrics):
             raise TypeError(f"metrics must be a kvoff.TransferMetrics or None, got {type(metrics).__name__}")
         self.metrics: TransferMetrics = TransferMetrics() if metrics is None else metrics
         compute_streams = tuple(compute_streams or ())
-        stream_handles = []
-        for st in compute_streams:
-            if not hasattr(st, "cuda_stream"):
-                raise TypeError(f"compute_streams must hold torch CUDA streams, got {type(st).__name__}")
-            stream_handles.append(int(st.cuda_stream))
-        if not isinstance(engine, str):
-            raise TypeError(f"engine must be a str, one of {list(ENGINES)}; got {type(engine).__name__}")
-        for name, v in (("block_size_factor", block_size_factor), ("num_cpu_blocks", num_cpu_blocks)):
-            if isinstance(v, bool) or not isinstance(v, int):
-                raise TypeError(f"{name} must be an int, got {type(v).__name__}")
-        if block_size_factor < 1:
-            raise ValueError(f"block_size_factor must be >= 1, got {block_size_factor}")
-        if num_cpu_blocks < 0:
-            raise ValueError(f"num_cpu_blocks must be >= 0, got {num_cpu_blocks}")
+        stream_handles = _stream_handles(compute_streams)
+        _check_sizes(engine, block_size_factor, num_cpu_blocks)
         caches = kv_caches if isinstance(kv_caches, CanonicalKVCaches) else canonicalize_kv_caches(kv_caches)
-        gpu_views = []
-        for i, ct in enumerate(caches.tensors):
-            v = ct.tensor
-            if not (isinstance(v, torch.Tensor) and v.dtype == torch.uint8 and v.dim() == 2):
-                v = _byte_rows(v, f"canonical tensor {i}")
-            if not 0 < ct.page_size_bytes <= v.shape[1]:
-                raise ValueError(
-                    f"canonical tensor {i}: page_size_bytes {ct.page_size_bytes} must be in 1..{v.shape[1]}"
-                )
-            gpu_views.append(v[:, : ct.page_size_bytes])
-        if not gpu_views:
-            raise ValueError("there must be at least one KV-cache tensor")
+        gpu_views = _gpu_views(caches)
         cpu_pages = [int(v.shape[1]) * block_size_factor for v in gpu_views]
         slot_bytes = sum(cpu_pages)
 
         self._own_region = region is None
-        if region is None:
-            region = HostRegion.private(num_cpu_blocks, slot_bytes)
-            rank = 0
-        else:
-            if not isinstance(region, HostRegion):
-                raise TypeError(f"region must be a kvoff.HostRegion, got {type(region).__name__}")
-            rank = region.rank or 0
-            if region.num_cpu_blocks < num_cpu_blocks:
-                raise ValueError(
-                    f"the region holds {region.num_cpu_blocks} CPU blocks but num_cpu_blocks = "
-                    f"{num_cpu_blocks}"
-                )
-            if region.slot_bytes < slot_bytes:
-                raise ValueError(
-                    f"the region's slot ({region.slot_bytes} bytes per rank per block) is smaller than "
-                    f"one CPU block of these KV caches ({slot_bytes} bytes = Σ page × factor "
-                    f"{block_size_factor}); size it with kvoff.cpu_sizing"
-                )
+        region, rank = _host_region(region, num_cpu_blocks, slot_bytes, block_size_factor)
         self.region: HostRegion = region
         self.block_size_factor = block_size_factor
         self.num_cpu_blocks = num_cpu_blocks
@@ -442,16 +482,7 @@ class CpuGpuOffloadingHandlers:
         if use_cuda:
             device = gpu_views[0].device
             if region.len_bytes > 0 and not region.is_pinned:
-                ordinal = device.index if device is not None and device.index is not None else 0
-                try:
-                    region.pin(ordinal)
-                except KvoffError as e:
-                    warnings.warn(
-                        f"kvoff: could not pin the host region ({e}); transfers use unpinned memory "
-                        f"(slower; the 'kernel' method is unavailable)",
-                        RuntimeWarning,
-                        stacklevel=2,
-                    )
+                _pin_or_warn(region, device)
 
         cpu_tensors = []
         offset = 0
@@ -484,16 +515,23 @@ class CpuGpuOffloadingHandlers:
         self._compute_budget: float | None = None if compute_budget is None else float(compute_budget)
 
         if use_cuda and stream_handles:
-            for st in compute_streams:
-                if st.device != device:
-                    self.shutdown()
-                    raise ValueError(
-                        f"compute_streams: a stream of {st.device}, but the KV caches are on {device}"
-                    )
-            for hd in (self.gpu_to_cpu_handler, self.cpu_to_gpu_handler):
-                # Each handler keeps the stream objects alive as long as its engine watches them.
-                hd._compute_streams = compute_streams
-                hd._native.set_compute_streams(stream_handles)
+            self._watch_compute_streams(compute_streams, stream_handles, device)
+
+    def _watch_compute_streams(
+        self, compute_streams: tuple[Any, ...], stream_handles: list[int], device: Any
+    ) -> None:
+        """Has both handlers watch ``compute_streams`` (all on ``device``, else ValueError after
+        shutting the handlers down)."""
+        for st in compute_streams:
+            if st.device != device:
+                self.shutdown()
+                raise ValueError(
+                    f"compute_streams: a stream of {st.device}, but the KV caches are on {device}"
+                )
+        for hd in (self.gpu_to_cpu_handler, self.cpu_to_gpu_handler):
+            # Each handler keeps the stream objects alive as long as its engine watches them.
+            hd._compute_streams = compute_streams
+            hd._native.set_compute_streams(stream_handles)
 
     @property
     def engine(self) -> str:

@@ -333,7 +333,7 @@ class TransferMetrics:
         for d, s in dirs.items():
             lab = {**labels, "transfer_type": d}
             cum = 0
-            for le, n in zip((*SIZE_BUCKETS_BYTES, math.inf), s.bucket_counts):
+            for le, n in zip((*SIZE_BUCKETS_BYTES, math.inf), s.bucket_counts, strict=True):
                 cum += n
                 f.samples.append((f"{f.name}_bucket", {**lab, "le": _go_float(le)}, float(cum)))
             f.samples.append((f"{f.name}_sum", lab, float(s.bytes)))
@@ -378,7 +378,7 @@ class TransferMetrics:
         for d in ("GPU_to_CPU", "CPU_to_GPU"):
             s = dirs[d]
             cum, buckets = 0, {}
-            for le, n in zip((*SIZE_BUCKETS_BYTES, math.inf), s.bucket_counts):
+            for le, n in zip((*SIZE_BUCKETS_BYTES, math.inf), s.bucket_counts, strict=True):
                 cum += n
                 buckets[le] = cum
             out[d] = {

@@ -208,14 +208,25 @@ class ModelManager:
             victims = chosen
         # --- commit
         if self.store_threshold >= 2:
-            for k in offered:
-                self.offers[k] = self.offers.get(k, 0) + 1
-                if k in self.tracker:
-                    self.tracker.remove(k)
-                self.tracker.append(k)
-            while len(self.tracker) > self.max_tracker_size and self.tracker[0] not in offered:
-                del self.offers[self.tracker.pop(0)]
+            self._track_offers(offered)
             self.stores_skipped += skipped
+        self._evict(victims)
+        self._push_event(victims, True)
+        ids = self._add_pending(candidates)
+        return StoreResult(candidates, ids, victims)
+
+    def _track_offers(self, offered: list[bytes]) -> None:
+        """Counts an offer of each key (admission tracker, oldest dropped past its size)."""
+        for k in offered:
+            self.offers[k] = self.offers.get(k, 0) + 1
+            if k in self.tracker:
+                self.tracker.remove(k)
+            self.tracker.append(k)
+        while len(self.tracker) > self.max_tracker_size and self.tracker[0] not in offered:
+            del self.offers[self.tracker.pop(0)]
+
+    def _evict(self, victims: list[bytes]) -> None:
+        """Frees the victims' blocks (ARC: remembered in the ghost lists, trimmed to capacity)."""
         for v in victims:
             self.freed.append(self.blocks.pop(v).block_id)
             if v in self.t1:
@@ -228,7 +239,9 @@ class ModelManager:
         if self.policy == "arc":
             del self.b1[: max(0, len(self.b1) - self.num_blocks)]
             del self.b2[: max(0, len(self.b2) - self.num_blocks)]
-        self._push_event(victims, True)
+
+    def _add_pending(self, candidates: list[bytes]) -> list[int]:
+        """Allocates a pending block for each candidate (ARC: a ghost hit adapts p); returns the ids."""
         ids = []
         for k in candidates:
             bid = self._alloc_id()
@@ -242,7 +255,7 @@ class ModelManager:
                     self._adapt_b2()
                     self.b2.remove(k)
             self.t1.append(k)
-        return StoreResult(candidates, ids, victims)
+        return ids
 
     def complete_store(self, keys: list[bytes], success: bool = True) -> None:
         stored = []

@@ -897,41 +897,53 @@ class FaultProxy:
                     with contextlib.suppress(OSError):
                         dst.shutdown(socket.SHUT_WR)
                     return
-                d = self._wait_flowing()
-                if d is None:
+                if not self._forward(dst, data, up):
                     return
-                if d:
-                    time.sleep(d)
-                view = memoryview(data)
-                while view:
-                    if self._wait_flowing() is None:
-                        return
-                    try:
-                        n = dst.send(view)
-                    except TimeoutError:
-                        continue
-                    view = view[n:]
-                with self._cv:
-                    if up:
-                        self.bytes_up += len(data)
-                    else:
-                        self.bytes_down += len(data)
         except OSError:
             _reset(src)
             _reset(dst)
         finally:
-            pair = (src, dst) if up else (dst, src)
-            with self._cv:
-                self._pairs = [p for p in self._pairs if src not in p]
-                left = self._pumps.get(pair, 1) - 1
-                if left:
-                    self._pumps[pair] = left
-                else:
-                    self._pumps.pop(pair, None)
-            if not left:
-                for x in pair:
-                    with contextlib.suppress(OSError):
-                        x.close()
+            self._pump_done(src, dst, up)
+
+    def _forward(self, dst: socket.socket, data: bytes, up: bool) -> bool:
+        """Send ``data`` to ``dst`` after the set delay (waiting while stalled) and count its bytes;
+        ``False`` when the proxy closed meanwhile."""
+        d = self._wait_flowing()
+        if d is None:
+            return False
+        if d:
+            time.sleep(d)
+        view = memoryview(data)
+        while view:
+            if self._wait_flowing() is None:
+                return False
+            try:
+                n = dst.send(view)
+            except TimeoutError:
+                continue
+            view = view[n:]
+        with self._cv:
+            if up:
+                self.bytes_up += len(data)
+            else:
+                self.bytes_down += len(data)
+        return True
+
+    def _pump_done(self, src: socket.socket, dst: socket.socket, up: bool) -> None:
+        """One direction of a pair ended: forget the pair; the last of its two pumps closes both
+        sockets."""
+        pair = (src, dst) if up else (dst, src)
+        with self._cv:
+            self._pairs = [p for p in self._pairs if src not in p]
+            left = self._pumps.get(pair, 1) - 1
+            if left:
+                self._pumps[pair] = left
+            else:
+                self._pumps.pop(pair, None)
+        if not left:
+            for x in pair:
+                with contextlib.suppress(OSError):
+                    x.close()
 
 
 def _reset(s: socket.socket) -> None:

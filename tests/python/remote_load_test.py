@@ -80,6 +80,91 @@ def make_manager(args: argparse.Namespace, region: Any, engine: int) -> Any:
     return TieredOffloadingManager("lru", args.host_blocks, region, **kw)
 
 
+def _key(p: int, j: int) -> bytes:
+    import kvoff
+
+    return kvoff.make_offload_key(f"load-p{p}-b{j}".encode(), 0)
+
+
+def _content(p: int, j: int, block: int) -> Any:
+    """What block j of prefix p holds, in every engine: from its identity only. A cheap,
+    position-dependent pattern (a random 4 KiB tile xor the block's number)."""
+    import numpy as np
+
+    tile = np.random.default_rng(p * 100_003 + j).integers(0, 256, 4096, dtype=np.uint8)
+    out = np.resize(tile, block)
+    out[:8] = np.frombuffer(((p << 20) | j).to_bytes(8, "little"), dtype=np.uint8)
+    return out
+
+
+def _lookup(m: Any, k: bytes, timeout_s: float, lookup_ns: list[int]) -> tuple[bool | None, bool]:
+    """``m.lookup(k)`` repeated while pending (up to ``timeout_s``), each call's time appended to
+    ``lookup_ns``; returns (the last answer, whether it waited)."""
+    deadline = time.monotonic() + timeout_s
+    waited = False
+    while True:
+        t = time.perf_counter_ns()
+        r = m.lookup(k)
+        lookup_ns.append(time.perf_counter_ns() - t)
+        if r is not None or time.monotonic() > deadline:
+            return r, waited
+        waited = True
+        time.sleep(0.001)  # the scheduler's next step
+
+
+def _ready_prefix(
+    m: Any,
+    args: argparse.Namespace,
+    p: int,
+    keys: list[bytes],
+    counts: dict[str, int],
+    mine: set[tuple[int, int]],
+    lookup_ns: list[int],
+) -> int:
+    """How many leading blocks of prefix ``p`` the tier serves (waiting for pending ones)."""
+    ready = 0
+    for k in keys:
+        r, waited = _lookup(m, k, args.pending_timeout_s, lookup_ns)
+        if r is None:
+            counts["pending_timeouts"] += 1
+        if r is not True:
+            break
+        if waited and (p, ready) not in mine:
+            counts["fetched_from_others"] += 1
+        ready += 1
+        counts["after_pending" if waited else "ready_at_once"] += 1
+    return ready
+
+
+def _serve(
+    m: Any, view: Any, args: argparse.Namespace, p: int, keys: list[bytes], ready: int, counts: dict[str, int]
+) -> None:
+    """Loads (and checks) the ``ready`` leading blocks, computes and stores the rest."""
+    import numpy as np
+
+    block = args.block_kib * 1024
+    if ready:
+        spec = m.prepare_load(keys[:ready])
+        for j, b in enumerate(spec.block_ids):
+            if not np.array_equal(view[int(b)], _content(p, j, block)):
+                counts["wrong"] += 1
+        m.complete_load(keys[:ready])
+    rest = keys[ready:]
+    if not rest:
+        return
+    out = m.prepare_store(rest)
+    if out is None:
+        counts["store_skipped"] += len(rest)
+    else:
+        idx = {k: i for i, k in enumerate(keys)}
+        for k, b in zip(out.keys_to_store, out.store_spec.block_ids, strict=True):
+            view[int(b)] = _content(p, idx[k], block)
+            if args.engine == args.wrong_engine:  # the script's self-check (see --wrong-engine)
+                view[int(b)][100] ^= 0xFF
+        m.complete_store(out.keys_to_store)
+    counts["computed"] += len(rest)
+
+
 def engine_main(args: argparse.Namespace) -> int:
     import kvoff
     import numpy as np
@@ -96,17 +181,6 @@ def engine_main(args: argparse.Namespace) -> int:
     weights = 1.0 / np.arange(1, args.prefixes + 1) ** args.zipf
     weights /= weights.sum()
 
-    def key(p: int, j: int) -> bytes:
-        return kvoff.make_offload_key(f"load-p{p}-b{j}".encode(), 0)
-
-    def content(p: int, j: int) -> np.ndarray:
-        # What block j of prefix p holds, in every engine: from its identity only. A cheap,
-        # position-dependent pattern (a random 4 KiB tile xor the block's number).
-        tile = np.random.default_rng(p * 100_003 + j).integers(0, 256, 4096, dtype=np.uint8)
-        out = np.resize(tile, block)
-        out[:8] = np.frombuffer(((p << 20) | j).to_bytes(8, "little"), dtype=np.uint8)
-        return out
-
     counts = {"asked": 0, "ready_at_once": 0, "after_pending": 0, "computed": 0, "wrong": 0}
     counts.update({"store_skipped": 0, "pending_timeouts": 0, "fetched_from_others": 0})
     mine: set[tuple[int, int]] = set()  # blocks this engine computed itself
@@ -119,47 +193,11 @@ def engine_main(args: argparse.Namespace) -> int:
     for _ in range(args.requests):
         p = int(rng.choice(args.prefixes, p=weights))
         n = args.blocks_per_prefix
-        keys = [key(p, j) for j in range(n)]
-        ready = 0
-        for k in keys:
-            deadline = time.monotonic() + args.pending_timeout_s
-            waited = False
-            while True:
-                t = time.perf_counter_ns()
-                r = m.lookup(k)
-                lookup_ns.append(time.perf_counter_ns() - t)
-                if r is not None or time.monotonic() > deadline:
-                    break
-                waited = True
-                time.sleep(0.001)  # the scheduler's next step
-            if r is None:
-                counts["pending_timeouts"] += 1
-            if r is not True:
-                break
-            if waited and (p, ready) not in mine:
-                counts["fetched_from_others"] += 1
-            ready += 1
-            counts["after_pending" if waited else "ready_at_once"] += 1
+        keys = [_key(p, j) for j in range(n)]
+        ready = _ready_prefix(m, args, p, keys, counts, mine, lookup_ns)
         counts["asked"] += n
-        if ready:
-            spec = m.prepare_load(keys[:ready])
-            for j, b in enumerate(spec.block_ids):
-                if not np.array_equal(view[int(b)], content(p, j)):
-                    counts["wrong"] += 1
-            m.complete_load(keys[:ready])
-        rest = keys[ready:]
-        if rest:
-            out = m.prepare_store(rest)
-            if out is None:
-                counts["store_skipped"] += len(rest)
-            else:
-                idx = {k: i for i, k in enumerate(keys)}
-                for k, b in zip(out.keys_to_store, out.store_spec.block_ids):
-                    view[int(b)] = content(p, idx[k])
-                    if args.engine == args.wrong_engine:  # the script's self-check (see --wrong-engine)
-                        view[int(b)][100] ^= 0xFF
-                m.complete_store(out.keys_to_store)
-            counts["computed"] += len(rest)
+        _serve(m, view, args, p, keys, ready, counts)
+        if keys[ready:]:
             mine.update((p, j) for j in range(ready, n))
     wall = time.perf_counter() - t0
     if hasattr(m, "flush"):
@@ -189,19 +227,112 @@ def _tier_bytes(stats: dict[str, float], direction: str, backend: str) -> float:
     return float(sum(stats.get(n, 0) for n in names))
 
 
+def _remote_tier_missing(args: argparse.Namespace) -> bool:
+    """For the remote backend: whether kvoff or its remote tier is missing (says so on stderr)."""
+    if args.backend != "remote":
+        return False
+    try:
+        import kvoff  # noqa: F401
+    except ImportError:
+        print("kvoff is not installed", file=sys.stderr)
+        return True
+    if not has_remote_tier():
+        print("skipped: this build of kvoff has no remote tier (no remote_url)", file=sys.stderr)
+        return True
+    return False
+
+
+def _engine_cmd(args: argparse.Namespace, e: int, start_at: float) -> list[str]:
+    """The command line of engine process ``e``."""
+    cmd = [sys.executable, __file__, "--engine-worker", str(e), "--start-at", repr(start_at)]
+    cmd += ["--backend", args.backend, "--namespace", args.namespace]
+    cmd += ["--requests", str(args.requests), "--prefixes", str(args.prefixes)]
+    cmd += ["--blocks-per-prefix", str(args.blocks_per_prefix), "--block-kib", str(args.block_kib)]
+    cmd += ["--host-blocks", str(args.host_blocks), "--zipf", str(args.zipf)]
+    cmd += [
+        "--pending-timeout-s",
+        str(args.pending_timeout_s),
+        "--wrong-engine",
+        str(args.wrong_engine),
+    ]
+    if args.backend == "disk":
+        cmd += ["--disk", args.disk]
+    else:
+        cmd += ["--url", args.url] + (["--cluster"] if args.cluster else [])
+    return cmd
+
+
+def _collect(procs: list[Any], timeout_s: float) -> tuple[list[dict[str, Any]], list[str]] | None:
+    """The engines' results and failures; ``None`` when one was skipped (says why on stderr)."""
+    results, failures = [], []
+    for e, p in enumerate(procs):
+        try:
+            out, err = p.communicate(timeout=timeout_s)
+        except subprocess.TimeoutExpired:
+            p.kill()
+            out, err = p.communicate()
+            failures.append(f"engine {e} timed out; stderr: {err[-2000:]}")
+            continue
+        line = next((ln for ln in out.splitlines() if ln.startswith("KVOFF_LOAD_RESULT ")), None)
+        if p.returncode == SKIP:
+            print(f"skipped: {err.strip()}", file=sys.stderr)
+            return None
+        if p.returncode != 0 or line is None:
+            failures.append(f"engine {e} failed (rc {p.returncode}): {err[-3000:]}")
+            continue
+        results.append(json.loads(line.split(" ", 1)[1]))
+    return results, failures
+
+
+def _summary(
+    args: argparse.Namespace, results: list[dict[str, Any]], failures: list[str], cluster: Any, wall: float
+) -> dict[str, Any]:
+    """The totals over all engines."""
+    tot: dict[str, float] = {}
+    for r in results:
+        for k, v in r["counts"].items():
+            tot[k] = tot.get(k, 0) + v
+    stats_sum: dict[str, float] = {}
+    for r in results:
+        for k, v in r["stats"].items():
+            if k.startswith(("remote_", "disk_")):
+                stats_sum[k] = stats_sum.get(k, 0) + v
+    read = sum(_tier_bytes(r["stats"], "read", args.backend) for r in results)
+    written = sum(_tier_bytes(r["stats"], "written", args.backend) for r in results)
+    served = tot.get("ready_at_once", 0) + tot.get("after_pending", 0)
+    return {
+        "engines": args.engines,
+        "engines_ok": len(results),
+        "backend": args.backend,
+        "cluster_masters": args.masters if cluster is not None else None,
+        "block_bytes": args.block_kib * 1024,
+        "wall_s": round(wall, 2),
+        "blocks_asked": tot.get("asked", 0),
+        "hit_rate": served / tot["asked"] if tot.get("asked") else 0.0,
+        "served_after_fetch": tot.get("after_pending", 0),
+        "fetched_from_others": tot.get("fetched_from_others", 0),
+        "computed": tot.get("computed", 0),
+        "wrong": tot.get("wrong", 0),
+        "pending_timeouts": tot.get("pending_timeouts", 0),
+        "tier_read_gb_s": read / wall / 1e9 if wall else 0.0,
+        "tier_written_gb_s": written / wall / 1e9 if wall else 0.0,
+        "tier_read_bytes": read,
+        "tier_written_bytes": written,
+        "lookup_p99_us_max": max((r["lookup_p99_us"] for r in results), default=0.0),
+        "lookup_p50_us_median": sorted(r["lookup_p50_us"] for r in results)[len(results) // 2]
+        if results
+        else 0.0,
+        "tier_stats": stats_sum,
+        "failures": failures,
+    }
+
+
 def run(args: argparse.Namespace) -> int:
     sys.path.insert(0, str(HERE))
     import redis_servers as rs
 
-    if args.backend == "remote":
-        try:
-            import kvoff  # noqa: F401
-        except ImportError:
-            print("kvoff is not installed", file=sys.stderr)
-            return SKIP
-        if not has_remote_tier():
-            print("skipped: this build of kvoff has no remote tier (no remote_url)", file=sys.stderr)
-            return SKIP
+    if _remote_tier_missing(args):
+        return SKIP
     cluster = None
     tmp = None
     try:
@@ -222,78 +353,15 @@ def run(args: argparse.Namespace) -> int:
         start_at = time.time() + 2.0 + 0.3 * args.engines
         procs = []
         for e in range(args.engines):
-            cmd = [sys.executable, __file__, "--engine-worker", str(e), "--start-at", repr(start_at)]
-            cmd += ["--backend", args.backend, "--namespace", args.namespace]
-            cmd += ["--requests", str(args.requests), "--prefixes", str(args.prefixes)]
-            cmd += ["--blocks-per-prefix", str(args.blocks_per_prefix), "--block-kib", str(args.block_kib)]
-            cmd += ["--host-blocks", str(args.host_blocks), "--zipf", str(args.zipf)]
-            cmd += [
-                "--pending-timeout-s",
-                str(args.pending_timeout_s),
-                "--wrong-engine",
-                str(args.wrong_engine),
-            ]
-            if args.backend == "disk":
-                cmd += ["--disk", args.disk]
-            else:
-                cmd += ["--url", args.url] + (["--cluster"] if args.cluster else [])
+            cmd = _engine_cmd(args, e, start_at)
             procs.append(subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True))
         t0 = time.time()
-        results, failures = [], []
-        for e, p in enumerate(procs):
-            try:
-                out, err = p.communicate(timeout=args.timeout_s)
-            except subprocess.TimeoutExpired:
-                p.kill()
-                out, err = p.communicate()
-                failures.append(f"engine {e} timed out; stderr: {err[-2000:]}")
-                continue
-            line = next((ln for ln in out.splitlines() if ln.startswith("KVOFF_LOAD_RESULT ")), None)
-            if p.returncode == SKIP:
-                print(f"skipped: {err.strip()}", file=sys.stderr)
-                return SKIP
-            if p.returncode != 0 or line is None:
-                failures.append(f"engine {e} failed (rc {p.returncode}): {err[-3000:]}")
-                continue
-            results.append(json.loads(line.split(" ", 1)[1]))
+        collected = _collect(procs, args.timeout_s)
+        if collected is None:
+            return SKIP
+        results, failures = collected
         wall = max((r["wall_s"] for r in results), default=time.time() - t0)
-        tot: dict[str, float] = {}
-        for r in results:
-            for k, v in r["counts"].items():
-                tot[k] = tot.get(k, 0) + v
-        stats_sum: dict[str, float] = {}
-        for r in results:
-            for k, v in r["stats"].items():
-                if k.startswith(("remote_", "disk_")):
-                    stats_sum[k] = stats_sum.get(k, 0) + v
-        read = sum(_tier_bytes(r["stats"], "read", args.backend) for r in results)
-        written = sum(_tier_bytes(r["stats"], "written", args.backend) for r in results)
-        served = tot.get("ready_at_once", 0) + tot.get("after_pending", 0)
-        summary = {
-            "engines": args.engines,
-            "engines_ok": len(results),
-            "backend": args.backend,
-            "cluster_masters": args.masters if cluster is not None else None,
-            "block_bytes": args.block_kib * 1024,
-            "wall_s": round(wall, 2),
-            "blocks_asked": tot.get("asked", 0),
-            "hit_rate": served / tot["asked"] if tot.get("asked") else 0.0,
-            "served_after_fetch": tot.get("after_pending", 0),
-            "fetched_from_others": tot.get("fetched_from_others", 0),
-            "computed": tot.get("computed", 0),
-            "wrong": tot.get("wrong", 0),
-            "pending_timeouts": tot.get("pending_timeouts", 0),
-            "tier_read_gb_s": read / wall / 1e9 if wall else 0.0,
-            "tier_written_gb_s": written / wall / 1e9 if wall else 0.0,
-            "tier_read_bytes": read,
-            "tier_written_bytes": written,
-            "lookup_p99_us_max": max((r["lookup_p99_us"] for r in results), default=0.0),
-            "lookup_p50_us_median": sorted(r["lookup_p50_us"] for r in results)[len(results) // 2]
-            if results
-            else 0.0,
-            "tier_stats": stats_sum,
-            "failures": failures,
-        }
+        summary = _summary(args, results, failures, cluster, wall)
         if cluster is not None:
             summary["keys_per_master"] = [m.dbsize() for m in cluster.masters()]
         print(json.dumps(summary, indent=1))

@@ -104,7 +104,7 @@ def test_bad_numeric_values_are_one_line_usage_errors() -> None:
     with ThreadPoolExecutor(4) as pool:
         results = list(pool.map(lambda c: _run([*c[0], f"{c[1]}={c[3]}"]), cases))
     failures = []
-    for (cmd, opt, kind, value), p in zip(cases, results):
+    for (cmd, opt, kind, value), p in zip(cases, results, strict=True):
         err = p.stderr.strip()
         prog = " ".join(["kvoff", *cmd])
         ok = (

@@ -148,7 +148,7 @@ class ManagerMachine(RuleBasedStateMachine):
         for k in evicted:
             assert k in self.obs_ids and k not in self.obs_pending
             del self.obs_ids[k]
-        for k, b in zip(stored, ids):
+        for k, b in zip(stored, ids, strict=True):
             assert k not in self.obs_ids
             assert 0 <= b < self.cap
             assert b not in self.obs_ids.values()

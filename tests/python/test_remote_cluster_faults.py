@@ -74,7 +74,7 @@ class Engine:
         out = self._timed(self.m.prepare_store, [K(i) for i in ids])
         assert out is not None
         by_key = {K(i): i for i in ids}
-        for k, b in zip(out.keys_to_store, out.store_spec.block_ids):
+        for k, b in zip(out.keys_to_store, out.store_spec.block_ids, strict=True):
             self.view[int(b)] = content(by_key[k])
         self._timed(self.m.complete_store, out.keys_to_store)
 
@@ -259,7 +259,7 @@ def test_partition_of_every_node(cluster_factory: Callable[..., rs.RedisCluster]
         t = time.monotonic()
         found = [b.resolve(i, limit_s=10) for i in ids]
         assert time.monotonic() - t < 15
-        for i, ok in zip(ids, found):
+        for i, ok in zip(ids, found, strict=True):
             if ok:
                 b.load_ok(i)  # only a block promoted before the cut (round > 0)
         for p in c.proxies:

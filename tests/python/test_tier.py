@@ -10,6 +10,7 @@ import subprocess
 import sys
 import textwrap
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import kvoff
@@ -45,7 +46,7 @@ def store(m: TieredOffloadingManager, region: kvoff.HostRegion, ids: list[int]) 
     assert out is not None
     view = rows(region)
     by_key = {K(i): i for i in ids}
-    for k, b in zip(out.keys_to_store, out.store_spec.block_ids):
+    for k, b in zip(out.keys_to_store, out.store_spec.block_ids, strict=True):
         view[b] = content(by_key[k])
     m.complete_store(out.keys_to_store)
 
@@ -330,6 +331,27 @@ def test_use_after_fork_is_a_clear_error(tmp_path: Path) -> None:
     region.close()
 
 
+def _recording_errors(errors: list[BaseException], f: Callable[..., None]) -> Callable[..., None]:
+    """``f`` wrapped to append whatever it raises to ``errors`` (for a thread's target)."""
+
+    def run(*args: object) -> None:
+        try:
+            f(*args)
+        except BaseException as e:  # noqa: BLE001
+            errors.append(e)
+
+    return run
+
+
+def _check_ready_blocks(m: TieredOffloadingManager, region: kvoff.HostRegion, n: int) -> None:
+    """Every one of blocks ``0..n`` that reads back ready (after its pending store) has its bytes."""
+    for i in range(n):
+        if m.lookup(K(i)) is None:
+            wait_ready(m, K(i))
+        if m.lookup(K(i)) is True:
+            assert np.array_equal(load_bytes(m, region, K(i)), content(i)), f"block {i}"
+
+
 def test_concurrent_use_from_threads(tmp_path: Path) -> None:
     """Stores, lookups (promotions), flushes and stats from several threads at once: no error, no
     hang, and every block that reads back ready has its bytes."""
@@ -340,35 +362,26 @@ def test_concurrent_use_from_threads(tmp_path: Path) -> None:
     lock = threading.Lock()  # the host rows are written by the storing threads only under it
 
     def storer(base: int) -> None:
-        try:
-            for i in range(base, base + 40):
-                out = m.prepare_store([K(i)])
-                if out is None or not out.keys_to_store:
-                    continue
-                with lock:
-                    rows(region)[int(out.store_spec.block_ids[0])] = content(i)
-                m.complete_store(out.keys_to_store)
-        except BaseException as e:  # noqa: BLE001
-            errors.append(e)
+        for i in range(base, base + 40):
+            out = m.prepare_store([K(i)])
+            if out is None or not out.keys_to_store:
+                continue
+            with lock:
+                rows(region)[int(out.store_spec.block_ids[0])] = content(i)
+            m.complete_store(out.keys_to_store)
 
     def looker() -> None:
-        try:
-            for _ in range(200):
-                for i in range(0, 80, 7):
-                    m.lookup(K(i))
-                m.get_stats()
-        except BaseException as e:  # noqa: BLE001
-            errors.append(e)
+        for _ in range(200):
+            for i in range(0, 80, 7):
+                m.lookup(K(i))
+            m.get_stats()
 
     def flusher() -> None:
-        try:
-            for _ in range(20):
-                m.flush()
-        except BaseException as e:  # noqa: BLE001
-            errors.append(e)
+        for _ in range(20):
+            m.flush()
 
     threads = [
-        threading.Thread(target=f, args=a)
+        threading.Thread(target=_recording_errors(errors, f), args=a)
         for f, a in [(storer, (0,)), (storer, (40,)), (looker, ()), (flusher, ())]
     ]
     for t in threads:
@@ -378,10 +391,6 @@ def test_concurrent_use_from_threads(tmp_path: Path) -> None:
         assert not t.is_alive(), "a thread hung"
     assert errors == []
     m.flush()
-    for i in range(80):
-        if m.lookup(K(i)) is None:
-            wait_ready(m, K(i))
-        if m.lookup(K(i)) is True:
-            assert np.array_equal(load_bytes(m, region, K(i)), content(i)), f"block {i}"
+    _check_ready_blocks(m, region, 80)
     m.shutdown()
     region.close()

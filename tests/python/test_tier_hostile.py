@@ -222,7 +222,7 @@ def store(m: TieredOffloadingManager, region: kvoff.HostRegion, ids: list[int]) 
     assert out is not None
     view = region.view_numpy(0, 0, BLOCK)
     by_key = {K(i): i for i in ids}
-    for k, b in zip(out.keys_to_store, out.store_spec.block_ids):
+    for k, b in zip(out.keys_to_store, out.store_spec.block_ids, strict=True):
         view[b] = content(by_key[k])
     m.complete_store(out.keys_to_store)
 
@@ -245,7 +245,7 @@ def test_completes_of_promoting_keys_raise_and_change_nothing(tmp_path: Path) ->
         m.complete_load(keys[:1])
     m.flush()
     view = region.view_numpy(0, 0, BLOCK)
-    for i, k in zip(ids, keys):
+    for i, k in zip(ids, keys, strict=True):
         assert m.lookup(k) is True
         spec = m.prepare_load([k])
         assert (view[int(spec.block_ids[0])] == content(i)).all(), i

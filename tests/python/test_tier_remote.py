@@ -50,7 +50,7 @@ class Engine:
         assert out is not None
         by_key = {K(i): i for i in ids}
         view = self.rows()
-        for k, b in zip(out.keys_to_store, out.store_spec.block_ids):
+        for k, b in zip(out.keys_to_store, out.store_spec.block_ids, strict=True):
             view[b] = content(by_key[k])
         self.m.complete_store(out.keys_to_store)
 
@@ -69,7 +69,7 @@ class Engine:
         keys = [K(i) for i in ids]
         spec = self.m.prepare_load(keys)
         view = self.rows()
-        for i, b in zip(ids, spec.block_ids):
+        for i, b in zip(ids, spec.block_ids, strict=True):
             assert np.array_equal(view[int(b)], content(i)), f"block {i} served wrong bytes"
         self.m.complete_load(keys)
 

@@ -147,7 +147,7 @@ def test_tiering_spec_cascades_to_redis_and_a_fresh_engine_promotes(redis_factor
         out = manager.prepare_store(keys, CTX)
         assert out is not None
         rng = np.random.default_rng(5)
-        for k, row in zip(out.keys_to_store, list(out.store_spec.block_ids)):
+        for k, row in zip(out.keys_to_store, list(out.store_spec.block_ids), strict=True):
             data = rng.integers(0, 255, size=view.shape[1], dtype=np.uint8)
             view[int(row)].view(np.uint8)[:] = data
             want[bytes(k)] = data.copy()
@@ -169,7 +169,7 @@ def test_tiering_spec_cascades_to_redis_and_a_fresh_engine_promotes(redis_factor
 
         base._wait(m2, tier2, promoted, "the promotion from Redis")
         spec_load = m2.prepare_load(keys, ctx2)
-        for k, row in zip(keys, list(spec_load.block_ids)):
+        for k, row in zip(keys, list(spec_load.block_ids), strict=True):
             assert np.array_equal(view2[int(row)].view(np.uint8), want[bytes(k)]), "promoted bytes differ"
         m2.complete_load(keys, ctx2)
         assert tier2.stats()["remote_reads"] == 5

@@ -318,7 +318,7 @@ def test_tiering_spec_cascades_to_kvoff_and_a_fresh_engine_promotes(tmp_path: An
         want = {}
         # The worker's part (GPU -> CPU copy) on the CPU: fill the rows vLLM gave the chunks.
         ids = list(out.store_spec.block_ids)
-        for k, row in zip(out.keys_to_store, ids):
+        for k, row in zip(out.keys_to_store, ids, strict=True):
             data = rng.integers(0, 255, size=view.shape[1], dtype=np.uint8)
             view[int(row)].view(np.uint8)[:] = data
             want[bytes(k)] = data.copy()
@@ -346,7 +346,7 @@ def test_tiering_spec_cascades_to_kvoff_and_a_fresh_engine_promotes(tmp_path: An
         _wait(m2, tier2, promoted, "the promotion from kvoff")
         spec_load = m2.prepare_load(keys, ctx2)
         rows = list(spec_load.block_ids)
-        for k, row in zip(keys, rows):
+        for k, row in zip(keys, rows, strict=True):
             assert np.array_equal(view2[int(row)].view(np.uint8), want[bytes(k)]), "promoted bytes differ"
         m2.complete_load(keys, ctx2)
         assert tier2.stats()["disk_reads"] == 5

@@ -90,7 +90,7 @@ def cpu_snapshot(h) -> list[np.ndarray]:
 
 
 def assert_bytes_equal(actual, expected, what):
-    for i, (a, e) in enumerate(zip(actual, expected)):
+    for i, (a, e) in enumerate(zip(actual, expected, strict=True)):
         if not np.array_equal(a, e):
             bad = np.argwhere(a != e)
             raise AssertionError(f"{what} {i}: {len(bad)} bytes differ, first at {bad[0].tolist()}")
@@ -121,7 +121,9 @@ def expected_after_load(kv, mem, before, stored, src_ids, dst_ids, positions):
         k = idx[t.untyped_storage().data_ptr()]
         d, s = same_view(t, exp[k]), same_view(t, src[k])
         for i in positions[name]:
-            for dv, sv in zip(logical_blocks(d, int(dst_ids[i])), logical_blocks(s, int(src_ids[i]))):
+            for dv, sv in zip(
+                logical_blocks(d, int(dst_ids[i])), logical_blocks(s, int(src_ids[i])), strict=True
+            ):
                 dv.copy_(sv)
     return [e.numpy() for e in exp]
 

@@ -127,7 +127,7 @@ def test_prepare_load_preserves_key_order(policy: str) -> None:
     m = make(4, policy)
     out = m.prepare_store(ks(0, 1, 2), CTX)
     assert out is not None
-    where = dict(zip(out.keys_to_store, out.store_spec.block_ids.tolist()))
+    where = dict(zip(out.keys_to_store, out.store_spec.block_ids.tolist(), strict=True))
     m.complete_store(ks(0, 1, 2), CTX)
     for order in ([0, 1, 2], [1, 2, 0], [2, 0, 1]):
         spec = m.prepare_load(ks(*order), CTX)

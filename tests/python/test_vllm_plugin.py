@@ -246,7 +246,7 @@ def _canonical(num_blocks: int, pages: list[int], groups: list[list[int]]) -> tu
     g = torch.Generator().manual_seed(1)
     tensors = [torch.randint(-128, 127, (num_blocks, p), dtype=torch.int8, generator=g) for p in pages]
     caches = CanonicalKVCaches(
-        tensors=[CanonicalKVCacheTensor(t, p) for t, p in zip(tensors, pages)],
+        tensors=[CanonicalKVCacheTensor(t, p) for t, p in zip(tensors, pages, strict=True)],
         group_data_refs=[[CanonicalKVCacheRef(i, pages[i]) for i in grp] for grp in groups],
     )
     return caches, tensors
@@ -285,7 +285,7 @@ def test_worker_round_trip_byte_exact(factor: int) -> None:
     res = _wait_all(worker, {1})
     assert res[0].success and res[0].transfer_size == 4 * (256 + 128)
     assert res[0].transfer_time is not None and res[0].transfer_time >= 0
-    for t, cpu_t, page in zip(gpu, worker.cpu_tensors, [256, 128]):
+    for t, cpu_t, page in zip(gpu, worker.cpu_tensors, [256, 128], strict=True):
         for i, b in enumerate(gpu_ids):
             chunk, sub = (cpu_ids[i], 0) if factor == 1 else (cpu_ids[0], i)
             row = cpu_t[chunk].view(torch.int8)[sub * page : (sub + 1) * page]
@@ -303,7 +303,7 @@ def test_worker_round_trip_byte_exact(factor: int) -> None:
     assert worker.submit_load(3, src2, load2, expedited=True)
     res = _wait_all(worker, {2, 3})
     assert all(r.success for r in res)
-    for t, o in zip(gpu, original):
+    for t, o in zip(gpu, original, strict=True):
         assert torch.equal(t[10:14], o[gpu_ids]), "loaded blocks differ from the stored ones"
         assert not t[:10].any() and not t[14:].any(), "bytes outside the destination blocks changed"
     worker.shutdown()

@@ -182,7 +182,7 @@ def test_auto_follows_the_model():
         st.transfer_async(j, (G(ids), C(ids)))
         st.wait(j)
         assert all(r.success for r in st.get_finished())
-        for g, c in zip(kv, h.cpu_tensors):
+        for g, c in zip(kv, h.cpu_tensors, strict=True):
             assert torch.equal(g[ids].cpu(), c[ids])
         return st.last_submit_stats
 
@@ -237,7 +237,7 @@ def test_per_layer_tensors_are_not_taken_for_pitched_runs(monkeypatch):
         # Only the serving policy's staged jobs are ever paced (and a lone small job arrives far
         # under the device's cap, so not even it).
         assert s["staged_cap_mb_s"] == 0, s
-        for g, c in zip(kv, h.cpu_tensors):
+        for g, c in zip(kv, h.cpu_tensors, strict=True):
             assert torch.equal(g[blocks].cpu(), c[:8])
         dst = [100, 101, 30, 31, 0, 9, 126, 60]
         ld.transfer_async(2, (C(list(range(8))), G(dst)))

@@ -36,7 +36,7 @@ def snapshot(ts):
 
 
 def assert_same(actual, expected, what):
-    for i, (a, e) in enumerate(zip(actual, expected)):
+    for i, (a, e) in enumerate(zip(actual, expected, strict=True)):
         if not np.array_equal(a, e):
             bad = np.argwhere(a != e)
             raise AssertionError(f"{what} tensor {i}: {len(bad)} bytes differ, first at {bad[0].tolist()}")
@@ -150,7 +150,7 @@ def run_round_trip(seed: int, h_kwargs=None, layout_kwargs=None, expect_engine="
         assert_same(snapshot(h.gpu_tensors), exp_gpu, "GPU after load")
         assert_same(snapshot(h.cpu_tensors), cpu1, "CPU (source) after load")
         # Round trip: loaded blocks hold what was stored from the original blocks.
-        for g_old, g_new in zip(job.gpu_ids, ids2):
+        for g_old, g_new in zip(job.gpu_ids, ids2, strict=True):
             for refs in lay.caches.group_data_refs:
                 for ref in refs:
                     if g_old in _group_ids(lay.caches, job, ref):

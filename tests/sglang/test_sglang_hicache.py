@@ -203,7 +203,7 @@ def test_store_drop_load_byte_exact(tmp_path: Any, kind: str, layout: str) -> No
         pool.kv_buffer.zero_()  # the pages leave the host pool
         dst = [12, 11, 10, 9, 16, 15, 14, 13]
         assert b.batch_get_v1(KEYS, indices(dst)) == [True] * 8
-        for w, d in zip(want, dst):
+        for w, d in zip(want, dst, strict=True):
             assert torch.equal(page_bytes(pool, d), w)
         st = b.kvoff_stats()
         assert st["disk_files_written"] == 8 and st["disk_reads"] == 8
@@ -453,9 +453,9 @@ def test_v2_kv_and_mamba_byte_exact(tmp_path: Any, side_state: bool) -> None:
             ]
         )
         assert res == {PoolName.KV: [True] * 4, PoolName.MAMBA: [True] * 4}
-        for w, d in zip(want_kv, dst_kv):
+        for w, d in zip(want_kv, dst_kv, strict=True):
             assert torch.equal(page_bytes(kv, d), w)
-        for w, d in zip(want_m, dst_m):
+        for w, d in zip(want_m, dst_m, strict=True):
             assert torch.equal(mamba_page(mamba, d), w)
         assert b.kvoff_stats()["disk_files_written"] == 4
         assert b.kvoff_stats("mamba")["disk_files_written"] == 4
@@ -625,7 +625,7 @@ def test_remote_tier_second_server_byte_exact(redis_url: str) -> None:
         assert r.kv_hit_pages == 4 and r.restorable_prefix_pages == [4]
         dst = [9, 10, 11, 12]
         assert b2.batch_get_v1(KEYS[:4], indices(dst)) == [True] * 4
-        for w, d in zip(want, dst):
+        for w, d in zip(want, dst, strict=True):
             assert torch.equal(page_bytes(pool2, d), w)
         got = b2.batch_get_v2(
             [PoolTransfer(name=PoolName.MAMBA, host_indices=torch.tensor([6]), keys=[KEYS[3]])]

@@ -436,7 +436,7 @@ class KvoffHiCacheStorage(HiCacheStorage):
                 self._keys(keys), [int(t.data_ptr()) for t in pages], [ps.page_bytes] * len(pages)
             )
         )
-        for ok, i, t in zip(res, starts, pages):
+        for ok, i, t in zip(res, starts, pages, strict=True):
             if ok:
                 ps.pool.set_from_flat_data_page(i, t)
         return res
@@ -473,7 +473,7 @@ class KvoffHiCacheStorage(HiCacheStorage):
         self, keys: list[str], target_locations: Any = None, target_sizes: Any = None
     ) -> list[torch.Tensor | None]:
         locs = target_locations if target_locations is not None else [None] * len(keys)
-        return [self.get(k, t) for k, t in zip(keys, locs)]
+        return [self.get(k, t) for k, t in zip(keys, locs, strict=True)]
 
     def set(self, key: str, value: Any = None, target_location: Any = None, target_sizes: Any = None) -> bool:
         store = self._ready()
@@ -489,7 +489,7 @@ class KvoffHiCacheStorage(HiCacheStorage):
     ) -> bool:
         if values is None:
             return False
-        return all(self.set(k, v) for k, v in zip(keys, values))
+        return all(self.set(k, v) for k, v in zip(keys, values, strict=True))
 
     # --- housekeeping ----------------------------------------------------------------------------
 

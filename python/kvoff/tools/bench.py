@@ -466,7 +466,9 @@ def bench_transfers(
         import torch
     except ImportError:
         if methods not in (None, ["host"]):
-            raise RuntimeError(f"methods {methods} need torch and a CUDA GPU; without torch only 'host' runs")
+            raise RuntimeError(
+                f"methods {methods} need torch and a CUDA GPU; without torch only 'host' runs"
+            ) from None
         return _bench_transfers_host(job_mib, reps, show_progress, seed)
 
     from kvoff.handlers import CpuGpuOffloadingHandlers, GPULoadStoreSpec
@@ -644,7 +646,7 @@ def _bench_transfers_host(
                     finally:
                         h.shutdown()
                     contiguous = job_bytes / max(_median(contig), 1e-9) / 1e9
-                    for g, c in zip(gpu, cpu):
+                    for g, c in zip(gpu, cpu, strict=True):
                         if not np.array_equal(g[gids], c[cids]):
                             raise RuntimeError(
                                 "transferred bytes differ from their source: kvoff bug, please report"
@@ -747,15 +749,19 @@ def sweep_host_for_plot(
                         if not ok:
                             raise RuntimeError(f"transfer failed: {error}")
                         if r == reps:
-                            for g, c in zip(gpu, cpu):
+                            for g, c in zip(gpu, cpu, strict=True):
                                 if not np.array_equal(g[gids], c[cids]):
                                     raise RuntimeError(
                                         "transferred bytes differ from their source: kvoff bug, please report"
                                     )
                         g_ids, c_ids = rng.sample(range(pool), blocks), rng.sample(range(pool), blocks)
-                        pairs = list(zip(c_ids, g_ids)) if d == "store" else list(zip(g_ids, c_ids))
+                        pairs = (
+                            list(zip(c_ids, g_ids, strict=True))
+                            if d == "store"
+                            else list(zip(g_ids, c_ids, strict=True))
+                        )
                         t0 = time.perf_counter()
-                        for g, c in zip(gpu, cpu):
+                        for g, c in zip(gpu, cpu, strict=True):
                             dst, src = (c, g) if d == "store" else (g, c)
                             for di, si in pairs:
                                 dst[di] = src[si]  # one copy of one page
@@ -886,7 +892,7 @@ def _verify(torch: Any, h: Any, gids: list[int], cids: list[int]) -> None:
     direction's last job)."""
     g = torch.tensor(gids, dtype=torch.long)
     c = torch.tensor(cids, dtype=torch.long)
-    for gt, ct in zip(h.gpu_tensors, h.cpu_tensors):
+    for gt, ct in zip(h.gpu_tensors, h.cpu_tensors, strict=True):
         a = gt.index_select(0, g.to(gt.device)).cpu()
         b = ct.index_select(0, c)
         if not torch.equal(a, b):

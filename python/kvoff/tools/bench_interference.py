@@ -248,7 +248,7 @@ def _roundtrip(torch: Any, kvoff: Any, h: Any, comp: _Compute, blocks: int, ngpu
         ld.wait([10**9 + 1])
     torch.cuda.synchronize()
     ok = all(r.success for r in st.get_finished() + ld.get_finished())
-    return ok and all(torch.equal(b, t[dst]) for b, t in zip(before, h.gpu_tensors))
+    return ok and all(torch.equal(b, t[dst]) for b, t in zip(before, h.gpu_tensors, strict=True))
 
 
 def _run_phase(
@@ -387,6 +387,95 @@ def parse_method(s: str) -> tuple[str, str, float | None, str]:
     return (parts[0], parts[1], budget, parts[3] if len(parts) > 3 else "")
 
 
+def _launch_refs(torch: Any, seconds: float) -> dict[str, float]:
+    """Kernel-launch latency with no transfers (p50, p99, max in µs), the reference of the cells'."""
+    lat0: list[float] = []
+    stop = threading.Event()
+    lt = threading.Thread(target=_launch_latency, args=(torch, stop, lat0), daemon=True)
+    lt.start()
+    time.sleep(max(0.3, seconds))
+    stop.set()
+    lt.join()
+    return {
+        "launch_p50_us": _median(lat0) * 1e6,
+        "launch_p99_us": _pct(lat0, 0.99) * 1e6,
+        "launch_max_us": max(lat0) * 1e6,
+    }
+
+
+def _cell_row(
+    torch: Any,
+    kvoff: Any,
+    h: Any,
+    comp: Any,
+    d: str,
+    label: str,
+    page_kib: int,
+    job_bytes: int,
+    blocks: int,
+    ngpu: int,
+    ncpu: int,
+    seconds: float,
+    rounds: int,
+    say: Any,
+) -> dict[str, Any]:
+    """One cell of the grid: direction ``d`` of method ``label`` on handlers ``h``, idle and beside
+    each compute proxy (``rounds`` rounds, bracketed by rounds alone)."""
+    row: dict[str, Any] = {
+        "page_kib": page_kib,
+        "job_mib": job_bytes >> 20,
+        "copies": blocks * TENSORS,
+        "dirs": d,
+        "method": label,
+    }
+    lat: list[float] = []
+    st, _ = _run_phase(torch, kvoff, h, d, blocks, ngpu, ncpu, seconds, None, "", lat)
+    row["idle_gb_s"] = st["gb_s"]
+    row["serving_idle"] = serving_share(st["policies"])
+    beside_policies: dict[str, int] = {}
+    beside_methods: dict[str, int] = {}
+    row["launch_p99_us"] = _pct(lat, 0.99) * 1e6
+    row["launch_max_us"] = max(lat) * 1e6 if lat else float("nan")
+    failed = st["failed"]
+    sms, longest, cpu = st["sms"], st["longest_call_us"], st["longest_call_cpu_us"]
+    for kind in ("gemm", "mem"):
+        alone, beside, gbs = [], [], []
+        if kind == "gemm":
+            # A GEMM loop runs an H100 SXM at its power cap, and the power
+            # controller takes about a second to settle (SM clock 1245–1980
+            # MHz seen): rounds taken meanwhile drift by ±8% whatever kvoff does.
+            comp.run(kind, int(comp.n[kind] * PREHEAT_S / comp.secs[kind]) + 1)
+        # Alone rounds bracket the beside rounds (see slowdown_row), each after
+        # the same warm-up as the measurement beside the transfers: a GEMM
+        # loop's clock falls as the GPU heats.
+        comp.queue(kind, WARMUP_S)
+        alone.append(comp.timed(kind, reps=1))
+        for _ in range(rounds):
+            st, ms = _run_phase(torch, kvoff, h, d, blocks, ngpu, ncpu, seconds, comp, kind, None)
+            beside.append(ms)
+            comp.queue(kind, WARMUP_S)
+            alone.append(comp.timed(kind, reps=1))
+            gbs.append(st["gb_s"])
+            for k, v in st["policies"].items():
+                beside_policies[k] = beside_policies.get(k, 0) + v
+            for k, v in st["methods"].items():
+                beside_methods[k] = beside_methods.get(k, 0) + v
+            failed += st["failed"]
+            sms, longest = max(sms, st["sms"]), max(longest, st["longest_call_us"])
+            cpu = max(cpu, st["longest_call_cpu_us"])
+        row.update(slowdown_row(kind, alone, beside, gbs))
+    row["serving_beside"] = serving_share(beside_policies)
+    row["sms"] = sms
+    row["longest_call_us"] = longest
+    row["longest_call_cpu_us"] = cpu
+    row["failed"] = failed
+    row["methods_beside"] = method_mix(beside_methods)
+    say(format_row(row))
+    if len({k.split()[1] for k in beside_methods}) > 1 or "auto" in label:
+        say(f"{'':>20}methods beside compute: {row['methods_beside']}")
+    return row
+
+
 def bench_interference(
     pages_kib: list[int] | None = None,
     jobs_mib: list[int] | None = None,
@@ -419,16 +508,7 @@ def bench_interference(
     comp = _Compute(torch)
     comp.calibrate(seconds, GEMM_ROUND_S)
     refs = {k: comp.timed(k) for k in ("gemm", "mem")}
-    lat0: list[float] = []
-    stop = threading.Event()
-    lt = threading.Thread(target=_launch_latency, args=(torch, stop, lat0), daemon=True)
-    lt.start()
-    time.sleep(max(0.3, seconds))
-    stop.set()
-    lt.join()
-    refs["launch_p50_us"] = _median(lat0) * 1e6
-    refs["launch_p99_us"] = _pct(lat0, 0.99) * 1e6
-    refs["launch_max_us"] = max(lat0) * 1e6
+    refs.update(_launch_refs(torch, seconds))
     say(f"refs: {refs}")
     rows: list[dict[str, Any]] = []
     for page_kib in pages_kib:
@@ -444,61 +524,23 @@ def bench_interference(
                 h = _handlers(kvoff, torch, kv, ncpu, engine, budget, tune)
                 try:
                     for d in dirs:
-                        row: dict[str, Any] = {
-                            "page_kib": page_kib,
-                            "job_mib": job_bytes >> 20,
-                            "copies": blocks * TENSORS,
-                            "dirs": d,
-                            "method": label,
-                        }
-                        lat: list[float] = []
-                        st, _ = _run_phase(torch, kvoff, h, d, blocks, ngpu, ncpu, seconds, None, "", lat)
-                        row["idle_gb_s"] = st["gb_s"]
-                        row["serving_idle"] = serving_share(st["policies"])
-                        beside_policies: dict[str, int] = {}
-                        beside_methods: dict[str, int] = {}
-                        row["launch_p99_us"] = _pct(lat, 0.99) * 1e6
-                        row["launch_max_us"] = max(lat) * 1e6 if lat else float("nan")
-                        failed = st["failed"]
-                        sms, longest, cpu = st["sms"], st["longest_call_us"], st["longest_call_cpu_us"]
-                        for kind in ("gemm", "mem"):
-                            alone, beside, gbs = [], [], []
-                            if kind == "gemm":
-                                # A GEMM loop runs an H100 SXM at its power cap, and the power
-                                # controller takes about a second to settle (SM clock 1245–1980
-                                # MHz seen): rounds taken meanwhile drift by ±8% whatever kvoff does.
-                                comp.run(kind, int(comp.n[kind] * PREHEAT_S / comp.secs[kind]) + 1)
-                            # Alone rounds bracket the beside rounds (see slowdown_row), each after
-                            # the same warm-up as the measurement beside the transfers: a GEMM
-                            # loop's clock falls as the GPU heats.
-                            comp.queue(kind, WARMUP_S)
-                            alone.append(comp.timed(kind, reps=1))
-                            for _ in range(rounds):
-                                st, ms = _run_phase(
-                                    torch, kvoff, h, d, blocks, ngpu, ncpu, seconds, comp, kind, None
-                                )
-                                beside.append(ms)
-                                comp.queue(kind, WARMUP_S)
-                                alone.append(comp.timed(kind, reps=1))
-                                gbs.append(st["gb_s"])
-                                for k, v in st["policies"].items():
-                                    beside_policies[k] = beside_policies.get(k, 0) + v
-                                for k, v in st["methods"].items():
-                                    beside_methods[k] = beside_methods.get(k, 0) + v
-                                failed += st["failed"]
-                                sms, longest = max(sms, st["sms"]), max(longest, st["longest_call_us"])
-                                cpu = max(cpu, st["longest_call_cpu_us"])
-                            row.update(slowdown_row(kind, alone, beside, gbs))
-                        row["serving_beside"] = serving_share(beside_policies)
-                        row["sms"] = sms
-                        row["longest_call_us"] = longest
-                        row["longest_call_cpu_us"] = cpu
-                        row["failed"] = failed
-                        row["methods_beside"] = method_mix(beside_methods)
+                        row = _cell_row(
+                            torch,
+                            kvoff,
+                            h,
+                            comp,
+                            d,
+                            label,
+                            page_kib,
+                            job_bytes,
+                            blocks,
+                            ngpu,
+                            ncpu,
+                            seconds,
+                            rounds,
+                            say,
+                        )
                         rows.append(row)
-                        say(format_row(row))
-                        if len({k.split()[1] for k in beside_methods}) > 1 or "auto" in label:
-                            say(f"{'':>20}methods beside compute: {row['methods_beside']}")
                     rt = _roundtrip(torch, kvoff, h, comp, blocks, ngpu, ncpu)
                     for r in rows[-len(dirs) :]:
                         r["roundtrip_ok"] = rt
@@ -708,7 +750,8 @@ def plot_sweep_rows(
     height = 4.2 + below
     fig, axes = plt.subplots(1, max(1, len(dirs)), figsize=(6.5 * max(1, len(dirs)), height), squeeze=False)
     handles: dict[str, Any] = {}
-    for ax, d in zip(axes[0], dirs):
+    # strict=False: with no directions there is still one (empty) axis, and nothing to draw.
+    for ax, d in zip(axes[0], dirs, strict=False):
         for i, m in enumerate(methods):
             mine = sorted(
                 (r for r in rows if r["dir"] == d and r["method"] == m), key=lambda r: r["page_kib"]

@@ -250,7 +250,7 @@ def redis_py_pipelined(
             t0 = time.perf_counter()
             for i in range(0, len(data), pipeline):
                 pipe = client.pipeline(transaction=False)
-                for k, v in zip(keys[i : i + pipeline], data[i : i + pipeline]):
+                for k, v in zip(keys[i : i + pipeline], data[i : i + pipeline], strict=True):
                     pipe.set(k, v)
                 pipe.execute()
             set_s.append(time.perf_counter() - t0)
@@ -336,6 +336,97 @@ def _p(xs: list[float], q: float) -> float:
     return ys[min(len(ys) - 1, int(q * len(ys)))]
 
 
+def _store_remote(a: Any, ra: Any, keys: list[bytes], block: int, base: Any) -> float:
+    """Stores ``keys`` (``base`` with the block's index in its first 8 bytes) through manager ``a``
+    (host memory ``ra``) until the server acknowledged all of them; returns GB/s of block bytes."""
+    import numpy as np
+
+    n = len(keys)
+    out = a.prepare_store(keys)
+    assert out is not None
+    view = ra.view_numpy(0, 0, block)
+    for i, blk in enumerate(out.store_spec.block_ids):
+        view[int(blk)] = base
+        view[int(blk), :8] = np.frombuffer(i.to_bytes(8, "little"), dtype=np.uint8)
+    t0 = time.perf_counter()
+    a.complete_store(out.keys_to_store)
+    while a.get_stats()["remote_queued_writes"] > 0:
+        time.sleep(0.0002)
+    a.flush()
+    dt = time.perf_counter() - t0
+    st = a.get_stats()
+    if st["remote_writes"] != n:
+        raise RuntimeError(f"only {st['remote_writes']} of {n} values written: {st['remote_last_error']}")
+    return n * block / dt / 1e9
+
+
+def _load_remote(
+    b: Any, rb: Any, keys: list[bytes], block: int, base: Any, lookups_up: list[float]
+) -> tuple[float, bool]:
+    """Promotes ``keys`` into manager ``b`` (host memory ``rb``) by ``lookup_prefix`` calls (their
+    times appended to ``lookups_up``) and compares every block; returns (GB/s, all verified)."""
+    import numpy as np
+
+    n = len(keys)
+    t0 = time.perf_counter()
+    while True:
+        t = time.perf_counter()
+        got = b.lookup_prefix(keys)
+        lookups_up.append(time.perf_counter() - t)
+        if got == n:
+            break
+        if time.perf_counter() - t0 > 120:
+            raise RuntimeError(f"load stalled at {got} of {n}: {b.get_stats()['remote_last_error']}")
+    gbs = n * block / (time.perf_counter() - t0) / 1e9
+    spec = b.prepare_load(keys)
+    vb = rb.view_numpy(0, 0, block)
+    verified = True
+    for i, blk in enumerate(spec.block_ids):
+        row = vb[int(blk)]
+        verified &= (
+            bool(np.array_equal(row[8:], base[8:])) and int.from_bytes(row[:8].tobytes(), "little") == i
+        )
+    b.complete_load(keys)
+    return gbs, verified
+
+
+def _promote_times(c: Any, keys: list[bytes]) -> list[float]:
+    """µs from a ``lookup_prefix`` of one key (on the server) to its promotion, for up to 64 keys."""
+    n = len(keys)
+    promote_us = []
+    for i in range(0, n, max(1, n // 64)):
+        k = [keys[i]]
+        t0 = time.perf_counter()
+        while c.lookup_prefix(k) != 1:
+            pass
+        promote_us.append((time.perf_counter() - t0) * 1e6)
+    return promote_us
+
+
+def _lookup_p99(engine: Any, key: Any, url_: str, control: ServerControl | None) -> float:
+    """p99 µs of ``lookup_prefix`` calls over unknown keys at ``url_`` for 2 s, with the server
+    paused (SIGSTOP) meanwhile when ``control`` is given."""
+    e, r = engine(f"probe-{time.time_ns()}", url_, remote_connect_timeout_s=0.5, remote_timeout_s=0.5)
+    times: list[float] = []
+    try:
+        if control is not None:
+            control.pause()
+        t_end = time.perf_counter() + 2.0
+        i = 0
+        while time.perf_counter() < t_end:
+            ks = [key("unknown", i + j) for j in range(16)]
+            i += 16
+            t = time.perf_counter()
+            e.lookup_prefix(ks)
+            times.append(time.perf_counter() - t)
+    finally:
+        if control is not None:
+            control.resume()
+        e.shutdown()
+        r.close()
+    return _p(times, 0.99) * 1e6
+
+
 def _tier_rows(
     url: str, value_bytes: int, n_blocks: int, *, reps: int, cluster: bool, control: ServerControl | None
 ) -> dict[str, Any]:
@@ -375,7 +466,9 @@ def _tier_rows(
     def key(ns: str, i: int) -> bytes:
         return kvoff.make_offload_key(f"{ns}-{i}".encode(), 0)
 
-    set_gbs, get_gbs, lookups_up, promote_us = [], [], [], []
+    set_gbs: list[float] = []
+    get_gbs: list[float] = []
+    lookups_up: list[float] = []
     verified = True
     for rep in range(reps):
         ns = f"bench-{os.getpid()}-{value_bytes}-{rep}-{time.time_ns()}"
@@ -383,43 +476,10 @@ def _tier_rows(
         a, ra = engine(ns)
         b, rb = engine(ns)
         try:
-            out = a.prepare_store(keys)
-            assert out is not None
-            view = ra.view_numpy(0, 0, block)
-            for i, blk in enumerate(out.store_spec.block_ids):
-                view[int(blk)] = base
-                view[int(blk), :8] = np.frombuffer(i.to_bytes(8, "little"), dtype=np.uint8)
-            t0 = time.perf_counter()
-            a.complete_store(out.keys_to_store)
-            while a.get_stats()["remote_queued_writes"] > 0:
-                time.sleep(0.0002)
-            a.flush()
-            dt = time.perf_counter() - t0
-            st = a.get_stats()
-            if st["remote_writes"] != n:
-                raise RuntimeError(
-                    f"only {st['remote_writes']} of {n} values written: {st['remote_last_error']}"
-                )
-            set_gbs.append(n * block / dt / 1e9)
-            t0 = time.perf_counter()
-            while True:
-                t = time.perf_counter()
-                got = b.lookup_prefix(keys)
-                lookups_up.append(time.perf_counter() - t)
-                if got == n:
-                    break
-                if time.perf_counter() - t0 > 120:
-                    raise RuntimeError(f"load stalled at {got} of {n}: {b.get_stats()['remote_last_error']}")
-            get_gbs.append(n * block / (time.perf_counter() - t0) / 1e9)
-            spec = b.prepare_load(keys)
-            vb = rb.view_numpy(0, 0, block)
-            for i, blk in enumerate(spec.block_ids):
-                row = vb[int(blk)]
-                verified &= (
-                    bool(np.array_equal(row[8:], base[8:]))
-                    and int.from_bytes(row[:8].tobytes(), "little") == i
-                )
-            b.complete_load(keys)
+            set_gbs.append(_store_remote(a, ra, keys, block, base))
+            gbs, ok = _load_remote(b, rb, keys, block, base, lookups_up)
+            get_gbs.append(gbs)
+            verified &= ok
         finally:
             a.shutdown()
             b.shutdown()
@@ -428,36 +488,10 @@ def _tier_rows(
     # Lookup to promoted, one key at a time (the keys of the last repetition are on the server).
     c, rc = engine(ns)
     try:
-        for i in range(0, n, max(1, n // 64)):
-            k = [keys[i]]
-            t0 = time.perf_counter()
-            while c.lookup_prefix(k) != 1:
-                pass
-            promote_us.append((time.perf_counter() - t0) * 1e6)
+        promote_us = _promote_times(c, keys)
     finally:
         c.shutdown()
         rc.close()
-
-    def lookup_p99(url_: str, pause: bool) -> float:
-        e, r = engine(f"probe-{time.time_ns()}", url_, remote_connect_timeout_s=0.5, remote_timeout_s=0.5)
-        times: list[float] = []
-        try:
-            if pause and control is not None:
-                control.pause()
-            t_end = time.perf_counter() + 2.0
-            i = 0
-            while time.perf_counter() < t_end:
-                ks = [key("unknown", i + j) for j in range(16)]
-                i += 16
-                t = time.perf_counter()
-                e.lookup_prefix(ks)
-                times.append(time.perf_counter() - t)
-        finally:
-            if pause and control is not None:
-                control.resume()
-            e.shutdown()
-            r.close()
-        return _p(times, 0.99) * 1e6
 
     dead = f"redis://127.0.0.1:{_free_port()}"
     return {
@@ -466,8 +500,8 @@ def _tier_rows(
         "promote_p50_us": _p(promote_us, 0.5),
         "promote_p99_us": _p(promote_us, 0.99),
         "lookup_p99_us_up": _p(lookups_up, 0.99) * 1e6,
-        "lookup_p99_us_slow": lookup_p99(url, True) if control is not None else None,
-        "lookup_p99_us_down": lookup_p99(dead, False),
+        "lookup_p99_us_slow": _lookup_p99(engine, key, url, control) if control is not None else None,
+        "lookup_p99_us_down": _lookup_p99(engine, key, dead, None),
         "verified": verified,
         "payload_bytes": block,
     }

@@ -990,7 +990,7 @@ def plot_results(doc: dict[str, Any], path: str) -> None:
 
     kinds = list(doc["workloads"])
     fig, axes = plt.subplots(len(kinds), 2, figsize=(12, 4.2 * len(kinds)), squeeze=False)
-    for row, kind in zip(axes, kinds):
+    for row, kind in zip(axes, kinds, strict=True):
         w = doc["workloads"][kind]
         rows = w["rows"]
         ax = row[0]
@@ -1008,7 +1008,7 @@ def plot_results(doc: dict[str, Any], path: str) -> None:
         ax = row[1]
         vals = [r["output_tokens_per_s"] for r in rows]
         bars = ax.bar(range(len(rows)), vals, color=[f"C{i}" for i in range(len(rows))])
-        for b, r in zip(bars, rows):
+        for b, r in zip(bars, rows, strict=True):
             ratio = r.get("throughput_vs_none")
             txt = f"{r['output_tokens_per_s']:.1f}" + ("" if ratio is None else f"\n{ratio:.3f}x")
             ax.annotate(

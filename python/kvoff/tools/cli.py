@@ -801,28 +801,10 @@ def _demo(args: argparse.Namespace) -> int:
         print(f"kvoff demo needs torch: {TORCH_HINT}", file=sys.stderr)
         return 2
     from kvoff.metrics import TransferMetrics, serve_metrics
-    from kvoff.tools._toolbase import require_matplotlib
-    from kvoff.tools.demo import (
-        DemoConfig,
-        format_result,
-        format_sweep,
-        plot_sweep,
-        run_demo,
-        sweep_page_sizes,
-    )
+    from kvoff.tools.demo import DemoConfig, plot_sweep, run_demo, sweep_page_sizes
 
-    if args.plot:
-        try:
-            require_matplotlib()
-        except ImportError as e:
-            print(f"kvoff demo: {e}", file=sys.stderr)
-            return 2
-    if args.prometheus:
-        try:
-            import prometheus_client  # noqa: F401
-        except ImportError:
-            print(f"kvoff demo: --prometheus needs prometheus_client: {PROMETHEUS_HINT}", file=sys.stderr)
-            return 2
+    if not _demo_extras_present(args):
+        return 2
     cfg = DemoConfig(
         requests=args.requests,
         blocks_per_request=args.blocks_per_request,
@@ -863,6 +845,34 @@ def _demo(args: argparse.Namespace) -> int:
         )
         plot_sweep(sweep, args.plot)
     sys.stderr.flush()
+    _print_demo(args, result, sweep, prom)
+    return 0 if result.verified else 1
+
+
+def _demo_extras_present(args: argparse.Namespace) -> bool:
+    """Whether the optional packages that ``--plot`` and ``--prometheus`` need are installed (if
+    not, says which on stderr)."""
+    from kvoff.tools._toolbase import require_matplotlib
+
+    if args.plot:
+        try:
+            require_matplotlib()
+        except ImportError as e:
+            print(f"kvoff demo: {e}", file=sys.stderr)
+            return False
+    if args.prometheus:
+        try:
+            import prometheus_client  # noqa: F401
+        except ImportError:
+            print(f"kvoff demo: --prometheus needs prometheus_client: {PROMETHEUS_HINT}", file=sys.stderr)
+            return False
+    return True
+
+
+def _print_demo(args: argparse.Namespace, result: Any, sweep: Any, prom: str | None) -> None:
+    """Prints the demo's result (JSON with ``--json``), the sweep and the Prometheus text."""
+    from kvoff.tools.demo import format_result, format_sweep
+
     if args.json:
         out = result.as_dict()
         if sweep is not None:
@@ -876,7 +886,6 @@ def _demo(args: argparse.Namespace) -> int:
         if prom is not None:
             print()
             print(prom, end="")
-    return 0 if result.verified else 1
 
 
 # ---------------------------------------------------------------------------------------------

@@ -232,6 +232,126 @@ def _default_sizes(cfg: DemoConfig, cuda: bool) -> tuple[int, int]:
     return gpu, cpu
 
 
+class _DemoLoop:
+    """The simulated serving loop of :func:`run_demo`: the GPU pool's LRU and free blocks, the CPU
+    tier's manager and handlers, and the result it counts into."""
+
+    def __init__(self, pool: _KVPool, manager: Any, handlers: Any, res: DemoResult, gpu_blocks: int) -> None:
+        self.pool = pool
+        self.manager = manager
+        self.store_h, self.load_h = handlers.gpu_to_cpu_handler, handlers.cpu_to_gpu_handler
+        self.res = res
+        self.gpu_lru: OrderedDict[bytes, int] = OrderedDict()  # key → GPU block, LRU first
+        self.gpu_free = list(range(gpu_blocks - 1, -1, -1))
+        self.job = 0
+
+    def run_job(self, handler: Any, spec: tuple[Any, Any]) -> bool:
+        self.job += 1
+        handler.transfer_async(self.job, spec)
+        handler.wait([self.job])
+        ok = all(r.success for r in handler.get_finished())  # observed by `metrics`
+        if not ok:
+            self.res.failed_transfers += 1
+        return ok
+
+    def serve(self, keys: list[bytes]) -> None:
+        """One request: GPU hits, then the offloaded prefix loaded while the rest is computed."""
+        res, manager, pool = self.res, self.manager, self.pool
+        n = len(keys)
+        res.blocks_requested += n
+        # 1. GPU prefix hits (pinned for this request by moving them to the MRU end).
+        g = 0
+        while g < n and keys[g] in self.gpu_lru:
+            self.gpu_lru.move_to_end(keys[g])
+            g += 1
+        res.gpu_hit_blocks += g
+        hit_blocks = [self.gpu_lru[k] for k in keys[:g]]
+        # Blocks after the first GPU miss are recomputed or loaded into fresh GPU blocks; a
+        # stale GPU copy of one of them (cached after a gap) is dropped.
+        for k in keys[g:]:
+            b = self.gpu_lru.pop(k, None)
+            if b is not None:
+                self.gpu_free.append(b)
+        # 2. Offloaded prefix: pin it on the host before any eviction can take it.
+        c = manager.lookup_prefix(keys[g:])
+        if c is None:  # the first block is still being stored: recompute (retry later)
+            res.pending_misses += 1
+            c = 0
+        load_keys = keys[g : g + c]
+        cpu_spec = manager.prepare_load(load_keys) if c else None
+        # 3. Free GPU blocks by LRU; offload what is evicted.
+        need = n - g
+        self._free_gpu_blocks(need)
+        # 4. Load the offloaded prefix while the rest is "computed".
+        fresh = [self.gpu_free.pop() for _ in range(need)]
+        self._load_and_compute(keys[g + c :], load_keys, cpu_spec, fresh[:c], fresh[c:])
+        res.mismatched_blocks += pool.mismatches(hit_blocks, keys[:g])
+        res.verified_gpu_blocks += g
+        manager.touch(keys)
+        for k, b in zip(keys[g:], fresh, strict=True):
+            self.gpu_lru[k] = b
+
+    def _free_gpu_blocks(self, need: int) -> None:
+        """Evicts GPU blocks by LRU until ``need`` are free, storing the evicted ones to the host."""
+        res, manager = self.res, self.manager
+        victims: list[tuple[bytes, int]] = []
+        while len(self.gpu_free) < need:
+            k, b = self.gpu_lru.popitem(last=False)
+            victims.append((k, b))
+            self.gpu_free.append(b)
+        res.evicted_from_gpu += len(victims)
+        if not victims:
+            return
+        vkeys = [k for k, _ in victims]
+        out = manager.prepare_store(vkeys)
+        if out is None:  # the host is full of pinned blocks: these are dropped
+            res.store_rejected += len(victims)
+            return
+        skeys = list(out.keys_to_store)
+        res.already_on_host += len(victims) - len(skeys)
+        if skeys:
+            where = dict(victims)
+            gids = [where[k] for k in skeys]
+            ok = self.run_job(self.store_h, (kvoff.GPULoadStoreSpec(gids), out.store_spec))
+            manager.complete_store(skeys, success=ok)
+            res.stored_blocks += len(skeys) if ok else 0
+
+    def _load_and_compute(
+        self,
+        comp_keys: list[bytes],
+        load_keys: list[bytes],
+        cpu_spec: Any,
+        load_gids: list[int],
+        comp_gids: list[int],
+    ) -> None:
+        """Loads ``load_keys`` into ``load_gids`` while ``comp_keys`` are "computed" into
+        ``comp_gids``, then verifies the loaded blocks (recomputing any that failed or differ)."""
+        res, pool = self.res, self.pool
+        c = len(load_keys)
+        if c:
+            self.job += 1
+            load_job = self.job
+            self.load_h.transfer_async(load_job, (cpu_spec, kvoff.GPULoadStoreSpec(load_gids)))
+        pool.fill(comp_gids, comp_keys)
+        res.computed_blocks += len(comp_keys)
+        if not c:
+            return
+        self.load_h.wait([load_job])
+        ok = all(r.success for r in self.load_h.get_finished())
+        self.manager.complete_load(load_keys)
+        if not ok:
+            res.failed_transfers += 1
+            pool.fill(load_gids, load_keys)  # recompute what could not be loaded
+            return
+        # 5. Verify every reloaded block, and the GPU hits, byte for byte.
+        bad = pool.mismatches(load_gids, load_keys)
+        if bad:  # report, then recompute so the damage does not spread
+            res.mismatched_blocks += bad
+            pool.fill(load_gids, load_keys)
+        res.verified_loaded_blocks += c
+        res.cpu_hit_blocks += c
+
+
 def run_demo(cfg: DemoConfig | None = None, metrics: TransferMetrics | None = None) -> DemoResult:
     """Runs the simulated serving loop (see the module docs) and returns what it measured."""
     cfg = cfg or DemoConfig()
@@ -256,7 +376,6 @@ def run_demo(cfg: DemoConfig | None = None, metrics: TransferMetrics | None = No
     handlers = kvoff.CpuGpuOffloadingHandlers(
         pool.kv_caches, 1, cpu_blocks, engine=cast(EngineName, cfg.engine), metrics=metrics
     )
-    store_h, load_h = handlers.gpu_to_cpu_handler, handlers.cpu_to_gpu_handler
     dev_name = torch.cuda.get_device_name() if cuda else (platform.processor() or platform.machine() or "cpu")
     res = DemoResult(
         device=f"{device} ({dev_name})",
@@ -269,97 +388,12 @@ def run_demo(cfg: DemoConfig | None = None, metrics: TransferMetrics | None = No
         prefill_tokens_per_s=cfg.prefill_tokens_per_s,
     )
 
-    gpu_lru: OrderedDict[bytes, int] = OrderedDict()  # key → GPU block, LRU first
-    gpu_free = list(range(gpu_blocks - 1, -1, -1))
-    job = 0
-
-    def run_job(handler: Any, spec: tuple[Any, Any]) -> bool:
-        nonlocal job
-        job += 1
-        handler.transfer_async(job, spec)
-        handler.wait([job])
-        ok = all(r.success for r in handler.get_finished())  # observed by `metrics`
-        if not ok:
-            res.failed_transfers += 1
-        return ok
-
+    loop = _DemoLoop(pool, manager, handlers, res, gpu_blocks)
     t0 = time.perf_counter()
     try:
         with Progress(cfg.requests, "kvoff demo", enabled=cfg.show_progress) as bar:
             for keys in requests:
-                n = len(keys)
-                res.blocks_requested += n
-                # 1. GPU prefix hits (pinned for this request by moving them to the MRU end).
-                g = 0
-                while g < n and keys[g] in gpu_lru:
-                    gpu_lru.move_to_end(keys[g])
-                    g += 1
-                res.gpu_hit_blocks += g
-                hit_blocks = [gpu_lru[k] for k in keys[:g]]
-                # Blocks after the first GPU miss are recomputed or loaded into fresh GPU blocks; a
-                # stale GPU copy of one of them (cached after a gap) is dropped.
-                for k in keys[g:]:
-                    b = gpu_lru.pop(k, None)
-                    if b is not None:
-                        gpu_free.append(b)
-                # 2. Offloaded prefix: pin it on the host before any eviction can take it.
-                c = manager.lookup_prefix(keys[g:])
-                if c is None:  # the first block is still being stored: recompute (retry later)
-                    res.pending_misses += 1
-                    c = 0
-                load_keys = keys[g : g + c]
-                cpu_spec = manager.prepare_load(load_keys) if c else None
-                # 3. Free GPU blocks by LRU; offload what is evicted.
-                need = n - g
-                victims: list[tuple[bytes, int]] = []
-                while len(gpu_free) < need:
-                    k, b = gpu_lru.popitem(last=False)
-                    victims.append((k, b))
-                    gpu_free.append(b)
-                res.evicted_from_gpu += len(victims)
-                if victims:
-                    vkeys = [k for k, _ in victims]
-                    out = manager.prepare_store(vkeys)
-                    if out is None:  # the host is full of pinned blocks: these are dropped
-                        res.store_rejected += len(victims)
-                    else:
-                        skeys = list(out.keys_to_store)
-                        res.already_on_host += len(victims) - len(skeys)
-                        if skeys:
-                            where = dict(victims)
-                            gids = [where[k] for k in skeys]
-                            ok = run_job(store_h, (kvoff.GPULoadStoreSpec(gids), out.store_spec))
-                            manager.complete_store(skeys, success=ok)
-                            res.stored_blocks += len(skeys) if ok else 0
-                # 4. Load the offloaded prefix while the rest is "computed".
-                fresh = [gpu_free.pop() for _ in range(need)]
-                load_gids, comp_gids = fresh[:c], fresh[c:]
-                if c:
-                    job += 1
-                    load_job = job
-                    load_h.transfer_async(load_job, (cpu_spec, kvoff.GPULoadStoreSpec(load_gids)))
-                pool.fill(comp_gids, keys[g + c :])
-                res.computed_blocks += n - g - c
-                if c:
-                    load_h.wait([load_job])
-                    ok = all(r.success for r in load_h.get_finished())
-                    manager.complete_load(load_keys)
-                    if not ok:
-                        res.failed_transfers += 1
-                        pool.fill(load_gids, load_keys)  # recompute what could not be loaded
-                    else:
-                        # 5. Verify every reloaded block, and the GPU hits, byte for byte.
-                        bad = pool.mismatches(load_gids, load_keys)
-                        if bad:  # report, then recompute so the damage does not spread
-                            res.mismatched_blocks += bad
-                            pool.fill(load_gids, load_keys)
-                        res.verified_loaded_blocks += c
-                        res.cpu_hit_blocks += c
-                res.mismatched_blocks += pool.mismatches(hit_blocks, keys[:g])
-                res.verified_gpu_blocks += g
-                manager.touch(keys)
-                for k, b in zip(keys[g:], fresh):
-                    gpu_lru[k] = b
+                loop.serve(keys)
                 bar.update(1)
         if cuda:
             torch.cuda.synchronize()
@@ -412,7 +446,7 @@ def format_result(r: DemoResult) -> str:
     # Without a GPU the "GPU" pool is host memory too: the labels say what moves where.
     on_gpu = r.device.startswith("cuda")
     labels = ("stores GPU->CPU", "loads  CPU->GPU") if on_gpu else ("stores pool->host", "loads  host->pool")
-    for d, label in zip(("GPU_to_CPU", "CPU_to_GPU"), labels):
+    for d, label in zip(("GPU_to_CPU", "CPU_to_GPU"), labels, strict=True):
         t = r.transfers.get(d, {})
         lines.append(
             f"  {label:<17}    {_mib(t.get('bytes', 0)):>11} in {t.get('transfers', 0):>4} transfers, "

@@ -321,10 +321,12 @@ class KvoffFileTier(SecondaryTierManager):
         job_id = job_metadata.job_id
         job = _Job(keys=keys, is_load=False, pending=0)
         self._jobs[job_id] = job
-        todo = [(bytes(k), c, k) for k, c in zip(keys, chunks) if not self.store.contains(bytes(k))]
+        todo = [
+            (bytes(k), c, k) for k, c in zip(keys, chunks, strict=True) if not self.store.contains(bytes(k))
+        ]
         job.ok_keys.extend(k for k in keys if all(bytes(k) != t[0] for t in todo))
         queued = self.store.submit_write([t[0] for t in todo], [t[1] for t in todo]) if todo else []
-        for (kb, c, k), q in zip(todo, queued):
+        for (kb, c, k), q in zip(todo, queued, strict=True):
             if q:
                 self._writes[(kb, c)] = job_id
                 job.pending += 1
@@ -342,7 +344,7 @@ class KvoffFileTier(SecondaryTierManager):
         job = _Job(keys=keys, is_load=True, pending=0)
         self._jobs[job_id] = job
         queued = self.store.submit_read([bytes(k) for k in keys], chunks)
-        for k, c, q in zip(keys, chunks, queued):
+        for k, c, q in zip(keys, chunks, queued, strict=True):
             if q:
                 self._reads.setdefault((bytes(k), c), []).append(job_id)
                 job.pending += 1
