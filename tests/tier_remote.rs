@@ -286,6 +286,64 @@ fn round_trip_between_two_engines() {
     }
 }
 
+/// A long prefix: the first lookup starts the first key's fetch and, by readahead, the fetches
+/// of the following keys (docs/tier.md "Tier chain"); every block arrives byte for byte, each
+/// key fetched once; without readahead only the first batch starts.
+#[test]
+fn readahead_keeps_the_prefix_in_flight() {
+    let _g = serial();
+    if !have_redis() {
+        return;
+    }
+    let srv = Server::start("ra", &[]);
+    let n = 200;
+    let (mut a, mem_a) = chain(&srv.url(), "ra", n);
+    let idx: Vec<usize> = (0..n).collect();
+    store(&mut a, &mem_a, &idx);
+    a.flush();
+    let ks: Vec<ByteKey> = idx.iter().map(|&i| key(i)).collect();
+
+    let (mut b, mem_b) = chain(&srv.url(), "ra", n);
+    assert_eq!(b.lookup_prefix(&ks).unwrap(), None);
+    let s = remote_stats(&mut b);
+    // 64 keys for the first key's batch, then 64 + 64 + 8 by readahead.
+    assert_eq!(
+        (s.chain.fetches, s.chain.fetch_keys),
+        (4, n as u64),
+        "{s:?}"
+    );
+    assert_eq!(settle(&mut b, &ks, Duration::from_secs(10)), n);
+    check_loaded(&mut b, &mem_b, &idx);
+    let s = remote_stats(&mut b);
+    assert_eq!(s.tier.promotions, n as u64, "{s:?}");
+    assert_eq!(s.tier.fetch_hits, n as u64, "each key fetched once: {s:?}");
+    assert_eq!(s.chain.fetch_keys, n as u64, "{s:?}");
+
+    // Without readahead: one batch per lookup that reaches a new unknown key.
+    let mem_c = Arc::new(VecMemory::new(n, BLOCK));
+    let tier = RemoteTier::open(
+        quick(RemoteConfig::new(srv.url(), layout("ra"))),
+        mem_c.clone(),
+    )
+    .unwrap();
+    let mut c = ChainManager::new(
+        LruManager::new(ManagerConfig::new(n)),
+        vec![ChainTier::new(Box::new(tier))],
+        ChainConfig {
+            readahead_keys: 0,
+            ..ChainConfig::default()
+        },
+    );
+    assert_eq!(c.lookup_prefix(&ks).unwrap(), None);
+    let s = remote_stats(&mut c);
+    assert_eq!((s.chain.fetches, s.chain.fetch_keys), (1, 64), "{s:?}");
+    assert_eq!(settle(&mut c, &ks, Duration::from_secs(10)), n);
+    check_loaded(&mut c, &mem_c, &idx);
+    for m in [&mut a, &mut b, &mut c] {
+        m.shutdown();
+    }
+}
+
 #[test]
 fn corrupted_or_foreign_values_are_rejected_and_deleted() {
     let _g = serial();

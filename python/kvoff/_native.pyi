@@ -448,6 +448,7 @@ class ChainManagerCore:
         remote_negative_ttl_s: float = 2.0,
         remote_max_fetch_keys: int = 64,
         remote_password_env: str = ...,
+        remote_tls_ca_file: str | os.PathLike[str] | None = None,
     ) -> ChainManagerCore: ...
     def lookup(self, key: bytes) -> bool | None:
         """`True` ready, `None` pending (store, promotion or fetch in flight), `False` absent."""
@@ -555,6 +556,7 @@ class BlockStore:
         remote_negative_ttl_s: float = 2.0,
         remote_max_fetch_keys: int = 64,
         remote_password_env: str = ...,
+        remote_tls_ca_file: str | os.PathLike[str] | None = None,
     ) -> BlockStore: ...
     @property
     def block_bytes(self) -> int: ...

@@ -158,6 +158,9 @@ class TieredOffloadingManager:
         remote_io_threads (one connection each), remote_max_queued_writes,
         remote_max_inflight_bytes, remote_negative_ttl_s (how long a miss is remembered),
         remote_max_fetch_keys (keys per batched fetch): see ``kvoff::tier::remote::RemoteConfig``.
+        remote_tls_ca_file: PEM file of the certificate authority that signed the servers'
+            certificates, for ``rediss://`` (``None``: the system's roots); a
+            :class:`kvoff.ConfigError` with a ``redis://`` URL or a file that cannot be read.
 
     Raises:
         TypeError: an argument of the wrong type (``bool`` is not an int; ``disk_path`` is a
@@ -210,6 +213,7 @@ class TieredOffloadingManager:
         remote_negative_ttl_s: float = 2.0,
         remote_max_fetch_keys: int = 64,
         remote_password_env: str = "KVOFF_REMOTE_PASSWORD",
+        remote_tls_ca_file: str | os.PathLike[str] | None = None,
     ) -> None:
         for name, v in (("num_blocks", num_blocks), ("block_bytes", block_bytes), ("rank", rank)):
             if v is not None and (isinstance(v, bool) or not isinstance(v, int)):
@@ -291,6 +295,7 @@ class TieredOffloadingManager:
             remote_negative_ttl_s=remote_negative_ttl_s,
             remote_max_fetch_keys=remote_max_fetch_keys,
             remote_password_env=remote_password_env,
+            remote_tls_ca_file=remote_tls_ca_file,
         )
 
     # --- docs/spec.md §2 protocol -------------------------------------------------------------------------

@@ -290,6 +290,7 @@ struct RemoteArgs {
     negative_ttl: Duration,
     max_fetch_keys: usize,
     password_env: String,
+    tls_ca_file: Option<std::path::PathBuf>,
 }
 
 impl RemoteArgs {
@@ -312,6 +313,7 @@ impl RemoteArgs {
         rc.negative_ttl = self.negative_ttl;
         rc.max_fetch_keys = self.max_fetch_keys;
         rc.password_env = self.password_env;
+        rc.tls_ca_file = self.tls_ca_file;
         rc.owner = owner;
         rc
     }
@@ -335,7 +337,7 @@ impl PyChainCore {
         remote_ttl_s = None, remote_connect_timeout_s = 1.0, remote_timeout_s = 2.0,
         remote_io_threads = 2, remote_max_queued_writes = 256, remote_max_inflight_bytes = 256 << 20,
         remote_negative_ttl_s = 2.0, remote_max_fetch_keys = 64,
-        remote_password_env = String::from("KVOFF_REMOTE_PASSWORD")
+        remote_password_env = String::from("KVOFF_REMOTE_PASSWORD"), remote_tls_ca_file = None
     ))]
     #[allow(clippy::too_many_arguments, clippy::fn_params_excessive_bools)]
     fn new(
@@ -384,6 +386,7 @@ impl PyChainCore {
         remote_negative_ttl_s: f64,
         remote_max_fetch_keys: usize,
         remote_password_env: String,
+        remote_tls_ca_file: Option<PathArg>,
     ) -> PyResult<Self> {
         // Every argument is converted (TypeError / ValueError / ConfigError) before anything is
         // created.
@@ -463,6 +466,7 @@ impl PyChainCore {
                 negative_ttl: seconds("remote_negative_ttl_s", remote_negative_ttl_s)?,
                 max_fetch_keys: remote_max_fetch_keys.max(1),
                 password_env: remote_password_env,
+                tls_ca_file: remote_tls_ca_file.map(|p| p.0),
             }),
         };
         if disk.is_none() && remote.is_none() {
@@ -536,6 +540,7 @@ impl PyChainCore {
             max_tracker_size,
             max_promotions,
             max_fetch_keys,
+            ..ChainConfig::default()
         };
         Ok(Self {
             inner: Mutex::new(Some(ChainManager::new(host, tiers, cfg))),

@@ -83,6 +83,10 @@ pub struct ChainConfig {
     pub max_promotions: usize,
     /// Most keys of one fetch (the first missing key and the following keys of the prefix).
     pub max_fetch_keys: usize,
+    /// Keys past the first pending one that a lookup keeps the tiers busy with (docs/tier.md
+    /// "Tier chain", readahead): fetches of their unknown keys and promotions of the keys a tier
+    /// holds start before the caller asks for them (`0`: only the first missing key's batch).
+    pub readahead_keys: usize,
 }
 
 impl Default for ChainConfig {
@@ -91,6 +95,7 @@ impl Default for ChainConfig {
             max_tracker_size: 64_000,
             max_promotions: 256,
             max_fetch_keys: 64,
+            readahead_keys: 256,
         }
     }
 }
@@ -268,10 +273,90 @@ impl<M: OffloadingManager<ByteKey>> ChainManager<M> {
         if !failed.is_empty() {
             self.host.complete_store(&failed, false)?;
         }
-        if !first {
-            self.slots[t].counters.promotions_no_room += 1;
-        }
         Ok(first)
+    }
+
+    /// Readahead (see [`ChainConfig::readahead_keys`]): past the first key of `keys` that is not
+    /// ready in host memory, starts fetches of the keys the tiers do not know yet and promotions
+    /// of those a tier holds (in-flight promotions bounded by `max_promotions`), up to
+    /// `readahead_keys` keys and stopping at a key no tier holds. Never waits.
+    fn readahead(&mut self, keys: &[ByteKey]) -> Result<()> {
+        let window = self.cfg.readahead_keys;
+        if window == 0 || self.slots.is_empty() {
+            return Ok(());
+        }
+        let mut i = 0;
+        while i < keys.len() && self.host.lookup(&keys[i])? == Presence::Ready {
+            i += 1;
+        }
+        let end = keys.len().min(i.saturating_add(window));
+        let batch_max = self.cfg.max_fetch_keys.max(1);
+        let mut fetch: Vec<Vec<ByteKey>> = vec![Vec::new(); self.slots.len()];
+        let mut run: Option<(usize, Vec<ByteKey>)> = None;
+        for k in &keys[i..end] {
+            if self.host.lookup(k)? != Presence::Absent || self.promoting.contains_key(k) {
+                continue; // ready, pending or being promoted
+            }
+            let mut holder = None;
+            let mut unknown = None;
+            for t in 0..self.slots.len() {
+                match self.slots[t].tier.index(k) {
+                    Known::Present => {
+                        holder = Some(t);
+                        break;
+                    }
+                    Known::Unknown => {
+                        unknown = Some(t);
+                        break;
+                    }
+                    Known::Absent => {}
+                }
+            }
+            if run.as_ref().is_some_and(|(t, _)| Some(*t) != holder) {
+                let (t, ks) = run.take().unwrap_or_default();
+                self.promote_ahead(t, &ks)?;
+            }
+            match (holder, unknown) {
+                (Some(t), _) => run.get_or_insert_with(|| (t, Vec::new())).1.push(k.clone()),
+                (None, Some(t)) => {
+                    fetch[t].push(k.clone());
+                    if fetch[t].len() == batch_max {
+                        self.fetch_ahead(t, &std::mem::take(&mut fetch[t]));
+                    }
+                }
+                (None, None) => break, // no tier holds it: the prefix ends here
+            }
+        }
+        if let Some((t, ks)) = run {
+            self.promote_ahead(t, &ks)?;
+        }
+        for (t, ks) in fetch.into_iter().enumerate() {
+            if !ks.is_empty() {
+                self.fetch_ahead(t, &ks);
+            }
+        }
+        Ok(())
+    }
+
+    fn promote_ahead(&mut self, t: usize, keys: &[ByteKey]) -> Result<()> {
+        let room = self
+            .cfg
+            .max_promotions
+            .max(1)
+            .saturating_sub(self.promoting.len());
+        let n = keys.len().min(room);
+        if n > 0 {
+            self.promote(t, &keys[..n])?;
+        }
+        Ok(())
+    }
+
+    fn fetch_ahead(&mut self, t: usize, keys: &[ByteKey]) {
+        let n = self.slots[t].tier.submit_fetch(keys);
+        if n > 0 {
+            self.slots[t].counters.fetches += 1;
+            self.slots[t].counters.fetch_keys += n as u64;
+        }
     }
 
     /// The tiers' answer for `keys[0]` (host-absent): `Some(true)` pending (promotion or fetch
@@ -309,7 +394,11 @@ impl<M: OffloadingManager<ByteKey>> ChainManager<M> {
                     {
                         end += 1;
                     }
-                    return self.promote(t, &keys[..end]);
+                    let first = self.promote(t, &keys[..end])?;
+                    if !first {
+                        self.slots[t].counters.promotions_no_room += 1;
+                    }
+                    return Ok(first);
                 }
                 Known::Absent | Known::Unknown => self.slots[t].counters.misses += 1,
             }
@@ -341,17 +430,14 @@ impl<M: OffloadingManager<ByteKey>> ChainManager<M> {
     /// Only after shutdown.
     pub fn lookup_prefix(&mut self, keys: &[ByteKey]) -> Result<Option<usize>> {
         self.poll()?;
-        let Some(n) = self.host.lookup_prefix(keys)? else {
-            return Ok(None);
-        };
-        if n == keys.len() {
-            return Ok(Some(n));
+        if let Some(n) = self.host.lookup_prefix(keys)? {
+            if n == keys.len() || !self.consult(&keys[n..])? {
+                return Ok(Some(n));
+            }
         }
-        Ok(if self.consult(&keys[n..])? {
-            None
-        } else {
-            Some(n)
-        })
+        // Pending: keep the tiers busy with what follows (readahead).
+        self.readahead(keys)?;
+        Ok(None)
     }
 
     /// docs/spec.md §2.2 `prepare_load` (host blocks).

@@ -681,6 +681,13 @@ impl BlockMemory for RawRows {
         (self.aligned(block) && header.len() % ALIGN == 0)
             .then(|| self.write_file(block, file, header))
     }
+    fn with_block(&self, block: BlockId, f: &mut dyn FnMut(&[u8])) -> Result<()> {
+        let src = self.row_ptr(block, self.block_bytes)?;
+        // SAFETY: obligation 1 (the row is mapped; `row_ptr` checked the bounds) and 2 (the block
+        // is pinned: no writer while `f` reads it; the slice does not outlive this call).
+        f(unsafe { std::slice::from_raw_parts(src as *const u8, self.block_bytes) });
+        Ok(())
+    }
     fn copy_in(&self, block: BlockId, data: &[u8]) -> Result<()> {
         let dst = self.row_ptr(block, data.len())?;
         // SAFETY: obligation 1 (mapped and writable, bounds checked) and 2 (no other reader or
@@ -738,6 +745,9 @@ impl BlockMemory for AlignedRows {
     }
     fn copy_in(&self, block: BlockId, data: &[u8]) -> Result<()> {
         self.rows.copy_in(block, data)
+    }
+    fn with_block(&self, block: BlockId, f: &mut dyn FnMut(&[u8])) -> Result<()> {
+        self.rows.with_block(block, f)
     }
     fn read_file_into(
         &self,

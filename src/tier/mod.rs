@@ -133,6 +133,18 @@ pub trait BlockMemory: Send + Sync {
     /// # Errors
     /// A block out of range or a wrong length.
     fn copy_in(&self, block: BlockId, data: &[u8]) -> Result<()>;
+    /// Calls `f` with block `block`'s bytes: in place where the memory allows it (the remote
+    /// tier then checksums and sends a block without copying it first); the default copies the
+    /// block into a new buffer.
+    ///
+    /// # Errors
+    /// A block out of range.
+    fn with_block(&self, block: BlockId, f: &mut dyn FnMut(&[u8])) -> Result<()> {
+        let mut v = vec![0u8; self.block_bytes()];
+        self.copy_out(block, &mut v)?;
+        f(&v);
+        Ok(())
+    }
     /// Reads a whole tier file from `file` (opened with `O_DIRECT`): the first `header.len()` bytes
     /// into `header`, the next `block_bytes()` straight into block `block`; returns the xxh3-64 of
     /// the bytes that landed in the block. `None` (the default) when the memory cannot take such a
@@ -229,6 +241,10 @@ impl BlockMemory for VecMemory {
     }
     fn copy_in(&self, block: BlockId, data: &[u8]) -> Result<()> {
         self.set_block(block, data)
+    }
+    fn with_block(&self, block: BlockId, f: &mut dyn FnMut(&[u8])) -> Result<()> {
+        f(&self.get(block, self.block_bytes)?);
+        Ok(())
     }
 }
 

@@ -189,6 +189,52 @@ def test_password_from_env_never_printed(
     assert pw not in repr(s)
 
 
+def test_tls_with_a_private_ca(
+    redis_factory: Callable[..., rs.RedisServer], engines: Callable[..., Engine]
+) -> None:
+    """``rediss://`` through Python and vLLM's settings: a TLS-only server whose certificate a
+    throwaway CA signed; with ``remote_tls_ca_file`` blocks round-trip byte for byte, without it
+    the certificate is refused (nothing written, the error counted), and the settings refuse a
+    CA file with a plain URL or one that does not exist."""
+    srv = redis_factory(tls=True)
+    ca = srv.tls_files["ca"]
+    assert srv.url.startswith("rediss://")
+    ns = f"tls-{os.getpid()}"
+    a = engines(srv.url, ns, remote_tls_ca_file=ca)
+    a.store(list(range(6)))
+    a.m.flush()
+    s = a.stats()
+    assert s["remote_writes"] == 6, s["remote_last_error"]
+    b = engines(srv.url, ns, remote_tls_ca_file=str(ca))
+    assert b.settle(list(range(6))) == 6
+    b.check(list(range(6)))
+    assert b.stats()["remote_rejected_values"] == 0
+    c = engines(srv.url, ns + "-noca")
+    c.store([0])
+    c.m.flush()
+    s = c.stats()
+    assert s["remote_writes"] == 0 and s["remote_write_errors"] >= 1, s
+    region = kvoff.HostRegion.private(4, BLOCK)
+    try:
+        plain = srv.url.replace("rediss://", "redis://")
+        for url, f in ((plain, ca), (srv.url, ca.parent / "missing.crt")):
+            with pytest.raises(kvoff.ConfigError):
+                TieredOffloadingManager("lru", 4, region, remote_url=url, remote_tls_ca_file=f)
+    finally:
+        region.close()
+    vllm_cfg = pytest.importorskip("kvoff.vllm.config")
+    cfg = vllm_cfg.KvoffOffloadConfig
+    base = {"cpu_bytes_to_use": 10**8, "remote_url": srv.url}
+    assert cfg.from_extra_config({**base, "remote_tls_ca_file": str(ca)}).remote_tls_ca_file == str(ca)
+    for extra, what in (
+        ({"remote_url": plain, "remote_tls_ca_file": str(ca)}, "rediss://"),
+        ({"remote_tls_ca_file": str(ca.parent / "missing.crt")}, "no such file"),
+        ({"remote_tls_ca_file": 3}, "file path"),
+    ):
+        with pytest.raises(kvoff.ConfigError, match=what):
+            cfg.from_extra_config({**base, **extra})
+
+
 def test_bad_url_is_config_error() -> None:
     region = kvoff.HostRegion.private(4, BLOCK)
     try:

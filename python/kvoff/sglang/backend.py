@@ -47,6 +47,7 @@ SETTINGS = (
     "remote_negative_ttl_s",
     "remote_max_fetch_keys",
     "remote_password_env",
+    "remote_tls_ca_file",
 )
 
 #: The remote tier's settings passed through to ``BlockStore`` as they are.
@@ -59,6 +60,7 @@ _REMOTE_PASSTHROUGH = (
     "remote_negative_ttl_s",
     "remote_max_fetch_keys",
     "remote_password_env",
+    "remote_tls_ca_file",
 )
 
 
@@ -126,7 +128,8 @@ class KvoffHiCacheStorage(HiCacheStorage):
       ``redis+cluster://``; docs/tier.md "Remote tier"), with ``remote_cluster``, ``remote_ttl_s``,
       ``remote_timeout_s`` (2.0; also the most ``batch_exists`` waits for the server),
       ``remote_connect_timeout_s``, ``remote_max_inflight_bytes``, ``remote_negative_ttl_s``,
-      ``remote_max_fetch_keys``, ``remote_password_env``.
+      ``remote_max_fetch_keys``, ``remote_password_env``, ``remote_tls_ca_file`` (a PEM CA for
+      ``rediss://``).
     - ``disk_bytes_to_use`` (100 GiB): capacity of this rank's own files (LRU eviction).
     - ``namespace``: replaces SGLang's model name in the namespace (engines sharing files must
       agree on it).

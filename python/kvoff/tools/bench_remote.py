@@ -316,8 +316,10 @@ def kvoff_rows(
     ``{"set_gb_s", "get_gb_s"`` (store: host blocks to values; load: values promoted into host
     blocks, median of ``reps``), ``"promote_p50_us", "promote_p99_us"`` (lookup to promoted),
     ``"lookup_p99_us_up", "lookup_p99_us_slow", "lookup_p99_us_down"`` (the scheduler thread's
-    ``lookup`` while the server answers, is slowed, is paused via ``control``; ``None`` where
-    ``control`` is ``None``), ``"verified"`` (every promoted block byte-equal to what was stored)}.
+    ``lookup_prefix`` of 16 keys while the server answers, is stopped via ``control`` — ``None``
+    where ``control`` is ``None`` — and is gone), ``"lookup_p99_us_load"`` (a request's
+    ``lookup_prefix`` while the load phase promotes), ``"verified"`` (every promoted block
+    byte-equal to what was stored)}.
 
     ``None`` where this build of kvoff has no remote tier (the benchmark then reports the
     references alone).
@@ -350,9 +352,7 @@ def _store_remote(a: Any, ra: Any, keys: list[bytes], block: int, base: Any) -> 
         view[int(blk), :8] = np.frombuffer(i.to_bytes(8, "little"), dtype=np.uint8)
     t0 = time.perf_counter()
     a.complete_store(out.keys_to_store)
-    while a.get_stats()["remote_queued_writes"] > 0:
-        time.sleep(0.0002)
-    a.flush()
+    a.flush()  # waits until the server acknowledged every queued write
     dt = time.perf_counter() - t0
     st = a.get_stats()
     if st["remote_writes"] != n:
@@ -360,23 +360,41 @@ def _store_remote(a: Any, ra: Any, keys: list[bytes], block: int, base: Any) -> 
     return n * block / dt / 1e9
 
 
+#: Blocks per request in the load phase (4096 tokens at 16 tokens per block).
+REQUEST_BLOCKS = 256
+#: Pause between two scheduler steps of the load phase (a GPU decode step takes several ms, so a
+#: real scheduler asks less often; a busy loop would take a CPU from the server and the tier).
+STEP_S = 0.0002
+
+
 def _load_remote(
-    b: Any, rb: Any, keys: list[bytes], block: int, base: Any, lookups_up: list[float]
+    b: Any, rb: Any, keys: list[bytes], block: int, base: Any, lookups: list[float]
 ) -> tuple[float, bool]:
-    """Promotes ``keys`` into manager ``b`` (host memory ``rb``) by ``lookup_prefix`` calls (their
-    times appended to ``lookups_up``) and compares every block; returns (GB/s, all verified)."""
+    """Promotes ``keys`` into manager ``b`` (host memory ``rb``) the way a scheduler does: the keys
+    are requests of ``REQUEST_BLOCKS`` blocks, and every step (``STEP_S`` apart) calls
+    ``lookup_prefix`` for each request not yet fully in host memory (each call's time appended to
+    ``lookups``); then compares every block. Returns (GB/s, all verified)."""
     import numpy as np
 
     n = len(keys)
+    waiting = [keys[i : i + REQUEST_BLOCKS] for i in range(0, n, REQUEST_BLOCKS)]
     t0 = time.perf_counter()
-    while True:
-        t = time.perf_counter()
-        got = b.lookup_prefix(keys)
-        lookups_up.append(time.perf_counter() - t)
-        if got == n:
+    while waiting:
+        still = []
+        for req in waiting:
+            t = time.perf_counter()
+            got = b.lookup_prefix(req)
+            lookups.append(time.perf_counter() - t)
+            if got != len(req):
+                still.append(req)
+        waiting = still
+        if not waiting:
             break
         if time.perf_counter() - t0 > 120:
-            raise RuntimeError(f"load stalled at {got} of {n}: {b.get_stats()['remote_last_error']}")
+            raise RuntimeError(
+                f"load stalled ({len(waiting)} requests left): {b.get_stats()['remote_last_error']}"
+            )
+        time.sleep(STEP_S)
     gbs = n * block / (time.perf_counter() - t0) / 1e9
     spec = b.prepare_load(keys)
     vb = rb.view_numpy(0, 0, block)
@@ -434,12 +452,13 @@ def _tier_rows(
     the vLLM plug-in uses it: each value is ``value_bytes`` (the 4 KiB header + a block of
     ``value_bytes - 4096``); GB/s count the block (payload) bytes. Store: ``complete_store`` of
     ``n_blocks`` fresh blocks until the server acknowledged all of them. Load: a second engine with
-    its own host memory calls ``lookup_prefix`` over the keys until all are promoted (batched
-    fetches of 64 keys), every promoted block compared byte for byte. Lookup times are of single
-    ``lookup_prefix`` calls on the calling (scheduler) thread over keys the tier does not know
-    (each call starts a fetch): while the server answers (``up``), while it is stopped with SIGSTOP
-    (``slow``: connections open, no answer; only with ``control``) and at a port where nothing
-    listens (``down``)."""
+    its own host memory looks the keys up as a scheduler does (:func:`_load_remote`: requests of
+    ``REQUEST_BLOCKS`` keys, one ``lookup_prefix`` per waiting request per step) until all are
+    promoted, every promoted block compared byte for byte. The scheduler-thread lookup times
+    (``up``, ``slow``, ``down``) are of single ``lookup_prefix`` calls of 16 keys the tier does
+    not know (each call starts a fetch): while the server answers (``up``), while it is stopped
+    with SIGSTOP (``slow``: connections open, no answer; only with ``control``) and at a port
+    where nothing listens (``down``); ``load`` is a request's call during the load phase."""
     import numpy as np
 
     import kvoff
@@ -468,7 +487,7 @@ def _tier_rows(
 
     set_gbs: list[float] = []
     get_gbs: list[float] = []
-    lookups_up: list[float] = []
+    lookups_load: list[float] = []
     verified = True
     for rep in range(reps):
         ns = f"bench-{os.getpid()}-{value_bytes}-{rep}-{time.time_ns()}"
@@ -477,7 +496,7 @@ def _tier_rows(
         b, rb = engine(ns)
         try:
             set_gbs.append(_store_remote(a, ra, keys, block, base))
-            gbs, ok = _load_remote(b, rb, keys, block, base, lookups_up)
+            gbs, ok = _load_remote(b, rb, keys, block, base, lookups_load)
             get_gbs.append(gbs)
             verified &= ok
         finally:
@@ -499,7 +518,8 @@ def _tier_rows(
         "get_gb_s": statistics.median(get_gbs),
         "promote_p50_us": _p(promote_us, 0.5),
         "promote_p99_us": _p(promote_us, 0.99),
-        "lookup_p99_us_up": _p(lookups_up, 0.99) * 1e6,
+        "lookup_p99_us_load": _p(lookups_load, 0.99) * 1e6,
+        "lookup_p99_us_up": _lookup_p99(engine, key, url, None),
         "lookup_p99_us_slow": _lookup_p99(engine, key, url, control) if control is not None else None,
         "lookup_p99_us_down": _lookup_p99(engine, key, dead, None),
         "verified": verified,
@@ -670,6 +690,7 @@ def format_remote(res: dict[str, Any]) -> str:
         for key in (
             "promote_p50_us",
             "promote_p99_us",
+            "lookup_p99_us_load",
             "lookup_p99_us_up",
             "lookup_p99_us_slow",
             "lookup_p99_us_down",

@@ -9,8 +9,11 @@ its own fresh engine process, so configurations share no state (no warm prefix c
 memory, no files); configurations are interleaved when ``--repeats`` > 1, so that a slow phase of a
 shared machine does not land on one configuration only.
 
-Workloads (both closed loop: N users, each sending its next request when the previous one
-finished; the same request shapes in both):
+Workloads (both closed loop: N users, each sending its next request when its previous one
+finished, at most ``--concurrency`` requests in flight — default 1: the users take turns, round
+robin, so a request's time to first token is its own prefill (or load), not a wait behind other
+users' requests in a device pool that holds about one and a half conversations; the same request
+shapes in both):
 
 - ``reuse``: N users × T turns of a chat. Every prompt starts with a system prompt shared by all
   users, then the user's history (its earlier messages and the model's answers to them, as
@@ -184,6 +187,8 @@ class Workload:
     turn_tokens: int
     output_tokens: int
     seed: int = 0
+    #: Requests in flight at most (the users take turns for the engine beyond that).
+    concurrency: int = 1
 
     def message_tokens(self, turn: int) -> int:
         return self.first_tokens if turn == 0 else self.turn_tokens
@@ -204,7 +209,7 @@ class Workload:
         return self.system_tokens + self.users * (self.max_request_tokens - self.system_tokens)
 
     def describe(self) -> str:
-        head = f"{self.users} users x {self.turns} turns, closed loop"
+        head = f"{self.users} users x {self.turns} turns, closed loop, {self.concurrency} in flight"
         if self.kind == "reuse":
             return (
                 f"{head}; a {self.system_tokens}-token system prompt shared by all users + each user's "
@@ -302,6 +307,7 @@ class ServeOptions:
     first_tokens: int = 256
     turn_tokens: int = 32
     output_tokens: int = 32
+    concurrency: int = 1
     device_blocks: int | None = None
     cpu_mib: int | None = None
     repeats: int = 1
@@ -323,6 +329,7 @@ class ServeOptions:
             self.turn_tokens,
             self.output_tokens,
             self.seed,
+            self.concurrency,
         )
 
     @property
@@ -355,6 +362,9 @@ class ServeOptions:
 
     def validate(self) -> str | None:
         """A one-line problem with the options, or ``None``."""
+        return self._validate_names() or self._validate_sizes()
+
+    def _validate_names(self) -> str | None:
         if self.preset not in PRESETS:
             return f"--model {self.preset!r}: choose one of {', '.join(PRESETS)}"
         if self.dtype not in _DTYPE_BYTES:
@@ -367,6 +377,9 @@ class ServeOptions:
             return f"--configs: unknown {','.join(bad)!r}; choose from {', '.join(CONFIGS)}"
         if len(set(self.configs)) != len(self.configs) or len(set(self.workloads)) != len(self.workloads):
             return "--configs/--workloads: each name at most once"
+        return None
+
+    def _validate_sizes(self) -> str | None:
         for name, v, lo in (
             ("--users", self.users, 1),
             ("--turns", self.turns, 1),
@@ -374,6 +387,7 @@ class ServeOptions:
             ("--first-tokens", self.first_tokens, 1),
             ("--turn-tokens", self.turn_tokens, 1),
             ("--output-tokens", self.output_tokens, 1),
+            ("--concurrency", self.concurrency, 1),
             ("--repeats", self.repeats, 1),
             ("--max-batched-tokens", self.max_batched_tokens, BLOCK),
         ):
@@ -381,6 +395,8 @@ class ServeOptions:
                 return f"{name} must be >= {lo}, got {v}"
         if self.users > 256 or self.turns > 64:
             return f"--users at most 256 and --turns at most 64 (got {self.users}, {self.turns})"
+        if self.concurrency > self.users:
+            return f"--concurrency {self.concurrency}: at most --users ({self.users})"
         w = self.workload("reuse")
         if w.max_request_tokens > 32768:
             return (
@@ -827,6 +843,8 @@ async def _serve(spec: dict[str, Any]) -> dict[str, Any]:
     before = _metric_totals()
 
     results: list[dict[str, Any]] = []
+    # FIFO: a user that finished a turn queues behind the others (round robin when 1 in flight).
+    slots = asyncio.Semaphore(wl.concurrency)
 
     async def user(u: int) -> list[list[int]]:
         urng = random.Random(f"{wl.seed}/{wl.kind}/{u}")
@@ -838,7 +856,8 @@ async def _serve(spec: dict[str, Any]) -> dict[str, Any]:
                 prompt = system + history + msg
             else:
                 prompt = _tokens(urng, wl.prompt_tokens(t), vocab)
-            r = await one(prompt, wl.output_tokens)
+            async with slots:
+                r = await one(prompt, wl.output_tokens)
             r.update(user=u, turn=t)
             results.append(r)
             history += msg + r["output"]
@@ -1070,6 +1089,12 @@ def add_serve_options(s: argparse.ArgumentParser) -> None:
         "--turn-tokens", dest="turn_tokens", type=int, default=d.turn_tokens, help="later messages"
     )
     s.add_argument("--output-tokens", dest="output_tokens", type=int, default=d.output_tokens)
+    s.add_argument(
+        "--concurrency",
+        type=int,
+        default=d.concurrency,
+        help="requests in flight at most (default 1: the users take turns, round robin; up to --users)",
+    )
     s.add_argument(
         "--device-blocks",
         dest="device_blocks",

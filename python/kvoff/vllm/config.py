@@ -9,6 +9,7 @@ default.
 
 from __future__ import annotations
 
+import os
 from collections.abc import Mapping
 from dataclasses import dataclass, fields
 from typing import Any, cast
@@ -110,6 +111,8 @@ class KvoffOffloadConfig:
         remote_timeout_s: timeout of each read/write on a connection (seconds, default 2).
         remote_connect_timeout_s: timeout of each connection attempt (seconds, default 1).
         remote_negative_ttl_s: how long a miss is remembered (seconds, default 2).
+        remote_tls_ca_file: PEM file of the certificate authority that signed the servers'
+            certificates, for ``rediss://`` (default: the system's roots).
     """
 
     cpu_bytes_to_use: int
@@ -139,6 +142,7 @@ class KvoffOffloadConfig:
     remote_timeout_s: float = 2.0
     remote_connect_timeout_s: float = 1.0
     remote_negative_ttl_s: float = 2.0
+    remote_tls_ca_file: str | None = None
 
     @property
     def uses_disk(self) -> bool:
@@ -355,6 +359,18 @@ def _remote_settings(d: Mapping[str, Any], shared: bool | None) -> dict[str, Any
             f"kv_connector_extra_config['remote_namespace'] must be a string, got {namespace!r}"
         )
     threshold = _int(d, "remote_store_threshold", 0, 0)
+    ca = d.get("remote_tls_ca_file")
+    if ca is not None:
+        if not isinstance(ca, str) or not ca:
+            raise ConfigError(
+                f"kv_connector_extra_config['remote_tls_ca_file'] must be a file path, got {ca!r}"
+            )
+        if not url.startswith("rediss"):
+            raise ConfigError(
+                "kv_connector_extra_config['remote_tls_ca_file'] needs a rediss:// (TLS) 'remote_url'"
+            )
+        if not os.path.isfile(ca):
+            raise ConfigError(f"kv_connector_extra_config['remote_tls_ca_file']: no such file: {ca}")
     return {
         "remote_url": url,
         "remote_cluster": cluster,
@@ -364,4 +380,5 @@ def _remote_settings(d: Mapping[str, Any], shared: bool | None) -> dict[str, Any
         "remote_timeout_s": _seconds(d, "remote_timeout_s", 2.0, False),
         "remote_connect_timeout_s": _seconds(d, "remote_connect_timeout_s", 1.0, False),
         "remote_negative_ttl_s": _seconds(d, "remote_negative_ttl_s", 2.0, False),
+        "remote_tls_ca_file": ca,
     }

@@ -222,6 +222,7 @@ class KvoffOffloadingSpec(OffloadingSpec):
                 remote_timeout_s=c.remote_timeout_s,
                 remote_connect_timeout_s=c.remote_connect_timeout_s,
                 remote_negative_ttl_s=c.remote_negative_ttl_s,
+                remote_tls_ca_file=c.remote_tls_ca_file,
             )
         except BaseException:
             region.close()

@@ -171,7 +171,8 @@ class KvoffFileTier(SecondaryTierManager):
       starts one batched fetch and answers ``RETRY`` (vLLM asks again next step; never waits).
       ``remote_cluster``, ``remote_ttl_s``, ``remote_timeout_s`` (2.0), ``remote_connect_timeout_s``
       (1.0), ``remote_max_inflight_bytes``, ``remote_negative_ttl_s`` (2.0),
-      ``remote_max_fetch_keys`` (64), ``remote_password_env`` (``KVOFF_REMOTE_PASSWORD``);
+      ``remote_max_fetch_keys`` (64), ``remote_password_env`` (``KVOFF_REMOTE_PASSWORD``),
+      ``remote_tls_ca_file`` (a PEM CA for ``rediss://``; default the system's roots);
       ``io_threads`` and ``max_queued_writes`` apply too. :class:`KvoffRemoteTier` is the same
       class under the remote tier's name.
     """
@@ -206,6 +207,7 @@ class KvoffFileTier(SecondaryTierManager):
         remote_negative_ttl_s: float = 2.0,
         remote_max_fetch_keys: int = 64,
         remote_password_env: str = "KVOFF_REMOTE_PASSWORD",
+        remote_tls_ca_file: str | None = None,
     ) -> None:
         super().__init__(offloading_spec, primary_kv_view, tier_type, backpressure_detector)
         path = disk_path if disk_path is not None else root_dir
@@ -254,6 +256,7 @@ class KvoffFileTier(SecondaryTierManager):
             remote_negative_ttl_s=remote_negative_ttl_s,
             remote_max_fetch_keys=remote_max_fetch_keys,
             remote_password_env=remote_password_env,
+            remote_tls_ca_file=remote_tls_ca_file,
         )
         self._jobs: dict[JobId, _Job] = {}
         # (key, chunk id) of a queued write or read -> its job (a key is written once at a time;

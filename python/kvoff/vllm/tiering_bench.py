@@ -114,14 +114,26 @@ def _run_one(
         tier.shutdown()
 
 
-def bench(directory: str, chunks: int, chunk_bytes: int, per_job: int, reps: int) -> dict[str, Any]:
+def bench(
+    directory: str,
+    chunks: int,
+    chunk_bytes: int,
+    per_job: int,
+    reps: int,
+    kvoff_settings: dict[str, Any] | None = None,
+) -> dict[str, Any]:
     mem = _aligned(2 * chunks, chunk_bytes)
     mem[:chunks] = np.random.default_rng(0).integers(0, 256, size=(chunks, chunk_bytes), dtype=np.uint8)
     fs_dir = os.path.join(directory, "vllm-fs")
     kv_dir = os.path.join(directory, "kvoff")
     tiers = {
         "fs": {"type": "fs", "root_dir": fs_dir},
-        "kvoff": {"type": "KvoffFileTier", "module_path": "kvoff.vllm.tiering", "disk_path": kv_dir},
+        "kvoff": {
+            "type": "KvoffFileTier",
+            "module_path": "kvoff.vllm.tiering",
+            "disk_path": kv_dir,
+            **(kvoff_settings or {}),
+        },
     }
     runs: dict[str, list[tuple[float, float]]] = {k: [] for k in tiers}
     for rep in range(reps):
@@ -136,6 +148,7 @@ def bench(directory: str, chunks: int, chunk_bytes: int, per_job: int, reps: int
         "chunk_bytes": chunk_bytes,
         "chunks_per_job": per_job,
         "reps": reps,
+        "kvoff_settings": kvoff_settings or {},
         "fs_write_gbps": med["fs"][0],
         "fs_read_gbps": med["fs"][1],
         "kvoff_write_gbps": med["kvoff"][0],
@@ -153,6 +166,11 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--chunk-bytes", type=int, default=2 << 20)
     p.add_argument("--chunks-per-job", type=int, default=8)
     p.add_argument("--reps", type=int, default=3)
+    p.add_argument(
+        "--kvoff-settings",
+        default="{}",
+        help="JSON object of kvoff tier settings (e.g. '{\"io_threads\": 16}'; default: its defaults)",
+    )
     p.add_argument("--json", action="store_true")
     a = p.parse_args(argv)
     tmp = None
@@ -160,7 +178,7 @@ def main(argv: list[str] | None = None) -> int:
     if d is None:
         tmp = d = tempfile.mkdtemp(prefix="kvoff-tierbench-", dir=os.environ.get("KVOFF_BENCH_DIR"))
     try:
-        r = bench(d, a.chunks, a.chunk_bytes, a.chunks_per_job, a.reps)
+        r = bench(d, a.chunks, a.chunk_bytes, a.chunks_per_job, a.reps, json.loads(a.kvoff_settings))
     finally:
         if tmp is not None:
             shutil.rmtree(tmp, ignore_errors=True)

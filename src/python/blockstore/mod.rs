@@ -132,7 +132,8 @@ impl PyBlockStore {
         owner = None, remote_url = None, remote_cluster = false, remote_ttl_s = None,
         remote_connect_timeout_s = 1.0, remote_timeout_s = 2.0,
         remote_max_inflight_bytes = 256 << 20, remote_negative_ttl_s = 2.0,
-        remote_max_fetch_keys = 64, remote_password_env = String::from("KVOFF_REMOTE_PASSWORD")
+        remote_max_fetch_keys = 64, remote_password_env = String::from("KVOFF_REMOTE_PASSWORD"),
+        remote_tls_ca_file = None
     ))]
     #[allow(clippy::too_many_arguments)]
     fn new(
@@ -165,6 +166,7 @@ impl PyBlockStore {
         remote_negative_ttl_s: f64,
         remote_max_fetch_keys: usize,
         remote_password_env: String,
+        remote_tls_ca_file: Option<std::path::PathBuf>,
     ) -> PyResult<Self> {
         let secs = |name: &str, s: f64| {
             if s.is_finite() && s > 0.0 && s < 1e7 {
@@ -247,6 +249,7 @@ impl PyBlockStore {
             rc.negative_ttl = negative_ttl;
             rc.max_fetch_keys = remote_max_fetch_keys.max(1);
             rc.password_env = remote_password_env;
+            rc.tls_ca_file = remote_tls_ca_file;
             rc.owner = owner;
             Backend::Remote(blocking(py, move || RemoteTier::open(rc, mem))?)
         } else {

@@ -4,6 +4,7 @@
 
 #[allow(clippy::wildcard_imports)]
 use super::*;
+use redis::RedisWrite;
 
 #[derive(Clone, Debug)]
 pub(super) enum Entry {
@@ -36,7 +37,12 @@ pub(super) struct State {
     pub(super) queued_writes: usize,
     pub(super) running_reads: u64,
     pub(super) running_writes: u64,
+    /// Fetch jobs taken by an I/O thread and not finished.
+    pub(super) running_fetches: u64,
     pub(super) inflight_bytes: u64,
+    /// Bytes of values that queued or running fetches may stage (reserved at `submit_fetch`, so
+    /// that readahead never fetches a value it has no room to keep).
+    pub(super) fetch_reserved: u64,
     pub(super) staged_bytes: u64,
     pub(super) completions: Vec<Completion>,
     pub(super) shutdown: bool,
@@ -158,6 +164,7 @@ impl Shared {
 
     pub(super) fn run_fetch(&self, conns: &mut Conns, keys: &[ByteKey]) {
         let t0 = Instant::now();
+        let reserved = (keys.len() * self.value_len) as u64;
         let cmds: Vec<(String, redis::Cmd)> = keys
             .iter()
             .map(|k| {
@@ -183,6 +190,8 @@ impl Shared {
         {
             let now = Instant::now();
             let mut st = lock(&self.state);
+            st.fetch_reserved = st.fetch_reserved.saturating_sub(reserved);
+            st.running_fetches = st.running_fetches.saturating_sub(1);
             for (k, c) in keys.iter().zip(results) {
                 if !matches!(st.index.get(k), Some(Entry::Fetching)) {
                     continue; // written or forgotten meanwhile
@@ -291,6 +300,10 @@ impl Shared {
     }
 
     /// Writes `items`; sets `released` once their host blocks are handed back (completions).
+    ///
+    /// Each value is built in a command kept by the thread with its buffer (`Conns::write_cmds`):
+    /// the block is checksummed where it lies and copied once into the command, so a batch
+    /// allocates nothing once the thread has run one of its size.
     pub(super) fn run_writes(
         &self,
         conns: &mut Conns,
@@ -298,16 +311,39 @@ impl Shared {
         released: &mut bool,
     ) {
         let t0 = Instant::now();
-        // Copy every block out first and release it: the host block is free during the network.
-        let mut values = Vec::with_capacity(items.len());
-        for (k, b) in items {
-            let mut v = vec![0u8; self.value_len];
-            let copied = self.memory.copy_out(*b, &mut v[HEADER_BYTES..]).is_ok();
-            let mut h = self.expect_header(k);
-            h.payload_sum = format::payload_sum(&v[HEADER_BYTES..]);
-            let encoded = copied && format::encode(&h, &mut v);
-            values.push(encoded.then_some(v));
+        let mut cmds = std::mem::take(&mut conns.write_cmds);
+        if cmds.len() < items.len() {
+            cmds.resize_with(items.len(), || (String::new(), redis::Cmd::new()));
         }
+        let mut header = vec![0u8; HEADER_BYTES];
+        let mut sent = Vec::with_capacity(items.len());
+        for (k, b) in items {
+            let (rk, c) = &mut cmds[sent.len()];
+            *rk = self.redis_key(k);
+            c.clear();
+            c.arg("SET").arg(rk.as_str());
+            let mut h = self.expect_header(k);
+            let mut encoded = false;
+            let copied = self.memory.with_block(*b, &mut |payload| {
+                h.payload_sum = format::payload_sum(payload);
+                encoded = format::encode(&h, &mut header);
+                if encoded {
+                    let mut w = c.writer_for_next_arg();
+                    // Writes into a `Vec`: cannot fail.
+                    let _ = std::io::Write::write_all(&mut w, &header);
+                    let _ = std::io::Write::write_all(&mut w, payload);
+                }
+            });
+            if copied.is_err() || !encoded {
+                continue; // this slot is reused by the next value; counted as failed below
+            }
+            if let Some(ttl) = self.cfg.ttl {
+                c.arg("PX")
+                    .arg(u64::try_from(ttl.as_millis()).unwrap_or(u64::MAX).max(1));
+            }
+            sent.push(k.clone());
+        }
+        // Every block is in a command: the host blocks are free during the network.
         {
             let mut st = lock(&self.state);
             for (k, b) in items {
@@ -318,29 +354,16 @@ impl Shared {
             }
             *released = true;
         }
-        let mut cmds = Vec::new();
-        let mut sent = Vec::new();
-        for ((k, _), v) in items.iter().zip(&values) {
-            if let Some(v) = v {
-                let rk = self.redis_key(k);
-                let mut c = redis::cmd("SET");
-                c.arg(&rk).arg(v.as_slice());
-                if let Some(ttl) = self.cfg.ttl {
-                    c.arg("PX")
-                        .arg(u64::try_from(ttl.as_millis()).unwrap_or(u64::MAX).max(1));
-                }
-                cmds.push((rk, c));
-                sent.push(k.clone());
-            }
-        }
         let n_failed_local = items.len() - sent.len();
-        let replies = if cmds.is_empty() {
+        let replies = if sent.is_empty() {
             Vec::new()
         } else {
-            self.run(conns, &cmds)
+            self.run(conns, &cmds[..sent.len()])
         };
-        drop(cmds);
-        drop(values);
+        // Keep the commands' buffers for the next batch, up to a bound.
+        cmds.truncate((KEEP_BUFFER_BYTES / self.value_len.max(1)).max(1));
+        conns.write_cmds = cmds;
+        conns.trim();
         let elapsed = ns(t0);
         let mut st = lock(&self.state);
         self.end_writes(&mut st, items.len(), n_failed_local);
@@ -389,8 +412,10 @@ impl Shared {
             let mut st = lock(&self.state);
             let job = loop {
                 if let Some(j) = st.jobs_reads.pop_front() {
-                    if matches!(j, Job::Read(..)) {
-                        st.running_reads += 1;
+                    match j {
+                        Job::Read(..) => st.running_reads += 1,
+                        Job::Fetch(..) => st.running_fetches += 1,
+                        _ => {}
                     }
                     break Some(j);
                 }
@@ -458,6 +483,10 @@ impl Shared {
         match job {
             Job::Probe => {}
             Job::Fetch(keys) => {
+                st.running_fetches = st.running_fetches.saturating_sub(1);
+                st.fetch_reserved = st
+                    .fetch_reserved
+                    .saturating_sub((keys.len() * self.value_len) as u64);
                 for k in keys {
                     if matches!(st.index.get(k), Some(Entry::Fetching)) {
                         self.counters.fetch_errors.fetch_add(1, Relaxed);

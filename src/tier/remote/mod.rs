@@ -59,7 +59,7 @@ use std::time::{Duration, Instant};
 use xxhash_rust::xxh3::{xxh3_128, xxh3_64};
 
 use super::format::{self, HEADER_BYTES};
-use super::remote_route::{Conns, Router, RouterConfig};
+use super::remote_route::{Conns, Router, RouterConfig, KEEP_BUFFER_BYTES};
 use super::secondary::{Known, SecondaryCounters, SecondaryTier};
 use super::{BlockMemory, Completion, Layout};
 use crate::error::{KvoffError, Result};
@@ -85,10 +85,19 @@ const MAX_HEX_KEY: usize = 100;
 /// Entries of the in-memory index before it is pruned (see `RemoteTier::expire`).
 const INDEX_CAP: usize = 65_536;
 
+/// Most value bytes of one fetch job: a larger fetch is split into jobs of this size.
+const FETCH_JOB_BYTES: u64 = 8 << 20;
+
+/// How long the index gauges of [`SecondaryTier::extra_stats`] are reused (they count the whole
+/// index, which a scheduler step that reads the stats should not pay for each time).
+const GAUGES_TTL: Duration = Duration::from_secs(1);
+
 /// The remote tier. See the module docs.
 pub struct RemoteTier {
     shared: Arc<Shared>,
     threads: Vec<JoinHandle<()>>,
+    /// Last index gauges (present, absent) and when they were counted.
+    gauges: Mutex<Option<(Instant, (u64, u64))>>,
 }
 
 impl std::fmt::Debug for RemoteTier {
@@ -191,7 +200,11 @@ impl RemoteTier {
                 })?;
             threads.push(t);
         }
-        Ok(Self { shared, threads })
+        Ok(Self {
+            shared,
+            threads,
+            gauges: Mutex::new(None),
+        })
     }
 
     /// The URL with the password hidden.
@@ -305,6 +318,11 @@ impl SecondaryTier for RemoteTier {
         let down_until = sh.router.all_down(now);
         let down = down_until.is_some();
         let down_until = down_until.unwrap_or(now);
+        // Staging room: every key but the first needs room for its value among the staged and
+        // reserved bytes (so a fetch never brings a value it cannot keep, and a readahead of many
+        // keys stops where host memory would stop it); the first key always goes (an answer for
+        // it is what the caller waits for).
+        let value = sh.value_len as u64;
         let mut batch = Vec::new();
         for k in keys.iter().take(sh.cfg.max_fetch_keys.max(1)) {
             let unknown = match st.index.get(k) {
@@ -322,14 +340,32 @@ impl SecondaryTier for RemoteTier {
                     .insert(k.clone(), Entry::Absent { until: down_until });
                 continue;
             }
+            if !batch.is_empty()
+                && st.staged_bytes + st.fetch_reserved + value > sh.cfg.max_staged_bytes
+            {
+                break;
+            }
+            st.fetch_reserved += value;
             st.index.insert(k.clone(), Entry::Fetching);
             batch.push(k.clone());
         }
         let n = batch.len();
         if n > 0 {
-            st.jobs_reads.push_back(Job::Fetch(batch));
+            // Jobs of at most FETCH_JOB_BYTES each: the I/O threads fetch them side by side and
+            // the first values are ready for promotion while the rest are on the wire.
+            let per_job = usize::try_from(FETCH_JOB_BYTES / value).unwrap_or(1).max(1);
+            let jobs = n.div_ceil(per_job);
+            let mut rest = batch.into_iter();
+            for _ in 0..jobs {
+                st.jobs_reads
+                    .push_back(Job::Fetch(rest.by_ref().take(per_job).collect()));
+            }
             drop(st);
-            sh.cv.notify_one();
+            if jobs > 1 {
+                sh.cv.notify_all();
+            } else {
+                sh.cv.notify_one();
+            }
         }
         n
     }
@@ -418,8 +454,8 @@ impl SecondaryTier for RemoteTier {
             && st.jobs_writes.is_empty()
             && st.running_reads == 0
             && st.running_writes == 0
-            && st.completions.is_empty()
-            && !st.index.values().any(|e| matches!(e, Entry::Fetching)))
+            && st.running_fetches == 0
+            && st.completions.is_empty())
     }
 
     fn flush(&self) {
@@ -433,7 +469,7 @@ impl SecondaryTier for RemoteTier {
                     && st.jobs_writes.is_empty()
                     && st.running_reads == 0
                     && st.running_writes == 0
-                    && !st.index.values().any(|e| matches!(e, Entry::Fetching));
+                    && st.running_fetches == 0;
                 if idle || st.shutdown {
                     return;
                 }
@@ -510,10 +546,23 @@ impl SecondaryTier for RemoteTier {
 }
 
 impl RemoteTier {
-    /// Gauges of the index (for metrics): keys known present, remembered misses, staged bytes.
+    /// Gauges of the index (for metrics): keys known present, remembered misses, staged bytes;
+    /// counted at most once per [`GAUGES_TTL`].
     fn index_gauges(&self) -> (u64, u64, u64) {
-        let st = lock(&self.shared.state);
+        let mut cache = self.gauges.lock().unwrap_or_else(PoisonError::into_inner);
         let now = Instant::now();
+        if let Some((at, g)) = *cache {
+            if now.duration_since(at) < GAUGES_TTL {
+                return (g.0, g.1, lock(&self.shared.state).staged_bytes);
+            }
+        }
+        let g = self.count_index(now);
+        *cache = Some((now, (g.0, g.1)));
+        g
+    }
+
+    fn count_index(&self, now: Instant) -> (u64, u64, u64) {
+        let st = lock(&self.shared.state);
         let mut present = 0;
         let mut absent = 0;
         for e in st.index.values() {
