@@ -154,7 +154,12 @@ pub struct ChainManager<M> {
     promoting: Map<ByteKey, usize>,
     /// Write pins held per key (one per tier write in flight).
     pins: Map<ByteKey, u32>,
+    /// Per prefix (by its last key): how far readahead has looked (see `readahead`).
+    readahead_seen: Map<ByteKey, usize>,
 }
+
+/// Prefixes whose readahead position is remembered before the memory is cleared.
+const READAHEAD_MEMORY: usize = 4096;
 
 impl<M: OffloadingManager<ByteKey>> ChainManager<M> {
     /// Puts `tiers` (in lookup order) behind `host`. Every tier's memory must be the host blocks
@@ -174,6 +179,7 @@ impl<M: OffloadingManager<ByteKey>> ChainManager<M> {
             cfg,
             promoting: Map::default(),
             pins: Map::default(),
+            readahead_seen: Map::default(),
         }
     }
 
@@ -276,20 +282,31 @@ impl<M: OffloadingManager<ByteKey>> ChainManager<M> {
         Ok(first)
     }
 
-    /// Readahead (see [`ChainConfig::readahead_keys`]): past the first key of `keys` that is not
-    /// ready in host memory, starts fetches of the keys the tiers do not know yet and promotions
-    /// of those a tier holds (in-flight promotions bounded by `max_promotions`), up to
-    /// `readahead_keys` keys and stopping at a key no tier holds. Never waits.
-    fn readahead(&mut self, keys: &[ByteKey]) -> Result<()> {
+    /// Readahead (see [`ChainConfig::readahead_keys`]): past `first` (the first key of `keys`
+    /// not ready in host memory), starts fetches of the keys the tiers do not know yet and
+    /// promotions of those a tier holds (in-flight promotions bounded by `max_promotions`), up
+    /// to `readahead_keys` keys and stopping at a key no tier holds. Each key is looked at once
+    /// per prefix: where the last call stopped is remembered by the prefix's last key (block
+    /// keys chain their prefix, so it names the whole prefix), so a scheduler that asks every
+    /// step pays only for keys not seen before. Never waits.
+    fn readahead(&mut self, keys: &[ByteKey], first: usize) -> Result<()> {
         let window = self.cfg.readahead_keys;
+        let Some(last) = keys.last() else {
+            return Ok(());
+        };
         if window == 0 || self.slots.is_empty() {
             return Ok(());
         }
-        let mut i = 0;
-        while i < keys.len() && self.host.lookup(&keys[i])? == Presence::Ready {
-            i += 1;
+        let end = keys.len().min(first.saturating_add(window));
+        let seen = self.readahead_seen.get(last).copied().unwrap_or(0);
+        let i = first.max(seen);
+        if i >= end {
+            return Ok(());
         }
-        let end = keys.len().min(i.saturating_add(window));
+        if self.readahead_seen.len() >= READAHEAD_MEMORY {
+            self.readahead_seen.clear();
+        }
+        self.readahead_seen.insert(last.clone(), end);
         let batch_max = self.cfg.max_fetch_keys.max(1);
         let mut fetch: Vec<Vec<ByteKey>> = vec![Vec::new(); self.slots.len()];
         let mut run: Option<(usize, Vec<ByteKey>)> = None;
@@ -430,13 +447,25 @@ impl<M: OffloadingManager<ByteKey>> ChainManager<M> {
     /// Only after shutdown.
     pub fn lookup_prefix(&mut self, keys: &[ByteKey]) -> Result<Option<usize>> {
         self.poll()?;
-        if let Some(n) = self.host.lookup_prefix(keys)? {
-            if n == keys.len() || !self.consult(&keys[n..])? {
-                return Ok(Some(n));
+        // The host manager's `lookup_prefix`, one key at a time, to know where it stopped.
+        let mut n = 0;
+        while n < keys.len() {
+            match self.host.lookup(&keys[n])? {
+                Presence::Ready => n += 1,
+                Presence::Pending => break,
+                Presence::Absent => {
+                    if !self.consult(&keys[n..])? {
+                        return Ok(Some(n));
+                    }
+                    break;
+                }
             }
         }
+        if n == keys.len() {
+            return Ok(Some(n));
+        }
         // Pending: keep the tiers busy with what follows (readahead).
-        self.readahead(keys)?;
+        self.readahead(keys, n)?;
         Ok(None)
     }
 
@@ -620,6 +649,7 @@ impl<M: OffloadingManager<ByteKey>> ChainManager<M> {
         self.poll()?;
         self.promoting.clear();
         self.pins.clear();
+        self.readahead_seen.clear();
         for s in &mut self.slots {
             s.offers.clear();
         }

@@ -120,6 +120,9 @@ pub(super) struct Conns {
     pub(super) write_cmds: Vec<(String, redis::Cmd)>,
 }
 
+/// A pipeline is written to the socket whenever this much of it is packed.
+const SEND_CHUNK_BYTES: usize = 1 << 20;
+
 /// Most bytes of reused buffers a thread keeps between batches, each kind (a 16-value pipeline
 /// of 2 MiB blocks is 32 MiB).
 pub(super) const KEEP_BUFFER_BYTES: usize = 64 << 20;
@@ -670,14 +673,24 @@ impl Router {
                 (!conns.map.contains_key(&node)).then(|| st.nodes[node].info.clone())
             };
             let mut packed = std::mem::take(&mut conns.packed);
-            packed.clear();
-            for r in &group {
-                if r.asking {
-                    redis::cmd("ASKING").write_packed_command(&mut packed);
-                }
-                cmds[r.index].1.write_packed_command(&mut packed);
-            }
+            // The pipeline goes out in chunks of SEND_CHUNK_BYTES as it is packed, so the server
+            // works on the first commands while the rest are packed.
             let res = self.conn(conns, node, info).and_then(|c| {
+                packed.clear();
+                for r in &group {
+                    if r.asking {
+                        redis::cmd("ASKING").write_packed_command(&mut packed);
+                    }
+                    cmds[r.index].1.write_packed_command(&mut packed);
+                    if packed.len() >= SEND_CHUNK_BYTES {
+                        c.send_packed_command(&packed)
+                            .map_err(|e| format!("writing: {e}"))?;
+                        packed.clear();
+                    }
+                }
+                if packed.is_empty() {
+                    return Ok(());
+                }
                 c.send_packed_command(&packed)
                     .map_err(|e| format!("writing: {e}"))
             });

@@ -489,9 +489,12 @@ def _tier_rows(
     get_gbs: list[float] = []
     lookups_load: list[float] = []
     verified = True
-    for rep in range(reps):
-        ns = f"bench-{os.getpid()}-{value_bytes}-{rep}-{time.time_ns()}"
-        keys = [key(ns, i) for i in range(n)]
+    # One namespace for every repetition: from the second on, stores overwrite the values of the
+    # first, as the references' repetitions do (redis-py writes the same keys each time,
+    # redis-benchmark one key), so the server's allocator works alike for all of them.
+    ns = f"bench-{os.getpid()}-{value_bytes}-{time.time_ns()}"
+    keys = [key(ns, i) for i in range(n)]
+    for _rep in range(reps):
         a, ra = engine(ns)
         b, rb = engine(ns)
         try:

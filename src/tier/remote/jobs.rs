@@ -25,7 +25,8 @@ pub(super) enum Job {
     /// Not queued: an idle I/O thread's turn to probe a failed node (see `worker`).
     Probe,
     Fetch(Vec<ByteKey>),
-    Read(ByteKey, BlockId),
+    /// Promotions: keys and their reserved host blocks.
+    Read(Vec<(ByteKey, BlockId)>),
     Write(Vec<(ByteKey, BlockId)>),
 }
 
@@ -239,64 +240,73 @@ impl Shared {
         }
     }
 
-    pub(super) fn run_read(&self, conns: &mut Conns, key: &ByteKey, block: BlockId) {
+    /// Promotes `items` (keys with their reserved host blocks): each from its staged value, or
+    /// with a `GET` of its own when none was staged; one lock for the batch's completions.
+    pub(super) fn run_reads(&self, conns: &mut Conns, items: &[(ByteKey, BlockId)]) {
         let t0 = Instant::now();
-        let staged = {
-            let mut st = lock(&self.state);
-            match st.index.get_mut(key) {
-                Some(Entry::Present { value, .. }) => value.take(),
-                _ => None,
-            }
-        };
-        let mut rejected = false;
-        let value = if let Some(v) = staged {
-            lock(&self.state).staged_bytes -= v.len() as u64;
-            Some(v)
-        } else {
-            let rk = self.redis_key(key);
-            let mut c = redis::cmd("GET");
-            c.arg(&rk);
-            let v = self.run(conns, &[(rk, c)]).pop().flatten();
-            match self.check(key, v) {
-                Checked::Ok(b) => Some(Arc::new(b)),
-                Checked::Missing | Checked::Failed => None,
-                Checked::Rejected => {
-                    rejected = true;
-                    None
+        let mut done = Vec::with_capacity(items.len());
+        for (key, block) in items {
+            let staged = {
+                let mut st = lock(&self.state);
+                let v = match st.index.get_mut(key) {
+                    Some(Entry::Present { value, .. }) => value.take(),
+                    _ => None,
+                };
+                if let Some(v) = &v {
+                    st.staged_bytes -= v.len() as u64;
                 }
+                v
+            };
+            let mut rejected = false;
+            let value = if let Some(v) = staged {
+                Some(v)
+            } else {
+                let rk = self.redis_key(key);
+                let mut c = redis::cmd("GET");
+                c.arg(&rk);
+                let v = self.run(conns, &[(rk, c)]).pop().flatten();
+                match self.check(key, v) {
+                    Checked::Ok(b) => Some(Arc::new(b)),
+                    Checked::Missing | Checked::Failed => None,
+                    Checked::Rejected => {
+                        rejected = true;
+                        None
+                    }
+                }
+            };
+            let ok = value.as_ref().is_some_and(|v| {
+                self.memory
+                    .copy_in(*block, &v[HEADER_BYTES..HEADER_BYTES + self.payload_len])
+                    .is_ok()
+            });
+            if rejected {
+                self.counters.rejected.fetch_add(1, Relaxed);
+                self.delete(conns, key);
             }
-        };
-        let ok = value.as_ref().is_some_and(|v| {
-            self.memory
-                .copy_in(block, &v[HEADER_BYTES..HEADER_BYTES + self.payload_len])
-                .is_ok()
-        });
-        if rejected {
-            self.counters.rejected.fetch_add(1, Relaxed);
-            self.delete(conns, key);
+            done.push(ok);
         }
         let mut st = lock(&self.state);
-        st.running_reads = st.running_reads.saturating_sub(1);
-        if ok {
-            self.counters.promotions.fetch_add(1, Relaxed);
+        st.running_reads = st.running_reads.saturating_sub(items.len() as u64);
+        let good = done.iter().filter(|&&ok| ok).count() as u64;
+        if good > 0 {
+            self.counters.promotions.fetch_add(good, Relaxed);
             self.counters
                 .bytes_read
-                .fetch_add(self.payload_len as u64, Relaxed);
+                .fetch_add(good * self.payload_len as u64, Relaxed);
             self.counters.read_ns.fetch_add(ns(t0), Relaxed);
-        } else {
-            self.counters.read_errors.fetch_add(1, Relaxed);
-            st.index.insert(
-                key.clone(),
-                Entry::Absent {
-                    until: Instant::now() + self.cfg.negative_ttl,
-                },
-            );
         }
-        st.completions.push(Completion::Promoted {
-            key: key.clone(),
-            block,
-            ok,
-        });
+        let until = Instant::now() + self.cfg.negative_ttl;
+        for ((key, block), ok) in items.iter().zip(done) {
+            if !ok {
+                self.counters.read_errors.fetch_add(1, Relaxed);
+                st.index.insert(key.clone(), Entry::Absent { until });
+            }
+            st.completions.push(Completion::Promoted {
+                key: key.clone(),
+                block: *block,
+                ok,
+            });
+        }
     }
 
     /// Writes `items`; sets `released` once their host blocks are handed back (completions).
@@ -412,15 +422,20 @@ impl Shared {
             let mut st = lock(&self.state);
             let job = loop {
                 if let Some(j) = st.jobs_reads.pop_front() {
-                    match j {
-                        Job::Read(..) => st.running_reads += 1,
+                    match &j {
+                        Job::Read(items) => st.running_reads += items.len() as u64,
                         Job::Fetch(..) => st.running_fetches += 1,
                         _ => {}
                     }
                     break Some(j);
                 }
                 if !st.jobs_writes.is_empty() {
-                    let n = st.jobs_writes.len().min(self.cfg.max_write_batch.max(1));
+                    let by_bytes = (WRITE_BATCH_BYTES / self.value_len.max(1)).max(1);
+                    let n = st
+                        .jobs_writes
+                        .len()
+                        .min(self.cfg.max_write_batch.max(1))
+                        .min(by_bytes);
                     let batch: Vec<_> = st.jobs_writes.drain(..n).collect();
                     st.running_writes += batch.len() as u64;
                     break Some(Job::Write(batch));
@@ -452,7 +467,7 @@ impl Shared {
             let r = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| match &job {
                 Job::Probe => {}
                 Job::Fetch(keys) => self.run_fetch(&mut conns, keys),
-                Job::Read(k, b) => self.run_read(&mut conns, k, *b),
+                Job::Read(items) => self.run_reads(&mut conns, items),
                 Job::Write(items) => self.run_writes(&mut conns, items, &mut released),
             }));
             if let Err(p) = r {
@@ -494,15 +509,17 @@ impl Shared {
                     }
                 }
             }
-            Job::Read(k, b) => {
-                st.running_reads = st.running_reads.saturating_sub(1);
-                self.counters.read_errors.fetch_add(1, Relaxed);
-                st.index.insert(k.clone(), Entry::Absent { until });
-                st.completions.push(Completion::Promoted {
-                    key: k.clone(),
-                    block: *b,
-                    ok: false,
-                });
+            Job::Read(items) => {
+                st.running_reads = st.running_reads.saturating_sub(items.len() as u64);
+                for (k, b) in items {
+                    self.counters.read_errors.fetch_add(1, Relaxed);
+                    st.index.insert(k.clone(), Entry::Absent { until });
+                    st.completions.push(Completion::Promoted {
+                        key: k.clone(),
+                        block: *b,
+                        ok: false,
+                    });
+                }
             }
             Job::Write(items) => {
                 if !released {

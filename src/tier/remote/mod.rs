@@ -85,8 +85,12 @@ const MAX_HEX_KEY: usize = 100;
 /// Entries of the in-memory index before it is pruned (see `RemoteTier::expire`).
 const INDEX_CAP: usize = 65_536;
 
-/// Most value bytes of one fetch job: a larger fetch is split into jobs of this size.
+/// Most value bytes of one fetch or promotion job: larger ones are split into jobs of this size
+/// (the I/O threads work on them side by side).
 const FETCH_JOB_BYTES: u64 = 8 << 20;
+
+/// Most value bytes of one write pipeline (besides [`RemoteConfig::max_write_batch`] values).
+const WRITE_BATCH_BYTES: usize = 8 << 20;
 
 /// How long the index gauges of [`SecondaryTier::extra_stats`] are reused (they count the whole
 /// index, which a scheduler step that reads the stats should not pay for each time).
@@ -429,18 +433,33 @@ impl SecondaryTier for RemoteTier {
             return vec![false; items.len()];
         }
         let mut st = lock(&sh.state);
+        let mut batch = Vec::new();
+        let mut jobs = 0;
+        let per_job = (FETCH_JOB_BYTES / sh.value_len.max(1) as u64).max(1);
         let out = items
             .iter()
             .map(|(k, b)| {
                 if st.shutdown || !matches!(st.index.get(k), Some(Entry::Present { .. })) {
                     return false;
                 }
-                st.jobs_reads.push_back(Job::Read(k.clone(), *b));
+                batch.push((k.clone(), *b));
+                if batch.len() as u64 == per_job {
+                    st.jobs_reads.push_back(Job::Read(std::mem::take(&mut batch)));
+                    jobs += 1;
+                }
                 true
             })
             .collect();
+        if !batch.is_empty() {
+            st.jobs_reads.push_back(Job::Read(batch));
+            jobs += 1;
+        }
         drop(st);
-        sh.cv.notify_all();
+        if jobs > 1 {
+            sh.cv.notify_all();
+        } else if jobs == 1 {
+            sh.cv.notify_one();
+        }
         out
     }
 
