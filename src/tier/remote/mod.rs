@@ -444,7 +444,8 @@ impl SecondaryTier for RemoteTier {
                 }
                 batch.push((k.clone(), *b));
                 if batch.len() as u64 == per_job {
-                    st.jobs_reads.push_back(Job::Read(std::mem::take(&mut batch)));
+                    st.jobs_reads
+                        .push_back(Job::Read(std::mem::take(&mut batch)));
                     jobs += 1;
                 }
                 true
