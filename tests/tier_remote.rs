@@ -344,6 +344,48 @@ fn readahead_keeps_the_prefix_in_flight() {
     }
 }
 
+/// Readahead stays within the tier's staging room (no value fetched without room to keep it, so
+/// none twice) and resumes past where it stopped once promotions free the room.
+#[test]
+fn readahead_stops_at_the_staging_room_and_resumes() {
+    let _g = serial();
+    if !have_redis() {
+        return;
+    }
+    let srv = Server::start("room", &[]);
+    let n = 200;
+    let (mut a, mem_a) = chain(&srv.url(), "room", n);
+    let idx: Vec<usize> = (0..n).collect();
+    store(&mut a, &mem_a, &idx);
+    a.flush();
+    let ks: Vec<ByteKey> = idx.iter().map(|&i| key(i)).collect();
+    let mem_b = Arc::new(VecMemory::new(n, BLOCK));
+    let mut cfg = quick(RemoteConfig::new(srv.url(), layout("room")));
+    let room = 40;
+    cfg.max_staged_bytes = (room * (BLOCK + kvoff::tier::HEADER_BYTES)) as u64;
+    let tier = RemoteTier::open(cfg, mem_b.clone()).unwrap();
+    let mut b = ChainManager::new(
+        LruManager::new(ManagerConfig::new(n)),
+        vec![ChainTier::new(Box::new(tier))],
+        ChainConfig::default(),
+    );
+    assert_eq!(b.lookup_prefix(&ks).unwrap(), None);
+    let s = remote_stats(&mut b);
+    assert!(
+        s.chain.fetch_keys <= room as u64,
+        "fetched beyond the staging room: {s:?}"
+    );
+    assert_eq!(settle(&mut b, &ks, Duration::from_secs(20)), n);
+    check_loaded(&mut b, &mem_b, &idx);
+    let s = remote_stats(&mut b);
+    assert_eq!(s.tier.fetch_hits, n as u64, "each key fetched once: {s:?}");
+    assert_eq!(s.tier.promotions, n as u64, "{s:?}");
+    assert_eq!(s.tier.read_errors, 0, "{s:?}");
+    for m in [&mut a, &mut b] {
+        m.shutdown();
+    }
+}
+
 #[test]
 fn corrupted_or_foreign_values_are_rejected_and_deleted() {
     let _g = serial();

@@ -303,14 +303,19 @@ impl<M: OffloadingManager<ByteKey>> ChainManager<M> {
         if i >= end {
             return Ok(());
         }
-        if self.readahead_seen.len() >= READAHEAD_MEMORY {
-            self.readahead_seen.clear();
-        }
-        self.readahead_seen.insert(last.clone(), end);
         let batch_max = self.cfg.max_fetch_keys.max(1);
+        // Room now: promotions in flight are bounded, and a tier keeps only the fetched values it
+        // has room for; readahead stops where either runs out and resumes there on a later call.
+        let mut promote_room = self
+            .cfg
+            .max_promotions
+            .max(1)
+            .saturating_sub(self.promoting.len());
+        let mut fetch_room: Vec<usize> = self.slots.iter().map(|s| s.tier.fetch_room()).collect();
         let mut fetch: Vec<Vec<ByteKey>> = vec![Vec::new(); self.slots.len()];
         let mut run: Option<(usize, Vec<ByteKey>)> = None;
-        for k in &keys[i..end] {
+        let mut stop = end;
+        for (idx, k) in keys.iter().enumerate().take(end).skip(i) {
             if self.host.lookup(k)? != Presence::Absent || self.promoting.contains_key(k) {
                 continue; // ready, pending or being promoted
             }
@@ -329,13 +334,26 @@ impl<M: OffloadingManager<ByteKey>> ChainManager<M> {
                     Known::Absent => {}
                 }
             }
+            let out_of_room = match (holder, unknown) {
+                (Some(_), _) => promote_room == 0,
+                (None, Some(t)) => fetch_room[t] == 0,
+                (None, None) => false,
+            };
+            if out_of_room {
+                stop = idx;
+                break;
+            }
             if run.as_ref().is_some_and(|(t, _)| Some(*t) != holder) {
                 let (t, ks) = run.take().unwrap_or_default();
                 self.promote_ahead(t, &ks)?;
             }
             match (holder, unknown) {
-                (Some(t), _) => run.get_or_insert_with(|| (t, Vec::new())).1.push(k.clone()),
+                (Some(t), _) => {
+                    promote_room -= 1;
+                    run.get_or_insert_with(|| (t, Vec::new())).1.push(k.clone());
+                }
                 (None, Some(t)) => {
+                    fetch_room[t] -= 1;
                     fetch[t].push(k.clone());
                     if fetch[t].len() == batch_max {
                         self.fetch_ahead(t, &std::mem::take(&mut fetch[t]));
@@ -352,6 +370,10 @@ impl<M: OffloadingManager<ByteKey>> ChainManager<M> {
                 self.fetch_ahead(t, &ks);
             }
         }
+        if self.readahead_seen.len() >= READAHEAD_MEMORY {
+            self.readahead_seen.clear();
+        }
+        self.readahead_seen.insert(last.clone(), stop);
         Ok(())
     }
 

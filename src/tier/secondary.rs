@@ -101,6 +101,12 @@ pub trait SecondaryTier: Send + std::fmt::Debug + 'static {
         0
     }
 
+    /// About how many more keys a fetch could take now (room to keep their values); readahead
+    /// stops there and comes back to the rest on a later lookup. The default: no bound.
+    fn fetch_room(&self) -> usize {
+        usize::MAX
+    }
+
     /// Whether the tier holds `key` or is writing it (the owner then does not write it again).
     fn has_or_writing(&self, key: &ByteKey) -> bool;
 

@@ -374,6 +374,14 @@ impl SecondaryTier for RemoteTier {
         n
     }
 
+    fn fetch_room(&self) -> usize {
+        let sh = &self.shared;
+        let st = lock(&sh.state);
+        let used = st.staged_bytes + st.fetch_reserved;
+        usize::try_from(sh.cfg.max_staged_bytes.saturating_sub(used) / (sh.value_len as u64).max(1))
+            .unwrap_or(usize::MAX)
+    }
+
     fn has_or_writing(&self, key: &ByteKey) -> bool {
         self.index(key) == Known::Present
             || matches!(
