@@ -100,6 +100,7 @@ mod format;
 mod io;
 pub mod remote;
 pub mod remote_route;
+mod remote_conn;
 pub mod secondary;
 
 use std::sync::{Mutex, MutexGuard, PoisonError};

@@ -36,6 +36,8 @@ use std::sync::atomic::{AtomicU64, Ordering::Relaxed};
 use std::sync::{Mutex, MutexGuard, PoisonError};
 use std::time::{Duration, Instant};
 
+use super::remote_conn::{set_head, set_tail, BufPool, Conn};
+
 /// Slots of a Redis Cluster.
 pub const SLOTS: usize = 16_384;
 
@@ -112,12 +114,54 @@ struct RouterState {
 /// One I/O thread's connections, by node.
 #[derive(Default)]
 pub(super) struct Conns {
-    map: HashMap<usize, redis::Connection>,
+    /// Buffers for large values read (shared by the tier's I/O threads; none: fresh ones).
+    pub(super) pool: Option<std::sync::Arc<BufPool>>,
+    map: HashMap<usize, Conn>,
     epoch: u64,
     /// The packed pipeline of one node, reused (no allocation or page faults per batch).
     packed: Vec<u8>,
     /// The remote tier's write commands, reused with their buffers (see `run_writes`).
-    pub(super) write_cmds: Vec<(String, redis::Cmd)>,
+    pub(super) write_cmds: Vec<(String, SetValue)>,
+}
+
+/// A `SET key value [PX ms]` whose value is sent from its own buffer (not copied into the packed
+/// pipeline when it is large; docs/design.md "The data path").
+#[derive(Default)]
+pub(super) struct SetValue {
+    pub value: Vec<u8>,
+    pub px: Option<u64>,
+}
+
+/// Values at least this large go to the socket from their own buffer; smaller ones are copied
+/// into the packed pipeline (one system call for many).
+const DIRECT_SEND_BYTES: usize = 64 << 10;
+
+/// A command of a batch, packed into a node's pipeline (`key`: the key that routes it).
+pub(super) trait Pack {
+    /// Appends the command to `packed`, or writes `packed` and then (part of) the command to `c`.
+    fn pack(&self, key: &str, c: &mut Conn, packed: &mut Vec<u8>) -> Result<(), String>;
+}
+
+impl Pack for redis::Cmd {
+    fn pack(&self, _key: &str, _c: &mut Conn, packed: &mut Vec<u8>) -> Result<(), String> {
+        self.write_packed_command(packed);
+        Ok(())
+    }
+}
+
+impl Pack for SetValue {
+    fn pack(&self, key: &str, c: &mut Conn, packed: &mut Vec<u8>) -> Result<(), String> {
+        set_head(key, self.value.len(), self.px, packed);
+        if self.value.len() >= DIRECT_SEND_BYTES {
+            c.send(packed)?;
+            packed.clear();
+            c.send(&self.value)?;
+        } else {
+            packed.extend_from_slice(&self.value);
+        }
+        set_tail(self.px, packed);
+        Ok(())
+    }
 }
 
 /// A pipeline is written to the socket whenever this much of it is packed.
@@ -158,11 +202,6 @@ fn lock(m: &Mutex<RouterState>) -> MutexGuard<'_, RouterState> {
     m.lock().unwrap_or_else(PoisonError::into_inner)
 }
 
-/// One command and its reply (a reply that is a server error is a value, not a failure).
-fn request(c: &mut redis::Connection, cmd: &redis::Cmd) -> redis::RedisResult<redis::Value> {
-    c.send_packed_command(&cmd.get_packed_command())?;
-    c.recv_response()
-}
 
 /// What to do with a reply that is a server error.
 enum Redirect {
@@ -350,7 +389,7 @@ impl Router {
         conns.map.remove(&id);
         let r = self
             .conn(conns, id, Some(info))
-            .and_then(|c| request(c, &redis::cmd("PING")).map_err(|e| format!("PING: {e}")));
+            .and_then(|c| c.request(&redis::cmd("PING")).map_err(|e| format!("PING: {e}")));
         let mut st = lock(&self.state);
         match r {
             Ok(_) => {
@@ -404,19 +443,12 @@ impl Router {
         conns: &'a mut Conns,
         id: usize,
         info: Option<redis::ConnectionInfo>,
-    ) -> Result<&'a mut redis::Connection, String> {
+    ) -> Result<&'a mut Conn, String> {
         match conns.map.entry(id) {
             std::collections::hash_map::Entry::Occupied(e) => Ok(e.into_mut()),
             std::collections::hash_map::Entry::Vacant(e) => {
                 let info = info.ok_or("no such node")?;
-                let c = redis::Client::open(info)
-                    .and_then(|cl| cl.get_connection_with_timeout(self.cfg.connect_timeout))
-                    .and_then(|c| {
-                        c.set_read_timeout(Some(self.cfg.io_timeout))?;
-                        c.set_write_timeout(Some(self.cfg.io_timeout))?;
-                        Ok(c)
-                    })
-                    .map_err(|e| format!("connecting: {e}"))?;
+                let c = Conn::open(info, self.cfg.connect_timeout, self.cfg.io_timeout)?;
                 Ok(e.insert(c))
             }
         }
@@ -459,7 +491,7 @@ impl Router {
                 st.nodes[id].info.clone()
             };
             let reply = self.conn(conns, id, Some(info)).and_then(|c| {
-                request(c, redis::cmd("CLUSTER").arg("SLOTS"))
+                c.request(redis::cmd("CLUSTER").arg("SLOTS"))
                     .map_err(|e| format!("CLUSTER SLOTS: {e}"))
             });
             let mut st = lock(&self.state);
@@ -552,7 +584,7 @@ impl Router {
 
     /// Runs `cmds` (each with the key that routes it) and returns their replies; see the module
     /// docs for what fails which command, and [`Outcome`].
-    pub(super) fn run(&self, conns: &mut Conns, cmds: &[(String, redis::Cmd)]) -> Outcome {
+    pub(super) fn run<R: Pack>(&self, conns: &mut Conns, cmds: &[(String, R)]) -> Outcome {
         let mut out = Outcome {
             replies: vec![None; cmds.len()],
             error: None,
@@ -610,9 +642,9 @@ impl Router {
 
     /// Groups commands by the node they go to; commands whose node is down (or that no node
     /// serves) fail here, without a network call.
-    fn route(
+    fn route<R>(
         &self,
-        cmds: &[(String, redis::Cmd)],
+        cmds: &[(String, R)],
         dests: Vec<(usize, Dest)>,
         out: &mut Outcome,
     ) -> Vec<(usize, Vec<Routed>)> {
@@ -655,10 +687,10 @@ impl Router {
     }
 
     /// One round: writes each node's pipeline, then reads the replies node by node.
-    fn exchange(
+    fn exchange<R: Pack>(
         &self,
         conns: &mut Conns,
-        cmds: &[(String, redis::Cmd)],
+        cmds: &[(String, R)],
         groups: Vec<(usize, Vec<Routed>)>,
         out: &mut Outcome,
     ) -> Round {
@@ -681,18 +713,18 @@ impl Router {
                     if r.asking {
                         redis::cmd("ASKING").write_packed_command(&mut packed);
                     }
-                    cmds[r.index].1.write_packed_command(&mut packed);
+                    let (key, cmd) = &cmds[r.index];
+                    cmd.pack(key, c, &mut packed)
+                        .map_err(|e| format!("writing: {e}"))?;
                     if packed.len() >= SEND_CHUNK_BYTES {
-                        c.send_packed_command(&packed)
-                            .map_err(|e| format!("writing: {e}"))?;
+                        c.send(&packed).map_err(|e| format!("writing: {e}"))?;
                         packed.clear();
                     }
                 }
                 if packed.is_empty() {
                     return Ok(());
                 }
-                c.send_packed_command(&packed)
-                    .map_err(|e| format!("writing: {e}"))
+                c.send(&packed).map_err(|e| format!("writing: {e}"))
             });
             conns.packed = packed;
             match res {
@@ -711,12 +743,12 @@ impl Router {
             let mut answered = 0;
             for r in &group {
                 if r.asking {
-                    if let Err(e) = c.recv_response() {
+                    if let Err(e) = c.recv(None) {
                         failure = Some(format!("reading: {e}"));
                         break;
                     }
                 }
-                match c.recv_response() {
+                match c.recv(conns.pool.as_deref()) {
                     Ok(v) => {
                         answered += 1;
                         match self.classify(v, out) {

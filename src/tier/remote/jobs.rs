@@ -4,7 +4,7 @@
 
 #[allow(clippy::wildcard_imports)]
 use super::*;
-use redis::RedisWrite;
+use crate::tier::remote_route::Pack;
 
 #[derive(Clone, Debug)]
 pub(super) enum Entry {
@@ -84,6 +84,8 @@ pub(super) struct Shared {
     pub(super) cv: Condvar,
     pub(super) counters: Counters,
     pub(super) pid: u32,
+    /// Buffers of values read, reused (see `BufPool`).
+    pub(super) pool: Arc<BufPool>,
 }
 
 pub(super) fn lock(m: &Mutex<State>) -> MutexGuard<'_, State> {
@@ -144,10 +146,10 @@ impl Shared {
 
     /// Runs `cmds` (each with its key) through the router: one reply per command, `None` for a
     /// command that was not answered (see `remote_route`); failures go to `last_error`.
-    pub(super) fn run(
+    pub(super) fn run<R: Pack>(
         &self,
         conns: &mut Conns,
-        cmds: &[(String, redis::Cmd)],
+        cmds: &[(String, R)],
     ) -> Vec<Option<redis::Value>> {
         let out = self.router.run(conns, cmds);
         if let Some(e) = out.error {
@@ -279,6 +281,9 @@ impl Shared {
                     .copy_in(*block, &v[HEADER_BYTES..HEADER_BYTES + self.payload_len])
                     .is_ok()
             });
+            if let Some(v) = value.and_then(|v| Arc::try_unwrap(v).ok()) {
+                self.pool.give(v);
+            }
             if rejected {
                 self.counters.rejected.fetch_add(1, Relaxed);
                 self.delete(conns, key);
@@ -311,9 +316,10 @@ impl Shared {
 
     /// Writes `items`; sets `released` once their host blocks are handed back (completions).
     ///
-    /// Each value is built in a command kept by the thread with its buffer (`Conns::write_cmds`):
-    /// the block is checksummed where it lies and copied once into the command, so a batch
-    /// allocates nothing once the thread has run one of its size.
+    /// Each value is built in a buffer kept by the thread (`Conns::write_cmds`): the block is
+    /// checksummed where it lies and copied once, behind its header, into the buffer, which goes
+    /// to the socket from there (docs/design.md "The data path"); a batch allocates nothing once
+    /// the thread has run one of its size.
     pub(super) fn run_writes(
         &self,
         conns: &mut Conns,
@@ -323,34 +329,32 @@ impl Shared {
         let t0 = Instant::now();
         let mut cmds = std::mem::take(&mut conns.write_cmds);
         if cmds.len() < items.len() {
-            cmds.resize_with(items.len(), || (String::new(), redis::Cmd::new()));
+            cmds.resize_with(items.len(), Default::default);
         }
         let mut header = vec![0u8; HEADER_BYTES];
         let mut sent = Vec::with_capacity(items.len());
         for (k, b) in items {
             let (rk, c) = &mut cmds[sent.len()];
             *rk = self.redis_key(k);
-            c.clear();
-            c.arg("SET").arg(rk.as_str());
+            c.value.clear();
             let mut h = self.expect_header(k);
             let mut encoded = false;
             let copied = self.memory.with_block(*b, &mut |payload| {
                 h.payload_sum = format::payload_sum(payload);
                 encoded = format::encode(&h, &mut header);
                 if encoded {
-                    let mut w = c.writer_for_next_arg();
-                    // Writes into a `Vec`: cannot fail.
-                    let _ = std::io::Write::write_all(&mut w, &header);
-                    let _ = std::io::Write::write_all(&mut w, payload);
+                    c.value.reserve_exact(header.len() + payload.len());
+                    c.value.extend_from_slice(&header);
+                    c.value.extend_from_slice(payload);
                 }
             });
             if copied.is_err() || !encoded {
                 continue; // this slot is reused by the next value; counted as failed below
             }
-            if let Some(ttl) = self.cfg.ttl {
-                c.arg("PX")
-                    .arg(u64::try_from(ttl.as_millis()).unwrap_or(u64::MAX).max(1));
-            }
+            c.px = self
+                .cfg
+                .ttl
+                .map(|ttl| u64::try_from(ttl.as_millis()).unwrap_or(u64::MAX).max(1));
             sent.push(k.clone());
         }
         // Every block is in a command: the host blocks are free during the network.
@@ -411,8 +415,15 @@ impl Shared {
         self.cv.notify_all();
     }
 
+    /// A thread's (empty) set of connections.
+    fn conns(&self) -> Conns {
+        let mut c = Conns::default();
+        c.pool = Some(Arc::clone(&self.pool));
+        c
+    }
+
     pub(super) fn worker(self: &Arc<Self>) {
-        let mut conns = Conns::default();
+        let mut conns = self.conns();
         loop {
             // A failed node whose backoff is over is probed between jobs (one thread at a time);
             // jobs meanwhile fail its commands at once.
@@ -471,7 +482,7 @@ impl Shared {
                 Job::Write(items) => self.run_writes(&mut conns, items, &mut released),
             }));
             if let Err(p) = r {
-                conns = Conns::default();
+                conns = self.conns();
                 self.fail_panicked(&job, released, &panic_text(p.as_ref()));
             }
         }

@@ -59,6 +59,7 @@ use std::time::{Duration, Instant};
 use xxhash_rust::xxh3::{xxh3_128, xxh3_64};
 
 use super::format::{self, HEADER_BYTES};
+use super::remote_conn::BufPool;
 use super::remote_route::{Conns, Router, RouterConfig, KEEP_BUFFER_BYTES};
 use super::secondary::{Known, SecondaryCounters, SecondaryTier};
 use super::{BlockMemory, Completion, Layout};
@@ -88,6 +89,8 @@ const INDEX_CAP: usize = 65_536;
 /// Most value bytes of one fetch or promotion job: larger ones are split into jobs of this size
 /// (the I/O threads work on them side by side).
 const FETCH_JOB_BYTES: u64 = 8 << 20;
+/// Most bytes of value buffers kept for reuse (bounded by `max_staged_bytes` too).
+const POOL_BYTES: usize = 64 << 20;
 
 /// Most value bytes of one write pipeline (besides [`RemoteConfig::max_write_batch`] values).
 const WRITE_BATCH_BYTES: usize = 8 << 20;
@@ -172,6 +175,7 @@ impl RemoteTier {
             redact(&cfg.url),
             target.nodes,
         );
+        let max_staged = usize::try_from(cfg.max_staged_bytes).unwrap_or(usize::MAX);
         let shared = Arc::new(Shared {
             cluster: target.cluster,
             router,
@@ -189,6 +193,7 @@ impl RemoteTier {
             cv: Condvar::new(),
             counters: Counters::default(),
             pid: std::process::id(),
+            pool: Arc::new(BufPool::new(POOL_BYTES.min(max_staged))),
         });
         let mut threads = Vec::new();
         for i in 0..shared.cfg.io_threads {
@@ -444,6 +449,13 @@ impl SecondaryTier for RemoteTier {
         let mut batch = Vec::new();
         let mut jobs = 0;
         let per_job = (FETCH_JOB_BYTES / sh.value_len.max(1) as u64).max(1);
+        // Promotions go before queued fetches (after earlier promotions): the scheduler waits for
+        // them, and their copies overlap the fetches still on the wire (docs/tier.md, remote tier).
+        let mut at = st
+            .jobs_reads
+            .iter()
+            .position(|j| matches!(j, Job::Fetch(_)))
+            .unwrap_or(st.jobs_reads.len());
         let out = items
             .iter()
             .map(|(k, b)| {
@@ -453,14 +465,15 @@ impl SecondaryTier for RemoteTier {
                 batch.push((k.clone(), *b));
                 if batch.len() as u64 == per_job {
                     st.jobs_reads
-                        .push_back(Job::Read(std::mem::take(&mut batch)));
+                        .insert(at, Job::Read(std::mem::take(&mut batch)));
+                    at += 1;
                     jobs += 1;
                 }
                 true
             })
             .collect();
         if !batch.is_empty() {
-            st.jobs_reads.push_back(Job::Read(batch));
+            st.jobs_reads.insert(at, Job::Read(batch));
             jobs += 1;
         }
         drop(st);

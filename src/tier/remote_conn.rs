@@ -1,0 +1,514 @@
+//! One connection of the remote tier to one Redis/Valkey node (docs/design.md "Remote tier
+//! client", "The data path").
+//!
+//! A `redis://` (plain TCP) node gets a [`Conn::Plain`]: kvoff opens the socket (connect timeout,
+//! `TCP_NODELAY`, read/write timeouts), authenticates with `AUTH` and selects the URL's database;
+//! every command is packed by the `redis` crate ([`redis::Cmd`]) and every reply that is not a bulk
+//! string is parsed by the crate ([`redis::parse_redis_value`]) once kvoff's reader has found where
+//! it ends. Only a bulk string reply (`$<length>\r\n<bytes>\r\n`, a `GET`'s value) is read by kvoff
+//! itself, straight from the socket into the value's own buffer: the crate's synchronous parser
+//! reads in 8 KiB steps, zeroes each step, compacts its buffer and copies the value out, six passes
+//! over every byte of a load where this takes one (the kernel's copy). A `rediss://` (TLS) or Unix
+//! socket node keeps the crate's own [`redis::Connection`] (TLS set up by the crate; its cost is
+//! the cipher, not the parser).
+//!
+//! The framing kvoff writes or reads itself — a `SET`'s header and trailer around its value
+//! ([`set_head`]), a bulk string reply's header, the extent of other replies — is checked byte for
+//! byte against the crate's own packer and parser by the unit tests below.
+#![forbid(unsafe_code)]
+
+use std::io::{ErrorKind, Read, Write};
+use std::net::{TcpStream, ToSocketAddrs};
+use std::sync::{Mutex, PoisonError};
+use std::time::{Duration, Instant};
+
+/// Most bytes of a reply that is not a bulk string at the top (a `CLUSTER SLOTS` map, a `SCAN`
+/// page): a reply past this is an error (the connection is dropped).
+const MAX_SMALL_REPLY: usize = 16 << 20;
+/// Most nested levels of an array reply.
+const MAX_DEPTH: usize = 16;
+/// The read buffer's size: replies of this size or less arrive in one `read` when the server has
+/// sent them.
+const READ_CHUNK: usize = 256 << 10;
+
+/// Bulk string replies at least this large get their buffer from a [`BufPool`].
+const POOLED_BYTES: usize = 64 << 10;
+
+/// Buffers of values, handed back once a value is in host memory and reused for the next bulk
+/// string reply: a load then writes into memory that is already mapped (a fresh buffer of a
+/// large value costs a page fault per 4 KiB page inside the kernel's copy).
+pub(super) struct BufPool {
+    bufs: Mutex<(Vec<Vec<u8>>, usize)>,
+    max_bytes: usize,
+}
+
+impl BufPool {
+    pub(super) fn new(max_bytes: usize) -> Self {
+        Self {
+            bufs: Mutex::new((Vec::new(), 0)),
+            max_bytes,
+        }
+    }
+
+    /// A buffer of `len` bytes (their contents are to be overwritten).
+    fn take(&self, len: usize) -> Vec<u8> {
+        let got = {
+            let mut g = self.bufs.lock().unwrap_or_else(PoisonError::into_inner);
+            let v = g.0.pop();
+            if let Some(v) = &v {
+                g.1 -= v.capacity();
+            }
+            v
+        };
+        match got {
+            Some(mut v) => {
+                if v.len() != len {
+                    v.clear();
+                    v.resize(len, 0);
+                }
+                v
+            }
+            None => vec![0; len],
+        }
+    }
+
+    /// Hands a buffer back (dropped when the pool holds `max_bytes` already).
+    pub(super) fn give(&self, v: Vec<u8>) {
+        if v.capacity() < POOLED_BYTES {
+            return;
+        }
+        let mut g = self.bufs.lock().unwrap_or_else(PoisonError::into_inner);
+        if g.1 + v.capacity() <= self.max_bytes {
+            g.1 += v.capacity();
+            g.0.push(v);
+        }
+    }
+}
+
+/// A connection: kvoff's own over plain TCP, or the crate's (TLS, Unix sockets).
+pub(super) enum Conn {
+    Plain(Box<Plain>),
+    Crate(Box<redis::Connection>),
+}
+
+/// A plain TCP connection with its read buffer (`buf[start..end]` is read and not yet parsed).
+pub(super) struct Plain {
+    sock: TcpStream,
+    buf: Vec<u8>,
+    start: usize,
+    end: usize,
+}
+
+fn io_err(e: &std::io::Error) -> String {
+    match e.kind() {
+        ErrorKind::WouldBlock | ErrorKind::TimedOut => "timed out".to_owned(),
+        _ => e.to_string(),
+    }
+}
+
+impl Conn {
+    /// Opens a connection to `info` within `connect_timeout`, with `io_timeout` on every read and
+    /// write after it.
+    pub(super) fn open(
+        info: redis::ConnectionInfo,
+        connect_timeout: Duration,
+        io_timeout: Duration,
+    ) -> Result<Self, String> {
+        if let redis::ConnectionAddr::Tcp(host, port) = info.addr() {
+            return Plain::open(&info, host, *port, connect_timeout, io_timeout)
+                .map(|p| Self::Plain(Box::new(p)));
+        }
+        let c = redis::Client::open(info)
+            .and_then(|cl| cl.get_connection_with_timeout(connect_timeout))
+            .and_then(|c| {
+                c.set_read_timeout(Some(io_timeout))?;
+                c.set_write_timeout(Some(io_timeout))?;
+                Ok(c)
+            })
+            .map_err(|e| format!("connecting: {e}"))?;
+        Ok(Self::Crate(Box::new(c)))
+    }
+
+    /// Writes `bytes` (packed commands, or part of one) to the socket.
+    pub(super) fn send(&mut self, bytes: &[u8]) -> Result<(), String> {
+        match self {
+            Self::Plain(p) => p.sock.write_all(bytes).map_err(|e| io_err(&e)),
+            Self::Crate(c) => c.send_packed_command(bytes).map_err(|e| e.to_string()),
+        }
+    }
+
+    /// Reads one reply (a server error reply is a value, not a failure); a large bulk string
+    /// reply goes into a buffer from `pool`.
+    pub(super) fn recv(&mut self, pool: Option<&BufPool>) -> Result<redis::Value, String> {
+        match self {
+            Self::Plain(p) => p.recv(pool),
+            Self::Crate(c) => c.recv_response().map_err(|e| e.to_string()),
+        }
+    }
+
+    /// One command and its reply.
+    pub(super) fn request(&mut self, cmd: &redis::Cmd) -> Result<redis::Value, String> {
+        self.send(&cmd.get_packed_command())?;
+        self.recv(None)
+    }
+}
+
+impl Plain {
+    fn open(
+        info: &redis::ConnectionInfo,
+        host: &str,
+        port: u16,
+        connect_timeout: Duration,
+        io_timeout: Duration,
+    ) -> Result<Self, String> {
+        let t0 = Instant::now();
+        let addrs = (host, port)
+            .to_socket_addrs()
+            .map_err(|e| format!("connecting: resolving {host}: {e}"))?;
+        let mut last = format!("connecting: {host} resolves to no address");
+        let mut sock = None;
+        for a in addrs {
+            let left = connect_timeout.saturating_sub(t0.elapsed());
+            if left.is_zero() {
+                last = "connecting: timed out".to_owned();
+                break;
+            }
+            match TcpStream::connect_timeout(&a, left) {
+                Ok(s) => {
+                    sock = Some(s);
+                    break;
+                }
+                Err(e) => last = format!("connecting: {}", io_err(&e)),
+            }
+        }
+        let sock = sock.ok_or(last)?;
+        let setup = |s: &TcpStream| -> std::io::Result<()> {
+            s.set_nodelay(true)?;
+            s.set_read_timeout(Some(io_timeout))?;
+            s.set_write_timeout(Some(io_timeout))
+        };
+        setup(&sock).map_err(|e| format!("connecting: {}", io_err(&e)))?;
+        let mut p = Self {
+            sock,
+            buf: vec![0; READ_CHUNK],
+            start: 0,
+            end: 0,
+        };
+        let settings = info.redis_settings();
+        if let Some(pw) = settings.password() {
+            let mut auth = redis::cmd("AUTH");
+            if let Some(user) = settings.username() {
+                auth.arg(user);
+            }
+            auth.arg(pw);
+            p.expect_ok(&auth, "AUTH")?;
+        }
+        if settings.db() != 0 {
+            p.expect_ok(redis::cmd("SELECT").arg(settings.db()), "SELECT")?;
+        }
+        Ok(p)
+    }
+
+    /// Sends a setup command and fails unless the server answers `OK` (the message never holds the
+    /// command's arguments: `AUTH`'s is a password).
+    fn expect_ok(&mut self, cmd: &redis::Cmd, name: &str) -> Result<(), String> {
+        self.sock
+            .write_all(&cmd.get_packed_command())
+            .map_err(|e| format!("connecting: {name}: {}", io_err(&e)))?;
+        match self.recv(None) {
+            Ok(redis::Value::Okay) => Ok(()),
+            Ok(redis::Value::ServerError(e)) => Err(format!(
+                "connecting: {name}: {} {}",
+                e.code(),
+                e.details().unwrap_or("")
+            )),
+            Ok(v) => Err(format!("connecting: {name} answered {v:?}")),
+            Err(e) => Err(format!("connecting: {name}: {e}")),
+        }
+    }
+
+    /// Reads more bytes into the buffer (moving what is unparsed to its front, growing it up to
+    /// `MAX_SMALL_REPLY` when one reply needs more).
+    fn fill(&mut self) -> Result<(), String> {
+        if self.end == self.buf.len() {
+            if self.start > 0 {
+                self.buf.copy_within(self.start..self.end, 0);
+                self.end -= self.start;
+                self.start = 0;
+            } else if self.buf.len() < MAX_SMALL_REPLY {
+                let n = (self.buf.len() * 2).min(MAX_SMALL_REPLY);
+                self.buf.resize(n, 0);
+            } else {
+                return Err(format!("a reply over {MAX_SMALL_REPLY} bytes"));
+            }
+        }
+        match self.sock.read(&mut self.buf[self.end..]) {
+            Ok(0) => Err("connection closed by the server".to_owned()),
+            Ok(n) => {
+                self.end += n;
+                Ok(())
+            }
+            Err(e) if e.kind() == ErrorKind::Interrupted => Ok(()),
+            Err(e) => Err(io_err(&e)),
+        }
+    }
+
+    fn recv(&mut self, pool: Option<&BufPool>) -> Result<redis::Value, String> {
+        loop {
+            let avail = &self.buf[self.start..self.end];
+            if avail.first() == Some(&b'$') {
+                if let Some((len, head)) = bulk_header(avail)? {
+                    return self.recv_bulk(len, head, pool);
+                }
+            } else if let Some(n) = extent(avail, 0)? {
+                let v = redis::parse_redis_value(&avail[..n]).map_err(|e| e.to_string())?;
+                self.start += n;
+                if self.start == self.end {
+                    (self.start, self.end) = (0, 0);
+                }
+                return Ok(v);
+            }
+            self.fill()?;
+        }
+    }
+
+    /// A bulk string reply whose header (`head` bytes) is in the buffer: its `len` bytes go into a
+    /// new buffer of their own, read from the socket directly once the read buffer is used up.
+    fn recv_bulk(
+        &mut self,
+        len: Option<usize>,
+        head: usize,
+        pool: Option<&BufPool>,
+    ) -> Result<redis::Value, String> {
+        self.start += head;
+        let Some(len) = len else {
+            return Ok(redis::Value::Nil);
+        };
+        let mut out = match pool {
+            Some(p) if len >= POOLED_BYTES => p.take(len),
+            _ => vec![0u8; len],
+        };
+        let have = (self.end - self.start).min(len);
+        out[..have].copy_from_slice(&self.buf[self.start..self.start + have]);
+        self.start += have;
+        if have < len {
+            self.sock
+                .read_exact(&mut out[have..])
+                .map_err(|e| io_err(&e))?;
+        }
+        if self.start == self.end {
+            (self.start, self.end) = (0, 0);
+        }
+        while self.end - self.start < 2 {
+            self.fill()?;
+        }
+        if &self.buf[self.start..self.start + 2] != b"\r\n" {
+            return Err("a bulk string reply without its CRLF".to_owned());
+        }
+        self.start += 2;
+        if self.start == self.end {
+            (self.start, self.end) = (0, 0);
+        }
+        Ok(redis::Value::BulkString(out))
+    }
+}
+
+/// The end of the line at the start of `b` (the index after its CRLF), if it is all there.
+fn line_end(b: &[u8]) -> Option<usize> {
+    b.windows(2).position(|w| w == b"\r\n").map(|i| i + 2)
+}
+
+/// The integer of a reply header line (`b` is the line without its type byte and CRLF).
+fn header_int(b: &[u8]) -> Result<i64, String> {
+    std::str::from_utf8(b)
+        .ok()
+        .and_then(|s| s.parse::<i64>().ok())
+        .ok_or_else(|| "a malformed reply header".to_owned())
+}
+
+/// A bulk string reply's length (`None`: a nil reply) and its header's size, once the header is in
+/// `b`.
+fn bulk_header(b: &[u8]) -> Result<Option<(Option<usize>, usize)>, String> {
+    let Some(end) = line_end(b) else {
+        if b.len() > 32 {
+            return Err("a malformed bulk string header".to_owned());
+        }
+        return Ok(None);
+    };
+    let n = header_int(&b[1..end - 2])?;
+    match n {
+        -1 => Ok(Some((None, end))),
+        n if n >= 0 => Ok(Some((Some(usize::try_from(n).map_err(|e| e.to_string())?), end))),
+        _ => Err("a malformed bulk string header".to_owned()),
+    }
+}
+
+/// The size of the RESP2 reply at the start of `b`, if it is all there (`None`: read more).
+fn extent(b: &[u8], depth: usize) -> Result<Option<usize>, String> {
+    if depth > MAX_DEPTH {
+        return Err("a reply nested too deep".to_owned());
+    }
+    let Some(&kind) = b.first() else {
+        return Ok(None);
+    };
+    let Some(end) = line_end(b) else {
+        return Ok(None);
+    };
+    match kind {
+        b'+' | b'-' | b':' => Ok(Some(end)),
+        b'$' => match bulk_header(b)? {
+            Some((None, head)) => Ok(Some(head)),
+            Some((Some(len), head)) => {
+                let total = head.saturating_add(len).saturating_add(2);
+                Ok((b.len() >= total).then_some(total))
+            }
+            None => Ok(None),
+        },
+        b'*' => {
+            let n = header_int(&b[1..end - 2])?;
+            let mut at = end;
+            for _ in 0..n.max(0) {
+                match extent(&b[at..], depth + 1)? {
+                    Some(k) => at += k,
+                    None => return Ok(None),
+                }
+            }
+            Ok(Some(at))
+        }
+        other => Err(format!("an unexpected reply type {:?}", char::from(other))),
+    }
+}
+
+/// Appends the bytes before a value in the packed command `SET key value [PX ms]` to `out`,
+/// exactly as the crate packs them (the value itself can then go to the socket from where it
+/// lies); [`set_tail`] appends the bytes after it.
+pub(super) fn set_head(key: &str, value_len: usize, px: Option<u64>, out: &mut Vec<u8>) {
+    let args = if px.is_some() { 5 } else { 3 };
+    let _ = write!(
+        out,
+        "*{args}\r\n$3\r\nSET\r\n${}\r\n{key}\r\n${value_len}\r\n",
+        key.len()
+    );
+}
+
+/// See [`set_head`].
+pub(super) fn set_tail(px: Option<u64>, out: &mut Vec<u8>) {
+    out.extend_from_slice(b"\r\n");
+    if let Some(ms) = px {
+        let ms = ms.to_string();
+        let _ = write!(out, "$2\r\nPX\r\n${}\r\n{ms}\r\n", ms.len());
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn set_frame_is_the_crates_packing() {
+        for (key, len, px) in [
+            ("k", 0, None),
+            ("kvoff:{ab:cd}:r0", 5, Some(1)),
+            ("x", 70_000, Some(86_400_000)),
+        ] {
+            let value: Vec<u8> = (0..len).map(|i| (i % 251) as u8).collect();
+            let mut c = redis::cmd("SET");
+            c.arg(key).arg(&value[..]);
+            if let Some(ms) = px {
+                c.arg("PX").arg(ms);
+            }
+            let mut ours = Vec::new();
+            set_head(key, len, px, &mut ours);
+            ours.extend_from_slice(&value);
+            set_tail(px, &mut ours);
+            assert_eq!(ours, c.get_packed_command());
+        }
+    }
+
+    fn replies() -> Vec<Vec<u8>> {
+        let mut huge = b"$1100000\r\n".to_vec();
+        huge.extend((0..1_100_000).map(|i| (i % 253) as u8));
+        huge.extend_from_slice(b"\r\n");
+        let mut nested_big = b"*2\r\n:7\r\n$600000\r\n".to_vec();
+        nested_big.extend((0..600_000).map(|i| (i % 247) as u8));
+        nested_big.extend_from_slice(b"\r\n");
+        let mut big = b"$70000\r\n".to_vec();
+        big.extend((0..70_000).map(|i| (i % 251) as u8));
+        big.extend_from_slice(b"\r\n");
+        vec![
+            b"+OK\r\n".to_vec(),
+            b"+PONG\r\n".to_vec(),
+            b"-MOVED 3999 127.0.0.1:6381\r\n".to_vec(),
+            b"-ERR wrong\r\n".to_vec(),
+            b":42\r\n".to_vec(),
+            b"$-1\r\n".to_vec(),
+            b"$0\r\n\r\n".to_vec(),
+            b"$5\r\nhe\r\no\r\n".to_vec(),
+            big,
+            b"*2\r\n$1\r\n0\r\n*2\r\n$3\r\nabc\r\n$-1\r\n".to_vec(),
+            huge,
+            nested_big,
+            b"*-1\r\n".to_vec(),
+            b"*0\r\n".to_vec(),
+            b"*1\r\n*3\r\n:0\r\n:5460\r\n*3\r\n$9\r\n127.0.0.1\r\n:7000\r\n$2\r\nid\r\n".to_vec(),
+        ]
+    }
+
+    #[test]
+    fn extent_finds_every_reply_and_waits_for_partial_ones() {
+        for r in replies() {
+            assert_eq!(extent(&r, 0).unwrap(), Some(r.len()), "{r:?}");
+            for cut in [1, r.len() / 2, r.len() - 1] {
+                assert_eq!(extent(&r[..cut], 0).unwrap(), None, "{cut} of {r:?}");
+            }
+            let mut two = r.clone();
+            two.extend_from_slice(b":1\r\n");
+            assert_eq!(extent(&two, 0).unwrap(), Some(r.len()));
+        }
+        assert!(extent(b"%1\r\n", 0).is_err());
+        assert!(extent(b"*x\r\n", 0).is_err());
+    }
+
+    /// Replies served by a loopback "server" thread one byte at a time and all at once: the
+    /// reader's values equal the crate's parse of the same bytes.
+    #[test]
+    fn plain_reader_agrees_with_the_crate() {
+        let mut all = Vec::new();
+        let mut expect = Vec::new();
+        for r in replies() {
+            expect.push(redis::parse_redis_value(&r).unwrap());
+            all.extend_from_slice(&r);
+        }
+        for trickle in [false, true] {
+            let l = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+            let port = l.local_addr().unwrap().port();
+            let data = all.clone();
+            let server = std::thread::spawn(move || {
+                let (mut s, _) = l.accept().unwrap();
+                if trickle {
+                    s.set_nodelay(true).unwrap();
+                    for chunk in data.chunks(997) {
+                        s.write_all(chunk).unwrap();
+                        std::thread::sleep(Duration::from_micros(50));
+                    }
+                } else {
+                    s.write_all(&data).unwrap();
+                }
+                let mut sink = [0u8; 1];
+                let _ = s.read(&mut sink);
+            });
+            let info = redis::IntoConnectionInfo::into_connection_info(
+                format!("redis://127.0.0.1:{port}").as_str(),
+            )
+            .unwrap();
+            let mut c = Conn::open(info, Duration::from_secs(5), Duration::from_secs(5)).unwrap();
+            let pool = BufPool::new(4 << 20);
+            pool.give(vec![7; 1 << 20]);
+            for e in &expect {
+                assert_eq!(&c.recv(Some(&pool)).unwrap(), e);
+            }
+            drop(c);
+            server.join().unwrap();
+        }
+    }
+}
