@@ -36,7 +36,7 @@ use std::sync::atomic::{AtomicU64, Ordering::Relaxed};
 use std::sync::{Mutex, MutexGuard, PoisonError};
 use std::time::{Duration, Instant};
 
-use super::remote_conn::{set_head, set_tail, BufPool, Conn};
+use super::remote_conn::{BufPool, Conn};
 
 /// Slots of a Redis Cluster.
 pub const SLOTS: usize = 16_384;
@@ -120,21 +120,11 @@ pub(super) struct Conns {
     epoch: u64,
     /// The packed pipeline of one node, reused (no allocation or page faults per batch).
     packed: Vec<u8>,
-    /// The remote tier's write commands, reused with their buffers (see `run_writes`).
-    pub(super) write_cmds: Vec<(String, SetValue)>,
 }
 
-/// A `SET key value [PX ms]` whose value is sent from its own buffer (not copied into the packed
-/// pipeline when it is large; docs/design.md "The data path").
-#[derive(Default)]
-pub(super) struct SetValue {
-    pub value: Vec<u8>,
-    pub px: Option<u64>,
-}
-
-/// Values at least this large go to the socket from their own buffer; smaller ones are copied
-/// into the packed pipeline (one system call for many).
-const DIRECT_SEND_BYTES: usize = 64 << 10;
+/// Values at least this large go to the socket from where they lie; smaller ones are copied into
+/// the packed pipeline (one system call for many).
+pub(super) const DIRECT_SEND_BYTES: usize = 64 << 10;
 
 /// A command of a batch, packed into a node's pipeline (`key`: the key that routes it).
 pub(super) trait Pack {
@@ -149,20 +139,6 @@ impl Pack for redis::Cmd {
     }
 }
 
-impl Pack for SetValue {
-    fn pack(&self, key: &str, c: &mut Conn, packed: &mut Vec<u8>) -> Result<(), String> {
-        set_head(key, self.value.len(), self.px, packed);
-        if self.value.len() >= DIRECT_SEND_BYTES {
-            c.send(packed)?;
-            packed.clear();
-            c.send(&self.value)?;
-        } else {
-            packed.extend_from_slice(&self.value);
-        }
-        set_tail(self.px, packed);
-        Ok(())
-    }
-}
 
 /// A pipeline is written to the socket whenever this much of it is packed.
 const SEND_CHUNK_BYTES: usize = 1 << 20;

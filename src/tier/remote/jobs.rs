@@ -4,7 +4,8 @@
 
 #[allow(clippy::wildcard_imports)]
 use super::*;
-use crate::tier::remote_route::Pack;
+use crate::tier::remote_conn::{set_head, set_tail, Conn};
+use crate::tier::remote_route::{Pack, DIRECT_SEND_BYTES};
 
 #[derive(Clone, Debug)]
 pub(super) enum Entry {
@@ -316,10 +317,12 @@ impl Shared {
 
     /// Writes `items`; sets `released` once their host blocks are handed back (completions).
     ///
-    /// Each value is built in a buffer kept by the thread (`Conns::write_cmds`): the block is
-    /// checksummed where it lies and copied once, behind its header, into the buffer, which goes
-    /// to the socket from there (docs/design.md "The data path"); a batch allocates nothing once
-    /// the thread has run one of its size.
+    /// Each value goes to the socket from its host block (docs/design.md "The data path"): the
+    /// block is checksummed where it lies, its header is packed into the pipeline and the block's
+    /// bytes are written from host memory, with no copy of it in user space. The blocks are
+    /// therefore handed back once the batch's replies are in (a command that must go again, after
+    /// a redirect or a failover, reads its block again), not before the network as when values
+    /// were copied.
     pub(super) fn run_writes(
         &self,
         conns: &mut Conns,
@@ -327,37 +330,26 @@ impl Shared {
         released: &mut bool,
     ) {
         let t0 = Instant::now();
-        let mut cmds = std::mem::take(&mut conns.write_cmds);
-        if cmds.len() < items.len() {
-            cmds.resize_with(items.len(), Default::default);
-        }
-        let mut header = vec![0u8; HEADER_BYTES];
-        let mut sent = Vec::with_capacity(items.len());
-        for (k, b) in items {
-            let (rk, c) = &mut cmds[sent.len()];
-            *rk = self.redis_key(k);
-            c.value.clear();
-            let mut h = self.expect_header(k);
-            let mut encoded = false;
-            let copied = self.memory.with_block(*b, &mut |payload| {
-                h.payload_sum = format::payload_sum(payload);
-                encoded = format::encode(&h, &mut header);
-                if encoded {
-                    c.value.reserve_exact(header.len() + payload.len());
-                    c.value.extend_from_slice(&header);
-                    c.value.extend_from_slice(payload);
-                }
-            });
-            if copied.is_err() || !encoded {
-                continue; // this slot is reused by the next value; counted as failed below
-            }
-            c.px = self
-                .cfg
-                .ttl
-                .map(|ttl| u64::try_from(ttl.as_millis()).unwrap_or(u64::MAX).max(1));
-            sent.push(k.clone());
-        }
-        // Every block is in a command: the host blocks are free during the network.
+        let px = self
+            .cfg
+            .ttl
+            .map(|ttl| u64::try_from(ttl.as_millis()).unwrap_or(u64::MAX).max(1));
+        let cmds: Vec<(String, BlockWrite<'_>)> = items
+            .iter()
+            .map(|(k, b)| {
+                (
+                    self.redis_key(k),
+                    BlockWrite {
+                        sh: self,
+                        key: k,
+                        block: *b,
+                        px,
+                        failed: std::cell::Cell::new(false),
+                    },
+                )
+            })
+            .collect();
+        let replies = self.run(conns, &cmds);
         {
             let mut st = lock(&self.state);
             for (k, b) in items {
@@ -368,21 +360,21 @@ impl Shared {
             }
             *released = true;
         }
-        let n_failed_local = items.len() - sent.len();
-        let replies = if sent.is_empty() {
-            Vec::new()
-        } else {
-            self.run(conns, &cmds[..sent.len()])
-        };
-        // Keep the commands' buffers for the next batch, up to a bound.
-        cmds.truncate((KEEP_BUFFER_BYTES / self.value_len.max(1)).max(1));
-        conns.write_cmds = cmds;
         conns.trim();
+        let n_failed_local = cmds.iter().filter(|(_, c)| c.failed.get()).count();
         let elapsed = ns(t0);
         let mut st = lock(&self.state);
         self.end_writes(&mut st, items.len(), n_failed_local);
         let now = Instant::now();
-        for (i, k) in sent.iter().enumerate() {
+        for (i, (_, cmd)) in cmds.iter().enumerate() {
+            let k = cmd.key;
+            if cmd.failed.get() {
+                // Counted in `end_writes`; the key is not on the server because of this write.
+                if matches!(st.index.get(k), Some(Entry::Writing)) {
+                    st.index.remove(k);
+                }
+                continue;
+            }
             let reply = replies.get(i).and_then(Option::as_ref);
             let good = reply
                 .is_some_and(|v| matches!(v, redis::Value::Okay | redis::Value::SimpleString(_)));
@@ -551,6 +543,50 @@ impl Shared {
         }
         drop(st);
         self.cv.notify_all();
+    }
+}
+
+/// A `SET` of one block's value, packed straight from host memory (see `Shared::run_writes`).
+pub(super) struct BlockWrite<'a> {
+    sh: &'a Shared,
+    key: &'a ByteKey,
+    block: BlockId,
+    px: Option<u64>,
+    /// The value could not be built (the block unreadable, the header not encodable): a `PING`
+    /// went in its place, and the write counts as failed.
+    failed: std::cell::Cell<bool>,
+}
+
+impl Pack for BlockWrite<'_> {
+    fn pack(&self, key: &str, c: &mut Conn, packed: &mut Vec<u8>) -> Result<(), String> {
+        let mut h = self.sh.expect_header(self.key);
+        let mut header = [0u8; HEADER_BYTES];
+        let mut built = false;
+        let mut sent = Ok(());
+        let read = self.sh.memory.with_block(self.block, &mut |payload| {
+            h.payload_sum = format::payload_sum(payload);
+            if !format::encode(&h, &mut header) {
+                return;
+            }
+            built = true;
+            set_head(key, HEADER_BYTES + payload.len(), self.px, packed);
+            packed.extend_from_slice(&header);
+            if payload.len() >= DIRECT_SEND_BYTES {
+                sent = c.send(packed).and_then(|()| {
+                    packed.clear();
+                    c.send(payload)
+                });
+            } else {
+                packed.extend_from_slice(payload);
+            }
+            set_tail(self.px, packed);
+        });
+        if read.is_err() || !built {
+            // Keeps the pipeline's replies in step with its commands.
+            self.failed.set(true);
+            redis::cmd("PING").write_packed_command(packed);
+        }
+        sent
     }
 }
 

@@ -60,7 +60,7 @@ use xxhash_rust::xxh3::{xxh3_128, xxh3_64};
 
 use super::format::{self, HEADER_BYTES};
 use super::remote_conn::BufPool;
-use super::remote_route::{Conns, Router, RouterConfig, KEEP_BUFFER_BYTES};
+use super::remote_route::{Conns, Router, RouterConfig};
 use super::secondary::{Known, SecondaryCounters, SecondaryTier};
 use super::{BlockMemory, Completion, Layout};
 use crate::error::{KvoffError, Result};
