@@ -51,6 +51,15 @@ def test_redis_benchmark_best(redis_server: rs.RedisServer) -> None:
         assert best["gb_s"] == max(g["gb_s"] for g in r["grid"] if g["op"] == op)
 
 
+def test_redis_benchmark_keyspace(redis_server: rs.RedisServer) -> None:
+    # -r over 40 keys, written beforehand; every benchmark key is gone afterwards.
+    r = br.redis_benchmark_best(
+        redis_server.url, 32 << 10, pipelines=(1,), clients=(2,), run_bytes=4 << 20, keyspace=40
+    )
+    assert r["set"]["gb_s"] > 0 and r["get"]["gb_s"] > 0
+    assert redis_server.cli("KEYS", "key:*") == ""
+
+
 def test_redis_benchmark_password(redis_factory: object) -> None:
     srv = redis_factory(password="pw")  # type: ignore[operator]
     r = br.redis_benchmark_best(srv.url, 4096, pipelines=(1,), clients=(1,), run_bytes=1 << 20)

@@ -6,7 +6,10 @@ References, per value size (one KV block = one value):
 
 - ``redis-benchmark`` SET and GET of values of that size, over a grid of pipeline depths (``-P``)
   and client counts (``-c``); the best GB/s per operation is the server's own ceiling on this
-  machine (:func:`redis_benchmark_best`);
+  machine (:func:`redis_benchmark_best`). Twice: on its one default key (every SET replaces the
+  same value, which stays in the CPU's caches), and with ``-r`` over as many keys as kvoff's rows
+  store (``keyspace``: each SET and GET touches another value, as kvoff's and redis-py's do; the
+  keys are written once before, so that GETs find them);
 - redis-py, pipelined SET then GET of the same blocks, what a Python connector does
   (:func:`redis_py_pipelined`).
 
@@ -102,7 +105,7 @@ class RedisTarget:
         if self.tls:
             a += ["--tls", "--insecure"]
         if self.db:
-            a += ["--dbnum", str(self.db)]
+            a += ["--dbnum", str(self.db)] if benchmark else ["-n", str(self.db)]
         return a
 
     def url(self) -> str:
@@ -148,11 +151,14 @@ def redis_benchmark_best(
     clients: Sequence[int] = (1, 4, 16),
     run_bytes: int = DEFAULT_RUN_BYTES,
     cluster: bool = False,
+    keyspace: int = 0,
     timeout_s: float = 300.0,
     log: Callable[[str], None] | None = None,
 ) -> dict[str, Any]:
     """``redis-benchmark -t set,get -d value_bytes`` over ``pipelines × clients``; the best GB/s
     (payload bytes: requests/s × ``value_bytes`` / 1e9) per operation and where it was reached.
+    ``keyspace`` > 0: random keys among that many (``-r``), written once beforehand (4 × keyspace
+    SETs) so that GETs find values.
 
     Returns ``{"set": {"gb_s", "pipeline", "clients", "rps"}, "get": {...}, "grid": [rows]}``.
 
@@ -164,11 +170,18 @@ def redis_benchmark_best(
     t = RedisTarget.from_url(url)
     grid: list[dict[str, Any]] = []
     best: dict[str, dict[str, Any]] = {}
+    keys = ["-r", str(keyspace)] if keyspace > 0 else []
+    if keyspace > 0:
+        fill = [exe, *t.tool_args(benchmark=True), "-t", "set", "-d", str(value_bytes)]
+        fill += ["-n", str(4 * keyspace), *keys, "-P", "16", "-c", "4", "-q"]
+        if cluster:
+            fill.append("--cluster")
+        subprocess.run(fill, capture_output=True, timeout=timeout_s, env=t.tool_env(), check=False)
     for p in pipelines:
         for c in clients:
             n = max(2 * c * p, run_bytes // value_bytes, 16)
             cmd = [exe, *t.tool_args(benchmark=True), "-t", "set,get", "-d", str(value_bytes), "-n", str(n)]
-            cmd += ["-P", str(p), "-c", str(c), "--csv"]
+            cmd += ["-P", str(p), "-c", str(c), *keys, "--csv"]
             if cluster:
                 cmd.append("--cluster")
             r = subprocess.run(
@@ -193,10 +206,28 @@ def redis_benchmark_best(
                     best[op.lower()] = {k: row[k] for k in ("gb_s", "pipeline", "clients", "rps")}
             if log is not None:
                 log(
-                    f"  redis-benchmark {value_bytes} B -P {p} -c {c}: SET {rps['SET'] * value_bytes / 1e9:.2f} "
+                    f"  redis-benchmark {value_bytes} B -P {p} -c {c}{' -r ' + str(keyspace) if keyspace else ''}: SET {rps['SET'] * value_bytes / 1e9:.2f} "
                     f"GET {rps['GET'] * value_bytes / 1e9:.2f} GB/s"
                 )
+    _delete_benchmark_keys(t, keyspace, cluster=cluster, timeout_s=timeout_s)
     return {"set": best["set"], "get": best["get"], "grid": grid}
+
+
+def _delete_benchmark_keys(t: RedisTarget, keyspace: int, *, cluster: bool, timeout_s: float) -> None:
+    """Deletes redis-benchmark's keys: ``key:__rand_int__``, and with ``keyspace`` its ``-r`` keys
+    (``key:`` and the number in 12 digits), one ``DEL`` per key through ``redis-cli`` (``-c``
+    follows a Cluster's redirects)."""
+    names = ["key:__rand_int__", *(f"key:{i:012d}" for i in range(keyspace))]
+    cmd = [_tool("redis-cli", "valkey-cli"), *t.tool_args(), *(["-c"] if cluster else [])]
+    subprocess.run(
+        cmd,
+        input="".join(f"DEL {k}\n" for k in names),
+        capture_output=True,
+        text=True,
+        timeout=timeout_s,
+        env=t.tool_env(),
+        check=False,
+    )
 
 
 def default_blocks(value_bytes: int) -> int:
@@ -624,6 +655,16 @@ def bench_remote(
             row["redis_benchmark"] = redis_benchmark_best(
                 url, size, pipelines=pipelines, clients=clients, run_bytes=run_bytes, cluster=cluster, log=log
             )
+            row["redis_benchmark_keys"] = redis_benchmark_best(
+                url,
+                size,
+                pipelines=pipelines,
+                clients=clients,
+                run_bytes=run_bytes,
+                cluster=cluster,
+                keyspace=n,
+                log=log,
+            )
             try:
                 row["redis_py"] = redis_py_pipelined(
                     url, size, n, pipeline=py_pipeline, reps=reps, cluster=cluster
@@ -639,10 +680,12 @@ def bench_remote(
             if k is None:
                 row["kvoff_note"] = "this build of kvoff has no remote tier: references only"
             else:
-                rb, rp = row["redis_benchmark"], row["redis_py"]
+                rb, rk, rp = row["redis_benchmark"], row["redis_benchmark_keys"], row["redis_py"]
                 row["ratios"] = {
                     "store_vs_redis_benchmark": k["set_gb_s"] / rb["set"]["gb_s"],
                     "load_vs_redis_benchmark": k["get_gb_s"] / rb["get"]["gb_s"],
+                    "store_vs_redis_benchmark_keys": k["set_gb_s"] / rk["set"]["gb_s"],
+                    "load_vs_redis_benchmark_keys": k["get_gb_s"] / rk["get"]["gb_s"],
                     "load_vs_redis_py": (k["get_gb_s"] / rp["get_gb_s"]) if rp else None,
                 }
             out["sizes"].append(row)
@@ -669,9 +712,17 @@ def format_remote(res: dict[str, Any]) -> str:
         rb = row["redis_benchmark"]
         s, g = rb["set"], rb["get"]
         lines.append(
-            f"{v:>8} {'redis-benchmark best':<34} {s['gb_s']:>10.2f} {g['gb_s']:>10.2f}"
+            f"{v:>8} {'redis-benchmark best, one key':<34} {s['gb_s']:>10.2f} {g['gb_s']:>10.2f}"
             f"   (SET -P {s['pipeline']} -c {s['clients']}; GET -P {g['pipeline']} -c {g['clients']})"
         )
+        rk = row.get("redis_benchmark_keys")
+        if rk is not None:
+            s, g = rk["set"], rk["get"]
+            what = f"redis-benchmark best, {row['blocks']} keys"
+            lines.append(
+                f"{v:>8} {what:<34} {s['gb_s']:>10.2f} {g['gb_s']:>10.2f}"
+                f"   (SET -P {s['pipeline']} -c {s['clients']}; GET -P {g['pipeline']} -c {g['clients']})"
+            )
         rp = row["redis_py"]
         if rp is not None:
             what = f"redis-py {rp['redis_py']} pipelined ({rp['pipeline']}/batch{', hiredis' if rp['hiredis'] else ''})"
@@ -688,8 +739,13 @@ def format_remote(res: dict[str, Any]) -> str:
         vs_py = "" if r["load_vs_redis_py"] is None else f"; load {r['load_vs_redis_py']:.1f}x redis-py"
         lines.append(
             f"{'':>8} {'':<34} store {r['store_vs_redis_benchmark']:.0%}, load "
-            f"{r['load_vs_redis_benchmark']:.0%} of redis-benchmark{vs_py}"
+            f"{r['load_vs_redis_benchmark']:.0%} of redis-benchmark (one key){vs_py}"
         )
+        if "store_vs_redis_benchmark_keys" in r:
+            lines.append(
+                f"{'':>8} {'':<34} store {r['store_vs_redis_benchmark_keys']:.0%}, load "
+                f"{r['load_vs_redis_benchmark_keys']:.0%} of redis-benchmark ({row['blocks']} keys)"
+            )
         for key in (
             "promote_p50_us",
             "promote_p99_us",
