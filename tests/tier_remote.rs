@@ -439,6 +439,89 @@ fn corrupted_or_foreign_values_are_rejected_and_deleted() {
     b.shutdown();
 }
 
+/// Values of 256 KiB and more: a lookup fetches their headers alone (no payload staged) and the
+/// promotion reads each payload from the socket straight into its host block (4 KiB-aligned rows,
+/// as a `HostRegion`), checksummed there. Every block arrives byte for byte; a value whose header
+/// is foreign is rejected at the fetch, one whose payload was altered by another client fails its
+/// promotion (never served) — both counted and deleted.
+#[test]
+fn large_values_go_straight_into_host_blocks() {
+    use kvoff::tier::{AlignedRows, BlockMemory};
+    let _g = serial();
+    if !have_redis() {
+        return;
+    }
+    const BIG: usize = 512 << 10;
+    let srv = Server::start("big", &[]);
+    let lay = || Layout {
+        page_sizes_bytes: vec![BIG as u64],
+        ..layout("big")
+    };
+    let open = |blocks: usize| {
+        let mem = Arc::new(AlignedRows::new(blocks, BIG).unwrap());
+        let tier = RemoteTier::open(quick(RemoteConfig::new(srv.url(), lay())), mem.clone()).unwrap();
+        let m = ChainManager::new(
+            LruManager::new(ManagerConfig::new(blocks)),
+            vec![ChainTier::new(Box::new(tier))],
+            ChainConfig::default(),
+        );
+        (m, mem)
+    };
+    let pat = |i: usize| -> Vec<u8> { (0..BIG).map(|j| (i * 131 + j * 17 + j / 4096) as u8).collect() };
+    let n = 12;
+    let ks: Vec<ByteKey> = (0..n).map(key).collect();
+    let (mut a, mem_a) = open(n);
+    let out = a.prepare_store(&ks).unwrap().expect("room");
+    for (k, b) in out.keys_to_store.iter().zip(&out.block_ids) {
+        let i = ks.iter().position(|x| x == k).unwrap();
+        mem_a.copy_in(*b, &pat(i)).unwrap();
+    }
+    a.complete_store(&out.keys_to_store, true).unwrap();
+    a.flush();
+    assert_eq!(remote_stats(&mut a).tier.writes, n as u64);
+
+    // Engine B loads the whole prefix: nothing staged, every block byte-exact.
+    let (mut b, mem_b) = open(n);
+    assert_eq!(settle(&mut b, &ks, Duration::from_secs(10)), n);
+    let ids = b.prepare_load(&ks).unwrap();
+    for (i, blk) in ids.iter().enumerate() {
+        let mut got = vec![0u8; BIG];
+        mem_b.copy_out(*blk, &mut got).unwrap();
+        assert!(got == pat(i), "block {i} served wrong bytes");
+    }
+    b.complete_load(&ks).unwrap();
+    let s = remote_stats(&mut b);
+    assert_eq!((s.tier.promotions, s.tier.rejected), (n as u64, 0), "{s:?}");
+    assert!(s.tier.fetch_hits >= n as u64, "{s:?}");
+    b.shutdown();
+
+    // Another client damages two values: one header, one payload byte.
+    let probe = RemoteTier::open(quick(RemoteConfig::new(srv.url(), lay())), Arc::new(VecMemory::new(1, BIG)))
+        .unwrap();
+    let k0 = probe.redis_key(&key(0));
+    let k1 = probe.redis_key(&key(1));
+    let len = probe.value_len();
+    drop(probe);
+    srv.cli(&["SETRANGE", &k0, "0", "garbage-not-a-header"]);
+    srv.cli(&["SETRANGE", &k1, &(len - 1000).to_string(), "XXXX"]);
+    let (mut c, mem_c) = open(n);
+    assert_eq!(settle(&mut c, &ks[..1], Duration::from_secs(5)), 0);
+    assert_eq!(settle(&mut c, &ks[1..2], Duration::from_secs(5)), 0);
+    assert_eq!(settle(&mut c, &ks[2..3], Duration::from_secs(5)), 1);
+    let [blk] = c.prepare_load(&ks[2..3]).unwrap()[..] else { panic!() };
+    let mut got = vec![0u8; BIG];
+    mem_c.copy_out(blk, &mut got).unwrap();
+    assert!(got == pat(2));
+    c.complete_load(&ks[2..3]).unwrap();
+    let s = remote_stats(&mut c);
+    assert_eq!(s.tier.rejected, 2, "{s:?}");
+    c.flush();
+    assert_eq!(srv.cli(&["EXISTS", &k0]).trim(), "0");
+    assert_eq!(srv.cli(&["EXISTS", &k1]).trim(), "0");
+    a.shutdown();
+    c.shutdown();
+}
+
 #[test]
 fn password_from_env_never_printed() {
     let _g = serial();

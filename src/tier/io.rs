@@ -688,6 +688,13 @@ impl BlockMemory for RawRows {
         f(unsafe { std::slice::from_raw_parts(src as *const u8, self.block_bytes) });
         Ok(())
     }
+    fn with_block_mut(&self, block: BlockId, f: &mut dyn FnMut(&mut [u8]) -> bool) -> Result<()> {
+        let dst = self.row_ptr(block, self.block_bytes)?;
+        // SAFETY: obligation 1 (mapped and writable, bounds checked) and 2 (a pending block: no
+        // other reader or writer while `f` writes it; the slice does not outlive this call).
+        f(unsafe { std::slice::from_raw_parts_mut(dst as *mut u8, self.block_bytes) });
+        Ok(())
+    }
     fn copy_in(&self, block: BlockId, data: &[u8]) -> Result<()> {
         let dst = self.row_ptr(block, data.len())?;
         // SAFETY: obligation 1 (mapped and writable, bounds checked) and 2 (no other reader or
@@ -748,6 +755,9 @@ impl BlockMemory for AlignedRows {
     }
     fn with_block(&self, block: BlockId, f: &mut dyn FnMut(&[u8])) -> Result<()> {
         self.rows.with_block(block, f)
+    }
+    fn with_block_mut(&self, block: BlockId, f: &mut dyn FnMut(&mut [u8]) -> bool) -> Result<()> {
+        self.rows.with_block_mut(block, f)
     }
     fn read_file_into(
         &self,

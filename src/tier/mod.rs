@@ -146,6 +146,20 @@ pub trait BlockMemory: Send + Sync {
         f(&v);
         Ok(())
     }
+    /// Calls `f` with block `block`'s bytes to overwrite (a pending block: nobody reads it
+    /// meanwhile): in place where the memory allows it (the remote tier then reads a value from
+    /// its socket straight into host memory); the default gives `f` a new buffer and copies it
+    /// into the block when `f` returns `true`.
+    ///
+    /// # Errors
+    /// A block out of range.
+    fn with_block_mut(&self, block: BlockId, f: &mut dyn FnMut(&mut [u8]) -> bool) -> Result<()> {
+        let mut v = vec![0u8; self.block_bytes()];
+        if f(&mut v) {
+            self.copy_in(block, &v)?;
+        }
+        Ok(())
+    }
     /// Reads a whole tier file from `file` (opened with `O_DIRECT`): the first `header.len()` bytes
     /// into `header`, the next `block_bytes()` straight into block `block`; returns the xxh3-64 of
     /// the bytes that landed in the block. `None` (the default) when the memory cannot take such a

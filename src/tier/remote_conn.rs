@@ -32,7 +32,7 @@ const MAX_DEPTH: usize = 16;
 const READ_CHUNK: usize = 256 << 10;
 
 /// Bulk string replies at least this large get their buffer from a [`BufPool`].
-const POOLED_BYTES: usize = 64 << 10;
+const POOLED_BYTES: usize = 16 << 10;
 
 /// Buffers of values, handed back once a value is in host memory and reused for the next bulk
 /// string reply: a load then writes into memory that is already mapped (a fresh buffer of a
@@ -273,7 +273,8 @@ impl Plain {
     }
 
     /// A bulk string reply whose header (`head` bytes) is in the buffer: its `len` bytes go into a
-    /// new buffer of their own, read from the socket directly once the read buffer is used up.
+    /// buffer of their own (from `pool` when large), read from the socket directly once the read
+    /// buffer is used up.
     fn recv_bulk(
         &mut self,
         len: Option<usize>,
@@ -288,17 +289,56 @@ impl Plain {
             Some(p) if len >= POOLED_BYTES => p.take(len),
             _ => vec![0u8; len],
         };
-        let have = (self.end - self.start).min(len);
-        out[..have].copy_from_slice(&self.buf[self.start..self.start + have]);
-        self.start += have;
-        if have < len {
-            self.sock
-                .read_exact(&mut out[have..])
-                .map_err(|e| io_err(&e))?;
+        self.read_body(&mut out)?;
+        self.read_crlf()?;
+        Ok(redis::Value::BulkString(out))
+    }
+
+    /// The length of the bulk string reply that comes next (`None` inside: a nil reply), once its
+    /// header is read; `None` when the next reply is not a bulk string. Nothing is consumed.
+    pub(super) fn peek_bulk(&mut self) -> Result<Option<Option<usize>>, String> {
+        loop {
+            let avail = &self.buf[self.start..self.end];
+            match avail.first() {
+                None => {}
+                Some(&b'$') => {
+                    if let Some((len, _)) = bulk_header(avail)? {
+                        return Ok(Some(len));
+                    }
+                }
+                Some(_) => return Ok(None),
+            }
+            self.fill()?;
         }
+    }
+
+    /// Consumes the header of the bulk string reply [`Plain::peek_bulk`] found.
+    pub(super) fn take_bulk_header(&mut self) -> Result<(), String> {
+        let avail = &self.buf[self.start..self.end];
+        let (_, head) = bulk_header(avail)?.ok_or("no bulk string header")?;
+        self.start += head;
+        Ok(())
+    }
+
+    /// Reads the next `dst.len()` bytes of the stream into `dst`: what the read buffer holds, the
+    /// rest from the socket straight into `dst`.
+    pub(super) fn read_body(&mut self, dst: &mut [u8]) -> Result<(), String> {
+        let have = (self.end - self.start).min(dst.len());
+        dst[..have].copy_from_slice(&self.buf[self.start..self.start + have]);
+        self.start += have;
         if self.start == self.end {
             (self.start, self.end) = (0, 0);
         }
+        if have < dst.len() {
+            self.sock
+                .read_exact(&mut dst[have..])
+                .map_err(|e| io_err(&e))?;
+        }
+        Ok(())
+    }
+
+    /// Consumes the CRLF that ends a bulk string.
+    pub(super) fn read_crlf(&mut self) -> Result<(), String> {
         while self.end - self.start < 2 {
             self.fill()?;
         }
@@ -309,7 +349,12 @@ impl Plain {
         if self.start == self.end {
             (self.start, self.end) = (0, 0);
         }
-        Ok(redis::Value::BulkString(out))
+        Ok(())
+    }
+
+    /// Reads one reply (see [`Conn::recv`]).
+    pub(super) fn recv_value(&mut self, pool: Option<&BufPool>) -> Result<redis::Value, String> {
+        self.recv(pool)
     }
 }
 

@@ -130,6 +130,11 @@ pub(super) const DIRECT_SEND_BYTES: usize = 64 << 10;
 pub(super) trait Pack {
     /// Appends the command to `packed`, or writes `packed` and then (part of) the command to `c`.
     fn pack(&self, key: &str, c: &mut Conn, packed: &mut Vec<u8>) -> Result<(), String>;
+
+    /// Reads the command's reply (a large bulk string into a buffer from `pool`).
+    fn recv(&self, c: &mut Conn, pool: Option<&BufPool>) -> Result<redis::Value, String> {
+        c.recv(pool)
+    }
 }
 
 impl Pack for redis::Cmd {
@@ -724,7 +729,7 @@ impl Router {
                         break;
                     }
                 }
-                match c.recv(conns.pool.as_deref()) {
+                match cmds[r.index].1.recv(c, conns.pool.as_deref()) {
                     Ok(v) => {
                         answered += 1;
                         match self.classify(v, out) {

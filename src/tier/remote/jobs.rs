@@ -4,7 +4,7 @@
 
 #[allow(clippy::wildcard_imports)]
 use super::*;
-use crate::tier::remote_conn::{set_head, set_tail, Conn};
+use crate::tier::remote_conn::{set_head, set_tail, BufPool, Conn};
 use crate::tier::remote_route::{Pack, DIRECT_SEND_BYTES};
 
 #[derive(Clone, Debug)]
@@ -129,6 +129,33 @@ impl Shared {
         }
     }
 
+    /// Whether fetches read values' headers alone: for large values, a fetch (readahead) only
+    /// learns that a valid value of this layout is there (`GETRANGE key 0 4095`: no payload on
+    /// the wire, nothing staged) and the promotion reads the payload once, from the socket
+    /// straight into its host block (`BlockRead`); a damaged payload then fails the promotion
+    /// (rejected, deleted) instead of the fetch. Small values are fetched whole and staged: one
+    /// command each rather than two (the server's cost per command dominates there).
+    pub(super) fn header_fetch(&self) -> bool {
+        self.value_len >= HEADER_FETCH_BYTES
+    }
+
+    /// What a fetch of `key`'s header found (see [`Shared::header_fetch`]): `Ok` with an empty
+    /// buffer for a valid header.
+    pub(super) fn check_header(&self, key: &ByteKey, v: Option<redis::Value>) -> Checked {
+        match v {
+            None | Some(redis::Value::ServerError(_)) => Checked::Failed,
+            Some(redis::Value::Nil) => Checked::Missing,
+            Some(redis::Value::BulkString(b)) if b.is_empty() => Checked::Missing,
+            Some(redis::Value::BulkString(b)) if b.len() == HEADER_BYTES => {
+                match format::verify_header(&b, &self.expect_header(key)) {
+                    Ok(_) => Checked::Ok(Vec::new()),
+                    Err(_) => Checked::Rejected,
+                }
+            }
+            Some(_) => Checked::Rejected,
+        }
+    }
+
     pub(super) fn check(&self, key: &ByteKey, v: Option<redis::Value>) -> Checked {
         let bytes = match v {
             None | Some(redis::Value::ServerError(_)) => return Checked::Failed,
@@ -168,13 +195,25 @@ impl Shared {
 
     pub(super) fn run_fetch(&self, conns: &mut Conns, keys: &[ByteKey]) {
         let t0 = Instant::now();
-        let reserved = (keys.len() * self.value_len) as u64;
+        let header = self.header_fetch();
+        let reserved = if header {
+            0
+        } else {
+            (keys.len() * self.value_len) as u64
+        };
         let cmds: Vec<(String, redis::Cmd)> = keys
             .iter()
             .map(|k| {
                 let rk = self.redis_key(k);
-                let mut c = redis::cmd("GET");
-                c.arg(&rk);
+                let c = if header {
+                    let mut c = redis::cmd("GETRANGE");
+                    c.arg(&rk).arg(0).arg(HEADER_BYTES - 1);
+                    c
+                } else {
+                    let mut c = redis::cmd("GET");
+                    c.arg(&rk);
+                    c
+                };
                 (rk, c)
             })
             .collect();
@@ -182,7 +221,11 @@ impl Shared {
         let mut rejected = Vec::new();
         let mut results = Vec::with_capacity(keys.len());
         for (k, v) in keys.iter().zip(values) {
-            let c = self.check(k, v);
+            let c = if header {
+                self.check_header(k, v)
+            } else {
+                self.check(k, v)
+            };
             if matches!(c, Checked::Rejected) {
                 rejected.push(k.clone());
             }
@@ -203,7 +246,8 @@ impl Shared {
                 let e = match c {
                     Checked::Ok(v) => {
                         self.counters.fetch_hits.fetch_add(1, Relaxed);
-                        let keep = st.staged_bytes + v.len() as u64 <= self.cfg.max_staged_bytes;
+                        let keep = !v.is_empty()
+                            && st.staged_bytes + v.len() as u64 <= self.cfg.max_staged_bytes;
                         let value = keep.then(|| {
                             st.staged_bytes += v.len() as u64;
                             Arc::new(v)
@@ -244,47 +288,95 @@ impl Shared {
     }
 
     /// Promotes `items` (keys with their reserved host blocks): each from its staged value, or
-    /// with a `GET` of its own when none was staged; one lock for the batch's completions.
+    /// with a `GET` whose value is read from the socket straight into its host block (one
+    /// pipeline for the batch; see `BlockRead`); one lock for the batch's completions.
     pub(super) fn run_reads(&self, conns: &mut Conns, items: &[(ByteKey, BlockId)]) {
         let t0 = Instant::now();
-        let mut done = Vec::with_capacity(items.len());
-        for (key, block) in items {
-            let staged = {
-                let mut st = lock(&self.state);
-                let v = match st.index.get_mut(key) {
-                    Some(Entry::Present { value, .. }) => value.take(),
-                    _ => None,
-                };
-                if let Some(v) = &v {
-                    st.staged_bytes -= v.len() as u64;
-                }
-                v
-            };
-            let mut rejected = false;
-            let value = if let Some(v) = staged {
-                Some(v)
-            } else {
-                let rk = self.redis_key(key);
-                let mut c = redis::cmd("GET");
-                c.arg(&rk);
-                let v = self.run(conns, &[(rk, c)]).pop().flatten();
-                match self.check(key, v) {
-                    Checked::Ok(b) => Some(Arc::new(b)),
-                    Checked::Missing | Checked::Failed => None,
-                    Checked::Rejected => {
-                        rejected = true;
-                        None
+        let staged: Vec<Option<Arc<Vec<u8>>>> = {
+            let mut st = lock(&self.state);
+            items
+                .iter()
+                .map(|(key, _)| {
+                    let v = match st.index.get_mut(key) {
+                        Some(Entry::Present { value, .. }) => value.take(),
+                        _ => None,
+                    };
+                    if let Some(v) = &v {
+                        st.staged_bytes -= v.len() as u64;
                     }
+                    v
+                })
+                .collect()
+        };
+        let gets: Vec<(String, BlockRead<'_>)> = items
+            .iter()
+            .zip(&staged)
+            .filter(|(_, v)| v.is_none())
+            .map(|((key, block), _)| {
+                (
+                    self.redis_key(key),
+                    BlockRead {
+                        sh: self,
+                        block: *block,
+                        split: std::cell::Cell::new(None),
+                        lost: std::cell::Cell::new(false),
+                    },
+                )
+            })
+            .collect();
+        let mut replies = if gets.is_empty() {
+            Vec::new()
+        } else {
+            self.run(conns, &gets)
+        }
+        .into_iter()
+        .zip(&gets);
+        let mut done = Vec::with_capacity(items.len());
+        for ((key, block), staged) in items.iter().zip(staged) {
+            let mut rejected = false;
+            let ok = if let Some(v) = staged {
+                let ok = self
+                    .memory
+                    .copy_in(*block, &v[HEADER_BYTES..HEADER_BYTES + self.payload_len])
+                    .is_ok();
+                if let Ok(v) = Arc::try_unwrap(v) {
+                    self.pool.give(v);
+                }
+                ok
+            } else {
+                let Some((reply, (_, get))) = replies.next() else {
+                    done.push(false);
+                    continue;
+                };
+                match (get.split.get(), reply) {
+                    // The payload is in the block already: its header and checksum decide.
+                    (Some(sum), Some(redis::Value::BulkString(head))) => {
+                        let good = format::verify_header(&head, &self.expect_header(key))
+                            .is_ok_and(|h| h.payload_sum == sum);
+                        rejected = !good;
+                        good
+                    }
+                    (_, reply) if get.lost.get() => {
+                        drop(reply);
+                        false
+                    }
+                    (_, reply) => match self.check(key, reply) {
+                        Checked::Ok(b) => {
+                            let ok = self
+                                .memory
+                                .copy_in(*block, &b[HEADER_BYTES..HEADER_BYTES + self.payload_len])
+                                .is_ok();
+                            self.pool.give(b);
+                            ok
+                        }
+                        Checked::Missing | Checked::Failed => false,
+                        Checked::Rejected => {
+                            rejected = true;
+                            false
+                        }
+                    },
                 }
             };
-            let ok = value.as_ref().is_some_and(|v| {
-                self.memory
-                    .copy_in(*block, &v[HEADER_BYTES..HEADER_BYTES + self.payload_len])
-                    .is_ok()
-            });
-            if let Some(v) = value.and_then(|v| Arc::try_unwrap(v).ok()) {
-                self.pool.give(v);
-            }
             if rejected {
                 self.counters.rejected.fetch_add(1, Relaxed);
                 self.delete(conns, key);
@@ -543,6 +635,68 @@ impl Shared {
         }
         drop(st);
         self.cv.notify_all();
+    }
+}
+
+/// A `GET` of one value whose payload is read from the socket straight into its (pending) host
+/// block, checksummed there while it is still in the CPU's caches (see `Shared::run_reads`);
+/// the reply the batch sees is the value's header alone. Over a connection kvoff does not read
+/// itself (TLS), or for a reply of another length, the whole value is read as usual.
+pub(super) struct BlockRead<'a> {
+    sh: &'a Shared,
+    block: BlockId,
+    /// The payload went into the block, with this checksum.
+    split: std::cell::Cell<Option<u64>>,
+    /// The block could not take it (out of range): the reply was read and dropped.
+    lost: std::cell::Cell<bool>,
+}
+
+impl Pack for BlockRead<'_> {
+    fn pack(&self, key: &str, _c: &mut Conn, packed: &mut Vec<u8>) -> Result<(), String> {
+        redis::cmd("GET").arg(key).write_packed_command(packed);
+        Ok(())
+    }
+
+    fn recv(&self, c: &mut Conn, pool: Option<&BufPool>) -> Result<redis::Value, String> {
+        self.split.set(None);
+        self.lost.set(false);
+        let Conn::Plain(p) = c else {
+            return c.recv(pool);
+        };
+        if p.peek_bulk()? != Some(Some(self.sh.value_len)) {
+            return p.recv_value(pool);
+        }
+        p.take_bulk_header()?;
+        let mut head = vec![0u8; HEADER_BYTES];
+        p.read_body(&mut head)?;
+        let mut io = Ok(());
+        let mut sum = 0;
+        let mut read = false;
+        let placed = self.sh.memory.with_block_mut(self.block, &mut |dst| {
+            if dst.len() != self.sh.payload_len {
+                return false;
+            }
+            read = true;
+            io = p.read_body(dst);
+            if io.is_ok() {
+                sum = format::payload_sum(dst);
+            }
+            io.is_ok()
+        });
+        io?;
+        if !read {
+            // The block could not take the payload: read it past (the stream stays in step).
+            let mut scratch = vec![0u8; self.sh.payload_len];
+            p.read_body(&mut scratch)?;
+        }
+        if !read || placed.is_err() {
+            self.lost.set(true);
+            p.read_crlf()?;
+            return Ok(redis::Value::Nil);
+        }
+        p.read_crlf()?;
+        self.split.set(Some(sum));
+        Ok(redis::Value::BulkString(head))
     }
 }
 

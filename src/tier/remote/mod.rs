@@ -89,6 +89,9 @@ const INDEX_CAP: usize = 65_536;
 /// Most value bytes of one fetch or promotion job: larger ones are split into jobs of this size
 /// (the I/O threads work on them side by side).
 const FETCH_JOB_BYTES: u64 = 8 << 20;
+/// Values at least this large are fetched by their header alone (`GETRANGE`) and read into their
+/// host block at promotion; smaller ones are fetched whole and staged (see `Shared::header_fetch`).
+const HEADER_FETCH_BYTES: usize = 256 << 10;
 /// Most bytes of value buffers kept for reuse (bounded by `max_staged_bytes` too).
 const POOL_BYTES: usize = 64 << 20;
 
@@ -331,7 +334,12 @@ impl SecondaryTier for RemoteTier {
         // reserved bytes (so a fetch never brings a value it cannot keep, and a readahead of many
         // keys stops where host memory would stop it); the first key always goes (an answer for
         // it is what the caller waits for).
-        let value = sh.value_len as u64;
+        // Values fetched by their header alone stage nothing (see `Shared::header_fetch`).
+        let value = if sh.header_fetch() {
+            0
+        } else {
+            sh.value_len as u64
+        };
         let mut batch = Vec::new();
         for k in keys.iter().take(sh.cfg.max_fetch_keys.max(1)) {
             let unknown = match st.index.get(k) {
@@ -362,7 +370,9 @@ impl SecondaryTier for RemoteTier {
         if n > 0 {
             // Jobs of at most FETCH_JOB_BYTES each: the I/O threads fetch them side by side and
             // the first values are ready for promotion while the rest are on the wire.
-            let per_job = usize::try_from(FETCH_JOB_BYTES / value).unwrap_or(1).max(1);
+            let per_job = usize::try_from(FETCH_JOB_BYTES / value.max(HEADER_BYTES as u64))
+                .unwrap_or(1)
+                .max(1);
             let jobs = n.div_ceil(per_job);
             let mut rest = batch.into_iter();
             for _ in 0..jobs {
@@ -381,6 +391,9 @@ impl SecondaryTier for RemoteTier {
 
     fn fetch_room(&self) -> usize {
         let sh = &self.shared;
+        if sh.header_fetch() {
+            return usize::MAX;
+        }
         let st = lock(&sh.state);
         let used = st.staged_bytes + st.fetch_reserved;
         usize::try_from(sh.cfg.max_staged_bytes.saturating_sub(used) / (sh.value_len as u64).max(1))
