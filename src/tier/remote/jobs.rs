@@ -139,6 +139,18 @@ impl Shared {
         self.value_len >= HEADER_FETCH_BYTES
     }
 
+    /// The staging room a fetch reserves per key until it ends: its value; or, for fetches of
+    /// headers alone (nothing staged), a share of the room that bounds them to
+    /// `MAX_HEADER_FETCHES` in flight (a scheduler asking faster than the server answers queues
+    /// no more).
+    pub(super) fn fetch_unit(&self) -> u64 {
+        if self.header_fetch() {
+            (self.cfg.max_staged_bytes / MAX_HEADER_FETCHES).max(1)
+        } else {
+            (self.value_len as u64).max(1)
+        }
+    }
+
     /// What a fetch of `key`'s header found (see [`Shared::header_fetch`]): `Ok` with an empty
     /// buffer for a valid header.
     pub(super) fn check_header(&self, key: &ByteKey, v: Option<redis::Value>) -> Checked {
@@ -196,11 +208,7 @@ impl Shared {
     pub(super) fn run_fetch(&self, conns: &mut Conns, keys: &[ByteKey]) {
         let t0 = Instant::now();
         let header = self.header_fetch();
-        let reserved = if header {
-            0
-        } else {
-            (keys.len() * self.value_len) as u64
-        };
+        let reserved = keys.len() as u64 * self.fetch_unit();
         let cmds: Vec<(String, redis::Cmd)> = keys
             .iter()
             .map(|k| {

@@ -92,6 +92,8 @@ const FETCH_JOB_BYTES: u64 = 8 << 20;
 /// Values at least this large are fetched by their header alone (`GETRANGE`) and read into their
 /// host block at promotion; smaller ones are fetched whole and staged (see `Shared::header_fetch`).
 const HEADER_FETCH_BYTES: usize = 256 << 10;
+/// Most header fetches in flight (see `Shared::fetch_unit`).
+const MAX_HEADER_FETCHES: u64 = 1024;
 /// Most bytes of value buffers kept for reuse (bounded by `max_staged_bytes` too).
 const POOL_BYTES: usize = 64 << 20;
 
@@ -334,12 +336,8 @@ impl SecondaryTier for RemoteTier {
         // reserved bytes (so a fetch never brings a value it cannot keep, and a readahead of many
         // keys stops where host memory would stop it); the first key always goes (an answer for
         // it is what the caller waits for).
-        // Values fetched by their header alone stage nothing (see `Shared::header_fetch`).
-        let value = if sh.header_fetch() {
-            0
-        } else {
-            sh.value_len as u64
-        };
+        let value = sh.fetch_unit();
+        let header = sh.header_fetch();
         let mut batch = Vec::new();
         for k in keys.iter().take(sh.cfg.max_fetch_keys.max(1)) {
             let unknown = match st.index.get(k) {
@@ -357,7 +355,9 @@ impl SecondaryTier for RemoteTier {
                     .insert(k.clone(), Entry::Absent { until: down_until });
                 continue;
             }
-            if !batch.is_empty()
+            // (Header fetches free their room by themselves as they end: with none free, not even
+            // the first key goes, and the caller's lookup stays pending until one ends.)
+            if (header || !batch.is_empty())
                 && st.staged_bytes + st.fetch_reserved + value > sh.cfg.max_staged_bytes
             {
                 break;
@@ -370,7 +370,12 @@ impl SecondaryTier for RemoteTier {
         if n > 0 {
             // Jobs of at most FETCH_JOB_BYTES each: the I/O threads fetch them side by side and
             // the first values are ready for promotion while the rest are on the wire.
-            let per_job = usize::try_from(FETCH_JOB_BYTES / value.max(HEADER_BYTES as u64))
+            let wire = if sh.header_fetch() {
+                HEADER_BYTES as u64
+            } else {
+                value
+            };
+            let per_job = usize::try_from(FETCH_JOB_BYTES / wire)
                 .unwrap_or(1)
                 .max(1);
             let jobs = n.div_ceil(per_job);
@@ -391,12 +396,9 @@ impl SecondaryTier for RemoteTier {
 
     fn fetch_room(&self) -> usize {
         let sh = &self.shared;
-        if sh.header_fetch() {
-            return usize::MAX;
-        }
         let st = lock(&sh.state);
         let used = st.staged_bytes + st.fetch_reserved;
-        usize::try_from(sh.cfg.max_staged_bytes.saturating_sub(used) / (sh.value_len as u64).max(1))
+        usize::try_from(sh.cfg.max_staged_bytes.saturating_sub(used) / sh.fetch_unit())
             .unwrap_or(usize::MAX)
     }
 
