@@ -459,7 +459,8 @@ fn large_values_go_straight_into_host_blocks() {
     };
     let open = |blocks: usize| {
         let mem = Arc::new(AlignedRows::new(blocks, BIG).unwrap());
-        let tier = RemoteTier::open(quick(RemoteConfig::new(srv.url(), lay())), mem.clone()).unwrap();
+        let tier =
+            RemoteTier::open(quick(RemoteConfig::new(srv.url(), lay())), mem.clone()).unwrap();
         let m = ChainManager::new(
             LruManager::new(ManagerConfig::new(blocks)),
             vec![ChainTier::new(Box::new(tier))],
@@ -467,7 +468,11 @@ fn large_values_go_straight_into_host_blocks() {
         );
         (m, mem)
     };
-    let pat = |i: usize| -> Vec<u8> { (0..BIG).map(|j| (i * 131 + j * 17 + j / 4096) as u8).collect() };
+    let pat = |i: usize| -> Vec<u8> {
+        (0..BIG)
+            .map(|j| (i * 131 + j * 17 + j / 4096) as u8)
+            .collect()
+    };
     let n = 12;
     let ks: Vec<ByteKey> = (0..n).map(key).collect();
     let (mut a, mem_a) = open(n);
@@ -496,8 +501,11 @@ fn large_values_go_straight_into_host_blocks() {
     b.shutdown();
 
     // Another client damages two values: one header, one payload byte.
-    let probe = RemoteTier::open(quick(RemoteConfig::new(srv.url(), lay())), Arc::new(VecMemory::new(1, BIG)))
-        .unwrap();
+    let probe = RemoteTier::open(
+        quick(RemoteConfig::new(srv.url(), lay())),
+        Arc::new(VecMemory::new(1, BIG)),
+    )
+    .unwrap();
     let k0 = probe.redis_key(&key(0));
     let k1 = probe.redis_key(&key(1));
     let len = probe.value_len();
@@ -508,7 +516,9 @@ fn large_values_go_straight_into_host_blocks() {
     assert_eq!(settle(&mut c, &ks[..1], Duration::from_secs(5)), 0);
     assert_eq!(settle(&mut c, &ks[1..2], Duration::from_secs(5)), 0);
     assert_eq!(settle(&mut c, &ks[2..3], Duration::from_secs(5)), 1);
-    let [blk] = c.prepare_load(&ks[2..3]).unwrap()[..] else { panic!() };
+    let [blk] = c.prepare_load(&ks[2..3]).unwrap()[..] else {
+        panic!()
+    };
     let mut got = vec![0u8; BIG];
     mem_c.copy_out(blk, &mut got).unwrap();
     assert!(got == pat(2));

@@ -99,8 +99,8 @@ mod format;
 #[allow(unsafe_code)]
 mod io;
 pub mod remote;
-pub mod remote_route;
 mod remote_conn;
+pub mod remote_route;
 pub mod secondary;
 
 use std::sync::{Mutex, MutexGuard, PoisonError};

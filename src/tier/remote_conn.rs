@@ -170,7 +170,7 @@ impl Plain {
         for a in addrs {
             let left = connect_timeout.saturating_sub(t0.elapsed());
             if left.is_zero() {
-                last = "connecting: timed out".to_owned();
+                "connecting: timed out".clone_into(&mut last);
                 break;
             }
             match TcpStream::connect_timeout(&a, left) {
@@ -294,25 +294,24 @@ impl Plain {
         Ok(redis::Value::BulkString(out))
     }
 
-    /// The length of the bulk string reply that comes next (`None` inside: a nil reply), once its
-    /// header is read; `None` when the next reply is not a bulk string. Nothing is consumed.
-    pub(super) fn peek_bulk(&mut self) -> Result<Option<Option<usize>>, String> {
+    /// What the next reply is, once its header is read (nothing is consumed).
+    pub(super) fn peek(&mut self) -> Result<Next, String> {
         loop {
             let avail = &self.buf[self.start..self.end];
             match avail.first() {
                 None => {}
-                Some(&b'$') => {
-                    if let Some((len, _)) = bulk_header(avail)? {
-                        return Ok(Some(len));
-                    }
-                }
-                Some(_) => return Ok(None),
+                Some(&b'$') => match bulk_header(avail)? {
+                    Some((Some(len), _)) => return Ok(Next::Bulk(len)),
+                    Some((None, _)) => return Ok(Next::Other),
+                    None => {}
+                },
+                Some(_) => return Ok(Next::Other),
             }
             self.fill()?;
         }
     }
 
-    /// Consumes the header of the bulk string reply [`Plain::peek_bulk`] found.
+    /// Consumes the header of the bulk string reply [`Plain::peek`] found.
     pub(super) fn take_bulk_header(&mut self) -> Result<(), String> {
         let avail = &self.buf[self.start..self.end];
         let (_, head) = bulk_header(avail)?.ok_or("no bulk string header")?;
@@ -358,6 +357,15 @@ impl Plain {
     }
 }
 
+/// The next reply, as [`Plain::peek`] sees it.
+#[derive(Debug, PartialEq, Eq)]
+pub(super) enum Next {
+    /// A bulk string of this many bytes.
+    Bulk(usize),
+    /// Anything else (nil, an error, a status, an integer, an array).
+    Other,
+}
+
 /// The end of the line at the start of `b` (the index after its CRLF), if it is all there.
 fn line_end(b: &[u8]) -> Option<usize> {
     b.windows(2).position(|w| w == b"\r\n").map(|i| i + 2)
@@ -383,7 +391,10 @@ fn bulk_header(b: &[u8]) -> Result<Option<(Option<usize>, usize)>, String> {
     let n = header_int(&b[1..end - 2])?;
     match n {
         -1 => Ok(Some((None, end))),
-        n if n >= 0 => Ok(Some((Some(usize::try_from(n).map_err(|e| e.to_string())?), end))),
+        n if n >= 0 => Ok(Some((
+            Some(usize::try_from(n).map_err(|e| e.to_string())?),
+            end,
+        ))),
         _ => Err("a malformed bulk string header".to_owned()),
     }
 }
@@ -446,6 +457,7 @@ pub(super) fn set_tail(px: Option<u64>, out: &mut Vec<u8>) {
 }
 
 #[cfg(test)]
+#[allow(clippy::pedantic)] // tests: style lints are for the library
 mod tests {
     use super::*;
 

@@ -144,7 +144,6 @@ impl Pack for redis::Cmd {
     }
 }
 
-
 /// A pipeline is written to the socket whenever this much of it is packed.
 const SEND_CHUNK_BYTES: usize = 1 << 20;
 
@@ -182,7 +181,6 @@ pub(super) struct Router {
 fn lock(m: &Mutex<RouterState>) -> MutexGuard<'_, RouterState> {
     m.lock().unwrap_or_else(PoisonError::into_inner)
 }
-
 
 /// What to do with a reply that is a server error.
 enum Redirect {
@@ -368,9 +366,10 @@ impl Router {
             (id, st.nodes[id].info.clone())
         };
         conns.map.remove(&id);
-        let r = self
-            .conn(conns, id, Some(info))
-            .and_then(|c| c.request(&redis::cmd("PING")).map_err(|e| format!("PING: {e}")));
+        let r = self.conn(conns, id, Some(info)).and_then(|c| {
+            c.request(&redis::cmd("PING"))
+                .map_err(|e| format!("PING: {e}"))
+        });
         let mut st = lock(&self.state);
         match r {
             Ok(_) => {

@@ -4,7 +4,7 @@
 
 #[allow(clippy::wildcard_imports)]
 use super::*;
-use crate::tier::remote_conn::{set_head, set_tail, BufPool, Conn};
+use crate::tier::remote_conn::{set_head, set_tail, BufPool, Conn, Next};
 use crate::tier::remote_route::{Pack, DIRECT_SEND_BYTES};
 
 #[derive(Clone, Debug)]
@@ -671,7 +671,7 @@ impl Pack for BlockRead<'_> {
         let Conn::Plain(p) = c else {
             return c.recv(pool);
         };
-        if p.peek_bulk()? != Some(Some(self.sh.value_len)) {
+        if p.peek()? != Next::Bulk(self.sh.value_len) {
             return p.recv_value(pool);
         }
         p.take_bulk_header()?;

@@ -375,9 +375,7 @@ impl SecondaryTier for RemoteTier {
             } else {
                 value
             };
-            let per_job = usize::try_from(FETCH_JOB_BYTES / wire)
-                .unwrap_or(1)
-                .max(1);
+            let per_job = usize::try_from(FETCH_JOB_BYTES / wire).unwrap_or(1).max(1);
             let jobs = n.div_ceil(per_job);
             let mut rest = batch.into_iter();
             for _ in 0..jobs {
