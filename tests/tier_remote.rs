@@ -386,6 +386,51 @@ fn readahead_stops_at_the_staging_room_and_resumes() {
     }
 }
 
+/// A scheduler asking for new prefixes faster than the server answers (here: the server stopped,
+/// no fetch ends) queues fetches only up to the staging room — not one key per call without end —
+/// for small values (staged) and large ones (headers alone, 1024 in flight at most); every lookup
+/// stays pending and returns at once.
+#[test]
+fn lookups_faster_than_the_server_queue_no_more_than_the_room() {
+    let _g = serial();
+    if !have_redis() {
+        return;
+    }
+    let srv = Server::start("flood", &[]);
+    for block in [BLOCK, 512 << 10] {
+        let mut cfg = quick(RemoteConfig::new(
+            srv.url(),
+            Layout {
+                page_sizes_bytes: vec![block as u64],
+                ..layout("flood")
+            },
+        ));
+        cfg.io_timeout = Duration::from_secs(5);
+        let room = 32;
+        cfg.max_staged_bytes = (room * (block + kvoff::tier::HEADER_BYTES)) as u64;
+        let tier = RemoteTier::open(cfg, Arc::new(VecMemory::new(1, block))).unwrap();
+        let cap = if block >= 256 << 10 { 1024 } else { room };
+        srv.signal("-STOP");
+        let mut accepted = 0;
+        for i in 0..3000 {
+            let ks: Vec<ByteKey> = (0..4).map(|j| key(100_000 + i * 4 + j)).collect();
+            let t0 = Instant::now();
+            accepted += tier.submit_fetch(&ks);
+            assert!(
+                t0.elapsed() < Duration::from_millis(50),
+                "a submission waited"
+            );
+        }
+        srv.signal("-CONT");
+        assert!(
+            accepted > 0 && accepted <= cap,
+            "{accepted} keys queued (cap {cap})"
+        );
+        let mut tier = tier;
+        tier.shutdown();
+    }
+}
+
 #[test]
 fn corrupted_or_foreign_values_are_rejected_and_deleted() {
     let _g = serial();

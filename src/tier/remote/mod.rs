@@ -335,12 +335,10 @@ impl SecondaryTier for RemoteTier {
         let down_until = sh.router.all_down(now);
         let down = down_until.is_some();
         let down_until = down_until.unwrap_or(now);
-        // Staging room: every key but the first needs room for its value among the staged and
-        // reserved bytes (so a fetch never brings a value it cannot keep, and a readahead of many
-        // keys stops where host memory would stop it); the first key always goes (an answer for
-        // it is what the caller waits for).
+        // Staging room: a key needs room for its value among the staged and reserved bytes (so a
+        // fetch never brings a value it cannot keep, and a readahead of many keys stops where
+        // host memory would stop it), except a call's first key (below).
         let value = sh.fetch_unit();
-        let header = sh.header_fetch();
         let mut batch = Vec::new();
         for k in keys.iter().take(sh.cfg.max_fetch_keys.max(1)) {
             let unknown = match st.index.get(k) {
@@ -358,11 +356,12 @@ impl SecondaryTier for RemoteTier {
                     .insert(k.clone(), Entry::Absent { until: down_until });
                 continue;
             }
-            // (Header fetches free their room by themselves as they end: with none free, not even
-            // the first key goes, and the caller's lookup stays pending until one ends.)
-            if (header || !batch.is_empty())
-                && st.staged_bytes + st.fetch_reserved + value > sh.cfg.max_staged_bytes
-            {
+            // The first key goes while the fetches in flight alone leave room for it (staged
+            // values waiting for promotions that may never come must not stop a new request);
+            // when fetches in flight fill the room, not even the first key goes: the caller's
+            // lookup stays pending until one ends, and a flood of lookups queues no more.
+            let first = batch.is_empty() && st.fetch_reserved + value <= sh.cfg.max_staged_bytes;
+            if !first && st.staged_bytes + st.fetch_reserved + value > sh.cfg.max_staged_bytes {
                 break;
             }
             st.fetch_reserved += value;
