@@ -25,6 +25,9 @@ use std::time::{Duration, Instant};
 /// Most bytes of a reply that is not a bulk string at the top (a `CLUSTER SLOTS` map, a `SCAN`
 /// page): a reply past this is an error (the connection is dropped).
 const MAX_SMALL_REPLY: usize = 16 << 20;
+/// Most bytes of a bulk string reply: Redis's own limit on a string (`proto-max-bulk-len`,
+/// 512 MB). A longer length is a broken or hostile stream: an error, never an allocation.
+const MAX_BULK_BYTES: usize = 512 << 20;
 /// Most nested levels of an array reply.
 const MAX_DEPTH: usize = 16;
 /// The read buffer's size: replies of this size or less arrive in one `read` when the server has
@@ -391,10 +394,13 @@ fn bulk_header(b: &[u8]) -> Result<Option<(Option<usize>, usize)>, String> {
     let n = header_int(&b[1..end - 2])?;
     match n {
         -1 => Ok(Some((None, end))),
-        n if n >= 0 => Ok(Some((
-            Some(usize::try_from(n).map_err(|e| e.to_string())?),
-            end,
-        ))),
+        n if n >= 0 => {
+            let len = usize::try_from(n).map_err(|e| e.to_string())?;
+            if len > MAX_BULK_BYTES {
+                return Err(format!("a bulk string reply of {len} bytes"));
+            }
+            Ok(Some((Some(len), end)))
+        }
         _ => Err("a malformed bulk string header".to_owned()),
     }
 }
@@ -523,6 +529,9 @@ mod tests {
             assert_eq!(extent(&two, 0).unwrap(), Some(r.len()));
         }
         assert!(extent(b"%1\r\n", 0).is_err());
+        // An absurd length is an error, never an allocation.
+        assert!(bulk_header(b"$99999999999999\r\n").is_err());
+        assert!(extent(b"*1\r\n$99999999999999\r\n", 0).is_err());
         assert!(extent(b"*x\r\n", 0).is_err());
     }
 
