@@ -236,6 +236,16 @@ fn check_loaded(m: &mut Chain, mem: &VecMemory, idx: &[usize]) {
     m.complete_load(&ks).unwrap();
 }
 
+/// Engine A with blocks `0..n` stored and written through (flushed); the indices and keys.
+fn stored_prefix(url: &str, ns: &str, n: usize) -> (Chain, Vec<usize>, Vec<ByteKey>) {
+    let (mut a, mem_a) = chain(url, ns, n);
+    let idx: Vec<usize> = (0..n).collect();
+    store(&mut a, &mem_a, &idx);
+    a.flush();
+    let ks = idx.iter().map(|&i| key(i)).collect();
+    (a, idx, ks)
+}
+
 fn remote_stats(m: &mut Chain) -> kvoff::tier::chain::ChainTierStats {
     m.get_stats().unwrap().1.pop().unwrap()
 }
@@ -297,11 +307,7 @@ fn readahead_keeps_the_prefix_in_flight() {
     }
     let srv = Server::start("ra", &[]);
     let n = 200;
-    let (mut a, mem_a) = chain(&srv.url(), "ra", n);
-    let idx: Vec<usize> = (0..n).collect();
-    store(&mut a, &mem_a, &idx);
-    a.flush();
-    let ks: Vec<ByteKey> = idx.iter().map(|&i| key(i)).collect();
+    let (mut a, idx, ks) = stored_prefix(&srv.url(), "ra", n);
 
     let (mut b, mem_b) = chain(&srv.url(), "ra", n);
     assert_eq!(b.lookup_prefix(&ks).unwrap(), None);
@@ -354,11 +360,7 @@ fn readahead_stops_at_the_staging_room_and_resumes() {
     }
     let srv = Server::start("room", &[]);
     let n = 200;
-    let (mut a, mem_a) = chain(&srv.url(), "room", n);
-    let idx: Vec<usize> = (0..n).collect();
-    store(&mut a, &mem_a, &idx);
-    a.flush();
-    let ks: Vec<ByteKey> = idx.iter().map(|&i| key(i)).collect();
+    let (mut a, idx, ks) = stored_prefix(&srv.url(), "room", n);
     let mem_b = Arc::new(VecMemory::new(n, BLOCK));
     let mut cfg = quick(RemoteConfig::new(srv.url(), layout("room")));
     let room = 40;

@@ -256,7 +256,8 @@ impl Plain {
         }
     }
 
-    fn recv(&mut self, pool: Option<&BufPool>) -> Result<redis::Value, String> {
+    /// Reads one reply (see [`Conn::recv`]).
+    pub(super) fn recv(&mut self, pool: Option<&BufPool>) -> Result<redis::Value, String> {
         loop {
             let avail = &self.buf[self.start..self.end];
             if avail.first() == Some(&b'$') {
@@ -352,11 +353,6 @@ impl Plain {
             (self.start, self.end) = (0, 0);
         }
         Ok(())
-    }
-
-    /// Reads one reply (see [`Conn::recv`]).
-    pub(super) fn recv_value(&mut self, pool: Option<&BufPool>) -> Result<redis::Value, String> {
-        self.recv(pool)
     }
 }
 

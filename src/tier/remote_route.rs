@@ -147,8 +147,7 @@ impl Pack for redis::Cmd {
 /// A pipeline is written to the socket whenever this much of it is packed.
 const SEND_CHUNK_BYTES: usize = 1 << 20;
 
-/// Most bytes of reused buffers a thread keeps between batches, each kind (a 16-value pipeline
-/// of 2 MiB blocks is 32 MiB).
+/// Most bytes of the reused pipeline buffer a thread keeps between batches.
 pub(super) const KEEP_BUFFER_BYTES: usize = 64 << 20;
 
 impl Conns {

@@ -327,7 +327,6 @@ impl Shared {
                         sh: self,
                         block: *block,
                         split: std::cell::Cell::new(None),
-                        lost: std::cell::Cell::new(false),
                     },
                 )
             })
@@ -363,10 +362,6 @@ impl Shared {
                             .is_ok_and(|h| h.payload_sum == sum);
                         rejected = !good;
                         good
-                    }
-                    (_, reply) if get.lost.get() => {
-                        drop(reply);
-                        false
                     }
                     (_, reply) => match self.check(key, reply) {
                         Checked::Ok(b) => {
@@ -655,8 +650,6 @@ pub(super) struct BlockRead<'a> {
     block: BlockId,
     /// The payload went into the block, with this checksum.
     split: std::cell::Cell<Option<u64>>,
-    /// The block could not take it (out of range): the reply was read and dropped.
-    lost: std::cell::Cell<bool>,
 }
 
 impl Pack for BlockRead<'_> {
@@ -667,12 +660,11 @@ impl Pack for BlockRead<'_> {
 
     fn recv(&self, c: &mut Conn, pool: Option<&BufPool>) -> Result<redis::Value, String> {
         self.split.set(None);
-        self.lost.set(false);
         let Conn::Plain(p) = c else {
             return c.recv(pool);
         };
         if p.peek()? != Next::Bulk(self.sh.value_len) {
-            return p.recv_value(pool);
+            return p.recv(pool);
         }
         p.take_bulk_header()?;
         let mut head = vec![0u8; HEADER_BYTES];
@@ -698,7 +690,7 @@ impl Pack for BlockRead<'_> {
             p.read_body(&mut scratch)?;
         }
         if !read || placed.is_err() {
-            self.lost.set(true);
+            // The block could not take it (out of range): a nil reply, a failed promotion.
             p.read_crlf()?;
             return Ok(redis::Value::Nil);
         }
