@@ -175,6 +175,12 @@ pub(super) struct Router {
     state: Mutex<RouterState>,
     /// Replies from a node after a failure of that node.
     pub reconnects: AtomicU64,
+    /// What [`Router::all_down`] answers, published under the lock at each change of the nodes'
+    /// state so that the scheduler's thread reads it without the lock the I/O threads take: 0
+    /// while some watched node is up, else 1 + nanoseconds from `base` to the earliest end of a
+    /// backoff (1 when a down node has no end yet).
+    down: AtomicU64,
+    base: Instant,
 }
 
 fn lock(m: &Mutex<RouterState>) -> MutexGuard<'_, RouterState> {
@@ -235,7 +241,33 @@ impl Router {
             label,
             state: Mutex::new(st),
             reconnects: AtomicU64::new(0),
+            down: AtomicU64::new(0),
+            base: Instant::now(),
         }
+    }
+
+    /// Publishes what [`Router::all_down`] answers (see `down`); called under the lock after
+    /// every change of a node's state or of the serving set.
+    fn publish(&self, st: &RouterState) {
+        let mut until: Option<u64> = Some(0);
+        for id in Self::watched(st) {
+            let n = &st.nodes[id];
+            if !n.failed {
+                until = None;
+                break;
+            }
+            let t = n.down_until.map_or(0, |t| {
+                u64::try_from(t.saturating_duration_since(self.base).as_nanos())
+                    .unwrap_or(u64::MAX - 1)
+            });
+            until = until.map(|u| if u == 0 { t + 1 } else { u.min(t + 1) });
+        }
+        // No watched node at all (cannot happen: a URL names one) counts as up.
+        let v = match until {
+            Some(u) if u > 0 => u,
+            _ => 0,
+        };
+        self.down.store(v, Relaxed);
     }
 
     fn add_node(
@@ -280,24 +312,23 @@ impl Router {
             },
             _ => redis::ConnectionAddr::Tcp(host.to_owned(), port),
         };
-        Self::add_node(st, &self.cfg, host.to_owned(), port, base.set_addr(addr))
+        let id = Self::add_node(st, &self.cfg, host.to_owned(), port, base.set_addr(addr));
+        self.publish(st);
+        id
     }
 
     /// Whether every node that serves keys is down now, and if so until when (the earliest end of
     /// their backoffs): callers then fail jobs without queuing them.
     pub(super) fn all_down(&self, now: Instant) -> Option<Instant> {
-        let st = lock(&self.state);
-        let mut until: Option<Instant> = None;
-        for id in Self::watched(&st) {
-            let n = &st.nodes[id];
-            if !n.failed {
-                return None;
+        // No lock: the answer is published at each change (see `publish`).
+        match self.down.load(Relaxed) {
+            0 => None,
+            v => {
+                let t = self.base + Duration::from_nanos(v - 1);
+                // At least `backoff_min` (a probe may be due already, its result is not known yet).
+                Some(t.max(now + self.cfg.backoff_min))
             }
-            let t = n.down_until.unwrap_or(now);
-            until = Some(until.map_or(t, |u| u.min(t)));
         }
-        // At least `backoff_min` (a probe may be due already, its result is not known yet).
-        until.map(|t| t.max(now + self.cfg.backoff_min))
     }
 
     /// The nodes whose state matters: those the slot map names (every node while there is none:
@@ -398,6 +429,7 @@ impl Router {
         n.down_until = Some(Instant::now() + b);
         n.backoff = (b * 2).min(self.cfg.backoff_max);
         st.stale = true;
+        self.publish(st);
     }
 
     fn mark_up(&self, st: &mut RouterState, id: usize) {
@@ -408,6 +440,7 @@ impl Router {
             n.failed = false;
             n.down_until = None;
             n.backoff = self.cfg.backoff_min;
+            self.publish(st);
         }
     }
 
@@ -487,6 +520,7 @@ impl Router {
                         serving.sort_unstable();
                         serving.dedup();
                         st.serving = serving;
+                        self.publish(&st);
                         st.slots = map;
                         st.epoch += 1;
                         st.stale = false;

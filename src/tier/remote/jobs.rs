@@ -6,6 +6,7 @@
 use super::*;
 use crate::tier::remote_conn::{set_head, set_tail, BufPool, Conn, Next};
 use crate::tier::remote_route::{Pack, DIRECT_SEND_BYTES};
+use crossbeam_channel::{Receiver, Select, Sender};
 
 #[derive(Clone, Debug)]
 pub(super) enum Entry {
@@ -22,33 +23,213 @@ pub(super) enum Entry {
     Absent { until: Instant },
 }
 
+/// A promotion: the key, its reserved host block, and its staged value if one was fetched.
+pub(super) type ReadItem = (ByteKey, BlockId, Option<Arc<Vec<u8>>>);
+/// A write: the key and the host block it is written from.
+pub(super) type WriteItem = (ByteKey, BlockId);
+
 pub(super) enum Job {
-    /// Not queued: an idle I/O thread's turn to probe a failed node (see `worker`).
-    Probe,
     Fetch(Vec<ByteKey>),
-    /// Promotions: keys and their reserved host blocks.
-    Read(Vec<(ByteKey, BlockId)>),
+    /// Promotions: keys, their reserved host blocks and their staged values (taken out of the
+    /// index when the promotion was queued).
+    Read(Vec<ReadItem>),
     Write(Vec<(ByteKey, BlockId)>),
 }
 
-#[derive(Default)]
-pub(super) struct State {
+/// What the I/O threads hand back to the scheduler's thread, which applies it to the index and
+/// its accounting (`Sched::apply`) at its next call: the I/O threads never take the lock of the
+/// index, so no scheduler call waits on a thread that is busy with the network or preempted
+/// (docs/tier.md "Remote tier", the scheduler's path).
+pub(super) enum Done {
+    Fetch {
+        keys: Vec<ByteKey>,
+        results: Vec<Checked>,
+    },
+    Read {
+        items: Vec<ReadItem>,
+        ok: Vec<bool>,
+    },
+    /// A write batch: its host blocks are no longer read, and how each write ended.
+    Write {
+        items: Vec<(ByteKey, BlockId)>,
+        wrote: Vec<Wrote>,
+    },
+    /// A job whose thread panicked: it failed as a whole (a write batch's blocks are no longer
+    /// read either).
+    Panicked(Job),
+}
+
+/// What a job's run found (see `Shared::worker`).
+enum Ran {
+    Fetch(Vec<Checked>),
+    Read(Vec<bool>),
+    Write(Vec<Wrote>),
+}
+
+/// How one write of a batch ended.
+#[derive(Clone, Copy, PartialEq, Eq)]
+pub(super) enum Wrote {
+    /// The server stored it.
+    Stored,
+    /// Not stored (no reply, an error reply, or the value could not be built).
+    Failed,
+}
+
+/// The scheduler's side of the tier: the partial index and the accounting of queued and running
+/// jobs. Only the scheduler's calls lock it (never an I/O thread), so the lock is never contended
+/// by the I/O threads.
+pub(super) struct Sched {
     pub(super) index: HashMap<ByteKey, Entry, foldhash::fast::RandomState>,
-    pub(super) jobs_reads: VecDeque<Job>,
-    pub(super) jobs_writes: VecDeque<(ByteKey, BlockId)>,
+    /// Writes queued or running.
     pub(super) queued_writes: usize,
-    pub(super) running_reads: u64,
-    pub(super) running_writes: u64,
-    /// Fetch jobs taken by an I/O thread and not finished.
-    pub(super) running_fetches: u64,
     pub(super) inflight_bytes: u64,
+    /// Promotions queued or running.
+    pub(super) reads_out: u64,
+    /// Fetch jobs queued or running.
+    pub(super) fetches_out: u64,
     /// Bytes of values that queued or running fetches may stage (reserved at `submit_fetch`, so
     /// that readahead never fetches a value it has no room to keep).
     pub(super) fetch_reserved: u64,
     pub(super) staged_bytes: u64,
     pub(super) completions: Vec<Completion>,
-    pub(super) shutdown: bool,
-    pub(super) last_error: Option<String>,
+    pub(super) done: std::sync::mpsc::Receiver<Done>,
+}
+
+impl Sched {
+    /// Applies the results the I/O threads handed back since the last call.
+    pub(super) fn apply(&mut self, sh: &Shared) {
+        while let Ok(d) = self.done.try_recv() {
+            self.apply_one(sh, d);
+        }
+    }
+
+    fn end_writes(&mut self, sh: &Shared, n: usize) {
+        self.queued_writes = self.queued_writes.saturating_sub(n);
+        self.inflight_bytes = self
+            .inflight_bytes
+            .saturating_sub((n * sh.value_len) as u64);
+    }
+
+    fn apply_one(&mut self, sh: &Shared, d: Done) {
+        let now = Instant::now();
+        let absent = Entry::Absent {
+            until: now + sh.cfg.negative_ttl,
+        };
+        match d {
+            Done::Fetch { keys, results } => {
+                self.fetches_out = self.fetches_out.saturating_sub(1);
+                self.fetch_reserved = self
+                    .fetch_reserved
+                    .saturating_sub(keys.len() as u64 * sh.fetch_unit());
+                for (k, c) in keys.into_iter().zip(results) {
+                    if !matches!(self.index.get(&k), Some(Entry::Fetching)) {
+                        continue; // written or forgotten meanwhile
+                    }
+                    let e = match c {
+                        Checked::Ok(v) => {
+                            let keep = !v.is_empty()
+                                && self.staged_bytes + v.len() as u64 <= sh.cfg.max_staged_bytes;
+                            let value = keep.then(|| {
+                                self.staged_bytes += v.len() as u64;
+                                Arc::new(v)
+                            });
+                            Entry::Present {
+                                value,
+                                until: now + sh.cfg.present_ttl,
+                            }
+                        }
+                        // Unanswered (its node down, failing or redirected away) too: remembered
+                        // as absent for a while (no refetch storm).
+                        Checked::Missing | Checked::Rejected | Checked::Failed => absent.clone(),
+                    };
+                    self.index.insert(k, e);
+                }
+            }
+            Done::Read { items, ok } => {
+                self.reads_out = self.reads_out.saturating_sub(items.len() as u64);
+                for ((key, block, _), ok) in items.into_iter().zip(ok) {
+                    if !ok {
+                        self.index.insert(key.clone(), absent.clone());
+                    }
+                    self.completions
+                        .push(Completion::Promoted { key, block, ok });
+                }
+            }
+            Done::Write { items, wrote } => {
+                self.end_writes(sh, items.len());
+                for ((key, block), w) in items.into_iter().zip(wrote) {
+                    if matches!(self.index.get(&key), Some(Entry::Writing)) {
+                        if w == Wrote::Stored {
+                            self.index.insert(
+                                key.clone(),
+                                Entry::Present {
+                                    value: None,
+                                    until: now + sh.cfg.present_ttl,
+                                },
+                            );
+                        } else {
+                            // Not on the server because of this write.
+                            self.index.remove(&key);
+                        }
+                    }
+                    self.completions.push(Completion::Released { key, block });
+                }
+            }
+            Done::Panicked(job) => match job {
+                Job::Fetch(keys) => {
+                    self.fetches_out = self.fetches_out.saturating_sub(1);
+                    self.fetch_reserved = self
+                        .fetch_reserved
+                        .saturating_sub(keys.len() as u64 * sh.fetch_unit());
+                    for k in keys {
+                        if matches!(self.index.get(&k), Some(Entry::Fetching)) {
+                            sh.counters.fetch_errors.fetch_add(1, Relaxed);
+                            self.index.insert(k, absent.clone());
+                        }
+                    }
+                }
+                Job::Read(items) => {
+                    self.reads_out = self.reads_out.saturating_sub(items.len() as u64);
+                    for (key, block, _) in items {
+                        sh.counters.read_errors.fetch_add(1, Relaxed);
+                        self.index.insert(key.clone(), absent.clone());
+                        self.completions.push(Completion::Promoted {
+                            key,
+                            block,
+                            ok: false,
+                        });
+                    }
+                }
+                Job::Write(items) => {
+                    self.end_writes(sh, items.len());
+                    sh.counters
+                        .write_errors
+                        .fetch_add(items.len() as u64, Relaxed);
+                    for (key, block) in items {
+                        if matches!(self.index.get(&key), Some(Entry::Writing)) {
+                            self.index.remove(&key);
+                        }
+                        self.completions.push(Completion::Released { key, block });
+                    }
+                }
+            },
+        }
+    }
+
+    /// Jobs queued or running.
+    pub(super) fn outstanding(&self) -> bool {
+        self.queued_writes > 0 || self.reads_out > 0 || self.fetches_out > 0
+    }
+}
+
+/// The job queues (multi-consumer channels: the I/O threads take from them in priority order,
+/// promotions first, then fetches, then writes).
+pub(super) struct Queues {
+    pub(super) reads: (Sender<Job>, Receiver<Job>),
+    pub(super) fetches: (Sender<Job>, Receiver<Job>),
+    pub(super) writes: (Sender<WriteItem>, Receiver<WriteItem>),
+    /// Never sent on: disconnected (its sender dropped) at shutdown, which wakes every thread.
+    pub(super) stop: Receiver<()>,
 }
 
 #[derive(Default)]
@@ -81,15 +262,18 @@ pub(super) struct Shared {
     pub(super) value_len: usize,
     pub(super) cfg: RemoteConfig,
     pub(super) memory: Arc<dyn BlockMemory>,
-    pub(super) state: Mutex<State>,
-    pub(super) cv: Condvar,
+    pub(super) queues: Queues,
+    /// Results for the scheduler's side (`Done`).
+    pub(super) done: std::sync::mpsc::Sender<Done>,
+    pub(super) shutdown: AtomicBool,
+    pub(super) last_error: Mutex<Option<String>>,
     pub(super) counters: Counters,
     pub(super) pid: u32,
     /// Buffers of values read, reused (see `BufPool`).
     pub(super) pool: Arc<BufPool>,
 }
 
-pub(super) fn lock(m: &Mutex<State>) -> MutexGuard<'_, State> {
+pub(super) fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
     m.lock().unwrap_or_else(PoisonError::into_inner)
 }
 
@@ -193,7 +377,7 @@ impl Shared {
     ) -> Vec<Option<redis::Value>> {
         let out = self.router.run(conns, cmds);
         if let Some(e) = out.error {
-            lock(&self.state).last_error = Some(e);
+            self.set_error(e);
         }
         out.replies
     }
@@ -205,10 +389,9 @@ impl Shared {
         let _ = self.run(conns, &[(k, c)]);
     }
 
-    pub(super) fn run_fetch(&self, conns: &mut Conns, keys: &[ByteKey]) {
+    pub(super) fn run_fetch(&self, conns: &mut Conns, keys: &[ByteKey]) -> Vec<Checked> {
         let t0 = Instant::now();
         let header = self.header_fetch();
-        let reserved = keys.len() as u64 * self.fetch_unit();
         let cmds: Vec<(String, redis::Cmd)> = keys
             .iter()
             .map(|k| {
@@ -242,80 +425,31 @@ impl Shared {
         if results.iter().any(|c| !matches!(c, Checked::Failed)) {
             self.counters.read_ns.fetch_add(ns(t0), Relaxed);
         }
-        {
-            let now = Instant::now();
-            let mut st = lock(&self.state);
-            st.fetch_reserved = st.fetch_reserved.saturating_sub(reserved);
-            st.running_fetches = st.running_fetches.saturating_sub(1);
-            for (k, c) in keys.iter().zip(results) {
-                if !matches!(st.index.get(k), Some(Entry::Fetching)) {
-                    continue; // written or forgotten meanwhile
+        for c in &results {
+            let n = match c {
+                Checked::Ok(_) => &self.counters.fetch_hits,
+                Checked::Missing => &self.counters.fetch_misses,
+                Checked::Rejected => {
+                    self.counters.rejected.fetch_add(1, Relaxed);
+                    &self.counters.fetch_misses
                 }
-                let e = match c {
-                    Checked::Ok(v) => {
-                        self.counters.fetch_hits.fetch_add(1, Relaxed);
-                        let keep = !v.is_empty()
-                            && st.staged_bytes + v.len() as u64 <= self.cfg.max_staged_bytes;
-                        let value = keep.then(|| {
-                            st.staged_bytes += v.len() as u64;
-                            Arc::new(v)
-                        });
-                        Entry::Present {
-                            value,
-                            until: now + self.cfg.present_ttl,
-                        }
-                    }
-                    Checked::Missing => {
-                        self.counters.fetch_misses.fetch_add(1, Relaxed);
-                        Entry::Absent {
-                            until: now + self.cfg.negative_ttl,
-                        }
-                    }
-                    Checked::Rejected => {
-                        self.counters.rejected.fetch_add(1, Relaxed);
-                        self.counters.fetch_misses.fetch_add(1, Relaxed);
-                        Entry::Absent {
-                            until: now + self.cfg.negative_ttl,
-                        }
-                    }
-                    // Unanswered (its node down, failing or redirected away): remembered as
-                    // absent for a while (no refetch storm); the other keys of the batch stand.
-                    Checked::Failed => {
-                        self.counters.fetch_errors.fetch_add(1, Relaxed);
-                        Entry::Absent {
-                            until: now + self.cfg.negative_ttl,
-                        }
-                    }
-                };
-                st.index.insert(k.clone(), e);
-            }
+                Checked::Failed => &self.counters.fetch_errors,
+            };
+            n.fetch_add(1, Relaxed);
         }
         for k in &rejected {
             self.delete(conns, k);
         }
+        results
     }
 
     /// Promotes `items` (keys with their reserved host blocks): each from its staged value, or
     /// with a `GET` whose value is read from the socket straight into its host block (one
     /// pipeline for the batch; see `BlockRead`); one lock for the batch's completions.
-    pub(super) fn run_reads(&self, conns: &mut Conns, items: &[(ByteKey, BlockId)]) {
+    pub(super) fn run_reads(&self, conns: &mut Conns, job: &mut [ReadItem]) -> Vec<bool> {
         let t0 = Instant::now();
-        let staged: Vec<Option<Arc<Vec<u8>>>> = {
-            let mut st = lock(&self.state);
-            items
-                .iter()
-                .map(|(key, _)| {
-                    let v = match st.index.get_mut(key) {
-                        Some(Entry::Present { value, .. }) => value.take(),
-                        _ => None,
-                    };
-                    if let Some(v) = &v {
-                        st.staged_bytes -= v.len() as u64;
-                    }
-                    v
-                })
-                .collect()
-        };
+        let staged: Vec<Option<Arc<Vec<u8>>>> = job.iter_mut().map(|(_, _, v)| v.take()).collect();
+        let items: Vec<(&ByteKey, BlockId)> = job.iter().map(|(k, b, _)| (k, *b)).collect();
         let gets: Vec<(String, BlockRead<'_>)> = items
             .iter()
             .zip(&staged)
@@ -386,8 +520,6 @@ impl Shared {
             }
             done.push(ok);
         }
-        let mut st = lock(&self.state);
-        st.running_reads = st.running_reads.saturating_sub(items.len() as u64);
         let good = done.iter().filter(|&&ok| ok).count() as u64;
         if good > 0 {
             self.counters.promotions.fetch_add(good, Relaxed);
@@ -396,18 +528,10 @@ impl Shared {
                 .fetch_add(good * self.payload_len as u64, Relaxed);
             self.counters.read_ns.fetch_add(ns(t0), Relaxed);
         }
-        let until = Instant::now() + self.cfg.negative_ttl;
-        for ((key, block), ok) in items.iter().zip(done) {
-            if !ok {
-                self.counters.read_errors.fetch_add(1, Relaxed);
-                st.index.insert(key.clone(), Entry::Absent { until });
-            }
-            st.completions.push(Completion::Promoted {
-                key: key.clone(),
-                block: *block,
-                ok,
-            });
-        }
+        self.counters
+            .read_errors
+            .fetch_add(items.len() as u64 - good, Relaxed);
+        done
     }
 
     /// Writes `items`; sets `released` once their host blocks are handed back (completions).
@@ -418,12 +542,7 @@ impl Shared {
     /// therefore handed back once the batch's replies are in (a command that must go again, after
     /// a redirect or a failover, reads its block again), not before the network as when values
     /// were copied.
-    pub(super) fn run_writes(
-        &self,
-        conns: &mut Conns,
-        items: &[(ByteKey, BlockId)],
-        released: &mut bool,
-    ) {
+    pub(super) fn run_writes(&self, conns: &mut Conns, items: &[(ByteKey, BlockId)]) -> Vec<Wrote> {
         let t0 = Instant::now();
         let px = self
             .cfg
@@ -445,61 +564,30 @@ impl Shared {
             })
             .collect();
         let replies = self.run(conns, &cmds);
-        {
-            let mut st = lock(&self.state);
-            for (k, b) in items {
-                st.completions.push(Completion::Released {
-                    key: k.clone(),
-                    block: *b,
-                });
-            }
-            *released = true;
-        }
         conns.trim();
-        let n_failed_local = cmds.iter().filter(|(_, c)| c.failed.get()).count();
-        let elapsed = ns(t0);
-        let mut st = lock(&self.state);
-        self.end_writes(&mut st, items.len(), n_failed_local);
-        let now = Instant::now();
+        let mut wrote = Vec::with_capacity(items.len());
         for (i, (_, cmd)) in cmds.iter().enumerate() {
-            let k = cmd.key;
-            if cmd.failed.get() {
-                // Counted in `end_writes`; the key is not on the server because of this write.
-                if matches!(st.index.get(k), Some(Entry::Writing)) {
-                    st.index.remove(k);
-                }
-                continue;
-            }
             let reply = replies.get(i).and_then(Option::as_ref);
-            let good = reply
-                .is_some_and(|v| matches!(v, redis::Value::Okay | redis::Value::SimpleString(_)));
+            let good = !cmd.failed.get()
+                && reply.is_some_and(|v| {
+                    matches!(v, redis::Value::Okay | redis::Value::SimpleString(_))
+                });
             if good {
                 self.counters.writes.fetch_add(1, Relaxed);
                 self.counters
                     .bytes_written
                     .fetch_add(self.payload_len as u64, Relaxed);
-                if matches!(st.index.get(k), Some(Entry::Writing)) {
-                    st.index.insert(
-                        k.clone(),
-                        Entry::Present {
-                            value: None,
-                            until: now + self.cfg.present_ttl,
-                        },
-                    );
-                }
+                wrote.push(Wrote::Stored);
             } else {
                 self.counters.write_errors.fetch_add(1, Relaxed);
-                if let Some(v) = reply {
-                    st.last_error = Some(format!("{}: SET answered {v:?}", self.url_redacted));
+                if let (false, Some(v)) = (cmd.failed.get(), reply) {
+                    self.set_error(format!("{}: SET answered {v:?}", self.url_redacted));
                 }
-                if matches!(st.index.get(k), Some(Entry::Writing)) {
-                    st.index.remove(k);
-                }
+                wrote.push(Wrote::Failed);
             }
         }
-        self.counters.write_ns.fetch_add(elapsed, Relaxed);
-        drop(st);
-        self.cv.notify_all();
+        self.counters.write_ns.fetch_add(ns(t0), Relaxed);
+        wrote
     }
 
     /// A thread's (empty) set of connections.
@@ -509,135 +597,100 @@ impl Shared {
         c
     }
 
+    /// Hands a result to the scheduler's side (dropped when the tier is gone).
+    pub(super) fn send(&self, d: Done) {
+        let _ = self.done.send(d);
+    }
+
+    pub(super) fn set_error(&self, e: String) {
+        *lock(&self.last_error) = Some(e);
+    }
+
+    /// The next job, promotions first, then fetches, then a batch of writes; `None` when there is
+    /// none now.
+    fn next_job(&self) -> Option<Job> {
+        let q = &self.queues;
+        if let Ok(j) = q.reads.1.try_recv() {
+            return Some(j);
+        }
+        if let Ok(j) = q.fetches.1.try_recv() {
+            return Some(j);
+        }
+        let first = q.writes.1.try_recv().ok()?;
+        let by_bytes = (WRITE_BATCH_BYTES / self.value_len.max(1)).max(1);
+        let n = self.cfg.max_write_batch.max(1).min(by_bytes);
+        let mut batch = Vec::with_capacity(n.min(1024));
+        batch.push(first);
+        while batch.len() < n {
+            match q.writes.1.try_recv() {
+                Ok(w) => batch.push(w),
+                Err(_) => break,
+            }
+        }
+        Some(Job::Write(batch))
+    }
+
+    /// Waits until a queue has a job, the tier stops, or `wait` passes.
+    fn wait_job(&self, wait: Duration) {
+        let q = &self.queues;
+        let mut sel = Select::new();
+        sel.recv(&q.reads.1);
+        sel.recv(&q.fetches.1);
+        sel.recv(&q.writes.1);
+        sel.recv(&q.stop);
+        let _ = sel.ready_timeout(wait);
+    }
+
     pub(super) fn worker(self: &Arc<Self>) {
         let mut conns = self.conns();
         loop {
             // A failed node whose backoff is over is probed between jobs (one thread at a time);
             // jobs meanwhile fail its commands at once.
             if let Some(e) = self.router.probe(&mut conns) {
-                lock(&self.state).last_error = Some(e);
+                self.set_error(e);
             }
-            let mut st = lock(&self.state);
-            let job = loop {
-                if let Some(j) = st.jobs_reads.pop_front() {
-                    match &j {
-                        Job::Read(items) => st.running_reads += items.len() as u64,
-                        Job::Fetch(..) => st.running_fetches += 1,
-                        _ => {}
-                    }
-                    break Some(j);
-                }
-                if !st.jobs_writes.is_empty() {
-                    let by_bytes = (WRITE_BATCH_BYTES / self.value_len.max(1)).max(1);
-                    let n = st
-                        .jobs_writes
-                        .len()
-                        .min(self.cfg.max_write_batch.max(1))
-                        .min(by_bytes);
-                    let batch: Vec<_> = st.jobs_writes.drain(..n).collect();
-                    st.running_writes += batch.len() as u64;
-                    break Some(Job::Write(batch));
-                }
-                if st.shutdown {
-                    break None;
+            let Some(job) = self.next_job() else {
+                if self.shutdown.load(Acquire) {
+                    return;
                 }
                 let idle = Duration::from_millis(500);
                 let wait = self
                     .router
                     .next_probe(Instant::now())
                     .map_or(idle, |d| d.min(idle));
-                if wait.is_zero() {
-                    break Some(Job::Probe);
+                if !wait.is_zero() {
+                    self.wait_job(wait);
                 }
-                st = self
-                    .cv
-                    .wait_timeout(st, wait)
-                    .unwrap_or_else(PoisonError::into_inner)
-                    .0;
+                continue;
             };
-            drop(st);
-            let Some(job) = job else { return };
             // A panic inside a job (a bug in a dependency or a `BlockMemory`) must not leave the
             // job's accounting open, or `flush` and `shutdown` would wait for ever: the job fails
             // (its keys absent, its blocks released, counted as errors), the thread's connections
             // are dropped and the thread goes on (docs/tier.md, remote tier, Faults).
-            let mut released = false;
-            let r = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| match &job {
-                Job::Probe => {}
-                Job::Fetch(keys) => self.run_fetch(&mut conns, keys),
-                Job::Read(items) => self.run_reads(&mut conns, items),
-                Job::Write(items) => self.run_writes(&mut conns, items, &mut released),
+            let mut job = job;
+            let r = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| match &mut job {
+                Job::Fetch(keys) => Ran::Fetch(self.run_fetch(&mut conns, keys)),
+                Job::Read(items) => Ran::Read(self.run_reads(&mut conns, items)),
+                Job::Write(items) => Ran::Write(self.run_writes(&mut conns, items)),
             }));
-            if let Err(p) = r {
-                conns = self.conns();
-                self.fail_panicked(&job, released, &panic_text(p.as_ref()));
-            }
+            let done = match (r, job) {
+                (Ok(Ran::Fetch(results)), Job::Fetch(keys)) => Done::Fetch { keys, results },
+                (Ok(Ran::Read(ok)), Job::Read(items)) => Done::Read { items, ok },
+                (Ok(Ran::Write(wrote)), Job::Write(items)) => Done::Write { items, wrote },
+                (r, job) => {
+                    conns = self.conns();
+                    let why = r.err().map_or_else(
+                        || "job and result differ".into(),
+                        |p| panic_text(p.as_ref()),
+                    );
+                    self.set_error(format!(
+                        "a remote I/O thread panicked (its job failed): {why}"
+                    ));
+                    Done::Panicked(job)
+                }
+            };
+            self.send(done);
         }
-    }
-
-    /// Takes a finished write batch of `n` values off the queue and in-flight accounting and
-    /// counts `failed` of them as write errors.
-    pub(super) fn end_writes(&self, st: &mut State, n: usize, failed: usize) {
-        st.inflight_bytes = st
-            .inflight_bytes
-            .saturating_sub((n * self.value_len) as u64);
-        st.running_writes = st.running_writes.saturating_sub(n as u64);
-        st.queued_writes = st.queued_writes.saturating_sub(n);
-        self.counters.write_errors.fetch_add(failed as u64, Relaxed);
-    }
-
-    /// Closes the accounting of a job whose thread panicked (see `worker`).
-    pub(super) fn fail_panicked(&self, job: &Job, released: bool, why: &str) {
-        let mut st = lock(&self.state);
-        st.last_error = Some(format!(
-            "a remote I/O thread panicked (its job failed): {why}"
-        ));
-        let until = Instant::now() + self.cfg.negative_ttl;
-        match job {
-            Job::Probe => {}
-            Job::Fetch(keys) => {
-                st.running_fetches = st.running_fetches.saturating_sub(1);
-                st.fetch_reserved = st
-                    .fetch_reserved
-                    .saturating_sub((keys.len() * self.value_len) as u64);
-                for k in keys {
-                    if matches!(st.index.get(k), Some(Entry::Fetching)) {
-                        self.counters.fetch_errors.fetch_add(1, Relaxed);
-                        st.index.insert(k.clone(), Entry::Absent { until });
-                    }
-                }
-            }
-            Job::Read(items) => {
-                st.running_reads = st.running_reads.saturating_sub(items.len() as u64);
-                for (k, b) in items {
-                    self.counters.read_errors.fetch_add(1, Relaxed);
-                    st.index.insert(k.clone(), Entry::Absent { until });
-                    st.completions.push(Completion::Promoted {
-                        key: k.clone(),
-                        block: *b,
-                        ok: false,
-                    });
-                }
-            }
-            Job::Write(items) => {
-                if !released {
-                    for (k, b) in items {
-                        st.completions.push(Completion::Released {
-                            key: k.clone(),
-                            block: *b,
-                        });
-                    }
-                }
-                self.end_writes(&mut st, items.len(), items.len());
-                for (k, _) in items {
-                    if matches!(st.index.get(k), Some(Entry::Writing)) {
-                        st.index.remove(k);
-                    }
-                }
-            }
-        }
-        drop(st);
-        self.cv.notify_all();
     }
 }
 

@@ -50,9 +50,12 @@
 //! dropped and counted; a fetch batch is at most [`RemoteConfig::max_fetch_keys`] keys.
 #![forbid(unsafe_code)]
 
-use std::collections::{HashMap, VecDeque};
-use std::sync::atomic::{AtomicU64, Ordering::Relaxed};
-use std::sync::{Arc, Condvar, Mutex, MutexGuard, PoisonError};
+use std::collections::HashMap;
+use std::sync::atomic::{
+    AtomicBool, AtomicU64,
+    Ordering::{Acquire, Relaxed, Release},
+};
+use std::sync::{Arc, Mutex, MutexGuard, PoisonError};
 use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
 
@@ -110,6 +113,10 @@ const GAUGES_TTL: Duration = Duration::from_secs(1);
 /// The remote tier. See the module docs.
 pub struct RemoteTier {
     shared: Arc<Shared>,
+    /// The index and the jobs' accounting (see `Sched`): locked by the scheduler's calls only.
+    sched: Mutex<Sched>,
+    /// Dropped at shutdown (wakes every I/O thread; see `Queues::stop`).
+    stop: Option<crossbeam_channel::Sender<()>>,
     threads: Vec<JoinHandle<()>>,
     /// Last index gauges (present, absent) and when they were counted.
     gauges: Mutex<Option<(Instant, (u64, u64))>>,
@@ -184,6 +191,8 @@ impl RemoteTier {
             target.nodes,
         );
         let max_staged = usize::try_from(cfg.max_staged_bytes).unwrap_or(usize::MAX);
+        let (done_tx, done_rx) = std::sync::mpsc::channel();
+        let (stop_tx, stop_rx) = crossbeam_channel::bounded(0);
         let shared = Arc::new(Shared {
             cluster: target.cluster,
             router,
@@ -195,10 +204,17 @@ impl RemoteTier {
             owner: xxh3_64(owner_str.as_bytes()),
             payload_len,
             value_len,
-            state: Mutex::new(State::default()),
+            queues: Queues {
+                reads: crossbeam_channel::unbounded(),
+                fetches: crossbeam_channel::unbounded(),
+                writes: crossbeam_channel::unbounded(),
+                stop: stop_rx,
+            },
+            done: done_tx,
+            shutdown: AtomicBool::new(false),
+            last_error: Mutex::new(None),
             cfg,
             memory,
-            cv: Condvar::new(),
             counters: Counters::default(),
             pid: std::process::id(),
             pool: Arc::new(BufPool::new(POOL_BYTES.min(max_staged))),
@@ -219,6 +235,18 @@ impl RemoteTier {
         }
         Ok(Self {
             shared,
+            sched: Mutex::new(Sched {
+                index: HashMap::default(),
+                queued_writes: 0,
+                inflight_bytes: 0,
+                reads_out: 0,
+                fetches_out: 0,
+                fetch_reserved: 0,
+                staged_bytes: 0,
+                completions: Vec::new(),
+                done: done_rx,
+            }),
+            stop: Some(stop_tx),
             threads,
             gauges: Mutex::new(None),
         })
@@ -250,7 +278,7 @@ impl RemoteTier {
 
     /// Forgets what the index knows about `key` (the next lookup asks the server).
     pub fn forget(&self, key: &ByteKey) {
-        let mut st = lock(&self.shared.state);
+        let mut st = self.sched();
         if let Some(Entry::Present { value: Some(v), .. }) = st.index.remove(key) {
             st.staged_bytes -= v.len() as u64;
         }
@@ -260,11 +288,18 @@ impl RemoteTier {
         std::process::id() != self.shared.pid
     }
 
+    /// The scheduler's side, with the I/O threads' results applied.
+    fn sched(&self) -> MutexGuard<'_, Sched> {
+        let mut st = lock(&self.sched);
+        st.apply(&self.shared);
+        st
+    }
+
     /// Bounds the index (called from submissions): at [`INDEX_CAP`] entries, expired ones go; if
     /// more than half remain, every remembered answer without a staged value goes too (those keys
     /// become `Unknown`: a later lookup fetches them again). So the index stays below the cap and
     /// the scan's cost is amortised over the insertions that filled it.
-    fn expire(st: &mut State, now: Instant) {
+    fn expire(st: &mut Sched, now: Instant) {
         if st.index.len() < INDEX_CAP {
             return;
         }
@@ -298,7 +333,7 @@ impl SecondaryTier for RemoteTier {
     }
 
     fn index(&self, key: &ByteKey) -> Known {
-        let st = lock(&self.shared.state);
+        let st = self.sched();
         match st.index.get(key) {
             // A fetch in flight answers later; a key being written is not readable yet.
             None | Some(Entry::Writing | Entry::Fetching) => Known::Unknown,
@@ -325,10 +360,10 @@ impl SecondaryTier for RemoteTier {
         }
         let sh = &self.shared;
         let now = Instant::now();
-        let mut st = lock(&sh.state);
-        if st.shutdown {
+        if sh.shutdown.load(Acquire) {
             return 0;
         }
+        let mut st = self.sched();
         Self::expire(&mut st, now);
         // While every node is down, remember the keys as misses: no job, no network. (A node
         // down among live ones fails its own keys in the I/O thread, also without a network call.)
@@ -379,16 +414,15 @@ impl SecondaryTier for RemoteTier {
             };
             let per_job = usize::try_from(FETCH_JOB_BYTES / wire).unwrap_or(1).max(1);
             let jobs = n.div_ceil(per_job);
+            st.fetches_out += jobs as u64;
+            drop(st);
             let mut rest = batch.into_iter();
             for _ in 0..jobs {
-                st.jobs_reads
-                    .push_back(Job::Fetch(rest.by_ref().take(per_job).collect()));
-            }
-            drop(st);
-            if jobs > 1 {
-                sh.cv.notify_all();
-            } else {
-                sh.cv.notify_one();
+                let _ = sh
+                    .queues
+                    .fetches
+                    .0
+                    .send(Job::Fetch(rest.by_ref().take(per_job).collect()));
             }
         }
         n
@@ -396,7 +430,7 @@ impl SecondaryTier for RemoteTier {
 
     fn fetch_room(&self) -> usize {
         let sh = &self.shared;
-        let st = lock(&sh.state);
+        let st = self.sched();
         let used = st.staged_bytes + st.fetch_reserved;
         usize::try_from(sh.cfg.max_staged_bytes.saturating_sub(used) / sh.fetch_unit())
             .unwrap_or(usize::MAX)
@@ -404,10 +438,7 @@ impl SecondaryTier for RemoteTier {
 
     fn has_or_writing(&self, key: &ByteKey) -> bool {
         self.index(key) == Known::Present
-            || matches!(
-                lock(&self.shared.state).index.get(key),
-                Some(Entry::Writing)
-            )
+            || matches!(self.sched().index.get(key), Some(Entry::Writing))
     }
 
     fn submit_writes(&self, items: &[(ByteKey, BlockId)]) -> Vec<bool> {
@@ -416,13 +447,15 @@ impl SecondaryTier for RemoteTier {
             return vec![false; items.len()];
         }
         let now = Instant::now();
-        let mut st = lock(&sh.state);
+        let mut st = self.sched();
         Self::expire(&mut st, now);
         let down = sh.router.all_down(now).is_some();
+        let stopped = sh.shutdown.load(Acquire);
+        let mut queued = Vec::new();
         let out = items
             .iter()
             .map(|(k, b)| {
-                if st.shutdown {
+                if stopped {
                     return false;
                 }
                 if matches!(st.index.get(k), Some(Entry::Writing)) {
@@ -446,12 +479,14 @@ impl SecondaryTier for RemoteTier {
                 {
                     st.staged_bytes -= v.len() as u64;
                 }
-                st.jobs_writes.push_back((k.clone(), *b));
+                queued.push((k.clone(), *b));
                 true
             })
             .collect();
         drop(st);
-        sh.cv.notify_one();
+        for w in queued {
+            let _ = sh.queues.writes.0.send(w);
+        }
         out
     }
 
@@ -460,58 +495,60 @@ impl SecondaryTier for RemoteTier {
         if self.forked() {
             return vec![false; items.len()];
         }
-        let mut st = lock(&sh.state);
+        let stopped = sh.shutdown.load(Acquire);
+        let mut st = self.sched();
+        let per_job = usize::try_from(FETCH_JOB_BYTES / sh.value_len.max(1) as u64)
+            .unwrap_or(1)
+            .max(1);
+        let mut jobs = Vec::new();
         let mut batch = Vec::new();
-        let mut jobs = 0;
-        let per_job = (FETCH_JOB_BYTES / sh.value_len.max(1) as u64).max(1);
-        // Promotions go before queued fetches (after earlier promotions): the scheduler waits for
-        // them, and their copies overlap the fetches still on the wire (docs/tier.md, remote tier).
-        let mut at = st
-            .jobs_reads
-            .iter()
-            .position(|j| matches!(j, Job::Fetch(_)))
-            .unwrap_or(st.jobs_reads.len());
+        // Promotions go before queued fetches (their own queue, taken first): the scheduler waits
+        // for them, and their copies overlap the fetches still on the wire (docs/tier.md, remote
+        // tier). A staged value goes with its job.
         let out = items
             .iter()
             .map(|(k, b)| {
-                if st.shutdown || !matches!(st.index.get(k), Some(Entry::Present { .. })) {
+                if stopped {
                     return false;
                 }
-                batch.push((k.clone(), *b));
-                if batch.len() as u64 == per_job {
-                    st.jobs_reads
-                        .insert(at, Job::Read(std::mem::take(&mut batch)));
-                    at += 1;
-                    jobs += 1;
+                let staged = match st.index.get_mut(k) {
+                    Some(Entry::Present { value, .. }) => value.take(),
+                    _ => return false,
+                };
+                if let Some(v) = &staged {
+                    st.staged_bytes -= v.len() as u64;
+                }
+                batch.push((k.clone(), *b, staged));
+                if batch.len() == per_job {
+                    jobs.push(Job::Read(std::mem::take(&mut batch)));
                 }
                 true
             })
             .collect();
         if !batch.is_empty() {
-            st.jobs_reads.insert(at, Job::Read(batch));
-            jobs += 1;
+            jobs.push(Job::Read(batch));
         }
+        st.reads_out += jobs
+            .iter()
+            .map(|j| match j {
+                Job::Read(i) => i.len() as u64,
+                _ => 0,
+            })
+            .sum::<u64>();
         drop(st);
-        if jobs > 1 {
-            sh.cv.notify_all();
-        } else if jobs == 1 {
-            sh.cv.notify_one();
+        for j in jobs {
+            let _ = sh.queues.reads.0.send(j);
         }
         out
     }
 
     fn poll(&self) -> Vec<Completion> {
-        std::mem::take(&mut lock(&self.shared.state).completions)
+        std::mem::take(&mut self.sched().completions)
     }
 
     fn busy(&self) -> bool {
-        let st = lock(&self.shared.state);
-        !(st.jobs_reads.is_empty()
-            && st.jobs_writes.is_empty()
-            && st.running_reads == 0
-            && st.running_writes == 0
-            && st.running_fetches == 0
-            && st.completions.is_empty())
+        let st = self.sched();
+        st.outstanding() || !st.completions.is_empty()
     }
 
     fn flush(&self) {
@@ -519,18 +556,9 @@ impl SecondaryTier for RemoteTier {
             return;
         }
         loop {
-            {
-                let st = lock(&self.shared.state);
-                let idle = st.jobs_reads.is_empty()
-                    && st.jobs_writes.is_empty()
-                    && st.running_reads == 0
-                    && st.running_writes == 0
-                    && st.running_fetches == 0;
-                if idle || st.shutdown {
-                    return;
-                }
+            if !self.sched().outstanding() || self.shared.shutdown.load(Acquire) {
+                return;
             }
-            self.shared.cv.notify_all();
             std::thread::sleep(Duration::from_micros(500));
         }
     }
@@ -548,22 +576,24 @@ impl SecondaryTier for RemoteTier {
             for t in self.threads.drain(..) {
                 std::mem::forget(t);
             }
-            lock(&self.shared.state).shutdown = true;
+            // The parent's queues and channels are not this process's to touch.
+            std::mem::forget(self.stop.take());
+            self.shared.shutdown.store(true, Release);
             return;
         }
         self.flush();
-        lock(&self.shared.state).shutdown = true;
-        self.shared.cv.notify_all();
+        self.shared.shutdown.store(true, Release);
+        drop(self.stop.take());
         for t in self.threads.drain(..) {
             if t.join().is_err() {
-                lock(&self.shared.state).last_error = Some("a remote I/O thread panicked".into());
+                self.shared.set_error("a remote I/O thread panicked".into());
             }
         }
     }
 
     fn counters(&self) -> SecondaryCounters {
         let c = &self.shared.counters;
-        let st = lock(&self.shared.state);
+        let st = self.sched();
         #[allow(clippy::cast_precision_loss)]
         let secs = |ns: &AtomicU64| ns.load(Relaxed) as f64 * 1e-9;
         SecondaryCounters {
@@ -581,16 +611,16 @@ impl SecondaryTier for RemoteTier {
             fetch_misses: c.fetch_misses.load(Relaxed),
             fetch_errors: c.fetch_errors.load(Relaxed),
             reconnects: self.shared.router.reconnects.load(Relaxed),
-            queued_reads: st.jobs_reads.len() as u64 + st.running_reads,
+            queued_reads: st.reads_out + st.fetches_out,
             queued_writes: st.queued_writes as u64,
-            last_error: st.last_error.clone(),
+            last_error: lock(&self.shared.last_error).clone(),
         }
     }
 
     fn extra_stats(&self) -> Vec<(&'static str, u64)> {
         let (present, absent, staged) = self.index_gauges();
         let down = self.shared.router.all_down(Instant::now()).is_some();
-        let st = lock(&self.shared.state);
+        let st = self.sched();
         vec![
             ("known_present", present),
             ("known_absent", absent),
@@ -609,7 +639,7 @@ impl RemoteTier {
         let now = Instant::now();
         if let Some((at, g)) = *cache {
             if now.duration_since(at) < GAUGES_TTL {
-                return (g.0, g.1, lock(&self.shared.state).staged_bytes);
+                return (g.0, g.1, self.sched().staged_bytes);
             }
         }
         let g = self.count_index(now);
@@ -618,7 +648,7 @@ impl RemoteTier {
     }
 
     fn count_index(&self, now: Instant) -> (u64, u64, u64) {
-        let st = lock(&self.shared.state);
+        let st = self.sched();
         let mut present = 0;
         let mut absent = 0;
         for e in st.index.values() {
