@@ -4,7 +4,9 @@
 #            compute-sanitizer memcheck over cuda_engine, the GPU pytest suite;
 #   idle   — `kvoff bench transfers` (idle GPU, 512 MiB jobs, one direction and both at once);
 #   beside — `kvoff bench interference` (Python) with KVOFF_GRID_* overrides;
-#   rust   — `cargo bench --bench interference` (the Rust twin) with KVOFF_BENCH_* overrides.
+#   rust   — `cargo bench --bench interference` (the Rust twin) with KVOFF_BENCH_* overrides;
+#   remote — `kvoff bench remote` against a private redis-server from .carry/redis
+#            (`gpu_stage.sh remote`): the remote tier on a many-core serving machine.
 # Logs go to $OUT; a short summary is printed last.
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -52,6 +54,12 @@ for step in "$@"; do
     summary+=("cargo bench --bench interference: rc=$?")
     kill $SMI 2>/dev/null
     tail -60 "$OUT/interference_rust.log"
+    ;;
+  remote)
+    PATH=$PWD/.carry/redis/bin:$PATH python3 -m kvoff.tools.cli bench remote --reps ${KVOFF_REMOTE_REPS:-3} \
+      >"$OUT/remote.log" 2>&1
+    summary+=("kvoff bench remote: rc=$?")
+    tail -34 "$OUT/remote.log"
     ;;
   esac
 done

@@ -12,6 +12,15 @@
 //! [`blockstore`] (the file or remote tier as a block store for engines that own their host memory),
 //! [`names`] (the `direct_io` modes by name).
 
+/// The extension's allocator: mimalloc frees memory another thread allocated without a lock, where
+/// glibc's malloc locks that thread's arena (a scheduler call then waited on an I/O thread: measured
+/// in `lookup_prefix`'s p99 with the remote tier, BENCHMARKS.md "Remote tier"). Only the
+/// extension module's own Rust allocations use it; the crate as a library leaves the choice to the
+/// program (and tests that count allocations set their own).
+#[cfg(feature = "mimalloc")]
+#[global_allocator]
+static ALLOC: mimalloc::MiMalloc = mimalloc::MiMalloc;
+
 mod args;
 mod blockstore;
 mod enter;

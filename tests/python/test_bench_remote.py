@@ -90,6 +90,9 @@ def test_kvoff_rows_contract(redis_server: rs.RedisServer) -> None:
     for key in ("set_gb_s", "get_gb_s", "promote_p50_us", "promote_p99_us", "lookup_p99_us_up", "verified"):
         assert key in k, key
     assert k["verified"] is True and k["set_gb_s"] > 0 and k["get_gb_s"] > 0
+    # Each scheduler-thread figure comes with its reference from the same loop.
+    for case in ("up", "down"):
+        assert k[f"lookup_ref_p99_us_{case}"] > 0 and k[f"lookup_p99_us_{case}"] > 0
 
 
 def test_cli_private_server(capsys: pytest.CaptureFixture[str]) -> None:
