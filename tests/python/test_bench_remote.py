@@ -99,12 +99,13 @@ def test_cli_private_server(capsys: pytest.CaptureFixture[str]) -> None:
     if rs.missing_reason():
         pytest.skip(rs.missing_reason() or "")
     argv = ["bench", "remote", "--sizes", "32KiB", "--blocks", "32", "--reps", "1"]
-    argv += ["--pipelines", "1", "--clients", "1", "--json", "--quiet"]
+    argv += ["--pipelines", "1", "--clients", "1", "--io-threads", "3", "--json", "--quiet"]
     assert main(argv) == 0
     res = json.loads(capsys.readouterr().out)
     assert res["private_server"] and res["server"].startswith(("redis ", "valkey "))
+    assert res["io_threads"] == 3
     [row] = res["sizes"]
     assert row["value_bytes"] == 32 << 10 and row["redis_benchmark"]["set"]["gb_s"] > 0
     assert (row["kvoff"] is None) == ("kvoff_note" in row)
     text = br.format_remote(res)
-    assert "redis-benchmark best" in text and "32 KiB" in text
+    assert "redis-benchmark best" in text and "32 KiB" in text and "3 I/O threads" in text

@@ -341,6 +341,7 @@ def kvoff_rows(
     reps: int = 3,
     cluster: bool = False,
     control: ServerControl | None = None,
+    io_threads: int | None = None,
 ) -> dict[str, Any] | None:
     """kvoff's remote tier over ``n_blocks`` blocks of ``value_bytes`` on the server at ``url``:
 
@@ -353,16 +354,24 @@ def kvoff_rows(
     ``lookup_prefix`` while the load phase promotes), ``"verified"`` (every promoted block
     byte-equal to what was stored)}.
 
+    ``io_threads``: the tier's ``remote_io_threads`` (``None``: its default).
+
     ``None`` where this build of kvoff has no remote tier (the benchmark then reports the
     references alone).
     """
     native = importlib.import_module("kvoff._native")
     impl = getattr(native, "bench_remote", None)
     if impl is not None:
-        return dict(impl(url, value_bytes, n_blocks, reps=reps, cluster=cluster, control=control))
+        return dict(
+            impl(
+                url, value_bytes, n_blocks, reps=reps, cluster=cluster, control=control, io_threads=io_threads
+            )
+        )
     if getattr(native, "ChainManagerCore", None) is None:
         return None
-    return _tier_rows(url, value_bytes, n_blocks, reps=reps, cluster=cluster, control=control)
+    return _tier_rows(
+        url, value_bytes, n_blocks, reps=reps, cluster=cluster, control=control, io_threads=io_threads
+    )
 
 
 def _p(xs: list[float], q: float) -> float:
@@ -453,9 +462,7 @@ def _promote_times(c: Any, keys: list[bytes]) -> list[float]:
     return promote_us
 
 
-def _lookup_p99(
-    engine: Any, key: Any, url_: str, control: ServerControl | None
-) -> tuple[float, float]:
+def _lookup_p99(engine: Any, key: Any, url_: str, control: ServerControl | None) -> tuple[float, float]:
     """p99 µs of ``lookup_prefix`` calls over unknown keys at ``url_`` for 2 s, with the server
     paused (SIGSTOP) meanwhile when ``control`` is given; and, as the reference measured in the
     same loop (each call followed by one), p99 µs of the same engine's ``lookup_prefix`` of 16
@@ -500,7 +507,14 @@ def _lookup_p99(
 
 
 def _tier_rows(
-    url: str, value_bytes: int, n_blocks: int, *, reps: int, cluster: bool, control: ServerControl | None
+    url: str,
+    value_bytes: int,
+    n_blocks: int,
+    *,
+    reps: int,
+    cluster: bool,
+    control: ServerControl | None,
+    io_threads: int | None = None,
 ) -> dict[str, Any]:
     """:func:`kvoff_rows` through ``kvoff.tier.TieredOffloadingManager(remote_url=...)``, the way
     the vLLM plug-in uses it: each value is ``value_bytes`` (the 4 KiB header + a block of
@@ -529,6 +543,8 @@ def _tier_rows(
         "remote_max_inflight_bytes": n * value_bytes,
         "remote_timeout_s": 2.0,
     }
+    if io_threads is not None:
+        kw["remote_io_threads"] = io_threads
 
     def engine(ns: str, url_: str = url, **more: Any) -> tuple[TieredOffloadingManager, kvoff.HostRegion]:
         region = kvoff.HostRegion.private(n, block)
@@ -656,6 +672,7 @@ def bench_remote(
     py_pipeline: int = 16,
     run_bytes: int = DEFAULT_RUN_BYTES,
     cluster: bool = False,
+    io_threads: int | None = None,
     log: Callable[[str], None] | None = None,
 ) -> dict[str, Any]:
     """Every row of ``kvoff bench remote`` (see the module docs): per value size, redis-benchmark's
@@ -672,6 +689,7 @@ def bench_remote(
             "server": server_version(url),
             "private_server": control is not None,
             "cluster": cluster,
+            "io_threads": io_threads,
             "cpus": os.cpu_count(),
             "loadavg_start": os.getloadavg()[0],
             "sizes": [],
@@ -704,7 +722,7 @@ def bench_remote(
             if log is not None and row["redis_py"] is not None:
                 rp = row["redis_py"]
                 log(f"  redis-py pipelined: SET {rp['set_gb_s']:.2f} GET {rp['get_gb_s']:.2f} GB/s")
-            k = kvoff_rows(url, size, n, reps=reps, cluster=cluster, control=control)
+            k = kvoff_rows(url, size, n, reps=reps, cluster=cluster, control=control, io_threads=io_threads)
             row["kvoff"] = k
             if k is None:
                 row["kvoff_note"] = "this build of kvoff has no remote tier: references only"
@@ -734,7 +752,10 @@ def format_remote(res: dict[str, Any]) -> str:
     load = ""
     if "loadavg_start" in res:  # other work on the machine shares the cores with the server
         load = f", load average {res['loadavg_start']:.1f} -> {res.get('loadavg_end', 0.0):.1f}"
-    lines = [head + f"{', cluster' if res['cluster'] else ''}; {res['cpus']} CPUs{load}), GB/s of values"]
+    threads = f", kvoff with {res['io_threads']} I/O threads" if res.get("io_threads") else ""
+    lines = [
+        head + f"{', cluster' if res['cluster'] else ''}; {res['cpus']} CPUs{load}{threads}), GB/s of values"
+    ]
     lines.append(f"{'value':>8} {'what':<34} {'SET/store':>10} {'GET/load':>10}")
     for row in res["sizes"]:
         v = _size(row["value_bytes"])
@@ -784,7 +805,11 @@ def format_remote(res: dict[str, Any]) -> str:
             "lookup_p99_us_down",
         ):
             if k.get(key) is not None:
-                ref = k.get(key.replace("lookup_p99", "lookup_ref_p99")) if key.startswith("lookup_p99") else None
+                ref = (
+                    k.get(key.replace("lookup_p99", "lookup_ref_p99"))
+                    if key.startswith("lookup_p99")
+                    else None
+                )
                 same = "" if ref is None else f"   (same loop, 16 keys in host memory: {ref:.1f})"
                 lines.append(f"{'':>8} {key:<34} {k[key]:>10.1f}{same}")
     return "\n".join(lines)

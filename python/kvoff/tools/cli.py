@@ -47,6 +47,7 @@ PREFILL_RATE = float_range(0.0, 1e9, lo_open=True)
 SEED = int_range(0, (1 << 63) - 1)
 PORT = int_range(0, 65535)
 REMOTE_BLOCKS = int_range(1, 1 << 20)
+REMOTE_IO_THREADS = int_range(1, 64)
 BENCH_PIPELINES = int_list(1, 1024)
 
 # The closed name sets come from the native module (the Rust enums `EngineKind`, `PolicyKind` and
@@ -343,6 +344,13 @@ def _remote_cmd(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--clients", type=BENCH_PIPELINES, default=[1, 4, 16], help="redis-benchmark -c values tried (1-1024)"
     )
+    p.add_argument(
+        "--io-threads",
+        type=REMOTE_IO_THREADS,
+        default=None,
+        metavar="N",
+        help="kvoff's remote_io_threads (1-64, default: the tier's default, 2)",
+    )
     _output_args(p)
 
 
@@ -358,6 +366,7 @@ def _bench_remote(args: argparse.Namespace) -> int:
             pipelines=args.pipelines,
             clients=args.clients,
             cluster=args.cluster,
+            io_threads=args.io_threads,
             log=None if args.quiet else (lambda s: print(s, file=sys.stderr, flush=True)),
         )
     except (FileNotFoundError, RuntimeError, ValueError) as e:
