@@ -26,6 +26,8 @@
 //!
 //! Cases per property: `PROPTEST_CASES` (default [`DEFAULT_CASES`]: the file runs in about 2 s in a
 //! debug build on 2 cores; 100 000 cases took 2 minutes).
+// Sets its own global allocator: not built with the Python extension's (feature `mimalloc`).
+#![cfg(not(feature = "mimalloc"))]
 // Tests and benchmarks: an unwrap that fails is the failure report; pedantic style is for the library.
 #![allow(
     clippy::unwrap_used,

@@ -2,6 +2,8 @@
 //! of 2^20 blocks used to take ~36 MB before its first key). Measured with a counting global
 //! allocator that counts per thread (the managers are single-threaded), so the tests may run in
 //! parallel.
+// Sets its own global allocator: not built with the Python extension's (feature `mimalloc`).
+#![cfg(not(feature = "mimalloc"))]
 // Tests and benchmarks: an unwrap that fails is the failure report; pedantic style is for the library.
 #![allow(
     clippy::unwrap_used,

@@ -33,6 +33,7 @@ NUMERIC = [
     (["bench", "remote"], "--reps"),
     (["bench", "remote"], "--pipelines"),
     (["bench", "remote"], "--clients"),
+    (["bench", "remote"], "--io-threads"),
     (["bench", "interference"], "--seconds"),
     (["bench", "interference"], "--rounds"),
     (["bench", "interference"], "--plot-job-mib"),

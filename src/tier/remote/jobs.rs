@@ -125,6 +125,16 @@ impl Sched {
                     if !matches!(self.index.get(&k), Some(Entry::Fetching)) {
                         continue; // written or forgotten meanwhile
                     }
+                    let counter = match &c {
+                        Checked::Ok(_) => &sh.counters.fetch_hits,
+                        Checked::Missing => &sh.counters.fetch_misses,
+                        Checked::Rejected => {
+                            sh.counters.rejected.fetch_add(1, Relaxed);
+                            &sh.counters.fetch_misses
+                        }
+                        Checked::Failed => &sh.counters.fetch_errors,
+                    };
+                    counter.fetch_add(1, Relaxed);
                     let e = match c {
                         Checked::Ok(v) => {
                             let keep = !v.is_empty()
@@ -149,7 +159,7 @@ impl Sched {
                 self.reads_out = self.reads_out.saturating_sub(items.len() as u64);
                 for ((key, block, _), ok) in items.into_iter().zip(ok) {
                     if !ok {
-                        self.index.insert(key.clone(), absent.clone());
+                        self.forget_failed(&key, &absent);
                     }
                     self.completions
                         .push(Completion::Promoted { key, block, ok });
@@ -192,7 +202,7 @@ impl Sched {
                     self.reads_out = self.reads_out.saturating_sub(items.len() as u64);
                     for (key, block, _) in items {
                         sh.counters.read_errors.fetch_add(1, Relaxed);
-                        self.index.insert(key.clone(), absent.clone());
+                        self.forget_failed(&key, &absent);
                         self.completions.push(Completion::Promoted {
                             key,
                             block,
@@ -213,6 +223,22 @@ impl Sched {
                     }
                 }
             },
+        }
+    }
+
+    /// After a failed promotion of `key`: remembered as absent, unless it is being written or
+    /// fetched again meanwhile (that job's result decides); a value staged again meanwhile is
+    /// given up with its bytes.
+    fn forget_failed(&mut self, key: &ByteKey, absent: &Entry) {
+        match self.index.get(key) {
+            Some(Entry::Writing | Entry::Fetching) => {}
+            Some(Entry::Present { value: Some(v), .. }) => {
+                self.staged_bytes -= v.len() as u64;
+                self.index.insert(key.clone(), absent.clone());
+            }
+            _ => {
+                self.index.insert(key.clone(), absent.clone());
+            }
         }
     }
 
@@ -424,18 +450,6 @@ impl Shared {
         }
         if results.iter().any(|c| !matches!(c, Checked::Failed)) {
             self.counters.read_ns.fetch_add(ns(t0), Relaxed);
-        }
-        for c in &results {
-            let n = match c {
-                Checked::Ok(_) => &self.counters.fetch_hits,
-                Checked::Missing => &self.counters.fetch_misses,
-                Checked::Rejected => {
-                    self.counters.rejected.fetch_add(1, Relaxed);
-                    &self.counters.fetch_misses
-                }
-                Checked::Failed => &self.counters.fetch_errors,
-            };
-            n.fetch_add(1, Relaxed);
         }
         for k in &rejected {
             self.delete(conns, k);

@@ -230,8 +230,19 @@ impl RemoteTier {
                 })
                 .map_err(|e| {
                     KvoffError::Config(format!("remote tier: cannot start a thread: {e}"))
-                })?;
-            threads.push(t);
+                });
+            match t {
+                Ok(t) => threads.push(t),
+                Err(e) => {
+                    // The threads already started stop (shutdown set before their wake-up).
+                    shared.shutdown.store(true, Release);
+                    drop(stop_tx);
+                    for t in threads {
+                        let _ = t.join();
+                    }
+                    return Err(e);
+                }
+            }
         }
         Ok(Self {
             shared,
@@ -288,10 +299,13 @@ impl RemoteTier {
         std::process::id() != self.shared.pid
     }
 
-    /// The scheduler's side, with the I/O threads' results applied.
+    /// The scheduler's side, with the I/O threads' results applied (not in a `fork()`ed child:
+    /// the parent's threads may have been inside a send at the fork).
     fn sched(&self) -> MutexGuard<'_, Sched> {
         let mut st = lock(&self.sched);
-        st.apply(&self.shared);
+        if !self.forked() {
+            st.apply(&self.shared);
+        }
         st
     }
 
@@ -576,8 +590,11 @@ impl SecondaryTier for RemoteTier {
             for t in self.threads.drain(..) {
                 std::mem::forget(t);
             }
-            // The parent's queues and channels are not this process's to touch.
+            // The parent's queues and channels are not this process's to touch (nor to drop).
             std::mem::forget(self.stop.take());
+            let (_, idle) = std::sync::mpsc::channel();
+            let st = self.sched.get_mut().unwrap_or_else(PoisonError::into_inner);
+            std::mem::forget(std::mem::replace(&mut st.done, idle));
             self.shared.shutdown.store(true, Release);
             return;
         }
