@@ -64,6 +64,7 @@ pub mod handlers;
 pub mod key;
 pub mod manager;
 pub mod plan;
+pub mod process;
 pub mod region;
 pub mod sizing;
 pub mod tier;

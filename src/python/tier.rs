@@ -105,7 +105,7 @@ fn seconds(name: &str, s: f64) -> PyResult<Duration> {
 
 impl PyChainCore {
     fn forked(&self) -> bool {
-        std::process::id() != self.pid
+        crate::process::id() != self.pid
     }
 
     /// Runs `f` on the manager under its lock ([`locked`]): brief calls keep the GIL when the
@@ -547,7 +547,7 @@ impl PyChainCore {
             region: Mutex::new(Some(region)),
             disk_dir,
             remote_url: shown_url,
-            pid: std::process::id(),
+            pid: crate::process::id(),
         })
     }
 

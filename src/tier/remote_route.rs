@@ -93,6 +93,9 @@ struct Node {
     backoff: Duration,
     /// A call failed since the last reply (the next reply is a reconnect).
     failed: bool,
+    /// Times the node was marked down: a thread's connection opened before the last of them is
+    /// not used again (the server may have restarted since; its first write would meet a reset).
+    downs: u64,
 }
 
 struct RouterState {
@@ -117,6 +120,8 @@ pub(super) struct Conns {
     /// Buffers for large values read (shared by the tier's I/O threads; none: fresh ones).
     pub(super) pool: Option<std::sync::Arc<BufPool>>,
     map: HashMap<usize, Conn>,
+    /// The node's `downs` when each connection of `map` was opened.
+    opened: HashMap<usize, u64>,
     epoch: u64,
     /// The packed pipeline of one node, reused (no allocation or page faults per batch).
     packed: Vec<u8>,
@@ -289,6 +294,7 @@ impl Router {
             down_until: None,
             backoff: cfg.backoff_min,
             failed: false,
+            downs: 0,
         });
         id
     }
@@ -393,7 +399,7 @@ impl Router {
             });
             let id = due?;
             st.probe = Some((id, now));
-            (id, st.nodes[id].info.clone())
+            (id, (st.nodes[id].info.clone(), st.nodes[id].downs))
         };
         conns.map.remove(&id);
         let r = self.conn(conns, id, Some(info)).and_then(|c| {
@@ -425,6 +431,7 @@ impl Router {
         Self::end_probe(st, id);
         let n = &mut st.nodes[id];
         n.failed = true;
+        n.downs += 1;
         let b = n.backoff.max(self.cfg.backoff_min);
         n.down_until = Some(Instant::now() + b);
         n.backoff = (b * 2).min(self.cfg.backoff_max);
@@ -454,13 +461,14 @@ impl Router {
         &self,
         conns: &'a mut Conns,
         id: usize,
-        info: Option<redis::ConnectionInfo>,
+        info: Option<(redis::ConnectionInfo, u64)>,
     ) -> Result<&'a mut Conn, String> {
         match conns.map.entry(id) {
             std::collections::hash_map::Entry::Occupied(e) => Ok(e.into_mut()),
             std::collections::hash_map::Entry::Vacant(e) => {
-                let info = info.ok_or("no such node")?;
+                let (info, downs) = info.ok_or("no such node")?;
                 let c = Conn::open(info, self.cfg.connect_timeout, self.cfg.io_timeout)?;
+                conns.opened.insert(id, downs);
                 Ok(e.insert(c))
             }
         }
@@ -500,7 +508,14 @@ impl Router {
                 if !Self::usable(&st, id) {
                     continue;
                 }
-                st.nodes[id].info.clone()
+                if conns
+                    .opened
+                    .get(&id)
+                    .is_some_and(|&d| d < st.nodes[id].downs)
+                {
+                    conns.map.remove(&id); // opened before the node's last failure
+                }
+                (st.nodes[id].info.clone(), st.nodes[id].downs)
             };
             let reply = self.conn(conns, id, Some(info)).and_then(|c| {
                 c.request(redis::cmd("CLUSTER").arg("SLOTS"))
@@ -715,7 +730,14 @@ impl Router {
         for (node, group) in groups {
             let info = {
                 let st = lock(&self.state);
-                (!conns.map.contains_key(&node)).then(|| st.nodes[node].info.clone())
+                let downs = st.nodes[node].downs;
+                // A connection opened before the node's last failure (seen by another thread) is
+                // not used: the server may have restarted since, and this thread's first write on
+                // it would fail the batch with a reset (docs/tier.md "Faults").
+                if conns.opened.get(&node).is_some_and(|&d| d < downs) {
+                    conns.map.remove(&node);
+                }
+                (!conns.map.contains_key(&node)).then(|| (st.nodes[node].info.clone(), downs))
             };
             let mut packed = std::mem::take(&mut conns.packed);
             // The pipeline goes out in chunks of SEND_CHUNK_BYTES as it is packed, so the server

@@ -271,7 +271,7 @@ impl PyBlockStore {
         Ok(Self {
             inner: Mutex::new(Some(Inner {
                 tier,
-                pid: std::process::id(),
+                pid: crate::process::id(),
                 slots: slot_mem,
                 free,
                 writes: HashMap::default(),

@@ -140,7 +140,7 @@ impl Inner {
     }
 
     pub(super) fn check(&self) -> crate::Result<()> {
-        if std::process::id() != self.pid {
+        if crate::process::id() != self.pid {
             return Err(KvoffError::state(
                 "this block store was created in another process (before fork()); \
                  create a new one in this process",

@@ -32,7 +32,7 @@ impl IdleWaiter {
     /// shutdown, where no thread runs them). Completions stay for [`super::FileTier::poll`].
     pub fn wait(&self) {
         let sh = &self.0;
-        if std::process::id() != sh.pid {
+        if crate::process::id() != sh.pid {
             return;
         }
         loop {

@@ -445,7 +445,7 @@ impl FileTier {
             cv: Condvar::new(),
             counters: Counters::default(),
             tmp_seq: AtomicU64::new(0),
-            pid: std::process::id(),
+            pid: crate::process::id(),
         });
         shared.scan(true);
         // Enforce the capacity over the adopted files (e.g. after the capacity was lowered).
@@ -489,7 +489,7 @@ impl FileTier {
     /// `flush` returns at once, `shutdown` only marks it shut).
     #[must_use]
     pub fn forked(&self) -> bool {
-        std::process::id() != self.shared.pid
+        crate::process::id() != self.shared.pid
     }
 
     /// The directory holding this layout's files.

@@ -216,7 +216,7 @@ impl RemoteTier {
             cfg,
             memory,
             counters: Counters::default(),
-            pid: std::process::id(),
+            pid: crate::process::id(),
             pool: Arc::new(BufPool::new(POOL_BYTES.min(max_staged))),
         });
         let mut threads = Vec::new();
@@ -296,7 +296,7 @@ impl RemoteTier {
     }
 
     fn forked(&self) -> bool {
-        std::process::id() != self.shared.pid
+        crate::process::id() != self.shared.pid
     }
 
     /// The scheduler's side, with the I/O threads' results applied (not in a `fork()`ed child:
