@@ -364,7 +364,7 @@ fn readahead_stops_at_the_staging_room_and_resumes() {
     let mem_b = Arc::new(VecMemory::new(n, BLOCK));
     let mut cfg = quick(RemoteConfig::new(srv.url(), layout("room")));
     let room = 40;
-    cfg.max_staged_bytes = (room * (BLOCK + kvoff::tier::HEADER_BYTES)) as u64;
+    cfg.max_staged_bytes = (room * (BLOCK + kvoff::tier::remote::VALUE_HEADER_BYTES)) as u64;
     let tier = RemoteTier::open(cfg, mem_b.clone()).unwrap();
     let mut b = ChainManager::new(
         LruManager::new(ManagerConfig::new(n)),
@@ -409,7 +409,7 @@ fn lookups_faster_than_the_server_queue_no_more_than_the_room() {
         ));
         cfg.io_timeout = Duration::from_secs(5);
         let room = 32;
-        cfg.max_staged_bytes = (room * (block + kvoff::tier::HEADER_BYTES)) as u64;
+        cfg.max_staged_bytes = (room * (block + kvoff::tier::remote::VALUE_HEADER_BYTES)) as u64;
         let tier = RemoteTier::open(cfg, Arc::new(VecMemory::new(1, block))).unwrap();
         let cap = if block >= 256 << 10 { 1024 } else { room };
         srv.signal("-STOP");

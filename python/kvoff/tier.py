@@ -54,6 +54,7 @@ from kvoff.errors import ConfigError
 
 __all__ = [
     "DISK_METRICS",
+    "REMOTE_HEADER_BYTES",
     "REMOTE_METRICS",
     "TieredOffloadingManager",
     "bench_disk",
@@ -83,6 +84,10 @@ DISK_METRICS: dict[str, tuple[str, str]] = {
     "disk_indexed_files": ("kvoff_disk_files", "files indexed (gauge)"),
     "disk_own_bytes": ("kvoff_disk_own_bytes", "bytes of this instance's files (gauge)"),
 }
+
+#: Bytes of the header in front of each block on a Redis/Valkey server (docs/tier.md "Remote tier":
+#: a tier file's header unpadded, with room for the longest key): a value is this plus the block.
+REMOTE_HEADER_BYTES = 1096
 
 #: Stats keys of the remote tier and their Prometheus names (``kvoff_remote_*``; counters end in
 #: ``_total``; GB/s per direction = bytes / seconds).
@@ -207,7 +212,7 @@ class TieredOffloadingManager:
         remote_ttl_s: float | None = None,
         remote_connect_timeout_s: float = 1.0,
         remote_timeout_s: float = 2.0,
-        remote_io_threads: int = 2,
+        remote_io_threads: int = 4,
         remote_max_queued_writes: int = 256,
         remote_max_inflight_bytes: int = 256 << 20,
         remote_negative_ttl_s: float = 2.0,

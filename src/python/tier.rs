@@ -335,7 +335,7 @@ impl PyChainCore {
         trusted_uids = Vec::new(), trusted_gid = None, allow_writable_dir = false,
         remote_url = None, remote_cluster = false, remote_namespace = None, remote_store_threshold = 0,
         remote_ttl_s = None, remote_connect_timeout_s = 1.0, remote_timeout_s = 2.0,
-        remote_io_threads = 2, remote_max_queued_writes = 256, remote_max_inflight_bytes = 256 << 20,
+        remote_io_threads = 4, remote_max_queued_writes = 256, remote_max_inflight_bytes = 256 << 20,
         remote_negative_ttl_s = 2.0, remote_max_fetch_keys = 64,
         remote_password_env = String::from("KVOFF_REMOTE_PASSWORD"), remote_tls_ca_file = None
     ))]

@@ -6,6 +6,10 @@
 //! the magic, version, fingerprint, rank, key, lengths and both checksums match; anything else is a
 //! corrupt file. The 4 KiB alignment of header and payload lets the file be read and written with
 //! `O_DIRECT` in one call.
+//!
+//! A remote-tier value carries the same header, unpadded: [`COMPACT_HEADER_BYTES`] (the fields
+//! and room for the longest key), then the payload (docs/tier.md "Remote tier"). The header
+//! length field says which of the two a header is, and a reader accepts only the one it expects.
 #![forbid(unsafe_code)]
 
 use xxhash_rust::xxh3::xxh3_64;
@@ -18,6 +22,9 @@ pub const VERSION: u32 = 1;
 pub const HEADER_BYTES: usize = 4096;
 /// Longest key stored in a header.
 pub const MAX_KEY_BYTES: usize = 1024;
+
+/// Bytes of the unpadded header of a remote-tier value: the fields and the longest key.
+pub const COMPACT_HEADER_BYTES: usize = OFF_KEY + MAX_KEY_BYTES + 8;
 
 const OFF_VERSION: usize = 8;
 const OFF_HEADER_LEN: usize = 12;
@@ -82,15 +89,25 @@ fn get_u64(b: &[u8], off: usize) -> u64 {
 /// Returns `false` (writing nothing) when the key is longer than [`MAX_KEY_BYTES`] or `out` is
 /// shorter than a header.
 pub fn encode(h: &Header, out: &mut [u8]) -> bool {
-    if h.key.len() > MAX_KEY_BYTES || out.len() < HEADER_BYTES {
+    encode_sized(h, out, HEADER_BYTES)
+}
+
+/// [`encode`] with a header of `header_len` bytes ([`HEADER_BYTES`] for a file,
+/// [`COMPACT_HEADER_BYTES`] for a remote value). Returns `false` (writing nothing) for a
+/// `header_len` outside those bounds too.
+pub fn encode_sized(h: &Header, out: &mut [u8], header_len: usize) -> bool {
+    if h.key.len() > MAX_KEY_BYTES
+        || !(COMPACT_HEADER_BYTES..=HEADER_BYTES).contains(&header_len)
+        || out.len() < header_len
+    {
         return false;
     }
-    let b = &mut out[..HEADER_BYTES];
+    let b = &mut out[..header_len];
     b.fill(0);
     b[..8].copy_from_slice(&MAGIC);
     put_u32(b, OFF_VERSION, VERSION);
-    #[allow(clippy::cast_possible_truncation)] // 4096
-    put_u32(b, OFF_HEADER_LEN, HEADER_BYTES as u32);
+    #[allow(clippy::cast_possible_truncation)] // ≤ 4096
+    put_u32(b, OFF_HEADER_LEN, header_len as u32);
     put_u64(b, OFF_FINGERPRINT, h.fingerprint);
     put_u32(b, OFF_RANK, h.rank);
     put_u32(b, OFF_WORLD, h.world_size);
@@ -120,10 +137,21 @@ pub enum Reject {
 /// # Errors
 /// [`Reject::Damaged`] when any check fails.
 pub fn decode(b: &[u8]) -> Result<Header, Reject> {
-    if b.len() < HEADER_BYTES || b[..8] != MAGIC {
+    decode_sized(b, HEADER_BYTES)
+}
+
+/// [`decode`] of a header that must be `header_len` bytes long (see [`encode_sized`]).
+///
+/// # Errors
+/// [`Reject::Damaged`] when any check fails, a header of another length included.
+pub fn decode_sized(b: &[u8], header_len: usize) -> Result<Header, Reject> {
+    if !(COMPACT_HEADER_BYTES..=HEADER_BYTES).contains(&header_len)
+        || b.len() < header_len
+        || b[..8] != MAGIC
+    {
         return Err(Reject::Damaged);
     }
-    if get_u32(b, OFF_VERSION) != VERSION || get_u32(b, OFF_HEADER_LEN) as usize != HEADER_BYTES {
+    if get_u32(b, OFF_VERSION) != VERSION || get_u32(b, OFF_HEADER_LEN) as usize != header_len {
         return Err(Reject::Damaged);
     }
     let key_len = get_u32(b, OFF_KEY_LEN) as usize;
@@ -151,7 +179,15 @@ pub fn decode(b: &[u8]) -> Result<Header, Reject> {
 /// # Errors
 /// [`Reject::Damaged`] for a bad header; [`Reject::Mismatch`] for another layout, rank, key or length.
 pub fn verify_header(b: &[u8], expect: &Header) -> Result<Header, Reject> {
-    let h = decode(b)?;
+    verify_header_sized(b, expect, HEADER_BYTES)
+}
+
+/// [`verify_header`] of a header that must be `header_len` bytes long.
+///
+/// # Errors
+/// As [`verify_header`].
+pub fn verify_header_sized(b: &[u8], expect: &Header, header_len: usize) -> Result<Header, Reject> {
+    let h = decode_sized(b, header_len)?;
     if h.fingerprint != expect.fingerprint
         || h.rank != expect.rank
         || h.world_size != expect.world_size
@@ -170,10 +206,22 @@ pub fn verify_header(b: &[u8], expect: &Header) -> Result<Header, Reject> {
 /// [`Reject::Damaged`] for a bad header, a short file or a payload checksum mismatch;
 /// [`Reject::Mismatch`] for a valid header of another layout, rank, key or payload length.
 pub fn verify<'a>(buf: &'a [u8], expect: &Header) -> Result<&'a [u8], Reject> {
-    let h = verify_header(buf, expect)?;
+    verify_sized(buf, expect, HEADER_BYTES)
+}
+
+/// [`verify`] of an image whose header is `header_len` bytes long (its payload follows at once).
+///
+/// # Errors
+/// As [`verify`].
+pub fn verify_sized<'a>(
+    buf: &'a [u8],
+    expect: &Header,
+    header_len: usize,
+) -> Result<&'a [u8], Reject> {
+    let h = verify_header_sized(buf, expect, header_len)?;
     let len = usize::try_from(h.payload_len).map_err(|_| Reject::Damaged)?;
     let payload = buf
-        .get(HEADER_BYTES..HEADER_BYTES + len)
+        .get(header_len..header_len + len)
         .ok_or(Reject::Damaged)?;
     if payload_sum(payload) != h.payload_sum {
         return Err(Reject::Damaged);
@@ -221,6 +269,46 @@ mod tests {
         other.rank = 0;
         assert_eq!(verify(&buf, &other), Err(Reject::Mismatch));
         assert_eq!(verify(&buf[..100], &h), Err(Reject::Damaged));
+    }
+
+    #[test]
+    fn compact_header_roundtrips_and_is_not_a_file_header() {
+        let h = hdr();
+        let mut buf = vec![0u8; COMPACT_HEADER_BYTES + 5];
+        assert!(encode_sized(&h, &mut buf, COMPACT_HEADER_BYTES));
+        buf[COMPACT_HEADER_BYTES..].copy_from_slice(b"hello");
+        assert_eq!(
+            verify_sized(&buf, &h, COMPACT_HEADER_BYTES).unwrap(),
+            b"hello"
+        );
+        // Each length is only accepted where it is expected.
+        assert_eq!(decode(&buf), Err(Reject::Damaged));
+        let mut file = vec![0u8; crate::usize_from(file_len(5))];
+        assert!(encode(&h, &mut file));
+        assert_eq!(
+            decode_sized(&file, COMPACT_HEADER_BYTES),
+            Err(Reject::Damaged)
+        );
+        // The longest key fits; lengths outside the bounds are refused.
+        let mut long = h.clone();
+        long.key = vec![7; MAX_KEY_BYTES];
+        assert!(encode_sized(&long, &mut buf, COMPACT_HEADER_BYTES));
+        assert_eq!(decode_sized(&buf, COMPACT_HEADER_BYTES).unwrap(), long);
+        assert!(!encode_sized(&h, &mut buf, COMPACT_HEADER_BYTES - 8));
+        assert!(!encode_sized(&h, &mut file, HEADER_BYTES + 8));
+        assert_eq!(
+            decode_sized(&buf, COMPACT_HEADER_BYTES - 8),
+            Err(Reject::Damaged)
+        );
+        for i in 0..OFF_KEY + h.key.len() + 8 {
+            let mut b = buf.clone();
+            assert!(encode_sized(&h, &mut b, COMPACT_HEADER_BYTES));
+            b[i] ^= 0x10;
+            assert!(
+                verify_header_sized(&b, &h, COMPACT_HEADER_BYTES).is_err(),
+                "flipped byte {i} accepted"
+            );
+        }
     }
 
     #[test]

@@ -108,7 +108,7 @@ use std::sync::{Mutex, MutexGuard, PoisonError};
 use xxhash_rust::xxh3::xxh3_64;
 
 pub use file::{DirectIo, FileTier, IdleWaiter, TierConfig, TierStats};
-pub use format::{file_len, HEADER_BYTES};
+pub use format::{file_len, COMPACT_HEADER_BYTES, HEADER_BYTES};
 pub use io::{AlignedBuf, AlignedRows, RawRows};
 
 use crate::error::{KvoffError, Result};

@@ -18,7 +18,7 @@ import kvoff
 import numpy as np
 import pytest
 import redis_servers as rs
-from kvoff.tier import REMOTE_METRICS, TieredOffloadingManager
+from kvoff.tier import REMOTE_HEADER_BYTES, REMOTE_METRICS, TieredOffloadingManager
 
 BLOCK = 32 * 1024
 NUM = 64
@@ -152,9 +152,9 @@ def test_corrupted_value_not_served(redis_server: rs.RedisServer, engines: Calla
     mine = sorted(keys)
     for k in mine:
         n = int(redis_server.cli("STRLEN", k))
-        assert n == 4096 + BLOCK
+        assert n == REMOTE_HEADER_BYTES + BLOCK
     redis_server.cli("COPY", mine[1], mine[0], "REPLACE")
-    redis_server.cli("SETRANGE", mine[1], str(4096 + 100), "Z")
+    redis_server.cli("SETRANGE", mine[1], str(REMOTE_HEADER_BYTES + 100), "Z")
     b = engines(redis_server.url, ns)
     for i in (0, 1):
         assert b.settle([i]) == 0

@@ -24,6 +24,7 @@ pytestmark = pytest.mark.vllm
 
 try:
     import torch
+    from kvoff.tier import REMOTE_HEADER_BYTES
     from kvoff.vllm.tiering import KvoffFileTier, KvoffRemoteTier
     from vllm.v1.kv_offload.base import LookupResult
     from vllm.v1.kv_offload.tiering.factory import SecondaryTierFactory
@@ -108,8 +109,8 @@ def test_corrupt_value_is_never_served(redis_factory: Any) -> None:
     finally:
         a.shutdown()
     (rkey,) = [k for k in srv.cli("--raw", "KEYS", "*").split() if k]
-    # Overwrite a payload byte (after the 4 KiB header) on the server.
-    srv.cli("SETRANGE", rkey, str(4096 + 64), "\x7f")
+    # Overwrite a payload byte (after the header) on the server.
+    srv.cli("SETRANGE", rkey, str(REMOTE_HEADER_BYTES + 64), "\x7f")
     t2 = base._aligned(base.NUM_CHUNKS, base.CHUNK_ELEMS)
     b = _tier(srv.url, t2)
     try:

@@ -517,8 +517,9 @@ def _tier_rows(
     io_threads: int | None = None,
 ) -> dict[str, Any]:
     """:func:`kvoff_rows` through ``kvoff.tier.TieredOffloadingManager(remote_url=...)``, the way
-    the vLLM plug-in uses it: each value is ``value_bytes`` (the 4 KiB header + a block of
-    ``value_bytes - 4096``); GB/s count the block (payload) bytes. Store: ``complete_store`` of
+    the vLLM plug-in uses it: each value is ``value_bytes`` (the header of
+    :data:`kvoff.tier.REMOTE_HEADER_BYTES` + a block of the rest); GB/s count the block (payload)
+    bytes. Store: ``complete_store`` of
     ``n_blocks`` fresh blocks until the server acknowledged all of them. Load: a second engine with
     its own host memory looks the keys up as a scheduler does (:func:`_load_remote`: requests of
     ``REQUEST_BLOCKS`` keys, one ``lookup_prefix`` per waiting request per step) until all are
@@ -530,11 +531,13 @@ def _tier_rows(
     import numpy as np
 
     import kvoff
-    from kvoff.tier import TieredOffloadingManager
+    from kvoff.tier import REMOTE_HEADER_BYTES, TieredOffloadingManager
 
-    block = value_bytes - 4096
+    block = value_bytes - REMOTE_HEADER_BYTES
     if block <= 0:
-        raise ValueError(f"values of {value_bytes} B cannot hold the 4 KiB header and a block")
+        raise ValueError(
+            f"values of {value_bytes} B cannot hold the {REMOTE_HEADER_BYTES} B header and a block"
+        )
     n = n_blocks
     base = np.random.default_rng(1).integers(0, 256, block, dtype=np.uint8)
     kw: dict[str, Any] = {

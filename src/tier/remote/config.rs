@@ -28,7 +28,8 @@ pub struct RemoteConfig {
     pub max_staged_bytes: u64,
     /// Most keys of one fetch.
     pub max_fetch_keys: usize,
-    /// Most values of one write pipeline (which also holds at most 8 MiB of values).
+    /// Most values of one write pipeline (which also holds at most 128 KiB of values, but at least
+    /// 4 values).
     pub max_write_batch: usize,
     /// How long a miss is remembered (a lookup then answers absent without a round trip).
     pub negative_ttl: Duration,
@@ -61,9 +62,9 @@ impl std::fmt::Debug for RemoteConfig {
 }
 
 impl RemoteConfig {
-    /// Defaults: no TTL, 1 s connect and 2 s I/O timeouts, 2 I/O threads, 256 queued writes,
+    /// Defaults: no TTL, 1 s connect and 2 s I/O timeouts, 4 I/O threads, 256 queued writes,
     /// 256 MiB in flight, 256 MiB staged, fetches of up to 64 keys, writes of up to 256 values
-    /// (and 8 MiB) per pipeline, misses remembered 2 s, hits 30 s, backoff 100 ms → 5 s, password from
+    /// per pipeline (and 128 KiB of values, but at least 4), misses remembered 2 s, hits 30 s, backoff 100 ms → 5 s, password from
     /// `KVOFF_REMOTE_PASSWORD`.
     #[must_use]
     pub fn new(url: impl Into<String>, layout: Layout) -> Self {
@@ -73,7 +74,7 @@ impl RemoteConfig {
             ttl: None,
             connect_timeout: Duration::from_secs(1),
             io_timeout: Duration::from_secs(2),
-            io_threads: 2,
+            io_threads: 4,
             max_queued_writes: 256,
             max_inflight_bytes: 256 << 20,
             max_staged_bytes: 256 << 20,

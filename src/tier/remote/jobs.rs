@@ -340,7 +340,7 @@ impl Shared {
     }
 
     /// Whether fetches read values' headers alone: for large values, a fetch (readahead) only
-    /// learns that a valid value of this layout is there (`GETRANGE key 0 4095`: no payload on
+    /// learns that a valid value of this layout is there (`GETRANGE key 0 1095`: no payload on
     /// the wire, nothing staged) and the promotion reads the payload once, from the socket
     /// straight into its host block (`BlockRead`); a damaged payload then fails the promotion
     /// (rejected, deleted) instead of the fetch. Small values are fetched whole and staged: one
@@ -368,8 +368,9 @@ impl Shared {
             None | Some(redis::Value::ServerError(_)) => Checked::Failed,
             Some(redis::Value::Nil) => Checked::Missing,
             Some(redis::Value::BulkString(b)) if b.is_empty() => Checked::Missing,
-            Some(redis::Value::BulkString(b)) if b.len() == HEADER_BYTES => {
-                match format::verify_header(&b, &self.expect_header(key)) {
+            Some(redis::Value::BulkString(b)) if b.len() == VALUE_HEADER_BYTES => {
+                match format::verify_header_sized(&b, &self.expect_header(key), VALUE_HEADER_BYTES)
+                {
                     Ok(_) => Checked::Ok(Vec::new()),
                     Err(_) => Checked::Rejected,
                 }
@@ -388,7 +389,7 @@ impl Shared {
         if bytes.len() != self.value_len {
             return Checked::Rejected;
         }
-        match format::verify(&bytes, &self.expect_header(key)) {
+        match format::verify_sized(&bytes, &self.expect_header(key), VALUE_HEADER_BYTES) {
             Ok(_) => Checked::Ok(bytes),
             Err(_) => Checked::Rejected,
         }
@@ -424,7 +425,7 @@ impl Shared {
                 let rk = self.redis_key(k);
                 let c = if header {
                     let mut c = redis::cmd("GETRANGE");
-                    c.arg(&rk).arg(0).arg(HEADER_BYTES - 1);
+                    c.arg(&rk).arg(0).arg(VALUE_HEADER_BYTES - 1);
                     c
                 } else {
                     let mut c = redis::cmd("GET");
@@ -492,7 +493,10 @@ impl Shared {
             let ok = if let Some(v) = staged {
                 let ok = self
                     .memory
-                    .copy_in(*block, &v[HEADER_BYTES..HEADER_BYTES + self.payload_len])
+                    .copy_in(
+                        *block,
+                        &v[VALUE_HEADER_BYTES..VALUE_HEADER_BYTES + self.payload_len],
+                    )
                     .is_ok();
                 if let Ok(v) = Arc::try_unwrap(v) {
                     self.pool.give(v);
@@ -506,8 +510,12 @@ impl Shared {
                 match (get.split.get(), reply) {
                     // The payload is in the block already: its header and checksum decide.
                     (Some(sum), Some(redis::Value::BulkString(head))) => {
-                        let good = format::verify_header(&head, &self.expect_header(key))
-                            .is_ok_and(|h| h.payload_sum == sum);
+                        let good = format::verify_header_sized(
+                            &head,
+                            &self.expect_header(key),
+                            VALUE_HEADER_BYTES,
+                        )
+                        .is_ok_and(|h| h.payload_sum == sum);
                         rejected = !good;
                         good
                     }
@@ -515,7 +523,10 @@ impl Shared {
                         Checked::Ok(b) => {
                             let ok = self
                                 .memory
-                                .copy_in(*block, &b[HEADER_BYTES..HEADER_BYTES + self.payload_len])
+                                .copy_in(
+                                    *block,
+                                    &b[VALUE_HEADER_BYTES..VALUE_HEADER_BYTES + self.payload_len],
+                                )
                                 .is_ok();
                             self.pool.give(b);
                             ok
@@ -631,7 +642,7 @@ impl Shared {
             return Some(j);
         }
         let first = q.writes.1.try_recv().ok()?;
-        let by_bytes = (WRITE_BATCH_BYTES / self.value_len.max(1)).max(1);
+        let by_bytes = (WRITE_BATCH_BYTES / self.value_len.max(1)).max(MIN_WRITE_BATCH);
         let n = self.cfg.max_write_batch.max(1).min(by_bytes);
         let mut batch = Vec::with_capacity(n.min(1024));
         batch.push(first);
@@ -734,7 +745,7 @@ impl Pack for BlockRead<'_> {
             return p.recv(pool);
         }
         p.take_bulk_header()?;
-        let mut head = vec![0u8; HEADER_BYTES];
+        let mut head = vec![0u8; VALUE_HEADER_BYTES];
         p.read_body(&mut head)?;
         let mut io = Ok(());
         let mut sum = 0;
@@ -781,16 +792,16 @@ pub(super) struct BlockWrite<'a> {
 impl Pack for BlockWrite<'_> {
     fn pack(&self, key: &str, c: &mut Conn, packed: &mut Vec<u8>) -> Result<(), String> {
         let mut h = self.sh.expect_header(self.key);
-        let mut header = [0u8; HEADER_BYTES];
+        let mut header = [0u8; VALUE_HEADER_BYTES];
         let mut built = false;
         let mut sent = Ok(());
         let read = self.sh.memory.with_block(self.block, &mut |payload| {
             h.payload_sum = format::payload_sum(payload);
-            if !format::encode(&h, &mut header) {
+            if !format::encode_sized(&h, &mut header, VALUE_HEADER_BYTES) {
                 return;
             }
             built = true;
-            set_head(key, HEADER_BYTES + payload.len(), self.px, packed);
+            set_head(key, VALUE_HEADER_BYTES + payload.len(), self.px, packed);
             packed.extend_from_slice(&header);
             if payload.len() >= DIRECT_SEND_BYTES {
                 sent = c.send(packed).and_then(|()| {

@@ -28,9 +28,10 @@
 //! not a slot of each), while consecutive blocks of a prefix spread over the shards (their fetches
 //! and the load go to every shard).
 //!
-//! **Values.** Exactly the bytes of a tier file without its padding: the 4 KiB header of
-//! [`super::format`] (magic, version, layout fingerprint, rank, world size, payload length, xxh3-64
-//! of the payload, owner tag, the key, header checksum), then the payload. A value is served only
+//! **Values.** The header of a tier file without its padding ([`VALUE_HEADER_BYTES`], 1096
+//! bytes: [`super::format`]'s fields — magic, version, header length, layout fingerprint, rank,
+//! world size, payload length, xxh3-64 of the payload, owner tag, the key, header checksum — and
+//! room for the longest key), then the payload. A value is served only
 //! when its length is exact and every header field and the payload checksum match; otherwise it is
 //! rejected ([`SecondaryCounters::rejected`]), never copied into host memory, and deleted (its key
 //! is in this layout's key space, so no valid value of another layout can live there). A value is
@@ -61,7 +62,7 @@ use std::time::{Duration, Instant};
 
 use xxhash_rust::xxh3::{xxh3_128, xxh3_64};
 
-use super::format::{self, HEADER_BYTES};
+use super::format;
 use super::remote_conn::BufPool;
 use super::remote_route::{Conns, Router, RouterConfig};
 use super::secondary::{Known, SecondaryCounters, SecondaryTier};
@@ -103,8 +104,17 @@ const MAX_HEADER_FETCHES: u64 = 1024;
 /// Most bytes of value buffers kept for reuse (bounded by `max_staged_bytes` too).
 const POOL_BYTES: usize = 64 << 20;
 
-/// Most value bytes of one write pipeline (besides [`RemoteConfig::max_write_batch`] values).
-const WRITE_BATCH_BYTES: usize = 8 << 20;
+/// Bytes of a value's header: the tier file's header unpadded (`format::COMPACT_HEADER_BYTES`;
+/// docs/tier.md "Remote tier"), so that a value of 32 KiB is 97% block rather than 87.5%.
+pub const VALUE_HEADER_BYTES: usize = format::COMPACT_HEADER_BYTES;
+
+/// Most value bytes of one write pipeline (besides [`RemoteConfig::max_write_batch`] values), but
+/// at least [`MIN_WRITE_BATCH`] values. Short pipelines on several connections keep a server
+/// busier than long ones on few: 32 KiB values stored at 1.60–1.71 GB/s in pipelines of 4 and
+/// 1.46–1.53 in pipelines of 256 (4 I/O threads, the H100 host, BENCHMARKS.md "Remote tier").
+const WRITE_BATCH_BYTES: usize = 128 << 10;
+/// Fewest values of one write pipeline (where [`RemoteConfig::max_write_batch`] allows).
+const MIN_WRITE_BATCH: usize = 4;
 
 /// How long the index gauges of [`SecondaryTier::extra_stats`] are reused (they count the whole
 /// index, which a scheduler step that reads the stats should not pay for each time).
@@ -151,12 +161,12 @@ impl RemoteTier {
                 "the remote tier needs blocks of at least one byte",
             ));
         }
-        let value_len = HEADER_BYTES + payload_len;
+        let value_len = VALUE_HEADER_BYTES + payload_len;
         if value_len as u64 > MAX_VALUE_BYTES {
             return Err(KvoffError::Config(format!(
                 "remote tier: a block of {payload_len} bytes exceeds the value cap of {} bytes \
                  (use a smaller block_size or fewer layers per rank)",
-                MAX_VALUE_BYTES - HEADER_BYTES as u64
+                MAX_VALUE_BYTES - VALUE_HEADER_BYTES as u64
             )));
         }
         let lay = &cfg.layout;
@@ -422,7 +432,7 @@ impl SecondaryTier for RemoteTier {
             // Jobs of at most FETCH_JOB_BYTES each: the I/O threads fetch them side by side and
             // the first values are ready for promotion while the rest are on the wire.
             let wire = if sh.header_fetch() {
-                HEADER_BYTES as u64
+                VALUE_HEADER_BYTES as u64
             } else {
                 value
             };
