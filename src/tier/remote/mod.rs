@@ -218,6 +218,7 @@ impl RemoteTier {
                 reads: crossbeam_channel::unbounded(),
                 fetches: crossbeam_channel::unbounded(),
                 writes: crossbeam_channel::unbounded(),
+                bell: crossbeam_channel::unbounded(),
                 stop: stop_rx,
             },
             done: done_tx,
@@ -448,6 +449,7 @@ impl SecondaryTier for RemoteTier {
                     .0
                     .send(Job::Fetch(rest.by_ref().take(per_job).collect()));
             }
+            sh.ring(jobs);
         }
         n
     }
@@ -508,9 +510,11 @@ impl SecondaryTier for RemoteTier {
             })
             .collect();
         drop(st);
+        let n = queued.len();
         for w in queued {
             let _ = sh.queues.writes.0.send(w);
         }
+        sh.ring(n);
         out
     }
 
@@ -560,9 +564,11 @@ impl SecondaryTier for RemoteTier {
             })
             .sum::<u64>();
         drop(st);
+        let n = jobs.len();
         for j in jobs {
             let _ = sh.queues.reads.0.send(j);
         }
+        sh.ring(n);
         out
     }
 
