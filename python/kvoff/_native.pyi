@@ -442,7 +442,7 @@ class ChainManagerCore:
         remote_ttl_s: float | None = None,
         remote_connect_timeout_s: float = 1.0,
         remote_timeout_s: float = 2.0,
-        remote_io_threads: int = 4,
+        remote_io_threads: int | None = None,
         remote_max_queued_writes: int = 256,
         remote_max_inflight_bytes: int = ...,
         remote_negative_ttl_s: float = 2.0,

@@ -284,7 +284,7 @@ struct RemoteArgs {
     ttl: Option<Duration>,
     connect_timeout: Duration,
     io_timeout: Duration,
-    io_threads: usize,
+    io_threads: Option<usize>,
     max_queued_writes: usize,
     max_inflight_bytes: u64,
     negative_ttl: Duration,
@@ -307,7 +307,9 @@ impl RemoteArgs {
         rc.ttl = self.ttl;
         rc.connect_timeout = self.connect_timeout;
         rc.io_timeout = self.io_timeout;
-        rc.io_threads = self.io_threads;
+        if let Some(n) = self.io_threads {
+            rc.io_threads = n;
+        }
         rc.max_queued_writes = self.max_queued_writes;
         rc.max_inflight_bytes = self.max_inflight_bytes;
         rc.negative_ttl = self.negative_ttl;
@@ -335,7 +337,7 @@ impl PyChainCore {
         trusted_uids = Vec::new(), trusted_gid = None, allow_writable_dir = false,
         remote_url = None, remote_cluster = false, remote_namespace = None, remote_store_threshold = 0,
         remote_ttl_s = None, remote_connect_timeout_s = 1.0, remote_timeout_s = 2.0,
-        remote_io_threads = 4, remote_max_queued_writes = 256, remote_max_inflight_bytes = 256 << 20,
+        remote_io_threads = None, remote_max_queued_writes = 256, remote_max_inflight_bytes = 256 << 20,
         remote_negative_ttl_s = 2.0, remote_max_fetch_keys = 64,
         remote_password_env = String::from("KVOFF_REMOTE_PASSWORD"), remote_tls_ca_file = None
     ))]
@@ -380,7 +382,7 @@ impl PyChainCore {
         remote_ttl_s: Option<f64>,
         remote_connect_timeout_s: f64,
         remote_timeout_s: f64,
-        remote_io_threads: usize,
+        remote_io_threads: Option<usize>,
         remote_max_queued_writes: usize,
         remote_max_inflight_bytes: u64,
         remote_negative_ttl_s: f64,

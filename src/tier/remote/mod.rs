@@ -76,7 +76,7 @@ mod jobs;
 
 #[allow(clippy::wildcard_imports)]
 use config::*;
-pub use config::{redact, RemoteConfig};
+pub use config::{default_io_threads, redact, RemoteConfig};
 #[allow(clippy::wildcard_imports)]
 use jobs::*;
 
