@@ -92,10 +92,11 @@ const INDEX_CAP: usize = 65_536;
 
 /// Most value bytes of one fetch or promotion job (at least one value): larger ones are split into
 /// jobs of this size, which the I/O threads work on side by side. Measured on loopback (`kvoff
-/// bench remote`, 2 CPUs): 32 KiB values load at about 1.0 GB/s in jobs of 1 MiB and 0.5–0.8 GB/s
-/// in jobs of 8 MiB (a deep pipeline keeps the server and one I/O thread waiting on each other);
-/// 2 MiB values load fastest one per job.
-const FETCH_JOB_BYTES: u64 = 1 << 20;
+/// bench remote`'s load, 4 I/O threads, the H100 host): 32 KiB values load at 2.80–2.88 GB/s in
+/// jobs of 2–8 values, 2.47 in jobs of 16 and 2.29 in jobs of 32 (a deep pipeline keeps the server
+/// and one I/O thread waiting on each other; on 2 CPUs, 1.0 GB/s in jobs of 1 MiB and 0.5–0.8 in
+/// jobs of 8 MiB); 2 MiB values load fastest one per job.
+const FETCH_JOB_BYTES: u64 = 256 << 10;
 /// Values at least this large are fetched by their header alone (`GETRANGE`) and read into their
 /// host block at promotion; smaller ones are fetched whole and staged (see `Shared::header_fetch`).
 const HEADER_FETCH_BYTES: usize = 256 << 10;
