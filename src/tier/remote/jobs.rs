@@ -251,13 +251,15 @@ impl Sched {
 /// The job queues (multi-consumer channels: the I/O threads take from them in priority order,
 /// promotions first, then fetches, then writes) and the bell that wakes idle threads.
 ///
-/// An idle thread waits on `bell` alone (with `stop`), as one receiver: a ring wakes one thread,
-/// and the scheduler's side rings at most once per thread and call (`Shared::ring`). (Waiting for
-/// any of the three queues to be ready made every job a wake-up of every idle thread, a system
-/// call each on the scheduler's thread: `lookup_prefix` p99 with the server up grew from 16 µs
-/// with one I/O thread to 40 µs with eight on the H100 host.) A woken thread takes jobs until the
-/// queues are empty, so a job pushed before a ring is never left behind; a ring left over only
-/// wakes a thread that finds nothing.
+/// An idle thread waits on `bell` alone (with `stop`), as one receiver: a ring wakes one thread.
+/// The scheduler's side rings once per call that queued jobs (`Shared::ring`), and a thread that
+/// takes a job while more wait rings again, so a burst of jobs wakes the threads one after the
+/// other and the scheduler's thread pays for one wake-up at most. (Waiting for any of the three
+/// queues to be ready made every job a wake-up of every idle thread, a system call each on the
+/// scheduler's thread: `lookup_prefix` p99 with the server up grew from 16 µs with one I/O thread
+/// to 40 µs with eight on the H100 host.) A woken thread takes jobs until the queues are empty, so
+/// a job queued before a ring is never left behind; a ring left over only wakes a thread that
+/// finds nothing.
 pub(super) struct Queues {
     pub(super) reads: (Sender<Job>, Receiver<Job>),
     pub(super) fetches: (Sender<Job>, Receiver<Job>),
@@ -664,11 +666,16 @@ impl Shared {
         Some(Job::Write(batch))
     }
 
-    /// Wakes up to `jobs` idle I/O threads (at most one per thread) for jobs just queued.
-    pub(super) fn ring(&self, jobs: usize) {
-        for _ in 0..jobs.min(self.cfg.io_threads) {
-            let _ = self.queues.bell.0.send(());
-        }
+    /// Wakes an idle I/O thread for jobs just queued (which wakes the next one if more wait; see
+    /// [`Queues`]).
+    pub(super) fn ring(&self) {
+        let _ = self.queues.bell.0.send(());
+    }
+
+    /// Whether a job is queued.
+    fn jobs_waiting(&self) -> bool {
+        let q = &self.queues;
+        !(q.reads.1.is_empty() && q.fetches.1.is_empty() && q.writes.1.is_empty())
     }
 
     /// Waits until the bell rings, the tier stops, or `wait` passes.
@@ -709,6 +716,9 @@ impl Shared {
                 }
                 continue;
             };
+            if self.jobs_waiting() {
+                self.ring(); // the next idle thread takes the next job
+            }
             // A panic inside a job (a bug in a dependency or a `BlockMemory`) must not leave the
             // job's accounting open, or `flush` and `shutdown` would wait for ever: the job fails
             // (its keys absent, its blocks released, counted as errors), the thread's connections

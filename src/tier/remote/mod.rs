@@ -450,7 +450,7 @@ impl SecondaryTier for RemoteTier {
                     .0
                     .send(Job::Fetch(rest.by_ref().take(per_job).collect()));
             }
-            sh.ring(jobs);
+            sh.ring();
         }
         n
     }
@@ -515,7 +515,9 @@ impl SecondaryTier for RemoteTier {
         for w in queued {
             let _ = sh.queues.writes.0.send(w);
         }
-        sh.ring(n);
+        if n > 0 {
+            sh.ring();
+        }
         out
     }
 
@@ -569,7 +571,9 @@ impl SecondaryTier for RemoteTier {
         for j in jobs {
             let _ = sh.queues.reads.0.send(j);
         }
-        sh.ring(n);
+        if n > 0 {
+            sh.ring();
+        }
         out
     }
 
