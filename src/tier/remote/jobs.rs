@@ -308,6 +308,8 @@ pub(super) struct Shared {
     pub(super) pid: u32,
     /// Buffers of values read, reused (see `BufPool`).
     pub(super) pool: Arc<BufPool>,
+    /// Write jobs running (see [`MAX_LARGE_WRITE_JOBS`]).
+    pub(super) writes_running: std::sync::atomic::AtomicUsize,
 }
 
 pub(super) fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
@@ -652,7 +654,19 @@ impl Shared {
         if let Ok(j) = q.fetches.1.try_recv() {
             return Some(j);
         }
-        let first = q.writes.1.try_recv().ok()?;
+        // Large values: at most MAX_LARGE_WRITE_JOBS write pipelines at once (a slot taken before
+        // the queue is looked at, given back when there is no write or the job ends).
+        let capped = self.header_fetch();
+        if capped && self.writes_running.fetch_add(1, AcqRel) >= MAX_LARGE_WRITE_JOBS {
+            self.writes_running.fetch_sub(1, AcqRel);
+            return None;
+        }
+        let Ok(first) = q.writes.1.try_recv() else {
+            if capped {
+                self.writes_running.fetch_sub(1, AcqRel);
+            }
+            return None;
+        };
         let by_bytes = (WRITE_BATCH_BYTES / self.value_len.max(1)).max(MIN_WRITE_BATCH);
         let n = self.cfg.max_write_batch.max(1).min(by_bytes);
         let mut batch = Vec::with_capacity(n.min(1024));
@@ -729,6 +743,9 @@ impl Shared {
                 Job::Read(items) => Ran::Read(self.run_reads(&mut conns, items)),
                 Job::Write(items) => Ran::Write(self.run_writes(&mut conns, items)),
             }));
+            if matches!(job, Job::Write(_)) && self.header_fetch() {
+                self.writes_running.fetch_sub(1, AcqRel);
+            }
             let done = match (r, job) {
                 (Ok(Ran::Fetch(results)), Job::Fetch(keys)) => Done::Fetch { keys, results },
                 (Ok(Ran::Read(ok)), Job::Read(items)) => Done::Read { items, ok },

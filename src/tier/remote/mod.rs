@@ -54,7 +54,7 @@
 use std::collections::HashMap;
 use std::sync::atomic::{
     AtomicBool, AtomicU64,
-    Ordering::{Acquire, Relaxed, Release},
+    Ordering::{AcqRel, Acquire, Relaxed, Release},
 };
 use std::sync::{Arc, Mutex, MutexGuard, PoisonError};
 use std::thread::JoinHandle;
@@ -114,6 +114,12 @@ pub const VALUE_HEADER_BYTES: usize = format::COMPACT_HEADER_BYTES;
 /// busier than long ones on few: 32 KiB values stored at 1.60–1.71 GB/s in pipelines of 4 and
 /// 1.46–1.53 in pipelines of 256 (4 I/O threads, the H100 host, BENCHMARKS.md "Remote tier").
 const WRITE_BATCH_BYTES: usize = 128 << 10;
+/// Most write jobs of values of 256 KiB and more ([`HEADER_FETCH_BYTES`]) running at once,
+/// whatever the number of I/O threads: 2 MiB values stored at 3.62 and 4.93 GB/s with 2 I/O
+/// threads and 3.27 and 3.68 with 4 (the H100 host, two machines, `kvoff bench remote`'s store);
+/// one connection's pipeline of large values at a time keeps the server's reads sequential.
+const MAX_LARGE_WRITE_JOBS: usize = 2;
+
 /// Fewest values of one write pipeline (where [`RemoteConfig::max_write_batch`] allows).
 const MIN_WRITE_BATCH: usize = 4;
 
@@ -224,6 +230,7 @@ impl RemoteTier {
             },
             done: done_tx,
             shutdown: AtomicBool::new(false),
+            writes_running: std::sync::atomic::AtomicUsize::new(0),
             last_error: Mutex::new(None),
             cfg,
             memory,
