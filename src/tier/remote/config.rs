@@ -64,7 +64,8 @@ impl std::fmt::Debug for RemoteConfig {
 /// The default number of I/O threads: 4 on a machine with 8 or more CPUs, else 2.
 ///
 /// Measured with `kvoff bench remote` (BENCHMARKS.md "Remote tier"): on a 16-CPU host, 32 KiB
-/// values stored and loaded 15–40% faster with 4 threads than with 2; on 2 CPUs, shared with the
+/// values stored 18–60% faster with 4 threads than with 2, and 2 MiB values loaded up to 18%
+/// faster (the same run each); on 2 CPUs, shared with the
 /// server, 4 threads brought no clear gain and doubled the scheduler's `lookup_prefix` p99 (each
 /// idle thread a wake-up on the scheduler's thread and a CPU taken from it).
 #[must_use]
@@ -76,10 +77,10 @@ pub fn default_io_threads() -> usize {
 }
 
 impl RemoteConfig {
-    /// Defaults: no TTL, 1 s connect and 2 s I/O timeouts, [`default_io_threads`] I/O threads, 256 queued writes,
-    /// 256 MiB in flight, 256 MiB staged, fetches of up to 64 keys, writes of up to 256 values
-    /// per pipeline (and 128 KiB of values, but at least 4), misses remembered 2 s, hits 30 s, backoff 100 ms → 5 s, password from
-    /// `KVOFF_REMOTE_PASSWORD`.
+    /// Defaults: no TTL, 1 s connect and 2 s I/O timeouts, [`default_io_threads`] I/O threads,
+    /// 256 queued writes, 256 MiB in flight, 256 MiB staged, fetches of up to 64 keys, writes of
+    /// up to 256 values per pipeline (and 128 KiB of values, but at least 4), misses remembered
+    /// 2 s, hits 30 s, backoff 100 ms → 5 s, password from `KVOFF_REMOTE_PASSWORD`.
     #[must_use]
     pub fn new(url: impl Into<String>, layout: Layout) -> Self {
         Self {

@@ -110,9 +110,9 @@ const POOL_BYTES: usize = 64 << 20;
 pub const VALUE_HEADER_BYTES: usize = format::COMPACT_HEADER_BYTES;
 
 /// Most value bytes of one write pipeline (besides [`RemoteConfig::max_write_batch`] values), but
-/// at least [`MIN_WRITE_BATCH`] values. Short pipelines on several connections keep a server
-/// busier than long ones on few: 32 KiB values stored at 1.60–1.71 GB/s in pipelines of 4 and
-/// 1.46–1.53 in pipelines of 256 (4 I/O threads, the H100 host, BENCHMARKS.md "Remote tier").
+/// at least [`MIN_WRITE_BATCH`] values. Measured with 4 I/O threads on the H100 host, each within
+/// one run: 32 KiB values stored at 1.60–1.71 GB/s in pipelines of 4 and 1.46–1.53 in pipelines of
+/// 256; a later run saw no order beyond its noise (1.95–2.37 GB/s for pipelines of 1 to 256).
 const WRITE_BATCH_BYTES: usize = 128 << 10;
 /// Most write jobs of values of 256 KiB and more ([`HEADER_FETCH_BYTES`]) running at once,
 /// whatever the number of I/O threads: 2 MiB values stored at 3.62 and 4.93 GB/s with 2 I/O
@@ -518,11 +518,11 @@ impl SecondaryTier for RemoteTier {
             })
             .collect();
         drop(st);
-        let n = queued.len();
+        let ring = !queued.is_empty();
         for w in queued {
             let _ = sh.queues.writes.0.send(w);
         }
-        if n > 0 {
+        if ring {
             sh.ring();
         }
         out
@@ -574,11 +574,11 @@ impl SecondaryTier for RemoteTier {
             })
             .sum::<u64>();
         drop(st);
-        let n = jobs.len();
+        let ring = !jobs.is_empty();
         for j in jobs {
             let _ = sh.queues.reads.0.send(j);
         }
-        if n > 0 {
+        if ring {
             sh.ring();
         }
         out
