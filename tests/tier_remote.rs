@@ -23,7 +23,7 @@ use kvoff::key::ByteKey;
 use kvoff::manager::BlockId;
 use kvoff::manager::{LruManager, ManagerConfig};
 use kvoff::tier::chain::{ChainConfig, ChainManager, ChainTier};
-use kvoff::tier::remote::{redact, RemoteConfig, RemoteTier};
+use kvoff::tier::remote::{redact, RemoteConfig, RemoteTier, INDEX_CAP};
 use kvoff::tier::secondary::{Known, SecondaryTier};
 use kvoff::tier::{FileTier, Layout, TierConfig, VecMemory};
 use kvoff::KvoffError;
@@ -1028,6 +1028,59 @@ fn known_answers_of_the_remote_index() {
     assert_eq!(tier.submit_reads(&[(key(0), 1)]), vec![true]);
     tier.flush();
     assert_eq!(mem.block(1).unwrap(), pattern(0));
+}
+
+/// The index stays bounded while a scheduler asks for ever new keys: past `INDEX_CAP` entries
+/// the remembered misses are forgotten (those keys are fetched again when looked up, and answer
+/// absent again), the latest ones are still remembered, and no answer is wrong.
+#[test]
+fn the_index_stays_bounded_under_ever_new_keys() {
+    let _g = serial();
+    if !have_redis() {
+        return;
+    }
+    let srv = Server::start("bound", &[]);
+    let mem = Arc::new(VecMemory::new(4, BLOCK));
+    let tier = RemoteTier::open(
+        quick(RemoteConfig::new(srv.url(), layout("bound"))),
+        mem.clone(),
+    )
+    .unwrap();
+    mem.set_block(0, &pattern(7)).unwrap();
+    let stored = key(7);
+    assert_eq!(tier.submit_writes(&[(stored.clone(), 0)]), vec![true]);
+    tier.flush();
+    let batch = 64;
+    let rounds = 3 * INDEX_CAP / batch;
+    for r in 0..rounds {
+        let ks: Vec<ByteKey> = (0..batch).map(|j| key(1_000_000 + r * batch + j)).collect();
+        assert_eq!(tier.submit_fetch(&ks), batch);
+        tier.flush();
+    }
+    let stats: std::collections::HashMap<_, _> = tier.extra_stats().into_iter().collect();
+    assert!(
+        stats["known_absent"] + stats["known_present"] <= INDEX_CAP as u64,
+        "{stats:?}"
+    );
+    // The latest misses are remembered; the first ones were forgotten and are asked again.
+    assert_eq!(
+        tier.index(&key(1_000_000 + (rounds - 1) * batch)),
+        Known::Absent
+    );
+    let first = key(1_000_000);
+    assert_eq!(tier.index(&first), Known::Unknown);
+    assert_eq!(tier.submit_fetch(std::slice::from_ref(&first)), 1);
+    tier.flush();
+    assert_eq!(tier.index(&first), Known::Absent);
+    // A key on the server is found again once its answer was forgotten, and loads byte for byte.
+    if tier.index(&stored) == Known::Unknown {
+        assert_eq!(tier.submit_fetch(std::slice::from_ref(&stored)), 1);
+        tier.flush();
+    }
+    assert_eq!(tier.index(&stored), Known::Present);
+    assert_eq!(tier.submit_reads(&[(stored, 1)]), vec![true]);
+    tier.flush();
+    assert_eq!(mem.block(1).unwrap(), pattern(7));
 }
 
 /// A Cluster of real `redis-server` nodes joined with `redis-cli --cluster create`.

@@ -156,6 +156,8 @@ pub struct ChainManager<M> {
     pins: Map<ByteKey, u32>,
     /// Per prefix (by its last key): how far readahead has looked (see `readahead`).
     readahead_seen: Map<ByteKey, usize>,
+    /// Keys the last `consult`'s fetch covered (see `consult`).
+    consulted: usize,
 }
 
 /// Prefixes whose readahead position is remembered before the memory is cleared.
@@ -180,6 +182,7 @@ impl<M: OffloadingManager<ByteKey>> ChainManager<M> {
             promoting: Map::default(),
             pins: Map::default(),
             readahead_seen: Map::default(),
+            consulted: 0,
         }
     }
 
@@ -289,7 +292,7 @@ impl<M: OffloadingManager<ByteKey>> ChainManager<M> {
     /// per prefix: where the last call stopped is remembered by the prefix's last key (block
     /// keys chain their prefix, so it names the whole prefix), so a scheduler that asks every
     /// step pays only for keys not seen before. Never waits.
-    fn readahead(&mut self, keys: &[ByteKey], first: usize) -> Result<()> {
+    fn readahead(&mut self, keys: &[ByteKey], first: usize, covered: usize) -> Result<()> {
         let window = self.cfg.readahead_keys;
         let Some(last) = keys.last() else {
             return Ok(());
@@ -299,8 +302,12 @@ impl<M: OffloadingManager<ByteKey>> ChainManager<M> {
         }
         let end = keys.len().min(first.saturating_add(window));
         let seen = self.readahead_seen.get(last).copied().unwrap_or(0);
-        let i = first.max(seen);
+        let i = first.saturating_add(covered).max(seen);
         if i >= end {
+            if covered > 0 {
+                // Where this call's fetch ended is where the next readahead of the prefix starts.
+                self.remember_readahead(last, i.min(end));
+            }
             return Ok(());
         }
         let batch_max = self.cfg.max_fetch_keys.max(1);
@@ -370,11 +377,16 @@ impl<M: OffloadingManager<ByteKey>> ChainManager<M> {
                 self.fetch_ahead(t, &ks);
             }
         }
+        self.remember_readahead(last, stop);
+        Ok(())
+    }
+
+    /// Remembers where the readahead of the prefix ending in `last` stopped.
+    fn remember_readahead(&mut self, last: &ByteKey, stop: usize) {
         if self.readahead_seen.len() >= READAHEAD_MEMORY {
             self.readahead_seen.clear();
         }
         self.readahead_seen.insert(last.clone(), stop);
-        Ok(())
     }
 
     fn promote_ahead(&mut self, t: usize, keys: &[ByteKey]) -> Result<()> {
@@ -398,9 +410,12 @@ impl<M: OffloadingManager<ByteKey>> ChainManager<M> {
         }
     }
 
-    /// The tiers' answer for `keys[0]` (host-absent): `Some(true)` pending (promotion or fetch
-    /// started), `Some(false)` no tier holds it (or it could not be promoted).
+    /// The tiers' answer for `keys[0]` (host-absent): `true` pending (promotion or fetch
+    /// started), `false` no tier holds it (or it could not be promoted). A fetch it hands the
+    /// first tier covers the following host-absent keys too; how many keys of `keys` that fetch
+    /// covered is left in `self.consulted` (0 otherwise), so that readahead starts after them.
     fn consult(&mut self, keys: &[ByteKey]) -> Result<bool> {
+        self.consulted = 0;
         let first = &keys[0];
         for t in 0..self.slots.len() {
             let mut known = self.slots[t].tier.index(first);
@@ -417,6 +432,12 @@ impl<M: OffloadingManager<ByteKey>> ChainManager<M> {
                 if n > 0 {
                     self.slots[t].counters.fetches += 1;
                     self.slots[t].counters.fetch_keys += n as u64;
+                }
+                if t == 0 && n == batch.len() {
+                    // Each key of the batch is fetching now (a tier further down is asked only
+                    // for keys the ones before it miss, and a batch the tier took in part — no
+                    // room, or keys it knows — leaves the readahead as it was).
+                    self.consulted = n;
                 }
                 known = self.slots[t].tier.index(first);
                 if known == Known::Unknown {
@@ -469,6 +490,7 @@ impl<M: OffloadingManager<ByteKey>> ChainManager<M> {
     /// Only after shutdown.
     pub fn lookup_prefix(&mut self, keys: &[ByteKey]) -> Result<Option<usize>> {
         self.poll()?;
+        self.consulted = 0;
         // The host manager's `lookup_prefix`, one key at a time, to know where it stopped.
         let mut n = 0;
         while n < keys.len() {
@@ -486,8 +508,10 @@ impl<M: OffloadingManager<ByteKey>> ChainManager<M> {
         if n == keys.len() {
             return Ok(Some(n));
         }
-        // Pending: keep the tiers busy with what follows (readahead).
-        self.readahead(keys, n)?;
+        // Pending: keep the tiers busy with what follows (readahead), past the keys the
+        // consultation's fetch covered (looking at them again would find them fetching).
+        let covered = std::mem::take(&mut self.consulted);
+        self.readahead(keys, n, covered)?;
         Ok(None)
     }
 

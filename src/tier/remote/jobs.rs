@@ -80,6 +80,8 @@ pub(super) enum Wrote {
 /// by the I/O threads.
 pub(super) struct Sched {
     pub(super) index: HashMap<ByteKey, Entry, foldhash::fast::RandomState>,
+    /// Size of the index at which the next submission prunes it (see `RemoteTier::expire`).
+    pub(super) prune_at: usize,
     /// Writes queued or running.
     pub(super) queued_writes: usize,
     pub(super) inflight_bytes: u64,
@@ -122,8 +124,12 @@ impl Sched {
                     .fetch_reserved
                     .saturating_sub(keys.len() as u64 * sh.fetch_unit());
                 for (k, c) in keys.into_iter().zip(results) {
-                    if !matches!(self.index.get(&k), Some(Entry::Fetching)) {
-                        continue; // written or forgotten meanwhile
+                    // One probe of the index per key (a lookup's cost is mostly these probes).
+                    let Some(slot) = self.index.get_mut(&k) else {
+                        continue; // forgotten meanwhile
+                    };
+                    if !matches!(slot, Entry::Fetching) {
+                        continue; // written meanwhile
                     }
                     let counter = match &c {
                         Checked::Ok(_) => &sh.counters.fetch_hits,
@@ -152,7 +158,7 @@ impl Sched {
                         // as absent for a while (no refetch storm).
                         Checked::Missing | Checked::Rejected | Checked::Failed => absent.clone(),
                     };
-                    self.index.insert(k, e);
+                    *slot = e;
                 }
             }
             Done::Read { items, ok } => {
