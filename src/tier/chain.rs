@@ -433,11 +433,15 @@ impl<M: OffloadingManager<ByteKey>> ChainManager<M> {
                     self.slots[t].counters.fetches += 1;
                     self.slots[t].counters.fetch_keys += n as u64;
                 }
-                if t == 0 && n == batch.len() {
-                    // Each key of the batch is fetching now (a tier further down is asked only
-                    // for keys the ones before it miss, and a batch the tier took in part — no
-                    // room, or keys it knows — leaves the readahead as it was).
-                    self.consulted = n;
+                if n == batch.len() {
+                    // Each key of the batch is fetching now, the first too: pending. (A tier
+                    // further down is asked only for keys the ones before it miss, so only the
+                    // first tier's batch moves the readahead; a batch a tier took in part — no
+                    // room, or keys it knows — leaves it as it was.)
+                    if t == 0 {
+                        self.consulted = n;
+                    }
+                    return Ok(true);
                 }
                 known = self.slots[t].tier.index(first);
                 if known == Known::Unknown {
