@@ -342,8 +342,8 @@ impl RemoteTier {
     /// more than half the cap remain, every remembered answer without a staged value goes too
     /// (those keys become `Unknown`: a later lookup fetches them again). The survivors move to a
     /// fresh table sized for the next pruning, so no insertion until then grows or rehashes it
-    /// (erasing in place leaves tombstones, and the rehash they force later cost single lookups
-    /// hundreds of µs). The next pruning waits until the index has grown by half the cap again,
+    /// (erasing in place leaves tombstones, which a later insertion may have to clear with a
+    /// rehash of the whole table). The next pruning waits until the index has grown by half the cap again,
     /// so a pruning's cost is always amortised over the insertions since the last one, also when
     /// fetches, writes and staged values under way (which their own limits bound, not the cap)
     /// keep the index above the cap.
