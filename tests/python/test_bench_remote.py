@@ -107,5 +107,13 @@ def test_cli_private_server(capsys: pytest.CaptureFixture[str]) -> None:
     [row] = res["sizes"]
     assert row["value_bytes"] == 32 << 10 and row["redis_benchmark"]["set"]["gb_s"] > 0
     assert (row["kvoff"] is None) == ("kvoff_note" in row)
+    if row["kvoff"] is not None:
+        # The best shapes ran again before kvoff's one repetition: a reference beside it.
+        alt = row["redis_benchmark_alternated"]
+        assert alt["runs"] == 1
+        for variant in ("one_key", "keys"):
+            assert alt[variant]["set_gb_s"] > 0 and alt[variant]["get_gb_s"] > 0
+        assert row["ratios"]["store_vs_redis_benchmark_keys_alternated"] > 0
     text = br.format_remote(res)
     assert "redis-benchmark best" in text and "32 KiB" in text and "3 I/O threads" in text
+    assert (row["kvoff"] is None) or "redis-benchmark again" in text

@@ -9,7 +9,10 @@ References, per value size (one KV block = one value):
   machine (:func:`redis_benchmark_best`). Twice: on its one default key (every SET replaces the
   same value, which stays in the CPU's caches), and with ``-r`` over as many keys as kvoff's rows
   store (``keyspace``: each SET and GET touches another value, as kvoff's and redis-py's do; the
-  keys are written once before, so that GETs find them);
+  keys are written once before, so that GETs find them). The best shapes of both grids then run
+  again, SET and GET, before each of kvoff's repetitions (:class:`_Alternated`): their medians
+  are references measured beside kvoff's median, where a grid's best is the luckiest of nine
+  single runs;
 - redis-py, pipelined SET then GET of the same blocks, what a Python connector does
   (:func:`redis_py_pipelined`).
 
@@ -213,6 +216,85 @@ def redis_benchmark_best(
     return {"set": best["set"], "get": best["get"], "grid": grid}
 
 
+def redis_benchmark_shape(
+    url: str,
+    value_bytes: int,
+    op: str,
+    pipeline: int,
+    clients: int,
+    *,
+    run_bytes: int = DEFAULT_RUN_BYTES,
+    cluster: bool = False,
+    keyspace: int = 0,
+    timeout_s: float = 300.0,
+) -> float:
+    """GB/s of one ``redis-benchmark -t op`` run (``op``: ``"set"`` or ``"get"``) at one shape,
+    counted as :func:`redis_benchmark_best` counts them. A GET over ``keyspace`` keys needs them
+    written first (a SET run of the same keyspace writes nearly all of them)."""
+    exe = _tool("redis-benchmark", "valkey-benchmark")
+    t = RedisTarget.from_url(url)
+    n = max(2 * clients * pipeline, run_bytes // value_bytes, 16)
+    cmd = [exe, *t.tool_args(benchmark=True), "-t", op, "-d", str(value_bytes), "-n", str(n)]
+    cmd += [
+        "-P",
+        str(pipeline),
+        "-c",
+        str(clients),
+        *(["-r", str(keyspace)] if keyspace > 0 else []),
+        "--csv",
+    ]
+    if cluster:
+        cmd.append("--cluster")
+    r = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout_s, env=t.tool_env(), check=False)
+    rps = _parse_benchmark_csv(r.stdout).get(op.upper())
+    if r.returncode != 0 or rps is None:
+        raise RuntimeError(
+            f"redis-benchmark failed (rc {r.returncode}): {r.stdout[-2000:]} {r.stderr[-2000:]}"
+        )
+    return rps * value_bytes / 1e9
+
+
+class _Alternated:
+    """redis-benchmark's best shapes (from the grids) run again before each of kvoff's
+    repetitions: the median of these runs is a reference measured beside kvoff's median, where
+    the grid's best is the luckiest of nine single runs."""
+
+    def __init__(
+        self, url: str, value_bytes: int, row: dict[str, Any], *, run_bytes: int, cluster: bool
+    ) -> None:
+        self.url, self.value_bytes, self.run_bytes, self.cluster = url, value_bytes, run_bytes, cluster
+        self.variants = [
+            ("one_key", row["redis_benchmark"], 0),
+            ("keys", row["redis_benchmark_keys"], row["blocks"]),
+        ]
+        self.runs: dict[str, dict[str, list[float]]] = {
+            v: {"set": [], "get": []} for v, _, _ in self.variants
+        }
+
+    def __call__(self) -> None:
+        for variant, best, keyspace in self.variants:
+            for op in ("set", "get"):  # the SET run writes the keys the GET run reads
+                shape = best[op]
+                self.runs[variant][op].append(
+                    redis_benchmark_shape(
+                        self.url,
+                        self.value_bytes,
+                        op,
+                        shape["pipeline"],
+                        shape["clients"],
+                        run_bytes=self.run_bytes,
+                        cluster=self.cluster,
+                        keyspace=keyspace,
+                    )
+                )
+
+    def result(self) -> dict[str, Any]:
+        out: dict[str, Any] = {"runs": len(self.runs["one_key"]["set"])}
+        for variant, ops in self.runs.items():
+            out[variant] = {f"{op}_gb_s": statistics.median(xs) for op, xs in ops.items() if xs}
+        return out
+
+
 def _delete_benchmark_keys(t: RedisTarget, keyspace: int, *, cluster: bool, timeout_s: float) -> None:
     """Deletes redis-benchmark's keys: ``key:__rand_int__``, and with ``keyspace`` its ``-r`` keys
     (``key:`` and the number in 12 digits), one ``DEL`` per key through ``redis-cli`` (``-c``
@@ -342,6 +424,7 @@ def kvoff_rows(
     cluster: bool = False,
     control: ServerControl | None = None,
     io_threads: int | None = None,
+    before_rep: Callable[[], None] | None = None,
 ) -> dict[str, Any] | None:
     """kvoff's remote tier over ``n_blocks`` blocks of ``value_bytes`` on the server at ``url``:
 
@@ -354,7 +437,8 @@ def kvoff_rows(
     ``lookup_prefix`` while the load phase promotes), ``"verified"`` (every promoted block
     byte-equal to what was stored)}.
 
-    ``io_threads``: the tier's ``remote_io_threads`` (``None``: its default).
+    ``io_threads``: the tier's ``remote_io_threads`` (``None``: its default). ``before_rep``:
+    called before each repetition (the references run beside kvoff's repetitions).
 
     ``None`` where this build of kvoff has no remote tier (the benchmark then reports the
     references alone).
@@ -370,7 +454,14 @@ def kvoff_rows(
     if getattr(native, "ChainManagerCore", None) is None:
         return None
     return _tier_rows(
-        url, value_bytes, n_blocks, reps=reps, cluster=cluster, control=control, io_threads=io_threads
+        url,
+        value_bytes,
+        n_blocks,
+        reps=reps,
+        cluster=cluster,
+        control=control,
+        io_threads=io_threads,
+        before_rep=before_rep,
     )
 
 
@@ -515,6 +606,7 @@ def _tier_rows(
     cluster: bool,
     control: ServerControl | None,
     io_threads: int | None = None,
+    before_rep: Callable[[], None] | None = None,
 ) -> dict[str, Any]:
     """:func:`kvoff_rows` through ``kvoff.tier.TieredOffloadingManager(remote_url=...)``, the way
     the vLLM plug-in uses it: each value is ``value_bytes`` (the header of
@@ -568,6 +660,8 @@ def _tier_rows(
     ns = f"bench-{os.getpid()}-{value_bytes}-{time.time_ns()}"
     keys = [key(ns, i) for i in range(n)]
     for _rep in range(reps):
+        if before_rep is not None:
+            before_rep()
         a, ra = engine(ns)
         b, rb = engine(ns)
         try:
@@ -725,13 +819,32 @@ def bench_remote(
             if log is not None and row["redis_py"] is not None:
                 rp = row["redis_py"]
                 log(f"  redis-py pipelined: SET {rp['set_gb_s']:.2f} GET {rp['get_gb_s']:.2f} GB/s")
-            k = kvoff_rows(url, size, n, reps=reps, cluster=cluster, control=control, io_threads=io_threads)
+            alt = _Alternated(url, size, row, run_bytes=run_bytes, cluster=cluster)
+            try:
+                k = kvoff_rows(
+                    url,
+                    size,
+                    n,
+                    reps=reps,
+                    cluster=cluster,
+                    control=control,
+                    io_threads=io_threads,
+                    before_rep=alt,
+                )
+            finally:
+                t = RedisTarget.from_url(url)
+                _delete_benchmark_keys(t, n, cluster=cluster, timeout_s=300.0)
             row["kvoff"] = k
             if k is None:
                 row["kvoff_note"] = "this build of kvoff has no remote tier: references only"
             else:
                 rb, rk, rp = row["redis_benchmark"], row["redis_benchmark_keys"], row["redis_py"]
+                ra = row["redis_benchmark_alternated"] = alt.result()
                 row["ratios"] = {
+                    "store_vs_redis_benchmark_alternated": k["set_gb_s"] / ra["one_key"]["set_gb_s"],
+                    "load_vs_redis_benchmark_alternated": k["get_gb_s"] / ra["one_key"]["get_gb_s"],
+                    "store_vs_redis_benchmark_keys_alternated": k["set_gb_s"] / ra["keys"]["set_gb_s"],
+                    "load_vs_redis_benchmark_keys_alternated": k["get_gb_s"] / ra["keys"]["get_gb_s"],
                     "store_vs_redis_benchmark": k["set_gb_s"] / rb["set"]["gb_s"],
                     "load_vs_redis_benchmark": k["get_gb_s"] / rb["get"]["gb_s"],
                     "store_vs_redis_benchmark_keys": k["set_gb_s"] / rk["set"]["gb_s"],
@@ -787,6 +900,14 @@ def format_remote(res: dict[str, Any]) -> str:
         if k is None:
             lines.append(f"{v:>8} {'kvoff':<34} {row['kvoff_note']}")
             continue
+        ra = row.get("redis_benchmark_alternated")
+        if ra is not None:
+            for variant, what in (("one_key", "one key"), ("keys", f"{row['blocks']} keys")):
+                label = f"redis-benchmark again, {what}"
+                lines.append(
+                    f"{v:>8} {label:<34} {ra[variant]['set_gb_s']:>10.2f} {ra[variant]['get_gb_s']:>10.2f}"
+                    f"   (best shapes, before each of kvoff's {ra['runs']} repetitions; median)"
+                )
         lines.append(f"{v:>8} {'kvoff remote tier':<34} {k['set_gb_s']:>10.2f} {k['get_gb_s']:>10.2f}")
         r = row["ratios"]
         vs_py = "" if r["load_vs_redis_py"] is None else f"; load {r['load_vs_redis_py']:.1f}x redis-py"
@@ -798,6 +919,14 @@ def format_remote(res: dict[str, Any]) -> str:
             lines.append(
                 f"{'':>8} {'':<34} store {r['store_vs_redis_benchmark_keys']:.0%}, load "
                 f"{r['load_vs_redis_benchmark_keys']:.0%} of redis-benchmark ({row['blocks']} keys)"
+            )
+        if "store_vs_redis_benchmark_alternated" in r:
+            lines.append(
+                f"{'':>8} {'':<34} alternated medians: store "
+                f"{r['store_vs_redis_benchmark_alternated']:.0%} / "
+                f"{r['store_vs_redis_benchmark_keys_alternated']:.0%}, load "
+                f"{r['load_vs_redis_benchmark_alternated']:.0%} / "
+                f"{r['load_vs_redis_benchmark_keys_alternated']:.0%} (one key / {row['blocks']} keys)"
             )
         for key in (
             "promote_p50_us",
