@@ -156,8 +156,6 @@ pub struct ChainManager<M> {
     pins: Map<ByteKey, u32>,
     /// Per prefix (by its last key): how far readahead has looked (see `readahead`).
     readahead_seen: Map<ByteKey, usize>,
-    /// Keys the last `consult`'s fetch covered (see `consult`).
-    consulted: usize,
 }
 
 /// Prefixes whose readahead position is remembered before the memory is cleared.
@@ -182,7 +180,6 @@ impl<M: OffloadingManager<ByteKey>> ChainManager<M> {
             promoting: Map::default(),
             pins: Map::default(),
             readahead_seen: Map::default(),
-            consulted: 0,
         }
     }
 
@@ -411,11 +408,10 @@ impl<M: OffloadingManager<ByteKey>> ChainManager<M> {
     }
 
     /// The tiers' answer for `keys[0]` (host-absent): `true` pending (promotion or fetch
-    /// started), `false` no tier holds it (or it could not be promoted). A fetch it hands the
-    /// first tier covers the following host-absent keys too; how many keys of `keys` that fetch
-    /// covered is left in `self.consulted` (0 otherwise), so that readahead starts after them.
-    fn consult(&mut self, keys: &[ByteKey]) -> Result<bool> {
-        self.consulted = 0;
+    /// started), `false` no tier holds it (or it could not be promoted); and how many keys of
+    /// `keys` a fetch handed to the first tier covered (0 if none), so that readahead starts
+    /// after them.
+    fn consult(&mut self, keys: &[ByteKey]) -> Result<(bool, usize)> {
         let first = &keys[0];
         for t in 0..self.slots.len() {
             let mut known = self.slots[t].tier.index(first);
@@ -438,14 +434,11 @@ impl<M: OffloadingManager<ByteKey>> ChainManager<M> {
                     // further down is asked only for keys the ones before it miss, so only the
                     // first tier's batch moves the readahead; a batch a tier took in part — no
                     // room, or keys it knows — leaves it as it was.)
-                    if t == 0 {
-                        self.consulted = n;
-                    }
-                    return Ok(true);
+                    return Ok((true, if t == 0 { n } else { 0 }));
                 }
                 known = self.slots[t].tier.index(first);
                 if known == Known::Unknown {
-                    return Ok(true); // the fetch (this one or one in flight) answers later
+                    return Ok((true, 0)); // the fetch (this one or one in flight) answers later
                 }
             }
             match known {
@@ -462,12 +455,12 @@ impl<M: OffloadingManager<ByteKey>> ChainManager<M> {
                     if !first {
                         self.slots[t].counters.promotions_no_room += 1;
                     }
-                    return Ok(first);
+                    return Ok((first, 0));
                 }
                 Known::Absent | Known::Unknown => self.slots[t].counters.misses += 1,
             }
         }
-        Ok(false)
+        Ok((false, 0))
     }
 
     /// `Ready`/`Pending` as the host manager says; a host miss asks the tiers (see the module
@@ -478,7 +471,7 @@ impl<M: OffloadingManager<ByteKey>> ChainManager<M> {
     pub fn lookup(&mut self, key: &ByteKey) -> Result<Presence> {
         self.poll()?;
         match self.host.lookup(key)? {
-            Presence::Absent => Ok(if self.consult(std::slice::from_ref(key))? {
+            Presence::Absent => Ok(if self.consult(std::slice::from_ref(key))?.0 {
                 Presence::Pending
             } else {
                 Presence::Absent
@@ -494,7 +487,7 @@ impl<M: OffloadingManager<ByteKey>> ChainManager<M> {
     /// Only after shutdown.
     pub fn lookup_prefix(&mut self, keys: &[ByteKey]) -> Result<Option<usize>> {
         self.poll()?;
-        self.consulted = 0;
+        let mut covered = 0;
         // The host manager's `lookup_prefix`, one key at a time, to know where it stopped.
         let mut n = 0;
         while n < keys.len() {
@@ -502,9 +495,11 @@ impl<M: OffloadingManager<ByteKey>> ChainManager<M> {
                 Presence::Ready => n += 1,
                 Presence::Pending => break,
                 Presence::Absent => {
-                    if !self.consult(&keys[n..])? {
+                    let (pending, fetched) = self.consult(&keys[n..])?;
+                    if !pending {
                         return Ok(Some(n));
                     }
+                    covered = fetched;
                     break;
                 }
             }
@@ -514,7 +509,6 @@ impl<M: OffloadingManager<ByteKey>> ChainManager<M> {
         }
         // Pending: keep the tiers busy with what follows (readahead), past the keys the
         // consultation's fetch covered (looking at them again would find them fetching).
-        let covered = std::mem::take(&mut self.consulted);
         self.readahead(keys, n, covered)?;
         Ok(None)
     }
