@@ -314,6 +314,40 @@ fn two_instances_share_a_directory() {
 }
 
 #[test]
+fn flush_waits_for_removals_and_wakes_every_waiter() {
+    let dir = tmpdir("flushwait");
+    let (t, mem) = open(&dir, 1 << 30, 16);
+    let ids: Vec<u64> = (0..16).collect();
+    write_keys(&t, &mem, &ids);
+    let paths: Vec<PathBuf> = ids.iter().map(|&i| t.path_of(&key(i))).collect();
+    assert!(paths.iter().all(|p| p.exists()));
+    for &i in &ids {
+        assert!(t.remove_own(&key(i)));
+    }
+    // Four threads wait at once: each returns, and only once every removal has run.
+    let t = Arc::new(t);
+    let waiters: Vec<_> = (0..4)
+        .map(|_| {
+            let w = t.idle_waiter();
+            std::thread::spawn(move || w.wait())
+        })
+        .collect();
+    within(10, "flush after removals", {
+        let t = Arc::clone(&t);
+        move || t.flush()
+    });
+    for w in waiters {
+        within(10, "a second waiter", move || w.join().unwrap());
+    }
+    for p in &paths {
+        assert!(!p.exists(), "{} still there after flush", p.display());
+    }
+    // An idle tier's flush returns at once.
+    within(10, "flush of an idle tier", move || t.flush());
+    let _ = std::fs::remove_dir_all(&dir);
+}
+
+#[test]
 fn same_owner_in_two_live_instances_still_shares() {
     let dir = tmpdir("sameowner");
     let (a, mem_a) = open(&dir, 1 << 30, 4);

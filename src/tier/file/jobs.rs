@@ -35,20 +35,14 @@ impl IdleWaiter {
         if crate::process::id() != sh.pid {
             return;
         }
-        loop {
-            {
-                let st = lock(&sh.state);
-                let idle = st.reads.is_empty()
-                    && st.writes.is_empty()
-                    && st.unlinks.is_empty()
-                    && st.running_reads == 0
-                    && st.running_writes == 0;
-                if idle || (st.shutdown && st.running_reads == 0 && st.running_writes == 0) {
-                    return;
-                }
-            }
-            sh.cv.notify_all();
-            std::thread::sleep(Duration::from_micros(200));
+        let mut st = lock(&sh.state);
+        while !(st.idle() || (st.shutdown && st.running_reads == 0 && st.running_writes == 0)) {
+            // The I/O threads signal the last job's end; the timeout only bounds a missed signal.
+            st = sh
+                .idle_cv
+                .wait_timeout(st, Duration::from_millis(50))
+                .unwrap_or_else(PoisonError::into_inner)
+                .0;
         }
     }
 }
@@ -493,9 +487,20 @@ impl Shared {
                 }
             }
         }
-        drop(st);
-        // A writer slot is free: wake a thread that may be waiting for one.
-        self.cv.notify_one();
+        // This thread takes queued unlinks and reads before writes: with those queued, another
+        // thread takes the writer slot it freed.
+        let others = !st.reads.is_empty() || !st.unlinks.is_empty();
+        if others && !st.writes.is_empty() {
+            self.cv.notify_one();
+        }
+        self.job_done(&st);
+    }
+
+    /// Wakes [`IdleWaiter::wait`] when `st` (locked) has nothing queued or running.
+    fn job_done(&self, st: &State) {
+        if st.idle() {
+            self.idle_cv.notify_all();
+        }
     }
 
     pub(super) fn run_read(&self, key: &ByteKey, block: BlockId, name: &str, buf: &mut AlignedBuf) {
@@ -617,9 +622,13 @@ impl Shared {
             block,
             ok,
         });
+        let idle = st.idle();
         drop(st);
         if let Outcome::Rejected(ino, why) = &outcome_note {
             self.reject(name, *ino, why);
+        }
+        if idle {
+            self.idle_cv.notify_all();
         }
     }
 
@@ -643,6 +652,7 @@ impl Shared {
             let mut st = lock(&self.state);
             let job = loop {
                 if let Some(j) = st.unlinks.pop_front() {
+                    st.running_unlinks += 1;
                     break Some(j);
                 }
                 if let Some(j) = st.reads.pop_front() {
@@ -689,6 +699,9 @@ impl Shared {
                     if let (Ok(d), Ok(c)) = (self.open_shard(sname, false), io::cname(fname)) {
                         let _ = io::unlink_at(d.as_fd(), &c);
                     }
+                    let mut st = lock(&self.state);
+                    st.running_unlinks = st.running_unlinks.saturating_sub(1);
+                    self.job_done(&st);
                 }
                 Some(Job::Write {
                     key,

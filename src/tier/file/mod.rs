@@ -191,6 +191,7 @@ struct State {
     unlinks: VecDeque<Job>,
     running_reads: u64,
     running_writes: u64,
+    running_unlinks: u64,
     completions: Vec<Completion>,
     shutdown: bool,
     last_scan: Option<Instant>,
@@ -198,6 +199,18 @@ struct State {
     last_error: Option<String>,
     /// Foreign entries already counted in [`TierStats::rejected_files`]: name → inode.
     rejected: HashMap<Box<str>, u64, foldhash::fast::RandomState>,
+}
+
+impl State {
+    /// No job queued or running.
+    fn idle(&self) -> bool {
+        self.reads.is_empty()
+            && self.writes.is_empty()
+            && self.unlinks.is_empty()
+            && self.running_reads == 0
+            && self.running_writes == 0
+            && self.running_unlinks == 0
+    }
 }
 
 #[derive(Default)]
@@ -243,7 +256,10 @@ struct Shared {
     rescan_interval: Option<Duration>,
     memory: Arc<dyn BlockMemory>,
     state: Mutex<State>,
+    /// Wakes I/O threads: a job was queued or a writer slot freed, or shutdown.
     cv: Condvar,
+    /// Wakes [`IdleWaiter::wait`]: the last queued or running job finished, or shutdown.
+    idle_cv: Condvar,
     counters: Counters,
     tmp_seq: AtomicU64,
     /// The process that started the I/O threads (a `fork()`ed child has none of them).
@@ -443,6 +459,7 @@ impl FileTier {
             memory,
             state: Mutex::new(State::default()),
             cv: Condvar::new(),
+            idle_cv: Condvar::new(),
             counters: Counters::default(),
             tmp_seq: AtomicU64::new(0),
             pid: crate::process::id(),
@@ -613,8 +630,12 @@ impl FileTier {
             name,
             reuse,
         });
+        // With every writer slot taken, a writer takes this job when it finishes its own.
+        let wake = st.running_writes < sh.write_threads;
         drop(st);
-        sh.cv.notify_one();
+        if wake {
+            sh.cv.notify_one();
+        }
         true
     }
 
@@ -765,6 +786,7 @@ impl FileTier {
         }
         lock(&self.shared.state).shutdown = true;
         self.shared.cv.notify_all();
+        self.shared.idle_cv.notify_all();
         for t in self.threads.drain(..) {
             if t.join().is_err() {
                 self.shared.note_error("an I/O thread panicked");
