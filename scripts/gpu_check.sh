@@ -6,7 +6,9 @@
 #   beside — `kvoff bench interference` (Python) with KVOFF_GRID_* overrides;
 #   rust   — `cargo bench --bench interference` (the Rust twin) with KVOFF_BENCH_* overrides;
 #   remote — `kvoff bench remote` against a private redis-server from .carry/redis
-#            (`gpu_stage.sh remote`): the remote tier on a many-core serving machine.
+#            (`gpu_stage.sh remote`): the remote tier on a many-core serving machine;
+#   tiering — `python -m kvoff.vllm.tiering_bench` (kvoff's file tier against vLLM 0.33's fs tier)
+#             with vLLM's Python code from .carry/vllm-site.tar.xz (`gpu_stage.sh tiering`).
 # Logs go to $OUT; a short summary is printed last.
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -60,6 +62,19 @@ for step in "$@"; do
       >"$OUT/remote.log" 2>&1
     summary+=("kvoff bench remote: rc=$?")
     tail -34 "$OUT/remote.log"
+    ;;
+  tiering)
+    # kvoff's file tier against vLLM 0.33's fs tier on this machine's disk (vLLM's Python code from
+    # .carry/vllm-site.tar.xz: `gpu_stage.sh tiering`; its CPU platform, as the tiers use no GPU).
+    rm -rf /tmp/kvoff-vllm-site && mkdir -p /tmp/kvoff-vllm-site
+    tar xJf .carry/vllm-site.tar.xz -C /tmp/kvoff-vllm-site
+    for args in "--chunks 256 --reps 9" "--chunks 1024 --reps 5"; do
+      PYTHONPATH=/tmp/kvoff-vllm-site/site VLLM_TARGET_DEVICE=cpu CUDA_VISIBLE_DEVICES= \
+        python3 -m kvoff.vllm.tiering_bench --dir /var/tmp/kvoff-tiering $args >>"$OUT/tiering.log" 2>&1
+      summary+=("tiering_bench $args: rc=$?")
+      rm -rf /var/tmp/kvoff-tiering
+    done
+    grep -v "^W1\|^Loading" "$OUT/tiering.log" | tail -12
     ;;
   esac
 done

@@ -4,11 +4,41 @@
 # device tool: `scripts/gpu_check.sh <step>` with carry [".carry"] (its header lists the steps).
 # `gpu_stage.sh remote`: the wheel and this machine's redis-server, redis-cli and redis-benchmark
 # with their shared libraries and loader (.carry/redis; the GPU machine has none) for the `remote`
-# step, without the Rust binaries.
+# step, without the Rust binaries. `gpu_stage.sh tiering`: the wheel and vLLM 0.33's Python code with
+# the packages it imports that the GPU machine lacks (.carry/vllm-site.tar.xz) for the `tiering` step.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 rm -rf .carry && mkdir -p .carry/bin .carry/wheel
 python3 -m maturin build --release --locked -q -o .carry/wheel
+if [ "${1:-}" = tiering ]; then
+  # vLLM 0.33's Python files and its fs tier's C helper (fs_io_C: libc and the C++ runtime only)
+  # from the test command's vLLM environment, plus CPython 3.12 wheels of the packages they import
+  # that the GPU machine lacks (versions as in that environment), for the `tiering` step.
+  VPY=${KVOFF_VLLM_PY:-${KVOFF_ENV_CACHE:-$HOME/.cache/kvoff/envs}/main/bin/python}
+  SP=$("$VPY" -c 'import os, vllm; print(os.path.dirname(os.path.dirname(vllm.__file__)))')
+  S=$(mktemp -d)
+  trap 'rm -rf "$S"' EXIT
+  mkdir -p "$S/site"
+  (cd "$SP" && find vllm -name '*.py' -o -name 'fs_io_C*.so' | tar cf - -T - vllm-*.dist-info) | tar xf - -C "$S/site"
+  PKGS="pyzmq httpx2 httpcore2 truststore pydantic pydantic_core typing-inspection annotated-types cbor2
+    oss-harmony openai sniffio pybase64 cachetools msgspec xgrammar apache-tvm-ffi fastapi starlette
+    partial-json-parser llguidance"
+  PLAT=(--platform manylinux2014_x86_64)
+  for m in 17 24 26 27 28 31 34; do
+    PLAT+=(--platform "manylinux_2_${m}_x86_64")
+  done
+  for p in $PKGS; do
+    v=$("$VPY" -c "import importlib.metadata as m; print(m.version('$p'))")
+    "$VPY" -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
+      "${PLAT[@]}" -d "$S/whl" "$p==$v"
+  done
+  for w in "$S"/whl/*.whl; do python3 -m zipfile -e "$w" "$S/site"; done
+  tar cJf .carry/vllm-site.tar.xz -C "$S" site
+  git rev-parse --short HEAD > .carry/commit
+  git status --porcelain | grep -q . && echo "+dirty" >> .carry/commit || true
+  du -sh .carry
+  exit 0
+fi
 if [ "${1:-}" = remote ]; then
   mkdir -p .carry/redis/bin .carry/redis/lib .carry/redis/real
   for b in redis-server redis-cli redis-benchmark; do
