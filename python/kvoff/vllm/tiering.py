@@ -160,7 +160,8 @@ class KvoffFileTier(SecondaryTierManager):
       recently used own files are removed to make room (others' files never, unless corrupt).
     - ``namespace``: the id that decides which engines share files (default the model name; the
       KV dtype, block geometry and parallel layout are always added).
-    - ``io_threads`` (8), ``write_threads`` (4), ``max_queued_writes`` (4096), ``direct_io``
+    - ``io_threads`` (16; the remote tier 8), ``write_threads`` (8; the remote tier 4; vLLM's ``fs``
+      tier runs 16 + 16 threads), ``max_queued_writes`` (4096), ``direct_io``
       (``"auto"``/``"on"``/``"off"``), ``fsync`` (False), ``rescan_interval_s`` (2.0; how often
       other engines' new files are picked up), ``owner`` (the instance's tag; default namespace,
       rank and host name).
@@ -187,8 +188,8 @@ class KvoffFileTier(SecondaryTierManager):
         disk_path: str | None = None,
         disk_bytes_to_use: int = 100 << 30,
         namespace: str | None = None,
-        io_threads: int = 8,
-        write_threads: int = 4,
+        io_threads: int | None = None,
+        write_threads: int | None = None,
         max_queued_writes: int = 4096,
         direct_io: DirectIoName = "auto",
         fsync: bool = False,
@@ -230,6 +231,11 @@ class KvoffFileTier(SecondaryTierManager):
         self._block = stride
         self.namespace = tier_namespace(offloading_spec, namespace)
         cfg = offloading_spec.config
+        remote = remote_url is not None
+        if io_threads is None:
+            io_threads = 8 if remote else 16
+        if write_threads is None:
+            write_threads = 4 if remote else 8
         self.store = _native.BlockStore(
             str(path) if path else None,
             int(disk_bytes_to_use),
