@@ -614,3 +614,23 @@ def test_tier_counters_through_vllms_scheduler(tmp_path: Any) -> None:
         reg = prometheus_client.REGISTRY
         for c in {reg._names_to_collectors[n] for n in set(reg._names_to_collectors) - before}:
             reg.unregister(c)
+
+
+def test_tiering_bench_measures_both_tiers_and_the_disk(tmp_path: Any, capsys: Any) -> None:
+    """``python -m kvoff.vllm.tiering_bench``: vLLM's ``fs`` tier, kvoff's tier and the disk's own
+    speed for the same bytes, each repetition checked byte for byte, the reference file removed."""
+    from kvoff.vllm import tiering_bench
+
+    r = tiering_bench.bench(str(tmp_path / "a"), chunks=8, chunk_bytes=64 << 10, per_job=4, reps=2)
+    for k in ("fs", "kvoff", "disk"):
+        assert len(r["runs"][k]) == 2
+        assert all(w > 0 and rd > 0 for w, rd in r["runs"][k])
+    for k in ("write_ratio", "read_ratio", "fs_write_of_disk", "kvoff_read_of_disk"):
+        assert r[k] > 0
+    assert r["disk_threads"] == 16
+    assert sorted(os.listdir(tmp_path / "a")) == ["kvoff", "vllm-fs"]
+    args = f"--chunks 4 --chunk-bytes {64 << 10} --chunks-per-job 2 --reps 1 --disk-threads 3".split()
+    assert tiering_bench.main(["--dir", str(tmp_path / "b"), *args]) == 0
+    out = capsys.readouterr().out
+    assert "kvoff/fs: write x" in out
+    assert "(3 threads, " in out and "of disk : fs write " in out

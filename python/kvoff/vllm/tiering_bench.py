@@ -6,11 +6,18 @@ in for the CPU tier, each under its own subdirectory of ``--dir`` (so one filesy
 repetition, in alternating order: store every chunk (jobs of ``--chunks-per-job`` chunks, as
 requests cascade them), wait, then load them all back into other rows and wait; the loaded bytes
 are checked. Figures are wall-clock GB/s of payload; the ratio is kvoff / fs of the medians.
+
+The disk's own speed for the same bytes runs in the same rotation: ``--disk-threads`` threads (16,
+as many as the ``fs`` tier has per direction) write the chunks into one file at their offsets, then
+read them back, with ``O_DIRECT`` where the filesystem takes it and requests of one chunk. The file
+is filled once before, so its timed writes overwrite allocated blocks: no file creation, no rename,
+no header, no checksum. Each tier's GB/s is also given as a share of it.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import mmap
 import os
@@ -18,7 +25,9 @@ import shutil
 import statistics
 import sys
 import tempfile
+import threading
 import time
+from collections.abc import Callable
 from typing import Any
 
 import numpy as np
@@ -114,6 +123,68 @@ def _run_one(
         tier.shutdown()
 
 
+class _Disk:
+    """One file of ``n`` chunks, filled once, that ``threads`` threads write and read at the
+    chunks' offsets (``O_DIRECT`` where possible)."""
+
+    def __init__(self, directory: str, mem: np.ndarray, n: int, threads: int) -> None:
+        self.mem, self.n, self.threads = mem, n, threads
+        self.path = os.path.join(directory, "disk-reference.bin")
+        os.makedirs(directory, exist_ok=True)
+        flags = os.O_RDWR | os.O_CREAT
+        # O_DIRECT needs 4 KiB-aligned memory, offsets and lengths (the rows are page-aligned).
+        self.direct = hasattr(os, "O_DIRECT") and mem.shape[1] % 4096 == 0
+        try:
+            self.fd = os.open(self.path, flags | (os.O_DIRECT if self.direct else 0), 0o600)
+        except OSError:
+            self.direct = False
+            self.fd = os.open(self.path, flags, 0o600)
+        self._each(lambda i: os.pwrite(self.fd, memoryview(mem[i].data), i * mem.shape[1]))
+
+    def _each(self, op: Callable[[int], int]) -> float:
+        nxt = iter(range(self.n))
+        lock = threading.Lock()
+        errors: list[OSError] = []
+
+        def work() -> None:
+            try:
+                while True:
+                    with lock:
+                        i = next(nxt, None)
+                    if i is None:
+                        return
+                    if op(i) != self.mem.shape[1]:
+                        raise OSError(f"short transfer of chunk {i}")
+            except OSError as e:  # reported on the caller's thread
+                errors.append(e)
+
+        t0 = time.perf_counter()
+        ts = [threading.Thread(target=work) for _ in range(self.threads)]
+        for t in ts:
+            t.start()
+        for t in ts:
+            t.join()
+        dt = time.perf_counter() - t0
+        if errors:
+            raise errors[0]
+        return float(self.n * self.mem.shape[1] / dt / 1e9)
+
+    def run(self) -> tuple[float, float]:
+        mem, n, cb = self.mem, self.n, self.mem.shape[1]
+        w = self._each(lambda i: os.pwrite(self.fd, memoryview(mem[i].data), i * cb))
+        r = self._each(lambda i: os.preadv(self.fd, [memoryview(mem[n + i].data)], i * cb))
+        if not np.array_equal(mem[n : 2 * n], mem[:n]):
+            raise RuntimeError("disk reference: read bytes differ from the written ones")
+        mem[n : 2 * n] = 0
+        return w, r
+
+    def close(self) -> None:
+        os.close(self.fd)
+        os.unlink(self.path)
+        with contextlib.suppress(OSError):
+            os.rmdir(os.path.dirname(self.path))
+
+
 def bench(
     directory: str,
     chunks: int,
@@ -121,6 +192,7 @@ def bench(
     per_job: int,
     reps: int,
     kvoff_settings: dict[str, Any] | None = None,
+    disk_threads: int = 16,
 ) -> dict[str, Any]:
     mem = _aligned(2 * chunks, chunk_bytes)
     mem[:chunks] = np.random.default_rng(0).integers(0, 256, size=(chunks, chunk_bytes), dtype=np.uint8)
@@ -135,11 +207,19 @@ def bench(
             **(kvoff_settings or {}),
         },
     }
-    runs: dict[str, list[tuple[float, float]]] = {k: [] for k in tiers}
-    for rep in range(reps):
-        order = list(tiers) if rep % 2 == 0 else list(reversed(tiers))
-        for name in order:
-            runs[name].append(_run_one(name, tiers[name], mem, chunks, per_job, rep))
+    disk = _Disk(os.path.join(directory, "disk"), mem, chunks, disk_threads)
+    names = [*tiers, "disk"]
+    runs: dict[str, list[tuple[float, float]]] = {k: [] for k in names}
+    try:
+        for rep in range(reps):
+            k = rep % len(names)
+            for name in names[k:] + names[:k]:
+                if name == "disk":
+                    runs[name].append(disk.run())
+                else:
+                    runs[name].append(_run_one(name, tiers[name], mem, chunks, per_job, rep))
+    finally:
+        disk.close()
     med = {
         k: (statistics.median(w for w, _ in v), statistics.median(r for _, r in v)) for k, v in runs.items()
     }
@@ -155,6 +235,14 @@ def bench(
         "kvoff_read_gbps": med["kvoff"][1],
         "write_ratio": med["kvoff"][0] / med["fs"][0],
         "read_ratio": med["kvoff"][1] / med["fs"][1],
+        "disk_threads": disk_threads,
+        "disk_direct_io": disk.direct,
+        "disk_write_gbps": med["disk"][0],
+        "disk_read_gbps": med["disk"][1],
+        "fs_write_of_disk": med["fs"][0] / med["disk"][0],
+        "fs_read_of_disk": med["fs"][1] / med["disk"][1],
+        "kvoff_write_of_disk": med["kvoff"][0] / med["disk"][0],
+        "kvoff_read_of_disk": med["kvoff"][1] / med["disk"][1],
         "runs": runs,
     }
 
@@ -167,6 +255,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--chunks-per-job", type=int, default=8)
     p.add_argument("--reps", type=int, default=3)
     p.add_argument(
+        "--disk-threads", type=int, default=16, help="threads of the disk reference (default 16, as fs)"
+    )
+    p.add_argument(
         "--kvoff-settings",
         default="{}",
         help="JSON object of kvoff tier settings (e.g. '{\"io_threads\": 16}'; default: its defaults)",
@@ -178,7 +269,15 @@ def main(argv: list[str] | None = None) -> int:
     if d is None:
         tmp = d = tempfile.mkdtemp(prefix="kvoff-tierbench-", dir=os.environ.get("KVOFF_BENCH_DIR"))
     try:
-        r = bench(d, a.chunks, a.chunk_bytes, a.chunks_per_job, a.reps, json.loads(a.kvoff_settings))
+        r = bench(
+            d,
+            a.chunks,
+            a.chunk_bytes,
+            a.chunks_per_job,
+            a.reps,
+            json.loads(a.kvoff_settings),
+            a.disk_threads,
+        )
     finally:
         if tmp is not None:
             shutil.rmtree(tmp, ignore_errors=True)
@@ -190,7 +289,12 @@ def main(argv: list[str] | None = None) -> int:
             f"median of {r['reps']}:\n"
             f"  vLLM fs : write {r['fs_write_gbps']:.2f} GB/s, read {r['fs_read_gbps']:.2f} GB/s\n"
             f"  kvoff   : write {r['kvoff_write_gbps']:.2f} GB/s, read {r['kvoff_read_gbps']:.2f} GB/s\n"
-            f"  kvoff/fs: write x{r['write_ratio']:.2f}, read x{r['read_ratio']:.2f}"
+            f"  kvoff/fs: write x{r['write_ratio']:.2f}, read x{r['read_ratio']:.2f}\n"
+            f"  disk    : write {r['disk_write_gbps']:.2f} GB/s, read {r['disk_read_gbps']:.2f} GB/s "
+            f"({r['disk_threads']} threads, {'O_DIRECT' if r['disk_direct_io'] else 'buffered'}, "
+            "one filled file, requests of one chunk)\n"
+            f"  of disk : fs write {r['fs_write_of_disk']:.0%}, read {r['fs_read_of_disk']:.0%}; "
+            f"kvoff write {r['kvoff_write_of_disk']:.0%}, read {r['kvoff_read_of_disk']:.0%}"
         )
     return 0
 
