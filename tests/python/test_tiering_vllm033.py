@@ -634,3 +634,15 @@ def test_tiering_bench_measures_both_tiers_and_the_disk(tmp_path: Any, capsys: A
     out = capsys.readouterr().out
     assert "kvoff/fs: write x" in out
     assert "(3 threads, " in out and "of disk : fs write " in out
+
+    def files(d: Any, suffix: str) -> int:
+        return sum(f.endswith(suffix) for _, _, fs in os.walk(d) for f in fs)
+
+    # At capacity kvoff keeps one repetition's files; fs keeps them all. A second run over the same
+    # directory writes new keys (never hits on the first run's files).
+    c = tmp_path / "c"
+    for run in (1, 2):
+        r = tiering_bench.bench(str(c), chunks=4, chunk_bytes=64 << 10, per_job=2, reps=3, at_capacity=True)
+        assert r["at_capacity"]
+        assert files(c / "kvoff", ".kvb") == 4
+        assert files(c / "vllm-fs", ".bin") == 3 * 4 * run

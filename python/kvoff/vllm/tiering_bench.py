@@ -12,6 +12,10 @@ as many as the ``fs`` tier has per direction) write the chunks into one file at 
 read them back, with ``O_DIRECT`` where the filesystem takes it and requests of one chunk. The file
 is filled once before, so its timed writes overwrite allocated blocks: no file creation, no rename,
 no header, no checksum. Each tier's GB/s is also given as a share of it.
+
+``--at-capacity`` gives kvoff's tier room for one repetition's files, so that from the second
+repetition on each of its writes overwrites an evicted own file, as a tier at its capacity does;
+vLLM's ``fs`` tier has no capacity and keeps creating files.
 """
 
 from __future__ import annotations
@@ -79,7 +83,7 @@ def _aligned(rows: int, row_bytes: int) -> np.ndarray:
 
 
 def _run_one(
-    name: str, cfg: dict[str, Any], mem: np.ndarray, n: int, per_job: int, rep: int
+    name: str, cfg: dict[str, Any], mem: np.ndarray, n: int, per_job: int, rep: int, run_id: str
 ) -> tuple[float, float]:
     from vllm.v1.kv_offload.base import ReqContext, make_offload_key
     from vllm.v1.kv_offload.tiering.base import TransferJob
@@ -87,7 +91,8 @@ def _run_one(
 
     ctx = ReqContext(req_id="bench")
     tier = SecondaryTierFactory.create_secondary_tier(cfg, memoryview(mem.data), _spec("bench-model"))
-    keys = [make_offload_key(f"{name}-{rep}-{i}".encode().ljust(32, b"."), 0) for i in range(n)]
+    # New keys per run and repetition: files left in a reused --dir are never hits.
+    keys = [make_offload_key(f"{name}-{run_id}-{rep}-{i}".encode().ljust(32, b"."), 0) for i in range(n)]
     row_bytes = mem.shape[1]
 
     def run(is_load: bool) -> float:
@@ -193,6 +198,7 @@ def bench(
     reps: int,
     kvoff_settings: dict[str, Any] | None = None,
     disk_threads: int = 16,
+    at_capacity: bool = False,
 ) -> dict[str, Any]:
     mem = _aligned(2 * chunks, chunk_bytes)
     mem[:chunks] = np.random.default_rng(0).integers(0, 256, size=(chunks, chunk_bytes), dtype=np.uint8)
@@ -207,6 +213,12 @@ def bench(
             **(kvoff_settings or {}),
         },
     }
+    if at_capacity:
+        # Room for one repetition's files (a 4 KiB header + the chunk in 4 KiB units each): from the
+        # second repetition on, each write overwrites an evicted own file (docs/tier.md "Publication
+        # and durability"). vLLM's fs tier has no capacity: it keeps creating files.
+        tiers["kvoff"]["disk_bytes_to_use"] = chunks * (4096 + -(-chunk_bytes // 4096) * 4096)
+    run_id = os.urandom(4).hex()
     disk = _Disk(os.path.join(directory, "disk"), mem, chunks, disk_threads)
     names = [*tiers, "disk"]
     runs: dict[str, list[tuple[float, float]]] = {k: [] for k in names}
@@ -217,7 +229,7 @@ def bench(
                 if name == "disk":
                     runs[name].append(disk.run())
                 else:
-                    runs[name].append(_run_one(name, tiers[name], mem, chunks, per_job, rep))
+                    runs[name].append(_run_one(name, tiers[name], mem, chunks, per_job, rep, run_id))
     finally:
         disk.close()
     med = {
@@ -229,6 +241,7 @@ def bench(
         "chunks_per_job": per_job,
         "reps": reps,
         "kvoff_settings": kvoff_settings or {},
+        "at_capacity": at_capacity,
         "fs_write_gbps": med["fs"][0],
         "fs_read_gbps": med["fs"][1],
         "kvoff_write_gbps": med["kvoff"][0],
@@ -262,6 +275,11 @@ def main(argv: list[str] | None = None) -> int:
         default="{}",
         help="JSON object of kvoff tier settings (e.g. '{\"io_threads\": 16}'; default: its defaults)",
     )
+    p.add_argument(
+        "--at-capacity",
+        action="store_true",
+        help="kvoff's tier holds one repetition's files: later writes overwrite evicted ones",
+    )
     p.add_argument("--json", action="store_true")
     a = p.parse_args(argv)
     tmp = None
@@ -277,6 +295,7 @@ def main(argv: list[str] | None = None) -> int:
             a.reps,
             json.loads(a.kvoff_settings),
             a.disk_threads,
+            a.at_capacity,
         )
     finally:
         if tmp is not None:
@@ -286,7 +305,7 @@ def main(argv: list[str] | None = None) -> int:
     else:
         print(
             f"{r['chunks']} chunks of {r['chunk_bytes'] >> 10} KiB, {r['chunks_per_job']} per job, "
-            f"median of {r['reps']}:\n"
+            f"median of {r['reps']}{', kvoff at capacity' if r['at_capacity'] else ''}:\n"
             f"  vLLM fs : write {r['fs_write_gbps']:.2f} GB/s, read {r['fs_read_gbps']:.2f} GB/s\n"
             f"  kvoff   : write {r['kvoff_write_gbps']:.2f} GB/s, read {r['kvoff_read_gbps']:.2f} GB/s\n"
             f"  kvoff/fs: write x{r['write_ratio']:.2f}, read x{r['read_ratio']:.2f}\n"
