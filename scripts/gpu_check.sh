@@ -68,7 +68,7 @@ for step in "$@"; do
     # .carry/vllm-site.tar.xz: `gpu_stage.sh tiering`; its CPU platform, as the tiers use no GPU).
     rm -rf /tmp/kvoff-vllm-site && mkdir -p /tmp/kvoff-vllm-site
     tar xJf .carry/vllm-site.tar.xz -C /tmp/kvoff-vllm-site
-    for args in "--chunks 256 --reps 9" "--chunks 1024 --reps 5"; do
+    for args in "--chunks 256 --reps 9" "--chunks 1024 --reps 5" "--chunks 256 --reps 9 --at-capacity"; do
       PYTHONPATH=/tmp/kvoff-vllm-site/site VLLM_TARGET_DEVICE=cpu CUDA_VISIBLE_DEVICES= \
         python3 -m kvoff.vllm.tiering_bench --dir /var/tmp/kvoff-tiering $args >>"$OUT/tiering.log" 2>&1
       summary+=("tiering_bench $args: rc=$?")
