@@ -638,6 +638,78 @@ fn password_from_env_never_printed() {
     std::env::remove_var("KVOFF_TEST_REMOTE_PW");
 }
 
+/// On one server, a write batch of small values without a TTL goes as one `MSET` and a fetch of
+/// several keys as one `MGET` (docs/tier.md "Remote tier"); a value that cannot be built (its
+/// block out of range) is left out of its `MSET` and fails alone; with a TTL each value is a
+/// `SET … PX` and its key expires; every value loads back byte for byte.
+#[test]
+fn small_values_go_as_mset_and_mget() {
+    let _g = serial();
+    if !have_redis() {
+        return;
+    }
+    let srv = Server::start("mset", &[]);
+    let calls = |cmd: &str| -> u64 {
+        let info = srv.cli(&["INFO", "commandstats"]);
+        let prefix = format!("cmdstat_{cmd}:calls=");
+        info.lines()
+            .find_map(|l| l.strip_prefix(&prefix))
+            .map_or(0, |rest| rest.split(',').next().unwrap().parse().unwrap())
+    };
+    let mem = Arc::new(VecMemory::new(8, BLOCK));
+    let tier = RemoteTier::open(
+        quick(RemoteConfig::new(srv.url(), layout("ms"))),
+        mem.clone(),
+    )
+    .unwrap();
+    for i in 0..8 {
+        mem.set_block(i as BlockId, &pattern(i)).unwrap();
+    }
+    // Block 99 does not exist: its value cannot be built.
+    let items: Vec<(ByteKey, BlockId)> = (0..8)
+        .map(|i| (key(i), i as BlockId))
+        .chain([(key(99), 99)])
+        .collect();
+    assert_eq!(tier.submit_writes(&items), vec![true; 9]);
+    tier.flush();
+    let c = tier.counters();
+    assert_eq!((c.writes, c.write_errors), (8, 1), "{c:?}");
+    assert_eq!(tier.poll().len(), 9, "every host block handed back");
+    assert!(calls("mset") >= 1, "{}", srv.cli(&["INFO", "commandstats"]));
+    assert_eq!(calls("set"), 0);
+    assert_eq!(srv.cli(&["DBSIZE"]).trim(), "8");
+    assert_eq!(srv.cli(&["EXISTS", &tier.redis_key(&key(99))]).trim(), "0");
+
+    // Another engine: one fetch of the prefix, as MGETs; every block byte for byte.
+    let (mut b, mem_b) = chain(&srv.url(), "ms", 16);
+    let ks: Vec<ByteKey> = (0..9).map(key).collect();
+    assert_eq!(settle(&mut b, &ks, Duration::from_secs(5)), 8);
+    check_loaded(&mut b, &mem_b, &(0..8).collect::<Vec<_>>());
+    assert!(calls("mget") >= 1);
+    assert_eq!(calls("get"), 0);
+    assert_eq!(remote_stats(&mut b).tier.rejected, 0);
+
+    // With a TTL: a SET with PX per value; the values without one do not expire.
+    let mut cfg = quick(RemoteConfig::new(srv.url(), layout("ms")));
+    cfg.ttl = Some(Duration::from_secs(60));
+    let ttl = RemoteTier::open(cfg, mem.clone()).unwrap();
+    let items: Vec<(ByteKey, BlockId)> = (0..3).map(|i| (key(20 + i), i as BlockId)).collect();
+    assert_eq!(ttl.submit_writes(&items), vec![true; 3]);
+    ttl.flush();
+    assert_eq!(ttl.counters().writes, 3);
+    assert_eq!(calls("set"), 3);
+    for i in 20..23 {
+        let ms: i64 = srv
+            .cli(&["PTTL", &ttl.redis_key(&key(i))])
+            .trim()
+            .parse()
+            .unwrap();
+        assert!(ms > 0 && ms <= 60_000, "PTTL {ms}");
+    }
+    assert_eq!(srv.cli(&["PTTL", &ttl.redis_key(&key(0))]).trim(), "-1");
+    b.shutdown();
+}
+
 #[test]
 fn value_cap_refuses_huge_layouts() {
     let _g = serial();

@@ -149,6 +149,16 @@ impl Conn {
         }
     }
 
+    /// Reads one reply like [`Conn::recv`], where an array reply's bulk strings (an `MGET`'s
+    /// values) are each read as [`Conn::recv`] reads a bulk string reply: from the socket
+    /// straight into a buffer of their own.
+    pub(super) fn recv_array(&mut self, pool: Option<&BufPool>) -> Result<redis::Value, String> {
+        match self {
+            Self::Plain(p) => p.recv_array(pool),
+            Self::Crate(c) => c.recv_response().map_err(|e| e.to_string()),
+        }
+    }
+
     /// One command and its reply.
     pub(super) fn request(&mut self, cmd: &redis::Cmd) -> Result<redis::Value, String> {
         self.send(&cmd.get_packed_command())?;
@@ -271,6 +281,41 @@ impl Plain {
                     (self.start, self.end) = (0, 0);
                 }
                 return Ok(v);
+            }
+            self.fill()?;
+        }
+    }
+
+    /// See [`Conn::recv_array`]. Only the top level is read this way: an array inside an
+    /// element is parsed whole (bounded by `MAX_SMALL_REPLY` and `MAX_DEPTH`).
+    fn recv_array(&mut self, pool: Option<&BufPool>) -> Result<redis::Value, String> {
+        loop {
+            let avail = &self.buf[self.start..self.end];
+            match avail.first() {
+                Some(&b'*') => {
+                    if let Some(end) = line_end(avail) {
+                        let n = header_int(&avail[1..end - 2])?;
+                        self.start += end;
+                        if self.start == self.end {
+                            (self.start, self.end) = (0, 0);
+                        }
+                        let Ok(n) = usize::try_from(n) else {
+                            return Ok(redis::Value::Nil); // `*-1`: a nil array
+                        };
+                        // The count is the server's word: the elements themselves bound what is
+                        // allocated, not `n`.
+                        let mut out = Vec::with_capacity(n.min(1024));
+                        for _ in 0..n {
+                            out.push(self.recv(pool)?);
+                        }
+                        return Ok(redis::Value::Array(out));
+                    }
+                    if avail.len() > 32 {
+                        return Err("an array reply with a header line over 32 bytes".to_owned());
+                    }
+                }
+                Some(_) => return self.recv(pool),
+                None => {}
             }
             self.fill()?;
         }
@@ -449,6 +494,17 @@ pub(super) fn set_head(key: &str, value_len: usize, px: Option<u64>, out: &mut V
     );
 }
 
+/// Appends the bytes before the first key of the packed command `MSET k1 v1 … kn vn` (`pairs`
+/// = n) to `out`; each pair then follows as [`pair_head`], the value's bytes and `\r\n`.
+pub(super) fn mset_head(pairs: usize, out: &mut Vec<u8>) {
+    let _ = write!(out, "*{}\r\n$4\r\nMSET\r\n", 1 + 2 * pairs);
+}
+
+/// Appends the bytes of a key and the length line of its value (see [`mset_head`]).
+pub(super) fn pair_head(key: &str, value_len: usize, out: &mut Vec<u8>) {
+    let _ = write!(out, "${}\r\n{key}\r\n${value_len}\r\n", key.len());
+}
+
 /// See [`set_head`].
 pub(super) fn set_tail(px: Option<u64>, out: &mut Vec<u8>) {
     out.extend_from_slice(b"\r\n");
@@ -484,6 +540,27 @@ mod tests {
         }
     }
 
+    #[test]
+    fn mset_frame_is_the_crates_packing() {
+        for pairs in [
+            vec![("k", 0)],
+            vec![("kvoff:{ab:cd}:r0", 5), ("kvoff:{ab:ce}:r0", 33_864)],
+            vec![("a", 1), ("b", 2), ("c", 70_000)],
+        ] {
+            let mut c = redis::cmd("MSET");
+            let mut ours = Vec::new();
+            mset_head(pairs.len(), &mut ours);
+            for (i, &(key, len)) in pairs.iter().enumerate() {
+                let value: Vec<u8> = (0..len).map(|j| ((i + j) % 251) as u8).collect();
+                c.arg(key).arg(&value[..]);
+                pair_head(key, len, &mut ours);
+                ours.extend_from_slice(&value);
+                ours.extend_from_slice(b"\r\n");
+            }
+            assert_eq!(ours, c.get_packed_command());
+        }
+    }
+
     fn replies() -> Vec<Vec<u8>> {
         let mut huge = b"$1100000\r\n".to_vec();
         huge.extend((0..1_100_000).map(|i| (i % 253) as u8));
@@ -494,7 +571,12 @@ mod tests {
         let mut big = b"$70000\r\n".to_vec();
         big.extend((0..70_000).map(|i| (i % 251) as u8));
         big.extend_from_slice(b"\r\n");
+        let mut mget = b"*4\r\n".to_vec();
+        mget.extend_from_slice(&big);
+        mget.extend_from_slice(b"$-1\r\n$5\r\nhello\r\n");
+        mget.extend_from_slice(&big);
         vec![
+            mget,
             b"+OK\r\n".to_vec(),
             b"+PONG\r\n".to_vec(),
             b"-MOVED 3999 127.0.0.1:6381\r\n".to_vec(),
@@ -531,8 +613,9 @@ mod tests {
         assert!(extent(b"*x\r\n", 0).is_err());
     }
 
-    /// Replies served by a loopback "server" thread one byte at a time and all at once: the
-    /// reader's values equal the crate's parse of the same bytes.
+    /// Replies served by a loopback "server" thread in small pieces and all at once: the
+    /// reader's values, read by `recv` and by `recv_array`, equal the crate's parse of the same
+    /// bytes.
     #[test]
     fn plain_reader_agrees_with_the_crate() {
         let mut all = Vec::new();
@@ -541,7 +624,7 @@ mod tests {
             expect.push(redis::parse_redis_value(&r).unwrap());
             all.extend_from_slice(&r);
         }
-        for trickle in [false, true] {
+        for (trickle, array) in [(false, false), (true, false), (false, true), (true, true)] {
             let l = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
             let port = l.local_addr().unwrap().port();
             let data = all.clone();
@@ -567,7 +650,12 @@ mod tests {
             let pool = BufPool::new(4 << 20);
             pool.give(vec![7; 1 << 20]);
             for e in &expect {
-                assert_eq!(&c.recv(Some(&pool)).unwrap(), e);
+                let got = if array {
+                    c.recv_array(Some(&pool))
+                } else {
+                    c.recv(Some(&pool))
+                };
+                assert_eq!(&got.unwrap(), e);
             }
             drop(c);
             server.join().unwrap();

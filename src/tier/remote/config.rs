@@ -28,8 +28,9 @@ pub struct RemoteConfig {
     pub max_staged_bytes: u64,
     /// Most keys of one fetch.
     pub max_fetch_keys: usize,
-    /// Most values of one write pipeline (which also holds at most 128 KiB of values, but at least
-    /// 4 values).
+    /// Most values of one write pipeline (which also holds at most 128 KiB of values, or 256 KiB
+    /// where the pipeline is one `MSET` — small values on one server without a TTL — but at
+    /// least 4 values).
     pub max_write_batch: usize,
     /// How long a miss is remembered (a lookup then answers absent without a round trip).
     pub negative_ttl: Duration,
@@ -79,7 +80,7 @@ pub fn default_io_threads() -> usize {
 impl RemoteConfig {
     /// Defaults: no TTL, 1 s connect and 2 s I/O timeouts, [`default_io_threads`] I/O threads,
     /// 256 queued writes, 256 MiB in flight, 256 MiB staged, fetches of up to 64 keys, writes of
-    /// up to 256 values per pipeline (and 128 KiB of values, but at least 4), misses remembered
+    /// up to 256 values per pipeline (and 128 KiB of values, 256 KiB in an `MSET`, but at least 4), misses remembered
     /// 2 s, hits 30 s, backoff 100 ms → 5 s, password from `KVOFF_REMOTE_PASSWORD`.
     #[must_use]
     pub fn new(url: impl Into<String>, layout: Layout) -> Self {

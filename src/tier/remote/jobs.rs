@@ -4,7 +4,7 @@
 
 #[allow(clippy::wildcard_imports)]
 use super::*;
-use crate::tier::remote_conn::{set_head, set_tail, BufPool, Conn, Next};
+use crate::tier::remote_conn::{mset_head, pair_head, set_head, set_tail, BufPool, Conn, Next};
 use crate::tier::remote_route::{Pack, DIRECT_SEND_BYTES};
 use crossbeam_channel::{Receiver, Select, Sender};
 
@@ -438,23 +438,27 @@ impl Shared {
     pub(super) fn run_fetch(&self, conns: &mut Conns, keys: &[ByteKey]) -> Vec<Checked> {
         let t0 = Instant::now();
         let header = self.header_fetch();
-        let cmds: Vec<(String, redis::Cmd)> = keys
-            .iter()
-            .map(|k| {
-                let rk = self.redis_key(k);
-                let c = if header {
-                    let mut c = redis::cmd("GETRANGE");
-                    c.arg(&rk).arg(0).arg(VALUE_HEADER_BYTES - 1);
-                    c
-                } else {
-                    let mut c = redis::cmd("GET");
-                    c.arg(&rk);
-                    c
-                };
-                (rk, c)
-            })
-            .collect();
-        let values = self.run(conns, &cmds);
+        let values = if !header && keys.len() > 1 && self.multi_key() {
+            self.mget(conns, keys)
+        } else {
+            let cmds: Vec<(String, redis::Cmd)> = keys
+                .iter()
+                .map(|k| {
+                    let rk = self.redis_key(k);
+                    let c = if header {
+                        let mut c = redis::cmd("GETRANGE");
+                        c.arg(&rk).arg(0).arg(VALUE_HEADER_BYTES - 1);
+                        c
+                    } else {
+                        let mut c = redis::cmd("GET");
+                        c.arg(&rk);
+                        c
+                    };
+                    (rk, c)
+                })
+                .collect();
+            self.run(conns, &cmds)
+        };
         let mut rejected = Vec::new();
         let mut results = Vec::with_capacity(keys.len());
         for (k, v) in keys.iter().zip(values) {
@@ -475,6 +479,27 @@ impl Shared {
             self.delete(conns, k);
         }
         results
+    }
+
+    /// The values of `keys` by one `MGET` (see [`Shared::multi_key`]), one reply per key as
+    /// [`Shared::run`] gives them: `None` for each when the command was not answered or not with
+    /// an array of as many values (a server error reply fails them all).
+    fn mget(&self, conns: &mut Conns, keys: &[ByteKey]) -> Vec<Option<redis::Value>> {
+        let mut c = redis::cmd("MGET");
+        for k in keys {
+            c.arg(self.redis_key(k));
+        }
+        let cmd = [(String::new(), Mget(c))];
+        match self.run(conns, &cmd).pop().flatten() {
+            Some(redis::Value::Array(values)) if values.len() == keys.len() => {
+                values.into_iter().map(Some).collect()
+            }
+            Some(other) => {
+                self.set_error(format!("{}: MGET answered {other:?}", self.url_redacted));
+                vec![None; keys.len()]
+            }
+            None => vec![None; keys.len()],
+        }
     }
 
     /// Promotes `items` (keys with their reserved host blocks): each from its staged value, or
@@ -585,24 +610,37 @@ impl Shared {
     /// bytes are written from host memory, with no copy of it in user space. The blocks are
     /// therefore handed back once the batch's replies are in (a command that must go again, after
     /// a redirect or a failover, reads its block again), not before the network as when values
-    /// were copied.
+    /// were copied. Small values on one server without a TTL go as one `MSET` for the batch
+    /// (see [`Shared::multi_key`]), others as a `SET` each.
     pub(super) fn run_writes(&self, conns: &mut Conns, items: &[(ByteKey, BlockId)]) -> Vec<Wrote> {
         let t0 = Instant::now();
         let px = self
             .cfg
             .ttl
             .map(|ttl| u64::try_from(ttl.as_millis()).unwrap_or(u64::MAX).max(1));
+        let per_command = if px.is_none() && self.multi_key() {
+            items.len().max(1)
+        } else {
+            1
+        };
         let cmds: Vec<(String, BlockWrite<'_>)> = items
-            .iter()
-            .map(|(k, b)| {
+            .chunks(per_command)
+            .map(|chunk| {
+                let parts: Vec<WritePart<'_>> = chunk
+                    .iter()
+                    .map(|(k, b)| WritePart {
+                        key: k,
+                        rkey: self.redis_key(k),
+                        block: *b,
+                        failed: std::cell::Cell::new(false),
+                    })
+                    .collect();
                 (
-                    self.redis_key(k),
+                    parts[0].rkey.clone(),
                     BlockWrite {
                         sh: self,
-                        key: k,
-                        block: *b,
+                        parts,
                         px,
-                        failed: std::cell::Cell::new(false),
                     },
                 )
             })
@@ -612,26 +650,40 @@ impl Shared {
         let mut wrote = Vec::with_capacity(items.len());
         for (i, (_, cmd)) in cmds.iter().enumerate() {
             let reply = replies.get(i).and_then(Option::as_ref);
-            let good = !cmd.failed.get()
-                && reply.is_some_and(|v| {
-                    matches!(v, redis::Value::Okay | redis::Value::SimpleString(_))
-                });
-            if good {
-                self.counters.writes.fetch_add(1, Relaxed);
-                self.counters
-                    .bytes_written
-                    .fetch_add(self.payload_len as u64, Relaxed);
-                wrote.push(Wrote::Stored);
-            } else {
-                self.counters.write_errors.fetch_add(1, Relaxed);
-                if let (false, Some(v)) = (cmd.failed.get(), reply) {
-                    self.set_error(format!("{}: SET answered {v:?}", self.url_redacted));
+            let stored = reply
+                .is_some_and(|v| matches!(v, redis::Value::Okay | redis::Value::SimpleString(_)));
+            let mut answered = false;
+            for part in &cmd.parts {
+                if !part.failed.get() && stored {
+                    self.counters.writes.fetch_add(1, Relaxed);
+                    self.counters
+                        .bytes_written
+                        .fetch_add(self.payload_len as u64, Relaxed);
+                    wrote.push(Wrote::Stored);
+                } else {
+                    self.counters.write_errors.fetch_add(1, Relaxed);
+                    answered |= !part.failed.get() && reply.is_some();
+                    wrote.push(Wrote::Failed);
                 }
-                wrote.push(Wrote::Failed);
+            }
+            if let (true, Some(v)) = (answered, reply) {
+                let name = if cmd.parts.len() > 1 { "MSET" } else { "SET" };
+                self.set_error(format!("{}: {name} answered {v:?}", self.url_redacted));
             }
         }
         self.counters.write_ns.fetch_add(ns(t0), Relaxed);
         wrote
+    }
+
+    /// Whether several keys go in one command (`MSET` of a write batch, `MGET` of a fetch job):
+    /// on one server (not a Cluster, where keys of different blocks hash to different slots),
+    /// for values below `DIRECT_SEND_BYTES`, whose commands are packed whole before they are
+    /// sent. The server's cost per command is then paid once per batch: on the 2-CPU dev VM,
+    /// redis-server 7.0 spent 11.9–13.4 µs of CPU per 33 KB value in `MSET`s of 8 against
+    /// 18.4–20.9 µs in pipelined `SET`s, and 12.8–13.0 µs per value in `MGET`s of 8 against
+    /// 17.0–17.5 µs in `GET`s (redis-benchmark, its CPU time from `/proc`).
+    pub(super) fn multi_key(&self) -> bool {
+        !self.cluster && self.value_len < DIRECT_SEND_BYTES
     }
 
     /// A thread's (empty) set of connections.
@@ -673,7 +725,12 @@ impl Shared {
             }
             return None;
         };
-        let by_bytes = (WRITE_BATCH_BYTES / self.value_len.max(1)).max(MIN_WRITE_BATCH);
+        let batch_bytes = if self.cfg.ttl.is_none() && self.multi_key() {
+            MSET_BATCH_BYTES
+        } else {
+            WRITE_BATCH_BYTES
+        };
+        let by_bytes = (batch_bytes / self.value_len.max(1)).max(MIN_WRITE_BATCH);
         let n = self.cfg.max_write_batch.max(1).min(by_bytes);
         let mut batch = Vec::with_capacity(n.min(1024));
         batch.push(first);
@@ -832,31 +889,98 @@ impl Pack for BlockRead<'_> {
     }
 }
 
-/// A `SET` of one block's value, packed straight from host memory (see `Shared::run_writes`).
+/// An `MGET`, whose values are read from the socket each into a buffer of its own
+/// ([`Conn::recv_array`]).
+pub(super) struct Mget(redis::Cmd);
+
+impl Pack for Mget {
+    fn pack(&self, _key: &str, _c: &mut Conn, packed: &mut Vec<u8>) -> Result<(), String> {
+        self.0.write_packed_command(packed);
+        Ok(())
+    }
+
+    fn recv(&self, c: &mut Conn, pool: Option<&BufPool>) -> Result<redis::Value, String> {
+        c.recv_array(pool)
+    }
+}
+
+/// A write of block values, packed straight from host memory (see `Shared::run_writes`): a
+/// `SET` (with `PX` for a TTL) of one value, or an `MSET` of several (each below
+/// `DIRECT_SEND_BYTES`: packed whole before it is sent).
 pub(super) struct BlockWrite<'a> {
     sh: &'a Shared,
-    key: &'a ByteKey,
-    block: BlockId,
+    parts: Vec<WritePart<'a>>,
     px: Option<u64>,
-    /// The value could not be built (the block unreadable, the header not encodable): a `PING`
-    /// went in its place, and the write counts as failed.
+}
+
+/// One value of a [`BlockWrite`].
+pub(super) struct WritePart<'a> {
+    key: &'a ByteKey,
+    rkey: String,
+    block: BlockId,
+    /// The value could not be built (the block unreadable, the header not encodable): it is left
+    /// out of its command (a `PING` goes in place of a command left with none), and the write
+    /// counts as failed.
     failed: std::cell::Cell<bool>,
+}
+
+impl BlockWrite<'_> {
+    /// Reads `part`'s block and hands its header and payload to `f`; false (and `f` not called)
+    /// when the value cannot be built.
+    fn build(&self, part: &WritePart<'_>, f: &mut dyn FnMut(&[u8], &[u8])) -> bool {
+        let mut h = self.sh.expect_header(part.key);
+        let mut header = [0u8; VALUE_HEADER_BYTES];
+        let mut built = false;
+        let read = self.sh.memory.with_block(part.block, &mut |payload| {
+            h.payload_sum = format::payload_sum(payload);
+            if format::encode_sized(&h, &mut header, VALUE_HEADER_BYTES) {
+                built = true;
+                f(&header, payload);
+            }
+        });
+        read.is_ok() && built
+    }
+
+    /// Packs the `MSET` of the parts that can be built (each value whole into `packed`); a part
+    /// that cannot is marked failed and the command packed again without it.
+    fn pack_mset(&self, packed: &mut Vec<u8>) {
+        let start = packed.len();
+        'again: loop {
+            packed.truncate(start);
+            let live = self.parts.iter().filter(|p| !p.failed.get()).count();
+            if live == 0 {
+                redis::cmd("PING").write_packed_command(packed);
+                return;
+            }
+            mset_head(live, packed);
+            for part in self.parts.iter().filter(|p| !p.failed.get()) {
+                let built = self.build(part, &mut |header, payload| {
+                    pair_head(&part.rkey, header.len() + payload.len(), packed);
+                    packed.extend_from_slice(header);
+                    packed.extend_from_slice(payload);
+                    packed.extend_from_slice(b"\r\n");
+                });
+                if !built {
+                    part.failed.set(true);
+                    continue 'again;
+                }
+            }
+            return;
+        }
+    }
 }
 
 impl Pack for BlockWrite<'_> {
     fn pack(&self, key: &str, c: &mut Conn, packed: &mut Vec<u8>) -> Result<(), String> {
-        let mut h = self.sh.expect_header(self.key);
-        let mut header = [0u8; VALUE_HEADER_BYTES];
-        let mut built = false;
+        if self.parts.len() > 1 {
+            self.pack_mset(packed);
+            return Ok(());
+        }
+        let part = &self.parts[0];
         let mut sent = Ok(());
-        let read = self.sh.memory.with_block(self.block, &mut |payload| {
-            h.payload_sum = format::payload_sum(payload);
-            if !format::encode_sized(&h, &mut header, VALUE_HEADER_BYTES) {
-                return;
-            }
-            built = true;
-            set_head(key, VALUE_HEADER_BYTES + payload.len(), self.px, packed);
-            packed.extend_from_slice(&header);
+        let built = self.build(part, &mut |header, payload| {
+            set_head(key, header.len() + payload.len(), self.px, packed);
+            packed.extend_from_slice(header);
             if payload.len() >= DIRECT_SEND_BYTES {
                 sent = c.send(packed).and_then(|()| {
                     packed.clear();
@@ -867,9 +991,9 @@ impl Pack for BlockWrite<'_> {
             }
             set_tail(self.px, packed);
         });
-        if read.is_err() || !built {
+        if !built {
             // Keeps the pipeline's replies in step with its commands.
-            self.failed.set(true);
+            part.failed.set(true);
             redis::cmd("PING").write_packed_command(packed);
         }
         sent

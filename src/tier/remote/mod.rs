@@ -119,6 +119,9 @@ pub const VALUE_HEADER_BYTES: usize = format::COMPACT_HEADER_BYTES;
 /// one run: 32 KiB values stored at 1.60–1.71 GB/s in pipelines of 4 and 1.46–1.53 in pipelines of
 /// 256; a later run saw no order beyond its noise (1.95–2.37 GB/s for pipelines of 1 to 256).
 const WRITE_BATCH_BYTES: usize = 128 << 10;
+/// Most value bytes of one `MSET` (a write batch of small values on one server without a TTL;
+/// `Shared::multi_key`), but at least [`MIN_WRITE_BATCH`] values.
+const MSET_BATCH_BYTES: usize = 256 << 10;
 /// Most write jobs of values of 256 KiB and more ([`HEADER_FETCH_BYTES`]) running at once,
 /// whatever the number of I/O threads: 2 MiB values stored at 3.62 and 4.93 GB/s with 2 I/O
 /// threads and 3.27 and 3.68 with 4 (the H100 host, two machines, `kvoff bench remote`'s store);
