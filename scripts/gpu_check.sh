@@ -58,6 +58,11 @@ for step in "$@"; do
     tail -60 "$OUT/interference_rust.log"
     ;;
   remote)
+    # redis-py for the bench's redis-py reference, where the stage carried it.
+    if ls .carry/pywheels/redis-*.whl >/dev/null 2>&1; then
+      python3 -m pip install -q --no-deps --no-index --target /tmp/kvoff-redis-py .carry/pywheels/redis-*.whl >/dev/null 2>&1
+    fi
+    PYTHONPATH=/tmp/kvoff-redis-py${PYTHONPATH:+:$PYTHONPATH} \
     PATH=$PWD/.carry/redis/bin:$PATH python3 -m kvoff.tools.cli bench remote --reps ${KVOFF_REMOTE_REPS:-3} \
       >"$OUT/remote.log" 2>&1
     summary+=("kvoff bench remote: rc=$?")

@@ -3,8 +3,8 @@
 # the release wheel, the Rust GPU test binaries and the transfer benchmarks. Then, through the
 # device tool: `scripts/gpu_check.sh <step>` with carry [".carry"] (its header lists the steps).
 # `gpu_stage.sh remote`: the wheel and this machine's redis-server, redis-cli and redis-benchmark
-# with their shared libraries and loader (.carry/redis; the GPU machine has none) for the `remote`
-# step, without the Rust binaries. `gpu_stage.sh tiering`: the wheel and vLLM 0.33's Python code with
+# with their shared libraries and loader (.carry/redis; the GPU machine has none), and redis-py's wheel
+# (.carry/pywheels), for the `remote` step, without the Rust binaries. `gpu_stage.sh tiering`: the wheel and vLLM 0.33's Python code with
 # the packages it imports that the GPU machine lacks (.carry/vllm-site.tar.xz) for the `tiering` step.
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -51,6 +51,10 @@ if [ "${1:-}" = remote ]; then
     chmod +x .carry/redis/bin/$b
   done
   cp -L /lib64/ld-linux-x86-64.so.2 .carry/redis/lib/
+  # redis-py (pure Python), at the test command's version, for the bench's redis-py reference.
+  VPY=${KVOFF_VLLM_PY:-${KVOFF_ENV_CACHE:-$HOME/.cache/kvoff/envs}/main/bin/python}
+  v=$("$VPY" -c "import importlib.metadata as m; print(m.version('redis'))")
+  "$VPY" -m pip download -q --no-deps --only-binary=:all: -d .carry/pywheels "redis==$v"
   git rev-parse --short HEAD > .carry/commit
   git status --porcelain | grep -q . && echo "+dirty" >> .carry/commit || true
   du -sh .carry
