@@ -710,6 +710,58 @@ fn small_values_go_as_mset_and_mget() {
     b.shutdown();
 }
 
+/// A server out of memory (`maxmemory` with `noeviction`) refuses whole `MSET`s: every write of a
+/// refused batch fails and is counted, its host blocks are handed back, the error names the
+/// command and the server's reason, and what was stored before still loads byte for byte.
+#[test]
+fn a_full_server_fails_whole_mset_batches() {
+    let _g = serial();
+    if !have_redis() {
+        return;
+    }
+    let srv = Server::start(
+        "oom",
+        &["--maxmemory", "3mb", "--maxmemory-policy", "noeviction"],
+    );
+    let n = 512;
+    let mem = Arc::new(VecMemory::new(n, BLOCK));
+    let tier = RemoteTier::open(
+        quick(RemoteConfig::new(srv.url(), layout("oom"))),
+        mem.clone(),
+    )
+    .unwrap();
+    for i in 0..n {
+        mem.set_block(i as BlockId, &pattern(i)).unwrap();
+    }
+    let mut released = 0;
+    for chunk in (0..n).collect::<Vec<_>>().chunks(32) {
+        let items: Vec<(ByteKey, BlockId)> =
+            chunk.iter().map(|&i| (key(i), i as BlockId)).collect();
+        assert_eq!(tier.submit_writes(&items), vec![true; items.len()]);
+        tier.flush();
+        released += tier.poll().len();
+    }
+    assert_eq!(released, n, "every host block handed back");
+    let c = tier.counters();
+    assert_eq!(c.writes + c.write_errors, n as u64, "{c:?}");
+    assert!(c.writes > 0 && c.write_errors > 0, "{c:?}");
+    let err = c.last_error.unwrap_or_default();
+    assert!(err.contains("MSET") && err.contains("OOM"), "{err}");
+    let kept: u64 = srv.cli(&["DBSIZE"]).trim().parse().unwrap();
+    assert_eq!(
+        kept, c.writes,
+        "stored values are on the server, refused ones are not"
+    );
+    drop(tier);
+    // What was stored loads back byte for byte; refused keys are misses.
+    let (mut b, mem_b) = chain(&srv.url(), "oom", 16);
+    assert_eq!(settle(&mut b, &[key(0)], Duration::from_secs(5)), 1);
+    check_loaded(&mut b, &mem_b, &[0]);
+    assert_eq!(settle(&mut b, &[key(n - 1)], Duration::from_secs(5)), 0);
+    assert_eq!(remote_stats(&mut b).tier.rejected, 0);
+    b.shutdown();
+}
+
 #[test]
 fn value_cap_refuses_huge_layouts() {
     let _g = serial();
