@@ -151,10 +151,15 @@ impl Conn {
 
     /// Reads one reply like [`Conn::recv`], where an array reply's bulk strings (an `MGET`'s
     /// values) are each read as [`Conn::recv`] reads a bulk string reply: from the socket
-    /// straight into a buffer of their own.
-    pub(super) fn recv_array(&mut self, pool: Option<&BufPool>) -> Result<redis::Value, String> {
+    /// straight into a buffer of their own. An array of more than `max` elements is an error (the
+    /// connection is then dropped): a broken or hostile stream, never an allocation.
+    pub(super) fn recv_array(
+        &mut self,
+        pool: Option<&BufPool>,
+        max: usize,
+    ) -> Result<redis::Value, String> {
         match self {
-            Self::Plain(p) => p.recv_array(pool),
+            Self::Plain(p) => p.recv_array(pool, max),
             Self::Crate(c) => c.recv_response().map_err(|e| e.to_string()),
         }
     }
@@ -288,7 +293,7 @@ impl Plain {
 
     /// See [`Conn::recv_array`]. Only the top level is read this way: an array inside an
     /// element is parsed whole (bounded by `MAX_SMALL_REPLY` and `MAX_DEPTH`).
-    fn recv_array(&mut self, pool: Option<&BufPool>) -> Result<redis::Value, String> {
+    fn recv_array(&mut self, pool: Option<&BufPool>, max: usize) -> Result<redis::Value, String> {
         loop {
             let avail = &self.buf[self.start..self.end];
             match avail.first() {
@@ -302,9 +307,12 @@ impl Plain {
                         let Ok(n) = usize::try_from(n) else {
                             return Ok(redis::Value::Nil); // `*-1`: a nil array
                         };
-                        // The count is the server's word: the elements themselves bound what is
-                        // allocated, not `n`.
-                        let mut out = Vec::with_capacity(n.min(1024));
+                        if n > max {
+                            return Err(format!(
+                                "an array reply of {n} elements where at most {max} were asked"
+                            ));
+                        }
+                        let mut out = Vec::with_capacity(n);
                         for _ in 0..n {
                             out.push(self.recv(pool)?);
                         }
@@ -561,6 +569,28 @@ mod tests {
         }
     }
 
+    /// An array reply longer than asked is an error, not a value.
+    #[test]
+    fn array_reply_longer_than_asked_is_an_error() {
+        let l = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+        let port = l.local_addr().unwrap().port();
+        let server = std::thread::spawn(move || {
+            let (mut s, _) = l.accept().unwrap();
+            s.write_all(b"*1000000000\r\n$1\r\na\r\n").unwrap();
+            let mut sink = [0u8; 1];
+            let _ = s.read(&mut sink);
+        });
+        let info = redis::IntoConnectionInfo::into_connection_info(
+            format!("redis://127.0.0.1:{port}").as_str(),
+        )
+        .unwrap();
+        let mut c = Conn::open(info, Duration::from_secs(5), Duration::from_secs(5)).unwrap();
+        let e = c.recv_array(None, 8).unwrap_err();
+        assert!(e.contains("1000000000 elements"), "{e}");
+        drop(c);
+        server.join().unwrap();
+    }
+
     fn replies() -> Vec<Vec<u8>> {
         let mut huge = b"$1100000\r\n".to_vec();
         huge.extend((0..1_100_000).map(|i| (i % 253) as u8));
@@ -651,7 +681,7 @@ mod tests {
             pool.give(vec![7; 1 << 20]);
             for e in &expect {
                 let got = if array {
-                    c.recv_array(Some(&pool))
+                    c.recv_array(Some(&pool), 4)
                 } else {
                     c.recv(Some(&pool))
                 };

@@ -489,7 +489,7 @@ impl Shared {
         for k in keys {
             c.arg(self.redis_key(k));
         }
-        let cmd = [(String::new(), Mget(c))];
+        let cmd = [(String::new(), Mget(c, keys.len()))];
         match self.run(conns, &cmd).pop().flatten() {
             Some(redis::Value::Array(values)) if values.len() == keys.len() => {
                 values.into_iter().map(Some).collect()
@@ -889,9 +889,9 @@ impl Pack for BlockRead<'_> {
     }
 }
 
-/// An `MGET`, whose values are read from the socket each into a buffer of its own
+/// An `MGET` of `.1` keys, whose values are read from the socket each into a buffer of its own
 /// ([`Conn::recv_array`]).
-pub(super) struct Mget(redis::Cmd);
+pub(super) struct Mget(redis::Cmd, usize);
 
 impl Pack for Mget {
     fn pack(&self, _key: &str, _c: &mut Conn, packed: &mut Vec<u8>) -> Result<(), String> {
@@ -900,7 +900,7 @@ impl Pack for Mget {
     }
 
     fn recv(&self, c: &mut Conn, pool: Option<&BufPool>) -> Result<redis::Value, String> {
-        c.recv_array(pool)
+        c.recv_array(pool, self.1)
     }
 }
 
