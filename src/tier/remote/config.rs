@@ -30,7 +30,8 @@ pub struct RemoteConfig {
     pub max_fetch_keys: usize,
     /// Most values of one write pipeline (which also holds at most 128 KiB of values, or 256 KiB
     /// where the pipeline is one `MSET` — small values on one server without a TTL — but at
-    /// least 4 values).
+    /// least 4 values, or for values of 256 KiB and more 4 on a machine with 8 or more CPUs and
+    /// 1 below).
     pub max_write_batch: usize,
     /// How long a miss is remembered (a lookup then answers absent without a round trip).
     pub negative_ttl: Duration,

@@ -316,6 +316,8 @@ pub(super) struct Shared {
     pub(super) pool: Arc<BufPool>,
     /// Write jobs running (see [`MAX_LARGE_WRITE_JOBS`]).
     pub(super) writes_running: std::sync::atomic::AtomicUsize,
+    /// Fewest values of a write pipeline of large values (see `large_write_batch`).
+    pub(super) large_write_batch: usize,
 }
 
 pub(super) fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
@@ -730,7 +732,12 @@ impl Shared {
         } else {
             WRITE_BATCH_BYTES
         };
-        let by_bytes = (batch_bytes / self.value_len.max(1)).max(MIN_WRITE_BATCH);
+        let fewest = if capped {
+            self.large_write_batch
+        } else {
+            MIN_WRITE_BATCH
+        };
+        let by_bytes = (batch_bytes / self.value_len.max(1)).max(fewest);
         let n = self.cfg.max_write_batch.max(1).min(by_bytes);
         let mut batch = Vec::with_capacity(n.min(1024));
         batch.push(first);
