@@ -59,6 +59,7 @@ __all__ = [
     "TieredOffloadingManager",
     "bench_disk",
     "bench_disk_rows",
+    "disk_file_bytes",
     "format_disk_rows",
 ]
 
@@ -84,6 +85,16 @@ DISK_METRICS: dict[str, tuple[str, str]] = {
     "disk_indexed_files": ("kvoff_disk_files", "files indexed (gauge)"),
     "disk_own_bytes": ("kvoff_disk_own_bytes", "bytes of this instance's files (gauge)"),
 }
+
+
+def disk_file_bytes(block_bytes: int) -> int:
+    """Bytes of the tier file of one block of ``block_bytes``: a 4 KiB header, then the block
+    rounded up to 4 KiB (docs/tier.md "Pieces", file format; ``tier::format::file_len`` in the crate). A
+    ``disk_bytes_to_use`` of ``n`` times this holds ``n`` blocks."""
+    if block_bytes < 0:
+        raise ValueError(f"block_bytes must be >= 0, got {block_bytes}")
+    return 4096 + -(-block_bytes // 4096) * 4096
+
 
 #: Bytes of the header in front of each block on a Redis/Valkey server (docs/tier.md "Remote tier":
 #: a tier file's header unpadded, with room for the longest key): a value is this plus the block.

@@ -148,6 +148,37 @@ def test_write_through_and_events(tmp_path: Path) -> None:
     region.close()
 
 
+def test_disk_file_bytes_is_the_length_of_a_written_file(tmp_path: Path) -> None:
+    """``kvoff.tier.disk_file_bytes`` (what a capacity of n blocks needs) equals the length of the
+    files the tier writes, for a block of 4 KiB multiples and for one that is not."""
+    from kvoff.tier import disk_file_bytes
+
+    assert disk_file_bytes(BLOCK) == 4096 + BLOCK
+    assert disk_file_bytes(0) == 4096 and disk_file_bytes(1) == 8192
+    with pytest.raises(ValueError):
+        disk_file_bytes(-1)
+    m, region = make(tmp_path)
+    store(m, region, [1])
+    m.flush()
+    assert os.path.getsize(m.disk_path_of(K(1))) == disk_file_bytes(BLOCK)
+    m.shutdown()
+    region.close()
+    odd = 5000
+    r2 = kvoff.HostRegion.private(2, odd)
+    m2 = TieredOffloadingManager(
+        "lru", 2, r2, str(tmp_path / "odd"), 2 * disk_file_bytes(odd), namespace="odd"
+    )
+    out = m2.prepare_store([K(7), K(8)])
+    assert out is not None
+    m2.complete_store(out.keys_to_store)
+    m2.flush()
+    assert m2.get_stats()["disk_files_written"] == 2
+    for k in (K(7), K(8)):
+        assert os.path.getsize(m2.disk_path_of(k)) == disk_file_bytes(odd) == 4096 + 8192
+    m2.shutdown()
+    r2.close()
+
+
 def test_flipped_byte_is_detected(tmp_path: Path) -> None:
     m, region = make(tmp_path)
     store(m, region, [1, 2])

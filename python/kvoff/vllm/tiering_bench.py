@@ -36,6 +36,8 @@ from typing import Any
 
 import numpy as np
 
+from kvoff.tier import disk_file_bytes
+
 
 def _spec(model: str) -> Any:
     from vllm.v1.kv_offload.base import OffloadingKVEventsConfig
@@ -214,10 +216,10 @@ def bench(
         },
     }
     if at_capacity:
-        # Room for one repetition's files (a 4 KiB header + the chunk in 4 KiB units each): from the
-        # second repetition on, each write overwrites an evicted own file (docs/tier.md "Publication
-        # and durability"). vLLM's fs tier has no capacity: it keeps creating files.
-        tiers["kvoff"]["disk_bytes_to_use"] = chunks * (4096 + -(-chunk_bytes // 4096) * 4096)
+        # Room for one repetition's files: from the second repetition on, each write overwrites an
+        # evicted own file (docs/tier.md "Publication and durability"). vLLM's fs tier has no
+        # capacity: it keeps creating files.
+        tiers["kvoff"]["disk_bytes_to_use"] = chunks * disk_file_bytes(chunk_bytes)
     run_id = os.urandom(4).hex()
     disk = _Disk(os.path.join(directory, "disk"), mem, chunks, disk_threads)
     names = [*tiers, "disk"]
