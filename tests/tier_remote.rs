@@ -680,9 +680,10 @@ fn small_values_go_as_mset_and_mget() {
     assert_eq!(srv.cli(&["DBSIZE"]).trim(), "8");
     assert_eq!(srv.cli(&["EXISTS", &tier.redis_key(&key(99))]).trim(), "0");
 
-    // Another engine: one fetch of the prefix, as MGETs; every block byte for byte.
+    // Another engine: one fetch of the prefix, as MGETs; every block byte for byte. (Only keys
+    // that are there: a remembered miss asked again after its negative TTL would go as a GET.)
     let (mut b, mem_b) = chain(&srv.url(), "ms", 16);
-    let ks: Vec<ByteKey> = (0..9).map(key).collect();
+    let ks: Vec<ByteKey> = (0..8).map(key).collect();
     assert_eq!(settle(&mut b, &ks, Duration::from_secs(5)), 8);
     check_loaded(&mut b, &mem_b, &(0..8).collect::<Vec<_>>());
     assert!(calls("mget") >= 1);
