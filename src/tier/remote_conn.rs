@@ -569,14 +569,22 @@ mod tests {
         }
     }
 
-    /// An array reply longer than asked is an error, not a value.
-    #[test]
-    fn array_reply_longer_than_asked_is_an_error() {
+    /// A loopback "server" that sends `data` (in pieces of 997 bytes, 50 µs apart, when
+    /// `trickle`) and then waits for the client to hang up; a [`Conn`] to it.
+    fn serve(data: Vec<u8>, trickle: bool) -> (Conn, std::thread::JoinHandle<()>) {
         let l = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
         let port = l.local_addr().unwrap().port();
         let server = std::thread::spawn(move || {
             let (mut s, _) = l.accept().unwrap();
-            s.write_all(b"*1000000000\r\n$1\r\na\r\n").unwrap();
+            if trickle {
+                s.set_nodelay(true).unwrap();
+                for chunk in data.chunks(997) {
+                    s.write_all(chunk).unwrap();
+                    std::thread::sleep(Duration::from_micros(50));
+                }
+            } else {
+                s.write_all(&data).unwrap();
+            }
             let mut sink = [0u8; 1];
             let _ = s.read(&mut sink);
         });
@@ -584,7 +592,14 @@ mod tests {
             format!("redis://127.0.0.1:{port}").as_str(),
         )
         .unwrap();
-        let mut c = Conn::open(info, Duration::from_secs(5), Duration::from_secs(5)).unwrap();
+        let c = Conn::open(info, Duration::from_secs(5), Duration::from_secs(5)).unwrap();
+        (c, server)
+    }
+
+    /// An array reply longer than asked is an error, not a value.
+    #[test]
+    fn array_reply_longer_than_asked_is_an_error() {
+        let (mut c, server) = serve(b"*1000000000\r\n$1\r\na\r\n".to_vec(), false);
         let e = c.recv_array(None, 8).unwrap_err();
         assert!(e.contains("1000000000 elements"), "{e}");
         drop(c);
@@ -655,28 +670,7 @@ mod tests {
             all.extend_from_slice(&r);
         }
         for (trickle, array) in [(false, false), (true, false), (false, true), (true, true)] {
-            let l = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
-            let port = l.local_addr().unwrap().port();
-            let data = all.clone();
-            let server = std::thread::spawn(move || {
-                let (mut s, _) = l.accept().unwrap();
-                if trickle {
-                    s.set_nodelay(true).unwrap();
-                    for chunk in data.chunks(997) {
-                        s.write_all(chunk).unwrap();
-                        std::thread::sleep(Duration::from_micros(50));
-                    }
-                } else {
-                    s.write_all(&data).unwrap();
-                }
-                let mut sink = [0u8; 1];
-                let _ = s.read(&mut sink);
-            });
-            let info = redis::IntoConnectionInfo::into_connection_info(
-                format!("redis://127.0.0.1:{port}").as_str(),
-            )
-            .unwrap();
-            let mut c = Conn::open(info, Duration::from_secs(5), Duration::from_secs(5)).unwrap();
+            let (mut c, server) = serve(all.clone(), trickle);
             let pool = BufPool::new(4 << 20);
             pool.give(vec![7; 1 << 20]);
             for e in &expect {
