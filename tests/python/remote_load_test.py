@@ -67,7 +67,7 @@ def make_manager(args: argparse.Namespace, region: Any, engine: int) -> Any:
             region,
             args.disk,
             1 << 40,
-            rescan_interval_s=0.2,
+            rescan_interval_s=0.02,  # several rescans even in a short run (each engine sees the others)
             owner=f"engine{engine}",
             **common,
         )
