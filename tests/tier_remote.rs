@@ -296,9 +296,10 @@ fn round_trip_between_two_engines() {
     }
 }
 
-/// A long prefix: the first lookup starts the first key's fetch and, by readahead, the fetches
-/// of the following keys (docs/tier.md "Tier chain"); every block arrives byte for byte, each
-/// key fetched once; without readahead only the first batch starts.
+/// A long prefix: the first lookup starts the fetch of the first key's batch; once the server is
+/// seen to hold it, readahead reads the rest straight into host blocks, with no fetch (docs/tier.md
+/// "Tier chain"); every block arrives byte for byte, each key asked for once; without readahead
+/// one batch per lookup that reaches a new unknown key.
 #[test]
 fn readahead_keeps_the_prefix_in_flight() {
     let _g = serial();
@@ -312,18 +313,34 @@ fn readahead_keeps_the_prefix_in_flight() {
     let (mut b, mem_b) = chain(&srv.url(), "ra", n);
     assert_eq!(b.lookup_prefix(&ks).unwrap(), None);
     let s = remote_stats(&mut b);
-    // 64 keys for the first key's batch, then 64 + 64 + 8 by readahead.
-    assert_eq!(
-        (s.chain.fetches, s.chain.fetch_keys),
-        (4, n as u64),
-        "{s:?}"
-    );
+    // The first key's batch of 64 keys; readahead waits until the server is seen to hold the
+    // prefix (no host block reserved for a prefix that may be nowhere).
+    assert_eq!((s.chain.fetches, s.chain.fetch_keys), (1, 64), "{s:?}");
+    assert_eq!(s.chain.promotions_started, 0, "{s:?}");
+    // Once the first key is found and promoting, the next lookup reads the rest of the prefix
+    // straight into host blocks, with no fetch before: all of it in flight at once.
+    let t0 = Instant::now();
+    while b.num_promoting() == 0 {
+        assert_eq!(b.lookup_prefix(&ks).unwrap(), None);
+        assert!(
+            t0.elapsed() < Duration::from_secs(10),
+            "the first batch never came"
+        );
+        std::thread::sleep(Duration::from_millis(2));
+    }
+    let s = remote_stats(&mut b);
+    // (The keys of the first batch are promoted as their fetch jobs end.)
+    assert!(s.chain.promotions_started >= n as u64 - 64, "{s:?}");
+    assert_eq!(s.chain.fetch_keys, 64, "{s:?}");
     assert_eq!(settle(&mut b, &ks, Duration::from_secs(10)), n);
     check_loaded(&mut b, &mem_b, &idx);
     let s = remote_stats(&mut b);
     assert_eq!(s.tier.promotions, n as u64, "{s:?}");
-    assert_eq!(s.tier.fetch_hits, n as u64, "each key fetched once: {s:?}");
-    assert_eq!(s.chain.fetch_keys, n as u64, "{s:?}");
+    // Each key asked for once: 64 by the fetch, the rest by their reads.
+    assert_eq!(s.tier.fetch_hits, n as u64, "{s:?}");
+    assert_eq!((s.chain.hits, s.chain.misses), (n as u64, 0), "{s:?}");
+    assert_eq!(s.tier.read_errors, 0, "{s:?}");
+    assert_eq!(s.chain.fetch_keys, 64, "{s:?}");
 
     // Without readahead: one batch per lookup that reaches a new unknown key.
     let mem_c = Arc::new(VecMemory::new(n, BLOCK));
@@ -348,6 +365,79 @@ fn readahead_keeps_the_prefix_in_flight() {
     for m in [&mut a, &mut b, &mut c] {
         m.shutdown();
     }
+}
+
+/// Readahead's reads of keys the tier did not know (straight into host blocks, as `MGET`s on
+/// one server): a key missing from the server is a miss (counted as one, not as a failed
+/// promotion, its host block given back, remembered as absent), a value another client damaged
+/// is rejected, deleted and never served, and every other block arrives byte for byte.
+#[test]
+fn readahead_reads_of_unknown_keys_miss_and_reject_cleanly() {
+    let _g = serial();
+    if !have_redis() {
+        return;
+    }
+    let srv = Server::start("rd", &[]);
+    let calls = |cmd: &str| -> u64 {
+        let info = srv.cli(&["INFO", "commandstats"]);
+        let prefix = format!("cmdstat_{cmd}:calls=");
+        info.lines()
+            .find_map(|l| l.strip_prefix(&prefix))
+            .map_or(0, |rest| rest.split(',').next().unwrap().parse().unwrap())
+    };
+    let n = 200;
+    let (mut a, _, ks) = stored_prefix(&srv.url(), "rd", n);
+    let (mut b, mem_b) = chain(&srv.url(), "rd", n);
+    let (hole, bad) = (100, 150);
+    let rk = |i: usize| match b.tier_as::<RemoteTier>() {
+        Some(t) => t.redis_key(&key(i)),
+        None => unreachable!("the chain's tier is remote"),
+    };
+    let (k_hole, k_bad) = (rk(hole), rk(bad));
+    assert_eq!(srv.cli(&["DEL", &k_hole]).trim(), "1");
+    srv.cli(&["SETRANGE", &k_bad, "4000", "XXXX"]); // a payload byte range, header intact
+    let gets = calls("get");
+
+    // Ready up to the hole; the keys after it were read too (the whole prefix was in flight).
+    assert_eq!(settle(&mut b, &ks, Duration::from_secs(10)), hole);
+    check_loaded(&mut b, &mem_b, &(0..hole).collect::<Vec<_>>());
+    b.flush();
+    let s = remote_stats(&mut b);
+    assert_eq!(
+        s.chain.fetch_keys, 64,
+        "only the first batch was fetched: {s:?}"
+    );
+    assert_eq!(
+        s.tier.read_errors, 0,
+        "a missing or damaged value is no read error: {s:?}"
+    );
+    assert_eq!(s.tier.rejected, 1, "{s:?}");
+    assert_eq!(s.tier.fetch_misses, 2, "{s:?}");
+    assert_eq!(s.chain.promotions_failed, 0, "{s:?}");
+    assert_eq!(s.tier.promotions, n as u64 - 2, "{s:?}");
+    assert_eq!(b.num_promoting(), 0);
+    assert_eq!(
+        calls("get"),
+        gets,
+        "reads of small values on one server go as MGETs"
+    );
+    // The damaged value is deleted; the hole and it are remembered as absent.
+    assert_eq!(srv.cli(&["EXISTS", &k_bad]).trim(), "0");
+    assert_eq!(b.lookup_prefix(&ks[hole..=hole]).unwrap(), Some(0));
+    assert_eq!(b.lookup_prefix(&ks[bad..=bad]).unwrap(), Some(0));
+    // The blocks between them were promoted and are served byte for byte.
+    assert_eq!(
+        b.lookup_prefix(&ks[hole + 1..]).unwrap(),
+        Some(bad - hole - 1)
+    );
+    check_loaded(&mut b, &mem_b, &(hole + 1..bad).collect::<Vec<_>>());
+    assert_eq!(b.lookup_prefix(&ks[bad + 1..]).unwrap(), Some(n - bad - 1));
+    check_loaded(&mut b, &mem_b, &(bad + 1..n).collect::<Vec<_>>());
+    // The two failed reads gave their host blocks back: n - 2 keys in host memory.
+    let host = b.get_stats().unwrap().0;
+    assert_eq!((host.num_present, host.num_free), (n - 2, 2), "{host:?}");
+    a.shutdown();
+    b.shutdown();
 }
 
 /// Readahead stays within the tier's staging room (no value fetched without room to keep it, so

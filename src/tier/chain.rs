@@ -27,7 +27,9 @@
 //!   while it runs; the next lookup sees the answer (found: promote; missed: the next tier,
 //!   remembered as a miss for a while). A key no tier holds answers as host memory does; when host
 //!   memory has no evictable block, a hit answers absent. These lookups therefore have a side
-//!   effect, unlike docs/spec.md §2.2's.
+//!   effect, unlike docs/spec.md §2.2's. Readahead (`readahead`) starts the following keys'
+//!   promotions too, reading keys a tier does not know yet straight into host blocks once a tier
+//!   is seen to hold the prefix (a missing value there is a miss).
 //! - **Promotion** completes on a later call (`complete_store(ok)`, emitting the usual stored
 //!   event); the key then answers `True` and loads as usual. A failed promotion (value vanished,
 //!   rejected) removes the pending key: the next lookup is a miss. A promoted key is then written
@@ -41,7 +43,7 @@
 //!   takes no lock of the tiers and waits for nothing (docs/spec.md §9).
 #![forbid(unsafe_code)]
 
-use std::collections::HashMap;
+use std::collections::{HashMap, HashSet};
 
 use super::secondary::{Known, SecondaryCounters, SecondaryTier};
 use super::Completion;
@@ -52,6 +54,7 @@ use crate::manager::{
 };
 
 type Map<K, V> = HashMap<K, V, foldhash::fast::RandomState>;
+type Set<K> = HashSet<K, foldhash::fast::RandomState>;
 
 /// One tier of the chain and its write admission.
 #[derive(Debug)]
@@ -84,8 +87,9 @@ pub struct ChainConfig {
     /// Most keys of one fetch (the first missing key and the following keys of the prefix).
     pub max_fetch_keys: usize,
     /// Keys past the first pending one that a lookup keeps the tiers busy with (docs/tier.md
-    /// "Tier chain", readahead): fetches of their unknown keys and promotions of the keys a tier
-    /// holds start before the caller asks for them (`0`: only the first missing key's batch).
+    /// "Tier chain", readahead): promotions of the keys a tier holds and, for the keys no tier
+    /// knows yet, reads straight into host blocks (once a tier is seen to hold the prefix) or
+    /// fetches start before the caller asks for them (`0`: only the first missing key's batch).
     pub readahead_keys: usize,
 }
 
@@ -152,6 +156,9 @@ pub struct ChainManager<M> {
     cfg: ChainConfig,
     /// Keys being promoted and the tier they come from.
     promoting: Map<ByteKey, usize>,
+    /// Promotions of keys the tier's index did not know ([`SecondaryTier::may_read_unknown`]):
+    /// their end is the hit or the miss.
+    unknown_reads: Set<ByteKey>,
     /// Write pins held per key (one per tier write in flight).
     pins: Map<ByteKey, u32>,
     /// Per prefix (by its last key): how far readahead has looked (see `readahead`).
@@ -178,6 +185,7 @@ impl<M: OffloadingManager<ByteKey>> ChainManager<M> {
                 .collect(),
             cfg,
             promoting: Map::default(),
+            unknown_reads: Set::default(),
             pins: Map::default(),
             readahead_seen: Map::default(),
         }
@@ -236,8 +244,12 @@ impl<M: OffloadingManager<ByteKey>> ChainManager<M> {
                     Completion::Released { key, .. } => self.unpin(&key)?,
                     Completion::Promoted { key, ok, .. } => {
                         if self.promoting.remove(&key).is_some() {
-                            if !ok {
-                                self.slots[t].counters.promotions_failed += 1;
+                            let c = &mut self.slots[t].counters;
+                            match (self.unknown_reads.remove(&key), ok) {
+                                (true, true) => c.hits += 1,
+                                (true, false) => c.misses += 1,
+                                (false, true) => {}
+                                (false, false) => c.promotions_failed += 1,
                             }
                             self.host.complete_store(std::slice::from_ref(&key), ok)?;
                             if ok && t > 0 {
@@ -251,9 +263,12 @@ impl<M: OffloadingManager<ByteKey>> ChainManager<M> {
         Ok(())
     }
 
-    /// Promotes `keys` (all held by tier `t`); `true` when the first one started.
-    fn promote(&mut self, t: usize, keys: &[ByteKey]) -> Result<bool> {
-        self.slots[t].counters.hits += keys.len() as u64;
+    /// Promotes `keys` (all held by tier `t`, or, `unknown`, keys it may read without knowing
+    /// them: [`SecondaryTier::may_read_unknown`]); `true` when the first one started.
+    fn promote(&mut self, t: usize, keys: &[ByteKey], unknown: bool) -> Result<bool> {
+        if !unknown {
+            self.slots[t].counters.hits += keys.len() as u64;
+        }
         let Some(out) = self.host.prepare_store(keys)? else {
             self.slots[t].counters.promotions_no_room += keys.len() as u64;
             return Ok(false);
@@ -271,6 +286,9 @@ impl<M: OffloadingManager<ByteKey>> ChainManager<M> {
             if ok {
                 self.slots[t].counters.promotions_started += 1;
                 first |= k == keys[0];
+                if unknown {
+                    self.unknown_reads.insert(k.clone());
+                }
                 self.promoting.insert(k, t);
             } else {
                 failed.push(k);
@@ -283,9 +301,10 @@ impl<M: OffloadingManager<ByteKey>> ChainManager<M> {
     }
 
     /// Readahead (see [`ChainConfig::readahead_keys`]): past `first` (the first key of `keys`
-    /// not ready in host memory), starts fetches of the keys the tiers do not know yet and
-    /// promotions of those a tier holds (in-flight promotions bounded by `max_promotions`), up
-    /// to `readahead_keys` keys and stopping at a key no tier holds. Each key is looked at once
+    /// not ready in host memory), starts promotions of the keys a tier holds and, for those the
+    /// tiers do not know yet, reads straight into host blocks (once a tier is promoting `first`;
+    /// [`SecondaryTier::may_read_unknown`]) or fetches (in-flight promotions bounded by
+    /// `max_promotions`), up to `readahead_keys` keys and stopping at a key no tier holds. Each key is looked at once
     /// per prefix: where the last call stopped is remembered by the prefix's last key (block
     /// keys chain their prefix, so it names the whole prefix), so a scheduler that asks every
     /// step pays only for keys not seen before. Never waits.
@@ -317,8 +336,17 @@ impl<M: OffloadingManager<ByteKey>> ChainManager<M> {
             .saturating_sub(self.promoting.len());
         let mut fetch_room: Vec<usize> = self.slots.iter().map(|s| s.tier.fetch_room()).collect();
         let mut fetch: Vec<Vec<ByteKey>> = vec![Vec::new(); self.slots.len()];
-        let mut run: Option<(usize, Vec<ByteKey>)> = None;
+        // Consecutive keys promoted from one tier, and whether the tier's index did not know them.
+        let mut run: Option<(usize, bool, Vec<ByteKey>)> = None;
         let mut stop = end;
+        // Whether a tier is promoting the first pending key: the prefix is in the tiers, so the
+        // keys after it that a tier does not know yet are read straight into host blocks (no
+        // fetch and staged copy before; `SecondaryTier::may_read_unknown`). Until a tier is seen
+        // to hold it, readahead stops at such keys rather than reserve host blocks (evicting
+        // others) for a prefix that may be nowhere.
+        let confirmed = keys
+            .get(first)
+            .is_some_and(|k| self.promoting.contains_key(k));
         for (idx, k) in keys.iter().enumerate().take(end).skip(i) {
             if self.host.lookup(k)? != Presence::Absent || self.promoting.contains_key(k) {
                 continue; // ready, pending or being promoted
@@ -338,8 +366,19 @@ impl<M: OffloadingManager<ByteKey>> ChainManager<M> {
                     Known::Absent => {}
                 }
             }
+            let direct = match (holder, unknown) {
+                (None, Some(t)) if self.slots[t].tier.may_read_unknown(k) => {
+                    if !confirmed {
+                        stop = idx; // until a tier is seen to hold the prefix (above)
+                        break;
+                    }
+                    true
+                }
+                _ => false,
+            };
             let out_of_room = match (holder, unknown) {
                 (Some(_), _) => promote_room == 0,
+                (None, Some(_)) if direct => promote_room == 0,
                 (None, Some(t)) => fetch_room[t] == 0,
                 (None, None) => false,
             };
@@ -347,14 +386,27 @@ impl<M: OffloadingManager<ByteKey>> ChainManager<M> {
                 stop = idx;
                 break;
             }
-            if run.as_ref().is_some_and(|(t, _)| Some(*t) != holder) {
-                let (t, ks) = run.take().unwrap_or_default();
-                self.promote_ahead(t, &ks)?;
+            let reader = if direct { unknown } else { holder };
+            if run
+                .as_ref()
+                .is_some_and(|(t, d, _)| Some(*t) != reader || *d != direct)
+            {
+                if let Some((t, d, ks)) = run.take() {
+                    self.promote_ahead(t, &ks, d)?;
+                }
             }
             match (holder, unknown) {
                 (Some(t), _) => {
                     promote_room -= 1;
-                    run.get_or_insert_with(|| (t, Vec::new())).1.push(k.clone());
+                    run.get_or_insert_with(|| (t, false, Vec::new()))
+                        .2
+                        .push(k.clone());
+                }
+                (None, Some(t)) if direct => {
+                    promote_room -= 1;
+                    run.get_or_insert_with(|| (t, true, Vec::new()))
+                        .2
+                        .push(k.clone());
                 }
                 (None, Some(t)) => {
                     fetch_room[t] -= 1;
@@ -366,8 +418,8 @@ impl<M: OffloadingManager<ByteKey>> ChainManager<M> {
                 (None, None) => break, // no tier holds it: the prefix ends here
             }
         }
-        if let Some((t, ks)) = run {
-            self.promote_ahead(t, &ks)?;
+        if let Some((t, d, ks)) = run {
+            self.promote_ahead(t, &ks, d)?;
         }
         for (t, ks) in fetch.into_iter().enumerate() {
             if !ks.is_empty() {
@@ -386,7 +438,7 @@ impl<M: OffloadingManager<ByteKey>> ChainManager<M> {
         self.readahead_seen.insert(last.clone(), stop);
     }
 
-    fn promote_ahead(&mut self, t: usize, keys: &[ByteKey]) -> Result<()> {
+    fn promote_ahead(&mut self, t: usize, keys: &[ByteKey], unknown: bool) -> Result<()> {
         let room = self
             .cfg
             .max_promotions
@@ -394,7 +446,7 @@ impl<M: OffloadingManager<ByteKey>> ChainManager<M> {
             .saturating_sub(self.promoting.len());
         let n = keys.len().min(room);
         if n > 0 {
-            self.promote(t, &keys[..n])?;
+            self.promote(t, &keys[..n], unknown)?;
         }
         Ok(())
     }
@@ -451,7 +503,7 @@ impl<M: OffloadingManager<ByteKey>> ChainManager<M> {
                     {
                         end += 1;
                     }
-                    let first = self.promote(t, &keys[..end])?;
+                    let first = self.promote(t, &keys[..end], false)?;
                     if !first {
                         self.slots[t].counters.promotions_no_room += 1;
                     }
@@ -692,6 +744,7 @@ impl<M: OffloadingManager<ByteKey>> ChainManager<M> {
         self.flush();
         self.poll()?;
         self.promoting.clear();
+        self.unknown_reads.clear();
         self.pins.clear();
         self.readahead_seen.clear();
         for s in &mut self.slots {
@@ -709,6 +762,7 @@ impl<M: OffloadingManager<ByteKey>> ChainManager<M> {
                 s.tier.shutdown();
             }
             self.promoting.clear();
+            self.unknown_reads.clear();
             self.pins.clear();
             self.host.shutdown();
             return;

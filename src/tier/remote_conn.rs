@@ -294,6 +294,22 @@ impl Plain {
     /// See [`Conn::recv_array`]. Only the top level is read this way: an array inside an
     /// element is parsed whole (bounded by `MAX_SMALL_REPLY` and `MAX_DEPTH`).
     fn recv_array(&mut self, pool: Option<&BufPool>, max: usize) -> Result<redis::Value, String> {
+        match self.array_header(max)? {
+            Head::Array(n) => {
+                let mut out = Vec::with_capacity(n);
+                for _ in 0..n {
+                    out.push(self.recv(pool)?);
+                }
+                Ok(redis::Value::Array(out))
+            }
+            Head::NilArray => Ok(redis::Value::Nil),
+            Head::Other => self.recv(pool),
+        }
+    }
+
+    /// Consumes the header of the next reply if it is an array (its length; more than `max`
+    /// elements is an error, see [`Conn::recv_array`]); another reply is left unread.
+    pub(super) fn array_header(&mut self, max: usize) -> Result<Head, String> {
         loop {
             let avail = &self.buf[self.start..self.end];
             match avail.first() {
@@ -305,24 +321,20 @@ impl Plain {
                             (self.start, self.end) = (0, 0);
                         }
                         let Ok(n) = usize::try_from(n) else {
-                            return Ok(redis::Value::Nil); // `*-1`: a nil array
+                            return Ok(Head::NilArray); // `*-1`
                         };
                         if n > max {
                             return Err(format!(
                                 "an array reply of {n} elements where at most {max} were asked"
                             ));
                         }
-                        let mut out = Vec::with_capacity(n);
-                        for _ in 0..n {
-                            out.push(self.recv(pool)?);
-                        }
-                        return Ok(redis::Value::Array(out));
+                        return Ok(Head::Array(n));
                     }
                     if avail.len() > 32 {
                         return Err("an array reply with a header line over 32 bytes".to_owned());
                     }
                 }
-                Some(_) => return self.recv(pool),
+                Some(_) => return Ok(Head::Other),
                 None => {}
             }
             self.fill()?;
@@ -407,6 +419,17 @@ impl Plain {
         }
         Ok(())
     }
+}
+
+/// What [`Plain::array_header`] found.
+#[derive(Debug, PartialEq, Eq)]
+pub(super) enum Head {
+    /// An array of this many elements (its header consumed).
+    Array(usize),
+    /// A nil array (`*-1`, consumed).
+    NilArray,
+    /// Another reply (nothing consumed).
+    Other,
 }
 
 /// The next reply, as [`Plain::peek`] sees it.

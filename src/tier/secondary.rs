@@ -107,6 +107,17 @@ pub trait SecondaryTier: Send + std::fmt::Debug + 'static {
         usize::MAX
     }
 
+    /// Whether a read of `key`, which the index does not know ([`Known::Unknown`], no fetch or
+    /// write of it in flight), may be submitted ([`SecondaryTier::submit_reads`]) with no fetch
+    /// before: the read itself finds out, a missing value failing its promotion (then
+    /// remembered as absent, like a fetch's miss). The chain reads the rest of a prefix the tier
+    /// is seen to hold this way, straight into host blocks (docs/tier.md "Tier chain",
+    /// readahead). The default: never.
+    fn may_read_unknown(&self, key: &ByteKey) -> bool {
+        let _ = key;
+        false
+    }
+
     /// Whether the tier holds `key` or is writing it (the owner then does not write it again).
     fn has_or_writing(&self, key: &ByteKey) -> bool;
 

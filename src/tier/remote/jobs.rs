@@ -4,7 +4,9 @@
 
 #[allow(clippy::wildcard_imports)]
 use super::*;
-use crate::tier::remote_conn::{mset_head, pair_head, set_head, set_tail, BufPool, Conn, Next};
+use crate::tier::remote_conn::{
+    mset_head, pair_head, set_head, set_tail, BufPool, Conn, Head, Next, Plain,
+};
 use crate::tier::remote_route::{Pack, DIRECT_SEND_BYTES};
 use crossbeam_channel::{Receiver, Select, Sender};
 
@@ -24,7 +26,14 @@ pub(super) enum Entry {
 }
 
 /// A promotion: the key, its reserved host block, and its staged value if one was fetched.
-pub(super) type ReadItem = (ByteKey, BlockId, Option<Arc<Vec<u8>>>);
+pub(super) struct ReadItem {
+    pub(super) key: ByteKey,
+    pub(super) block: BlockId,
+    pub(super) staged: Option<Arc<Vec<u8>>>,
+    /// The index did not know the key (a read of a key not fetched first; see
+    /// `SecondaryTier::may_read_unknown`): a missing value is a miss, not a failed promotion.
+    pub(super) unknown: bool,
+}
 /// A write: the key and the host block it is written from.
 pub(super) type WriteItem = (ByteKey, BlockId);
 
@@ -163,9 +172,21 @@ impl Sched {
             }
             Done::Read { items, ok } => {
                 self.reads_out = self.reads_out.saturating_sub(items.len() as u64);
-                for ((key, block, _), ok) in items.into_iter().zip(ok) {
+                for (ReadItem { key, block, .. }, ok) in items.into_iter().zip(ok) {
                     if !ok {
                         self.forget_failed(&key, &absent);
+                    } else if !matches!(
+                        self.index.get(&key),
+                        Some(Entry::Writing | Entry::Fetching)
+                    ) {
+                        // The server holds it (a read of a key the index did not know learns it).
+                        self.index.insert(
+                            key.clone(),
+                            Entry::Present {
+                                value: None,
+                                until: now + sh.cfg.present_ttl,
+                            },
+                        );
                     }
                     self.completions
                         .push(Completion::Promoted { key, block, ok });
@@ -206,7 +227,7 @@ impl Sched {
                 }
                 Job::Read(items) => {
                     self.reads_out = self.reads_out.saturating_sub(items.len() as u64);
-                    for (key, block, _) in items {
+                    for ReadItem { key, block, .. } in items {
                         sh.counters.read_errors.fetch_add(1, Relaxed);
                         self.forget_failed(&key, &absent);
                         self.completions.push(Completion::Promoted {
@@ -504,38 +525,100 @@ impl Shared {
         }
     }
 
-    /// Promotes `items` (keys with their reserved host blocks): each from its staged value, or
-    /// with a `GET` whose value is read from the socket straight into its host block (one
-    /// pipeline for the batch; see `BlockRead`); one lock for the batch's completions.
-    pub(super) fn run_reads(&self, conns: &mut Conns, job: &mut [ReadItem]) -> Vec<bool> {
-        let t0 = Instant::now();
-        let staged: Vec<Option<Arc<Vec<u8>>>> = job.iter_mut().map(|(_, _, v)| v.take()).collect();
-        let items: Vec<(&ByteKey, BlockId)> = job.iter().map(|(k, b, _)| (k, *b)).collect();
-        let gets: Vec<(String, BlockRead<'_>)> = items
-            .iter()
-            .zip(&staged)
-            .filter(|(_, v)| v.is_none())
-            .map(|((key, block), _)| {
+    /// The values of `items` (keys whose values were not staged), each read from the socket
+    /// straight into its host block: one reply per item, with the payload's checksum where the
+    /// payload went into the block. On one server (see [`Shared::multi_key`]) in `MGET`s of up
+    /// to `FETCH_JOB_BYTES` of values, else a pipeline of `GET`s.
+    fn read_unstaged(
+        &self,
+        conns: &mut Conns,
+        items: &[(&ByteKey, BlockId)],
+    ) -> Vec<(Option<redis::Value>, Option<u64>)> {
+        if items.is_empty() {
+            return Vec::new();
+        }
+        if items.len() == 1 || !self.multi_key() {
+            let gets: Vec<(String, BlockRead<'_>)> = items
+                .iter()
+                .map(|(key, block)| {
+                    (
+                        self.redis_key(key),
+                        BlockRead {
+                            sh: self,
+                            block: *block,
+                            split: std::cell::Cell::new(None),
+                        },
+                    )
+                })
+                .collect();
+            let replies = self.run(conns, &gets);
+            return replies
+                .into_iter()
+                .zip(&gets)
+                .map(|(r, (_, g))| (r, g.split.get()))
+                .collect();
+        }
+        let per = usize::try_from(FETCH_JOB_BYTES).unwrap_or(usize::MAX) / self.value_len.max(1);
+        let cmds: Vec<(String, BlockMget<'_>)> = items
+            .chunks(per.max(1))
+            .map(|part| {
+                let mut cmd = redis::cmd("MGET");
+                for (key, _) in part {
+                    cmd.arg(self.redis_key(key));
+                }
                 (
-                    self.redis_key(key),
-                    BlockRead {
+                    String::new(),
+                    BlockMget {
                         sh: self,
-                        block: *block,
-                        split: std::cell::Cell::new(None),
+                        cmd,
+                        blocks: part.iter().map(|(_, b)| *b).collect(),
+                        splits: vec![std::cell::Cell::new(None); part.len()],
                     },
                 )
             })
             .collect();
-        let mut replies = if gets.is_empty() {
-            Vec::new()
-        } else {
-            self.run(conns, &gets)
+        let mut out = Vec::with_capacity(items.len());
+        for (reply, (_, m)) in self.run(conns, &cmds).into_iter().zip(&cmds) {
+            let n = m.blocks.len();
+            match reply {
+                Some(redis::Value::Array(values)) if values.len() == n => {
+                    out.extend(
+                        values
+                            .into_iter()
+                            .zip(&m.splits)
+                            .map(|(v, s)| (Some(v), s.get())),
+                    );
+                }
+                Some(other) => {
+                    self.set_error(format!("{}: MGET answered {other:?}", self.url_redacted));
+                    out.extend(std::iter::repeat_n((None, None), n));
+                }
+                None => out.extend(std::iter::repeat_n((None, None), n)),
+            }
         }
-        .into_iter()
-        .zip(&gets);
+        out
+    }
+
+    /// Promotes `items` (keys with their reserved host blocks): each from its staged value, or
+    /// read from the socket straight into its host block (`read_unstaged`: `MGET`s or a
+    /// pipeline of `GET`s); one lock for the batch's completions.
+    pub(super) fn run_reads(&self, conns: &mut Conns, job: &mut [ReadItem]) -> Vec<bool> {
+        let t0 = Instant::now();
+        let staged: Vec<Option<Arc<Vec<u8>>>> = job.iter_mut().map(|i| i.staged.take()).collect();
+        let items: Vec<(&ByteKey, BlockId, bool)> =
+            job.iter().map(|i| (&i.key, i.block, i.unknown)).collect();
+        let unstaged: Vec<(&ByteKey, BlockId)> = items
+            .iter()
+            .zip(&staged)
+            .filter(|(_, v)| v.is_none())
+            .map(|((key, block, _), _)| (*key, *block))
+            .collect();
+        let mut replies = self.read_unstaged(conns, &unstaged).into_iter();
         let mut done = Vec::with_capacity(items.len());
-        for ((key, block), staged) in items.iter().zip(staged) {
+        let mut read_errors = 0;
+        for ((key, block, unknown), staged) in items.iter().zip(staged) {
             let mut rejected = false;
+            let mut missing = false;
             let ok = if let Some(v) = staged {
                 let ok = self
                     .memory
@@ -549,11 +632,12 @@ impl Shared {
                 }
                 ok
             } else {
-                let Some((reply, (_, get))) = replies.next() else {
+                let Some((reply, split)) = replies.next() else {
                     done.push(false);
+                    read_errors += 1;
                     continue;
                 };
-                match (get.split.get(), reply) {
+                match (split, reply) {
                     // The payload is in the block already: its header and checksum decide.
                     (Some(sum), Some(redis::Value::BulkString(head))) => {
                         let good = format::verify_header_sized(
@@ -577,7 +661,11 @@ impl Shared {
                             self.pool.give(b);
                             ok
                         }
-                        Checked::Missing | Checked::Failed => false,
+                        Checked::Missing => {
+                            missing = true;
+                            false
+                        }
+                        Checked::Failed => false,
                         Checked::Rejected => {
                             rejected = true;
                             false
@@ -589,6 +677,18 @@ impl Shared {
                 self.counters.rejected.fetch_add(1, Relaxed);
                 self.delete(conns, key);
             }
+            // A read of a key the index did not know is also its fetch: counted as one.
+            let c = &self.counters;
+            match (*unknown, ok, missing || rejected) {
+                (true, true, _) => c.fetch_hits.fetch_add(1, Relaxed),
+                (true, false, true) => c.fetch_misses.fetch_add(1, Relaxed),
+                (true, false, false) => c.fetch_errors.fetch_add(1, Relaxed),
+                (false, true, _) => 0,
+                (false, false, _) => {
+                    read_errors += 1;
+                    0
+                }
+            };
             done.push(ok);
         }
         let good = done.iter().filter(|&&ok| ok).count() as u64;
@@ -599,9 +699,7 @@ impl Shared {
                 .fetch_add(good * self.payload_len as u64, Relaxed);
             self.counters.read_ns.fetch_add(ns(t0), Relaxed);
         }
-        self.counters
-            .read_errors
-            .fetch_add(items.len() as u64 - good, Relaxed);
+        self.counters.read_errors.fetch_add(read_errors, Relaxed);
         done
     }
 
@@ -859,40 +957,101 @@ impl Pack for BlockRead<'_> {
         let Conn::Plain(p) = c else {
             return c.recv(pool);
         };
-        if p.peek()? != Next::Bulk(self.sh.value_len) {
-            return p.recv(pool);
+        let (v, split) = read_into_block(self.sh, p, self.block, pool)?;
+        self.split.set(split);
+        Ok(v)
+    }
+}
+
+/// Reads the next reply of `p`: a bulk string of a whole value (`value_len` bytes) has its header
+/// returned and its payload read straight into `block`, with the payload's checksum; any other
+/// reply is read as usual (no checksum).
+fn read_into_block(
+    sh: &Shared,
+    p: &mut Plain,
+    block: BlockId,
+    pool: Option<&BufPool>,
+) -> Result<(redis::Value, Option<u64>), String> {
+    if p.peek()? != Next::Bulk(sh.value_len) {
+        return Ok((p.recv(pool)?, None));
+    }
+    p.take_bulk_header()?;
+    let mut head = vec![0u8; VALUE_HEADER_BYTES];
+    p.read_body(&mut head)?;
+    let mut io = Ok(());
+    let mut sum = 0;
+    let mut read = false;
+    let placed = sh.memory.with_block_mut(block, &mut |dst| {
+        if dst.len() != sh.payload_len {
+            return false;
         }
-        p.take_bulk_header()?;
-        let mut head = vec![0u8; VALUE_HEADER_BYTES];
-        p.read_body(&mut head)?;
-        let mut io = Ok(());
-        let mut sum = 0;
-        let mut read = false;
-        let placed = self.sh.memory.with_block_mut(self.block, &mut |dst| {
-            if dst.len() != self.sh.payload_len {
-                return false;
+        read = true;
+        io = p.read_body(dst);
+        if io.is_ok() {
+            sum = format::payload_sum(dst);
+        }
+        io.is_ok()
+    });
+    io?;
+    if !read {
+        // The block could not take the payload: read it past (the stream stays in step).
+        let mut scratch = vec![0u8; sh.payload_len];
+        p.read_body(&mut scratch)?;
+    }
+    p.read_crlf()?;
+    if !read || placed.is_err() {
+        // The block could not take it (out of range): a nil reply, a failed promotion.
+        return Ok((redis::Value::Nil, None));
+    }
+    Ok((redis::Value::BulkString(head), Some(sum)))
+}
+
+/// An `MGET` of the values of `blocks`' keys whose payloads are read from the socket each
+/// straight into its (pending) host block, as [`BlockRead`] reads one: the reply is the array of
+/// the values' headers (or of whole values, over a connection kvoff does not read itself).
+pub(super) struct BlockMget<'a> {
+    sh: &'a Shared,
+    cmd: redis::Cmd,
+    blocks: Vec<BlockId>,
+    /// Per value: its payload went into its block, with this checksum.
+    splits: Vec<std::cell::Cell<Option<u64>>>,
+}
+
+impl Pack for BlockMget<'_> {
+    fn pack(&self, _key: &str, _c: &mut Conn, packed: &mut Vec<u8>) -> Result<(), String> {
+        self.cmd.write_packed_command(packed);
+        Ok(())
+    }
+
+    fn recv(&self, c: &mut Conn, pool: Option<&BufPool>) -> Result<redis::Value, String> {
+        for s in &self.splits {
+            s.set(None);
+        }
+        let n = self.blocks.len();
+        let Conn::Plain(p) = c else {
+            return c.recv_array(pool, n);
+        };
+        match p.array_header(n)? {
+            Head::Array(m) if m == n => {
+                let mut out = Vec::with_capacity(n);
+                for (block, split) in self.blocks.iter().zip(&self.splits) {
+                    let (v, sum) = read_into_block(self.sh, p, *block, pool)?;
+                    split.set(sum);
+                    out.push(v);
+                }
+                Ok(redis::Value::Array(out))
             }
-            read = true;
-            io = p.read_body(dst);
-            if io.is_ok() {
-                sum = format::payload_sum(dst);
+            Head::Array(m) => {
+                // Fewer values than keys: read them past (the caller fails the command).
+                let mut out = Vec::with_capacity(m);
+                for _ in 0..m {
+                    out.push(p.recv(pool)?);
+                }
+                Ok(redis::Value::Array(out))
             }
-            io.is_ok()
-        });
-        io?;
-        if !read {
-            // The block could not take the payload: read it past (the stream stays in step).
-            let mut scratch = vec![0u8; self.sh.payload_len];
-            p.read_body(&mut scratch)?;
+            Head::NilArray => Ok(redis::Value::Nil),
+            Head::Other => p.recv(pool),
         }
-        if !read || placed.is_err() {
-            // The block could not take it (out of range): a nil reply, a failed promotion.
-            p.read_crlf()?;
-            return Ok(redis::Value::Nil);
-        }
-        p.read_crlf()?;
-        self.split.set(Some(sum));
-        Ok(redis::Value::BulkString(head))
     }
 }
 

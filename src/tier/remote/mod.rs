@@ -506,6 +506,19 @@ impl SecondaryTier for RemoteTier {
         n
     }
 
+    fn may_read_unknown(&self, key: &ByteKey) -> bool {
+        if self.forked() {
+            return false;
+        }
+        let now = Instant::now();
+        match self.sched().index.get(key) {
+            None => true,
+            Some(Entry::Absent { until }) => *until <= now,
+            Some(Entry::Present { value, until }) => value.is_none() && *until <= now,
+            Some(Entry::Fetching | Entry::Writing) => false,
+        }
+    }
+
     fn fetch_room(&self) -> usize {
         let sh = &self.shared;
         let st = self.sched();
@@ -578,6 +591,7 @@ impl SecondaryTier for RemoteTier {
             return vec![false; items.len()];
         }
         let stopped = sh.shutdown.load(Acquire);
+        let now = Instant::now();
         let mut st = self.sched();
         let per_job = usize::try_from(FETCH_JOB_BYTES / sh.value_len.max(1) as u64)
             .unwrap_or(1)
@@ -593,14 +607,25 @@ impl SecondaryTier for RemoteTier {
                 if stopped {
                     return false;
                 }
-                let staged = match st.index.get_mut(k) {
-                    Some(Entry::Present { value, .. }) => value.take(),
-                    _ => return false,
+                let (staged, unknown) = match st.index.get_mut(k) {
+                    Some(Entry::Present { value, until }) => {
+                        let unknown = value.is_none() && *until <= now;
+                        (value.take(), unknown)
+                    }
+                    // A key the index does not know (see `may_read_unknown`): the read finds out.
+                    None => (None, true),
+                    Some(Entry::Absent { until }) if *until <= now => (None, true),
+                    Some(Entry::Absent { .. } | Entry::Fetching | Entry::Writing) => return false,
                 };
                 if let Some(v) = &staged {
                     st.staged_bytes -= v.len() as u64;
                 }
-                batch.push((k.clone(), *b, staged));
+                batch.push(ReadItem {
+                    key: k.clone(),
+                    block: *b,
+                    staged,
+                    unknown,
+                });
                 if batch.len() == per_job {
                     jobs.push(Job::Read(std::mem::take(&mut batch)));
                 }
