@@ -531,7 +531,7 @@ fn corrupted_or_foreign_values_are_rejected_and_deleted() {
     }
     let srv = Server::start("bad", &[]);
     let (mut a, mem_a) = chain(&srv.url(), "m", 8);
-    store(&mut a, &mem_a, &[0, 1, 2]);
+    store(&mut a, &mem_a, &[0, 1, 2, 3]);
     a.flush();
     let tier = RemoteTier::open(
         quick(RemoteConfig::new(srv.url(), layout("m"))),
@@ -553,10 +553,14 @@ fn corrupted_or_foreign_values_are_rejected_and_deleted() {
         .unwrap();
     assert_eq!(len, tier.value_len());
     srv.cli(&["SETRANGE", &k1, &(len - 10).to_string(), "XXXX"]);
+    // Block 3: grown by another client to 20 MB (past what a connection keeps of a reply).
+    let k3 = tier.redis_key(&key(3));
+    srv.cli(&["SETRANGE", &k3, "20000000", "x"]);
     drop(tier);
 
     let (mut b, mem_b) = chain(&srv.url(), "m", 8);
-    let ks: Vec<ByteKey> = (0..3).map(key).collect();
+    let ks_all: Vec<ByteKey> = (0..4).map(key).collect();
+    let ks = &ks_all[..3];
     // Block 0 is rejected at the fetch: nothing is served.
     assert_eq!(settle(&mut b, &ks, Duration::from_secs(5)), 0);
     let s = remote_stats(&mut b);
@@ -572,6 +576,12 @@ fn corrupted_or_foreign_values_are_rejected_and_deleted() {
     assert_eq!(s.tier.rejected, 2, "{s:?}");
     b.flush();
     assert_eq!(srv.cli(&["EXISTS", &k1]).trim(), "0");
+    // Block 3: read past without keeping its 20 MB, rejected and deleted; the connection stays.
+    assert_eq!(settle(&mut b, &ks_all[3..4], Duration::from_secs(5)), 0);
+    b.flush();
+    let s = remote_stats(&mut b);
+    assert_eq!((s.tier.rejected, s.tier.reconnects), (3, 0), "{s:?}");
+    assert_eq!(srv.cli(&["EXISTS", &k3]).trim(), "0");
     a.shutdown();
     b.shutdown();
 }

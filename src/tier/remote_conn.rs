@@ -28,6 +28,12 @@ const MAX_SMALL_REPLY: usize = 16 << 20;
 /// Most bytes of a bulk string reply: Redis's own limit on a string (`proto-max-bulk-len`,
 /// 512 MB). A longer length is a broken or hostile stream: an error, never an allocation.
 const MAX_BULK_BYTES: usize = 512 << 20;
+/// The `max_bulk` of the connections of a tier whose values are `value_len` bytes
+/// ([`Conn::open`]): its values, and any other reply up to `MAX_SMALL_REPLY`.
+pub(super) fn max_bulk_for(value_len: usize) -> usize {
+    value_len.max(MAX_SMALL_REPLY)
+}
+
 /// Most nested levels of an array reply.
 const MAX_DEPTH: usize = 16;
 /// The read buffer's size: replies of this size or less arrive in one `read` when the server has
@@ -100,6 +106,8 @@ pub(super) struct Plain {
     buf: Vec<u8>,
     start: usize,
     end: usize,
+    /// Most bytes of a top-level bulk string reply kept (see [`Conn::open`]).
+    max_bulk: usize,
 }
 
 fn io_err(e: &std::io::Error) -> String {
@@ -111,14 +119,19 @@ fn io_err(e: &std::io::Error) -> String {
 
 impl Conn {
     /// Opens a connection to `info` within `connect_timeout`, with `io_timeout` on every read and
-    /// write after it.
+    /// write after it. On kvoff's own connections (`redis://`), a bulk string reply longer than
+    /// `max_bulk` bytes (at the top of a reply, or an array's element read by
+    /// [`Conn::recv_array`]) is read past without being kept, and stands as an empty string:
+    /// where a value of a known length was asked for, a reply that is not one (another client's
+    /// value under the key) costs no allocation of its length, only its read.
     pub(super) fn open(
         info: redis::ConnectionInfo,
         connect_timeout: Duration,
         io_timeout: Duration,
+        max_bulk: usize,
     ) -> Result<Self, String> {
         if let redis::ConnectionAddr::Tcp(host, port) = info.addr() {
-            return Plain::open(&info, host, *port, connect_timeout, io_timeout)
+            return Plain::open(&info, host, *port, connect_timeout, io_timeout, max_bulk)
                 .map(|p| Self::Plain(Box::new(p)));
         }
         let c = redis::Client::open(info)
@@ -178,6 +191,7 @@ impl Plain {
         port: u16,
         connect_timeout: Duration,
         io_timeout: Duration,
+        max_bulk: usize,
     ) -> Result<Self, String> {
         let t0 = Instant::now();
         let addrs = (host, port)
@@ -211,6 +225,7 @@ impl Plain {
             buf: vec![0; READ_CHUNK],
             start: 0,
             end: 0,
+            max_bulk,
         };
         let settings = info.redis_settings();
         if let Some(pw) = settings.password() {
@@ -354,6 +369,11 @@ impl Plain {
         let Some(len) = len else {
             return Ok(redis::Value::Nil);
         };
+        if len > self.max_bulk {
+            self.skip_body(len)?;
+            self.read_crlf()?;
+            return Ok(redis::Value::BulkString(Vec::new()));
+        }
         let mut out = match pool {
             Some(p) if len >= POOLED_BYTES => p.take(len),
             _ => vec![0u8; len],
@@ -403,6 +423,22 @@ impl Plain {
                 .map_err(|e| io_err(&e))?;
         }
         Ok(())
+    }
+
+    /// Reads past the next `n` bytes of the stream, through the read buffer.
+    fn skip_body(&mut self, mut n: usize) -> Result<(), String> {
+        loop {
+            let have = (self.end - self.start).min(n);
+            self.start += have;
+            n -= have;
+            if self.start == self.end {
+                (self.start, self.end) = (0, 0);
+            }
+            if n == 0 {
+                return Ok(());
+            }
+            self.fill()?;
+        }
     }
 
     /// Consumes the CRLF that ends a bulk string.
@@ -595,6 +631,15 @@ mod tests {
     /// A loopback "server" that sends `data` (in pieces of 997 bytes, 50 µs apart, when
     /// `trickle`) and then waits for the client to hang up; a [`Conn`] to it.
     fn serve(data: Vec<u8>, trickle: bool) -> (Conn, std::thread::JoinHandle<()>) {
+        serve_max(data, trickle, MAX_BULK_BYTES)
+    }
+
+    /// [`serve`] with bulk strings of at most `max_bulk` bytes kept.
+    fn serve_max(
+        data: Vec<u8>,
+        trickle: bool,
+        max_bulk: usize,
+    ) -> (Conn, std::thread::JoinHandle<()>) {
         let l = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
         let port = l.local_addr().unwrap().port();
         let server = std::thread::spawn(move || {
@@ -615,8 +660,41 @@ mod tests {
             format!("redis://127.0.0.1:{port}").as_str(),
         )
         .unwrap();
-        let c = Conn::open(info, Duration::from_secs(5), Duration::from_secs(5)).unwrap();
+        let c = Conn::open(
+            info,
+            Duration::from_secs(5),
+            Duration::from_secs(5),
+            max_bulk,
+        )
+        .unwrap();
         (c, server)
+    }
+
+    /// A bulk string longer than the connection keeps is read past (whole, in pieces too) and
+    /// stands as an empty string; the replies after it are read in step, within an array too.
+    #[test]
+    fn bulk_strings_over_the_cap_are_read_past() {
+        for trickle in [false, true] {
+            let mut data = b"$700000\r\n".to_vec();
+            data.extend((0..700_000).map(|i| (i % 241) as u8));
+            data.extend_from_slice(b"\r\n$3\r\nabc\r\n*2\r\n$5000\r\n");
+            data.extend(std::iter::repeat_n(b'x', 5000));
+            data.extend_from_slice(b"\r\n$2\r\nok\r\n+PONG\r\n");
+            let (mut c, server) = serve_max(data, trickle, 4096);
+            let bulk = |v: &[u8]| redis::Value::BulkString(v.to_vec());
+            assert_eq!(c.recv(None).unwrap(), bulk(b""));
+            assert_eq!(c.recv(None).unwrap(), bulk(b"abc"));
+            assert_eq!(
+                c.recv_array(None, 2).unwrap(),
+                redis::Value::Array(vec![bulk(b""), bulk(b"ok")])
+            );
+            assert_eq!(
+                c.recv(None).unwrap(),
+                redis::Value::SimpleString("PONG".into())
+            );
+            drop(c);
+            server.join().unwrap();
+        }
     }
 
     /// An array reply longer than asked is an error, not a value.

@@ -82,6 +82,8 @@ pub(super) struct RouterConfig {
     pub io_timeout: Duration,
     pub backoff_min: Duration,
     pub backoff_max: Duration,
+    /// Most bytes of a bulk string reply kept ([`Conn::open`]).
+    pub max_bulk: usize,
 }
 
 struct Node {
@@ -467,7 +469,12 @@ impl Router {
             std::collections::hash_map::Entry::Occupied(e) => Ok(e.into_mut()),
             std::collections::hash_map::Entry::Vacant(e) => {
                 let (info, downs) = info.ok_or("no such node")?;
-                let c = Conn::open(info, self.cfg.connect_timeout, self.cfg.io_timeout)?;
+                let c = Conn::open(
+                    info,
+                    self.cfg.connect_timeout,
+                    self.cfg.io_timeout,
+                    self.cfg.max_bulk,
+                )?;
                 conns.opened.insert(id, downs);
                 Ok(e.insert(c))
             }

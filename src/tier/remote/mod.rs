@@ -227,6 +227,7 @@ impl RemoteTier {
                 io_timeout: cfg.io_timeout,
                 backoff_min: cfg.backoff_min,
                 backoff_max: cfg.backoff_max,
+                max_bulk: super::remote_conn::max_bulk_for(value_len),
             },
             redact(&cfg.url),
             target.nodes,
