@@ -440,6 +440,53 @@ fn readahead_reads_of_unknown_keys_miss_and_reject_cleanly() {
     b.shutdown();
 }
 
+/// Fetches queued one key at a time (vLLM's connector looks up each block of a request in turn)
+/// are merged by the I/O thread into jobs of up to 256 KiB of values: one `MGET` for many keys.
+/// The server is paused (`CLIENT PAUSE`) while the single-key fetches queue up behind the first.
+#[test]
+fn single_key_fetches_share_mgets() {
+    let _g = serial();
+    if !have_redis() {
+        return;
+    }
+    let srv = Server::start("merge", &[]);
+    let calls = |cmd: &str| -> u64 {
+        let info = srv.cli(&["INFO", "commandstats"]);
+        let prefix = format!("cmdstat_{cmd}:calls=");
+        info.lines()
+            .find_map(|l| l.strip_prefix(&prefix))
+            .map_or(0, |rest| rest.split(',').next().unwrap().parse().unwrap())
+    };
+    let n = 64;
+    let (mut a, _, ks) = stored_prefix(&srv.url(), "merge", n);
+    let mut cfg = quick(RemoteConfig::new(srv.url(), layout("merge")));
+    cfg.io_threads = 1;
+    let tier = RemoteTier::open(cfg, Arc::new(VecMemory::new(n, BLOCK))).unwrap();
+    // Connected first (a miss), so that the paused server holds the next command.
+    assert_eq!(tier.submit_fetch(&[key(1000)]), 1);
+    tier.flush();
+    let (gets, mgets) = (calls("get"), calls("mget"));
+    srv.cli(&["CLIENT", "PAUSE", "300", "ALL"]);
+    for k in &ks {
+        assert_eq!(tier.submit_fetch(std::slice::from_ref(k)), 1);
+    }
+    tier.flush();
+    let _ = tier.poll();
+    let c = tier.counters();
+    assert_eq!((c.fetch_hits, c.fetch_errors), (n as u64, 0), "{c:?}");
+    let per_job = (256 << 10) / tier.value_len();
+    let (gets, mgets) = (calls("get") - gets, calls("mget") - mgets);
+    assert!(gets <= 1, "{gets} GETs");
+    assert!(
+        mgets as usize <= (n - 1).div_ceil(per_job) + 1,
+        "{mgets} MGETs for {n} keys in jobs of up to {per_job}"
+    );
+    for k in &ks {
+        assert_eq!(tier.index(k), Known::Present);
+    }
+    a.shutdown();
+}
+
 /// Readahead stays within the tier's staging room (no value fetched without room to keep it, so
 /// none twice) and resumes past where it stopped once promotions free the room.
 #[test]
@@ -562,7 +609,7 @@ fn corrupted_or_foreign_values_are_rejected_and_deleted() {
     let ks_all: Vec<ByteKey> = (0..4).map(key).collect();
     let ks = &ks_all[..3];
     // Block 0 is rejected at the fetch: nothing is served.
-    assert_eq!(settle(&mut b, &ks, Duration::from_secs(5)), 0);
+    assert_eq!(settle(&mut b, ks, Duration::from_secs(5)), 0);
     let s = remote_stats(&mut b);
     assert!(s.tier.rejected >= 1, "{s:?}");
     // Rejected values are deleted (they are in this layout's key space).

@@ -128,7 +128,7 @@ impl Sched {
         };
         match d {
             Done::Fetch { keys, results } => {
-                self.fetches_out = self.fetches_out.saturating_sub(1);
+                self.fetches_out = self.fetches_out.saturating_sub(keys.len() as u64);
                 self.fetch_reserved = self
                     .fetch_reserved
                     .saturating_sub(keys.len() as u64 * sh.fetch_unit());
@@ -214,7 +214,7 @@ impl Sched {
             }
             Done::Panicked(job) => match job {
                 Job::Fetch(keys) => {
-                    self.fetches_out = self.fetches_out.saturating_sub(1);
+                    self.fetches_out = self.fetches_out.saturating_sub(keys.len() as u64);
                     self.fetch_reserved = self
                         .fetch_reserved
                         .saturating_sub(keys.len() as u64 * sh.fetch_unit());
@@ -802,15 +802,32 @@ impl Shared {
         *lock(&self.last_error) = Some(e);
     }
 
-    /// The next job, promotions first, then fetches, then a batch of writes; `None` when there is
-    /// none now.
-    fn next_job(&self) -> Option<Job> {
+    /// Keys of one fetch job: values (or headers alone) of at most `FETCH_JOB_BYTES`, at least one.
+    pub(super) fn fetch_job_keys(&self) -> usize {
+        let wire = if self.header_fetch() {
+            VALUE_HEADER_BYTES
+        } else {
+            self.value_len
+        };
+        (usize::try_from(FETCH_JOB_BYTES).unwrap_or(usize::MAX) / wire.max(1)).max(1)
+    }
+
+    /// Values of one promotion job: at most `FETCH_JOB_BYTES`, at least one.
+    pub(super) fn read_job_items(&self) -> usize {
+        (usize::try_from(FETCH_JOB_BYTES).unwrap_or(usize::MAX) / self.value_len.max(1)).max(1)
+    }
+
+    /// The next job: the one `stash` holds (taken from a queue by the last call), promotions, then
+    /// fetches, then a batch of writes; `None` when there is none now. Promotion and fetch jobs
+    /// queued one after another are merged up to a job's size (`merge`).
+    fn next_job(&self, stash: &mut Option<Job>) -> Option<Job> {
         let q = &self.queues;
-        if let Ok(j) = q.reads.1.try_recv() {
-            return Some(j);
-        }
-        if let Ok(j) = q.fetches.1.try_recv() {
-            return Some(j);
+        if let Some(j) = stash
+            .take()
+            .or_else(|| q.reads.1.try_recv().ok())
+            .or_else(|| q.fetches.1.try_recv().ok())
+        {
+            return Some(self.merge(j, stash));
         }
         // Large values: at most MAX_LARGE_WRITE_JOBS write pipelines at once (a slot taken before
         // the queue is looked at, given back when there is no write or the job ends).
@@ -848,6 +865,49 @@ impl Shared {
         Some(Job::Write(batch))
     }
 
+    /// `job` with the promotion or fetch jobs queued behind it, while they fit in one job
+    /// (`read_job_items`, `fetch_job_keys`); a job that does not fit goes to `stash`, for the next
+    /// call. A scheduler that looks keys up one at a time (vLLM's connector asks for each block
+    /// of a request in turn) queues a job per key; its keys then still share commands (an
+    /// `MGET`), as those of one lookup of a prefix do.
+    fn merge(&self, mut job: Job, stash: &mut Option<Job>) -> Job {
+        let q = &self.queues;
+        match &mut job {
+            Job::Read(items) => {
+                let cap = self.read_job_items();
+                while items.len() < cap {
+                    match q.reads.1.try_recv() {
+                        Ok(Job::Read(more)) if items.len() + more.len() <= cap => {
+                            items.extend(more);
+                        }
+                        Ok(other) => {
+                            *stash = Some(other);
+                            break;
+                        }
+                        Err(_) => break,
+                    }
+                }
+            }
+            Job::Fetch(keys) => {
+                let cap = self.fetch_job_keys();
+                while keys.len() < cap {
+                    match q.fetches.1.try_recv() {
+                        Ok(Job::Fetch(more)) if keys.len() + more.len() <= cap => {
+                            keys.extend(more);
+                        }
+                        Ok(other) => {
+                            *stash = Some(other);
+                            break;
+                        }
+                        Err(_) => break,
+                    }
+                }
+            }
+            Job::Write(_) => {}
+        }
+        job
+    }
+
     /// Wakes an idle I/O thread for jobs just queued (which wakes the next one if more wait; see
     /// [`Queues`]).
     pub(super) fn ring(&self) {
@@ -878,13 +938,15 @@ impl Shared {
 
     pub(super) fn worker(self: &Arc<Self>) {
         let mut conns = self.conns();
+        // A job taken from a queue that did not fit in the last merged one (see `merge`).
+        let mut stash = None;
         loop {
             // A failed node whose backoff is over is probed between jobs (one thread at a time);
             // jobs meanwhile fail its commands at once.
             if let Some(e) = self.router.probe(&mut conns) {
                 self.set_error(e);
             }
-            let Some(job) = self.next_job() else {
+            let Some(job) = self.next_job(&mut stash) else {
                 if self.shutdown.load(Acquire) {
                     return;
                 }

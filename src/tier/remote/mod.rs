@@ -485,14 +485,9 @@ impl SecondaryTier for RemoteTier {
         if n > 0 {
             // Jobs of at most FETCH_JOB_BYTES each: the I/O threads fetch them side by side and
             // the first values are ready for promotion while the rest are on the wire.
-            let wire = if sh.header_fetch() {
-                VALUE_HEADER_BYTES as u64
-            } else {
-                value
-            };
-            let per_job = usize::try_from(FETCH_JOB_BYTES / wire).unwrap_or(1).max(1);
+            let per_job = sh.fetch_job_keys();
             let jobs = n.div_ceil(per_job);
-            st.fetches_out += jobs as u64;
+            st.fetches_out += n as u64;
             drop(guard);
             let mut rest = batch.into_iter();
             for _ in 0..jobs {
@@ -594,9 +589,7 @@ impl SecondaryTier for RemoteTier {
         let stopped = sh.shutdown.load(Acquire);
         let now = Instant::now();
         let mut st = self.sched();
-        let per_job = usize::try_from(FETCH_JOB_BYTES / sh.value_len.max(1) as u64)
-            .unwrap_or(1)
-            .max(1);
+        let per_job = sh.read_job_items();
         let mut jobs = Vec::new();
         let mut batch = Vec::new();
         // Promotions go before queued fetches (their own queue, taken first): the scheduler waits
