@@ -487,6 +487,98 @@ fn single_key_fetches_share_mgets() {
     a.shutdown();
 }
 
+/// A prefix looked up one key at a time, in order (vLLM's connector), with each key's
+/// predecessor (`lookup_after`): one fetch for its first key, the rest read straight into host
+/// blocks once the server is seen to hold the prefix, byte for byte; a prefix nowhere costs one
+/// fetch; a key missing in the middle ends the prefix there as a miss (its host block given
+/// back).
+#[test]
+fn keys_one_at_a_time_fetch_once_per_prefix() {
+    let _g = serial();
+    if !have_redis() {
+        return;
+    }
+    let srv = Server::start("one", &[]);
+    let n = 12;
+    let (mut a, idx, ks) = stored_prefix(&srv.url(), "one", n);
+    // One scheduler step: each key after its predecessor, up to the first absent one; the keys
+    // ready at the start of the run, or `None` while any is pending.
+    let scan = |m: &mut Chain, ks: &[ByteKey]| -> Option<usize> {
+        let mut pending = false;
+        for (i, k) in ks.iter().enumerate() {
+            let p = if i == 0 {
+                m.lookup(k).unwrap()
+            } else {
+                m.lookup_after(k, &ks[i - 1]).unwrap()
+            };
+            match p {
+                kvoff::manager::Presence::Ready => {}
+                kvoff::manager::Presence::Pending => pending = true,
+                kvoff::manager::Presence::Absent => return (!pending).then_some(i),
+            }
+        }
+        (!pending).then_some(ks.len())
+    };
+    let settle_scan = |m: &mut Chain, ks: &[ByteKey]| -> usize {
+        let t0 = Instant::now();
+        loop {
+            if let Some(r) = scan(m, ks) {
+                return r;
+            }
+            assert!(t0.elapsed() < Duration::from_secs(10), "stayed pending");
+            std::thread::sleep(Duration::from_millis(2));
+        }
+    };
+
+    let (mut b, mem_b) = chain(&srv.url(), "one", 64);
+    assert_eq!(scan(&mut b, &ks), None);
+    assert_eq!(
+        remote_stats(&mut b).chain.fetch_keys,
+        1,
+        "only the first key is fetched"
+    );
+    assert_eq!(settle_scan(&mut b, &ks), n);
+    check_loaded(&mut b, &mem_b, &idx);
+    let s = remote_stats(&mut b);
+    assert_eq!(s.chain.fetch_keys, 1, "{s:?}");
+    assert_eq!(
+        (s.tier.promotions, s.chain.hits, s.chain.misses),
+        (n as u64, n as u64, 0),
+        "{s:?}"
+    );
+    assert_eq!(s.tier.read_errors, 0, "{s:?}");
+
+    // A prefix the server does not hold: one fetch, a miss, nothing reserved.
+    let none: Vec<ByteKey> = (1000..1000 + n).map(key).collect();
+    let before = remote_stats(&mut b).chain.fetch_keys;
+    assert_eq!(settle_scan(&mut b, &none), 0);
+    assert_eq!(remote_stats(&mut b).chain.fetch_keys, before + 1);
+    assert_eq!(b.num_promoting(), 0);
+
+    // A key missing in the middle: the prefix ends there (a miss, its host block given back).
+    let (mut c, mem_c) = chain(&srv.url(), "one", 64);
+    let hole = 5;
+    let rk = c.tier_as::<RemoteTier>().unwrap().redis_key(&key(hole));
+    assert_eq!(srv.cli(&["DEL", &rk]).trim(), "1");
+    assert_eq!(settle_scan(&mut c, &ks), hole);
+    check_loaded(&mut c, &mem_c, &idx[..hole]);
+    c.flush();
+    let s = remote_stats(&mut c);
+    assert_eq!(
+        (s.tier.read_errors, s.chain.promotions_failed),
+        (0, 0),
+        "{s:?}"
+    );
+    assert!(s.chain.misses >= 1, "{s:?}");
+    // (The keys after it were read too, as readahead reads them: each one's predecessor was
+    // being read when it was looked up.)
+    let host = c.get_stats().unwrap().0;
+    assert_eq!(host.num_present, n - 1, "{host:?}");
+    for m in [&mut a, &mut b, &mut c] {
+        m.shutdown();
+    }
+}
+
 /// Readahead stays within the tier's staging room (no value fetched without room to keep it, so
 /// none twice) and resumes past where it stopped once promotions free the room.
 #[test]

@@ -450,8 +450,11 @@ class ChainManagerCore:
         remote_password_env: str = ...,
         remote_tls_ca_file: str | os.PathLike[str] | None = None,
     ) -> ChainManagerCore: ...
-    def lookup(self, key: bytes) -> bool | None:
-        """`True` ready, `None` pending (store, promotion or fetch in flight), `False` absent."""
+    def lookup(self, key: bytes, after: bytes | None = None) -> bool | None:
+        """`True` ready, `None` pending (store, promotion or fetch in flight), `False` absent.
+        `after`: the key before `key` in its prefix, looked up just before (a caller that looks
+        a prefix up one key at a time, in order; docs/tier.md "Tier chain").
+        """
     def lookup_prefix(self, keys: Iterable[bytes]) -> int | None:
         """Leading ready keys, or `None` when the first non-ready one is pending, being promoted or
         being fetched.

@@ -317,9 +317,16 @@ class TieredOffloadingManager:
 
     # --- docs/spec.md §2 protocol -------------------------------------------------------------------------
 
-    def lookup(self, key: bytes, req_context: Any = None) -> bool | None:
-        """``True`` ready, ``None`` pending (a store or a promotion from disk in flight), ``False``."""
-        return self._core.lookup(key)
+    def lookup(self, key: bytes, req_context: Any = None, after: bytes | None = None) -> bool | None:
+        """``True`` ready, ``None`` pending (a store, a promotion or a fetch in flight), ``False``.
+
+        ``after``: the key before ``key`` in its prefix, looked up just before, for a caller that
+        looks a prefix up one key at a time, in order (vLLM's connector): while the tiers have not
+        answered for ``after``, ``key`` waits (pending) rather than start a fetch of its own; once
+        a tier is promoting ``after``, ``key`` is read straight into a host block if no tier knows
+        it yet (docs/tier.md "Tier chain").
+        """
+        return self._core.lookup(key, after)
 
     def lookup_prefix(self, keys: Iterable[bytes], req_context: Any = None) -> int | None:
         """Leading ready keys; ``None`` when the first other key is pending or being promoted."""

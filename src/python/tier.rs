@@ -554,13 +554,27 @@ impl PyChainCore {
     }
 
     /// `True` ready, `None` pending (store, promotion or fetch in flight), `False` absent.
-    fn lookup(&self, py: Python<'_>, key: &Bound<'_, PyAny>) -> PyResult<Option<bool>> {
+    /// `after`: the key before `key` in its prefix, looked up just before (a caller that looks
+    /// a prefix up one key at a time, in order; docs/tier.md "Tier chain").
+    #[pyo3(signature = (key, after = None))]
+    fn lookup(
+        &self,
+        py: Python<'_>,
+        key: &Bound<'_, PyAny>,
+        after: Option<&Bound<'_, PyAny>>,
+    ) -> PyResult<Option<bool>> {
         let k = key_of(key)?;
-        Ok(match self.with(py, |m| m.lookup(&k))? {
-            Presence::Ready => Some(true),
-            Presence::Pending => None,
-            Presence::Absent => Some(false),
-        })
+        let prev = after.map(key_of).transpose()?;
+        Ok(
+            match self.with(py, |m| match &prev {
+                Some(p) => m.lookup_after(&k, p),
+                None => m.lookup(&k),
+            })? {
+                Presence::Ready => Some(true),
+                Presence::Pending => None,
+                Presence::Absent => Some(false),
+            },
+        )
     }
 
     /// Leading ready keys, or `None` when the first non-ready one is pending, being promoted or

@@ -159,6 +159,9 @@ pub struct ChainManager<M> {
     /// Promotions of keys the tier's index did not know ([`SecondaryTier::may_read_unknown`]):
     /// their end is the hit or the miss.
     unknown_reads: Set<ByteKey>,
+    /// Keys promoted lately (cleared at `RECENT_MEMORY` entries): a prefix a tier is seen to hold
+    /// (`lookup_after`), also once its key's promotion has ended.
+    recent: Set<ByteKey>,
     /// Write pins held per key (one per tier write in flight).
     pins: Map<ByteKey, u32>,
     /// Per prefix (by its last key): how far readahead has looked (see `readahead`).
@@ -167,6 +170,8 @@ pub struct ChainManager<M> {
 
 /// Prefixes whose readahead position is remembered before the memory is cleared.
 const READAHEAD_MEMORY: usize = 4096;
+/// Promoted keys remembered (`ChainManager::lookup_after`) before the memory is cleared.
+const RECENT_MEMORY: usize = 16_384;
 
 impl<M: OffloadingManager<ByteKey>> ChainManager<M> {
     /// Puts `tiers` (in lookup order) behind `host`. Every tier's memory must be the host blocks
@@ -186,6 +191,7 @@ impl<M: OffloadingManager<ByteKey>> ChainManager<M> {
             cfg,
             promoting: Map::default(),
             unknown_reads: Set::default(),
+            recent: Set::default(),
             pins: Map::default(),
             readahead_seen: Map::default(),
         }
@@ -252,6 +258,12 @@ impl<M: OffloadingManager<ByteKey>> ChainManager<M> {
                                 (false, false) => c.promotions_failed += 1,
                             }
                             self.host.complete_store(std::slice::from_ref(&key), ok)?;
+                            if ok {
+                                if self.recent.len() >= RECENT_MEMORY {
+                                    self.recent.clear();
+                                }
+                                self.recent.insert(key.clone());
+                            }
                             if ok && t > 0 {
                                 self.write_through(std::slice::from_ref(&key), 0..t)?;
                             }
@@ -532,6 +544,55 @@ impl<M: OffloadingManager<ByteKey>> ChainManager<M> {
         }
     }
 
+    /// [`ChainManager::lookup`] of `key` for a caller that looks a prefix up one key at a time,
+    /// in order (vLLM's connector does), where `prev` is the key before `key` in the prefix,
+    /// looked up just before. What `prev`'s state says decides (docs/tier.md "Tier chain",
+    /// keys one at a time):
+    /// - `prev` is not in host memory (its own lookup started a fetch, or waits for one):
+    ///   `Pending`, and nothing starts for `key` until the tiers have answered for `prev` — a
+    ///   prefix the tiers do not hold costs one fetch, not one per key;
+    /// - a tier is promoting `prev`, or promoted it lately: it holds the prefix, so a key no tier
+    ///   knows yet is read straight into a host block as readahead reads it (no fetch and staged
+    ///   copy before; `Pending`), where a tier may ([`SecondaryTier::may_read_unknown`]) and
+    ///   promotions in flight leave room (else `Pending`, for a later call);
+    /// - otherwise (`prev` ready, or being stored by the caller), as [`ChainManager::lookup`].
+    ///
+    /// # Errors
+    /// Only after shutdown.
+    pub fn lookup_after(&mut self, key: &ByteKey, prev: &ByteKey) -> Result<Presence> {
+        self.poll()?;
+        match self.host.lookup(key)? {
+            Presence::Absent => {}
+            p => return Ok(p),
+        }
+        if !self.promoting.contains_key(prev) {
+            match self.host.lookup(prev)? {
+                Presence::Absent => return Ok(Presence::Pending),
+                Presence::Ready if self.recent.contains(prev) => {} // promoted: held below
+                _ => return self.lookup(key),
+            }
+        }
+        for t in 0..self.slots.len() {
+            match self.slots[t].tier.index(key) {
+                Known::Absent => {}
+                Known::Present => break,
+                Known::Unknown => {
+                    if !self.slots[t].tier.may_read_unknown(key) {
+                        break;
+                    }
+                    if self.promoting.len() >= self.cfg.max_promotions.max(1) {
+                        return Ok(Presence::Pending);
+                    }
+                    if self.promote(t, std::slice::from_ref(key), true)? {
+                        return Ok(Presence::Pending);
+                    }
+                    break;
+                }
+            }
+        }
+        self.lookup(key)
+    }
+
     /// Number of leading keys ready in host memory; `None` if the first non-ready one is pending,
     /// is being promoted, or a tier is fetching it.
     ///
@@ -745,6 +806,7 @@ impl<M: OffloadingManager<ByteKey>> ChainManager<M> {
         self.poll()?;
         self.promoting.clear();
         self.unknown_reads.clear();
+        self.recent.clear();
         self.pins.clear();
         self.readahead_seen.clear();
         for s in &mut self.slots {
@@ -763,6 +825,7 @@ impl<M: OffloadingManager<ByteKey>> ChainManager<M> {
             }
             self.promoting.clear();
             self.unknown_reads.clear();
+            self.recent.clear();
             self.pins.clear();
             self.host.shutdown();
             return;

@@ -97,6 +97,18 @@ class _RequestAccess:
     finished: bool = False
 
 
+@dataclass
+class _Scan:
+    """The last key one request looked up and its end-token position (vLLM's connector looks a
+    request's keys up one at a time, in prefix order, every step)."""
+
+    owner: object
+    key: bytes | None = None
+    pos: int | None = None
+    #: The smallest position looked up: the first chunk's end token, i.e. one chunk's tokens.
+    first: int | None = None
+
+
 class KvoffOffloadingManager(OffloadingManager):
     """A vLLM ``OffloadingManager`` backed by ``kvoff.create_manager(policy, num_chunks)``."""
 
@@ -159,8 +171,36 @@ class KvoffOffloadingManager(OffloadingManager):
         self._access(req_context)
         return RequestOffloadingContext()
 
+    def _prev_key(self, key: bytes, req_context: ReqContext) -> bytes | None:
+        """The key before ``key`` in its request's prefix when it was the last one looked up
+        (a forward scan); ``None`` otherwise (a scan's first key, a backward scan, another
+        group's keys, or positions vLLM did not record)."""
+        get_pos = getattr(req_context, "get_offload_key_position", None)
+        pos = get_pos(key) if get_pos is not None else None
+        scan: _Scan | None = req_context.get_state(_Scan)
+        if scan is None or scan.owner is not self:
+            scan = _Scan(owner=self)
+            req_context.set_state(scan)
+        prev = None
+        if (
+            isinstance(pos, int)
+            and scan.pos is not None
+            and scan.first is not None
+            and pos - scan.pos == scan.first
+        ):
+            prev = scan.key
+        if isinstance(pos, int) and pos > 0:
+            scan.first = pos if scan.first is None else min(scan.first, pos)
+        scan.key, scan.pos = key, pos if isinstance(pos, int) else None
+        return prev
+
     def lookup(self, key: OffloadKey, req_context: ReqContext) -> LookupResult:
-        r = self.kvoff_manager.lookup(key)
+        if self._tiered is not None:
+            # Keys one at a time, in prefix order: the tiers are asked once per prefix, and the
+            # rest of a prefix a tier holds is read straight into host blocks (docs/tier.md).
+            r = self._tiered.lookup(key, after=self._prev_key(key, req_context))
+        else:
+            r = self.kvoff_manager.lookup(key)
         if r is None:
             return LookupResult.HIT_PENDING
         return LookupResult.HIT if r else LookupResult.MISS
