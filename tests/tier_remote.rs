@@ -152,6 +152,17 @@ impl Server {
     }
 }
 
+impl Server {
+    /// Calls of `cmd` (lower case) the server has served, from `INFO commandstats`.
+    fn calls(&self, cmd: &str) -> u64 {
+        let info = self.cli(&["INFO", "commandstats"]);
+        let prefix = format!("cmdstat_{cmd}:calls=");
+        info.lines()
+            .find_map(|l| l.strip_prefix(&prefix))
+            .map_or(0, |rest| rest.split(',').next().unwrap().parse().unwrap())
+    }
+}
+
 impl Drop for Server {
     fn drop(&mut self) {
         self.kill();
@@ -378,13 +389,7 @@ fn readahead_reads_of_unknown_keys_miss_and_reject_cleanly() {
         return;
     }
     let srv = Server::start("rd", &[]);
-    let calls = |cmd: &str| -> u64 {
-        let info = srv.cli(&["INFO", "commandstats"]);
-        let prefix = format!("cmdstat_{cmd}:calls=");
-        info.lines()
-            .find_map(|l| l.strip_prefix(&prefix))
-            .map_or(0, |rest| rest.split(',').next().unwrap().parse().unwrap())
-    };
+    let calls = |cmd: &str| srv.calls(cmd);
     let n = 200;
     let (mut a, _, ks) = stored_prefix(&srv.url(), "rd", n);
     let (mut b, mem_b) = chain(&srv.url(), "rd", n);
@@ -450,13 +455,7 @@ fn single_key_fetches_share_mgets() {
         return;
     }
     let srv = Server::start("merge", &[]);
-    let calls = |cmd: &str| -> u64 {
-        let info = srv.cli(&["INFO", "commandstats"]);
-        let prefix = format!("cmdstat_{cmd}:calls=");
-        info.lines()
-            .find_map(|l| l.strip_prefix(&prefix))
-            .map_or(0, |rest| rest.split(',').next().unwrap().parse().unwrap())
-    };
+    let calls = |cmd: &str| srv.calls(cmd);
     let n = 64;
     let (mut a, _, ks) = stored_prefix(&srv.url(), "merge", n);
     let mut cfg = quick(RemoteConfig::new(srv.url(), layout("merge")));
@@ -888,13 +887,7 @@ fn small_values_go_as_mset_and_mget() {
         return;
     }
     let srv = Server::start("mset", &[]);
-    let calls = |cmd: &str| -> u64 {
-        let info = srv.cli(&["INFO", "commandstats"]);
-        let prefix = format!("cmdstat_{cmd}:calls=");
-        info.lines()
-            .find_map(|l| l.strip_prefix(&prefix))
-            .map_or(0, |rest| rest.split(',').next().unwrap().parse().unwrap())
-    };
+    let calls = |cmd: &str| srv.calls(cmd);
     let mem = Arc::new(VecMemory::new(8, BLOCK));
     let tier = RemoteTier::open(
         quick(RemoteConfig::new(srv.url(), layout("ms"))),

@@ -535,11 +535,7 @@ impl<M: OffloadingManager<ByteKey>> ChainManager<M> {
     pub fn lookup(&mut self, key: &ByteKey) -> Result<Presence> {
         self.poll()?;
         match self.host.lookup(key)? {
-            Presence::Absent => Ok(if self.consult(std::slice::from_ref(key))?.0 {
-                Presence::Pending
-            } else {
-                Presence::Absent
-            }),
+            Presence::Absent => self.consult_absent(key),
             p => Ok(p),
         }
     }
@@ -569,7 +565,7 @@ impl<M: OffloadingManager<ByteKey>> ChainManager<M> {
             match self.host.lookup(prev)? {
                 Presence::Absent => return Ok(Presence::Pending),
                 Presence::Ready if self.recent.contains(prev) => {} // promoted: held below
-                _ => return self.lookup(key),
+                _ => return self.consult_absent(key),
             }
         }
         for t in 0..self.slots.len() {
@@ -590,7 +586,17 @@ impl<M: OffloadingManager<ByteKey>> ChainManager<M> {
                 }
             }
         }
-        self.lookup(key)
+        self.consult_absent(key)
+    }
+
+    /// [`ChainManager::lookup`]'s answer for a key host memory does not hold (the completions
+    /// already applied).
+    fn consult_absent(&mut self, key: &ByteKey) -> Result<Presence> {
+        Ok(if self.consult(std::slice::from_ref(key))?.0 {
+            Presence::Pending
+        } else {
+            Presence::Absent
+        })
     }
 
     /// Number of leading keys ready in host memory; `None` if the first non-ready one is pending,
