@@ -469,6 +469,12 @@ fn single_key_fetches_share_mgets() {
     for k in &ks {
         assert_eq!(tier.submit_fetch(std::slice::from_ref(k)), 1);
     }
+    // While the fetches wait on the paused server, the index says so, and asking again starts
+    // nothing.
+    for k in &ks {
+        assert_eq!(tier.index(k), Known::Pending);
+    }
+    assert_eq!(tier.submit_fetch(&ks), 0);
     tier.flush();
     let _ = tier.poll();
     let c = tier.counters();

@@ -729,7 +729,7 @@ impl PyChainCore {
         self.with(py, move |m| {
             Ok(match m.tier(&kind).map(|t| t.index(&k)) {
                 Some(Known::Present) => Some(true),
-                Some(Known::Unknown) => None,
+                Some(Known::Unknown | Known::Pending) => None,
                 Some(Known::Absent) | None => Some(false),
             })
         })

@@ -365,6 +365,7 @@ impl<M: OffloadingManager<ByteKey>> ChainManager<M> {
             }
             let mut holder = None;
             let mut unknown = None;
+            let mut in_flight = false;
             for t in 0..self.slots.len() {
                 match self.slots[t].tier.index(k) {
                     Known::Present => {
@@ -375,8 +376,15 @@ impl<M: OffloadingManager<ByteKey>> ChainManager<M> {
                         unknown = Some(t);
                         break;
                     }
+                    Known::Pending => {
+                        in_flight = true;
+                        break;
+                    }
                     Known::Absent => {}
                 }
+            }
+            if in_flight {
+                continue; // a fetch of it is on its way: the lookups after it promote it
             }
             let direct = match (holder, unknown) {
                 (None, Some(t)) if self.slots[t].tier.may_read_unknown(k) => {
@@ -506,6 +514,9 @@ impl<M: OffloadingManager<ByteKey>> ChainManager<M> {
                 }
             }
             match known {
+                // A fetch (or write) of the key is in flight: it answers later. No batch is
+                // built, so a scheduler asking every step pays one probe per waiting request.
+                Known::Pending => return Ok((true, 0)),
                 Known::Present => {
                     let mut end = 1;
                     while end < keys.len()
@@ -572,6 +583,7 @@ impl<M: OffloadingManager<ByteKey>> ChainManager<M> {
             match self.slots[t].tier.index(key) {
                 Known::Absent => {}
                 Known::Present => break,
+                Known::Pending => return Ok(Presence::Pending),
                 Known::Unknown => {
                     if !self.slots[t].tier.may_read_unknown(key) {
                         break;

@@ -17,7 +17,7 @@
 //! byte against the crate's own packer and parser by the unit tests below.
 #![forbid(unsafe_code)]
 
-use std::io::{ErrorKind, Read, Write};
+use std::io::{ErrorKind, IoSliceMut, Read, Write};
 use std::net::{TcpStream, ToSocketAddrs};
 use std::sync::{Mutex, PoisonError};
 use std::time::{Duration, Instant};
@@ -39,6 +39,12 @@ const MAX_DEPTH: usize = 16;
 /// The read buffer's size: replies of this size or less arrive in one `read` when the server has
 /// sent them.
 const READ_CHUNK: usize = 256 << 10;
+/// Most bytes a read takes into the read buffer where the next bytes may start a bulk string
+/// (a reply's first bytes, an array's header, the CRLF after a value), and behind a value's body
+/// (the next value's header): a value's body is then read from the socket straight into its own
+/// buffer or host block, not into the read buffer and copied out of it (docs/design.md "The data
+/// path"). 64 bytes hold a CRLF, an array header and a bulk string header.
+const HEAD_READ: usize = 64;
 
 /// Bulk string replies at least this large get their buffer from a [`BufPool`].
 const POOLED_BYTES: usize = 16 << 10;
@@ -261,8 +267,9 @@ impl Plain {
     }
 
     /// Reads more bytes into the buffer (moving what is unparsed to its front, growing it up to
-    /// `MAX_SMALL_REPLY` when one reply needs more).
-    fn fill(&mut self) -> Result<(), String> {
+    /// `MAX_SMALL_REPLY` when one reply needs more), at most [`HEAD_READ`] bytes while the
+    /// buffer holds nothing or a bulk string's header may come next (`head`).
+    fn fill_at(&mut self, head: bool) -> Result<(), String> {
         if self.end == self.buf.len() {
             if self.start > 0 {
                 self.buf.copy_within(self.start..self.end, 0);
@@ -275,7 +282,12 @@ impl Plain {
                 return Err(format!("a reply over {MAX_SMALL_REPLY} bytes"));
             }
         }
-        match self.sock.read(&mut self.buf[self.end..]) {
+        let stop = if head || self.start == self.end {
+            (self.end + HEAD_READ).min(self.buf.len())
+        } else {
+            self.buf.len()
+        };
+        match self.sock.read(&mut self.buf[self.end..stop]) {
             Ok(0) => Err("connection closed by the server".to_owned()),
             Ok(n) => {
                 self.end += n;
@@ -302,7 +314,8 @@ impl Plain {
                 }
                 return Ok(v);
             }
-            self.fill()?;
+            let head = avail.first() == Some(&b'$');
+            self.fill_at(head)?;
         }
     }
 
@@ -352,7 +365,7 @@ impl Plain {
                 Some(_) => return Ok(Head::Other),
                 None => {}
             }
-            self.fill()?;
+            self.fill_at(true)?;
         }
     }
 
@@ -396,7 +409,7 @@ impl Plain {
                 },
                 Some(_) => return Ok(Next::Other),
             }
-            self.fill()?;
+            self.fill_at(true)?;
         }
     }
 
@@ -409,7 +422,9 @@ impl Plain {
     }
 
     /// Reads the next `dst.len()` bytes of the stream into `dst`: what the read buffer holds, the
-    /// rest from the socket straight into `dst`.
+    /// rest from the socket straight into `dst`, each read taking up to [`HEAD_READ`] bytes past
+    /// `dst`'s end into the read buffer (the CRLF and the next value's header: no read of its
+    /// own for them, and no more of the next value than its header).
     pub(super) fn read_body(&mut self, dst: &mut [u8]) -> Result<(), String> {
         let have = (self.end - self.start).min(dst.len());
         dst[..have].copy_from_slice(&self.buf[self.start..self.start + have]);
@@ -417,10 +432,25 @@ impl Plain {
         if self.start == self.end {
             (self.start, self.end) = (0, 0);
         }
-        if have < dst.len() {
-            self.sock
-                .read_exact(&mut dst[have..])
-                .map_err(|e| io_err(&e))?;
+        let mut got = have;
+        while got < dst.len() {
+            // The read buffer is empty here: `have` took all of it, and a read only puts bytes
+            // into it once `dst` is full.
+            let tail = HEAD_READ.min(self.buf.len());
+            let mut iov = [
+                IoSliceMut::new(&mut dst[got..]),
+                IoSliceMut::new(&mut self.buf[..tail]),
+            ];
+            match self.sock.read_vectored(&mut iov) {
+                Ok(0) => return Err("connection closed by the server".to_owned()),
+                Ok(n) => {
+                    let body = n.min(dst.len() - got);
+                    got += body;
+                    (self.start, self.end) = (0, n - body);
+                }
+                Err(e) if e.kind() == ErrorKind::Interrupted => {}
+                Err(e) => return Err(io_err(&e)),
+            }
         }
         Ok(())
     }
@@ -437,14 +467,14 @@ impl Plain {
             if n == 0 {
                 return Ok(());
             }
-            self.fill()?;
+            self.fill_at(false)?;
         }
     }
 
     /// Consumes the CRLF that ends a bulk string.
     pub(super) fn read_crlf(&mut self) -> Result<(), String> {
         while self.end - self.start < 2 {
-            self.fill()?;
+            self.fill_at(true)?;
         }
         if &self.buf[self.start..self.start + 2] != b"\r\n" {
             return Err("a bulk string reply without its CRLF".to_owned());

@@ -11,8 +11,10 @@
 //! - **Index.** [`SecondaryTier::index`] answers from memory: [`Known::Present`],
 //!   [`Known::Absent`] or, for a tier whose index lives elsewhere (a remote store),
 //!   [`Known::Unknown`]. The owner then asks [`SecondaryTier::submit_fetch`] for a batch of keys
-//!   (one round trip for the keys of a prefix); when the answers arrive the index says `Present`
-//!   or `Absent` for them (a tier may remember misses for a while and forget hits it cannot keep).
+//!   (one round trip for the keys of a prefix); while the answers are on their way the index says
+//!   [`Known::Pending`] (a scheduler asking every step starts nothing more), and when they arrive
+//!   `Present` or `Absent` (a tier may remember misses for a while and forget hits it cannot
+//!   keep).
 //! - **Writes** ([`SecondaryTier::submit_writes`]): a batch of `(key, host block)`; the tier copies
 //!   each block's bytes out of its [`super::BlockMemory`] on an I/O thread. The owner keeps the
 //!   block unchanged (pinned) until [`Completion::Released`] for it comes out of `poll`. A write
@@ -42,6 +44,9 @@ pub enum Known {
     Absent,
     /// The tier cannot tell without I/O: submit a fetch, then ask again.
     Unknown,
+    /// The tier is finding out (a fetch of the key, or a write of it, is in flight): nothing to
+    /// start; ask again later.
+    Pending,
 }
 
 /// Counters and gauges common to every secondary tier. Counters only grow; per-direction GB/s =

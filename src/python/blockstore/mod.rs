@@ -415,7 +415,7 @@ impl PyBlockStore {
                 .map(|k| match t.index(k) {
                     Known::Present => Some(true),
                     Known::Absent => Some(false),
-                    Known::Unknown => None,
+                    Known::Unknown | Known::Pending => None,
                 })
                 .collect())
         })

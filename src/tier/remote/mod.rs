@@ -409,8 +409,9 @@ impl SecondaryTier for RemoteTier {
     fn index(&self, key: &ByteKey) -> Known {
         let st = self.sched();
         match st.index.get(key) {
+            None => Known::Unknown,
             // A fetch in flight answers later; a key being written is not readable yet.
-            None | Some(Entry::Writing | Entry::Fetching) => Known::Unknown,
+            Some(Entry::Writing | Entry::Fetching) => Known::Pending,
             Some(Entry::Present { until, value }) => {
                 if value.is_some() || *until > Instant::now() {
                     Known::Present
