@@ -171,8 +171,7 @@ class TieredOffloadingManager:
         remote_ttl_s: time to live of each value (``None``: none).
         remote_connect_timeout_s, remote_timeout_s: timeouts of each connection attempt and of
             each read/write on a connection.
-        remote_io_threads (one connection each; ``None``: 4, or 2 on a machine with fewer than 8
-            CPUs), remote_max_queued_writes,
+        remote_io_threads (one connection each; ``None``: 4), remote_max_queued_writes,
         remote_max_inflight_bytes, remote_negative_ttl_s (how long a miss is remembered),
         remote_max_fetch_keys (keys per batched fetch): see ``kvoff::tier::remote::RemoteConfig``.
         remote_tls_ca_file: PEM file of the certificate authority that signed the servers'

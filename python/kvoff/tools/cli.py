@@ -349,7 +349,7 @@ def _remote_cmd(p: argparse.ArgumentParser) -> None:
         type=REMOTE_IO_THREADS,
         default=None,
         metavar="N",
-        help="kvoff's remote_io_threads (1-64, default: the tier's default, 2 or 4 by the CPUs)",
+        help="kvoff's remote_io_threads (1-64, default: the tier's default, 4)",
     )
     _output_args(p)
 

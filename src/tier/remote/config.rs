@@ -63,19 +63,16 @@ impl std::fmt::Debug for RemoteConfig {
     }
 }
 
-/// The default number of I/O threads: 4 on a machine with 8 or more CPUs, else 2.
+/// The default number of I/O threads: 4.
 ///
 /// Measured with `kvoff bench remote` (BENCHMARKS.md "Remote tier"): on a 16-CPU host, 32 KiB
 /// values stored 18–60% faster with 4 threads than with 2, and 2 MiB values loaded up to 18%
-/// faster (the same run each); on 2 CPUs, shared with the
-/// server, 4 threads brought no clear gain and doubled the scheduler's `lookup_prefix` p99 (each
-/// idle thread a wake-up on the scheduler's thread and a CPU taken from it).
+/// faster (the same run each). On the 2-CPU dev VM, shared with the server, 32 KiB values loaded
+/// at 2.02–2.17 GB/s with 4 threads against 1.55–1.85 with 2 (each thread waits on its own
+/// round trips: more of them keep the server busy); 2 MiB loads and both stores were the same.
 #[must_use]
 pub fn default_io_threads() -> usize {
-    match std::thread::available_parallelism() {
-        Ok(n) if n.get() >= 8 => 4,
-        _ => 2,
-    }
+    4
 }
 
 impl RemoteConfig {

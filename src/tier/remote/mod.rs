@@ -133,7 +133,7 @@ const MAX_LARGE_WRITE_JOBS: usize = 2;
 const MIN_WRITE_BATCH: usize = 4;
 
 /// Values of 256 KiB and more ([`HEADER_FETCH_BYTES`]) per write pipeline: [`MIN_WRITE_BATCH`] on a
-/// machine with 8 or more CPUs, one below (the same rule as [`default_io_threads`]). redis-server
+/// machine with 8 or more CPUs, one below. redis-server
 /// skips its copy of a large argument only when the argument starts its connection's query buffer,
 /// which a pipeline of large values defeats; where the server shares a few CPUs with the engine
 /// that copy costs more than the pipeline saves. Measured with `kvoff bench remote --sizes 2MiB`
