@@ -20,6 +20,10 @@ pub struct RemoteConfig {
     pub io_timeout: Duration,
     /// Number of I/O threads (one connection each).
     pub io_threads: usize,
+    /// How long an I/O thread that ran out of jobs keeps looking at the queues before it sleeps
+    /// (zero: it sleeps at once). A job queued meanwhile is taken with no wake-up, a system call
+    /// on the scheduler's thread otherwise. Default: [`default_idle_spin`].
+    pub idle_spin: Duration,
     /// Writes queued or running beyond this are dropped (counted).
     pub max_queued_writes: usize,
     /// Bytes of values copied out of host memory and not yet acknowledged by the server.
@@ -59,6 +63,7 @@ impl std::fmt::Debug for RemoteConfig {
             .field("connect_timeout", &self.connect_timeout)
             .field("io_timeout", &self.io_timeout)
             .field("io_threads", &self.io_threads)
+            .field("idle_spin", &self.idle_spin)
             .finish_non_exhaustive()
     }
 }
@@ -75,8 +80,23 @@ pub fn default_io_threads() -> usize {
     4
 }
 
+/// The default [`RemoteConfig::idle_spin`]: 50 µs on a machine with 8 or more CPUs, none below
+/// (where a spinning thread would take a CPU from the server or the engine).
+///
+/// Measured on the H100 host (BENCHMARKS.md "Remote tier"), the scheduler's `lookup_prefix` of 16
+/// keys the tier does not know, with the server up, three rounds alternated: p99 12.4–24.6 µs
+/// without, 13.9–19.8 µs with 50 µs (14.5–21.0 with 100 µs); loads the same.
+#[must_use]
+pub fn default_idle_spin() -> Duration {
+    match std::thread::available_parallelism() {
+        Ok(n) if n.get() >= 8 => Duration::from_micros(50),
+        _ => Duration::ZERO,
+    }
+}
+
 impl RemoteConfig {
-    /// Defaults: no TTL, 1 s connect and 2 s I/O timeouts, [`default_io_threads`] I/O threads,
+    /// Defaults: no TTL, 1 s connect and 2 s I/O timeouts, [`default_io_threads`] I/O threads
+    /// spinning [`default_idle_spin`] when idle,
     /// 256 queued writes, 256 MiB in flight, 256 MiB staged, fetches of up to 64 keys, writes of
     /// up to 256 values per pipeline (and 128 KiB of values, 256 KiB in an `MSET`, but at least 4), misses remembered
     /// 2 s, hits 30 s, backoff 100 ms → 5 s, password from `KVOFF_REMOTE_PASSWORD`.
@@ -89,6 +109,7 @@ impl RemoteConfig {
             connect_timeout: Duration::from_secs(1),
             io_timeout: Duration::from_secs(2),
             io_threads: default_io_threads(),
+            idle_spin: default_idle_spin(),
             max_queued_writes: 256,
             max_inflight_bytes: 256 << 20,
             max_staged_bytes: 256 << 20,

@@ -9,6 +9,7 @@ use crate::tier::remote_conn::{
 };
 use crate::tier::remote_route::{Pack, DIRECT_SEND_BYTES};
 use crossbeam_channel::{Receiver, Select, Sender};
+use std::sync::atomic::Ordering::SeqCst;
 
 #[derive(Clone, Debug)]
 pub(super) enum Entry {
@@ -339,6 +340,11 @@ pub(super) struct Shared {
     pub(super) writes_running: std::sync::atomic::AtomicUsize,
     /// Fewest values of a write pipeline of large values (see `large_write_batch`).
     pub(super) large_write_batch: usize,
+    /// How long an I/O thread with nothing to do keeps looking at the queues before it waits on
+    /// the bell (see `Shared::idle_spin`); zero: it waits at once.
+    pub(super) idle_spin: Duration,
+    /// I/O threads looking at the queues in `Shared::idle_spin` now.
+    pub(super) spinning: std::sync::atomic::AtomicUsize,
 }
 
 pub(super) fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
@@ -914,6 +920,47 @@ impl Shared {
         let _ = self.queues.bell.0.send(());
     }
 
+    /// [`Shared::ring`] from the scheduler's side, after queuing jobs: nothing when an I/O thread
+    /// is looking at the queues ([`Shared::idle_spin`]), which then takes them with no wake-up
+    /// (a system call on the scheduler's thread).
+    pub(super) fn ring_from_caller(&self) {
+        // Pairs with the fence in `idle_spin`: either this load sees the thread still spinning
+        // (and its look at the queues after the fence sees the jobs queued before this one), or
+        // this call rings.
+        std::sync::atomic::fence(SeqCst);
+        if self.spinning.load(SeqCst) == 0 {
+            self.ring();
+        }
+    }
+
+    /// An I/O thread with nothing to do looks at the queues for up to `idle_spin` before it
+    /// waits on the bell (docs/tier.md, remote tier, "Threads and bounds"): a job queued
+    /// meanwhile is taken with no wake-up. Returns whether a job
+    /// is waiting.
+    fn idle_spin(&self) -> bool {
+        if self.idle_spin.is_zero() {
+            return false;
+        }
+        self.spinning.fetch_add(1, SeqCst);
+        let t0 = Instant::now();
+        let mut found = false;
+        let mut i = 0u32;
+        while !self.shutdown.load(Acquire) {
+            if self.jobs_waiting() {
+                found = true;
+                break;
+            }
+            i = i.wrapping_add(1);
+            if i % 64 == 0 && t0.elapsed() >= self.idle_spin {
+                break;
+            }
+            std::hint::spin_loop();
+        }
+        self.spinning.fetch_sub(1, SeqCst);
+        std::sync::atomic::fence(SeqCst);
+        found || self.jobs_waiting()
+    }
+
     /// Whether a job is queued.
     fn jobs_waiting(&self) -> bool {
         let q = &self.queues;
@@ -955,7 +1002,7 @@ impl Shared {
                     .router
                     .next_probe(Instant::now())
                     .map_or(idle, |d| d.min(idle));
-                if !wait.is_zero() {
+                if !wait.is_zero() && !self.idle_spin() {
                     self.wait_job(wait);
                 }
                 continue;

@@ -77,7 +77,7 @@ mod jobs;
 
 #[allow(clippy::wildcard_imports)]
 use config::*;
-pub use config::{default_io_threads, redact, RemoteConfig};
+pub use config::{default_idle_spin, default_io_threads, redact, RemoteConfig};
 #[allow(clippy::wildcard_imports)]
 use jobs::*;
 
@@ -257,6 +257,8 @@ impl RemoteTier {
             shutdown: AtomicBool::new(false),
             writes_running: std::sync::atomic::AtomicUsize::new(0),
             large_write_batch: large_write_batch(),
+            idle_spin: cfg.idle_spin,
+            spinning: std::sync::atomic::AtomicUsize::new(0),
             last_error: Mutex::new(None),
             cfg,
             memory,
@@ -498,7 +500,7 @@ impl SecondaryTier for RemoteTier {
                     .0
                     .send(Job::Fetch(rest.by_ref().take(per_job).collect()));
             }
-            sh.ring();
+            sh.ring_from_caller();
         }
         n
     }
@@ -577,7 +579,7 @@ impl SecondaryTier for RemoteTier {
             let _ = sh.queues.writes.0.send(w);
         }
         if ring {
-            sh.ring();
+            sh.ring_from_caller();
         }
         out
     }
@@ -643,7 +645,7 @@ impl SecondaryTier for RemoteTier {
             let _ = sh.queues.reads.0.send(j);
         }
         if ring {
-            sh.ring();
+            sh.ring_from_caller();
         }
         out
     }
