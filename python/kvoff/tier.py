@@ -171,7 +171,9 @@ class TieredOffloadingManager:
         remote_ttl_s: time to live of each value (``None``: none).
         remote_connect_timeout_s, remote_timeout_s: timeouts of each connection attempt and of
             each read/write on a connection.
-        remote_io_threads (one connection each; ``None``: 4), remote_max_queued_writes,
+        remote_io_threads (one connection each; ``None``: 4), remote_idle_spin_s (how long an
+            I/O thread that ran out of jobs looks for more before it sleeps, 0 to 0.01 s;
+            ``None``: 50 µs on a machine with 8 or more CPUs, 0 below), remote_max_queued_writes,
         remote_max_inflight_bytes, remote_negative_ttl_s (how long a miss is remembered),
         remote_max_fetch_keys (keys per batched fetch): see ``kvoff::tier::remote::RemoteConfig``.
         remote_tls_ca_file: PEM file of the certificate authority that signed the servers'
@@ -230,6 +232,7 @@ class TieredOffloadingManager:
         remote_max_fetch_keys: int = 64,
         remote_password_env: str = "KVOFF_REMOTE_PASSWORD",
         remote_tls_ca_file: str | os.PathLike[str] | None = None,
+        remote_idle_spin_s: float | None = None,
     ) -> None:
         for name, v in (("num_blocks", num_blocks), ("block_bytes", block_bytes), ("rank", rank)):
             if v is not None and (isinstance(v, bool) or not isinstance(v, int)):
@@ -312,6 +315,7 @@ class TieredOffloadingManager:
             remote_max_fetch_keys=remote_max_fetch_keys,
             remote_password_env=remote_password_env,
             remote_tls_ca_file=remote_tls_ca_file,
+            remote_idle_spin_s=remote_idle_spin_s,
         )
 
     # --- docs/spec.md §2 protocol -------------------------------------------------------------------------

@@ -223,6 +223,7 @@ class KvoffOffloadingSpec(OffloadingSpec):
                 remote_connect_timeout_s=c.remote_connect_timeout_s,
                 remote_negative_ttl_s=c.remote_negative_ttl_s,
                 remote_tls_ca_file=c.remote_tls_ca_file,
+                remote_idle_spin_s=c.remote_idle_spin_s,
             )
         except BaseException:
             region.close()
