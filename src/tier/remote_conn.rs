@@ -267,8 +267,8 @@ impl Plain {
     }
 
     /// Reads more bytes into the buffer (moving what is unparsed to its front, growing it up to
-    /// `MAX_SMALL_REPLY` when one reply needs more), at most [`HEAD_READ`] bytes while the
-    /// buffer holds nothing or a bulk string's header may come next (`head`).
+    /// `MAX_SMALL_REPLY` when one reply needs more), at most [`HEAD_READ`] bytes where a bulk
+    /// string's header may come next (`head`).
     fn fill_at(&mut self, head: bool) -> Result<(), String> {
         if self.end == self.buf.len() {
             if self.start > 0 {
@@ -282,7 +282,7 @@ impl Plain {
                 return Err(format!("a reply over {MAX_SMALL_REPLY} bytes"));
             }
         }
-        let stop = if head || self.start == self.end {
+        let stop = if head {
             (self.end + HEAD_READ).min(self.buf.len())
         } else {
             self.buf.len()
@@ -314,7 +314,8 @@ impl Plain {
                 }
                 return Ok(v);
             }
-            let head = avail.first() == Some(&b'$');
+            // Nothing read yet, or a bulk string's header: it may be a value's.
+            let head = avail.first().is_none_or(|&b| b == b'$');
             self.fill_at(head)?;
         }
     }
