@@ -123,20 +123,24 @@ impl Inner {
         }
     }
 
-    /// Asks the tier about the keys its index does not know (remote tier); returns how many are
-    /// still unknown.
+    /// Asks the tier about the keys its index does not know (remote tier); returns how many it
+    /// has not answered yet (those just asked and those whose fetch was already in flight).
     pub(super) fn fetch_unknown(&mut self, keys: &[ByteKey]) -> usize {
         self.pump();
         let t = self.tier.sec();
-        let unknown: Vec<ByteKey> = keys
-            .iter()
-            .filter(|k| t.index(k) == Known::Unknown)
-            .cloned()
-            .collect();
+        let mut unknown = Vec::new();
+        let mut in_flight = 0;
+        for k in keys {
+            match t.index(k) {
+                Known::Unknown => unknown.push(k.clone()),
+                Known::Pending => in_flight += 1,
+                Known::Present | Known::Absent => {}
+            }
+        }
         if !unknown.is_empty() {
             t.submit_fetch(&unknown);
         }
-        unknown.len()
+        unknown.len() + in_flight
     }
 
     pub(super) fn check(&self) -> crate::Result<()> {
