@@ -114,6 +114,9 @@ pub(super) struct Plain {
     end: usize,
     /// Most bytes of a top-level bulk string reply kept (see [`Conn::open`]).
     max_bulk: usize,
+    /// Reads made, and the bytes they put into the read buffer (tests: how a reply was read).
+    #[cfg(test)]
+    stats: (usize, usize),
 }
 
 fn io_err(e: &std::io::Error) -> String {
@@ -232,6 +235,8 @@ impl Plain {
             start: 0,
             end: 0,
             max_bulk,
+            #[cfg(test)]
+            stats: (0, 0),
         };
         let settings = info.redis_settings();
         if let Some(pw) = settings.password() {
@@ -290,6 +295,11 @@ impl Plain {
         match self.sock.read(&mut self.buf[self.end..stop]) {
             Ok(0) => Err("connection closed by the server".to_owned()),
             Ok(n) => {
+                #[cfg(test)]
+                {
+                    self.stats.0 += 1;
+                    self.stats.1 += n;
+                }
                 self.end += n;
                 Ok(())
             }
@@ -446,6 +456,11 @@ impl Plain {
                 Ok(0) => return Err("connection closed by the server".to_owned()),
                 Ok(n) => {
                     let body = n.min(dst.len() - got);
+                    #[cfg(test)]
+                    {
+                        self.stats.0 += 1;
+                        self.stats.1 += n - body;
+                    }
                     got += body;
                     (self.start, self.end) = (0, n - body);
                 }
@@ -726,6 +741,47 @@ mod tests {
             drop(c);
             server.join().unwrap();
         }
+    }
+
+    /// How values are read: a value's body goes from the socket into its own buffer (only headers
+    /// and CRLFs pass through the read buffer), and a value over the cap is read past in reads of
+    /// the whole read buffer, not of a header's size.
+    #[test]
+    fn bodies_bypass_the_read_buffer_and_skips_take_big_reads() {
+        let mut data = Vec::new();
+        for i in 0..4u8 {
+            data.extend_from_slice(b"$1000000\r\n");
+            data.extend(std::iter::repeat_n(i, 1_000_000));
+            data.extend_from_slice(b"\r\n");
+        }
+        data.extend_from_slice(b"$16777216\r\n");
+        data.extend(std::iter::repeat_n(9u8, 16 << 20));
+        data.extend_from_slice(b"\r\n+PONG\r\n");
+        let (mut c, server) = serve_max(data, false, 1 << 20);
+        let stats = |c: &Conn| match c {
+            Conn::Plain(p) => p.stats,
+            Conn::Crate(_) => unreachable!("a redis:// connection is kvoff's own"),
+        };
+        for i in 0..4u8 {
+            assert_eq!(
+                c.recv(None).unwrap(),
+                redis::Value::BulkString(vec![i; 1_000_000])
+            );
+        }
+        let (reads, buffered) = stats(&c);
+        assert!(
+            buffered < 4096,
+            "{buffered} bytes of 4 values of 1 MB went through the read buffer"
+        );
+        assert_eq!(c.recv(None).unwrap(), redis::Value::BulkString(Vec::new()));
+        assert_eq!(
+            c.recv(None).unwrap(),
+            redis::Value::SimpleString("PONG".into())
+        );
+        let skip_reads = stats(&c).0 - reads;
+        assert!(skip_reads < 2048, "{skip_reads} reads to read past 16 MiB");
+        drop(c);
+        server.join().unwrap();
     }
 
     /// An array reply longer than asked is an error, not a value.
