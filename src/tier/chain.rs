@@ -359,13 +359,12 @@ impl<M: OffloadingManager<ByteKey>> ChainManager<M> {
         let confirmed = keys
             .get(first)
             .is_some_and(|k| self.promoting.contains_key(k));
-        for (idx, k) in keys.iter().enumerate().take(end).skip(i) {
+        'keys: for (idx, k) in keys.iter().enumerate().take(end).skip(i) {
             if self.host.lookup(k)? != Presence::Absent || self.promoting.contains_key(k) {
                 continue; // ready, pending or being promoted
             }
             let mut holder = None;
             let mut unknown = None;
-            let mut in_flight = false;
             for t in 0..self.slots.len() {
                 match self.slots[t].tier.index(k) {
                     Known::Present => {
@@ -376,15 +375,10 @@ impl<M: OffloadingManager<ByteKey>> ChainManager<M> {
                         unknown = Some(t);
                         break;
                     }
-                    Known::Pending => {
-                        in_flight = true;
-                        break;
-                    }
+                    // A fetch of it is on its way: the lookups after it promote it.
+                    Known::Pending => continue 'keys,
                     Known::Absent => {}
                 }
-            }
-            if in_flight {
-                continue; // a fetch of it is on its way: the lookups after it promote it
             }
             let direct = match (holder, unknown) {
                 (None, Some(t)) if self.slots[t].tier.may_read_unknown(k) => {

@@ -340,9 +340,6 @@ pub(super) struct Shared {
     pub(super) writes_running: std::sync::atomic::AtomicUsize,
     /// Fewest values of a write pipeline of large values (see `large_write_batch`).
     pub(super) large_write_batch: usize,
-    /// How long an I/O thread with nothing to do keeps looking at the queues before it waits on
-    /// the bell (see `Shared::idle_spin`); zero: it waits at once.
-    pub(super) idle_spin: Duration,
     /// I/O threads looking at the queues in `Shared::idle_spin` now.
     pub(super) spinning: std::sync::atomic::AtomicUsize,
 }
@@ -933,12 +930,13 @@ impl Shared {
         }
     }
 
-    /// An I/O thread with nothing to do looks at the queues for up to `idle_spin` before it
+    /// An I/O thread with nothing to do looks at the queues for up to `cfg.idle_spin` before it
     /// waits on the bell (docs/tier.md, remote tier, "Threads and bounds"): a job queued
     /// meanwhile is taken with no wake-up. Returns whether a job
     /// is waiting.
     fn idle_spin(&self) -> bool {
-        if self.idle_spin.is_zero() {
+        let spin = self.cfg.idle_spin;
+        if spin.is_zero() {
             return false;
         }
         self.spinning.fetch_add(1, SeqCst);
@@ -951,7 +949,7 @@ impl Shared {
                 break;
             }
             i = i.wrapping_add(1);
-            if i % 64 == 0 && t0.elapsed() >= self.idle_spin {
+            if i % 64 == 0 && t0.elapsed() >= spin {
                 break;
             }
             std::hint::spin_loop();

@@ -257,7 +257,6 @@ impl RemoteTier {
             shutdown: AtomicBool::new(false),
             writes_running: std::sync::atomic::AtomicUsize::new(0),
             large_write_batch: large_write_batch(),
-            idle_spin: cfg.idle_spin,
             spinning: std::sync::atomic::AtomicUsize::new(0),
             last_error: Mutex::new(None),
             cfg,
