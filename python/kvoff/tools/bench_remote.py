@@ -654,11 +654,19 @@ def _tier_rows(
     get_gbs: list[float] = []
     lookups_load: list[float] = []
     verified = True
-    # One namespace for every repetition: from the second on, stores overwrite the values of the
-    # first, as the references' repetitions do (redis-py writes the same keys each time,
-    # redis-benchmark one key), so the server's allocator works alike for all of them.
+    # One namespace for every repetition, its keys written once before them, untimed, as
+    # redis-benchmark's keyspace is before its grid: every timed store replaces values the server
+    # holds, as every redis-benchmark SET does, so the server's allocator works alike for both (a
+    # first write of fresh keys cost the server 2-3 times its CPU per value on the H100 host:
+    # BENCHMARKS.md "Remote tier").
     ns = f"bench-{os.getpid()}-{value_bytes}-{time.time_ns()}"
     keys = [key(ns, i) for i in range(n)]
+    w, rw = engine(ns)
+    try:
+        _store_remote(w, rw, keys, block, base)
+    finally:
+        w.shutdown()
+        rw.close()
     for _rep in range(reps):
         if before_rep is not None:
             before_rep()

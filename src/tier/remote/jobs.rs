@@ -133,6 +133,9 @@ impl Sched {
                 self.fetch_reserved = self
                     .fetch_reserved
                     .saturating_sub(keys.len() as u64 * sh.fetch_unit());
+                // Counted here and added once per job: the counters' cache lines are written by
+                // the I/O threads too, and an atomic add per key would fetch one each time.
+                let (mut hits, mut misses, mut rejected, mut errors) = (0u64, 0u64, 0u64, 0u64);
                 for (k, c) in keys.into_iter().zip(results) {
                     // One probe of the index per key (a lookup's cost is mostly these probes).
                     let Some(slot) = self.index.get_mut(&k) else {
@@ -141,16 +144,15 @@ impl Sched {
                     if !matches!(slot, Entry::Fetching) {
                         continue; // written meanwhile
                     }
-                    let counter = match &c {
-                        Checked::Ok(_) => &sh.counters.fetch_hits,
-                        Checked::Missing => &sh.counters.fetch_misses,
+                    match &c {
+                        Checked::Ok(_) => hits += 1,
+                        Checked::Missing => misses += 1,
                         Checked::Rejected => {
-                            sh.counters.rejected.fetch_add(1, Relaxed);
-                            &sh.counters.fetch_misses
+                            rejected += 1;
+                            misses += 1;
                         }
-                        Checked::Failed => &sh.counters.fetch_errors,
-                    };
-                    counter.fetch_add(1, Relaxed);
+                        Checked::Failed => errors += 1,
+                    }
                     let e = match c {
                         Checked::Ok(v) => {
                             let keep = !v.is_empty()
@@ -169,6 +171,17 @@ impl Sched {
                         Checked::Missing | Checked::Rejected | Checked::Failed => absent.clone(),
                     };
                     *slot = e;
+                }
+                let c = &sh.counters;
+                for (counter, n) in [
+                    (&c.fetch_hits, hits),
+                    (&c.fetch_misses, misses),
+                    (&c.rejected, rejected),
+                    (&c.fetch_errors, errors),
+                ] {
+                    if n > 0 {
+                        counter.fetch_add(n, Relaxed);
+                    }
                 }
             }
             Done::Read { items, ok } => {
@@ -805,14 +818,16 @@ impl Shared {
         *lock(&self.last_error) = Some(e);
     }
 
-    /// Keys of one fetch job: values (or headers alone) of at most `FETCH_JOB_BYTES`, at least one.
+    /// Keys of one fetch job: values (or headers alone) of at most `FETCH_JOB_BYTES`, at least one
+    /// and at most `MAX_FETCH_JOB_KEYS`.
     pub(super) fn fetch_job_keys(&self) -> usize {
         let wire = if self.header_fetch() {
             VALUE_HEADER_BYTES
         } else {
             self.value_len
         };
-        (usize::try_from(FETCH_JOB_BYTES).unwrap_or(usize::MAX) / wire.max(1)).max(1)
+        (usize::try_from(FETCH_JOB_BYTES).unwrap_or(usize::MAX) / wire.max(1))
+            .clamp(1, MAX_FETCH_JOB_KEYS)
     }
 
     /// Values of one promotion job: at most `FETCH_JOB_BYTES`, at least one.
