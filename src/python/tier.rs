@@ -49,7 +49,8 @@ pub struct PyChainCore {
 }
 
 fn keys_of(keys: &Bound<'_, PyAny>) -> PyResult<Vec<ByteKey>> {
-    let mut v = Vec::new();
+    // Sized once (a scheduler's list of keys): growing it costs a lookup a few reallocations.
+    let mut v = Vec::with_capacity(keys.len().unwrap_or(0));
     for k in keys.try_iter()? {
         let k = k?;
         let b = k.cast::<PyBytes>().map_err(|_| {

@@ -483,8 +483,10 @@ impl<M: OffloadingManager<ByteKey>> ChainManager<M> {
             let mut known = self.slots[t].tier.index(first);
             if known == Known::Unknown {
                 // One batched fetch of the key and the following host-absent keys of the prefix.
-                let mut batch = vec![first.clone()];
-                for k in keys.iter().skip(1).take(self.cfg.max_fetch_keys.max(1) - 1) {
+                let most = self.cfg.max_fetch_keys.max(1);
+                let mut batch = Vec::with_capacity(keys.len().min(most));
+                batch.push(first.clone());
+                for k in keys.iter().skip(1).take(most - 1) {
                     if self.host.lookup(k)? != Presence::Absent {
                         break;
                     }

@@ -459,8 +459,9 @@ impl SecondaryTier for RemoteTier {
         // fetch never brings a value it cannot keep, and a readahead of many keys stops where
         // host memory would stop it), except a call's first key (below).
         let value = sh.fetch_unit();
-        let mut batch = Vec::new();
-        for k in keys.iter().take(sh.cfg.max_fetch_keys.max(1)) {
+        let most = sh.cfg.max_fetch_keys.max(1);
+        let mut batch = Vec::with_capacity(keys.len().min(most));
+        for k in keys.iter().take(most) {
             // One probe of the index per key (a lookup's cost is mostly these probes).
             let slot = st.index.entry(k.clone());
             let unknown = match &slot {
