@@ -32,7 +32,7 @@
 #![forbid(unsafe_code)]
 
 use std::collections::HashMap;
-use std::sync::atomic::{AtomicU64, Ordering::Relaxed};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering::Relaxed};
 use std::sync::{Mutex, MutexGuard, PoisonError};
 use std::time::{Duration, Instant};
 
@@ -186,8 +186,24 @@ pub(super) struct Router {
     /// state so that the scheduler's thread reads it without the lock the I/O threads take: 0
     /// while some watched node is up, else 1 + nanoseconds from `base` to the earliest end of a
     /// backoff (1 when a down node has no end yet).
-    down: AtomicU64,
+    down: CacheLine<AtomicU64>,
+    /// Whether any node is failed, published with `down`: while none is, [`Router::probe`]
+    /// returns without taking the lock (each I/O thread asks before each job).
+    any_failed: AtomicBool,
     base: Instant,
+}
+
+/// A value on cache lines of its own (128 bytes: the adjacent-line prefetcher pairs 64-byte
+/// lines), so that writes to its neighbours do not take the line from a reader of this value.
+#[repr(align(128))]
+#[derive(Default)]
+pub(super) struct CacheLine<T>(pub(super) T);
+
+impl<T> std::ops::Deref for CacheLine<T> {
+    type Target = T;
+    fn deref(&self) -> &T {
+        &self.0
+    }
 }
 
 fn lock(m: &Mutex<RouterState>) -> MutexGuard<'_, RouterState> {
@@ -248,7 +264,8 @@ impl Router {
             label,
             state: Mutex::new(st),
             reconnects: AtomicU64::new(0),
-            down: AtomicU64::new(0),
+            down: CacheLine(AtomicU64::new(0)),
+            any_failed: AtomicBool::new(false),
             base: Instant::now(),
         }
     }
@@ -275,6 +292,8 @@ impl Router {
             _ => 0,
         };
         self.down.store(v, Relaxed);
+        self.any_failed
+            .store(st.nodes.iter().any(|n| n.failed), Relaxed);
     }
 
     fn add_node(
@@ -386,6 +405,11 @@ impl Router {
     /// one probe runs at a time across all nodes and threads, so a partition of every node never
     /// ties up every I/O thread.
     pub(super) fn probe(&self, conns: &mut Conns) -> Option<String> {
+        // Every change of a node's state publishes this under the lock (`publish`); a failure
+        // published just after this load is probed at this thread's next look.
+        if !self.any_failed.load(Relaxed) {
+            return None;
+        }
         let now = Instant::now();
         let (id, info) = {
             let mut st = lock(&self.state);
