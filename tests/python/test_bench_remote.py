@@ -91,7 +91,7 @@ def test_kvoff_rows_contract(redis_server: rs.RedisServer) -> None:
         assert key in k, key
     assert k["verified"] is True and k["set_gb_s"] > 0 and k["get_gb_s"] > 0
     # Each scheduler-thread figure comes with its reference from the same loop.
-    for case in ("up", "down"):
+    for case in ("up", "up_paced", "down"):
         assert k[f"lookup_ref_p99_us_{case}"] > 0 and k[f"lookup_p99_us_{case}"] > 0
 
 

@@ -431,8 +431,10 @@ def kvoff_rows(
     ``{"set_gb_s", "get_gb_s"`` (store: host blocks to values; load: values promoted into host
     blocks, median of ``reps``), ``"promote_p50_us", "promote_p99_us"`` (lookup to promoted),
     ``"lookup_p99_us_up", "lookup_p99_us_slow", "lookup_p99_us_down"`` (the scheduler thread's
-    ``lookup_prefix`` of 16 keys while the server answers, is stopped via ``control`` — ``None``
-    where ``control`` is ``None`` — and is gone; ``"lookup_ref_p99_us_*"`` the reference of each:
+    ``lookup_prefix`` of 16 keys, as fast as Python calls it, while the server answers, is stopped
+    via ``control`` — ``None`` where ``control`` is ``None`` — and is gone),
+    ``"lookup_p99_us_up_paced"`` (the same with the server up, calls ``STEP_S`` apart as a
+    scheduler's steps are), ``"lookup_ref_p99_us_*"`` the reference of each:
     a call over 16 keys ready in host memory, in the same loop), ``"lookup_p99_us_load"`` (a request's
     ``lookup_prefix`` while the load phase promotes), ``"verified"`` (every promoted block
     byte-equal to what was stored)}.
@@ -553,12 +555,21 @@ def _promote_times(c: Any, keys: list[bytes]) -> list[float]:
     return promote_us
 
 
-def _lookup_p99(engine: Any, key: Any, url_: str, control: ServerControl | None) -> tuple[float, float]:
-    """p99 µs of ``lookup_prefix`` calls over unknown keys at ``url_`` for 2 s, with the server
-    paused (SIGSTOP) meanwhile when ``control`` is given; and, as the reference measured in the
-    same loop (each call followed by one), p99 µs of the same engine's ``lookup_prefix`` of 16
+def _lookup_p99(
+    engine: Any,
+    key: Any,
+    url_: str,
+    control: ServerControl | None,
+    *,
+    secs: float = 2.0,
+    pace_s: float = 0.0,
+) -> tuple[float, float]:
+    """p99 µs of ``lookup_prefix`` calls over unknown keys at ``url_`` for ``secs``, with the
+    server paused (SIGSTOP) meanwhile when ``control`` is given; and, as the reference measured in
+    the same loop (each call followed by one), p99 µs of the same engine's ``lookup_prefix`` of 16
     keys ready in host memory (no tier work: what the machine, busy with the server and the I/O
-    threads, does to any call of that shape)."""
+    threads, does to any call of that shape). ``pace_s`` > 0: a pause of that long after each
+    pair, as between a scheduler's steps (0: as fast as Python calls)."""
     e, r = engine(
         f"probe-{time.time_ns()}",
         url_,
@@ -577,9 +588,11 @@ def _lookup_p99(engine: Any, key: Any, url_: str, control: ServerControl | None)
             raise RuntimeError("the reference's keys are not ready in host memory")
         if control is not None:
             control.pause()
-        t_end = time.perf_counter() + 2.0
+        t_end = time.perf_counter() + secs
         i = 0
         while time.perf_counter() < t_end:
+            if pace_s > 0:
+                time.sleep(pace_s)
             ks = [key("unknown", i + j) for j in range(16)]
             i += 16
             t = time.perf_counter()
@@ -692,6 +705,7 @@ def _tier_rows(
 
     dead = f"redis://127.0.0.1:{_free_port()}"
     up = _lookup_p99(engine, key, url, None)
+    paced = _lookup_p99(engine, key, url, None, secs=1.0, pace_s=STEP_S)
     slow = _lookup_p99(engine, key, url, control) if control is not None else None
     down = _lookup_p99(engine, key, dead, None)
     return {
@@ -701,9 +715,11 @@ def _tier_rows(
         "promote_p99_us": _p(promote_us, 0.99),
         "lookup_p99_us_load": _p(lookups_load, 0.99) * 1e6,
         "lookup_p99_us_up": up[0],
+        "lookup_p99_us_up_paced": paced[0],
         "lookup_p99_us_slow": None if slow is None else slow[0],
         "lookup_p99_us_down": down[0],
         "lookup_ref_p99_us_up": up[1],
+        "lookup_ref_p99_us_up_paced": paced[1],
         "lookup_ref_p99_us_slow": None if slow is None else slow[1],
         "lookup_ref_p99_us_down": down[1],
         "verified": verified,
@@ -941,6 +957,7 @@ def format_remote(res: dict[str, Any]) -> str:
             "promote_p99_us",
             "lookup_p99_us_load",
             "lookup_p99_us_up",
+            "lookup_p99_us_up_paced",
             "lookup_p99_us_slow",
             "lookup_p99_us_down",
         ):
