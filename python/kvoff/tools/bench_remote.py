@@ -433,8 +433,9 @@ def kvoff_rows(
     ``"lookup_p99_us_up", "lookup_p99_us_slow", "lookup_p99_us_down"`` (the scheduler thread's
     ``lookup_prefix`` of 16 keys, as fast as Python calls it, while the server answers, is stopped
     via ``control`` — ``None`` where ``control`` is ``None`` — and is gone),
-    ``"lookup_p99_us_up_paced"`` (the same with the server up, calls ``STEP_S`` apart as a
-    scheduler's steps are), ``"lookup_ref_p99_us_*"`` the reference of each:
+    ``"lookup_p99_us_up_paced"`` (the same with the server up, each call, the reference's too,
+    after a pause of ``STEP_S`` as a scheduler's steps are), ``"lookup_ref_p99_us_*"`` the
+    reference of each:
     a call over 16 keys ready in host memory, in the same loop), ``"lookup_p99_us_load"`` (a request's
     ``lookup_prefix`` while the load phase promotes), ``"verified"`` (every promoted block
     byte-equal to what was stored)}.
@@ -568,8 +569,9 @@ def _lookup_p99(
     server paused (SIGSTOP) meanwhile when ``control`` is given; and, as the reference measured in
     the same loop (each call followed by one), p99 µs of the same engine's ``lookup_prefix`` of 16
     keys ready in host memory (no tier work: what the machine, busy with the server and the I/O
-    threads, does to any call of that shape). ``pace_s`` > 0: a pause of that long after each
-    pair, as between a scheduler's steps (0: as fast as Python calls)."""
+    threads, does to any call of that shape). ``pace_s`` > 0: a pause of that long before each
+    call, the reference's too, as between a scheduler's steps (the first call after a pause finds
+    the CPU's caches cold, whatever it does); 0: the calls as fast as Python makes them."""
     e, r = engine(
         f"probe-{time.time_ns()}",
         url_,
@@ -591,17 +593,19 @@ def _lookup_p99(
         t_end = time.perf_counter() + secs
         i = 0
         while time.perf_counter() < t_end:
-            if pace_s > 0:
-                time.sleep(pace_s)
             ks = [key("unknown", i + j) for j in range(16)]
             i += 16
+            if pace_s > 0:
+                time.sleep(pace_s)
             t = time.perf_counter()
             e.lookup_prefix(ks)
             t1 = time.perf_counter()
-            e.lookup_prefix(ready)
-            t2 = time.perf_counter()
             times.append(t1 - t)
-            ref.append(t2 - t1)
+            if pace_s > 0:
+                time.sleep(pace_s)
+                t1 = time.perf_counter()
+            e.lookup_prefix(ready)
+            ref.append(time.perf_counter() - t1)
     finally:
         if control is not None:
             control.resume()
@@ -705,7 +709,7 @@ def _tier_rows(
 
     dead = f"redis://127.0.0.1:{_free_port()}"
     up = _lookup_p99(engine, key, url, None)
-    paced = _lookup_p99(engine, key, url, None, secs=1.0, pace_s=STEP_S)
+    paced = _lookup_p99(engine, key, url, None, secs=2.0, pace_s=STEP_S)
     slow = _lookup_p99(engine, key, url, control) if control is not None else None
     down = _lookup_p99(engine, key, dead, None)
     return {
