@@ -492,6 +492,49 @@ fn single_key_fetches_share_mgets() {
     a.shutdown();
 }
 
+/// Fetch jobs hold at most 32 keys however small the values (the scheduler's thread applies a
+/// job's results in one call): 100 single-key fetches of 1.6 KB values queued behind a paused
+/// server, which 256 KiB jobs alone would merge into one `MGET`, go as `MGET`s of up to 32 keys.
+#[test]
+fn fetch_jobs_hold_at_most_32_keys() {
+    let _g = serial();
+    if !have_redis() {
+        return;
+    }
+    let srv = Server::start("cap", &[]);
+    let n = 100;
+    let small = Layout {
+        page_sizes_bytes: vec![512],
+        ..layout("cap")
+    };
+    let mut cfg = quick(RemoteConfig::new(srv.url(), small));
+    cfg.io_threads = 1;
+    let tier = RemoteTier::open(cfg, Arc::new(VecMemory::new(4, 512))).unwrap();
+    assert!(
+        (256 << 10) / tier.value_len() > n,
+        "values of {} B",
+        tier.value_len()
+    );
+    // Connected first (a miss), so that the paused server holds the next command.
+    assert_eq!(tier.submit_fetch(&[key(1000)]), 1);
+    tier.flush();
+    let mgets = srv.calls("mget");
+    srv.cli(&["CLIENT", "PAUSE", "300", "ALL"]);
+    for i in 0..n {
+        assert_eq!(tier.submit_fetch(&[key(i)]), 1);
+    }
+    tier.flush();
+    let _ = tier.poll();
+    let c = tier.counters();
+    assert_eq!((c.fetch_misses, c.fetch_errors), (n as u64 + 1, 0), "{c:?}");
+    // The first key's job may have been taken alone before the others queued.
+    let mgets = (srv.calls("mget") - mgets) as usize;
+    assert!(
+        ((n - 1).div_ceil(32)..=(n - 1).div_ceil(32) + 1).contains(&mgets),
+        "{mgets} MGETs for {n} keys"
+    );
+}
+
 /// I/O threads that keep looking at the queues once they run out of jobs
 /// (`RemoteConfig::idle_spin`) take the jobs queued meanwhile — the scheduler's side then rings
 /// no bell, so nothing else would wake a thread for them — and stop at once at shutdown, however
