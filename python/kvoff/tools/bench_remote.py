@@ -435,8 +435,8 @@ def kvoff_rows(
     via ``control`` — ``None`` where ``control`` is ``None`` — and is gone),
     ``"lookup_p99_us_up_paced"`` (the same with the server up, each call, the reference's too,
     after a pause of ``STEP_S`` as a scheduler's steps are), ``"lookup_ref_p99_us_*"`` the
-    reference of each:
-    a call over 16 keys ready in host memory, in the same loop), ``"lookup_p99_us_load"`` (a request's
+    reference of each: a call over 16 keys ready in the host memory of an engine whose tier has no
+    work, in the same loop), ``"lookup_p99_us_load"`` (a request's
     ``lookup_prefix`` while the load phase promotes), ``"verified"`` (every promoted block
     byte-equal to what was stored)}.
 
@@ -558,6 +558,7 @@ def _promote_times(c: Any, keys: list[bytes]) -> list[float]:
 
 def _lookup_p99(
     engine: Any,
+    host_engine: Any,
     key: Any,
     url_: str,
     control: ServerControl | None,
@@ -567,26 +568,24 @@ def _lookup_p99(
 ) -> tuple[float, float]:
     """p99 µs of ``lookup_prefix`` calls over unknown keys at ``url_`` for ``secs``, with the
     server paused (SIGSTOP) meanwhile when ``control`` is given; and, as the reference measured in
-    the same loop (each call followed by one), p99 µs of the same engine's ``lookup_prefix`` of 16
-    keys ready in host memory (no tier work: what the machine, busy with the server and the I/O
-    threads, does to any call of that shape). ``pace_s`` > 0: a pause of that long before each
-    call, the reference's too, as between a scheduler's steps (the first call after a pause finds
-    the CPU's caches cold, whatever it does); 0: the calls as fast as Python makes them."""
-    e, r = engine(
-        f"probe-{time.time_ns()}",
-        url_,
-        remote_connect_timeout_s=0.5,
-        remote_timeout_s=0.5,
-        remote_store_threshold=1 << 30,  # the reference's blocks stay in host memory
-    )
+    the same loop (each call followed by one), p99 µs of ``lookup_prefix`` of 16 keys ready in the
+    host memory of another engine (``host_engine()``: its tier at a port where nothing listens, so
+    it has no fetch result to apply, where the first engine's call would apply the results of its
+    fetches that arrived meanwhile) — what the machine, busy with the server and the I/O threads,
+    does to any call of that shape.
+    ``pace_s`` > 0: a pause of that long before each call, the reference's too, as between a
+    scheduler's steps (the first call after a pause finds the CPU's caches cold, whatever it does);
+    0: the calls as fast as Python makes them."""
+    e, r = engine(f"probe-{time.time_ns()}", url_, remote_connect_timeout_s=0.5, remote_timeout_s=0.5)
+    h, hr = host_engine()
     times: list[float] = []
     ref: list[float] = []
     try:
         ready = [key("ready", j) for j in range(16)]
-        out = e.prepare_store(ready)
+        out = h.prepare_store(ready)
         assert out is not None
-        e.complete_store(out.keys_to_store)
-        if e.lookup_prefix(ready) != len(ready):
+        h.complete_store(out.keys_to_store)
+        if h.lookup_prefix(ready) != len(ready):
             raise RuntimeError("the reference's keys are not ready in host memory")
         if control is not None:
             control.pause()
@@ -599,18 +598,19 @@ def _lookup_p99(
                 time.sleep(pace_s)
             t = time.perf_counter()
             e.lookup_prefix(ks)
-            t1 = time.perf_counter()
-            times.append(t1 - t)
+            times.append(time.perf_counter() - t)
             if pace_s > 0:
                 time.sleep(pace_s)
-                t1 = time.perf_counter()
-            e.lookup_prefix(ready)
-            ref.append(time.perf_counter() - t1)
+            t = time.perf_counter()
+            h.lookup_prefix(ready)
+            ref.append(time.perf_counter() - t)
     finally:
         if control is not None:
             control.resume()
         e.shutdown()
+        h.shutdown()
         r.close()
+        hr.close()
     return _p(times, 0.99) * 1e6, _p(ref, 0.99) * 1e6
 
 
@@ -708,10 +708,22 @@ def _tier_rows(
         rc.close()
 
     dead = f"redis://127.0.0.1:{_free_port()}"
-    up = _lookup_p99(engine, key, url, None)
-    paced = _lookup_p99(engine, key, url, None, secs=2.0, pace_s=STEP_S)
-    slow = _lookup_p99(engine, key, url, control) if control is not None else None
-    down = _lookup_p99(engine, key, dead, None)
+
+    def host_engine() -> tuple[TieredOffloadingManager, kvoff.HostRegion]:
+        # The reference's engine: its tier at a port where nothing listens, so its calls take the
+        # same path with no fetch result ever to apply; its blocks stay in host memory.
+        return engine(
+            f"probe-ref-{time.time_ns()}",
+            dead,
+            remote_connect_timeout_s=0.5,
+            remote_timeout_s=0.5,
+            remote_store_threshold=1 << 30,
+        )
+
+    up = _lookup_p99(engine, host_engine, key, url, None)
+    paced = _lookup_p99(engine, host_engine, key, url, None, secs=2.0, pace_s=STEP_S)
+    slow = _lookup_p99(engine, host_engine, key, url, control) if control is not None else None
+    down = _lookup_p99(engine, host_engine, key, dead, None)
     return {
         "set_gb_s": statistics.median(set_gbs),
         "get_gb_s": statistics.median(get_gbs),
@@ -971,6 +983,6 @@ def format_remote(res: dict[str, Any]) -> str:
                     if key.startswith("lookup_p99")
                     else None
                 )
-                same = "" if ref is None else f"   (same loop, 16 keys in host memory: {ref:.1f})"
+                same = "" if ref is None else f"   (same loop, 16 keys in host memory, idle tier: {ref:.1f})"
                 lines.append(f"{'':>8} {key:<34} {k[key]:>10.1f}{same}")
     return "\n".join(lines)
