@@ -186,24 +186,11 @@ pub(super) struct Router {
     /// state so that the scheduler's thread reads it without the lock the I/O threads take: 0
     /// while some watched node is up, else 1 + nanoseconds from `base` to the earliest end of a
     /// backoff (1 when a down node has no end yet).
-    down: CacheLine<AtomicU64>,
+    down: AtomicU64,
     /// Whether any node is failed, published with `down`: while none is, [`Router::probe`]
     /// returns without taking the lock (each I/O thread asks before each job).
     any_failed: AtomicBool,
     base: Instant,
-}
-
-/// A value on cache lines of its own (128 bytes: the adjacent-line prefetcher pairs 64-byte
-/// lines), so that writes to its neighbours do not take the line from a reader of this value.
-#[repr(align(128))]
-#[derive(Default)]
-pub(super) struct CacheLine<T>(pub(super) T);
-
-impl<T> std::ops::Deref for CacheLine<T> {
-    type Target = T;
-    fn deref(&self) -> &T {
-        &self.0
-    }
 }
 
 fn lock(m: &Mutex<RouterState>) -> MutexGuard<'_, RouterState> {
@@ -264,7 +251,7 @@ impl Router {
             label,
             state: Mutex::new(st),
             reconnects: AtomicU64::new(0),
-            down: CacheLine(AtomicU64::new(0)),
+            down: AtomicU64::new(0),
             any_failed: AtomicBool::new(false),
             base: Instant::now(),
         }

@@ -7,7 +7,7 @@ use super::*;
 use crate::tier::remote_conn::{
     mset_head, pair_head, set_head, set_tail, BufPool, Conn, Head, Next, Plain,
 };
-use crate::tier::remote_route::{CacheLine, Pack, DIRECT_SEND_BYTES};
+use crate::tier::remote_route::{Pack, DIRECT_SEND_BYTES};
 use crossbeam_channel::{Receiver, Select, Sender};
 use std::sync::atomic::Ordering::SeqCst;
 
@@ -345,16 +345,16 @@ pub(super) struct Shared {
     pub(super) done: std::sync::mpsc::Sender<Done>,
     pub(super) shutdown: AtomicBool,
     pub(super) last_error: Mutex<Option<String>>,
-    pub(super) counters: CacheLine<Counters>,
+    pub(super) counters: Counters,
     pub(super) pid: u32,
     /// Buffers of values read, reused (see `BufPool`).
     pub(super) pool: Arc<BufPool>,
     /// Write jobs running (see [`MAX_LARGE_WRITE_JOBS`]).
-    pub(super) writes_running: CacheLine<std::sync::atomic::AtomicUsize>,
+    pub(super) writes_running: std::sync::atomic::AtomicUsize,
     /// Fewest values of a write pipeline of large values (see `large_write_batch`).
     pub(super) large_write_batch: usize,
     /// I/O threads looking at the queues in `Shared::idle_spin` now.
-    pub(super) spinning: CacheLine<std::sync::atomic::AtomicUsize>,
+    pub(super) spinning: std::sync::atomic::AtomicUsize,
 }
 
 pub(super) fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {

@@ -65,7 +65,7 @@ use xxhash_rust::xxh3::{xxh3_128, xxh3_64};
 
 use super::format;
 use super::remote_conn::BufPool;
-use super::remote_route::{CacheLine, Conns, Router, RouterConfig};
+use super::remote_route::{Conns, Router, RouterConfig};
 use super::secondary::{Known, SecondaryCounters, SecondaryTier};
 use super::{BlockMemory, Completion, Layout};
 use crate::error::{KvoffError, Result};
@@ -263,13 +263,13 @@ impl RemoteTier {
             },
             done: done_tx,
             shutdown: AtomicBool::new(false),
-            writes_running: CacheLine(std::sync::atomic::AtomicUsize::new(0)),
+            writes_running: std::sync::atomic::AtomicUsize::new(0),
             large_write_batch: large_write_batch(),
-            spinning: CacheLine(std::sync::atomic::AtomicUsize::new(0)),
+            spinning: std::sync::atomic::AtomicUsize::new(0),
             last_error: Mutex::new(None),
             cfg,
             memory,
-            counters: CacheLine(Counters::default()),
+            counters: Counters::default(),
             pid: crate::process::id(),
             pool: Arc::new(BufPool::new(POOL_BYTES.min(max_staged))),
         });
