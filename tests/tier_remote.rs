@@ -657,6 +657,19 @@ fn keys_one_at_a_time_fetch_once_per_prefix() {
     let hole = 5;
     let rk = c.tier_as::<RemoteTier>().unwrap().redis_key(&key(hole));
     assert_eq!(srv.cli(&["DEL", &rk]).trim(), "1");
+    // The first scan fetches the first key. Once its answer is in, the server is paused while
+    // the next scan looks at every key, so no read ends during that scan (the hole's miss
+    // included): each key's predecessor is being read when the key is looked up, and the keys
+    // after the hole are read too, as readahead reads them.
+    assert_eq!(scan(&mut c, &ks), None);
+    c.flush();
+    srv.cli(&["CLIENT", "PAUSE", "300", "ALL"]);
+    assert_eq!(scan(&mut c, &ks), None);
+    // (The first key's fetched value may already be in its host block: no network.)
+    assert!(
+        c.num_promoting() >= n - 1,
+        "the keys after the first are being read"
+    );
     assert_eq!(settle_scan(&mut c, &ks), hole);
     check_loaded(&mut c, &mem_c, &idx[..hole]);
     c.flush();
@@ -667,8 +680,7 @@ fn keys_one_at_a_time_fetch_once_per_prefix() {
         "{s:?}"
     );
     assert!(s.chain.misses >= 1, "{s:?}");
-    // (The keys after it were read too, as readahead reads them: each one's predecessor was
-    // being read when it was looked up.)
+    // (The keys after it were read too: see the paused scan above.)
     let host = c.get_stats().unwrap().0;
     assert_eq!(host.num_present, n - 1, "{host:?}");
     for m in [&mut a, &mut b, &mut c] {
