@@ -251,7 +251,7 @@ impl PyBlockStore {
             rc.password_env = remote_password_env;
             rc.tls_ca_file = remote_tls_ca_file;
             rc.owner = owner;
-            Backend::Remote(blocking(py, move || RemoteTier::open(rc, mem))?)
+            Backend::Remote(Box::new(blocking(py, move || RemoteTier::open(rc, mem))?))
         } else {
             let mut tc = TierConfig::new(path.unwrap_or_default(), capacity_bytes, layout);
             tc.io_threads = io_threads;

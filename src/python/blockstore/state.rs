@@ -27,21 +27,21 @@ use crate::KvoffError;
 /// extras through [`Backend::file`].
 pub(super) enum Backend {
     File(FileTier),
-    Remote(RemoteTier),
+    Remote(Box<RemoteTier>),
 }
 
 impl Backend {
     pub(super) fn sec(&self) -> &dyn SecondaryTier {
         match self {
             Self::File(t) => t,
-            Self::Remote(t) => t,
+            Self::Remote(t) => &**t,
         }
     }
 
     pub(super) fn sec_mut(&mut self) -> &mut dyn SecondaryTier {
         match self {
             Self::File(t) => t,
-            Self::Remote(t) => t,
+            Self::Remote(t) => &mut **t,
         }
     }
 

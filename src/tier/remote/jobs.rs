@@ -11,21 +11,6 @@ use crate::tier::remote_route::{Pack, DIRECT_SEND_BYTES};
 use crossbeam_channel::{Receiver, Select, Sender};
 use std::sync::atomic::Ordering::SeqCst;
 
-#[derive(Clone, Debug)]
-pub(super) enum Entry {
-    /// A fetch is asking the server.
-    Fetching,
-    /// Being written by this instance.
-    Writing,
-    /// Found or written; `value` holds a fetched, checked value until it is read.
-    Present {
-        value: Option<Arc<Vec<u8>>>,
-        until: Instant,
-    },
-    /// Not found (remembered until `until`).
-    Absent { until: Instant },
-}
-
 /// A promotion: the key, its reserved host block, and its staged value if one was fetched.
 pub(super) struct ReadItem {
     pub(super) key: ByteKey,
@@ -53,6 +38,9 @@ pub(super) enum Job {
 pub(super) enum Done {
     Fetch {
         keys: Vec<ByteKey>,
+        /// The keys' [`Index::hash`]es, computed by the I/O thread (its cache holds the keys;
+        /// the scheduler's thread reads 8 bytes a key instead of 48).
+        hashes: Vec<u64>,
         results: Vec<Checked>,
     },
     Read {
@@ -89,7 +77,7 @@ pub(super) enum Wrote {
 /// jobs. Only the scheduler's calls lock it (never an I/O thread), so the lock is never contended
 /// by the I/O threads.
 pub(super) struct Sched {
-    pub(super) index: HashMap<ByteKey, Entry, foldhash::fast::RandomState>,
+    pub(super) index: Index,
     /// Size of the index at which the next submission prunes it (see `RemoteTier::expire`).
     pub(super) prune_at: usize,
     /// Writes queued or running.
@@ -102,7 +90,6 @@ pub(super) struct Sched {
     /// Bytes of values that queued or running fetches may stage (reserved at `submit_fetch`, so
     /// that readahead never fetches a value it has no room to keep).
     pub(super) fetch_reserved: u64,
-    pub(super) staged_bytes: u64,
     pub(super) completions: Vec<Completion>,
     pub(super) done: std::sync::mpsc::Receiver<Done>,
 }
@@ -123,12 +110,20 @@ impl Sched {
     }
 
     fn apply_one(&mut self, sh: &Shared, d: Done) {
-        let now = Instant::now();
+        let now = self.index.tick(Instant::now());
         let absent = Entry::Absent {
-            until: now + sh.cfg.negative_ttl,
+            until: Index::after(now, sh.cfg.negative_ttl),
+        };
+        let present = Entry::Present {
+            until: Index::after(now, sh.cfg.present_ttl),
+            staged: false,
         };
         match d {
-            Done::Fetch { keys, results } => {
+            Done::Fetch {
+                keys,
+                hashes,
+                results,
+            } => {
                 self.fetches_out = self.fetches_out.saturating_sub(keys.len() as u64);
                 self.fetch_reserved = self
                     .fetch_reserved
@@ -136,13 +131,12 @@ impl Sched {
                 // Counted here and added once per job: the counters' cache lines are written by
                 // the I/O threads too, and an atomic add per key would fetch one each time.
                 let (mut hits, mut misses, mut rejected, mut errors) = (0u64, 0u64, 0u64, 0u64);
-                for (k, c) in keys.into_iter().zip(results) {
-                    // One probe of the index per key (a lookup's cost is mostly these probes).
-                    let Some(slot) = self.index.get_mut(&k) else {
-                        continue; // forgotten meanwhile
-                    };
-                    if !matches!(slot, Entry::Fetching) {
-                        continue; // written meanwhile
+                self.index.touch(&hashes);
+                for (&h, c) in hashes.iter().zip(results) {
+                    // One probe of the index per key (a lookup's cost is mostly these probes;
+                    // `touch` brought their lines in, and the `set` below finds the same slot).
+                    if self.index.get(h) != Some(Entry::Fetching) {
+                        continue; // forgotten or written meanwhile
                     }
                     match &c {
                         Checked::Ok(_) => hits += 1,
@@ -153,24 +147,24 @@ impl Sched {
                         }
                         Checked::Failed => errors += 1,
                     }
-                    let e = match c {
-                        Checked::Ok(v) => {
-                            let keep = !v.is_empty()
-                                && self.staged_bytes + v.len() as u64 <= sh.cfg.max_staged_bytes;
-                            let value = keep.then(|| {
-                                self.staged_bytes += v.len() as u64;
-                                Arc::new(v)
-                            });
-                            Entry::Present {
-                                value,
-                                until: now + sh.cfg.present_ttl,
-                            }
+                    match c {
+                        Checked::Ok(v)
+                            if !v.is_empty()
+                                && self.index.staged_bytes() + v.len() as u64
+                                    <= sh.cfg.max_staged_bytes =>
+                        {
+                            self.index
+                                .stage(h, Index::after(now, sh.cfg.present_ttl), v);
+                        }
+                        Checked::Ok(_) => {
+                            self.index.set(h, present);
                         }
                         // Unanswered (its node down, failing or redirected away) too: remembered
                         // as absent for a while (no refetch storm).
-                        Checked::Missing | Checked::Rejected | Checked::Failed => absent.clone(),
-                    };
-                    *slot = e;
+                        Checked::Missing | Checked::Rejected | Checked::Failed => {
+                            self.index.set(h, absent);
+                        }
+                    }
                 }
                 let c = &sh.counters;
                 for (counter, n) in [
@@ -187,20 +181,12 @@ impl Sched {
             Done::Read { items, ok } => {
                 self.reads_out = self.reads_out.saturating_sub(items.len() as u64);
                 for (ReadItem { key, block, .. }, ok) in items.into_iter().zip(ok) {
+                    let h = Index::hash(&key);
                     if !ok {
-                        self.forget_failed(&key, &absent);
-                    } else if !matches!(
-                        self.index.get(&key),
-                        Some(Entry::Writing | Entry::Fetching)
-                    ) {
+                        self.forget_failed(h, absent);
+                    } else if !matches!(self.index.get(h), Some(Entry::Writing | Entry::Fetching)) {
                         // The server holds it (a read of a key the index did not know learns it).
-                        self.index.insert(
-                            key.clone(),
-                            Entry::Present {
-                                value: None,
-                                until: now + sh.cfg.present_ttl,
-                            },
-                        );
+                        self.index.set(h, present);
                     }
                     self.completions
                         .push(Completion::Promoted { key, block, ok });
@@ -209,18 +195,13 @@ impl Sched {
             Done::Write { items, wrote } => {
                 self.end_writes(sh, items.len());
                 for ((key, block), w) in items.into_iter().zip(wrote) {
-                    if matches!(self.index.get(&key), Some(Entry::Writing)) {
+                    let h = Index::hash(&key);
+                    if self.index.get(h) == Some(Entry::Writing) {
                         if w == Wrote::Stored {
-                            self.index.insert(
-                                key.clone(),
-                                Entry::Present {
-                                    value: None,
-                                    until: now + sh.cfg.present_ttl,
-                                },
-                            );
+                            self.index.set(h, present);
                         } else {
                             // Not on the server because of this write.
-                            self.index.remove(&key);
+                            self.index.remove(h);
                         }
                     }
                     self.completions.push(Completion::Released { key, block });
@@ -233,9 +214,10 @@ impl Sched {
                         .fetch_reserved
                         .saturating_sub(keys.len() as u64 * sh.fetch_unit());
                     for k in keys {
-                        if matches!(self.index.get(&k), Some(Entry::Fetching)) {
+                        let h = Index::hash(&k);
+                        if self.index.get(h) == Some(Entry::Fetching) {
                             sh.counters.fetch_errors.fetch_add(1, Relaxed);
-                            self.index.insert(k, absent.clone());
+                            self.index.set(h, absent);
                         }
                     }
                 }
@@ -243,7 +225,7 @@ impl Sched {
                     self.reads_out = self.reads_out.saturating_sub(items.len() as u64);
                     for ReadItem { key, block, .. } in items {
                         sh.counters.read_errors.fetch_add(1, Relaxed);
-                        self.forget_failed(&key, &absent);
+                        self.forget_failed(Index::hash(&key), absent);
                         self.completions.push(Completion::Promoted {
                             key,
                             block,
@@ -257,8 +239,9 @@ impl Sched {
                         .write_errors
                         .fetch_add(items.len() as u64, Relaxed);
                     for (key, block) in items {
-                        if matches!(self.index.get(&key), Some(Entry::Writing)) {
-                            self.index.remove(&key);
+                        let h = Index::hash(&key);
+                        if self.index.get(h) == Some(Entry::Writing) {
+                            self.index.remove(h);
                         }
                         self.completions.push(Completion::Released { key, block });
                     }
@@ -270,16 +253,9 @@ impl Sched {
     /// After a failed promotion of `key`: remembered as absent, unless it is being written or
     /// fetched again meanwhile (that job's result decides); a value staged again meanwhile is
     /// given up with its bytes.
-    fn forget_failed(&mut self, key: &ByteKey, absent: &Entry) {
-        match self.index.get(key) {
-            Some(Entry::Writing | Entry::Fetching) => {}
-            Some(Entry::Present { value: Some(v), .. }) => {
-                self.staged_bytes -= v.len() as u64;
-                self.index.insert(key.clone(), absent.clone());
-            }
-            _ => {
-                self.index.insert(key.clone(), absent.clone());
-            }
+    fn forget_failed(&mut self, h: u64, absent: Entry) {
+        if !matches!(self.index.get(h), Some(Entry::Writing | Entry::Fetching)) {
+            self.index.set(h, absent);
         }
     }
 
@@ -636,13 +612,21 @@ impl Shared {
             let mut rejected = false;
             let mut missing = false;
             let ok = if let Some(v) = staged {
-                let ok = self
-                    .memory
-                    .copy_in(
-                        *block,
-                        &v[VALUE_HEADER_BYTES..VALUE_HEADER_BYTES + self.payload_len],
-                    )
-                    .is_ok();
+                // Checked when it was fetched, for the key it was fetched for: the index knows
+                // keys by a 64-bit hash (`index` module), so its header must name this key too.
+                let ok = format::verify_header_sized(
+                    &v[..VALUE_HEADER_BYTES],
+                    &self.expect_header(key),
+                    VALUE_HEADER_BYTES,
+                )
+                .is_ok()
+                    && self
+                        .memory
+                        .copy_in(
+                            *block,
+                            &v[VALUE_HEADER_BYTES..VALUE_HEADER_BYTES + self.payload_len],
+                        )
+                        .is_ok();
                 if let Ok(v) = Arc::try_unwrap(v) {
                     self.pool.give(v);
                 }
@@ -1037,7 +1021,11 @@ impl Shared {
                 self.writes_running.fetch_sub(1, AcqRel);
             }
             let done = match (r, job) {
-                (Ok(Ran::Fetch(results)), Job::Fetch(keys)) => Done::Fetch { keys, results },
+                (Ok(Ran::Fetch(results)), Job::Fetch(keys)) => Done::Fetch {
+                    hashes: keys.iter().map(Index::hash).collect(),
+                    keys,
+                    results,
+                },
                 (Ok(Ran::Read(ok)), Job::Read(items)) => Done::Read { items, ok },
                 (Ok(Ran::Write(wrote)), Job::Write(items)) => Done::Write { items, wrote },
                 (r, job) => {

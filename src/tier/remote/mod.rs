@@ -51,8 +51,6 @@
 //! dropped and counted; a fetch batch is at most [`RemoteConfig::max_fetch_keys`] keys.
 #![forbid(unsafe_code)]
 
-use std::collections::hash_map::Entry as Slot;
-use std::collections::HashMap;
 use std::sync::atomic::{
     AtomicBool, AtomicU64,
     Ordering::{AcqRel, Acquire, Relaxed, Release},
@@ -73,11 +71,13 @@ use crate::key::ByteKey;
 use crate::manager::BlockId;
 
 mod config;
+mod index;
 mod jobs;
 
 #[allow(clippy::wildcard_imports)]
 use config::*;
 pub use config::{default_idle_spin, default_io_threads, redact, RemoteConfig};
+use index::{Entry, Index};
 #[allow(clippy::wildcard_imports)]
 use jobs::*;
 
@@ -88,11 +88,11 @@ pub const MAX_VALUE_BYTES: u64 = 64 << 20;
 /// Longest key named by its hex bytes (longer keys are named by their hash).
 const MAX_HEX_KEY: usize = 100;
 
-/// Entries of the in-memory index before it is pruned (see `RemoteTier::expire`). Small enough
-/// for the index to stay in the CPU's caches: a lookup of keys the tier does not know probes it
-/// about twice per key, on the scheduler's thread. Measured before the other changes to that path
-/// (`lookup_prefix` of 16 unknown keys, server up, H100 host, one machine): p50 / p99
-/// 8.2–12.9 / 25.7–35.8 µs with 65 536 entries, 5.2–11.6 / 18.9–34.6 µs with 16 384.
+/// Entries of the in-memory index before it is pruned (see `RemoteTier::expire`; 16 bytes each,
+/// in a table at most half full: the `index` module). A lookup of keys the tier does not know
+/// probes it about twice per key, on the scheduler's thread. Measured with an earlier index of
+/// 80-byte entries (`lookup_prefix` of 16 unknown keys, server up, H100 host, one machine): p50 /
+/// p99 8.2–12.9 / 25.7–35.8 µs with 65 536 entries, 5.2–11.6 / 18.9–34.6 µs with 16 384.
 pub const INDEX_CAP: usize = 16_384;
 
 /// Most value bytes of one fetch or promotion job (at least one value): larger ones are split into
@@ -302,17 +302,13 @@ impl RemoteTier {
             shared,
             sched: Mutex::new(Sched {
                 // Sized for the cap: no growth (a rehash of every entry) under a lookup.
-                index: HashMap::with_capacity_and_hasher(
-                    INDEX_CAP,
-                    foldhash::fast::RandomState::default(),
-                ),
+                index: Index::with_capacity(INDEX_CAP, Instant::now()),
                 prune_at: INDEX_CAP,
                 queued_writes: 0,
                 inflight_bytes: 0,
                 reads_out: 0,
                 fetches_out: 0,
                 fetch_reserved: 0,
-                staged_bytes: 0,
                 completions: Vec::new(),
                 done: done_rx,
             }),
@@ -348,10 +344,7 @@ impl RemoteTier {
 
     /// Forgets what the index knows about `key` (the next lookup asks the server).
     pub fn forget(&self, key: &ByteKey) {
-        let mut st = self.sched();
-        if let Some(Entry::Present { value: Some(v), .. }) = st.index.remove(key) {
-            st.staged_bytes -= v.len() as u64;
-        }
+        self.sched().index.remove(Index::hash(key));
     }
 
     fn forked(&self) -> bool {
@@ -371,9 +364,8 @@ impl RemoteTier {
     /// Bounds the index (called from submissions): at [`INDEX_CAP`] entries, expired ones go; if
     /// more than half the cap remain, every remembered answer without a staged value goes too
     /// (those keys become `Unknown`: a later lookup fetches them again). The survivors move to a
-    /// fresh table sized for the next pruning, so no insertion until then grows or rehashes it
-    /// (erasing in place leaves tombstones, which a later insertion may have to clear with a
-    /// rehash of the whole table). The next pruning waits until the index has grown by half the cap again,
+    /// fresh table sized for the next pruning, so no insertion until then grows or rehashes it.
+    /// The next pruning waits until the index has grown by half the cap again,
     /// so a pruning's cost is always amortised over the insertions since the last one, also when
     /// fetches, writes and staged values under way (which their own limits bound, not the cap)
     /// keep the index above the cap.
@@ -381,32 +373,23 @@ impl RemoteTier {
         if st.index.len() < st.prune_at {
             return;
         }
-        let unexpired = |e: &Entry| match e {
-            Entry::Absent { until } | Entry::Present { until, .. } => *until > now,
+        let now = st.index.tick(now);
+        let unexpired = |e: Entry| match e {
+            Entry::Absent { until } | Entry::Present { until, .. } => until > now,
             Entry::Fetching | Entry::Writing => true,
         };
-        let answers_too = st.index.values().filter(|e| unexpired(e)).count() > INDEX_CAP / 2;
-        let old = std::mem::take(&mut st.index);
-        let mut survivors = Vec::new();
-        let mut freed = 0u64;
-        for (k, e) in old {
-            let keep = unexpired(&e)
+        let answers_too = st.index.entries().filter(|e| unexpired(*e)).count() > INDEX_CAP / 2;
+        let keep = |e: Entry| {
+            unexpired(e)
                 && (!answers_too
                     || matches!(
                         e,
-                        Entry::Fetching | Entry::Writing | Entry::Present { value: Some(_), .. }
-                    ));
-            if keep {
-                survivors.push((k, e));
-            } else if let Entry::Present { value: Some(v), .. } = &e {
-                freed += v.len() as u64;
-            }
-        }
-        st.staged_bytes -= freed;
-        st.prune_at = INDEX_CAP.max(survivors.len() + INDEX_CAP / 2);
-        st.index =
-            HashMap::with_capacity_and_hasher(st.prune_at, foldhash::fast::RandomState::default());
-        st.index.extend(survivors);
+                        Entry::Fetching | Entry::Writing | Entry::Present { staged: true, .. }
+                    ))
+        };
+        let survivors = st.index.entries().filter(|e| keep(*e)).count();
+        st.prune_at = INDEX_CAP.max(survivors + INDEX_CAP / 2);
+        st.index.rebuild(st.prune_at, keep);
     }
 }
 
@@ -417,19 +400,20 @@ impl SecondaryTier for RemoteTier {
 
     fn index(&self, key: &ByteKey) -> Known {
         let st = self.sched();
-        match st.index.get(key) {
+        let now = || st.index.tick(Instant::now());
+        match st.index.get(Index::hash(key)) {
             None => Known::Unknown,
             // A fetch in flight answers later; a key being written is not readable yet.
             Some(Entry::Writing | Entry::Fetching) => Known::Pending,
-            Some(Entry::Present { until, value }) => {
-                if value.is_some() || *until > Instant::now() {
+            Some(Entry::Present { until, staged }) => {
+                if staged || until > now() {
                     Known::Present
                 } else {
                     Known::Unknown
                 }
             }
             Some(Entry::Absent { until }) => {
-                if *until > Instant::now() {
+                if until > now() {
                     Known::Absent
                 } else {
                     Known::Unknown
@@ -454,30 +438,31 @@ impl SecondaryTier for RemoteTier {
         // down among live ones fails its own keys in the I/O thread, also without a network call.)
         let down_until = sh.router.all_down(now);
         let down = down_until.is_some();
-        let down_until = down_until.unwrap_or(now);
+        let down_until = st.index.tick(down_until.unwrap_or(now));
+        let now = st.index.tick(now);
         // Staging room: a key needs room for its value among the staged and reserved bytes (so a
         // fetch never brings a value it cannot keep, and a readahead of many keys stops where
         // host memory would stop it), except a call's first key (below).
         let value = sh.fetch_unit();
         let most = sh.cfg.max_fetch_keys.max(1);
         let mut batch = Vec::with_capacity(keys.len().min(most));
-        for k in keys.iter().take(most) {
-            // One probe of the index per key (a lookup's cost is mostly these probes).
-            let slot = st.index.entry(k.clone());
-            let unknown = match &slot {
-                Slot::Vacant(_) => true,
-                Slot::Occupied(o) => match o.get() {
-                    Entry::Absent { until } => *until <= now,
-                    Entry::Present { until, value } => value.is_none() && *until <= now,
-                    Entry::Fetching | Entry::Writing => false,
-                },
+        let hashes: Vec<u64> = keys.iter().take(most).map(Index::hash).collect();
+        st.index.touch(&hashes);
+        for (k, &h) in keys.iter().zip(&hashes) {
+            // One probe of the index per key (a lookup's cost is mostly these probes; `touch`
+            // brought their lines in, and the `set` below finds the same slot).
+            let unknown = match st.index.get(h) {
+                None => true,
+                Some(Entry::Absent { until }) => until <= now,
+                Some(Entry::Present { until, staged }) => !staged && until <= now,
+                Some(Entry::Fetching | Entry::Writing) => false,
             };
             if !unknown {
                 continue;
             }
             if down {
                 sh.counters.fetch_errors.fetch_add(1, Relaxed);
-                set_slot(slot, Entry::Absent { until: down_until });
+                st.index.set(h, Entry::Absent { until: down_until });
                 continue;
             }
             // The first key goes while the fetches in flight alone leave room for it (staged
@@ -485,11 +470,13 @@ impl SecondaryTier for RemoteTier {
             // when fetches in flight fill the room, not even the first key goes: the caller's
             // lookup stays pending until one ends, and a flood of lookups queues no more.
             let first = batch.is_empty() && st.fetch_reserved + value <= sh.cfg.max_staged_bytes;
-            if !first && st.staged_bytes + st.fetch_reserved + value > sh.cfg.max_staged_bytes {
+            if !first
+                && st.index.staged_bytes() + st.fetch_reserved + value > sh.cfg.max_staged_bytes
+            {
                 break;
             }
             st.fetch_reserved += value;
-            set_slot(slot, Entry::Fetching);
+            st.index.set(h, Entry::Fetching);
             batch.push(k.clone());
         }
         let n = batch.len();
@@ -517,11 +504,12 @@ impl SecondaryTier for RemoteTier {
         if self.forked() {
             return false;
         }
-        let now = Instant::now();
-        match self.sched().index.get(key) {
+        let st = self.sched();
+        let now = st.index.tick(Instant::now());
+        match st.index.get(Index::hash(key)) {
             None => true,
-            Some(Entry::Absent { until }) => *until <= now,
-            Some(Entry::Present { value, until }) => value.is_none() && *until <= now,
+            Some(Entry::Absent { until }) => until <= now,
+            Some(Entry::Present { until, staged }) => !staged && until <= now,
             Some(Entry::Fetching | Entry::Writing) => false,
         }
     }
@@ -529,14 +517,14 @@ impl SecondaryTier for RemoteTier {
     fn fetch_room(&self) -> usize {
         let sh = &self.shared;
         let st = self.sched();
-        let used = st.staged_bytes + st.fetch_reserved;
+        let used = st.index.staged_bytes() + st.fetch_reserved;
         usize::try_from(sh.cfg.max_staged_bytes.saturating_sub(used) / sh.fetch_unit())
             .unwrap_or(usize::MAX)
     }
 
     fn has_or_writing(&self, key: &ByteKey) -> bool {
         self.index(key) == Known::Present
-            || matches!(self.sched().index.get(key), Some(Entry::Writing))
+            || self.sched().index.get(Index::hash(key)) == Some(Entry::Writing)
     }
 
     fn submit_writes(&self, items: &[(ByteKey, BlockId)]) -> Vec<bool> {
@@ -556,7 +544,8 @@ impl SecondaryTier for RemoteTier {
                 if stopped {
                     return false;
                 }
-                if matches!(st.index.get(k), Some(Entry::Writing)) {
+                let h = Index::hash(k);
+                if st.index.get(h) == Some(Entry::Writing) {
                     return false;
                 }
                 if down {
@@ -572,11 +561,7 @@ impl SecondaryTier for RemoteTier {
                 }
                 st.queued_writes += 1;
                 st.inflight_bytes += sh.value_len as u64;
-                if let Some(Entry::Present { value: Some(v), .. }) =
-                    st.index.insert(k.clone(), Entry::Writing)
-                {
-                    st.staged_bytes -= v.len() as u64;
-                }
+                st.index.set(h, Entry::Writing); // (a staged value goes)
                 queued.push((k.clone(), *b));
                 true
             })
@@ -598,8 +583,8 @@ impl SecondaryTier for RemoteTier {
             return vec![false; items.len()];
         }
         let stopped = sh.shutdown.load(Acquire);
-        let now = Instant::now();
         let mut st = self.sched();
+        let now = st.index.tick(Instant::now());
         let per_job = sh.read_job_items();
         let mut jobs = Vec::new();
         let mut batch = Vec::new();
@@ -612,19 +597,15 @@ impl SecondaryTier for RemoteTier {
                 if stopped {
                     return false;
                 }
-                let (staged, unknown) = match st.index.get_mut(k) {
-                    Some(Entry::Present { value, until }) => {
-                        let unknown = value.is_none() && *until <= now;
-                        (value.take(), unknown)
-                    }
+                let h = Index::hash(k);
+                let (staged, unknown) = match st.index.get(h) {
+                    Some(Entry::Present { staged: true, .. }) => (st.index.take_staged(h), false),
+                    Some(Entry::Present { until, .. }) => (None, until <= now),
                     // A key the index does not know (see `may_read_unknown`): the read finds out.
                     None => (None, true),
-                    Some(Entry::Absent { until }) if *until <= now => (None, true),
+                    Some(Entry::Absent { until }) if until <= now => (None, true),
                     Some(Entry::Absent { .. } | Entry::Fetching | Entry::Writing) => return false,
                 };
-                if let Some(v) = &staged {
-                    st.staged_bytes -= v.len() as u64;
-                }
                 batch.push(ReadItem {
                     key: k.clone(),
                     block: *b,
@@ -758,7 +739,7 @@ impl RemoteTier {
         let now = Instant::now();
         if let Some((at, g)) = *cache {
             if now.duration_since(at) < GAUGES_TTL {
-                return (g.0, g.1, self.sched().staged_bytes);
+                return (g.0, g.1, self.sched().index.staged_bytes());
             }
         }
         let g = self.count_index(now);
@@ -770,26 +751,15 @@ impl RemoteTier {
         let st = self.sched();
         let mut present = 0;
         let mut absent = 0;
-        for e in st.index.values() {
+        let now = st.index.tick(now);
+        for e in st.index.entries() {
             match e {
-                Entry::Present { until, value } if value.is_some() || *until > now => present += 1,
-                Entry::Absent { until } if *until > now => absent += 1,
+                Entry::Present { until, staged } if staged || until > now => present += 1,
+                Entry::Absent { until } if until > now => absent += 1,
                 _ => {}
             }
         }
-        (present, absent, st.staged_bytes)
-    }
-}
-
-/// Puts `e` in an index slot found by `HashMap::entry`.
-fn set_slot(slot: Slot<'_, ByteKey, Entry>, e: Entry) {
-    match slot {
-        Slot::Occupied(mut o) => {
-            o.insert(e);
-        }
-        Slot::Vacant(v) => {
-            v.insert(e);
-        }
+        (present, absent, st.index.staged_bytes())
     }
 }
 
