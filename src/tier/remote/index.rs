@@ -9,7 +9,7 @@
 //! a group of control bytes and a 72-byte bucket, three lines.) Fetched values staged for a
 //! promotion are kept beside it, by the same hash.
 //!
-//! Keys are known by their 64-bit hash (xxh3): two keys with one hash share an entry. That costs
+//! Keys are known by their 64-bit hash (xxh3, seeded at random per process): two keys with one hash share an entry. That costs
 //! a fetch or a failed promotion, never a wrong block: a staged value is checked against the key
 //! it is promoted for (`Shared::run_reads`), and a value read from the server against the key it
 //! was read for.
@@ -19,7 +19,10 @@ use std::collections::HashMap;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use xxhash_rust::xxh3::xxh3_64;
+use std::hash::BuildHasher;
+use std::sync::OnceLock;
+
+use xxhash_rust::xxh3::xxh3_64_with_seed;
 
 use crate::key::ByteKey;
 
@@ -101,9 +104,14 @@ impl Index {
         n.max(8).saturating_mul(2).next_power_of_two()
     }
 
-    /// The hash by which the index knows `key` (never 0, the empty slot's).
+    /// The hash by which the index knows `key` (never 0, the empty slot's), seeded at random
+    /// once per process: keys whose bytes a client chooses cannot be made to share a home slot
+    /// (long probe runs on the scheduler's thread) or a hash, as they could with a fixed seed.
     pub(in crate::tier::remote) fn hash(key: &ByteKey) -> u64 {
-        xxh3_64(key.as_bytes()).max(1)
+        static SEED: OnceLock<u64> = OnceLock::new();
+        let seed =
+            *SEED.get_or_init(|| std::collections::hash_map::RandomState::new().hash_one(0u64));
+        xxh3_64_with_seed(key.as_bytes(), seed).max(1)
     }
 
     /// `t` as a deadline of this index.
