@@ -309,11 +309,16 @@ impl Index {
     }
 
     /// Keeps the entries `keep` accepts (their staged values too) in a fresh table that holds
-    /// `room` entries (or the survivors, if more) before it grows; the others go with their
-    /// staged values.
-    pub(in crate::tier::remote) fn rebuild(&mut self, room: usize, keep: impl Fn(Entry) -> bool) {
+    /// `room(survivors)` entries (at least the survivors) before it grows, and returns that room;
+    /// the others go with their staged values.
+    pub(in crate::tier::remote) fn rebuild(
+        &mut self,
+        keep: impl Fn(Entry) -> bool,
+        room: impl FnOnce(usize) -> usize,
+    ) -> usize {
         let survivors = self.entries().filter(|e| keep(*e)).count();
-        let slots = vec![Slot::default(); Self::slots_for(room.max(survivors))];
+        let room = room(survivors).max(survivors);
+        let slots = vec![Slot::default(); Self::slots_for(room)];
         let old = std::mem::replace(&mut self.slots, slots);
         self.len = 0;
         for s in old {
@@ -329,6 +334,7 @@ impl Index {
                 self.drop_staged(s.hash, e);
             }
         }
+        room
     }
 
     fn grow(&mut self) {
@@ -421,7 +427,7 @@ mod tests {
                     }
                     Op::Rebuild(fetching_only) => {
                         let keep = |e: Entry| !fetching_only || e == Entry::Fetching;
-                        ix.rebuild(8, keep);
+                        prop_assert!(ix.rebuild(keep, |_| 8) >= 8);
                         model.retain(|_, (e, _)| keep(*e));
                     }
                 }

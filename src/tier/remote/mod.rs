@@ -387,9 +387,9 @@ impl RemoteTier {
                         Entry::Fetching | Entry::Writing | Entry::Present { staged: true, .. }
                     ))
         };
-        let survivors = st.index.entries().filter(|e| keep(*e)).count();
-        st.prune_at = INDEX_CAP.max(survivors + INDEX_CAP / 2);
-        st.index.rebuild(st.prune_at, keep);
+        st.prune_at = st
+            .index
+            .rebuild(keep, |survivors| INDEX_CAP.max(survivors + INDEX_CAP / 2));
     }
 }
 
