@@ -3,7 +3,10 @@
 //! beside a reference measured in the same loop: the same call over 16 keys in the host memory of
 //! a second chain whose tier has no work (its server at a port where nothing listens). As fast as
 //! the loop goes ("tight"), with a pause of `PACE_US` before each call, and with a pause of 10 ms
-//! (a scheduler's step); the process's CPU time over each phase. `kvoff bench remote` measures the
+//! (a scheduler's step); the process's CPU time over each phase. A pause is spent two ways:
+//! asleep (the CPU idles: its caches and clocks go cold, as on an idle machine), and busy (the
+//! thread spins, writing 1 MiB of other memory first, as a serving engine's scheduler thread
+//! works or spins on the GPU's stream between its calls). `kvoff bench remote` measures the
 //! same calls through Python (BENCHMARKS.md "Remote tier"); this one leaves the interpreter out.
 //!
 //! `cargo bench --bench remote_lookup -- [URL|-] [SECS] [PACE_US] [BLOCK_BYTES]` (defaults: `-`, a
@@ -103,8 +106,35 @@ fn main() {
         (t(11) + t(12)) / 100.0 // utime + stime, in clock ticks of 10 ms
     };
     println!("remote tier lookups at {url}: 16 unknown keys per call, {block}-byte blocks");
-    for pace in [0, pace_us, 10_000] {
-        let ns = format!("lk-{}-{}", std::process::id(), pace);
+    // Busy pauses write one byte per cache line of this (other work's data, evicting part of the
+    // caches the call would find warm), then spin until the pause is over.
+    let mut other = vec![0u8; 1 << 20];
+    let mut pause = |us: u64, busy: bool| {
+        if us == 0 {
+            return;
+        }
+        if !busy {
+            std::thread::sleep(Duration::from_micros(us));
+            return;
+        }
+        let t0 = Instant::now();
+        for (i, b) in other.iter_mut().step_by(64).enumerate() {
+            *b = b.wrapping_add(i as u8);
+        }
+        std::hint::black_box(&mut other);
+        while t0.elapsed() < Duration::from_micros(us) {
+            std::hint::spin_loop();
+        }
+    };
+    let phases = [
+        (0, false),
+        (pace_us, false),
+        (pace_us, true),
+        (10_000, false),
+        (10_000, true),
+    ];
+    for (pace, busy) in phases {
+        let ns = format!("lk-{}-{}-{}", std::process::id(), pace, busy);
         let mut e = chain(url, &ns, 64, block);
         let mut h = chain(&dead, &format!("{ns}-ref"), 64, block);
         let ready: Vec<ByteKey> = (0..16).map(|j| key("ready", j)).collect();
@@ -118,15 +148,11 @@ fn main() {
         while Instant::now() < end {
             let ks: Vec<ByteKey> = (0..16).map(|j| key(&ns, i + j)).collect();
             i += 16;
-            if pace > 0 {
-                std::thread::sleep(Duration::from_micros(pace));
-            }
+            pause(pace, busy);
             let t = Instant::now();
             std::hint::black_box(e.lookup_prefix(&ks).unwrap());
             up.push(t.elapsed().as_secs_f64() * 1e6);
-            if pace > 0 {
-                std::thread::sleep(Duration::from_micros(pace));
-            }
+            pause(pace, busy);
             let t = Instant::now();
             std::hint::black_box(h.lookup_prefix(&ready).unwrap());
             rf.push(t.elapsed().as_secs_f64() * 1e6);
@@ -134,7 +160,11 @@ fn main() {
         let cpu = (cpu_s() - c0) / w0.elapsed().as_secs_f64() * 100.0;
         println!(
             "{} (pause {pace} µs, {} calls, process CPU {cpu:.0}%): kvoff p50 {:.1} p99 {:.1} µs | ref p50 {:.1} p99 {:.1} µs",
-            if pace == 0 { "tight" } else { "paced" },
+            match (pace, busy) {
+                (0, _) => "tight",
+                (_, false) => "asleep",
+                (_, true) => "busy",
+            },
             up.len(),
             pct(&mut up, 0.5),
             pct(&mut up, 0.99),

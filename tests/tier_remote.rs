@@ -584,6 +584,57 @@ fn spinning_threads_take_jobs_and_stop_at_shutdown() {
     a.shutdown();
 }
 
+/// One napping I/O thread (`RemoteConfig::idle_nap`: no spin, a look at the queues every 2 ms
+/// for up to a minute after its last job) takes the jobs queued while it naps — the scheduler's
+/// side rings no bell then — also after pauses longer than a nap, and stops at shutdown within a
+/// nap.
+#[test]
+fn napping_thread_takes_jobs_and_stops_at_shutdown() {
+    let _g = serial();
+    if !have_redis() {
+        return;
+    }
+    let srv = Server::start("nap", &[]);
+    let n = 16;
+    let (mut a, _, ks) = stored_prefix(&srv.url(), "nap", n);
+    for threads in [1, 3] {
+        let mut cfg = quick(RemoteConfig::new(srv.url(), layout("nap")));
+        cfg.io_threads = threads;
+        cfg.idle_spin = Duration::ZERO;
+        cfg.idle_nap = Duration::from_millis(2);
+        cfg.idle_nap_for = Duration::from_secs(60);
+        let mut tier = RemoteTier::open(cfg, Arc::new(VecMemory::new(n, BLOCK))).unwrap();
+        // A job no thread took would wait for an idle thread's periodic look (500 ms): 16 of
+        // them, 8 s.
+        let t_all = Instant::now();
+        for (i, k) in ks.iter().enumerate() {
+            std::thread::sleep(Duration::from_millis(if i % 4 == 0 { 20 } else { i as u64 % 3 }));
+            assert_eq!(tier.submit_fetch(std::slice::from_ref(k)), 1);
+            let deadline = Instant::now() + Duration::from_secs(10);
+            while tier.index(k) != Known::Present {
+                assert!(
+                    Instant::now() < deadline,
+                    "key {i} was never fetched ({threads} threads)"
+                );
+                std::thread::yield_now();
+            }
+        }
+        assert!(
+            t_all.elapsed() < Duration::from_secs(4),
+            "{n} fetches one at a time took {:?} ({threads} threads)",
+            t_all.elapsed()
+        );
+        let t0 = Instant::now();
+        tier.shutdown();
+        assert!(
+            t0.elapsed() < Duration::from_secs(5),
+            "shutdown took {:?} with a thread napping",
+            t0.elapsed()
+        );
+    }
+    a.shutdown();
+}
+
 /// A prefix looked up one key at a time, in order (vLLM's connector), with each key's
 /// predecessor (`lookup_after`): one fetch for its first key, the rest read straight into host
 /// blocks once the server is seen to hold the prefix, byte for byte; a prefix nowhere costs one

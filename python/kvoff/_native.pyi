@@ -450,6 +450,7 @@ class ChainManagerCore:
         remote_password_env: str = ...,
         remote_tls_ca_file: str | os.PathLike[str] | None = None,
         remote_idle_spin_s: float | None = None,
+        remote_idle_nap_s: float | None = None,
     ) -> ChainManagerCore: ...
     def lookup(self, key: bytes, after: bytes | None = None) -> bool | None:
         """`True` ready, `None` pending (store, promotion or fetch in flight), `False` absent.

@@ -173,7 +173,11 @@ class TieredOffloadingManager:
             each read/write on a connection.
         remote_io_threads (one connection each; ``None``: 4), remote_idle_spin_s (how long an
             I/O thread that ran out of jobs looks for more before it sleeps, 0 to 0.01 s;
-            ``None``: 50 µs on a machine with 8 or more CPUs, 0 below), remote_max_queued_writes,
+            ``None``: 50 µs on a machine with 8 or more CPUs, 0 below), remote_idle_nap_s (after
+            that, how often one idle I/O thread looks for jobs, sleeping between looks, for up to
+            50 ms after its last job, so that a lookup after a scheduler's step needs no wake-up
+            either; 0 to 0.01 s, 0: never; ``None``: 100 µs on 8 or more CPUs, 0 below),
+            remote_max_queued_writes,
         remote_max_inflight_bytes, remote_negative_ttl_s (how long a miss is remembered),
         remote_max_fetch_keys (keys per batched fetch): see ``kvoff::tier::remote::RemoteConfig``.
         remote_tls_ca_file: PEM file of the certificate authority that signed the servers'
@@ -233,6 +237,7 @@ class TieredOffloadingManager:
         remote_password_env: str = "KVOFF_REMOTE_PASSWORD",
         remote_tls_ca_file: str | os.PathLike[str] | None = None,
         remote_idle_spin_s: float | None = None,
+        remote_idle_nap_s: float | None = None,
     ) -> None:
         for name, v in (("num_blocks", num_blocks), ("block_bytes", block_bytes), ("rank", rank)):
             if v is not None and (isinstance(v, bool) or not isinstance(v, int)):
@@ -316,6 +321,7 @@ class TieredOffloadingManager:
             remote_password_env=remote_password_env,
             remote_tls_ca_file=remote_tls_ca_file,
             remote_idle_spin_s=remote_idle_spin_s,
+            remote_idle_nap_s=remote_idle_nap_s,
         )
 
     # --- docs/spec.md §2 protocol -------------------------------------------------------------------------

@@ -104,18 +104,19 @@ fn seconds(name: &str, s: f64) -> PyResult<Duration> {
     }
 }
 
-/// `remote_idle_spin_s`: 0 (no spinning) up to [`MAX_IDLE_SPIN_S`].
-fn idle_spin(s: f64) -> PyResult<Duration> {
+/// `remote_idle_spin_s` and `remote_idle_nap_s`: 0 (none) up to [`MAX_IDLE_SPIN_S`].
+fn idle_spin(name: &str, s: f64) -> PyResult<Duration> {
     if s.is_finite() && (0.0..=MAX_IDLE_SPIN_S).contains(&s) {
         Ok(Duration::from_secs_f64(s))
     } else {
         Err(to_py(KvoffError::Config(format!(
-            "remote_idle_spin_s must be between 0 and {MAX_IDLE_SPIN_S} seconds, got {s}"
+            "{name} must be between 0 and {MAX_IDLE_SPIN_S} seconds, got {s}"
         ))))
     }
 }
 
-/// Longest `remote_idle_spin_s`: an I/O thread spinning longer only burns a CPU.
+/// Longest `remote_idle_spin_s` (an I/O thread spinning longer only burns a CPU) and
+/// `remote_idle_nap_s` (a napping thread looking less often delays a fetch more).
 const MAX_IDLE_SPIN_S: f64 = 0.01;
 
 impl PyChainCore {
@@ -301,6 +302,7 @@ struct RemoteArgs {
     io_timeout: Duration,
     io_threads: Option<usize>,
     idle_spin: Option<Duration>,
+    idle_nap: Option<Duration>,
     max_queued_writes: usize,
     max_inflight_bytes: u64,
     negative_ttl: Duration,
@@ -328,6 +330,9 @@ impl RemoteArgs {
         }
         if let Some(d) = self.idle_spin {
             rc.idle_spin = d;
+        }
+        if let Some(d) = self.idle_nap {
+            rc.idle_nap = d;
         }
         rc.max_queued_writes = self.max_queued_writes;
         rc.max_inflight_bytes = self.max_inflight_bytes;
@@ -359,7 +364,8 @@ impl PyChainCore {
         remote_io_threads = None, remote_max_queued_writes = 256, remote_max_inflight_bytes = 256 << 20,
         remote_negative_ttl_s = 2.0, remote_max_fetch_keys = 64,
         remote_password_env = String::from("KVOFF_REMOTE_PASSWORD"), remote_tls_ca_file = None,
-        remote_idle_spin_s = None
+        remote_idle_spin_s = None,
+        remote_idle_nap_s = None
     ))]
     #[allow(clippy::too_many_arguments, clippy::fn_params_excessive_bools)]
     fn new(
@@ -410,6 +416,7 @@ impl PyChainCore {
         remote_password_env: String,
         remote_tls_ca_file: Option<PathArg>,
         remote_idle_spin_s: Option<f64>,
+        remote_idle_nap_s: Option<f64>,
     ) -> PyResult<Self> {
         // Every argument is converted (TypeError / ValueError / ConfigError) before anything is
         // created.
@@ -484,7 +491,12 @@ impl PyChainCore {
                 connect_timeout: seconds("remote_connect_timeout_s", remote_connect_timeout_s)?,
                 io_timeout: seconds("remote_timeout_s", remote_timeout_s)?,
                 io_threads: remote_io_threads,
-                idle_spin: remote_idle_spin_s.map(idle_spin).transpose()?,
+                idle_spin: remote_idle_spin_s
+                    .map(|s| idle_spin("remote_idle_spin_s", s))
+                    .transpose()?,
+                idle_nap: remote_idle_nap_s
+                    .map(|s| idle_spin("remote_idle_nap_s", s))
+                    .transpose()?,
                 max_queued_writes: remote_max_queued_writes,
                 max_inflight_bytes: remote_max_inflight_bytes,
                 negative_ttl: seconds("remote_negative_ttl_s", remote_negative_ttl_s)?,

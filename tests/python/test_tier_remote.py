@@ -246,11 +246,12 @@ def test_bad_url_is_config_error() -> None:
             TieredOffloadingManager("lru", 4, region)
         with pytest.raises(kvoff.ConfigError, match="remote_timeout_s"):
             TieredOffloadingManager("lru", 4, region, remote_url="redis://127.0.0.1:1", remote_timeout_s=0)
-        for spin in (-1e-6, 0.011, float("nan"), float("inf")):
-            with pytest.raises(kvoff.ConfigError, match="remote_idle_spin_s"):
-                TieredOffloadingManager(
-                    "lru", 4, region, remote_url="redis://127.0.0.1:1", remote_idle_spin_s=spin
-                )
+        for name in ("remote_idle_spin_s", "remote_idle_nap_s"):
+            for spin in (-1e-6, 0.011, float("nan"), float("inf")):
+                with pytest.raises(kvoff.ConfigError, match=name):
+                    TieredOffloadingManager(
+                        "lru", 4, region, remote_url="redis://127.0.0.1:1", **{name: spin}
+                    )
         with pytest.raises(TypeError):
             TieredOffloadingManager(
                 "lru", 4, region, remote_url="redis://127.0.0.1:1", remote_idle_spin_s="0"
@@ -259,17 +260,18 @@ def test_bad_url_is_config_error() -> None:
         region.close()
 
 
-@pytest.mark.parametrize("spin", [0.0, 0.002])
+@pytest.mark.parametrize(("spin", "nap"), [(0.0, 0.0), (0.002, 0.0), (0.0, 0.001)])
 def test_idle_spin_settings_serve(
-    redis_server: rs.RedisServer, engines: Callable[..., Engine], spin: float
+    redis_server: rs.RedisServer, engines: Callable[..., Engine], spin: float, nap: float
 ) -> None:
-    """I/O threads that never spin, or spin 2 ms after each job (lookups then queue fetches with
-    no wake-up), serve the same blocks, one fetch for the prefix."""
-    ns = f"spin-{spin}-{os.getpid()}"
-    a = engines(redis_server.url, ns, remote_idle_spin_s=spin)
+    """I/O threads that never spin nor nap, that spin 2 ms after each job, or of which one
+    looks for jobs every 1 ms after each job (lookups then queue fetches with no wake-up), serve
+    the same blocks, one fetch for the prefix."""
+    ns = f"spin-{spin}-{nap}-{os.getpid()}"
+    a = engines(redis_server.url, ns, remote_idle_spin_s=spin, remote_idle_nap_s=nap)
     a.store(list(range(8)))
     a.m.flush()
-    b = engines(redis_server.url, ns, remote_idle_spin_s=spin)
+    b = engines(redis_server.url, ns, remote_idle_spin_s=spin, remote_idle_nap_s=nap)
     assert b.settle(list(range(8))) == 8
     b.check(list(range(8)))
     assert b.stats()["remote_fetches"] == 1
@@ -285,9 +287,11 @@ def test_vllm_remote_settings() -> None:
         {**base, "remote_url": "redis://h:6379", "remote_ttl_s": 60, "remote_store_threshold": 2}
     )
     assert c.uses_remote and c.uses_tiers and c.remote_ttl_s == 60.0 and c.remote_store_threshold == 2
-    assert c.remote_idle_spin_s is None  # the tier's default (by the machine's CPUs)
-    c = cfg.from_extra_config({**base, "remote_url": "redis://h:6379", "remote_idle_spin_s": 0})
-    assert c.remote_idle_spin_s == 0.0
+    assert c.remote_idle_spin_s is None and c.remote_idle_nap_s is None  # by the machine's CPUs
+    c = cfg.from_extra_config(
+        {**base, "remote_url": "redis://h:6379", "remote_idle_spin_s": 0, "remote_idle_nap_s": 0.0002}
+    )
+    assert c.remote_idle_spin_s == 0.0 and c.remote_idle_nap_s == 0.0002
     assert (c.remote_namespace, c.remote_timeout_s, c.remote_cluster) == (None, 2.0, False)
     bad = [
         ({"remote_ttl_s": 5}, "need 'remote_url'"),
@@ -306,6 +310,9 @@ def test_vllm_remote_settings() -> None:
         ({"remote_url": "redis://h:1", "remote_idle_spin_s": -1}, "remote_idle_spin_s"),
         ({"remote_url": "redis://h:1", "remote_idle_spin_s": True}, "remote_idle_spin_s"),
         ({"remote_idle_spin_s": 0}, "need 'remote_url'"),
+        ({"remote_url": "redis://h:1", "remote_idle_nap_s": 0.02}, "remote_idle_nap_s"),
+        ({"remote_url": "redis://h:1", "remote_idle_nap_s": "1"}, "remote_idle_nap_s"),
+        ({"remote_idle_nap_s": 0}, "need 'remote_url'"),
     ]
     for extra, what in bad:
         with pytest.raises(kvoff.ConfigError, match=what) as e:

@@ -224,6 +224,7 @@ class KvoffOffloadingSpec(OffloadingSpec):
                 remote_negative_ttl_s=c.remote_negative_ttl_s,
                 remote_tls_ca_file=c.remote_tls_ca_file,
                 remote_idle_spin_s=c.remote_idle_spin_s,
+                remote_idle_nap_s=c.remote_idle_nap_s,
             )
         except BaseException:
             region.close()

@@ -24,6 +24,14 @@ pub struct RemoteConfig {
     /// (zero: it sleeps at once). A job queued meanwhile is taken with no wake-up, a system call
     /// on the scheduler's thread otherwise. Default: [`default_idle_spin`].
     pub idle_spin: Duration,
+    /// After its spin, one I/O thread at a time goes on looking at the queues every `idle_nap`
+    /// (sleeping between looks) for up to [`RemoteConfig::idle_nap_for`], so that a lookup after
+    /// a scheduler's step mostly finds a thread that will take its fetch within `idle_nap` with
+    /// no wake-up from the scheduler's thread (zero: no napping). Default: [`default_idle_nap`].
+    pub idle_nap: Duration,
+    /// How long after its last job a napping thread keeps looking (see
+    /// [`RemoteConfig::idle_nap`]). Default: 50 ms.
+    pub idle_nap_for: Duration,
     /// Writes queued or running beyond this are dropped (counted).
     pub max_queued_writes: usize,
     /// Bytes of values copied out of host memory and not yet acknowledged by the server.
@@ -64,6 +72,8 @@ impl std::fmt::Debug for RemoteConfig {
             .field("io_timeout", &self.io_timeout)
             .field("io_threads", &self.io_threads)
             .field("idle_spin", &self.idle_spin)
+            .field("idle_nap", &self.idle_nap)
+            .field("idle_nap_for", &self.idle_nap_for)
             .finish_non_exhaustive()
     }
 }
@@ -94,6 +104,22 @@ pub fn default_idle_spin() -> Duration {
     }
 }
 
+/// The default [`RemoteConfig::idle_nap`]: 100 µs on a machine with 8 or more CPUs, none below
+/// (where the server and the engine need every CPU; there the scheduler's side rings).
+///
+/// Measured on the H100 host (BENCHMARKS.md "Remote tier", `cargo bench --bench remote_lookup`),
+/// the scheduler's `lookup_prefix` of 16 keys the tier does not know, each call after a pause,
+/// two rounds alternated: after 0.2 ms asleep p99 22.2–22.9 µs without napping, 15.7–16.0 µs with
+/// 100 µs, 14.4–18.3 µs with 200 µs; after 10 ms asleep 78.9–80.0, 39.4–47.3 and 38.2–50.6 µs;
+/// the process's CPU at the 10 ms pace 2%, 6% and 5%.
+#[must_use]
+pub fn default_idle_nap() -> Duration {
+    match std::thread::available_parallelism() {
+        Ok(n) if n.get() >= 8 => Duration::from_micros(100),
+        _ => Duration::ZERO,
+    }
+}
+
 impl RemoteConfig {
     /// Defaults: no TTL, 1 s connect and 2 s I/O timeouts, [`default_io_threads`] I/O threads
     /// spinning [`default_idle_spin`] when idle,
@@ -110,6 +136,8 @@ impl RemoteConfig {
             io_timeout: Duration::from_secs(2),
             io_threads: default_io_threads(),
             idle_spin: default_idle_spin(),
+            idle_nap: default_idle_nap(),
+            idle_nap_for: Duration::from_millis(50),
             max_queued_writes: 256,
             max_inflight_bytes: 256 << 20,
             max_staged_bytes: 256 << 20,

@@ -331,6 +331,8 @@ pub(super) struct Shared {
     pub(super) large_write_batch: usize,
     /// I/O threads looking at the queues in `Shared::idle_spin` now.
     pub(super) spinning: std::sync::atomic::AtomicUsize,
+    /// An idle thread is napping (`Shared::idle_spin`): one at a time.
+    pub(super) napping: AtomicBool,
 }
 
 pub(super) fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
@@ -933,16 +935,16 @@ impl Shared {
     /// waits on the bell (docs/tier.md, remote tier, "Threads and bounds"): a job queued
     /// meanwhile is taken with no wake-up. Returns whether a job
     /// is waiting.
-    fn idle_spin(&self) -> bool {
-        let spin = self.cfg.idle_spin;
-        if spin.is_zero() {
+    fn idle_spin(&self, wait: Duration) -> bool {
+        let (spin, nap) = (self.cfg.idle_spin, self.cfg.idle_nap);
+        if spin.is_zero() && nap.is_zero() {
             return false;
         }
         self.spinning.fetch_add(1, SeqCst);
         let t0 = Instant::now();
         let mut found = false;
         let mut i = 0u32;
-        while !self.shutdown.load(Acquire) {
+        while !spin.is_zero() && !self.shutdown.load(Acquire) {
             if self.jobs_waiting() {
                 found = true;
                 break;
@@ -952,6 +954,20 @@ impl Shared {
                 break;
             }
             std::hint::spin_loop();
+        }
+        // Then one thread at a time naps between looks, while it still counts as looking (so
+        // the scheduler's side queues with no wake-up), up to `idle_nap_for` after its last job
+        // and never past `wait` (a node's probe may be due).
+        if !found && !nap.is_zero() && !self.napping.swap(true, AcqRel) {
+            let until = self.cfg.idle_nap_for.min(wait);
+            while !self.shutdown.load(Acquire) && t0.elapsed() < until {
+                std::thread::sleep(nap);
+                if self.jobs_waiting() {
+                    found = true;
+                    break;
+                }
+            }
+            self.napping.store(false, Release);
         }
         self.spinning.fetch_sub(1, SeqCst);
         std::sync::atomic::fence(SeqCst);
@@ -999,7 +1015,7 @@ impl Shared {
                     .router
                     .next_probe(Instant::now())
                     .map_or(idle, |d| d.min(idle));
-                if !wait.is_zero() && !self.idle_spin() {
+                if !wait.is_zero() && !self.idle_spin(wait) {
                     self.wait_job(wait);
                 }
                 continue;

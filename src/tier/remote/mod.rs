@@ -266,6 +266,7 @@ impl RemoteTier {
             writes_running: std::sync::atomic::AtomicUsize::new(0),
             large_write_batch: large_write_batch(),
             spinning: std::sync::atomic::AtomicUsize::new(0),
+            napping: AtomicBool::new(false),
             last_error: Mutex::new(None),
             cfg,
             memory,
