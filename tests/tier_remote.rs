@@ -1548,6 +1548,48 @@ fn known_answers_of_the_remote_index() {
     assert_eq!(mem.block(1).unwrap(), pattern(0));
 }
 
+/// A fetch's answer waits in its ticket's cell until its key is looked at again (a staged value
+/// goes to the index when it comes); a key whose ticket later fetches took again while it was not
+/// looked at is unknown again — asked again when looked up — and never answers wrong.
+#[test]
+fn answers_whose_tickets_went_again_are_asked_again() {
+    let _g = serial();
+    if !have_redis() {
+        return;
+    }
+    let srv = Server::start("tickets", &[]);
+    let mem = Arc::new(VecMemory::new(4, BLOCK));
+    let mut cfg = quick(RemoteConfig::new(srv.url(), layout("tickets")));
+    cfg.negative_ttl = Duration::from_secs(60);
+    // Room for 8 values: the fewest tickets (1024).
+    cfg.max_staged_bytes = 8 * (BLOCK + kvoff::tier::remote::VALUE_HEADER_BYTES) as u64;
+    let tier = RemoteTier::open(cfg, mem.clone()).unwrap();
+    mem.set_block(0, &pattern(7)).unwrap();
+    let stored = key(7);
+    assert_eq!(tier.submit_writes(&[(stored.clone(), 0)]), vec![true]);
+    tier.flush();
+    tier.forget(&stored);
+    let absent = key(8);
+    assert_eq!(tier.submit_fetch(&[absent.clone(), stored.clone()]), 2);
+    tier.flush();
+    // 2048 more keys, 4 at a time: the tickets go round twice.
+    for r in 0..512 {
+        let ks: Vec<ByteKey> = (0..4).map(|j| key(2_000_000 + r * 4 + j)).collect();
+        assert_eq!(tier.submit_fetch(&ks), 4, "round {r}");
+        tier.flush();
+    }
+    assert_eq!(tier.index(&stored), Known::Present);
+    assert_eq!(tier.index(&absent), Known::Unknown);
+    assert_eq!(tier.submit_fetch(std::slice::from_ref(&absent)), 1);
+    tier.flush();
+    assert_eq!(tier.index(&absent), Known::Absent);
+    // The latest answers are still in their cells.
+    assert_eq!(tier.index(&key(2_000_000 + 2047)), Known::Absent);
+    assert_eq!(tier.submit_reads(&[(stored, 1)]), vec![true]);
+    tier.flush();
+    assert_eq!(mem.block(1).unwrap(), pattern(7));
+}
+
 /// The index stays bounded while a scheduler asks for ever new keys: past `INDEX_CAP` entries
 /// the remembered misses are forgotten (those keys are fetched again when looked up, and answer
 /// absent again), the latest ones are still remembered, and no answer is wrong.

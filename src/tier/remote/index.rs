@@ -1,6 +1,7 @@
 //! The remote tier's in-memory index (docs/tier.md "Remote tier", the scheduler's path): what the
-//! tier knows of each key, probed on the scheduler's thread about twice per key of a lookup that
-//! starts a fetch (once to mark it fetching, once to apply the answer).
+//! tier knows of each key, probed on the scheduler's thread once per key of a lookup that starts a
+//! fetch (to mark it fetching, with the ticket of its answer: `jobs::Answers`), and again only
+//! when the key is looked at again (its answer then replaces the ticket).
 //!
 //! A probe's cost is its cache misses: a scheduler calls after a pause, and by then the index's
 //! lines are out of the CPU's caches. So an entry is one 16-byte slot — a 64-bit hash of the key
@@ -34,8 +35,8 @@ const TICK_MAX: Tick = (1 << 56) - 1;
 /// What the index knows of a key.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub(in crate::tier::remote) enum Entry {
-    /// A fetch is asking the server.
-    Fetching,
+    /// A fetch is asking the server; its answer goes to cell `ticket` of `jobs::Answers`.
+    Fetching { ticket: u32 },
     /// Being written by this instance.
     Writing,
     /// Found or written (known until `until`); `staged`: a fetched, checked value is kept for
@@ -48,7 +49,7 @@ pub(in crate::tier::remote) enum Entry {
 impl Entry {
     fn pack(self) -> u64 {
         match self {
-            Entry::Fetching => 0,
+            Entry::Fetching { ticket } => u64::from(ticket) << 8,
             Entry::Writing => 1,
             Entry::Present { until, staged } => 2 | (u64::from(staged) << 2) | (until << 8),
             Entry::Absent { until } => 3 | (until << 8),
@@ -58,7 +59,10 @@ impl Entry {
     fn unpack(w: u64) -> Self {
         let until = w >> 8;
         match w & 3 {
-            0 => Entry::Fetching,
+            #[allow(clippy::cast_possible_truncation)]
+            0 => Entry::Fetching {
+                ticket: until as u32,
+            },
             1 => Entry::Writing,
             2 => Entry::Present {
                 until,
@@ -302,21 +306,40 @@ impl Index {
 
     /// Every entry.
     pub(in crate::tier::remote) fn entries(&self) -> impl Iterator<Item = Entry> + '_ {
+        self.iter().map(|(_, e)| e)
+    }
+
+    /// Every entry with its hash.
+    pub(in crate::tier::remote) fn iter(&self) -> impl Iterator<Item = (u64, Entry)> + '_ {
         self.slots
             .iter()
             .filter(|s| s.hash != 0)
-            .map(|s| Entry::unpack(s.word))
+            .map(|s| (s.hash, Entry::unpack(s.word)))
     }
 
-    /// Keeps the entries `keep` accepts (their staged values too) in a fresh table that holds
+    /// Replaces each fetching entry by `f(hash, ticket)` (in place: no entry moves).
+    pub(in crate::tier::remote) fn map_fetching(&mut self, f: impl Fn(u64, u32) -> Entry) {
+        for s in &mut self.slots {
+            if s.hash != 0 {
+                if let Entry::Fetching { ticket } = Entry::unpack(s.word) {
+                    let e = f(s.hash, ticket);
+                    debug_assert!(!matches!(e, Entry::Present { staged: true, .. }));
+                    s.word = e.pack();
+                }
+            }
+        }
+    }
+
+    /// Keeps the entries for which `keep` returns an entry — that one: a staged entry kept as
+    /// it was keeps its value, a fetching one may become its answer — in a fresh table that holds
     /// `room(survivors)` entries (at least the survivors) before it grows, and returns that room;
     /// the others go with their staged values.
     pub(in crate::tier::remote) fn rebuild(
         &mut self,
-        keep: impl Fn(Entry) -> bool,
+        keep: impl Fn(u64, Entry) -> Option<Entry>,
         room: impl FnOnce(usize) -> usize,
     ) -> usize {
-        let survivors = self.entries().filter(|e| keep(*e)).count();
+        let survivors = self.iter().filter(|&(h, e)| keep(h, e).is_some()).count();
         let room = room(survivors).max(survivors);
         let slots = vec![Slot::default(); Self::slots_for(room)];
         let old = std::mem::replace(&mut self.slots, slots);
@@ -326,12 +349,19 @@ impl Index {
                 continue;
             }
             let e = Entry::unpack(s.word);
-            if keep(e) {
-                let (i, _) = self.find(s.hash);
-                self.slots[i] = s;
-                self.len += 1;
-            } else {
-                self.drop_staged(s.hash, e);
+            match keep(s.hash, e) {
+                Some(k) => {
+                    if k != e {
+                        self.drop_staged(s.hash, e);
+                    }
+                    let (i, _) = self.find(s.hash);
+                    self.slots[i] = Slot {
+                        hash: s.hash,
+                        word: k.pack(),
+                    };
+                    self.len += 1;
+                }
+                None => self.drop_staged(s.hash, e),
             }
         }
         room
@@ -361,11 +391,12 @@ mod tests {
         Take(u8),
         Remove(u8),
         Rebuild(bool),
+        MapFetching,
     }
 
     fn entry() -> impl Strategy<Value = Entry> {
         prop_oneof![
-            Just(Entry::Fetching),
+            (0u32..4).prop_map(|ticket| Entry::Fetching { ticket }),
             Just(Entry::Writing),
             (0u64..1000).prop_map(|until| Entry::Present {
                 until,
@@ -382,6 +413,7 @@ mod tests {
             1 => any::<u8>().prop_map(Op::Take),
             3 => any::<u8>().prop_map(Op::Remove),
             1 => any::<bool>().prop_map(Op::Rebuild),
+            1 => Just(Op::MapFetching),
         ]
     }
 
@@ -422,13 +454,40 @@ mod tests {
                         };
                         prop_assert_eq!(got, want);
                     }
+                    Op::MapFetching => {
+                        // Ticket 2's answer came: present until its ticket's number.
+                        let f = |_: u64, t: u32| if t == 2 {
+                            Entry::Present { until: 2, staged: false }
+                        } else {
+                            Entry::Fetching { ticket: t }
+                        };
+                        ix.map_fetching(f);
+                        for (k, (e, _)) in &mut model {
+                            if let Entry::Fetching { ticket } = *e {
+                                *e = f(*k, ticket);
+                            }
+                        }
+                    }
                     Op::Remove(k) => {
                         prop_assert_eq!(ix.remove(h(k)), model.remove(&h(k)).map(|(e, _)| e));
                     }
                     Op::Rebuild(fetching_only) => {
-                        let keep = |e: Entry| !fetching_only || e == Entry::Fetching;
+                        // Fetching entries of ticket 3 become absent (an answer applied).
+                        let keep = |_: u64, e: Entry| match e {
+                            Entry::Fetching { ticket: 3 } => Some(Entry::Absent { until: 5 }),
+                            Entry::Fetching { .. } => Some(e),
+                            _ => (!fetching_only).then_some(e),
+                        };
                         prop_assert!(ix.rebuild(keep, |_| 8) >= 8);
-                        model.retain(|_, (e, _)| keep(*e));
+                        model.retain(|k, (e, _)| keep(*k, *e).is_some());
+                        for (e, v) in model.values_mut() {
+                            if let Some(k) = keep(0, *e) {
+                                if k != *e {
+                                    *e = k;
+                                    *v = None;
+                                }
+                            }
+                        }
                     }
                 }
                 prop_assert_eq!(ix.len(), model.len());
@@ -451,7 +510,8 @@ mod tests {
     #[test]
     fn deadlines_pack_with_the_state() {
         for e in [
-            Entry::Fetching,
+            Entry::Fetching { ticket: 0 },
+            Entry::Fetching { ticket: u32::MAX },
             Entry::Writing,
             Entry::Present {
                 until: TICK_MAX,

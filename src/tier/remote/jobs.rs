@@ -24,7 +24,8 @@ pub(super) struct ReadItem {
 pub(super) type WriteItem = (ByteKey, BlockId);
 
 pub(super) enum Job {
-    Fetch(Vec<ByteKey>),
+    /// Keys and the tickets of their answers (`Answers`).
+    Fetch(Vec<ByteKey>, Vec<u32>),
     /// Promotions: keys, their reserved host blocks and their staged values (taken out of the
     /// index when the promotion was queued).
     Read(Vec<ReadItem>),
@@ -36,12 +37,12 @@ pub(super) enum Job {
 /// index, so no scheduler call waits on a thread that is busy with the network or preempted
 /// (docs/tier.md "Remote tier", the scheduler's path).
 pub(super) enum Done {
+    /// The values a fetch found and checked, to stage (the fetch's other answers went to its
+    /// tickets' cells, `Answers`): the keys' [`Index::hash`]es, their tickets, their values.
     Fetch {
-        keys: Vec<ByteKey>,
-        /// The keys' [`Index::hash`]es, computed by the I/O thread (its cache holds the keys;
-        /// the scheduler's thread reads 8 bytes a key instead of 48).
         hashes: Vec<u64>,
-        results: Vec<Checked>,
+        tickets: Vec<u32>,
+        values: Vec<Vec<u8>>,
     },
     Read {
         items: Vec<ReadItem>,
@@ -73,6 +74,68 @@ pub(super) enum Wrote {
     Failed,
 }
 
+/// What a fetch found for a key (the state of an `Answers` cell).
+#[derive(Clone, Copy, PartialEq, Eq, Debug)]
+pub(super) enum Answer {
+    /// Not yet.
+    Pending,
+    /// The server holds a value of ours (a header checked; nothing staged).
+    Present,
+    /// A value was found and checked, and goes to the scheduler's side to be staged (`Done`).
+    Staged,
+    /// Not found, rejected, or unanswered: remembered as absent.
+    Absent,
+}
+
+/// The answers of fetches, one cell per ticket (docs/tier.md "Remote tier", the scheduler's
+/// path). A fetch's keys take tickets on the scheduler's side; an I/O thread writes each key's
+/// answer and the time it came (µs since the index's epoch) into the key's cell; the scheduler's
+/// side reads a cell only when it looks at the key again, and then puts the answer in the index
+/// in place of the ticket. So a scheduler's call costs the keys it looks at, not the answers of
+/// every fetch that ended since the last call. A ticket is taken again once its cell is
+/// answered (`Sched::take_ticket`); a key whose ticket was taken again has lost its answer (it is
+/// unknown again).
+pub(super) struct Answers {
+    cells: Box<[AtomicU64]>,
+}
+
+impl Answers {
+    /// `n` cells (a power of two), none pending.
+    pub(super) fn new(n: usize) -> Self {
+        Self {
+            cells: (0..n).map(|_| AtomicU64::new(Self::pack(Answer::Absent, 0))).collect(),
+        }
+    }
+
+    fn pack(a: Answer, at: Tick) -> u64 {
+        let s = match a {
+            Answer::Pending => 0,
+            Answer::Present => 1,
+            Answer::Staged => 2,
+            Answer::Absent => 3,
+        };
+        s | (at << 2)
+    }
+
+    /// Cell `t`'s answer and when it came.
+    pub(super) fn read(&self, t: u32) -> (Answer, Tick) {
+        let w = self.cells[t as usize].load(Acquire);
+        let a = match w & 3 {
+            0 => Answer::Pending,
+            1 => Answer::Present,
+            2 => Answer::Staged,
+            _ => Answer::Absent,
+        };
+        (a, w >> 2)
+    }
+
+    /// Writes cell `t` (`Pending` on the scheduler's side before the job is queued; an answer
+    /// from the I/O thread that ran it).
+    pub(super) fn write(&self, t: u32, a: Answer, at: Tick) {
+        self.cells[t as usize].store(Self::pack(a, at), Release);
+    }
+}
+
 /// The scheduler's side of the tier: the partial index and the accounting of queued and running
 /// jobs. Only the scheduler's calls lock it (never an I/O thread), so the lock is never contended
 /// by the I/O threads.
@@ -85,11 +148,10 @@ pub(super) struct Sched {
     pub(super) inflight_bytes: u64,
     /// Promotions queued or running.
     pub(super) reads_out: u64,
-    /// Fetch jobs queued or running.
-    pub(super) fetches_out: u64,
-    /// Bytes of values that queued or running fetches may stage (reserved at `submit_fetch`, so
-    /// that readahead never fetches a value it has no room to keep).
-    pub(super) fetch_reserved: u64,
+    /// The key (hash) each ticket of `Answers` was last taken for.
+    pub(super) owner: Vec<u64>,
+    /// The next ticket to take.
+    pub(super) next_ticket: usize,
     pub(super) completions: Vec<Completion>,
     pub(super) done: std::sync::mpsc::Receiver<Done>,
 }
@@ -120,61 +182,27 @@ impl Sched {
         };
         match d {
             Done::Fetch {
-                keys,
                 hashes,
-                results,
+                tickets,
+                values,
             } => {
-                self.fetches_out = self.fetches_out.saturating_sub(keys.len() as u64);
-                self.fetch_reserved = self
-                    .fetch_reserved
-                    .saturating_sub(keys.len() as u64 * sh.fetch_unit());
-                // Counted here and added once per job: the counters' cache lines are written by
-                // the I/O threads too, and an atomic add per key would fetch one each time.
-                let (mut hits, mut misses, mut rejected, mut errors) = (0u64, 0u64, 0u64, 0u64);
-                self.index.touch(&hashes);
-                for (&h, c) in hashes.iter().zip(results) {
-                    // One probe of the index per key (a lookup's cost is mostly these probes;
-                    // `touch` brought their lines in, and the `set` below finds the same slot).
-                    if self.index.get(h) != Some(Entry::Fetching) {
+                for ((h, t), v) in hashes.into_iter().zip(tickets).zip(values) {
+                    // Its reservation ends here, not in the I/O thread (which ends the others'):
+                    // until now the value's bytes were counted there.
+                    sh.fetch_reserved.fetch_sub(sh.fetch_unit(), Relaxed);
+                    if self.owner[t as usize] != h {
+                        continue; // (a ticket is not taken again before this: `take_ticket`)
+                    }
+                    // The ticket may be taken again from now on.
+                    sh.answers.write(t, Answer::Present, now);
+                    if self.index.get(h) != Some(Entry::Fetching { ticket: t }) {
                         continue; // forgotten or written meanwhile
                     }
-                    match &c {
-                        Checked::Ok(_) => hits += 1,
-                        Checked::Missing => misses += 1,
-                        Checked::Rejected => {
-                            rejected += 1;
-                            misses += 1;
-                        }
-                        Checked::Failed => errors += 1,
-                    }
-                    match c {
-                        Checked::Ok(v)
-                            if !v.is_empty()
-                                && self.index.staged_bytes() + v.len() as u64
-                                    <= sh.cfg.max_staged_bytes =>
-                        {
-                            self.index
-                                .stage(h, Index::after(now, sh.cfg.present_ttl), v);
-                        }
-                        Checked::Ok(_) => {
-                            self.index.set(h, present);
-                        }
-                        // Unanswered (its node down, failing or redirected away) too: remembered
-                        // as absent for a while (no refetch storm).
-                        Checked::Missing | Checked::Rejected | Checked::Failed => {
-                            self.index.set(h, absent);
-                        }
-                    }
-                }
-                let c = &sh.counters;
-                for (counter, n) in [
-                    (&c.fetch_hits, hits),
-                    (&c.fetch_misses, misses),
-                    (&c.rejected, rejected),
-                    (&c.fetch_errors, errors),
-                ] {
-                    if n > 0 {
-                        counter.fetch_add(n, Relaxed);
+                    if self.index.staged_bytes() + v.len() as u64 <= sh.cfg.max_staged_bytes {
+                        self.index
+                            .stage(h, Index::after(now, sh.cfg.present_ttl), v);
+                    } else {
+                        self.index.set(h, present);
                     }
                 }
             }
@@ -183,8 +211,11 @@ impl Sched {
                 for (ReadItem { key, block, .. }, ok) in items.into_iter().zip(ok) {
                     let h = Index::hash(&key);
                     if !ok {
-                        self.forget_failed(h, absent);
-                    } else if !matches!(self.index.get(h), Some(Entry::Writing | Entry::Fetching)) {
+                        self.forget_failed(sh, h, absent);
+                    } else if !matches!(
+                        self.resolve(sh, h),
+                        Some(Entry::Writing | Entry::Fetching { .. })
+                    ) {
                         // The server holds it (a read of a key the index did not know learns it).
                         self.index.set(h, present);
                     }
@@ -208,24 +239,13 @@ impl Sched {
                 }
             }
             Done::Panicked(job) => match job {
-                Job::Fetch(keys) => {
-                    self.fetches_out = self.fetches_out.saturating_sub(keys.len() as u64);
-                    self.fetch_reserved = self
-                        .fetch_reserved
-                        .saturating_sub(keys.len() as u64 * sh.fetch_unit());
-                    for k in keys {
-                        let h = Index::hash(&k);
-                        if self.index.get(h) == Some(Entry::Fetching) {
-                            sh.counters.fetch_errors.fetch_add(1, Relaxed);
-                            self.index.set(h, absent);
-                        }
-                    }
-                }
+                // Answered by its thread (`Shared::worker`).
+                Job::Fetch(..) => {}
                 Job::Read(items) => {
                     self.reads_out = self.reads_out.saturating_sub(items.len() as u64);
                     for ReadItem { key, block, .. } in items {
                         sh.counters.read_errors.fetch_add(1, Relaxed);
-                        self.forget_failed(Index::hash(&key), absent);
+                        self.forget_failed(sh, Index::hash(&key), absent);
                         self.completions.push(Completion::Promoted {
                             key,
                             block,
@@ -253,15 +273,74 @@ impl Sched {
     /// After a failed promotion of `key`: remembered as absent, unless it is being written or
     /// fetched again meanwhile (that job's result decides); a value staged again meanwhile is
     /// given up with its bytes.
-    fn forget_failed(&mut self, h: u64, absent: Entry) {
-        if !matches!(self.index.get(h), Some(Entry::Writing | Entry::Fetching)) {
+    fn forget_failed(&mut self, sh: &Shared, h: u64, absent: Entry) {
+        if !matches!(
+            self.resolve(sh, h),
+            Some(Entry::Writing | Entry::Fetching { .. })
+        ) {
             self.index.set(h, absent);
         }
     }
 
     /// Jobs queued or running.
-    pub(super) fn outstanding(&self) -> bool {
-        self.queued_writes > 0 || self.reads_out > 0 || self.fetches_out > 0
+    pub(super) fn outstanding(&self, sh: &Shared) -> bool {
+        self.queued_writes > 0 || self.reads_out > 0 || sh.fetches_out.load(Acquire) > 0
+    }
+
+    /// `h`'s entry, with the answer of its fetch in place of its ticket once it came (see
+    /// [`Answers`]); `None` also for a key whose ticket was taken again (its answer is lost).
+    pub(super) fn resolve(&mut self, sh: &Shared, h: u64) -> Option<Entry> {
+        let e = self.index.get(h)?;
+        match Self::answered(&self.owner, sh, h, e) {
+            Some(a) if a == e => Some(e),
+            Some(a) => {
+                self.index.set(h, a);
+                Some(a)
+            }
+            None => {
+                self.index.remove(h);
+                None
+            }
+        }
+    }
+
+    /// `e` (`h`'s entry), or for a fetching one its answer if it came, or `None` if it is lost.
+    pub(super) fn answered(owner: &[u64], sh: &Shared, h: u64, e: Entry) -> Option<Entry> {
+        let Entry::Fetching { ticket } = e else {
+            return Some(e);
+        };
+        if owner.get(ticket as usize) != Some(&h) {
+            return None;
+        }
+        Some(match sh.answers.read(ticket) {
+            // A staged value is on its way (`Done::Fetch`, sent before the cell was written).
+            (Answer::Pending | Answer::Staged, _) => e,
+            (Answer::Present, at) => Entry::Present {
+                until: Index::after(at, sh.cfg.present_ttl),
+                staged: false,
+            },
+            (Answer::Absent, at) => Entry::Absent {
+                until: Index::after(at, sh.cfg.negative_ttl),
+            },
+        })
+    }
+
+    /// A ticket for a fetch of `h`, its cell pending; `None` while the next one's fetch is
+    /// still running, or its staged value not yet applied (more fetches in flight than there
+    /// are tickets for: the caller stops).
+    pub(super) fn take_ticket(&mut self, sh: &Shared, h: u64) -> Option<u32> {
+        let t = self.next_ticket;
+        #[allow(clippy::cast_possible_truncation)]
+        let ticket = t as u32; // fewer than 2^32 cells
+        if self.owner[t] != 0
+            && matches!(sh.answers.read(ticket).0, Answer::Pending | Answer::Staged)
+        {
+            return None;
+        }
+        self.owner[t] = h;
+        sh.answers.write(ticket, Answer::Pending, 0);
+        self.next_ticket = (t + 1) & (self.owner.len() - 1);
+        Some(ticket)
     }
 }
 
@@ -333,6 +412,16 @@ pub(super) struct Shared {
     pub(super) spinning: std::sync::atomic::AtomicUsize,
     /// An idle thread is napping (`Shared::idle_spin`): one at a time.
     pub(super) napping: AtomicBool,
+    /// The answers of fetches (see [`Answers`]).
+    pub(super) answers: Answers,
+    /// The index's epoch (answers' times are µs since it).
+    pub(super) epoch: Instant,
+    /// Keys of fetches queued or running.
+    pub(super) fetches_out: AtomicU64,
+    /// Bytes of values that queued or running fetches may stage (reserved at `submit_fetch`, so
+    /// that readahead never fetches a value it has no room to keep; a fetch's thread ends the
+    /// reservations of the keys it staged nothing for, the scheduler's side the others').
+    pub(super) fetch_reserved: AtomicU64,
 }
 
 pub(super) fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
@@ -892,12 +981,13 @@ impl Shared {
                     }
                 }
             }
-            Job::Fetch(keys) => {
+            Job::Fetch(keys, tickets) => {
                 let cap = self.fetch_job_keys();
                 while keys.len() < cap {
                     match q.fetches.1.try_recv() {
-                        Ok(Job::Fetch(more)) if keys.len() + more.len() <= cap => {
+                        Ok(Job::Fetch(more, more_tickets)) if keys.len() + more.len() <= cap => {
                             keys.extend(more);
+                            tickets.extend(more_tickets);
                         }
                         Ok(other) => {
                             *stash = Some(other);
@@ -1029,7 +1119,7 @@ impl Shared {
             // are dropped and the thread goes on (docs/tier.md, remote tier, Faults).
             let mut job = job;
             let r = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| match &mut job {
-                Job::Fetch(keys) => Ran::Fetch(self.run_fetch(&mut conns, keys)),
+                Job::Fetch(keys, _) => Ran::Fetch(self.run_fetch(&mut conns, keys)),
                 Job::Read(items) => Ran::Read(self.run_reads(&mut conns, items)),
                 Job::Write(items) => Ran::Write(self.run_writes(&mut conns, items)),
             }));
@@ -1037,11 +1127,10 @@ impl Shared {
                 self.writes_running.fetch_sub(1, AcqRel);
             }
             let done = match (r, job) {
-                (Ok(Ran::Fetch(results)), Job::Fetch(keys)) => Done::Fetch {
-                    hashes: keys.iter().map(Index::hash).collect(),
-                    keys,
-                    results,
-                },
+                (Ok(Ran::Fetch(results)), Job::Fetch(keys, tickets)) => {
+                    self.answer_fetch(&keys, &tickets, results);
+                    continue;
+                }
                 (Ok(Ran::Read(ok)), Job::Read(items)) => Done::Read { items, ok },
                 (Ok(Ran::Write(wrote)), Job::Write(items)) => Done::Write { items, wrote },
                 (r, job) => {
@@ -1053,11 +1142,85 @@ impl Shared {
                     self.set_error(format!(
                         "a remote I/O thread panicked (its job failed): {why}"
                     ));
+                    if let Job::Fetch(keys, tickets) = &job {
+                        // Unanswered: remembered as absent, counted as errors.
+                        let failed = keys.iter().map(|_| Checked::Failed).collect();
+                        self.answer_fetch(keys, tickets, failed);
+                        continue;
+                    }
                     Done::Panicked(job)
                 }
             };
             self.send(done);
         }
+    }
+
+    /// Hands a fetch's answers back (see [`Answers`]): the values found go to the scheduler's
+    /// side to be staged (sent first, so that a cell that says `Staged` has its value in the
+    /// channel), each key's answer goes to its ticket's cell, then the job's reservations and
+    /// count end.
+    fn answer_fetch(&self, keys: &[ByteKey], tickets: &[u32], results: Vec<Checked>) {
+        let now = u64::try_from(self.epoch.elapsed().as_micros()).unwrap_or(u64::MAX >> 2);
+        let (mut hits, mut misses, mut rejected, mut errors) = (0u64, 0u64, 0u64, 0u64);
+        let mut answers = Vec::with_capacity(keys.len());
+        let (mut hashes, mut staged_tickets, mut values) = (Vec::new(), Vec::new(), Vec::new());
+        for ((k, &t), c) in keys.iter().zip(tickets).zip(results) {
+            let a = match c {
+                Checked::Ok(v) if !v.is_empty() => {
+                    hashes.push(Index::hash(k));
+                    staged_tickets.push(t);
+                    values.push(v);
+                    hits += 1;
+                    Answer::Staged
+                }
+                Checked::Ok(_) => {
+                    hits += 1;
+                    Answer::Present
+                }
+                Checked::Missing => {
+                    misses += 1;
+                    Answer::Absent
+                }
+                Checked::Rejected => {
+                    rejected += 1;
+                    misses += 1;
+                    Answer::Absent
+                }
+                // Unanswered (its node down, failing or redirected away) too: remembered as
+                // absent for a while (no refetch storm).
+                Checked::Failed => {
+                    errors += 1;
+                    Answer::Absent
+                }
+            };
+            answers.push((t, a));
+        }
+        let n_staged = values.len() as u64;
+        if !values.is_empty() {
+            self.send(Done::Fetch {
+                hashes,
+                tickets: staged_tickets,
+                values,
+            });
+        }
+        for (t, a) in answers {
+            self.answers.write(t, a, now);
+        }
+        let c = &self.counters;
+        for (counter, n) in [
+            (&c.fetch_hits, hits),
+            (&c.fetch_misses, misses),
+            (&c.rejected, rejected),
+            (&c.fetch_errors, errors),
+        ] {
+            if n > 0 {
+                counter.fetch_add(n, Relaxed);
+            }
+        }
+        let n = keys.len() as u64;
+        self.fetch_reserved
+            .fetch_sub((n - n_staged) * self.fetch_unit(), Relaxed);
+        self.fetches_out.fetch_sub(n, Release);
     }
 }
 

@@ -77,7 +77,7 @@ mod jobs;
 #[allow(clippy::wildcard_imports)]
 use config::*;
 pub use config::{default_idle_spin, default_io_threads, redact, RemoteConfig};
-use index::{Entry, Index};
+use index::{Entry, Index, Tick};
 #[allow(clippy::wildcard_imports)]
 use jobs::*;
 
@@ -117,6 +117,11 @@ const HEADER_FETCH_BYTES: usize = 256 << 10;
 const MAX_HEADER_FETCHES: u64 = 1024;
 /// Most bytes of value buffers kept for reuse (bounded by `max_staged_bytes` too).
 const POOL_BYTES: usize = 64 << 20;
+/// Fewest and most tickets of fetch answers (`Answers`; 8 bytes each, and 8 more for the key
+/// each was taken for): twice the keys the staging room lets fetches have in flight, within
+/// these.
+const MIN_TICKETS: usize = 1 << 10;
+const MAX_TICKETS: usize = 1 << 20;
 
 /// Bytes of a value's header: the tier file's header unpadded (`format::COMPACT_HEADER_BYTES`;
 /// docs/tier.md "Remote tier"), so that a value of 32 KiB is 97% block rather than 87.5%.
@@ -148,6 +153,20 @@ const MIN_WRITE_BATCH: usize = 4;
 /// store, the two alternated in one run: on the 2-CPU dev VM one value per pipeline stored 3.92
 /// and 4.22 GB/s against 3.45 and 3.49 with four; on the 16-CPU H100 host four stored 4.11 and 4.23
 /// against 3.30 and 3.32 with one.
+fn tickets_for(cfg: &RemoteConfig, value_len: usize) -> usize {
+    // Keys of fetches in flight are bounded by the staging room (`Shared::fetch_unit`); twice as
+    // many tickets leave an answer at least as long again before its ticket is taken again.
+    let in_flight = if value_len >= HEADER_FETCH_BYTES {
+        MAX_HEADER_FETCHES
+    } else {
+        cfg.max_staged_bytes / (value_len as u64).max(1)
+    };
+    usize::try_from(in_flight.saturating_mul(2))
+        .unwrap_or(usize::MAX)
+        .clamp(MIN_TICKETS, MAX_TICKETS)
+        .next_power_of_two()
+}
+
 fn large_write_batch() -> usize {
     match std::thread::available_parallelism() {
         Ok(n) if n.get() >= 8 => MIN_WRITE_BATCH,
@@ -241,6 +260,8 @@ impl RemoteTier {
             target.nodes,
         );
         let max_staged = usize::try_from(cfg.max_staged_bytes).unwrap_or(usize::MAX);
+        let epoch = Instant::now();
+        let tickets = tickets_for(&cfg, value_len);
         let (done_tx, done_rx) = std::sync::mpsc::channel();
         let (stop_tx, stop_rx) = crossbeam_channel::bounded(0);
         let shared = Arc::new(Shared {
@@ -267,6 +288,10 @@ impl RemoteTier {
             large_write_batch: large_write_batch(),
             spinning: std::sync::atomic::AtomicUsize::new(0),
             napping: AtomicBool::new(false),
+            answers: Answers::new(tickets),
+            epoch,
+            fetches_out: AtomicU64::new(0),
+            fetch_reserved: AtomicU64::new(0),
             last_error: Mutex::new(None),
             cfg,
             memory,
@@ -303,13 +328,13 @@ impl RemoteTier {
             shared,
             sched: Mutex::new(Sched {
                 // Sized for the cap: no growth (a rehash of every entry) under a lookup.
-                index: Index::with_capacity(INDEX_CAP, Instant::now()),
+                index: Index::with_capacity(INDEX_CAP, epoch),
                 prune_at: INDEX_CAP,
                 queued_writes: 0,
                 inflight_bytes: 0,
                 reads_out: 0,
-                fetches_out: 0,
-                fetch_reserved: 0,
+                owner: vec![0; tickets],
+                next_ticket: 0,
                 completions: Vec::new(),
                 done: done_rx,
             }),
@@ -370,23 +395,32 @@ impl RemoteTier {
     /// so a pruning's cost is always amortised over the insertions since the last one, also when
     /// fetches, writes and staged values under way (which their own limits bound, not the cap)
     /// keep the index above the cap.
-    fn expire(st: &mut Sched, now: Instant) {
+    fn expire(sh: &Shared, st: &mut Sched, now: Instant) {
         if st.index.len() < st.prune_at {
             return;
         }
         let now = st.index.tick(now);
+        // First the answers that came replace their tickets (a lost one is dropped below).
+        let Sched { index, owner, .. } = st;
+        index.map_fetching(|h, ticket| {
+            Sched::answered(owner, sh, h, Entry::Fetching { ticket })
+                .unwrap_or(Entry::Absent { until: 0 })
+        });
         let unexpired = |e: Entry| match e {
             Entry::Absent { until } | Entry::Present { until, .. } => until > now,
-            Entry::Fetching | Entry::Writing => true,
+            Entry::Fetching { .. } | Entry::Writing => true,
         };
         let answers_too = st.index.entries().filter(|e| unexpired(*e)).count() > INDEX_CAP / 2;
-        let keep = |e: Entry| {
-            unexpired(e)
+        let keep = |_: u64, e: Entry| {
+            (unexpired(e)
                 && (!answers_too
                     || matches!(
                         e,
-                        Entry::Fetching | Entry::Writing | Entry::Present { staged: true, .. }
-                    ))
+                        Entry::Fetching { .. }
+                            | Entry::Writing
+                            | Entry::Present { staged: true, .. }
+                    )))
+            .then_some(e)
         };
         st.prune_at = st
             .index
@@ -400,12 +434,13 @@ impl SecondaryTier for RemoteTier {
     }
 
     fn index(&self, key: &ByteKey) -> Known {
-        let st = self.sched();
+        let mut st = self.sched();
+        let e = st.resolve(&self.shared, Index::hash(key));
         let now = || st.index.tick(Instant::now());
-        match st.index.get(Index::hash(key)) {
+        match e {
             None => Known::Unknown,
             // A fetch in flight answers later; a key being written is not readable yet.
-            Some(Entry::Writing | Entry::Fetching) => Known::Pending,
+            Some(Entry::Writing | Entry::Fetching { .. }) => Known::Pending,
             Some(Entry::Present { until, staged }) => {
                 if staged || until > now() {
                     Known::Present
@@ -434,7 +469,7 @@ impl SecondaryTier for RemoteTier {
         }
         let mut guard = self.sched();
         let st = &mut *guard;
-        Self::expire(st, now);
+        Self::expire(sh, st, now);
         // While every node is down, remember the keys as misses: no job, no network. (A node
         // down among live ones fails its own keys in the I/O thread, also without a network call.)
         let down_until = sh.router.all_down(now);
@@ -447,16 +482,17 @@ impl SecondaryTier for RemoteTier {
         let value = sh.fetch_unit();
         let most = sh.cfg.max_fetch_keys.max(1);
         let mut batch = Vec::with_capacity(keys.len().min(most));
+        let mut tickets = Vec::with_capacity(keys.len().min(most));
         let hashes: Vec<u64> = keys.iter().take(most).map(Index::hash).collect();
         st.index.touch(&hashes);
         for (k, &h) in keys.iter().zip(&hashes) {
             // One probe of the index per key (a lookup's cost is mostly these probes; `touch`
             // brought their lines in, and the `set` below finds the same slot).
-            let unknown = match st.index.get(h) {
+            let unknown = match st.resolve(sh, h) {
                 None => true,
                 Some(Entry::Absent { until }) => until <= now,
                 Some(Entry::Present { until, staged }) => !staged && until <= now,
-                Some(Entry::Fetching | Entry::Writing) => false,
+                Some(Entry::Fetching { .. } | Entry::Writing) => false,
             };
             if !unknown {
                 continue;
@@ -470,15 +506,18 @@ impl SecondaryTier for RemoteTier {
             // values waiting for promotions that may never come must not stop a new request);
             // when fetches in flight fill the room, not even the first key goes: the caller's
             // lookup stays pending until one ends, and a flood of lookups queues no more.
-            let first = batch.is_empty() && st.fetch_reserved + value <= sh.cfg.max_staged_bytes;
-            if !first
-                && st.index.staged_bytes() + st.fetch_reserved + value > sh.cfg.max_staged_bytes
-            {
+            let reserved = sh.fetch_reserved.load(Relaxed);
+            let first = batch.is_empty() && reserved + value <= sh.cfg.max_staged_bytes;
+            if !first && st.index.staged_bytes() + reserved + value > sh.cfg.max_staged_bytes {
                 break;
             }
-            st.fetch_reserved += value;
-            st.index.set(h, Entry::Fetching);
+            let Some(ticket) = st.take_ticket(sh, h) else {
+                break;
+            };
+            sh.fetch_reserved.fetch_add(value, Relaxed);
+            st.index.set(h, Entry::Fetching { ticket });
             batch.push(k.clone());
+            tickets.push(ticket);
         }
         let n = batch.len();
         if n > 0 {
@@ -486,15 +525,15 @@ impl SecondaryTier for RemoteTier {
             // the first values are ready for promotion while the rest are on the wire.
             let per_job = sh.fetch_job_keys();
             let jobs = n.div_ceil(per_job);
-            st.fetches_out += n as u64;
+            sh.fetches_out.fetch_add(n as u64, Relaxed);
             drop(guard);
             let mut rest = batch.into_iter();
+            let mut rest_tickets = tickets.into_iter();
             for _ in 0..jobs {
-                let _ = sh
-                    .queues
-                    .fetches
-                    .0
-                    .send(Job::Fetch(rest.by_ref().take(per_job).collect()));
+                let _ = sh.queues.fetches.0.send(Job::Fetch(
+                    rest.by_ref().take(per_job).collect(),
+                    rest_tickets.by_ref().take(per_job).collect(),
+                ));
             }
             sh.ring_from_caller();
         }
@@ -505,20 +544,21 @@ impl SecondaryTier for RemoteTier {
         if self.forked() {
             return false;
         }
-        let st = self.sched();
+        let mut st = self.sched();
+        let e = st.resolve(&self.shared, Index::hash(key));
         let now = st.index.tick(Instant::now());
-        match st.index.get(Index::hash(key)) {
+        match e {
             None => true,
             Some(Entry::Absent { until }) => until <= now,
             Some(Entry::Present { until, staged }) => !staged && until <= now,
-            Some(Entry::Fetching | Entry::Writing) => false,
+            Some(Entry::Fetching { .. } | Entry::Writing) => false,
         }
     }
 
     fn fetch_room(&self) -> usize {
         let sh = &self.shared;
         let st = self.sched();
-        let used = st.index.staged_bytes() + st.fetch_reserved;
+        let used = st.index.staged_bytes() + sh.fetch_reserved.load(Relaxed);
         usize::try_from(sh.cfg.max_staged_bytes.saturating_sub(used) / sh.fetch_unit())
             .unwrap_or(usize::MAX)
     }
@@ -535,7 +575,7 @@ impl SecondaryTier for RemoteTier {
         }
         let now = Instant::now();
         let mut st = self.sched();
-        Self::expire(&mut st, now);
+        Self::expire(sh, &mut st, now);
         let down = sh.router.all_down(now).is_some();
         let stopped = sh.shutdown.load(Acquire);
         let mut queued = Vec::new();
@@ -599,13 +639,15 @@ impl SecondaryTier for RemoteTier {
                     return false;
                 }
                 let h = Index::hash(k);
-                let (staged, unknown) = match st.index.get(h) {
+                let (staged, unknown) = match st.resolve(sh, h) {
                     Some(Entry::Present { staged: true, .. }) => (st.index.take_staged(h), false),
                     Some(Entry::Present { until, .. }) => (None, until <= now),
                     // A key the index does not know (see `may_read_unknown`): the read finds out.
                     None => (None, true),
                     Some(Entry::Absent { until }) if until <= now => (None, true),
-                    Some(Entry::Absent { .. } | Entry::Fetching | Entry::Writing) => return false,
+                    Some(Entry::Absent { .. } | Entry::Fetching { .. } | Entry::Writing) => {
+                        return false
+                    }
                 };
                 batch.push(ReadItem {
                     key: k.clone(),
@@ -646,7 +688,7 @@ impl SecondaryTier for RemoteTier {
 
     fn busy(&self) -> bool {
         let st = self.sched();
-        st.outstanding() || !st.completions.is_empty()
+        st.outstanding(&self.shared) || !st.completions.is_empty()
     }
 
     fn flush(&self) {
@@ -654,7 +696,7 @@ impl SecondaryTier for RemoteTier {
             return;
         }
         loop {
-            if !self.sched().outstanding() || self.shared.shutdown.load(Acquire) {
+            if !self.sched().outstanding(&self.shared) || self.shared.shutdown.load(Acquire) {
                 return;
             }
             std::thread::sleep(Duration::from_micros(500));
@@ -712,7 +754,7 @@ impl SecondaryTier for RemoteTier {
             fetch_misses: c.fetch_misses.load(Relaxed),
             fetch_errors: c.fetch_errors.load(Relaxed),
             reconnects: self.shared.router.reconnects.load(Relaxed),
-            queued_reads: st.reads_out + st.fetches_out,
+            queued_reads: st.reads_out + self.shared.fetches_out.load(Relaxed),
             queued_writes: st.queued_writes as u64,
             last_error: lock(&self.shared.last_error).clone(),
         }
