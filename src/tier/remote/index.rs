@@ -1,7 +1,7 @@
 //! The remote tier's in-memory index (docs/tier.md "Remote tier", the scheduler's path): what the
 //! tier knows of each key, probed on the scheduler's thread once per key of a lookup that starts a
-//! fetch (to mark it fetching, with the ticket of its answer: `jobs::Answers`), and again only
-//! when the key is looked at again (its answer then replaces the ticket).
+//! fetch (to mark it fetching, with the ticket of its answer: `jobs::Answers`), and again when
+//! the key is looked at again (its answer, once it came, then replaces the ticket).
 //!
 //! A probe's cost is its cache misses: a scheduler calls after a pause, and by then the index's
 //! lines are out of the CPU's caches. So an entry is one 16-byte slot — a 64-bit hash of the key
