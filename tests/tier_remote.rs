@@ -608,7 +608,11 @@ fn napping_thread_takes_jobs_and_stops_at_shutdown() {
         // them, 8 s.
         let t_all = Instant::now();
         for (i, k) in ks.iter().enumerate() {
-            std::thread::sleep(Duration::from_millis(if i % 4 == 0 { 20 } else { i as u64 % 3 }));
+            std::thread::sleep(Duration::from_millis(if i % 4 == 0 {
+                20
+            } else {
+                i as u64 % 3
+            }));
             assert_eq!(tier.submit_fetch(std::slice::from_ref(k)), 1);
             let deadline = Instant::now() + Duration::from_secs(10);
             while tier.index(k) != Known::Present {

@@ -103,7 +103,9 @@ impl Answers {
     /// `n` cells (a power of two), none pending.
     pub(super) fn new(n: usize) -> Self {
         Self {
-            cells: (0..n).map(|_| AtomicU64::new(Self::pack(Answer::Absent, 0))).collect(),
+            cells: (0..n)
+                .map(|_| AtomicU64::new(Self::pack(Answer::Absent, 0)))
+                .collect(),
         }
     }
 
@@ -190,12 +192,11 @@ impl Sched {
                     // Its reservation ends here, not in the I/O thread (which ends the others'):
                     // until now the value's bytes were counted there.
                     sh.fetch_reserved.fetch_sub(sh.fetch_unit(), Relaxed);
-                    if self.owner[t as usize] != h {
-                        continue; // (a ticket is not taken again before this: `take_ticket`)
-                    }
-                    // The ticket may be taken again from now on.
+                    // The ticket may be taken again from now on (not before: `take_ticket`).
                     sh.answers.write(t, Answer::Present, now);
-                    if self.index.get(h) != Some(Entry::Fetching { ticket: t }) {
+                    if self.index.get(h) != Some(Entry::Fetching { ticket: t })
+                        || self.owner[t as usize] != h
+                    {
                         continue; // forgotten or written meanwhile
                     }
                     if self.index.staged_bytes() + v.len() as u64 <= sh.cfg.max_staged_bytes {

@@ -145,14 +145,7 @@ const MAX_LARGE_WRITE_JOBS: usize = 2;
 /// [`large_write_batch`].
 const MIN_WRITE_BATCH: usize = 4;
 
-/// Values of 256 KiB and more ([`HEADER_FETCH_BYTES`]) per write pipeline: [`MIN_WRITE_BATCH`] on a
-/// machine with 8 or more CPUs, one below. redis-server
-/// skips its copy of a large argument only when the argument starts its connection's query buffer,
-/// which a pipeline of large values defeats; where the server shares a few CPUs with the engine
-/// that copy costs more than the pipeline saves. Measured with `kvoff bench remote --sizes 2MiB`
-/// store, the two alternated in one run: on the 2-CPU dev VM one value per pipeline stored 3.92
-/// and 4.22 GB/s against 3.45 and 3.49 with four; on the 16-CPU H100 host four stored 4.11 and 4.23
-/// against 3.30 and 3.32 with one.
+/// Tickets of fetch answers (`Answers`) for a tier of these settings and values.
 fn tickets_for(cfg: &RemoteConfig, value_len: usize) -> usize {
     // Keys of fetches in flight are bounded by the staging room (`Shared::fetch_unit`); twice as
     // many tickets leave an answer at least as long again before its ticket is taken again.
@@ -167,6 +160,14 @@ fn tickets_for(cfg: &RemoteConfig, value_len: usize) -> usize {
         .next_power_of_two()
 }
 
+/// Values of 256 KiB and more ([`HEADER_FETCH_BYTES`]) per write pipeline: [`MIN_WRITE_BATCH`] on a
+/// machine with 8 or more CPUs, one below. redis-server
+/// skips its copy of a large argument only when the argument starts its connection's query buffer,
+/// which a pipeline of large values defeats; where the server shares a few CPUs with the engine
+/// that copy costs more than the pipeline saves. Measured with `kvoff bench remote --sizes 2MiB`
+/// store, the two alternated in one run: on the 2-CPU dev VM one value per pipeline stored 3.92
+/// and 4.22 GB/s against 3.45 and 3.49 with four; on the 16-CPU H100 host four stored 4.11 and 4.23
+/// against 3.30 and 3.32 with one.
 fn large_write_batch() -> usize {
     match std::thread::available_parallelism() {
         Ok(n) if n.get() >= 8 => MIN_WRITE_BATCH,
