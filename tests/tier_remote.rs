@@ -639,6 +639,41 @@ fn napping_thread_takes_jobs_and_stops_at_shutdown() {
     a.shutdown();
 }
 
+/// A fetch queued while the only thread looking at the queues naps far longer than usual (as a
+/// thread whose CPU was taken from it does) is not left to wait for it: a scheduler's call a
+/// little later rings for another thread.
+#[test]
+fn a_job_left_by_a_stalled_napper_gets_a_wake_up() {
+    let _g = serial();
+    if !have_redis() {
+        return;
+    }
+    let srv = Server::start("stall", &[]);
+    let mut cfg = quick(RemoteConfig::new(srv.url(), layout("stall")));
+    cfg.io_threads = 2;
+    cfg.idle_spin = Duration::ZERO;
+    cfg.idle_nap = Duration::from_secs(2);
+    cfg.idle_nap_for = Duration::from_secs(60);
+    let mut tier = RemoteTier::open(cfg, Arc::new(VecMemory::new(4, BLOCK))).unwrap();
+    // Both threads idle: one naps (2 s between looks), the other waits for a wake-up (or its
+    // periodic look, every 500 ms: eight fetches answered within 200 ms each by that alone would
+    // be chance, 0.4^8).
+    std::thread::sleep(Duration::from_millis(100));
+    for i in 0..8 {
+        let t0 = Instant::now();
+        assert_eq!(tier.submit_fetch(&[key(i)]), 1);
+        while tier.index(&key(i)) != Known::Absent {
+            assert!(
+                t0.elapsed() < Duration::from_millis(200),
+                "fetch {i} waited for the napping thread"
+            );
+            let _ = tier.poll();
+            std::thread::sleep(Duration::from_micros(200));
+        }
+    }
+    tier.shutdown();
+}
+
 /// A prefix looked up one key at a time, in order (vLLM's connector), with each key's
 /// predecessor (`lookup_after`): one fetch for its first key, the rest read straight into host
 /// blocks once the server is seen to hold the prefix, byte for byte; a prefix nowhere costs one

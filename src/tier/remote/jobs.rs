@@ -154,6 +154,9 @@ pub(super) struct Sched {
     pub(super) owner: Vec<u64>,
     /// The next ticket to take.
     pub(super) next_ticket: usize,
+    /// Since when promotion or fetch jobs have been waiting in the queues with no wake-up rung
+    /// for them (see [`Shared::queued_jobs`]).
+    pub(super) unrung_since: Option<Instant>,
     pub(super) completions: Vec<Completion>,
     pub(super) done: std::sync::mpsc::Receiver<Done>,
 }
@@ -415,6 +418,11 @@ pub(super) struct Shared {
     pub(super) napping: AtomicBool,
     /// The answers of fetches (see [`Answers`]).
     pub(super) answers: Answers,
+    /// Promotion and fetch jobs queued and not yet taken by a thread (added before they are
+    /// sent): a job still waiting a while after it was queued without a wake-up (a thread was
+    /// spinning or napping, and has not come back to the queues: its CPU taken from it) gets one
+    /// at the scheduler's next call (`RemoteTier::poll`).
+    pub(super) queued_jobs: std::sync::atomic::AtomicUsize,
     /// The index's epoch (answers' times are µs since it).
     pub(super) epoch: Instant,
     /// Keys of fetches queued or running.
@@ -918,8 +926,8 @@ impl Shared {
         let q = &self.queues;
         if let Some(j) = stash
             .take()
-            .or_else(|| q.reads.1.try_recv().ok())
-            .or_else(|| q.fetches.1.try_recv().ok())
+            .or_else(|| q.reads.1.try_recv().ok().inspect(|_| self.took()))
+            .or_else(|| q.fetches.1.try_recv().ok().inspect(|_| self.took()))
         {
             return Some(self.merge(j, stash));
         }
@@ -970,7 +978,11 @@ impl Shared {
             Job::Read(items) => {
                 let cap = self.read_job_items();
                 while items.len() < cap {
-                    match q.reads.1.try_recv() {
+                    let got = q.reads.1.try_recv();
+                    if got.is_ok() {
+                        self.took();
+                    }
+                    match got {
                         Ok(Job::Read(more)) if items.len() + more.len() <= cap => {
                             items.extend(more);
                         }
@@ -985,7 +997,11 @@ impl Shared {
             Job::Fetch(keys, tickets) => {
                 let cap = self.fetch_job_keys();
                 while keys.len() < cap {
-                    match q.fetches.1.try_recv() {
+                    let got = q.fetches.1.try_recv();
+                    if got.is_ok() {
+                        self.took();
+                    }
+                    match got {
                         Ok(Job::Fetch(more, more_tickets)) if keys.len() + more.len() <= cap => {
                             keys.extend(more);
                             tickets.extend(more_tickets);
@@ -1001,6 +1017,11 @@ impl Shared {
             Job::Write(_) => {}
         }
         job
+    }
+
+    /// A promotion or fetch job was taken from its queue (see [`Shared::queued_jobs`]).
+    fn took(&self) {
+        self.queued_jobs.fetch_sub(1, Release);
     }
 
     /// Wakes an idle I/O thread for jobs just queued (which wakes the next one if more wait; see

@@ -121,6 +121,9 @@ const POOL_BYTES: usize = 64 << 20;
 /// each was taken for): twice the keys the staging room lets fetches have in flight, within
 /// these.
 const MIN_TICKETS: usize = 1 << 10;
+/// How long a promotion or fetch job queued with no wake-up (a thread was looking at the queues)
+/// may wait before the scheduler's next call rings for it (`Shared::queued_jobs`).
+const LATE_JOB: Duration = Duration::from_millis(1);
 const MAX_TICKETS: usize = 1 << 20;
 
 /// Bytes of a value's header: the tier file's header unpadded (`format::COMPACT_HEADER_BYTES`;
@@ -290,6 +293,7 @@ impl RemoteTier {
             spinning: std::sync::atomic::AtomicUsize::new(0),
             napping: AtomicBool::new(false),
             answers: Answers::new(tickets),
+            queued_jobs: std::sync::atomic::AtomicUsize::new(0),
             epoch,
             fetches_out: AtomicU64::new(0),
             fetch_reserved: AtomicU64::new(0),
@@ -336,6 +340,7 @@ impl RemoteTier {
                 reads_out: 0,
                 owner: vec![0; tickets],
                 next_ticket: 0,
+                unrung_since: None,
                 completions: Vec::new(),
                 done: done_rx,
             }),
@@ -527,6 +532,8 @@ impl SecondaryTier for RemoteTier {
             let per_job = sh.fetch_job_keys();
             let jobs = n.div_ceil(per_job);
             sh.fetches_out.fetch_add(n as u64, Relaxed);
+            sh.queued_jobs.fetch_add(jobs, Release);
+            st.unrung_since.get_or_insert(Instant::now());
             drop(guard);
             let mut rest = batch.into_iter();
             let mut rest_tickets = tickets.into_iter();
@@ -672,6 +679,10 @@ impl SecondaryTier for RemoteTier {
                 _ => 0,
             })
             .sum::<u64>();
+        if !jobs.is_empty() {
+            sh.queued_jobs.fetch_add(jobs.len(), Release);
+            st.unrung_since.get_or_insert(Instant::now());
+        }
         drop(st);
         let ring = !jobs.is_empty();
         for j in jobs {
@@ -684,7 +695,19 @@ impl SecondaryTier for RemoteTier {
     }
 
     fn poll(&self) -> Vec<Completion> {
-        std::mem::take(&mut self.sched().completions)
+        let sh = &self.shared;
+        let mut st = self.sched();
+        // Promotions or fetches queued with no wake-up and still waiting a while later (the
+        // thread that was looking at the queues lost its CPU): one wake-up for another thread.
+        if self.forked() || sh.queued_jobs.load(Acquire) == 0 {
+            st.unrung_since = None;
+        } else if let Some(t) = st.unrung_since {
+            if t.elapsed() >= LATE_JOB {
+                sh.ring();
+                st.unrung_since = Some(Instant::now());
+            }
+        }
+        std::mem::take(&mut st.completions)
     }
 
     fn busy(&self) -> bool {
