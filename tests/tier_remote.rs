@@ -541,23 +541,40 @@ fn fetch_jobs_hold_at_most_32_keys() {
 /// long they would still spin.
 #[test]
 fn spinning_threads_take_jobs_and_stop_at_shutdown() {
+    // One key at a time, each queued while the threads spin after the last one.
+    idle_threads_take_jobs_one_at_a_time(
+        "spin",
+        |cfg| cfg.idle_spin = Duration::from_secs(60),
+        |i| if i % 4 == 0 { 20 } else { 0 },
+        "threads spinning",
+    );
+}
+
+/// Opens a tier of `ns` on a server holding 16 blocks, with 1 and then 3 I/O threads set up by
+/// `idle` for how they look at the queues when idle; fetches each key alone after a pause of
+/// `pause_ms(i)`; asserts that every fetch is answered (a job no thread took would wait for an
+/// idle thread's periodic look, 500 ms: 16 of them, 8 s) and that shutdown is prompt.
+fn idle_threads_take_jobs_one_at_a_time(
+    ns: &str,
+    idle: impl Fn(&mut RemoteConfig),
+    pause_ms: impl Fn(usize) -> u64,
+    how: &str,
+) {
     let _g = serial();
     if !have_redis() {
         return;
     }
-    let srv = Server::start("spin", &[]);
+    let srv = Server::start(ns, &[]);
     let n = 16;
-    let (mut a, _, ks) = stored_prefix(&srv.url(), "spin", n);
+    let (mut a, _, ks) = stored_prefix(&srv.url(), ns, n);
     for threads in [1, 3] {
-        let mut cfg = quick(RemoteConfig::new(srv.url(), layout("spin")));
+        let mut cfg = quick(RemoteConfig::new(srv.url(), layout(ns)));
         cfg.io_threads = threads;
-        cfg.idle_spin = Duration::from_secs(60);
+        idle(&mut cfg);
         let mut tier = RemoteTier::open(cfg, Arc::new(VecMemory::new(n, BLOCK))).unwrap();
-        // One key at a time, each queued while the threads spin after the last one. A job no
-        // thread took would wait for an idle thread's periodic look (500 ms): 16 of them, 8 s.
         let t_all = Instant::now();
         for (i, k) in ks.iter().enumerate() {
-            std::thread::sleep(Duration::from_millis(if i % 4 == 0 { 20 } else { 0 }));
+            std::thread::sleep(Duration::from_millis(pause_ms(i)));
             assert_eq!(tier.submit_fetch(std::slice::from_ref(k)), 1);
             let deadline = Instant::now() + Duration::from_secs(10);
             while tier.index(k) != Known::Present {
@@ -577,7 +594,7 @@ fn spinning_threads_take_jobs_and_stop_at_shutdown() {
         tier.shutdown();
         assert!(
             t0.elapsed() < Duration::from_secs(5),
-            "shutdown took {:?} with threads spinning",
+            "shutdown took {:?} with {how}",
             t0.elapsed()
         );
     }
@@ -590,53 +607,16 @@ fn spinning_threads_take_jobs_and_stop_at_shutdown() {
 /// nap.
 #[test]
 fn napping_thread_takes_jobs_and_stops_at_shutdown() {
-    let _g = serial();
-    if !have_redis() {
-        return;
-    }
-    let srv = Server::start("nap", &[]);
-    let n = 16;
-    let (mut a, _, ks) = stored_prefix(&srv.url(), "nap", n);
-    for threads in [1, 3] {
-        let mut cfg = quick(RemoteConfig::new(srv.url(), layout("nap")));
-        cfg.io_threads = threads;
-        cfg.idle_spin = Duration::ZERO;
-        cfg.idle_nap = Duration::from_millis(2);
-        cfg.idle_nap_for = Duration::from_secs(60);
-        let mut tier = RemoteTier::open(cfg, Arc::new(VecMemory::new(n, BLOCK))).unwrap();
-        // A job no thread took would wait for an idle thread's periodic look (500 ms): 16 of
-        // them, 8 s.
-        let t_all = Instant::now();
-        for (i, k) in ks.iter().enumerate() {
-            std::thread::sleep(Duration::from_millis(if i % 4 == 0 {
-                20
-            } else {
-                i as u64 % 3
-            }));
-            assert_eq!(tier.submit_fetch(std::slice::from_ref(k)), 1);
-            let deadline = Instant::now() + Duration::from_secs(10);
-            while tier.index(k) != Known::Present {
-                assert!(
-                    Instant::now() < deadline,
-                    "key {i} was never fetched ({threads} threads)"
-                );
-                std::thread::yield_now();
-            }
-        }
-        assert!(
-            t_all.elapsed() < Duration::from_secs(4),
-            "{n} fetches one at a time took {:?} ({threads} threads)",
-            t_all.elapsed()
-        );
-        let t0 = Instant::now();
-        tier.shutdown();
-        assert!(
-            t0.elapsed() < Duration::from_secs(5),
-            "shutdown took {:?} with a thread napping",
-            t0.elapsed()
-        );
-    }
-    a.shutdown();
+    idle_threads_take_jobs_one_at_a_time(
+        "nap",
+        |cfg| {
+            cfg.idle_spin = Duration::ZERO;
+            cfg.idle_nap = Duration::from_millis(2);
+            cfg.idle_nap_for = Duration::from_secs(60);
+        },
+        |i| if i % 4 == 0 { 20 } else { i as u64 % 3 },
+        "a thread napping",
+    );
 }
 
 /// A fetch queued while the only thread looking at the queues naps far longer than usual (as a

@@ -533,7 +533,7 @@ impl SecondaryTier for RemoteTier {
             let jobs = n.div_ceil(per_job);
             sh.fetches_out.fetch_add(n as u64, Relaxed);
             sh.queued_jobs.fetch_add(jobs, Release);
-            st.unrung_since.get_or_insert(Instant::now());
+            st.unrung_since.get_or_insert_with(Instant::now);
             drop(guard);
             let mut rest = batch.into_iter();
             let mut rest_tickets = tickets.into_iter();
@@ -681,7 +681,7 @@ impl SecondaryTier for RemoteTier {
             .sum::<u64>();
         if !jobs.is_empty() {
             sh.queued_jobs.fetch_add(jobs.len(), Release);
-            st.unrung_since.get_or_insert(Instant::now());
+            st.unrung_since.get_or_insert_with(Instant::now);
         }
         drop(st);
         let ring = !jobs.is_empty();
