@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import importlib.util
 import json
+import sys
 
 import pytest
 import redis_servers as rs
@@ -90,6 +91,8 @@ def test_kvoff_rows_contract(redis_server: rs.RedisServer) -> None:
     for key in ("set_gb_s", "get_gb_s", "promote_p50_us", "promote_p99_us", "lookup_p99_us_up", "verified"):
         assert key in k, key
     assert k["verified"] is True and k["set_gb_s"] > 0 and k["get_gb_s"] > 0
+    # The server's CPU is read only where the benchmark started the server (its process).
+    assert k["server_store"] == k["server_load"] == {"busy": None, "cpu_s_per_gb": None}
     # Each scheduler-thread figure comes with its reference from the same loop.
     for case in ("up", "up_paced", "down"):
         assert k[f"lookup_ref_p99_us_{case}"] > 0 and k[f"lookup_p99_us_{case}"] > 0
@@ -114,6 +117,15 @@ def test_cli_private_server(capsys: pytest.CaptureFixture[str]) -> None:
         for variant in ("one_key", "keys"):
             assert alt[variant]["set_gb_s"] > 0 and alt[variant]["get_gb_s"] > 0
         assert row["ratios"]["store_vs_redis_benchmark_keys_alternated"] > 0
+        # The private server's event loop, read around kvoff's store and load and each run again.
+        if sys.platform == "linux":
+            for phase in ("server_store", "server_load"):
+                srv = row["kvoff"][phase]
+                assert srv["cpu_s_per_gb"] > 0 and 0 < srv["busy"] <= 1.05, (phase, srv)
+            for variant in ("one_key", "keys"):
+                assert alt[variant]["set_server_cpu_s_per_gb"] > 0
+                assert alt[variant]["get_server_cpu_s_per_gb"] > 0
+            assert "server CPU s per GB of values" in br.format_remote(res)
     text = br.format_remote(res)
     assert "redis-benchmark best" in text and "32 KiB" in text and "3 I/O threads" in text
     assert (row["kvoff"] is None) or "redis-benchmark again" in text

@@ -20,6 +20,13 @@ kvoff's own rows come from :func:`kvoff_rows` (the remote tier's store and load 
 promoted latency and the scheduler thread's lookup time with the server up, slow and down); where
 this build of kvoff has no remote tier, the benchmark reports the references alone and says so.
 
+With its private server the benchmark also reads the CPU time of the server's event loop (its main
+thread, where a Redis or Valkey without I/O threads parses, executes and answers every command;
+:meth:`ServerControl.cpu_s`) around kvoff's store and load and around each run of the best shapes
+again: the server's CPU seconds per GB of values for each, and the share of kvoff's time the server
+was busy. A client at the server's ceiling keeps it busy nearly all the time; one that costs the
+server less per GB than redis-benchmark does moves more bytes for the same CPU.
+
 Without ``url`` the benchmark starts a private ``redis-server`` on loopback (a random port, no
 persistence) and stops it at the end; it needs Debian's ``redis-server`` and ``redis-tools``
 (``redis-benchmark``) or their Valkey equivalents on ``PATH``. Blocks are written under keys
@@ -146,6 +153,12 @@ def _parse_benchmark_csv(text: str) -> dict[str, float]:
     return out
 
 
+def _requests(value_bytes: int, pipeline: int, clients: int, run_bytes: int) -> int:
+    """Requests of one redis-benchmark run (``-n``): ``run_bytes`` of values, at least two
+    pipelines per client."""
+    return max(2 * clients * pipeline, run_bytes // value_bytes, 16)
+
+
 def redis_benchmark_best(
     url: str,
     value_bytes: int,
@@ -182,7 +195,7 @@ def redis_benchmark_best(
         subprocess.run(fill, capture_output=True, timeout=timeout_s, env=t.tool_env(), check=False)
     for p in pipelines:
         for c in clients:
-            n = max(2 * c * p, run_bytes // value_bytes, 16)
+            n = _requests(value_bytes, p, c, run_bytes)
             cmd = [exe, *t.tool_args(benchmark=True), "-t", "set,get", "-d", str(value_bytes), "-n", str(n)]
             cmd += ["-P", str(p), "-c", str(c), *keys, "--csv"]
             if cluster:
@@ -226,14 +239,17 @@ def redis_benchmark_shape(
     run_bytes: int = DEFAULT_RUN_BYTES,
     cluster: bool = False,
     keyspace: int = 0,
+    requests: int | None = None,
     timeout_s: float = 300.0,
 ) -> float:
     """GB/s of one ``redis-benchmark -t op`` run (``op``: ``"set"`` or ``"get"``) at one shape,
-    counted as :func:`redis_benchmark_best` counts them. A GET over ``keyspace`` keys needs them
-    written first (a SET run of the same keyspace writes nearly all of them)."""
+    counted as :func:`redis_benchmark_best` counts them, of ``requests`` requests (default
+    :func:`_requests`). A GET over ``keyspace`` keys needs them written first: a SET run of the
+    same keyspace of at least 4 × ``keyspace`` requests writes 98% of them (a key missed is
+    answered with nil, not a value)."""
     exe = _tool("redis-benchmark", "valkey-benchmark")
     t = RedisTarget.from_url(url)
-    n = max(2 * clients * pipeline, run_bytes // value_bytes, 16)
+    n = requests or _requests(value_bytes, pipeline, clients, run_bytes)
     cmd = [exe, *t.tool_args(benchmark=True), "-t", op, "-d", str(value_bytes), "-n", str(n)]
     cmd += [
         "-P",
@@ -260,9 +276,17 @@ class _Alternated:
     the grid's best is the luckiest of nine single runs."""
 
     def __init__(
-        self, url: str, value_bytes: int, row: dict[str, Any], *, run_bytes: int, cluster: bool
+        self,
+        url: str,
+        value_bytes: int,
+        row: dict[str, Any],
+        *,
+        run_bytes: int,
+        cluster: bool,
+        server_cpu: Callable[[], float | None] | None = None,
     ) -> None:
         self.url, self.value_bytes, self.run_bytes, self.cluster = url, value_bytes, run_bytes, cluster
+        self.server_cpu = server_cpu
         self.variants = [
             ("one_key", row["redis_benchmark"], 0),
             ("keys", row["redis_benchmark_keys"], row["blocks"]),
@@ -270,11 +294,16 @@ class _Alternated:
         self.runs: dict[str, dict[str, list[float]]] = {
             v: {"set": [], "get": []} for v, _, _ in self.variants
         }
+        # The server's CPU seconds per GB of values in each run (with its private server).
+        self.cpu: dict[str, dict[str, list[float]]] = {v: {"set": [], "get": []} for v, _, _ in self.variants}
 
     def __call__(self) -> None:
         for variant, best, keyspace in self.variants:
             for op in ("set", "get"):  # the SET run writes the keys the GET run reads
                 shape = best[op]
+                n = _requests(self.value_bytes, shape["pipeline"], shape["clients"], self.run_bytes)
+                n = max(n, 4 * keyspace)  # the SET run writes (nearly) every key the GET run reads
+                c0 = self.server_cpu() if self.server_cpu is not None else None
                 self.runs[variant][op].append(
                     redis_benchmark_shape(
                         self.url,
@@ -285,13 +314,20 @@ class _Alternated:
                         run_bytes=self.run_bytes,
                         cluster=self.cluster,
                         keyspace=keyspace,
+                        requests=n,
                     )
                 )
+                c1 = self.server_cpu() if self.server_cpu is not None else None
+                if c0 is not None and c1 is not None:
+                    self.cpu[variant][op].append((c1 - c0) / (n * self.value_bytes / 1e9))
 
     def result(self) -> dict[str, Any]:
         out: dict[str, Any] = {"runs": len(self.runs["one_key"]["set"])}
         for variant, ops in self.runs.items():
             out[variant] = {f"{op}_gb_s": statistics.median(xs) for op, xs in ops.items() if xs}
+            for op, xs in self.cpu[variant].items():
+                if xs:
+                    out[variant][f"{op}_server_cpu_s_per_gb"] = statistics.median(xs)
         return out
 
 
@@ -408,6 +444,17 @@ class ServerControl:
         self._proc = proc
         self.url = url
 
+    def cpu_s(self) -> float | None:
+        """CPU seconds the server's main thread (its event loop: every command is parsed,
+        executed and answered there by a server without I/O threads) has run, from
+        ``/proc/<pid>/schedstat`` (nanoseconds); ``None`` where that cannot be read (not Linux,
+        or the server gone)."""
+        try:
+            with open(f"/proc/{self._proc.pid}/schedstat") as f:
+                return int(f.read().split()[0]) / 1e9
+        except (OSError, ValueError, IndexError):
+            return None
+
     def pause(self) -> None:
         self._proc.send_signal(19)  # SIGSTOP
 
@@ -438,7 +485,10 @@ def kvoff_rows(
     reference of each: a call over 16 keys ready in the host memory of an engine whose tier has no
     work, in the same loop), ``"lookup_p99_us_load"`` (a request's
     ``lookup_prefix`` while the load phase promotes), ``"verified"`` (every promoted block
-    byte-equal to what was stored)}.
+    byte-equal to what was stored), ``"server_store", "server_load"`` (``{"busy",
+    "cpu_s_per_gb"}``: the share of the store's or load's time the server's event loop ran, and
+    its CPU seconds per GB of values, medians of the repetitions; ``None`` each without
+    ``control``)}.
 
     ``io_threads``: the tier's ``remote_io_threads`` (``None``: its default). ``before_rep``:
     called before each repetition (the references run beside kvoff's repetitions).
@@ -473,9 +523,19 @@ def _p(xs: list[float], q: float) -> float:
     return ys[min(len(ys) - 1, int(q * len(ys)))]
 
 
-def _store_remote(a: Any, ra: Any, keys: list[bytes], block: int, base: Any) -> float:
+def _store_remote(
+    a: Any,
+    ra: Any,
+    keys: list[bytes],
+    block: int,
+    base: Any,
+    server_cpu: Callable[[], float | None] | None = None,
+    spent: list[tuple[float, float]] | None = None,
+) -> float:
     """Stores ``keys`` (``base`` with the block's index in its first 8 bytes) through manager ``a``
-    (host memory ``ra``) until the server acknowledged all of them; returns GB/s of block bytes."""
+    (host memory ``ra``) until the server acknowledged all of them; returns GB/s of block bytes.
+    With ``server_cpu`` (:meth:`ServerControl.cpu_s`), appends to ``spent`` the server's CPU
+    seconds over the timed store and its duration."""
     import numpy as np
 
     n = len(keys)
@@ -485,10 +545,14 @@ def _store_remote(a: Any, ra: Any, keys: list[bytes], block: int, base: Any) -> 
     for i, blk in enumerate(out.store_spec.block_ids):
         view[int(blk)] = base
         view[int(blk), :8] = np.frombuffer(i.to_bytes(8, "little"), dtype=np.uint8)
+    c0 = server_cpu() if server_cpu is not None else None
     t0 = time.perf_counter()
     a.complete_store(out.keys_to_store)
     a.flush()  # waits until the server acknowledged every queued write
     dt = time.perf_counter() - t0
+    c1 = server_cpu() if server_cpu is not None else None
+    if spent is not None and c0 is not None and c1 is not None:
+        spent.append((c1 - c0, dt))
     st = a.get_stats()
     if st["remote_writes"] != n:
         raise RuntimeError(f"only {st['remote_writes']} of {n} values written: {st['remote_last_error']}")
@@ -503,16 +567,25 @@ STEP_S = 0.0002
 
 
 def _load_remote(
-    b: Any, rb: Any, keys: list[bytes], block: int, base: Any, lookups: list[float]
+    b: Any,
+    rb: Any,
+    keys: list[bytes],
+    block: int,
+    base: Any,
+    lookups: list[float],
+    server_cpu: Callable[[], float | None] | None = None,
+    spent: list[tuple[float, float]] | None = None,
 ) -> tuple[float, bool]:
     """Promotes ``keys`` into manager ``b`` (host memory ``rb``) the way a scheduler does: the keys
     are requests of ``REQUEST_BLOCKS`` blocks, and every step (``STEP_S`` apart) calls
     ``lookup_prefix`` for each request not yet fully in host memory (each call's time appended to
-    ``lookups``); then compares every block. Returns (GB/s, all verified)."""
+    ``lookups``); then compares every block. Returns (GB/s, all verified). ``server_cpu`` and
+    ``spent`` as :func:`_store_remote`'s."""
     import numpy as np
 
     n = len(keys)
     waiting = [keys[i : i + REQUEST_BLOCKS] for i in range(0, n, REQUEST_BLOCKS)]
+    c0 = server_cpu() if server_cpu is not None else None
     t0 = time.perf_counter()
     while waiting:
         still = []
@@ -530,7 +603,11 @@ def _load_remote(
                 f"load stalled ({len(waiting)} requests left): {b.get_stats()['remote_last_error']}"
             )
         time.sleep(STEP_S)
-    gbs = n * block / (time.perf_counter() - t0) / 1e9
+    dt = time.perf_counter() - t0
+    c1 = server_cpu() if server_cpu is not None else None
+    if spent is not None and c0 is not None and c1 is not None:
+        spent.append((c1 - c0, dt))
+    gbs = n * block / dt / 1e9
     spec = b.prepare_load(keys)
     vb = rb.view_numpy(0, 0, block)
     verified = True
@@ -670,6 +747,10 @@ def _tier_rows(
     set_gbs: list[float] = []
     get_gbs: list[float] = []
     lookups_load: list[float] = []
+    # The server's CPU seconds and the duration of each store and load (with its private server).
+    server_cpu = control.cpu_s if control is not None else None
+    spent_store: list[tuple[float, float]] = []
+    spent_load: list[tuple[float, float]] = []
     verified = True
     # One namespace for every repetition, its keys written once before them, untimed, as
     # redis-benchmark's keyspace is before its grid: every timed store replaces values the server
@@ -690,8 +771,8 @@ def _tier_rows(
         a, ra = engine(ns)
         b, rb = engine(ns)
         try:
-            set_gbs.append(_store_remote(a, ra, keys, block, base))
-            gbs, ok = _load_remote(b, rb, keys, block, base, lookups_load)
+            set_gbs.append(_store_remote(a, ra, keys, block, base, server_cpu, spent_store))
+            gbs, ok = _load_remote(b, rb, keys, block, base, lookups_load, server_cpu, spent_load)
             get_gbs.append(gbs)
             verified &= ok
         finally:
@@ -724,9 +805,23 @@ def _tier_rows(
     paced = _lookup_p99(engine, host_engine, key, url, None, secs=2.0, pace_s=STEP_S)
     slow = _lookup_p99(engine, host_engine, key, url, control) if control is not None else None
     down = _lookup_p99(engine, host_engine, key, dead, None)
+    gb_values = n * value_bytes / 1e9
+
+    def server(spent: list[tuple[float, float]]) -> dict[str, float | None]:
+        # Medians over the repetitions: the share of the time the server's event loop ran, and
+        # its CPU seconds per GB of values (header included, as the references count them).
+        if not spent:
+            return {"busy": None, "cpu_s_per_gb": None}
+        return {
+            "busy": statistics.median(c / dt for c, dt in spent),
+            "cpu_s_per_gb": statistics.median(c / gb_values for c, _ in spent),
+        }
+
     return {
         "set_gb_s": statistics.median(set_gbs),
         "get_gb_s": statistics.median(get_gbs),
+        "server_store": server(spent_store),
+        "server_load": server(spent_load),
         "promote_p50_us": _p(promote_us, 0.5),
         "promote_p99_us": _p(promote_us, 0.99),
         "lookup_p99_us_load": _p(lookups_load, 0.99) * 1e6,
@@ -859,7 +954,14 @@ def bench_remote(
             if log is not None and row["redis_py"] is not None:
                 rp = row["redis_py"]
                 log(f"  redis-py pipelined: SET {rp['set_gb_s']:.2f} GET {rp['get_gb_s']:.2f} GB/s")
-            alt = _Alternated(url, size, row, run_bytes=run_bytes, cluster=cluster)
+            alt = _Alternated(
+                url,
+                size,
+                row,
+                run_bytes=run_bytes,
+                cluster=cluster,
+                server_cpu=control.cpu_s if control is not None else None,
+            )
             try:
                 k = kvoff_rows(
                     url,
@@ -898,6 +1000,26 @@ def bench_remote(
 
 def _size(n: int) -> str:
     return f"{n // MiB} MiB" if n % MiB == 0 else f"{n // KiB} KiB" if n % KiB == 0 else f"{n} B"
+
+
+def _server_line(k: dict[str, Any], ra: dict[str, Any] | None, blocks: int) -> str:
+    """The server's CPU per GB of values (and its busy share in kvoff's store and load), where
+    the benchmark measured them (its private server); empty otherwise."""
+    st, ld = k.get("server_store") or {}, k.get("server_load") or {}
+    if st.get("cpu_s_per_gb") is None or ld.get("cpu_s_per_gb") is None:
+        return ""
+    text = (
+        f"server CPU s per GB of values: kvoff store {st['cpu_s_per_gb']:.2f} (busy {st['busy']:.0%}),"
+        f" load {ld['cpu_s_per_gb']:.2f} (busy {ld['busy']:.0%})"
+    )
+    if ra is not None and "set_server_cpu_s_per_gb" in ra["one_key"]:
+        o, n = ra["one_key"], ra["keys"]
+        text += (
+            f"; redis-benchmark again SET / GET, one key {o['set_server_cpu_s_per_gb']:.2f} /"
+            f" {o['get_server_cpu_s_per_gb']:.2f}, {blocks} keys {n['set_server_cpu_s_per_gb']:.2f} /"
+            f" {n['get_server_cpu_s_per_gb']:.2f}"
+        )
+    return text
 
 
 def format_remote(res: dict[str, Any]) -> str:
@@ -968,6 +1090,9 @@ def format_remote(res: dict[str, Any]) -> str:
                 f"{r['load_vs_redis_benchmark_alternated']:.0%} / "
                 f"{r['load_vs_redis_benchmark_keys_alternated']:.0%} (one key / {row['blocks']} keys)"
             )
+        line = _server_line(k, ra, row["blocks"])
+        if line:
+            lines.append(f"{'':>8} {line}")
         for key in (
             "promote_p50_us",
             "promote_p99_us",
