@@ -452,14 +452,16 @@ class ChainManagerCore:
         remote_idle_spin_s: float | None = None,
         remote_idle_nap_s: float | None = None,
     ) -> ChainManagerCore: ...
-    def lookup(self, key: bytes, after: bytes | None = None) -> bool | None:
+    def lookup(self, key: bytes, req_context: Any = None, after: bytes | None = None) -> bool | None:
         """`True` ready, `None` pending (store, promotion or fetch in flight), `False` absent.
         `after`: the key before `key` in its prefix, looked up just before (a caller that looks
-        a prefix up one key at a time, in order; docs/tier.md "Tier chain").
+        a prefix up one key at a time, in order; docs/tier.md "Tier chain"). `req_context` is
+        vLLM's, unused: the signature is the manager's, so that `TieredOffloadingManager` hands the
+        scheduler's calls to this method with no Python frame in between.
         """
-    def lookup_prefix(self, keys: Iterable[bytes]) -> int | None:
+    def lookup_prefix(self, keys: Iterable[bytes], req_context: Any = None) -> int | None:
         """Leading ready keys, or `None` when the first non-ready one is pending, being promoted or
-        being fetched.
+        being fetched. `req_context`: as `lookup`'s.
         """
     def prepare_load(self, keys: Iterable[bytes]) -> list[int]:
         """Pins the keys for a load; returns their block ids."""

@@ -589,14 +589,18 @@ impl PyChainCore {
 
     /// `True` ready, `None` pending (store, promotion or fetch in flight), `False` absent.
     /// `after`: the key before `key` in its prefix, looked up just before (a caller that looks
-    /// a prefix up one key at a time, in order; docs/tier.md "Tier chain").
-    #[pyo3(signature = (key, after = None))]
+    /// a prefix up one key at a time, in order; docs/tier.md "Tier chain"). `req_context` is
+    /// vLLM's, unused: the signature is the manager's, so that `TieredOffloadingManager` hands the
+    /// scheduler's calls to this method with no Python frame in between.
+    #[pyo3(signature = (key, req_context = None, after = None))]
     fn lookup(
         &self,
         py: Python<'_>,
         key: &Bound<'_, PyAny>,
+        req_context: Option<&Bound<'_, PyAny>>,
         after: Option<&Bound<'_, PyAny>>,
     ) -> PyResult<Option<bool>> {
+        let _ = req_context;
         let k = key_of(key)?;
         let prev = after.map(key_of).transpose()?;
         Ok(
@@ -612,8 +616,15 @@ impl PyChainCore {
     }
 
     /// Leading ready keys, or `None` when the first non-ready one is pending, being promoted or
-    /// being fetched.
-    fn lookup_prefix(&self, py: Python<'_>, keys: &Bound<'_, PyAny>) -> PyResult<Option<usize>> {
+    /// being fetched. `req_context`: as `lookup`'s.
+    #[pyo3(signature = (keys, req_context = None))]
+    fn lookup_prefix(
+        &self,
+        py: Python<'_>,
+        keys: &Bound<'_, PyAny>,
+        req_context: Option<&Bound<'_, PyAny>>,
+    ) -> PyResult<Option<usize>> {
+        let _ = req_context;
         let k = keys_of(keys)?;
         self.with(py, |m| m.lookup_prefix(&k))
     }

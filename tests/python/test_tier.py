@@ -331,6 +331,34 @@ def test_lookup_that_hits_a_file_answers_pending_then_hits(tmp_path: Path) -> No
     region.close()
 
 
+def test_scheduler_calls_reach_the_extension_directly(tmp_path: Path) -> None:
+    """``lookup`` and ``lookup_prefix`` are the extension's own methods (no Python frame between
+    the scheduler and the Rust call: BENCHMARKS.md "Remote tier"), and take every form of the
+    manager's arguments: ``req_context`` by position or name, ``after`` by name, keys as any
+    iterable of bytes; anything else is a ``TypeError``, and a shut-down manager a clear error."""
+    m, region = make(tmp_path / "d")
+    core = m._core  # noqa: SLF001 - what the scheduler's calls must reach
+    assert m.lookup.__self__ is core and m.lookup_prefix.__self__ is core  # type: ignore[attr-defined]
+    keys = [K(i) for i in range(4)]
+    assert m.lookup(keys[0]) is False and m.lookup(keys[0], None) is False
+    assert m.lookup_prefix(keys, {"req": 1}) == 0
+    store(m, region, [0, 1, 2, 3])
+    assert m.lookup_prefix(keys) == 4
+    assert m.lookup_prefix(iter(keys), {"req": 1}) == 4
+    assert m.lookup_prefix((k for k in keys[:2]), req_context=None) == 2
+    assert m.lookup(keys[1], {"req": 1}, after=keys[0]) is True
+    assert m.lookup(keys[2], req_context=None, after=keys[1]) is True
+    assert m.lookup(keys[3], None, keys[2]) is True
+    with pytest.raises(TypeError):
+        m.lookup_prefix([1, 2])  # type: ignore[list-item]
+    with pytest.raises(TypeError):
+        m.lookup("not bytes")  # type: ignore[arg-type]
+    m.shutdown()
+    with pytest.raises(kvoff.InvalidStateError):
+        m.lookup(keys[0])
+    region.close()
+
+
 def test_use_after_fork_is_a_clear_error(tmp_path: Path) -> None:
     m, region = make(tmp_path)
     store(m, region, [1])

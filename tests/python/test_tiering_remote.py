@@ -75,8 +75,17 @@ def test_store_fresh_instance_retry_then_load_byte_exact(redis_factory: Any) -> 
     t2 = base._aligned(base.NUM_CHUNKS, base.CHUNK_ELEMS)
     b = _tier(srv.url, t2)
     try:
-        # The fresh instance's index knows nothing: RETRY (a fetch started), never a wait.
-        assert b.lookup(keys[0], CTX) is LookupResult.RETRY
+        # The fresh instance's index knows nothing: RETRY (a fetch started), never a wait. The
+        # server is paused meanwhile: an I/O thread may otherwise have the answer before the
+        # call reads its key's entry (a loopback fetch takes tens of µs; a call preempted that
+        # long on a busy 2-CPU machine then answers HIT, which is right but not this case).
+        srv.pause()
+        try:
+            t0 = time.monotonic()
+            assert b.lookup(keys[0], CTX) is LookupResult.RETRY
+            assert time.monotonic() - t0 < 1.0, "a lookup waited on the stopped server"
+        finally:
+            srv.resume()
         assert [_lookup(b, k) for k in keys] == [LookupResult.HIT] * 4
         assert _lookup(b, base.key(99)) is LookupResult.MISS
         b.submit_load(base.job(2, [keys[2], keys[0]], [5, 6], promotion=True))
