@@ -337,7 +337,7 @@ def test_scheduler_calls_reach_the_extension_directly(tmp_path: Path) -> None:
     manager's arguments: ``req_context`` by position or name, ``after`` by name, keys as any
     iterable of bytes; anything else is a ``TypeError``, and a shut-down manager a clear error."""
     m, region = make(tmp_path / "d")
-    core = m._core  # noqa: SLF001 - what the scheduler's calls must reach
+    core = m._core  # what the scheduler's calls must reach
     assert m.lookup.__self__ is core and m.lookup_prefix.__self__ is core  # type: ignore[attr-defined]
     keys = [K(i) for i in range(4)]
     assert m.lookup(keys[0]) is False and m.lookup(keys[0], None) is False
