@@ -28,3 +28,50 @@ ensure_redis() {
     echo "apt-get could not install redis-server: the remote-tier tests will skip" >&2
   fi
 }
+
+# Valkey (issue 26: the remote tier speaks to Redis ≥ 7 and Valkey): Debian's valkey-tools and
+# valkey-server packages, fetched with apt-get from the release's own suite where it has them
+# (trixie on) or bookworm-backports (signatures checked against Debian's archive keyring), unpacked
+# under the environment cache — not installed, nothing outside the cache changes — and reused by
+# later runs without the network. Sets VALKEY_BIN to the folder with valkey-server, valkey-cli and
+# valkey-benchmark, or leaves it empty, saying why, where that cannot be done here.
+ensure_valkey() {
+  VALKEY_BIN=""
+  local root="$KVOFF_ENV_CACHE/valkey"
+  if [ -x "$root/usr/bin/valkey-server" ] && "$root/usr/bin/valkey-server" --version >/dev/null 2>&1; then
+    VALKEY_BIN="$root/usr/bin"
+    return 0
+  fi
+  local keyring=/usr/share/keyrings/debian-archive-keyring.gpg codename suite
+  codename=$(. /etc/os-release 2>/dev/null && echo "${VERSION_CODENAME:-}")
+  if ! command -v apt-get >/dev/null || [ ! -r "$keyring" ] || [ -z "$codename" ]; then
+    echo "Valkey: not a Debian system with apt-get and Debian's keyring: the Valkey pass is skipped" >&2
+    return 0
+  fi
+  case "$codename" in
+    bookworm) suite=bookworm-backports ;;
+    *) suite="$codename" ;;
+  esac
+  local tmp
+  tmp=$(mktemp -d)
+  mkdir -p "$tmp/lists/partial" "$tmp/cache/archives/partial" "$tmp/debs"
+  echo "deb [signed-by=$keyring] http://deb.debian.org/debian $suite main" >"$tmp/sources.list"
+  local apt=(apt-get -q -o "Dir::Etc::SourceList=$tmp/sources.list" -o Dir::Etc::SourceParts=/dev/null
+    -o "Dir::State::Lists=$tmp/lists" -o "Dir::Cache=$tmp/cache" -o Debug::NoLocking=1
+    -o APT::Sandbox::User=root)
+  if "${apt[@]}" update >/dev/null 2>&1 \
+    && (cd "$tmp/debs" && "${apt[@]}" download valkey-tools valkey-server >/dev/null 2>&1); then
+    rm -rf "$root.new" && mkdir -p "$root.new"
+    local d
+    for d in "$tmp"/debs/*.deb; do dpkg-deb -x "$d" "$root.new"; done
+    if "$root.new/usr/bin/valkey-server" --version; then
+      rm -rf "$root" && mv "$root.new" "$root"
+      VALKEY_BIN="$root/usr/bin"
+    else
+      echo "Valkey: the unpacked valkey-server does not run here: the Valkey pass is skipped" >&2
+    fi
+  else
+    echo "Valkey: apt-get could not fetch valkey-tools from $suite: the Valkey pass is skipped" >&2
+  fi
+  rm -rf "$tmp"
+}

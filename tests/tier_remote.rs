@@ -38,8 +38,19 @@ fn serial() -> MutexGuard<'static, ()> {
         .unwrap_or_else(std::sync::PoisonError::into_inner)
 }
 
+/// The server to run: `$KVOFF_REDIS_SERVER` (the test command sets it to run these tests against
+/// Valkey too), else `redis-server`.
+fn server_bin() -> std::ffi::OsString {
+    std::env::var_os("KVOFF_REDIS_SERVER").unwrap_or_else(|| "redis-server".into())
+}
+
+/// The client tool: `$KVOFF_REDIS_CLI`, else `redis-cli`.
+fn cli_bin() -> std::ffi::OsString {
+    std::env::var_os("KVOFF_REDIS_CLI").unwrap_or_else(|| "redis-cli".into())
+}
+
 fn have_redis() -> bool {
-    let ok = Command::new("redis-server")
+    let ok = Command::new(server_bin())
         .arg("--version")
         .stdout(Stdio::null())
         .status()
@@ -92,7 +103,7 @@ impl Server {
     }
 
     fn spawn(&mut self) {
-        let mut cmd = Command::new("redis-server");
+        let mut cmd = Command::new(server_bin());
         cmd.args(["--port", &self.port.to_string(), "--bind", "127.0.0.1"])
             .args(["--save", "", "--appendonly", "no", "--protected-mode", "no"])
             .arg("--dir")
@@ -120,7 +131,7 @@ impl Server {
     }
 
     fn cli(&self, args: &[&str]) -> String {
-        let out = Command::new("redis-cli")
+        let out = Command::new(cli_bin())
             .args(["-p", &self.port.to_string(), "--no-auth-warning"])
             .args(args)
             .output()
@@ -860,7 +871,7 @@ fn corrupted_or_foreign_values_are_rejected_and_deleted() {
     let k0 = tier.redis_key(&key(0));
     let k1 = tier.redis_key(&key(1));
     srv.cli(&["SETRANGE", &k0, "0", "garbage-not-a-header"]);
-    let v1 = Command::new("redis-cli")
+    let v1 = Command::new(cli_bin())
         .args(["-p", &srv.port.to_string(), "--no-raw", "STRLEN", &k1])
         .output()
         .unwrap();
@@ -1702,7 +1713,7 @@ impl Cluster {
             })
             .collect();
         let c = Self { nodes };
-        let out = Command::new("redis-cli")
+        let out = Command::new(cli_bin())
             .args(["--cluster", "create"])
             .args(c.addrs(None))
             .args(["--cluster-replicas", &replicas.to_string(), "--cluster-yes"])
@@ -1770,6 +1781,27 @@ fn no_rejects(m: &mut Chain) -> kvoff::tier::chain::ChainTierStats {
 }
 
 /// kvoff's slot of a key is the server's (`CLUSTER KEYSLOT`), hash tags included.
+/// The test command runs these tests on Debian's Redis 7 and again on Valkey 8
+/// (`KVOFF_REDIS_SERVER`, `KVOFF_EXPECT_SERVER=valkey`): the server started must be the product
+/// asked for (the other tests then run on it).
+#[test]
+fn server_is_the_product_asked_for() {
+    let _g = serial();
+    if !have_redis() {
+        return;
+    }
+    let srv = Server::start("product", &[]);
+    let info = srv.cli(&["INFO", "server"]);
+    let product = if info.contains("valkey_version:") {
+        "valkey"
+    } else {
+        "redis"
+    };
+    if let Some(want) = std::env::var_os("KVOFF_EXPECT_SERVER") {
+        assert_eq!(want.to_str(), Some(product), "{info}");
+    }
+}
+
 #[test]
 fn key_slot_is_the_servers() {
     let _g = serial();
@@ -2071,7 +2103,7 @@ fn tls_round_trip_with_a_private_ca() {
     ]);
     let port = free_port();
     let d = |f: &str| dir.join(f).display().to_string();
-    let mut child = Command::new("redis-server")
+    let mut child = Command::new(server_bin())
         .args([
             "--port",
             "0",
@@ -2098,7 +2130,7 @@ fn tls_round_trip_with_a_private_ca() {
         .spawn()
         .unwrap();
     let cli = |args: &[&str]| {
-        let out = Command::new("redis-cli")
+        let out = Command::new(cli_bin())
             .args(["-p", &port.to_string(), "--tls", "--cacert", &d("ca.crt")])
             .args(args)
             .output()

@@ -57,6 +57,20 @@ def test_standalone_session_server(redis_server: rs.RedisServer) -> None:
     s.cli("DEL", "harness:k")
 
 
+def test_session_server_is_the_product_asked_for(redis_server: rs.RedisServer) -> None:
+    """scripts/test.sh runs the remote tier's tests twice: on Debian's Redis 7 and on Valkey 8
+    (``KVOFF_REDIS_SERVER`` and ``KVOFF_EXPECT_SERVER=valkey``); the second pass must really talk to
+    Valkey, not fall back to whatever ``redis-server`` is on ``PATH``."""
+    info = redis_server.info("server")
+    product = "valkey" if "valkey_version" in info else "redis"
+    print(product, info.get("valkey_version") or info.get("redis_version"))
+    expect = os.environ.get("KVOFF_EXPECT_SERVER")
+    if expect:
+        assert product == expect, f"{expect} asked for, {product} answered: {info}"
+    major = int((info.get("valkey_version") or info["redis_version"]).split(".")[0])
+    assert major >= 7, info  # Redis ≥ 7; Valkey began at 7.2
+
+
 def test_cluster_session_is_ok(redis_cluster: rs.RedisCluster) -> None:
     c = redis_cluster
     assert len(c.nodes) == 3 and len(c.masters()) == 3
