@@ -115,6 +115,11 @@ if [ "${KVOFF_SKIP_SGLANG:-0}" != 1 ]; then
   # (KVOFF_REQUIRE_REDIS, exported above, makes a missing server a failure there too).
   step "pytest tests/sglang: kvoff.sglang through SGLang's factory and host pools ($SGLANG_ENV)"
   KVOFF_REQUIRE_SGLANG=1 "$SGLANG_ENV/bin/python" -m pytest -q -p no:cacheprovider -rs tests/sglang
+  if [ -n "$VALKEY_BIN" ]; then
+    step "pytest tests/sglang -k remote: the remote tier under SGLang on Valkey"
+    env "${VALKEY_ENV[@]}" KVOFF_REQUIRE_SGLANG=1 "$SGLANG_ENV/bin/python" -m pytest -q -p no:cacheprovider \
+      -rs tests/sglang -k remote
+  fi
   "$MAIN/bin/python" -m ruff check tests/sglang
   "$MAIN/bin/python" -m ruff format --check tests/sglang
 else
