@@ -1086,10 +1086,16 @@ impl Shared {
         found || self.jobs_waiting()
     }
 
-    /// Whether a job is queued.
+    /// Whether a job this thread may take is queued: a write of large values counts only while
+    /// fewer than [`MAX_LARGE_WRITE_JOBS`] run (a writer that ends takes the next one itself, or
+    /// rings for it after taking another job). Counting them regardless kept every other idle
+    /// thread spinning at full speed on a queue it could not take from.
     fn jobs_waiting(&self) -> bool {
         let q = &self.queues;
-        !(q.reads.1.is_empty() && q.fetches.1.is_empty() && q.writes.1.is_empty())
+        !(q.reads.1.is_empty() && q.fetches.1.is_empty())
+            || (!q.writes.1.is_empty()
+                && (!self.header_fetch()
+                    || self.writes_running.load(Acquire) < MAX_LARGE_WRITE_JOBS))
     }
 
     /// Waits until the bell rings, the tier stops, or `wait` passes.
