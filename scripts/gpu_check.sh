@@ -7,6 +7,8 @@
 #   rust   — `cargo bench --bench interference` (the Rust twin) with KVOFF_BENCH_* overrides;
 #   remote — `kvoff bench remote` against a private redis-server from .carry/redis
 #            (`gpu_stage.sh remote`): the remote tier on a many-core serving machine;
+#   remote-valkey — the same on Valkey 8 (.carry/valkey): its private server, then one with 4 I/O
+#            threads reached by URL;
 #   tiering — `python -m kvoff.vllm.tiering_bench` (kvoff's file tier against vLLM 0.33's fs tier)
 #             with vLLM's Python code from .carry/vllm-site.tar.xz (`gpu_stage.sh tiering`).
 # Logs go to $OUT; a short summary is printed last.
@@ -67,6 +69,30 @@ for step in "$@"; do
       >"$OUT/remote.log" 2>&1
     summary+=("kvoff bench remote: rc=$?")
     tail -34 "$OUT/remote.log"
+    ;;
+  remote-valkey)
+    # The same on Valkey 8 (.carry/valkey, `gpu_stage.sh remote` where the test command unpacked
+    # it): its private server as the bench starts it (one I/O thread), then a Valkey with 4 I/O
+    # threads that the bench reaches by URL (its references run on that server too).
+    if ls .carry/pywheels/redis-*.whl >/dev/null 2>&1; then
+      python3 -m pip install -q --no-deps --no-index --target /tmp/kvoff-redis-py .carry/pywheels/redis-*.whl >/dev/null 2>&1
+      export PYTHONPATH=/tmp/kvoff-redis-py${PYTHONPATH:+:$PYTHONPATH}
+    fi
+    VB=$PWD/.carry/valkey/bin
+    PATH=$VB:$PATH python3 -m kvoff.tools.cli bench remote --reps ${KVOFF_REMOTE_REPS:-3} \
+      >"$OUT/remote_valkey.log" 2>&1
+    summary+=("kvoff bench remote on Valkey: rc=$?")
+    tail -34 "$OUT/remote_valkey.log"
+    port=$(python3 -c 'import socket; s=socket.socket(); s.bind(("127.0.0.1", 0)); print(s.getsockname()[1])')
+    "$VB/valkey-server" --port "$port" --bind 127.0.0.1 --save "" --appendonly no --io-threads 4 \
+      --dir /tmp >"$OUT/valkey_io4_server.log" 2>&1 &
+    VPID=$!
+    for _ in $(seq 100); do "$VB/valkey-cli" -p "$port" PING 2>/dev/null | grep -q PONG && break; sleep 0.1; done
+    PATH=$VB:$PATH python3 -m kvoff.tools.cli bench remote --url "redis://127.0.0.1:$port" \
+      --reps ${KVOFF_REMOTE_REPS:-3} >"$OUT/remote_valkey_io4.log" 2>&1
+    summary+=("kvoff bench remote on Valkey, 4 I/O threads: rc=$?")
+    tail -34 "$OUT/remote_valkey_io4.log"
+    kill $VPID 2>/dev/null
     ;;
   tiering)
     # kvoff's file tier against vLLM 0.33's fs tier on this machine's disk (vLLM's Python code from

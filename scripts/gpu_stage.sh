@@ -4,12 +4,18 @@
 # device tool: `scripts/gpu_check.sh <step>` with carry [".carry"] (its header lists the steps).
 # `gpu_stage.sh remote`: the wheel and this machine's redis-server, redis-cli and redis-benchmark
 # with their shared libraries and loader (.carry/redis; the GPU machine has none), and redis-py's wheel
-# (.carry/pywheels), for the `remote` step, without the Rust binaries. `gpu_stage.sh tiering`: the wheel and vLLM 0.33's Python code with
+# (.carry/pywheels), for the `remote` step, without the Rust binaries; Valkey's server and tools where
+# the test command unpacked them (.carry/valkey), for the `remote-valkey` step. KVOFF_WHEEL: carry
+# that wheel instead of building one. `gpu_stage.sh tiering`: the wheel and vLLM 0.33's Python code with
 # the packages it imports that the GPU machine lacks (.carry/vllm-site.tar.xz) for the `tiering` step.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 rm -rf .carry && mkdir -p .carry/bin .carry/wheel
-python3 -m maturin build --release --locked -q -o .carry/wheel
+if [ -n "${KVOFF_WHEEL:-}" ]; then
+  cp "$KVOFF_WHEEL" .carry/wheel/  # a wheel built from this tree already (the test command's)
+else
+  python3 -m maturin build --release --locked -q -o .carry/wheel
+fi
 if [ "${1:-}" = tiering ]; then
   # vLLM 0.33's Python files and its fs tier's C helper (fs_io_C: libc and the C++ runtime only)
   # from the test command's vLLM environment, plus CPython 3.12 wheels of the packages they import
@@ -51,6 +57,19 @@ if [ "${1:-}" = remote ]; then
     chmod +x .carry/redis/bin/$b
   done
   cp -L /lib64/ld-linux-x86-64.so.2 .carry/redis/lib/
+  # Valkey's tools too, where the test command unpacked them (scripts/redis.sh ensure_valkey), for
+  # the `remote-valkey` step; they share .carry/redis/lib.
+  VK=${KVOFF_ENV_CACHE:-$HOME/.cache/kvoff/envs}/valkey/usr/bin
+  if [ -x "$VK/valkey-server" ]; then
+    mkdir -p .carry/valkey/bin .carry/valkey/real
+    for b in valkey-server valkey-cli valkey-benchmark; do
+      cp -L "$VK/$b" .carry/valkey/real/$b
+      ldd "$VK/$b" | awk '/=>/ {print $3}' | xargs -r cp -L -n -t .carry/redis/lib
+      printf '#!/bin/sh\nd=$(dirname "$(readlink -f "$0")")/..\nl=$d/../redis/lib\nexec "$l/ld-linux-x86-64.so.2" --library-path "$l" "$d/real/%s" "$@"\n' \
+        $b > .carry/valkey/bin/$b
+      chmod +x .carry/valkey/bin/$b
+    done
+  fi
   # redis-py (pure Python), at the test command's version, for the bench's redis-py reference.
   VPY=${KVOFF_VLLM_PY:-${KVOFF_ENV_CACHE:-$HOME/.cache/kvoff/envs}/main/bin/python}
   v=$("$VPY" -c "import importlib.metadata as m; print(m.version('redis'))")
