@@ -292,6 +292,9 @@ def test_vllm_remote_settings() -> None:
         {**base, "remote_url": "redis://h:6379", "remote_idle_spin_s": 0, "remote_idle_nap_s": 0.0002}
     )
     assert c.remote_idle_spin_s == 0.0 and c.remote_idle_nap_s == 0.0002
+    assert c.remote_io_threads is None  # the tier's default
+    c = cfg.from_extra_config({**base, "remote_url": "redis://h:6379", "remote_io_threads": 16})
+    assert c.remote_io_threads == 16
     assert (c.remote_namespace, c.remote_timeout_s, c.remote_cluster) == (None, 2.0, False)
     bad = [
         ({"remote_ttl_s": 5}, "need 'remote_url'"),
@@ -313,6 +316,11 @@ def test_vllm_remote_settings() -> None:
         ({"remote_url": "redis://h:1", "remote_idle_nap_s": 0.02}, "remote_idle_nap_s"),
         ({"remote_url": "redis://h:1", "remote_idle_nap_s": "1"}, "remote_idle_nap_s"),
         ({"remote_idle_nap_s": 0}, "need 'remote_url'"),
+        ({"remote_url": "redis://h:1", "remote_io_threads": 0}, "remote_io_threads"),
+        ({"remote_url": "redis://h:1", "remote_io_threads": 65}, "remote_io_threads"),
+        ({"remote_url": "redis://h:1", "remote_io_threads": 2.5}, "remote_io_threads"),
+        ({"remote_url": "redis://h:1", "remote_io_threads": True}, "remote_io_threads"),
+        ({"remote_io_threads": 8}, "need 'remote_url'"),
     ]
     for extra, what in bad:
         with pytest.raises(kvoff.ConfigError, match=what) as e:

@@ -12,6 +12,8 @@ plug-in has no ``remote_url`` setting).
 
 from __future__ import annotations
 
+import os
+import time
 import uuid
 from typing import Any
 
@@ -106,3 +108,37 @@ def test_second_engine_serves_from_redis_cluster_byte_exact(
     tmp_path_factory: pytest.TempPathFactory, redis_cluster: rs.RedisCluster
 ) -> None:
     _a_then_b(tmp_path_factory, _extra(redis_cluster.url, f"sched-cl-{uuid.uuid4().hex[:8]}", cluster=True))
+
+
+def _remote_io_threads() -> int:
+    """Threads of this process named ``kvoff-remote-*`` (the remote tier's I/O threads)."""
+    n = 0
+    for t in os.listdir("/proc/self/task"):
+        try:
+            with open(f"/proc/self/task/{t}/comm") as f:
+                n += f.read().startswith("kvoff-remote-")
+        except OSError:
+            pass
+    return n
+
+
+def test_io_threads_setting_reaches_the_tier(
+    tmp_path_factory: pytest.TempPathFactory, redis_factory: Any
+) -> None:
+    """``remote_io_threads`` in ``kv_connector_extra_config`` sets the tier's I/O threads (16 for a
+    Valkey with I/O threads, docs/tier.md "Remote tier"); the engine then serves as before."""
+    srv: rs.RedisServer = redis_factory()
+    model = _model_dir(tmp_path_factory.getbasetemp())
+    before = _remote_io_threads()
+    extra = {**_extra(srv.url, f"sched-io-{uuid.uuid4().hex[:8]}"), "remote_io_threads": 7}
+    a = Engine(model, num_gpu_blocks=12, kvoff_extra=extra)
+    # A thread takes its name once it runs: wait for all of them.
+    deadline = time.monotonic() + 5
+    while _remote_io_threads() - before < 7 and time.monotonic() < deadline:
+        time.sleep(0.01)
+    time.sleep(0.05)
+    assert _remote_io_threads() - before == 7
+    for p in _workload(prefixes=2, prefix_blocks=4):
+        a.run_request(p)
+    a.manager.flush()
+    assert a.manager.get_stats()[WRITTEN] > 0

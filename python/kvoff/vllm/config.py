@@ -120,6 +120,8 @@ class KvoffOffloadConfig:
             with 8 or more CPUs, 0 below; 0 never naps).
         remote_tls_ca_file: PEM file of the certificate authority that signed the servers'
             certificates, for ``rediss://`` (default: the system's roots).
+        remote_io_threads: I/O threads, one connection each per node (1 to 64; default 4; 16
+            for Valkey >= 8 running ``io-threads`` 4 or more, docs/tier.md "Remote tier").
     """
 
     cpu_bytes_to_use: int
@@ -152,6 +154,7 @@ class KvoffOffloadConfig:
     remote_tls_ca_file: str | None = None
     remote_idle_spin_s: float | None = None
     remote_idle_nap_s: float | None = None
+    remote_io_threads: int | None = None
 
     @property
     def uses_disk(self) -> bool:
@@ -392,7 +395,15 @@ def _remote_settings(d: Mapping[str, Any], shared: bool | None) -> dict[str, Any
         "remote_tls_ca_file": ca,
         "remote_idle_spin_s": _idle_spin(d, "remote_idle_spin_s"),
         "remote_idle_nap_s": _idle_spin(d, "remote_idle_nap_s"),
+        "remote_io_threads": _io_threads(d),
     }
+
+
+def _io_threads(d: Mapping[str, Any]) -> int | None:
+    n = _int(d, "remote_io_threads", None, 1)
+    if n is not None and n > 64:
+        raise ConfigError(f"kv_connector_extra_config['remote_io_threads'] must be 1 to 64, got {n}")
+    return n
 
 
 def _idle_spin(d: Mapping[str, Any], name: str) -> float | None:

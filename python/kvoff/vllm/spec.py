@@ -225,6 +225,7 @@ class KvoffOffloadingSpec(OffloadingSpec):
                 remote_tls_ca_file=c.remote_tls_ca_file,
                 remote_idle_spin_s=c.remote_idle_spin_s,
                 remote_idle_nap_s=c.remote_idle_nap_s,
+                remote_io_threads=c.remote_io_threads,
             )
         except BaseException:
             region.close()
