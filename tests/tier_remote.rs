@@ -1921,7 +1921,7 @@ fn key_slot_is_the_servers() {
     for k in &keys {
         let server: u16 = srv.cli(&["CLUSTER", "KEYSLOT", k]).trim().parse().unwrap();
         assert_eq!(
-            kvoff::tier::remote_route::key_slot(k.as_bytes()),
+            kvoff::tier::remote::route::key_slot(k.as_bytes()),
             server,
             "{k:?}"
         );

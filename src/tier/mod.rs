@@ -92,24 +92,20 @@
 //! ```
 #![deny(unsafe_code)]
 
-pub mod bench;
 pub mod chain;
 pub mod file;
 mod format;
-#[allow(unsafe_code)]
-mod io;
 pub mod remote;
-mod remote_conn;
-pub mod remote_route;
 pub mod secondary;
 
 use std::sync::{Mutex, MutexGuard, PoisonError};
 
 use xxhash_rust::xxh3::xxh3_64;
 
+pub use file::bench;
+pub use file::io::{AlignedBuf, AlignedRows, RawRows};
 pub use file::{DirectIo, FileTier, IdleWaiter, TierConfig, TierStats};
 pub use format::{file_len, COMPACT_HEADER_BYTES, HEADER_BYTES};
-pub use io::{AlignedBuf, AlignedRows, RawRows};
 
 use crate::error::{KvoffError, Result};
 use crate::key::ByteKey;

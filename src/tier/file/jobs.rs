@@ -10,7 +10,8 @@ use std::time::{Duration, Instant};
 
 use xxhash_rust::xxh3::{xxh3_128, xxh3_64};
 
-use super::super::{format, io, AlignedBuf, Completion, HEADER_BYTES};
+use super::super::{format, AlignedBuf, Completion, HEADER_BYTES};
+use super::io;
 use super::{
     hex, is_shard, lock, split_name, unhex, untrusted, Entry, FileState, Job, Shared, State,
     MAX_HEX_KEY,

@@ -5,6 +5,9 @@
 //! the trust rules for what is found in a shared directory (docs/tier.md "Trust").
 #![deny(unsafe_code)]
 
+pub mod bench;
+#[allow(unsafe_code)]
+pub(crate) mod io;
 mod jobs;
 mod trust;
 
@@ -22,7 +25,7 @@ use xxhash_rust::xxh3::xxh3_64;
 pub use jobs::IdleWaiter;
 use trust::{untrusted, untrusted_dir, Trust};
 
-use super::{file_len, io, AlignedBuf, BlockMemory, Completion, Layout};
+use super::{file_len, AlignedBuf, BlockMemory, Completion, Layout};
 use crate::error::{KvoffError, Result};
 use crate::key::ByteKey;
 use crate::manager::BlockId;

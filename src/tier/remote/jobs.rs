@@ -2,12 +2,10 @@
 //! index, the job queues, the counters, and the jobs the threads run (fetch, read, write).
 #![forbid(unsafe_code)]
 
+use super::conn::{mset_head, pair_head, set_head, set_tail, BufPool, Conn, Head, Next, Plain};
+use super::route::{Pack, DIRECT_SEND_BYTES};
 #[allow(clippy::wildcard_imports)]
 use super::*;
-use crate::tier::remote_conn::{
-    mset_head, pair_head, set_head, set_tail, BufPool, Conn, Head, Next, Plain,
-};
-use crate::tier::remote_route::{Pack, DIRECT_SEND_BYTES};
 use crossbeam_channel::{Receiver, Select, Sender};
 use std::sync::atomic::Ordering::SeqCst;
 
@@ -530,7 +528,7 @@ impl Shared {
     }
 
     /// Runs `cmds` (each with its key) through the router: one reply per command, `None` for a
-    /// command that was not answered (see `remote_route`); failures go to `last_error`.
+    /// command that was not answered (see `route`); failures go to `last_error`.
     pub(super) fn run<R: Pack>(
         &self,
         conns: &mut Conns,

@@ -3,7 +3,7 @@
 //!
 //! **Client.** The `redis` crate's synchronous connections (docs/design.md "Remote tier client"),
 //! `rediss://` over rustls; the routing of Cluster commands, the per-node fault state and the
-//! timeouts are in [`super::remote_route`] (docs/tier.md "Faults", "Cluster routing"). Each I/O
+//! timeouts are in [`route`] (docs/tier.md "Faults", "Cluster routing"). Each I/O
 //! thread owns one connection per node it talks to; every network call has a timeout
 //! ([`RemoteConfig::connect_timeout`], [`RemoteConfig::io_timeout`]). A failed call drops its
 //! connection (a timed-out pipeline leaves replies in flight) and marks that node down for a
@@ -62,8 +62,6 @@ use std::time::{Duration, Instant};
 use xxhash_rust::xxh3::{xxh3_128, xxh3_64};
 
 use super::format;
-use super::remote_conn::BufPool;
-use super::remote_route::{Conns, Router, RouterConfig};
 use super::secondary::{Known, SecondaryCounters, SecondaryTier};
 use super::{BlockMemory, Completion, Layout};
 use crate::error::{KvoffError, Result};
@@ -71,8 +69,13 @@ use crate::key::ByteKey;
 use crate::manager::BlockId;
 
 mod config;
+mod conn;
 mod index;
 mod jobs;
+pub mod route;
+
+use conn::BufPool;
+use route::{Conns, Router, RouterConfig};
 
 #[allow(clippy::wildcard_imports)]
 use config::*;
@@ -258,7 +261,7 @@ impl RemoteTier {
                 io_timeout: cfg.io_timeout,
                 backoff_min: cfg.backoff_min,
                 backoff_max: cfg.backoff_max,
-                max_bulk: super::remote_conn::max_bulk_for(value_len),
+                max_bulk: conn::max_bulk_for(value_len),
             },
             redact(&cfg.url),
             target.nodes,

@@ -21,13 +21,13 @@ use std::path::{Path, PathBuf};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use super::chain::{ChainConfig, ChainManager, ChainTier};
-use super::{
-    AlignedBuf, AlignedRows, BlockMemory, Completion, DirectIo, FileTier, Layout, TierConfig,
-};
 use crate::error::{KvoffError, Result};
 use crate::key::ByteKey;
 use crate::manager::{LruManager, ManagerConfig, Presence};
+use crate::tier::chain::{ChainConfig, ChainManager, ChainTier};
+use crate::tier::{
+    AlignedBuf, AlignedRows, BlockMemory, Completion, DirectIo, FileTier, Layout, TierConfig,
+};
 
 /// What to measure.
 #[derive(Clone, Debug)]
@@ -355,8 +355,8 @@ fn run_in(
     // The tier runs at its capacity (n files), as a long-running engine's does: every timed write
     // evicts an own file and overwrites it. The first fill (new files) is timed separately.
     let dir = scratch.join("tier");
-    let flen = super::file_len(block as u64);
-    let tier_cfg = |mem: Arc<dyn super::BlockMemory>| {
+    let flen = crate::tier::file_len(block as u64);
+    let tier_cfg = |mem: Arc<dyn crate::tier::BlockMemory>| {
         let mut tc = TierConfig::new(&dir, flen * n as u64, layout.clone());
         tc.io_threads = cfg.io_threads;
         tc.max_queued_writes = n + 1;
@@ -485,7 +485,7 @@ fn run_in(
     tc.max_queued_writes = n + 1;
     tc.direct_io = cfg.direct_io;
     tc.rescan_interval = None;
-    let src_dyn: Arc<dyn super::BlockMemory> = src.clone();
+    let src_dyn: Arc<dyn crate::tier::BlockMemory> = src.clone();
     let mut t = FileTier::open(tc.clone(), src_dyn)?;
     for i in 0..n {
         #[allow(clippy::cast_possible_truncation)]
@@ -495,7 +495,7 @@ fn run_in(
     t.flush();
     t.shutdown();
     drop(t);
-    let dst_dyn: Arc<dyn super::BlockMemory> = dst.clone();
+    let dst_dyn: Arc<dyn crate::tier::BlockMemory> = dst.clone();
     let t = FileTier::open(tc.clone(), dst_dyn)?;
     let mut lat = Vec::new();
     for i in 0..n.min(64) {
@@ -512,7 +512,7 @@ fn run_in(
             .copied()
             .unwrap_or(0.0)
     };
-    let dst_dyn: Arc<dyn super::BlockMemory> = dst.clone();
+    let dst_dyn: Arc<dyn crate::tier::BlockMemory> = dst.clone();
     let tier = FileTier::open(tc, dst_dyn)?;
     let host = LruManager::new(ManagerConfig::new(n));
     let mut m = ChainManager::new(

@@ -22,7 +22,7 @@ use std::path::Path;
 use crate::error::{KvoffError, Result};
 use crate::manager::BlockId;
 
-use super::BlockMemory;
+use crate::tier::BlockMemory;
 
 /// Alignment (and length unit) of every `O_DIRECT` transfer.
 pub const ALIGN: usize = 4096;

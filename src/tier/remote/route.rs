@@ -36,7 +36,7 @@ use std::sync::atomic::{AtomicBool, AtomicU64, Ordering::Relaxed};
 use std::sync::{Mutex, MutexGuard, PoisonError};
 use std::time::{Duration, Instant};
 
-use super::remote_conn::{BufPool, Conn};
+use super::conn::{BufPool, Conn};
 
 /// Slots of a Redis Cluster.
 pub const SLOTS: usize = 16_384;
