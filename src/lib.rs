@@ -27,7 +27,7 @@
 //! | [`affinity`] | the CPUs of kvoff's own threads (one process-wide setting) | yes |
 //! | [`region`] | host memory: private or shared-by-name mmap, rank slots, prefault, pinning hook | yes |
 //! | [`engine`] | transfer engines: job queue, results, host memcpy engine | yes |
-//! | [`tier`] | file tier behind host memory (docs/spec.md §9): one file per block, I/O threads, tiered manager | only `tier::io` (aligned buffers, raw host rows) |
+//! | [`tier`] | the tiers behind host memory (docs/spec.md §9): files, Redis/Valkey, the tiered manager; one folder per tier | only `tier::memory` (aligned buffers, raw host rows) and `tier::file::io` (libc file calls) |
 //! | `engine::cuda` (feature `cuda`, default) | CUDA engine: batched DMA, copy kernel, staged pipeline, calibration | yes |
 //!
 //! ## Moving bytes
@@ -40,7 +40,7 @@
 //! in submission order from `poll`. `examples/server_loop.rs` wires it all together.
 //!
 //! ## Safety model
-//! Unsafe code lives only in the modules that touch raw memory or FFI (`region`, `engine`, `tier::io`); every other
+//! Unsafe code lives only in the modules that touch raw memory or FFI (`region`, `engine`, `tier::memory`, `tier::file::io`); every other
 //! module is `#![forbid(unsafe_code)]`. Every `unsafe fn` has a numbered `# Safety` list and every
 //! `unsafe {}` block a `// SAFETY:` comment naming the obligation it meets. No library code panics on
 //! bad input: errors are [`KvoffError`] values, which the Python bindings map to exception classes.

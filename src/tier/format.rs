@@ -10,9 +10,92 @@
 //! A remote-tier value carries the same header, unpadded: [`COMPACT_HEADER_BYTES`] (the fields
 //! and room for the longest key), then the payload (docs/tier.md "Remote tier"). The header
 //! length field says which of the two a header is, and a reader accepts only the one it expects.
+//!
+//! **Names.** Every tier names a block key the same way ([`key_stem`]: its bytes in hex, or `h` and
+//! its xxh3-128 when longer than [`MAX_HEX_KEY`] bytes), and an instance that names no owner is
+//! owned by its namespace, rank and host ([`default_owner`]).
 #![forbid(unsafe_code)]
 
-use xxhash_rust::xxh3::xxh3_64;
+use xxhash_rust::xxh3::{xxh3_128, xxh3_64};
+
+use super::Layout;
+
+/// Longest key named by its hex bytes (longer keys are named by their hash).
+pub const MAX_HEX_KEY: usize = 100;
+
+/// The name of block key `k` in a tier's key space: its bytes in lower-case hex, or, when longer
+/// than [`MAX_HEX_KEY`] bytes, `h` and the 32 hex digits of its xxh3-128.
+#[must_use]
+pub fn key_stem(k: &[u8]) -> String {
+    if k.len() <= MAX_HEX_KEY {
+        hex(k)
+    } else {
+        format!("h{:032x}", xxh3_128(k))
+    }
+}
+
+/// What a [`key_stem`] names.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum Stem {
+    /// The key itself (a hex name).
+    Key(Vec<u8>),
+    /// A hashed name: the key is in the value's header.
+    Hashed,
+}
+
+/// What `stem` names; `None` for a name [`key_stem`] does not make.
+#[must_use]
+pub fn parse_key_stem(stem: &str) -> Option<Stem> {
+    if let Some(h) = stem.strip_prefix('h') {
+        return (h.len() == 32 && h.bytes().all(|b| b.is_ascii_hexdigit())).then_some(Stem::Hashed);
+    }
+    unhex(stem).map(Stem::Key)
+}
+
+/// `bytes` in lower-case hex.
+#[must_use]
+pub fn hex(bytes: &[u8]) -> String {
+    use std::fmt::Write;
+    let mut s = String::with_capacity(bytes.len() * 2);
+    for b in bytes {
+        let _ = write!(s, "{b:02x}");
+    }
+    s
+}
+
+fn unhex(s: &str) -> Option<Vec<u8>> {
+    if s.len() % 2 != 0 {
+        return None;
+    }
+    (0..s.len())
+        .step_by(2)
+        .map(|i| u8::from_str_radix(s.get(i..i + 2)?, 16).ok())
+        .collect()
+}
+
+/// This machine's host name, with every character but ASCII letters, digits and `-` as `_` (empty
+/// where it cannot be read).
+#[must_use]
+pub fn host_name() -> String {
+    std::fs::read_to_string("/proc/sys/kernel/hostname")
+        .map(|s| s.trim().to_owned())
+        .unwrap_or_default()
+        .chars()
+        .map(|c| {
+            if c.is_ascii_alphanumeric() || c == '-' {
+                c
+            } else {
+                '_'
+            }
+        })
+        .collect()
+}
+
+/// The owner string of an instance whose settings name none: `namespace|rank|host`.
+#[must_use]
+pub fn default_owner(layout: &Layout, host: &str) -> String {
+    format!("{}|{}|{host}", layout.namespace, layout.rank)
+}
 
 /// File magic.
 pub const MAGIC: [u8; 8] = *b"KVOFFTB1";
@@ -233,6 +316,19 @@ pub fn verify_sized<'a>(
 #[allow(clippy::pedantic)] // tests: style lints are for the library
 mod tests {
     use super::*;
+
+    #[test]
+    fn key_stems_round_trip() {
+        assert_eq!(key_stem(b"\x01\xab"), "01ab");
+        assert_eq!(parse_key_stem("01ab"), Some(Stem::Key(vec![1, 0xab])));
+        let long = vec![7u8; MAX_HEX_KEY + 1];
+        let s = key_stem(&long);
+        assert_eq!((s.len(), s.as_bytes()[0]), (33, b'h'));
+        assert_eq!(parse_key_stem(&s), Some(Stem::Hashed));
+        assert_eq!(key_stem(&long[..MAX_HEX_KEY]).len(), 2 * MAX_HEX_KEY);
+        assert_eq!(parse_key_stem("0g"), None);
+        assert_eq!(parse_key_stem("hxyz"), None);
+    }
 
     fn hdr() -> Header {
         Header {

@@ -8,14 +8,11 @@ use std::sync::atomic::Ordering::Relaxed;
 use std::sync::{Arc, PoisonError};
 use std::time::{Duration, Instant};
 
-use xxhash_rust::xxh3::{xxh3_128, xxh3_64};
+use xxhash_rust::xxh3::xxh3_64;
 
 use super::super::{format, AlignedBuf, Completion, HEADER_BYTES};
 use super::io;
-use super::{
-    hex, is_shard, lock, split_name, unhex, untrusted, Entry, FileState, Job, Shared, State,
-    MAX_HEX_KEY,
-};
+use super::{is_shard, lock, split_name, untrusted, Entry, FileState, Job, Shared, State};
 use crate::key::ByteKey;
 use crate::manager::BlockId;
 
@@ -51,11 +48,7 @@ impl IdleWaiter {
 impl Shared {
     pub(super) fn file_name(&self, key: &ByteKey) -> Box<str> {
         let k = key.as_bytes();
-        let stem = if k.len() <= MAX_HEX_KEY {
-            hex(k)
-        } else {
-            format!("h{:032x}", xxh3_128(k))
-        };
+        let stem = format::key_stem(k);
         format!(
             "{:02x}/{stem}.r{}.{}.kvb",
             xxh3_64(k) & 0xff,
@@ -75,13 +68,10 @@ impl Shared {
             return None;
         }
         let owned = owner_tag == self.owner_hex;
-        if let Some(h) = stem.strip_prefix('h') {
-            if h.len() == 32 && h.bytes().all(|b| b.is_ascii_hexdigit()) {
-                return Some((None, owned));
-            }
-            return None;
+        match format::parse_key_stem(stem)? {
+            format::Stem::Key(k) => Some((Some(k), owned)),
+            format::Stem::Hashed => Some((None, owned)),
         }
-        Some((Some(unhex(stem)?), owned))
     }
 
     pub(super) fn expect_header(&self, key: &ByteKey) -> format::Header {

@@ -1,14 +1,107 @@
-//! The file tier ([`FileTier`]): blocks kept as files in a directory (docs/spec.md §9; the format,
-//! I/O, index and error rules are in the [`super`] module docs). This file holds its settings,
-//! counters, shared state and the owner-side API (submissions on the caller's thread, never
-//! waiting); `jobs` the I/O threads' work (naming, directory scans, writes, reads) and `trust`
-//! the trust rules for what is found in a shared directory (docs/tier.md "Trust").
+//! The file tier ([`FileTier`], docs/spec.md §9, docs/tier.md): offloaded blocks kept as files in a directory on
+//! a local `NVMe` drive or a shared filesystem, persistent across restarts and shared between engines.
+//!
+//! **Files.** One file per block and rank,
+//! `<dir>/kvoff-<layout fingerprint>/<shard>/<key hex>.r<rank>.<owner>.kvb`, where `<shard>` is one of
+//! 256 subdirectories chosen by a hash of the key (keys longer than 100 bytes are named by their
+//! xxh3-128). Each file is a 4 KiB header (magic, format
+//! version, layout fingerprint, rank, world size, payload length, xxh3-64 of the payload, owner tag,
+//! the key, a header checksum; see the tier's `format` module) followed by the block's bytes padded to 4 KiB. The
+//! fingerprint covers a user namespace id, the page sizes, `block_size_factor`, dtype, world size and
+//! the payload length, so engines of different models or layouts never read each other's files.
+//!
+//! **Publication and durability.** A file is written whole under a temporary name
+//! (`.tmp.<host>.<pid>.<n>`) and renamed into place, so a reader sees either no file or a complete
+//! one; a process killed while writing leaves only a temporary file, which the next start on the
+//! same host removes when its pid is gone. By default nothing is `fsync`ed: the tier is a cache, and
+//! after a power loss or kernel crash a published file whose data did not reach the disk fails its
+//! checksum and is dropped (a miss, never served). [`TierConfig::fsync`] syncs each file before the
+//! rename for filesystems where that matters (some network filesystems).
+//!
+//! **I/O.** `O_DIRECT` with 4 KiB-aligned buffers where the filesystem accepts it (probed at start),
+//! buffered I/O otherwise. With 4 KiB-aligned host memory ([`RawRows`](crate::tier::RawRows) over a
+//! `HostRegion`, [`AlignedRows`](crate::tier::AlignedRows)) a file's header and block move in one `pwritev`/`preadv` straight between the file
+//! and the host block; other memory is copied through the I/O thread's buffer. A fixed pool of I/O
+//! threads does every file operation, copy and checksum; the caller's thread only updates the
+//! in-memory index and queues jobs, never waits. Promotions (reads) go before writes. Writes are
+//! bounded by [`TierConfig::max_queued_writes`]: beyond it a write is dropped and counted.
+//!
+//! **Index and capacity.** At start the directory is listed (no file is read except hashed names):
+//! every `*.kvb` of this rank is indexed (restart = warm), stale temporary files of dead local
+//! processes are removed. The listing is repeated every [`TierConfig::rescan_interval`] by an idle
+//! I/O thread, so files written by other engines sharing the directory become visible and files they
+//! removed are forgotten. The capacity ([`TierConfig::capacity_bytes`]) bounds the bytes of the files
+//! *this instance* owns (its owner tag, which survives restarts): before a write, least-recently-used
+//! own files (recency = written or promoted) are removed to make room. Other engines' files are
+//! never removed except when they are corrupt. Files with this instance's owner tag found at start
+//! are adopted as its own; found later (another live process with the same tag) they are readable
+//! but not counted, so two engines with the same tag still share files, but their capacities
+//! overlap: give engines on one host and namespace distinct [`TierConfig::owner`]s.
+//!
+//! **Validation.** A read checks header and payload checksum, the fingerprint, rank and key before a
+//! byte reaches host memory; a file that fails is never served: the read is a miss, the file is
+//! removed and [`TierStats::corrupt_files`] counts it.
+//!
+//! **Errors.** A directory that is missing and cannot be created, is not a directory, or is not
+//! writable is a [`KvoffError::Config`](crate::KvoffError::Config) at [`FileTier::open`]. Every later I/O error (full disk,
+//! permissions changed, file vanished) is counted in [`TierStats`], the store is skipped or the
+//! promotion fails, and the tier keeps working.
+//!
+//! **Code.** This file holds the tier's shared state and owner-side API (submissions on the
+//! caller's thread, never waiting); `config` its settings and counters, `jobs` the I/O threads' work
+//! (naming, directory scans, writes, reads), `io` the directory I/O, `trust` the trust rules for
+//! what is found in a shared directory (docs/tier.md "Trust"), `secondary` its [`SecondaryTier`]
+//! implementation and [`bench`] the disk benchmark.
+//!
+//! [`SecondaryTier`]: crate::tier::secondary::SecondaryTier
+//!
+//! [`ChainManager`](crate::tier::chain::ChainManager) puts the tier (or several: files, then a remote
+//! store) behind an offloading manager (the protocol of docs/spec.md §9, docs/tier.md "Tier chain").
+//!
+//! ```
+//! use std::sync::Arc;
+//! use kvoff::key::ByteKey;
+//! use kvoff::manager::{LruManager, ManagerConfig, Presence};
+//! use kvoff::tier::chain::{ChainConfig, ChainManager, ChainTier};
+//! use kvoff::tier::{FileTier, Layout, TierConfig, VecMemory};
+//!
+//! let dir = std::env::temp_dir().join(format!("kvoff-doc-{}", std::process::id()));
+//! let layout = Layout { namespace: "my-model".into(), world_size: 1, ..Layout::default() };
+//! let open = |mem: Arc<VecMemory>| -> kvoff::Result<ChainManager<LruManager<ByteKey>>> {
+//!     let tier = FileTier::open(TierConfig::new(&dir, 1 << 30, layout.clone()), mem)?;
+//!     let tiers = vec![ChainTier::new(Box::new(tier))];
+//!     Ok(ChainManager::new(LruManager::new(ManagerConfig::new(4)), tiers, ChainConfig::default()))
+//! };
+//! let key = ByteKey::new(b"block-hash\0\0\0\0");
+//! {
+//!     let mem = Arc::new(VecMemory::new(4, 4096));
+//!     let mut m = open(mem.clone())?;
+//!     let out = m.prepare_store(&[key.clone()])?.expect("room");
+//!     mem.set_block(out.block_ids[0], &[7; 4096])?;          // the engine fills the host block
+//!     m.complete_store(&out.keys_to_store, true)?;           // ready, and written through to disk
+//!     m.shutdown();                                          // waits for the write
+//! }
+//! // A restart: host memory is empty, the file is found, promoted, then served.
+//! let mem = Arc::new(VecMemory::new(4, 4096));
+//! let mut m = open(mem.clone())?;
+//! assert_eq!(m.lookup(&key)?, Presence::Pending);
+//! m.flush();
+//! assert_eq!(m.lookup(&key)?, Presence::Ready);
+//! let ids = m.prepare_load(&[key.clone()])?;
+//! assert_eq!(mem.block(ids[0])?, vec![7; 4096]);
+//! m.complete_load(&[key])?;
+//! # m.shutdown();
+//! # let _ = std::fs::remove_dir_all(&dir);
+//! # Ok::<(), kvoff::KvoffError>(())
+//! ```
 #![deny(unsafe_code)]
 
 pub mod bench;
+mod config;
 #[allow(unsafe_code)]
 pub(crate) mod io;
 mod jobs;
+mod secondary;
 mod trust;
 
 use std::collections::{BTreeMap, HashMap, VecDeque};
@@ -22,134 +115,14 @@ use std::time::{Duration, Instant};
 
 use xxhash_rust::xxh3::xxh3_64;
 
+pub use config::{DirectIo, TierConfig, TierStats};
 pub use jobs::IdleWaiter;
 use trust::{untrusted, untrusted_dir, Trust};
 
-use super::{file_len, AlignedBuf, BlockMemory, Completion, Layout};
+use super::{file_len, format, AlignedBuf, BlockMemory, Completion};
 use crate::error::{KvoffError, Result};
 use crate::key::ByteKey;
 use crate::manager::BlockId;
-
-/// Whether to use `O_DIRECT`.
-#[derive(Clone, Copy, Debug, PartialEq, Eq, Default)]
-pub enum DirectIo {
-    /// Where the filesystem accepts it (probed at open).
-    #[default]
-    Auto,
-    /// Always (open fails where the filesystem refuses it).
-    On,
-    /// Never (buffered I/O through the page cache).
-    Off,
-}
-
-/// Settings of a [`FileTier`].
-#[derive(Clone, Debug)]
-pub struct TierConfig {
-    /// The shared directory (created if missing).
-    pub dir: PathBuf,
-    /// Bytes of files this instance may own (headers included).
-    pub capacity_bytes: u64,
-    /// What the blocks are.
-    pub layout: Layout,
-    /// Number of I/O threads (≥ 1).
-    pub io_threads: usize,
-    /// Writes queued beyond this are dropped (counted in [`TierStats::writes_dropped`]).
-    pub max_queued_writes: usize,
-    /// At most this many I/O threads write at once (the others stay free for promotions, which a
-    /// scheduler waits for); clamped to `1..=io_threads`. On the development VM's disk (noisy) 8
-    /// concurrent writers were no faster than 2–4 and 2 were too few for 256 KiB blocks.
-    pub write_threads: usize,
-    /// `fsync` each file before publishing it.
-    pub fsync: bool,
-    /// `O_DIRECT` policy.
-    pub direct_io: DirectIo,
-    /// How often an idle I/O thread lists the directory again (`None`: only at start).
-    pub rescan_interval: Option<Duration>,
-    /// Identity of this instance for capacity accounting (files it wrote, also in an earlier life);
-    /// default: the namespace, rank and host name.
-    pub owner: Option<String>,
-    /// File mode of new files (default 0o600: only this user may read the KV cache).
-    pub file_mode: u32,
-    /// Users besides this process's effective uid whose files and directories are trusted
-    /// (docs/tier.md "Trust"; default none: a directory shared by several users names them here).
-    pub trusted_uids: Vec<u32>,
-    /// A group whose files and directories are trusted, and whose write permission on them is
-    /// accepted (default none).
-    pub trusted_gid: Option<u32>,
-    /// Accept directories writable by untrusted users without the sticky bit (default `false`:
-    /// such a directory is a [`KvoffError::Config`] at [`FileTier::open`]).
-    pub allow_writable_dir: bool,
-}
-
-impl TierConfig {
-    /// Defaults: 8 I/O threads of which at most 4 write at once, 256 queued writes, no fsync, `O_DIRECT` where possible, rescan every
-    /// 2 s, files 0600.
-    #[must_use]
-    pub fn new(dir: impl Into<PathBuf>, capacity_bytes: u64, layout: Layout) -> Self {
-        Self {
-            dir: dir.into(),
-            capacity_bytes,
-            layout,
-            io_threads: 8,
-            max_queued_writes: 256,
-            write_threads: 4,
-            fsync: false,
-            direct_io: DirectIo::Auto,
-            rescan_interval: Some(Duration::from_secs(2)),
-            owner: None,
-            file_mode: 0o600,
-            trusted_uids: Vec::new(),
-            trusted_gid: None,
-            allow_writable_dir: false,
-        }
-    }
-}
-
-/// Counters and gauges of a tier. Counters only grow; per-direction GB/s = bytes / seconds.
-#[derive(Clone, Debug, Default, PartialEq)]
-pub struct TierStats {
-    /// Files published by this instance.
-    pub files_written: u64,
-    /// Payload bytes published.
-    pub bytes_written: u64,
-    /// Seconds the I/O threads spent writing (copy out, checksum, write, rename), summed over threads.
-    pub write_seconds: f64,
-    /// Writes that failed (full disk, permissions, …): the store to the tier was skipped.
-    pub write_errors: u64,
-    /// Writes dropped because the queue was full or the capacity could not be freed.
-    pub writes_dropped: u64,
-    /// Promotions that reached host memory.
-    pub promotions: u64,
-    /// Payload bytes promoted.
-    pub bytes_read: u64,
-    /// Seconds the I/O threads spent reading (read, checks, copy in), summed over threads.
-    pub read_seconds: f64,
-    /// Promotions whose file had vanished or could not be read.
-    pub read_errors: u64,
-    /// Files rejected by a header or checksum check (and removed).
-    pub corrupt_files: u64,
-    /// Foreign entries skipped where the tier expected its own files or shard directories: FIFOs,
-    /// sockets, devices, symbolic links, directories, files of untrusted owners or writable by
-    /// untrusted users, hard-linked files it was about to overwrite (docs/tier.md "Trust"). Each
-    /// entry (name and inode) counts once.
-    pub rejected_files: u64,
-    /// Own files removed to respect the capacity.
-    pub evicted_files: u64,
-    /// Files indexed (readable).
-    pub indexed_files: u64,
-    /// Files owned by this instance.
-    pub own_files: u64,
-    /// Bytes of the files owned by this instance.
-    pub own_bytes: u64,
-    /// Jobs queued or running.
-    pub queued_reads: u64,
-    /// Writes queued or running.
-    pub queued_writes: u64,
-    /// Whether `O_DIRECT` is used.
-    pub direct_io: bool,
-    /// The last I/O error, for diagnosis.
-    pub last_error: Option<String>,
-}
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 enum FileState {
@@ -288,25 +261,6 @@ fn lock(m: &Mutex<State>) -> MutexGuard<'_, State> {
     m.lock().unwrap_or_else(PoisonError::into_inner)
 }
 
-pub(crate) fn hex(bytes: &[u8]) -> String {
-    use std::fmt::Write;
-    let mut s = String::with_capacity(bytes.len() * 2);
-    for b in bytes {
-        let _ = write!(s, "{b:02x}");
-    }
-    s
-}
-
-fn unhex(s: &str) -> Option<Vec<u8>> {
-    if s.len() % 2 != 0 {
-        return None;
-    }
-    (0..s.len())
-        .step_by(2)
-        .map(|i| u8::from_str_radix(s.get(i..i + 2)?, 16).ok())
-        .collect()
-}
-
 /// Files are spread over 256 subdirectories `00`..`ff` (by a hash of the key), so that directory
 /// locks taken by create and rename are not shared by all I/O threads and directories stay small.
 const SHARD_LEN: usize = 2;
@@ -315,24 +269,6 @@ fn is_shard(n: &str) -> bool {
     n.len() == SHARD_LEN
         && n.bytes()
             .all(|b| b.is_ascii_hexdigit() && !b.is_ascii_uppercase())
-}
-
-/// Longest key named by its hex bytes (longer keys are named by their hash).
-const MAX_HEX_KEY: usize = 100;
-
-pub(crate) fn host_name() -> String {
-    std::fs::read_to_string("/proc/sys/kernel/hostname")
-        .map(|s| s.trim().to_owned())
-        .unwrap_or_default()
-        .chars()
-        .map(|c| {
-            if c.is_ascii_alphanumeric() || c == '-' {
-                c
-            } else {
-                '_'
-            }
-        })
-        .collect()
 }
 
 fn config_err(what: &str, path: &Path, e: &std::io::Error) -> KvoffError {
@@ -419,7 +355,7 @@ impl FileTier {
             let st = io::fstat(fd.as_fd()).map_err(|e| config_err("cannot open", &d, &e))?;
             trust.dir(&st).map_err(|why| untrusted_dir(&d, &why))?;
         }
-        let host_tag = host_name();
+        let host_tag = format::host_name();
         let probe = io::cname(&format!(".tmp.{host_tag}.{}.probe", std::process::id()))
             .map_err(|e| config_err("cannot write to", &ns_dir, &e))?;
         let direct_ok = io::probe_direct(dir_fd.as_fd(), &probe)
@@ -438,7 +374,7 @@ impl FileTier {
         let owner_str = cfg
             .owner
             .clone()
-            .unwrap_or_else(|| format!("{}|{}|{host_tag}", lay.namespace, lay.rank));
+            .unwrap_or_else(|| format::default_owner(lay, &host_tag));
         let owner = xxh3_64(owner_str.as_bytes());
         let shared = Arc::new(Shared {
             ns_dir,

@@ -450,12 +450,7 @@ pub(super) enum Checked {
 
 impl Shared {
     pub(super) fn redis_key(&self, key: &ByteKey) -> String {
-        let k = key.as_bytes();
-        let stem = if k.len() <= MAX_HEX_KEY {
-            crate::tier::file::hex(k)
-        } else {
-            format!("h{:032x}", xxh3_128(k))
-        };
+        let stem = format::key_stem(key.as_bytes());
         format!("kvoff:{{{}:{stem}}}:r{}", self.fp_hex, self.rank)
     }
 

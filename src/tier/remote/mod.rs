@@ -59,7 +59,7 @@ use std::sync::{Arc, Mutex, MutexGuard, PoisonError};
 use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
 
-use xxhash_rust::xxh3::{xxh3_128, xxh3_64};
+use xxhash_rust::xxh3::xxh3_64;
 
 use super::format;
 use super::secondary::{Known, SecondaryCounters, SecondaryTier};
@@ -87,9 +87,6 @@ use jobs::*;
 /// Largest value (header + payload) the remote tier writes: 64 MiB, far below Redis's 512 MB
 /// string limit and small enough that one value does not stall a server's event loop for long.
 pub const MAX_VALUE_BYTES: u64 = 64 << 20;
-
-/// Longest key named by its hex bytes (longer keys are named by their hash).
-const MAX_HEX_KEY: usize = 100;
 
 /// Entries of the in-memory index before it is pruned (see `RemoteTier::expire`; 16 bytes each,
 /// in a table at most half full: the `index` module). A lookup of keys the tier does not know
@@ -246,14 +243,10 @@ impl RemoteTier {
         }
         let target = parse_url(&cfg.url, &cfg.password_env, cfg.tls_ca_file.as_deref())?;
         let fingerprint = lay.fingerprint(payload_len as u64);
-        let owner_str = cfg.owner.clone().unwrap_or_else(|| {
-            format!(
-                "{}|{}|{}",
-                lay.namespace,
-                lay.rank,
-                super::file::host_name()
-            )
-        });
+        let owner_str = cfg
+            .owner
+            .clone()
+            .unwrap_or_else(|| format::default_owner(lay, &format::host_name()));
         let router = Router::new(
             RouterConfig {
                 cluster: target.cluster,
