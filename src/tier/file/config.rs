@@ -33,8 +33,7 @@ pub struct TierConfig {
     /// Writes queued beyond this are dropped (counted in [`TierStats::writes_dropped`]).
     pub max_queued_writes: usize,
     /// At most this many I/O threads write at once (the others stay free for promotions, which a
-    /// scheduler waits for); clamped to `1..=io_threads`. On the development VM's disk (noisy) 8
-    /// concurrent writers were no faster than 2–4 and 2 were too few for 256 KiB blocks.
+    /// scheduler waits for); clamped to `1..=io_threads` (docs/performance.md "Tier tuning table").
     pub write_threads: usize,
     /// `fsync` each file before publishing it.
     pub fsync: bool,

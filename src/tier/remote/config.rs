@@ -2,8 +2,12 @@
 //! password-free form of a URL ([`redact`]) and the parsing of standalone and Cluster URLs.
 #![forbid(unsafe_code)]
 
-#[allow(clippy::wildcard_imports)]
-use super::*;
+use std::time::Duration;
+
+use super::Layout;
+#[cfg(doc)]
+use super::RemoteTier;
+use crate::error::{KvoffError, Result};
 
 /// Settings of a [`RemoteTier`].
 #[derive(Clone)]
@@ -78,24 +82,15 @@ impl std::fmt::Debug for RemoteConfig {
     }
 }
 
-/// The default number of I/O threads: 4.
-///
-/// Measured with `kvoff bench remote` (BENCHMARKS.md "Remote tier"): on a 16-CPU host, 32 KiB
-/// values stored 18–60% faster with 4 threads than with 2, and 2 MiB values loaded up to 18%
-/// faster (the same run each). On the 2-CPU dev VM, shared with the server, 32 KiB values loaded
-/// at 2.02–2.17 GB/s with 4 threads against 1.55–1.85 with 2 (each thread waits on its own
-/// round trips: more of them keep the server busy); 2 MiB loads and both stores were the same.
+/// The default number of I/O threads: 4 (each thread waits on its own round trips: more of them
+/// keep the server busy; docs/performance.md "Tier tuning table").
 #[must_use]
 pub fn default_io_threads() -> usize {
     4
 }
 
 /// The default [`RemoteConfig::idle_spin`]: 50 µs on a machine with 8 or more CPUs, none below
-/// (where a spinning thread would take a CPU from the server or the engine).
-///
-/// Measured on the H100 host (BENCHMARKS.md "Remote tier"), the scheduler's `lookup_prefix` of 16
-/// keys the tier does not know, with the server up, three rounds alternated: p99 12.4–24.6 µs
-/// without, 13.9–19.8 µs with 50 µs (14.5–21.0 with 100 µs); loads the same.
+/// (where a spinning thread would take a CPU from the server or the engine; docs/performance.md "Tier tuning table").
 #[must_use]
 pub fn default_idle_spin() -> Duration {
     match std::thread::available_parallelism() {
@@ -105,13 +100,8 @@ pub fn default_idle_spin() -> Duration {
 }
 
 /// The default [`RemoteConfig::idle_nap`]: 100 µs on a machine with 8 or more CPUs, none below
-/// (where the server and the engine need every CPU; there the scheduler's side rings).
-///
-/// Measured on the H100 host (BENCHMARKS.md "Remote tier", `cargo bench --bench remote_lookup`),
-/// the scheduler's `lookup_prefix` of 16 keys the tier does not know, each call after a pause,
-/// two rounds alternated: after 0.2 ms asleep p99 22.2–22.9 µs without napping, 15.7–16.0 µs with
-/// 100 µs, 14.4–18.3 µs with 200 µs; after 10 ms asleep 78.9–80.0, 39.4–47.3 and 38.2–50.6 µs;
-/// the process's CPU at the 10 ms pace 2%, 6% and 5%.
+/// (where the server and the engine need every CPU; there the scheduler's side rings;
+/// docs/performance.md "Tier tuning table").
 #[must_use]
 pub fn default_idle_nap() -> Duration {
     match std::thread::available_parallelism() {

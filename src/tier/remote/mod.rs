@@ -51,64 +51,54 @@
 //! dropped and counted; a fetch batch is at most [`RemoteConfig::max_fetch_keys`] keys.
 #![forbid(unsafe_code)]
 
-use std::sync::atomic::{
-    AtomicBool, AtomicU64,
-    Ordering::{AcqRel, Acquire, Relaxed, Release},
-};
-use std::sync::{Arc, Mutex, MutexGuard, PoisonError};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering::Release};
+use std::sync::{Arc, Mutex, MutexGuard};
 use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
 
 use xxhash_rust::xxh3::xxh3_64;
 
 use super::format;
-use super::secondary::{Known, SecondaryCounters, SecondaryTier};
-use super::{BlockMemory, Completion, Layout};
+use super::secondary::SecondaryTier;
+use super::{BlockMemory, Layout};
 use crate::error::{KvoffError, Result};
 use crate::key::ByteKey;
-use crate::manager::BlockId;
 
 mod config;
 mod conn;
 mod index;
-mod jobs;
 pub mod route;
+mod run;
+mod sched;
+mod secondary;
+mod shared;
+mod wire;
+mod worker;
 
 use conn::BufPool;
-use route::{Conns, Router, RouterConfig};
+use route::{Router, RouterConfig};
 
-#[allow(clippy::wildcard_imports)]
-use config::*;
+use config::parse_url;
 pub use config::{default_idle_spin, default_io_threads, redact, RemoteConfig};
-use index::{Entry, Index, Tick};
-#[allow(clippy::wildcard_imports)]
-use jobs::*;
+use index::{Entry, Index};
+use sched::Sched;
+use shared::{lock, Answers, Counters, Queues, Shared};
 
 /// Largest value (header + payload) the remote tier writes: 64 MiB, far below Redis's 512 MB
 /// string limit and small enough that one value does not stall a server's event loop for long.
 pub const MAX_VALUE_BYTES: u64 = 64 << 20;
 
 /// Entries of the in-memory index before it is pruned (see `RemoteTier::expire`; 16 bytes each,
-/// in a table at most half full: the `index` module). A lookup of keys the tier does not know
-/// probes it about twice per key, on the scheduler's thread. Measured with an earlier index of
-/// 80-byte entries (`lookup_prefix` of 16 unknown keys, server up, H100 host, one machine): p50 /
-/// p99 8.2–12.9 / 25.7–35.8 µs with 65 536 entries, 5.2–11.6 / 18.9–34.6 µs with 16 384.
+/// in a table at most half full: the `index` module): small, because a lookup of unknown keys
+/// probes it on the scheduler's thread (docs/performance.md "Tier tuning table").
 pub const INDEX_CAP: usize = 16_384;
 
 /// Most value bytes of one fetch or promotion job (at least one value): larger ones are split into
-/// jobs of this size, which the I/O threads work on side by side. Measured on loopback (`kvoff
-/// bench remote`'s load, 4 I/O threads, the H100 host): 32 KiB values load at 2.80–2.88 GB/s in
-/// jobs of 2–8 values, 2.47 in jobs of 16 and 2.29 in jobs of 32 (a deep pipeline keeps the server
-/// and one I/O thread waiting on each other; on 2 CPUs, 1.0 GB/s in jobs of 1 MiB and 0.5–0.8 in
-/// jobs of 8 MiB); 2 MiB values load fastest one per job.
+/// jobs of this size, which the I/O threads work on side by side (docs/performance.md "Tier tuning table").
 const FETCH_JOB_BYTES: u64 = 256 << 10;
 /// Most keys of one fetch job, merged ones included (headers of large values are 1096 bytes:
-/// [`FETCH_JOB_BYTES`] alone would let 239 share a job). The scheduler's thread applies a job's
-/// results in one call, a probe of the index per key, so a job of many keys makes that one call
-/// long. Measured on the H100 host (`lookup_prefix` of 16 unknown keys of 2 MiB values as fast as
-/// Python calls it, server up, three rounds alternated): p99 24.1–29.1 µs with jobs of up to 239
-/// keys, 11.8–17.5 µs with 32; the same engine's call over 16 keys in host memory, measured in the
-/// same loop, 12.5–14.8 µs and 5.0–7.1 µs.
+/// [`FETCH_JOB_BYTES`] alone would let 239 share a job): the scheduler's thread applies a job's
+/// results in one call, a probe of the index per key (docs/performance.md "Tier tuning table").
 const MAX_FETCH_JOB_KEYS: usize = 32;
 /// Values at least this large are fetched by their header alone (`GETRANGE`) and read into their
 /// host block at promotion; smaller ones are fetched whole and staged (see `Shared::header_fetch`).
@@ -131,17 +121,14 @@ const MAX_TICKETS: usize = 1 << 20;
 pub const VALUE_HEADER_BYTES: usize = format::COMPACT_HEADER_BYTES;
 
 /// Most value bytes of one write pipeline (besides [`RemoteConfig::max_write_batch`] values), but
-/// at least [`MIN_WRITE_BATCH`] values. Measured with 4 I/O threads on the H100 host, each within
-/// one run: 32 KiB values stored at 1.60–1.71 GB/s in pipelines of 4 and 1.46–1.53 in pipelines of
-/// 256; a later run saw no order beyond its noise (1.95–2.37 GB/s for pipelines of 1 to 256).
+/// at least [`MIN_WRITE_BATCH`] values (docs/performance.md "Tier tuning table").
 const WRITE_BATCH_BYTES: usize = 128 << 10;
 /// Most value bytes of one `MSET` (a write batch of small values on one server without a TTL;
 /// `Shared::multi_key`), but at least [`MIN_WRITE_BATCH`] values.
 const MSET_BATCH_BYTES: usize = 256 << 10;
 /// Most write jobs of values of 256 KiB and more ([`HEADER_FETCH_BYTES`]) running at once,
-/// whatever the number of I/O threads: 2 MiB values stored at 3.62 and 4.93 GB/s with 2 I/O
-/// threads and 3.27 and 3.68 with 4 (the H100 host, two machines, `kvoff bench remote`'s store);
-/// one connection's pipeline of large values at a time keeps the server's reads sequential.
+/// whatever the number of I/O threads: few pipelines of large values keep the server's reads
+/// sequential (docs/performance.md "Tier tuning table").
 const MAX_LARGE_WRITE_JOBS: usize = 2;
 
 /// Fewest values of one write pipeline (where [`RemoteConfig::max_write_batch`] allows), but see
@@ -164,13 +151,9 @@ fn tickets_for(cfg: &RemoteConfig, value_len: usize) -> usize {
 }
 
 /// Values of 256 KiB and more ([`HEADER_FETCH_BYTES`]) per write pipeline: [`MIN_WRITE_BATCH`] on a
-/// machine with 8 or more CPUs, one below. redis-server
-/// skips its copy of a large argument only when the argument starts its connection's query buffer,
-/// which a pipeline of large values defeats; where the server shares a few CPUs with the engine
-/// that copy costs more than the pipeline saves. Measured with `kvoff bench remote --sizes 2MiB`
-/// store, the two alternated in one run: on the 2-CPU dev VM one value per pipeline stored 3.92
-/// and 4.22 GB/s against 3.45 and 3.49 with four; on the 16-CPU H100 host four stored 4.11 and 4.23
-/// against 3.30 and 3.32 with one.
+/// machine with 8 or more CPUs, one below (redis-server skips its copy of a large argument only
+/// when it starts the query buffer; the copy costs most where the server shares a few CPUs;
+/// docs/performance.md "Tier tuning table").
 fn large_write_batch() -> usize {
     match std::thread::available_parallelism() {
         Ok(n) if n.get() >= 8 => MIN_WRITE_BATCH,
@@ -427,402 +410,6 @@ impl RemoteTier {
         st.prune_at = st
             .index
             .rebuild(keep, |survivors| INDEX_CAP.max(survivors + INDEX_CAP / 2));
-    }
-}
-
-impl SecondaryTier for RemoteTier {
-    fn kind(&self) -> &'static str {
-        "remote"
-    }
-
-    fn index(&self, key: &ByteKey) -> Known {
-        let mut st = self.sched();
-        let e = st.resolve(&self.shared, Index::hash(key));
-        let now = || st.index.tick(Instant::now());
-        match e {
-            None => Known::Unknown,
-            // A fetch in flight answers later; a key being written is not readable yet.
-            Some(Entry::Writing | Entry::Fetching { .. }) => Known::Pending,
-            Some(Entry::Present { until, staged }) => {
-                if staged || until > now() {
-                    Known::Present
-                } else {
-                    Known::Unknown
-                }
-            }
-            Some(Entry::Absent { until }) => {
-                if until > now() {
-                    Known::Absent
-                } else {
-                    Known::Unknown
-                }
-            }
-        }
-    }
-
-    fn submit_fetch(&self, keys: &[ByteKey]) -> usize {
-        if self.forked() || keys.is_empty() {
-            return 0;
-        }
-        let sh = &self.shared;
-        let now = Instant::now();
-        if sh.shutdown.load(Acquire) {
-            return 0;
-        }
-        let mut guard = self.sched();
-        let st = &mut *guard;
-        Self::expire(sh, st, now);
-        // While every node is down, remember the keys as misses: no job, no network. (A node
-        // down among live ones fails its own keys in the I/O thread, also without a network call.)
-        let down_until = sh.router.all_down(now);
-        let down = down_until.is_some();
-        let down_until = st.index.tick(down_until.unwrap_or(now));
-        let now = st.index.tick(now);
-        // Staging room: a key needs room for its value among the staged and reserved bytes (so a
-        // fetch never brings a value it cannot keep, and a readahead of many keys stops where
-        // host memory would stop it), except a call's first key (below).
-        let value = sh.fetch_unit();
-        let most = sh.cfg.max_fetch_keys.max(1);
-        let mut batch = Vec::with_capacity(keys.len().min(most));
-        let mut tickets = Vec::with_capacity(keys.len().min(most));
-        let hashes: Vec<u64> = keys.iter().take(most).map(Index::hash).collect();
-        st.index.touch(&hashes);
-        for (k, &h) in keys.iter().zip(&hashes) {
-            // One probe of the index per key (a lookup's cost is mostly these probes; `touch`
-            // brought their lines in, and the `set` below finds the same slot).
-            let unknown = match st.resolve(sh, h) {
-                None => true,
-                Some(Entry::Absent { until }) => until <= now,
-                Some(Entry::Present { until, staged }) => !staged && until <= now,
-                Some(Entry::Fetching { .. } | Entry::Writing) => false,
-            };
-            if !unknown {
-                continue;
-            }
-            if down {
-                sh.counters.fetch_errors.fetch_add(1, Relaxed);
-                st.index.set(h, Entry::Absent { until: down_until });
-                continue;
-            }
-            // The first key goes while the fetches in flight alone leave room for it (staged
-            // values waiting for promotions that may never come must not stop a new request);
-            // when fetches in flight fill the room, not even the first key goes: the caller's
-            // lookup stays pending until one ends, and a flood of lookups queues no more.
-            let reserved = sh.fetch_reserved.load(Relaxed);
-            let first = batch.is_empty() && reserved + value <= sh.cfg.max_staged_bytes;
-            if !first && st.index.staged_bytes() + reserved + value > sh.cfg.max_staged_bytes {
-                break;
-            }
-            let Some(ticket) = st.take_ticket(sh, h) else {
-                break;
-            };
-            sh.fetch_reserved.fetch_add(value, Relaxed);
-            st.index.set(h, Entry::Fetching { ticket });
-            batch.push(k.clone());
-            tickets.push(ticket);
-        }
-        let n = batch.len();
-        if n > 0 {
-            // Jobs of at most FETCH_JOB_BYTES each: the I/O threads fetch them side by side and
-            // the first values are ready for promotion while the rest are on the wire.
-            let per_job = sh.fetch_job_keys();
-            let jobs = n.div_ceil(per_job);
-            sh.fetches_out.fetch_add(n as u64, Relaxed);
-            sh.queued_jobs.fetch_add(jobs, Release);
-            st.unrung_since.get_or_insert_with(Instant::now);
-            drop(guard);
-            let mut rest = batch.into_iter();
-            let mut rest_tickets = tickets.into_iter();
-            for _ in 0..jobs {
-                let _ = sh.queues.fetches.0.send(Job::Fetch(
-                    rest.by_ref().take(per_job).collect(),
-                    rest_tickets.by_ref().take(per_job).collect(),
-                ));
-            }
-            sh.ring_from_caller();
-        }
-        n
-    }
-
-    fn may_read_unknown(&self, key: &ByteKey) -> bool {
-        if self.forked() {
-            return false;
-        }
-        let mut st = self.sched();
-        let e = st.resolve(&self.shared, Index::hash(key));
-        let now = st.index.tick(Instant::now());
-        match e {
-            None => true,
-            Some(Entry::Absent { until }) => until <= now,
-            Some(Entry::Present { until, staged }) => !staged && until <= now,
-            Some(Entry::Fetching { .. } | Entry::Writing) => false,
-        }
-    }
-
-    fn fetch_room(&self) -> usize {
-        let sh = &self.shared;
-        let st = self.sched();
-        let used = st.index.staged_bytes() + sh.fetch_reserved.load(Relaxed);
-        usize::try_from(sh.cfg.max_staged_bytes.saturating_sub(used) / sh.fetch_unit())
-            .unwrap_or(usize::MAX)
-    }
-
-    fn has_or_writing(&self, key: &ByteKey) -> bool {
-        self.index(key) == Known::Present
-            || self.sched().index.get(Index::hash(key)) == Some(Entry::Writing)
-    }
-
-    fn submit_writes(&self, items: &[(ByteKey, BlockId)]) -> Vec<bool> {
-        let sh = &self.shared;
-        if self.forked() {
-            return vec![false; items.len()];
-        }
-        let now = Instant::now();
-        let mut st = self.sched();
-        Self::expire(sh, &mut st, now);
-        let down = sh.router.all_down(now).is_some();
-        let stopped = sh.shutdown.load(Acquire);
-        let mut queued = Vec::new();
-        let out = items
-            .iter()
-            .map(|(k, b)| {
-                if stopped {
-                    return false;
-                }
-                let h = Index::hash(k);
-                if st.index.get(h) == Some(Entry::Writing) {
-                    return false;
-                }
-                if down {
-                    // Counted as an error: the server is unreachable (its backoff runs).
-                    sh.counters.write_errors.fetch_add(1, Relaxed);
-                    return false;
-                }
-                if st.queued_writes >= sh.cfg.max_queued_writes
-                    || st.inflight_bytes + sh.value_len as u64 > sh.cfg.max_inflight_bytes
-                {
-                    sh.counters.writes_dropped.fetch_add(1, Relaxed);
-                    return false;
-                }
-                st.queued_writes += 1;
-                st.inflight_bytes += sh.value_len as u64;
-                st.index.set(h, Entry::Writing); // (a staged value goes)
-                queued.push((k.clone(), *b));
-                true
-            })
-            .collect();
-        drop(st);
-        let ring = !queued.is_empty();
-        for w in queued {
-            let _ = sh.queues.writes.0.send(w);
-        }
-        if ring {
-            sh.ring_from_caller();
-        }
-        out
-    }
-
-    fn submit_reads(&self, items: &[(ByteKey, BlockId)]) -> Vec<bool> {
-        let sh = &self.shared;
-        if self.forked() {
-            return vec![false; items.len()];
-        }
-        let stopped = sh.shutdown.load(Acquire);
-        let mut st = self.sched();
-        let now = st.index.tick(Instant::now());
-        let per_job = sh.read_job_items();
-        let mut jobs = Vec::new();
-        let mut batch = Vec::new();
-        // Promotions go before queued fetches (their own queue, taken first): the scheduler waits
-        // for them, and their copies overlap the fetches still on the wire (docs/tier.md, remote
-        // tier). A staged value goes with its job.
-        let out = items
-            .iter()
-            .map(|(k, b)| {
-                if stopped {
-                    return false;
-                }
-                let h = Index::hash(k);
-                let (staged, unknown) = match st.resolve(sh, h) {
-                    Some(Entry::Present { staged: true, .. }) => (st.index.take_staged(h), false),
-                    Some(Entry::Present { until, .. }) => (None, until <= now),
-                    // A key the index does not know (see `may_read_unknown`): the read finds out.
-                    None => (None, true),
-                    Some(Entry::Absent { until }) if until <= now => (None, true),
-                    Some(Entry::Absent { .. } | Entry::Fetching { .. } | Entry::Writing) => {
-                        return false
-                    }
-                };
-                batch.push(ReadItem {
-                    key: k.clone(),
-                    block: *b,
-                    staged,
-                    unknown,
-                });
-                if batch.len() == per_job {
-                    jobs.push(Job::Read(std::mem::take(&mut batch)));
-                }
-                true
-            })
-            .collect();
-        if !batch.is_empty() {
-            jobs.push(Job::Read(batch));
-        }
-        st.reads_out += jobs
-            .iter()
-            .map(|j| match j {
-                Job::Read(i) => i.len() as u64,
-                _ => 0,
-            })
-            .sum::<u64>();
-        if !jobs.is_empty() {
-            sh.queued_jobs.fetch_add(jobs.len(), Release);
-            st.unrung_since.get_or_insert_with(Instant::now);
-        }
-        drop(st);
-        let ring = !jobs.is_empty();
-        for j in jobs {
-            let _ = sh.queues.reads.0.send(j);
-        }
-        if ring {
-            sh.ring_from_caller();
-        }
-        out
-    }
-
-    fn poll(&self) -> Vec<Completion> {
-        let sh = &self.shared;
-        let mut st = self.sched();
-        // Promotions or fetches queued with no wake-up and still waiting a while later (the
-        // thread that was looking at the queues lost its CPU): one wake-up for another thread.
-        if self.forked() || sh.queued_jobs.load(Acquire) == 0 {
-            st.unrung_since = None;
-        } else if let Some(t) = st.unrung_since {
-            if t.elapsed() >= LATE_JOB {
-                sh.ring();
-                st.unrung_since = Some(Instant::now());
-            }
-        }
-        std::mem::take(&mut st.completions)
-    }
-
-    fn busy(&self) -> bool {
-        let st = self.sched();
-        st.outstanding(&self.shared) || !st.completions.is_empty()
-    }
-
-    fn flush(&self) {
-        if self.threads.is_empty() || self.forked() {
-            return;
-        }
-        loop {
-            if !self.sched().outstanding(&self.shared) || self.shared.shutdown.load(Acquire) {
-                return;
-            }
-            std::thread::sleep(Duration::from_micros(500));
-        }
-    }
-
-    fn forked(&self) -> bool {
-        RemoteTier::forked(self)
-    }
-
-    fn as_any(&self) -> &dyn std::any::Any {
-        self
-    }
-
-    fn shutdown(&mut self) {
-        if self.forked() {
-            for t in self.threads.drain(..) {
-                std::mem::forget(t);
-            }
-            // The parent's queues and channels are not this process's to touch (nor to drop).
-            std::mem::forget(self.stop.take());
-            let (_, idle) = std::sync::mpsc::channel();
-            let st = self.sched.get_mut().unwrap_or_else(PoisonError::into_inner);
-            std::mem::forget(std::mem::replace(&mut st.done, idle));
-            self.shared.shutdown.store(true, Release);
-            return;
-        }
-        self.flush();
-        self.shared.shutdown.store(true, Release);
-        drop(self.stop.take());
-        for t in self.threads.drain(..) {
-            if t.join().is_err() {
-                self.shared.set_error("a remote I/O thread panicked".into());
-            }
-        }
-    }
-
-    fn counters(&self) -> SecondaryCounters {
-        let c = &self.shared.counters;
-        let st = self.sched();
-        #[allow(clippy::cast_precision_loss)]
-        let secs = |ns: &AtomicU64| ns.load(Relaxed) as f64 * 1e-9;
-        SecondaryCounters {
-            writes: c.writes.load(Relaxed),
-            bytes_written: c.bytes_written.load(Relaxed),
-            write_seconds: secs(&c.write_ns),
-            write_errors: c.write_errors.load(Relaxed),
-            writes_dropped: c.writes_dropped.load(Relaxed),
-            promotions: c.promotions.load(Relaxed),
-            bytes_read: c.bytes_read.load(Relaxed),
-            read_seconds: secs(&c.read_ns),
-            read_errors: c.read_errors.load(Relaxed),
-            rejected: c.rejected.load(Relaxed),
-            fetch_hits: c.fetch_hits.load(Relaxed),
-            fetch_misses: c.fetch_misses.load(Relaxed),
-            fetch_errors: c.fetch_errors.load(Relaxed),
-            reconnects: self.shared.router.reconnects.load(Relaxed),
-            queued_reads: st.reads_out + self.shared.fetches_out.load(Relaxed),
-            queued_writes: st.queued_writes as u64,
-            last_error: lock(&self.shared.last_error).clone(),
-        }
-    }
-
-    fn extra_stats(&self) -> Vec<(&'static str, u64)> {
-        let (present, absent, staged) = self.index_gauges();
-        let down = self.shared.router.all_down(Instant::now()).is_some();
-        let st = self.sched();
-        vec![
-            ("known_present", present),
-            ("known_absent", absent),
-            ("staged_bytes", staged),
-            ("inflight_bytes", st.inflight_bytes),
-            ("up", u64::from(!down)),
-        ]
-    }
-}
-
-impl RemoteTier {
-    /// Gauges of the index (for metrics): keys known present, remembered misses, staged bytes;
-    /// counted at most once per [`GAUGES_TTL`].
-    fn index_gauges(&self) -> (u64, u64, u64) {
-        let mut cache = self.gauges.lock().unwrap_or_else(PoisonError::into_inner);
-        let now = Instant::now();
-        if let Some((at, g)) = *cache {
-            if now.duration_since(at) < GAUGES_TTL {
-                return (g.0, g.1, self.sched().index.staged_bytes());
-            }
-        }
-        let g = self.count_index(now);
-        *cache = Some((now, (g.0, g.1)));
-        g
-    }
-
-    fn count_index(&self, now: Instant) -> (u64, u64, u64) {
-        let st = self.sched();
-        let mut present = 0;
-        let mut absent = 0;
-        let now = st.index.tick(now);
-        for e in st.index.entries() {
-            match e {
-                Entry::Present { until, staged } if staged || until > now => present += 1,
-                Entry::Absent { until } if until > now => absent += 1,
-                _ => {}
-            }
-        }
-        (present, absent, st.index.staged_bytes())
     }
 }
 
