@@ -1,11 +1,14 @@
 #!/usr/bin/env python3
 """Fails when a file imports a file that imports it back (directly or through others).
 
-Checked: the Rust files of `src/engine/cuda/` (edges: `super::NAME` and `crate::engine::cuda::NAME`
-outside comments and `#[cfg(test)]` modules, a name re-exported by `mod.rs` counting as the file that
-defines it) and the modules of `python/kvoff/` (edges: `import` and `from ... import` of kvoff
-modules, also inside functions; not those under `if TYPE_CHECKING:`). Prints each cycle found.
-Run by scripts/test.sh; no arguments.
+Checked: the Rust files of `src/engine/cuda/` and `src/tier/` (edges: `super::NAME` reaching the
+folder and `crate::engine::cuda::NAME` / `crate::tier::NAME` outside comments and `#[cfg(test)]`
+modules, a name re-exported by `mod.rs` counting as the file that defines it) and the modules of
+`python/kvoff/` (edges: `import` and `from ... import` of kvoff modules, also inside functions; not
+those under `if TYPE_CHECKING:`). Prints each cycle found. For `src/tier/` also its layers
+(`TIER_LAYERS`): format, memory -> secondary -> each tier's folder (file/, remote/, ...) -> chain;
+a module imports only lower layers, so sibling tiers never import each other and `secondary` names
+no tier. Run by scripts/test.sh; no arguments.
 """
 
 from __future__ import annotations
@@ -53,41 +56,91 @@ def _heads(group: str) -> list[str]:
     return [re.split(r"::|\s", it.strip(), maxsplit=1)[0] for it in items if it.strip()]
 
 
-def _rust_files(folder: Path) -> dict[str, list[Path]]:
-    """The modules of `folder` and their files: `name.rs`, or `name/mod.rs` with its submodules."""
+def _rust_files(folder: Path, split: tuple[str, ...] = ()) -> dict[str, list[Path]]:
+    """The modules of `folder` and their files: `name.rs`, or `name/mod.rs` with its submodules.
+
+    A file of a directory module named in `split` (e.g. `bench.rs`) is a module of its own,
+    `dir/name`, so that it can sit in another layer than the rest of its directory.
+    """
     files = {p.stem: [p] for p in folder.glob("*.rs") if p.stem != "mod"}
     for d in folder.iterdir():
         if d.is_dir() and (d / "mod.rs").exists():
-            files[d.name] = sorted(d.rglob("*.rs"))
+            own = []
+            for p in sorted(d.rglob("*.rs")):
+                if p.parent == d and p.name in split:
+                    files[f"{d.name}/{p.stem}"] = [p]
+                else:
+                    own.append(p)
+            files[d.name] = own
     return files
 
 
-def rust_graph(folder: Path) -> dict[str, set[str]]:
-    files = _rust_files(folder)
-    mods = set(files)
+def rust_graph(folder: Path, crate_path: str, split: tuple[str, ...] = ()) -> dict[str, set[str]]:
+    """Module -> the modules of `folder` it names (`super::` up to `folder`, or `crate_path::`)."""
+    files = _rust_files(folder, split)
+    mods = {m for m in files if "/" not in m}
     reexport: dict[str, str] = {}
     for m in re.finditer(r"pub(?:\([a-z]+\))?\s+use\s+(\w+)::(\{[^;]*\}|\w+)\s*;", _strip_rust((folder / "mod.rs").read_text())):
         names = _heads(m.group(2)[1:-1]) if m.group(2).startswith("{") else [m.group(2)]
         for n in names:
             reexport[n] = m.group(1)
+    path_re = re.compile(r"(?<![\w:])((?:super::)+|" + re.escape(crate_path) + r"::)(\{|\w+)")
     graph: dict[str, set[str]] = {}
     for mod, paths in files.items():
-        # Inside a directory module, `super::` of a submodule is the module itself: only its
-        # mod.rs names the siblings through `super::`.
-        text = "\n".join(_strip_rust(p.read_text()) for p in paths if p.name == "mod.rs" or len(paths) == 1)
         names: list[str] = []
-        for m in re.finditer(r"(?:\bsuper|crate::engine::cuda)::(\{|\w+)", text):
-            if m.group(1) == "{":
-                depth, j = 1, m.end()
-                while j < len(text) and depth:
-                    depth += {"{": 1, "}": -1}.get(text[j], 0)
-                    j += 1
-                names.extend(_heads(text[m.end() : j - 1]))
-            else:
-                names.append(m.group(1))
+        for p in paths:
+            text = _strip_rust(p.read_text())
+            # How many `super::` reach `folder` from this file: 1 from `folder/x.rs` and
+            # `folder/x/mod.rs`, 2 from `folder/x/y.rs`, and so on.
+            rel = p.relative_to(folder).parts
+            up = len(rel) - (1 if p.name == "mod.rs" else 0)
+            for m in path_re.finditer(text):
+                if m.group(1).startswith("super") and m.group(1).count("super") != up:
+                    continue
+                if m.group(2) == "{":
+                    depth, j = 1, m.end()
+                    while j < len(text) and depth:
+                        depth += {"{": 1, "}": -1}.get(text[j], 0)
+                        j += 1
+                    names.extend(_heads(text[m.end() : j - 1]))
+                else:
+                    names.append(m.group(2))
+        own = mod.split("/")[0]
         deps = {n if n in mods else reexport.get(n, "") for n in names}
-        graph[mod] = {d for d in deps if d and d != mod}
+        graph[mod] = {d for d in deps if d and d != own}
     return graph
+
+
+# The tier's layers (docs/design.md "Crate layout"): a module imports only modules of lower
+# layers, so sibling tiers never import each other and `secondary` names no tier. Every
+# directory of `src/tier/` is a tier; a tier's `bench.rs` measures it through the chain.
+TIER_LAYERS = {"format": 0, "memory": 0, "secondary": 1, "chain": 3}
+TIER_LAYER = 2
+TIER_TOOL_LAYER = 4
+TIER_NAMES = ("layer 0 (format, memory)", "layer 1 (secondary)", "layer 2 (a tier)", "layer 3 (chain)", "layer 4 (a tier's bench)")
+
+
+def tier_layer_errors(folder: Path) -> list[str]:
+    graph = rust_graph(folder, "crate::tier", split=("bench.rs",))
+    errors = []
+
+    def layer(m: str) -> int | None:
+        if "/" in m:
+            return TIER_TOOL_LAYER
+        if (folder / m).is_dir():
+            return TIER_LAYER
+        return TIER_LAYERS.get(m)
+
+    for mod in sorted(graph):
+        lm = layer(mod)
+        if lm is None:
+            errors.append(f"src/tier/{mod}.rs is in no layer (add it to TIER_LAYERS in {Path(__file__).name})")
+            continue
+        for dep in sorted(graph[mod]):
+            ld = layer(dep)
+            if ld is not None and ld >= lm:
+                errors.append(f"tier layers: {mod} ({TIER_NAMES[lm]}) imports {dep} ({TIER_NAMES[ld]})")
+    return errors
 
 
 def _module_of(path: Path, pkg_root: Path) -> str:
@@ -173,7 +226,8 @@ def cycles(graph: dict[str, set[str]]) -> list[list[str]]:
 def main() -> int:
     bad = 0
     for name, graph in (
-        ("src/engine/cuda", rust_graph(ROOT / "src/engine/cuda")),
+        ("src/engine/cuda", rust_graph(ROOT / "src/engine/cuda", "crate::engine::cuda")),
+        ("src/tier", rust_graph(ROOT / "src/tier", "crate::tier", split=("bench.rs",))),
         ("python/kvoff", python_graph(ROOT / "python/kvoff")),
     ):
         for c in cycles(graph):
@@ -181,8 +235,11 @@ def main() -> int:
             print(f"import cycle in {name}: " + ", ".join(c))
             for v in c:
                 print(f"  {v} -> " + ", ".join(sorted(graph[v] & set(c))))
+    for e in tier_layer_errors(ROOT / "src/tier"):
+        bad += 1
+        print(e)
     if not bad:
-        print("no import cycles in src/engine/cuda and python/kvoff")
+        print("no import cycles in src/engine/cuda, src/tier and python/kvoff; src/tier keeps its layers")
     return 1 if bad else 0
 
 

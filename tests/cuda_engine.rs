@@ -22,7 +22,7 @@ use kvoff::plan::{CopyOp, CopyPlan, Direction};
 use kvoff::KvoffError;
 
 /// Device 0. The tests that use it are `#[ignore]`d (they need a CUDA GPU): `cargo test -- --ignored`
-/// runs them (scripts/gpu_tests.sh), and there a missing device fails them.
+/// runs them (`scripts/gpu_check.sh tests`), and there a missing device fails them.
 fn device() -> Arc<CudaDevice> {
     assert!(
         cuda_available(),
