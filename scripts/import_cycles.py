@@ -113,7 +113,8 @@ def rust_graph(folder: Path, crate_path: str, split: tuple[str, ...] = ()) -> di
 
 # The tier's layers (docs/design.md "Crate layout"): a module imports only modules of lower
 # layers, so sibling tiers never import each other and `secondary` names no tier. Every
-# directory of `src/tier/` is a tier; a tier's `bench.rs` measures it through the chain.
+# directory of `src/tier/` not named here is a tier; a tier's `bench.rs` measures it through the
+# chain.
 TIER_LAYERS = {"format": 0, "memory": 0, "secondary": 1, "chain": 3}
 TIER_LAYER = 2
 TIER_TOOL_LAYER = 4
@@ -127,9 +128,9 @@ def tier_layer_errors(folder: Path) -> list[str]:
     def layer(m: str) -> int | None:
         if "/" in m:
             return TIER_TOOL_LAYER
-        if (folder / m).is_dir():
-            return TIER_LAYER
-        return TIER_LAYERS.get(m)
+        if m in TIER_LAYERS:
+            return TIER_LAYERS[m]
+        return TIER_LAYER if (folder / m).is_dir() else None
 
     for mod in sorted(graph):
         lm = layer(mod)

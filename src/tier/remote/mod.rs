@@ -67,6 +67,8 @@ use crate::key::ByteKey;
 mod config;
 mod conn;
 mod index;
+mod plain;
+mod resp;
 pub mod route;
 mod run;
 mod sched;

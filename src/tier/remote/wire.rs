@@ -4,7 +4,9 @@
 //! a `route::Pack` the router sends.
 #![forbid(unsafe_code)]
 
-use super::conn::{mset_head, pair_head, set_head, set_tail, BufPool, Conn, Head, Next, Plain};
+use super::conn::{BufPool, Conn};
+use super::plain::{Head, Next, Plain};
+use super::resp::{mset_head, pair_head, set_head, set_tail};
 use super::route::{Pack, DIRECT_SEND_BYTES};
 use super::shared::Shared;
 use super::VALUE_HEADER_BYTES;
