@@ -12,8 +12,10 @@
 //! | [`mod@file`] | the file tier ([`FileTier`]): its settings, I/O threads, directory I/O, trust rules, disk bench | the above |
 //! | [`remote`] | the remote tier on Redis/Valkey ([`remote::RemoteTier`]): settings, index, jobs, connections, Cluster routing | the above |
 //! | [`chain`] | [`chain::ChainManager`], the one tiered manager over any tiers (host → files → remote) | the above |
+//! | [`registry`] | the one list of tiers ([`registry::TIERS`]: each tier's `INFO`) | the above |
 //!
-//! Sibling tiers never import each other (checked by `scripts/import_cycles.py`).
+//! Sibling tiers never import each other (checked by `scripts/import_cycles.py`). A new tier is
+//! its folder plus one line in [`registry::TIERS`] (docs/design.md "Recipe: adding a tier").
 //!
 //! This module also holds the [`Layout`] every tier fingerprints and the [`Completion`]s every
 //! tier returns.
@@ -24,6 +26,7 @@ pub mod file;
 mod format;
 #[allow(unsafe_code)]
 mod memory;
+pub mod registry;
 pub mod remote;
 pub mod secondary;
 

@@ -35,6 +35,19 @@ use super::Completion;
 use crate::key::ByteKey;
 use crate::manager::BlockId;
 
+/// What a tier registers (docs/design.md "Recipe: adding a tier"): a `pub const INFO` in the
+/// tier's folder, listed once in `registry::TIERS`.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct TierInfo {
+    /// The tier's [`SecondaryTier::kind`]: the label of its metrics (`kvoff_<kind>_…`) and of its
+    /// group of settings.
+    pub kind: &'static str,
+    /// Its folder under `src/tier/`.
+    pub folder: &'static str,
+    /// The names [`SecondaryTier::extra_stats`] reports, in that order.
+    pub extra_stats: &'static [&'static str],
+}
+
 /// What a tier's in-memory index knows about a key.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum Known {

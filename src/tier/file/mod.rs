@@ -116,6 +116,22 @@ use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
 
 pub use config::{DirectIo, TierConfig, TierStats};
+
+use super::secondary::TierInfo;
+
+/// The file tier's registration (docs/design.md "Recipe: adding a tier").
+pub const INFO: TierInfo = TierInfo {
+    kind: "disk",
+    folder: "file",
+    extra_stats: &[
+        "rejected_files",
+        "evicted_files",
+        "indexed_files",
+        "own_files",
+        "own_bytes",
+        "direct_io",
+    ],
+};
 pub use jobs::IdleWaiter;
 use trust::{untrusted, Trust};
 

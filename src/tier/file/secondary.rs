@@ -3,7 +3,7 @@
 
 use std::any::Any;
 
-use super::FileTier;
+use super::{FileTier, INFO};
 use crate::key::ByteKey;
 use crate::manager::BlockId;
 use crate::tier::secondary::{Known, SecondaryCounters, SecondaryTier};
@@ -11,7 +11,7 @@ use crate::tier::Completion;
 
 impl SecondaryTier for FileTier {
     fn kind(&self) -> &'static str {
-        "disk"
+        INFO.kind
     }
 
     fn index(&self, key: &ByteKey) -> Known {
@@ -86,14 +86,16 @@ impl SecondaryTier for FileTier {
 
     fn extra_stats(&self) -> Vec<(&'static str, u64)> {
         let s = self.stats();
-        vec![
-            ("rejected_files", s.rejected_files),
-            ("evicted_files", s.evicted_files),
-            ("indexed_files", s.indexed_files),
-            ("own_files", s.own_files),
-            ("own_bytes", s.own_bytes),
-            ("direct_io", u64::from(s.direct_io)),
-        ]
+        // In the order of `INFO.extra_stats` (its length checked at compile time).
+        let values: [u64; INFO.extra_stats.len()] = [
+            s.rejected_files,
+            s.evicted_files,
+            s.indexed_files,
+            s.own_files,
+            s.own_bytes,
+            u64::from(s.direct_io),
+        ];
+        INFO.extra_stats.iter().copied().zip(values).collect()
     }
 }
 

@@ -59,7 +59,7 @@ use std::time::{Duration, Instant};
 use xxhash_rust::xxh3::xxh3_64;
 
 use super::format;
-use super::secondary::SecondaryTier;
+use super::secondary::{SecondaryTier, TierInfo};
 use super::{BlockMemory, Layout};
 use crate::error::{KvoffError, Result};
 use crate::key::ByteKey;
@@ -85,6 +85,19 @@ pub use config::{default_idle_spin, default_io_threads, redact, RemoteConfig};
 use index::{Entry, Index};
 use sched::Sched;
 use shared::{lock, Answers, Counters, Queues, Shared};
+
+/// The remote tier's registration (docs/design.md "Recipe: adding a tier").
+pub const INFO: TierInfo = TierInfo {
+    kind: "remote",
+    folder: "remote",
+    extra_stats: &[
+        "known_present",
+        "known_absent",
+        "staged_bytes",
+        "inflight_bytes",
+        "up",
+    ],
+};
 
 /// Largest value (header + payload) the remote tier writes: 64 MiB, far below Redis's 512 MB
 /// string limit and small enough that one value does not stall a server's event loop for long.

@@ -10,7 +10,7 @@ use std::time::{Duration, Instant};
 
 use super::index::{Entry, Index};
 use super::shared::{lock, Job, ReadItem};
-use super::{RemoteTier, GAUGES_TTL, LATE_JOB};
+use super::{RemoteTier, GAUGES_TTL, INFO, LATE_JOB};
 
 use crate::key::ByteKey;
 use crate::manager::BlockId;
@@ -19,7 +19,7 @@ use crate::tier::Completion;
 
 impl SecondaryTier for RemoteTier {
     fn kind(&self) -> &'static str {
-        "remote"
+        INFO.kind
     }
 
     fn index(&self, key: &ByteKey) -> Known {
@@ -371,13 +371,10 @@ impl SecondaryTier for RemoteTier {
         let (present, absent, staged) = self.index_gauges();
         let down = self.shared.router.all_down(Instant::now()).is_some();
         let st = self.sched();
-        vec![
-            ("known_present", present),
-            ("known_absent", absent),
-            ("staged_bytes", staged),
-            ("inflight_bytes", st.inflight_bytes),
-            ("up", u64::from(!down)),
-        ]
+        // In the order of `INFO.extra_stats` (its length checked at compile time).
+        let values: [u64; INFO.extra_stats.len()] =
+            [present, absent, staged, st.inflight_bytes, u64::from(!down)];
+        INFO.extra_stats.iter().copied().zip(values).collect()
     }
 }
 
