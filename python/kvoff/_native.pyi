@@ -390,7 +390,10 @@ class TransferHandler:
         engine's feeder thread, which enqueues it paced while the submit returns), `reason` (which
         rule of the CUDA engine chose the method, e.g. "serving: pitched runs"; None for the host
         engine), `staged_cap_mb_s` (the rate cap the job's staged pipeline was paced at, shared by
-        the device's engines while the model computes; 0 when not paced).
+        the device's engines while the model computes; 0 when not paced), `polite` (the device's
+        copy calls were short and spaced because the model was seen launching beside them),
+        `driver_contention` (shares of 1024 of the device's recent copy calls that waited for
+        another thread's driver call: by wall time, by time off the CPU).
         """
     @property
     def num_tensors(self) -> int:

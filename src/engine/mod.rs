@@ -131,6 +131,13 @@ pub struct SubmitStats {
     /// bandwidth: `CudaEngineConfig::serving_staged_cap_mb_s`, and paces jobs while they arrive
     /// near it); 0 when not paced.
     pub staged_cap_mb_s: u32,
+    /// The device's copy calls were polite when the job was submitted: short, with waits outside
+    /// the driver between them, because another thread (the model's) was seen launching
+    /// (docs/performance.md, "Transfers beside an eager model").
+    pub polite: bool,
+    /// Shares (of 1024) of the device's recent copy calls that waited for another thread's
+    /// driver call: by wall time, and by time spent off the CPU (blocked on the driver's lock).
+    pub driver_contention: (u32, u32),
 }
 
 /// An asynchronous byte mover. See the module docs for the ordering and error contract.

@@ -518,7 +518,10 @@ impl PyTransferHandler {
     /// handed to the engine's feeder thread, which enqueues it paced while the submit returns),
     /// `reason` (which rule of the CUDA engine chose the method, e.g. `"serving: pitched runs"`;
     /// None for the host engine), `staged_cap_mb_s` (the rate cap the job's staged pipeline was
-    /// paced at, shared by the device's engines while the model computes; 0 when not paced).
+    /// paced at, shared by the device's engines while the model computes; 0 when not paced),
+    /// `polite` (the device's copy calls were short and spaced because the model was seen
+    /// launching beside them), `driver_contention` (shares of 1024 of the device's recent copy
+    /// calls that waited for another thread's driver call: by wall time, by time off the CPU).
     #[getter]
     fn last_submit_stats<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyDict>> {
         let s = self.with_engine(py, |st| Ok(st.engine.last_submit_stats()))?;
@@ -535,6 +538,8 @@ impl PyTransferHandler {
         d.set_item("fed", s.fed)?;
         d.set_item("reason", s.reason)?;
         d.set_item("staged_cap_mb_s", s.staged_cap_mb_s)?;
+        d.set_item("polite", s.polite)?;
+        d.set_item("driver_contention", s.driver_contention)?;
         Ok(d)
     }
 

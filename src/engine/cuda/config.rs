@@ -3,6 +3,7 @@
 
 #![forbid(unsafe_code)]
 
+pub use super::share::Polite;
 pub use crate::engine::CopyMethod;
 use crate::error::{KvoffError, Result};
 
@@ -100,6 +101,14 @@ pub struct CudaEngineConfig {
     /// whether the priority moves DMA beside a model (docs/performance.md, "How `auto` chooses a
     /// copy method"); tune key `loadprio` (`high`, `low`, `auto`).
     pub load_high_priority: Option<bool>,
+    /// When copy calls turn polite beside a model that launches eagerly (see the `share` module):
+    /// `Auto` (the default) under the serving policy while another thread's calls are seen to
+    /// hold the driver; tune key `polite` (`auto`, `always`, `off`).
+    pub polite: Polite,
+    /// Share of wall time, in percent, that a thread enqueueing DMA spends inside copy calls
+    /// while polite: after each call it waits outside the driver `call × (100 − pct) / pct`
+    /// (at least 10 µs). Tune key `duty`.
+    pub dma_driver_duty_pct: u32,
     /// Serving policy: the rate in MB/s at which staged jobs are paced while the model computes
     /// (their pack kernel and DMA cross the GPU's memory three times per byte, which a
     /// memory-bound model pays for; see the `pace` module). The engines of a device share one
@@ -145,6 +154,8 @@ impl Default for CudaEngineConfig {
             serving_feedback_every: 32,
             load_high_priority: None,
             serving_staged_cap_mb_s: None,
+            polite: Polite::Auto,
+            dma_driver_duty_pct: 50,
             serving_ctas: 0,
             serving_launch_bytes: 1 << 20,
             idle_after_us: 100_000,
@@ -186,7 +197,7 @@ impl CudaEngineConfig {
     }
 
     /// Applies `KVOFF_CUDA_TUNE` overrides (`key=value` pairs separated by commas; keys `budget`
-    /// (basis points, or `off`), `batch`, `queued`, `pitched` (0/1), `feeder` (0/1), `dmasplit`, `storedma`, `storedmamin` (bytes), `idleafter` (µs; 0 = never idle), `feedback` (0 = off), `loadprio` (`high`, `low`, `auto`), `stagedcap` (MB/s, `auto`; 0 = no cap), `ctas`, `max_ctas`, `launch`, `dmamin`, `small`
+    /// (basis points, or `off`), `batch`, `queued`, `pitched` (0/1), `feeder` (0/1), `dmasplit`, `storedma`, `storedmamin` (bytes), `idleafter` (µs; 0 = never idle), `polite` (`auto`, `always`, `off`), `duty` (percent), `feedback` (0 = off), `loadprio` (`high`, `low`, `auto`), `stagedcap` (MB/s, `auto`; 0 = no cap), `ctas`, `max_ctas`, `launch`, `dmamin`, `small`
     /// (`kernel` or `staged`)), used by the
     /// benchmarks to sweep the serving policy's knobs without rebuilding.
     ///
@@ -224,6 +235,22 @@ impl CudaEngineConfig {
                 "storedma" => self.serving_store_dma_beside_loads = num(v)? != 0,
                 "storedmamin" => self.serving_store_dma_min_job_bytes = num(v)?,
                 "idleafter" => self.idle_after_us = num(v)?,
+                "duty" => {
+                    self.dma_driver_duty_pct = u32::try_from(num(v)?).unwrap_or(100).clamp(1, 100);
+                }
+                "polite" => {
+                    self.polite = match v {
+                        "auto" => Polite::Auto,
+                        "always" => Polite::Always,
+                        "off" => Polite::Off,
+                        "watch" => Polite::Watch,
+                        _ => {
+                            return Err(KvoffError::arg(format!(
+                                "KVOFF_CUDA_TUNE: polite={v:?} is not auto, always, off or watch"
+                            )))
+                        }
+                    };
+                }
                 "loadprio" => {
                     self.load_high_priority = match v {
                         "high" => Some(true),

@@ -64,6 +64,8 @@ pub struct CudaDevice {
     pub(super) memory_peak_gbps: Option<f64>,
     /// The serving policy's token bucket for the staged pipeline of both directions (`pace`).
     pub(super) staged_pacer: Arc<StagedPacer>,
+    /// kvoff's share of the driver beside a model that launches eagerly (`share`).
+    pub(super) driver: super::share::DriverShare,
 }
 
 impl std::fmt::Debug for CudaDevice {
@@ -163,6 +165,7 @@ impl CudaDevice {
             calibration: OnceLock::new(),
             memory_peak_gbps,
             staged_pacer: StagedPacer::new(),
+            driver: super::share::DriverShare::default(),
         });
         devs.push(Arc::clone(&d));
         Ok(d)

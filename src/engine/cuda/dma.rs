@@ -9,6 +9,7 @@ use super::engine::{CudaEngine, JobCtx};
 use super::feed::{device_limit, enqueue_batches, DmaHelper, Feeder, Work};
 use super::ffi;
 use super::handles::SendPtr;
+use super::share::{Governor, Polite};
 use super::telemetry;
 use crate::error::{KvoffError, Result};
 use crate::plan::CopyOp;
@@ -38,6 +39,7 @@ impl CudaEngine {
                 host_to_device,
                 job.group_pitched,
                 s,
+                self.polite(job),
             )?;
             return Ok(false);
         };
@@ -47,8 +49,12 @@ impl CudaEngine {
             job.group_pitched,
             &mut device_limit(&mut self.alloc_ranges, self.direction),
         );
-        if bufs.units() <= bound {
-            // Short enough to queue at once: enqueued here, unpaced.
+        if bufs.units() <= bound
+            && !(self.device.driver.polite_now() && self.polite(job) != Polite::Off)
+        {
+            // Short enough to queue at once: enqueued here, unpaced. (Not while polite: the
+            // waits between polite calls would be spent on the caller's thread, in vLLM the
+            // model's.)
             let mut p = std::mem::take(&mut self.pace);
             // SAFETY: memory validated by the plan, alive until the job completes; `s` is a
             // created stream; submit binds first.
@@ -61,12 +67,18 @@ impl CudaEngine {
                     s,
                     &mut p,
                     bound,
+                    &Governor::new(
+                        &self.device.driver,
+                        self.polite(job),
+                        self.cfg.dma_driver_duty_pct,
+                    ),
                 )
             };
             self.pace = p;
             self.scratch_dma = bufs;
             return r.map(|()| false);
         }
+        let polite = self.polite(job);
         if self.feeder.is_none() {
             self.feeder = Some(Feeder::new(&self.device, self.cfg.max_batch_copies, bound)?);
         }
@@ -87,6 +99,8 @@ impl CudaEngine {
             host_to_device,
             stream: SendPtr(s),
             end: Some(SendPtr(end)),
+            polite,
+            duty_pct: self.cfg.dma_driver_duty_pct,
         })
         .map_err(|_| KvoffError::state("the DMA feeder thread stopped"))?;
         fd.busy = Some(job.id);
@@ -101,6 +115,7 @@ impl CudaEngine {
         host_to_device: bool,
         pitched: bool,
         s: ffi::CUstream,
+        polite: Polite,
     ) -> Result<()> {
         if let Some(f) = self.device.batch {
             let mut bufs = std::mem::take(&mut self.scratch_dma);
@@ -121,6 +136,7 @@ impl CudaEngine {
                     s,
                     &mut pace,
                     self.cfg.max_queued_copies,
+                    &Governor::new(&self.device.driver, polite, self.cfg.dma_driver_duty_pct),
                 )
             };
             self.scratch_dma = bufs;
@@ -132,6 +148,19 @@ impl CudaEngine {
                 unsafe { ffi::memcpy_async(dst, src, n, s) }?;
             }
             Ok(())
+        }
+    }
+
+    /// Whether `job`'s copy calls may turn polite (`share`): the `auto` method's, unless
+    /// `KVOFF_CUDA_TUNE` forces it (`polite`); an explicit method runs as configured.
+    pub(super) fn polite(&self, _job: &JobCtx) -> Polite {
+        match self.cfg.polite {
+            // `auto` under either policy: a GPU taken for idle because no stream of the model
+            // was given to watch may still have a model launching beside it (the contention
+            // then also makes the serving policy decide: `decide_serving`).
+            Polite::Auto if self.cfg.method == super::CopyMethod::Auto => Polite::Auto,
+            Polite::Auto => Polite::Off,
+            m => m,
         }
     }
 
@@ -148,6 +177,9 @@ impl CudaEngine {
             && self.device.batch.is_some()
             && !job.mostly_pitched(self.cfg.dma_pitched, n)
             && !(job.serving && self.device.other_direction_active(self.direction))
+            // While polite the driver's share, not one thread's calls, bounds the rate; and the
+            // caller's half would be paced on the caller's thread (the model's, in vLLM).
+            && !self.device.driver.polite_now()
     }
 
     /// A DMA job enqueued in two halves at once: the second by the helper thread on its stream
@@ -172,6 +204,7 @@ impl CudaEngine {
                 )
             }?);
         }
+        let polite = self.polite(job);
         let h = self
             .dma_helper
             .as_mut()
@@ -203,6 +236,8 @@ impl CudaEngine {
                 host_to_device,
                 stream: SendPtr(aux),
                 end: None,
+                polite,
+                duty_pct: self.cfg.dma_driver_duty_pct,
             })
             .map_err(|_| KvoffError::state("the DMA helper thread stopped"));
         let mine = sent.and_then(|()| {
@@ -213,6 +248,7 @@ impl CudaEngine {
                 host_to_device,
                 job.group_pitched,
                 s,
+                self.polite(job),
             )
         });
         let h = self

@@ -158,6 +158,9 @@ pub struct CudaEngine {
     pub(super) pace: Pace,
     pub(super) scratch_runs: Vec<(u64, u64, u64)>,
     pub(super) last_pack_ns: u64,
+    /// This thread's fastest recent descriptor uploads (`share`: the copy kernel's calls are
+    /// watched for contention too).
+    pub(super) call_base: super::share::CallBase,
     pub(super) last_submit_ns: u64,
     /// Results of jobs drained by `shutdown`, returned by the next `poll`.
     pub(super) drained: Vec<JobResult>,
@@ -248,6 +251,7 @@ impl CudaEngine {
             pace: Pace::default(),
             scratch_runs: Vec::new(),
             last_pack_ns: 0,
+            call_base: super::share::CallBase::default(),
             last_submit_ns: 0,
             drained: Vec::new(),
             calibration,
@@ -317,7 +321,9 @@ impl CudaEngine {
             return false;
         }
         self.observe_compute(caller);
-        self.device.compute_seen_within(self.cfg.idle_after_us)
+        // A model launching eagerly beside kvoff's copy calls (`share`) is computing too, also
+        // when none of its streams was given to watch.
+        self.device.compute_seen_within(self.cfg.idle_after_us) || self.device.driver.polite_now()
     }
 
     /// Jobs run per method since creation, one entry per [`CopyMethod::RUN`] (`Dma`: batched DMA;

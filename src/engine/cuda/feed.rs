@@ -23,6 +23,7 @@ use super::device::CudaDevice;
 use super::ffi;
 use super::handles::{Event, SendPtr, Stream};
 use super::pitched::Pitched;
+use super::share::{CallBase, Governor, Polite};
 use super::telemetry;
 use crate::error::{KvoffError, Result};
 
@@ -42,6 +43,8 @@ const PACE_TIMEOUT: std::time::Duration = std::time::Duration::from_secs(60);
 #[derive(Default)]
 pub(super) struct Pace {
     events: Vec<Event>,
+    /// The enqueueing thread's fastest recent batched calls (see `share`).
+    base: CallBase,
 }
 
 impl Pace {
@@ -76,7 +79,9 @@ impl Pace {
                 )));
             }
             polls += 1;
-            if polls < 32 {
+            // Few queries in a row: each holds the driver, where another thread's launch may wait
+            // (see `share`).
+            if polls < 3 {
                 std::thread::yield_now();
             } else {
                 std::thread::sleep(std::time::Duration::from_micros(20));
@@ -192,6 +197,7 @@ pub(super) fn device_limit(
 /// 1. `f` came from the device's batch entry point; every copy satisfies the contract of
 ///    `ffi::memcpy_batch` (memory validated by a plan, or owned by the engine, alive until the
 ///    job completes); `s` is a live stream of the context current on this thread.
+#[allow(clippy::too_many_arguments)] // the job's copies, its stream and the thread's pacing state
 pub(super) unsafe fn enqueue_batches(
     f: ffi::MemcpyBatchFn,
     bufs: &mut DmaBufs,
@@ -200,8 +206,10 @@ pub(super) unsafe fn enqueue_batches(
     s: ffi::CUstream,
     pace: &mut Pace,
     max_queued: usize,
+    gov: &Governor<'_>,
 ) -> Result<()> {
     let total = bufs.units();
+    let mut base = pace.base;
     let mut q = Queue::new(pace, s, max_queued, total);
     // Pitched runs first; a run the driver refuses (a pitch over its limit on some device) goes
     // as batch entries instead.
@@ -210,8 +218,10 @@ pub(super) unsafe fn enqueue_batches(
         if let Some(q) = q.as_mut() {
             q.before(u)?;
         }
+        let e = gov.enter();
         // SAFETY: the rows are copies of the job (obligation 1), pitches ≥ width by construction.
         let ok = unsafe { ffi::memcpy_2d(r.dst, r.dpitch, r.src, r.spitch, r.width, r.rows, s) };
+        gov.leave(&e, 0, &mut base);
         match (ok, q.as_mut()) {
             (Err(_), _) => {
                 for (src, dst, n) in r.rows() {
@@ -224,29 +234,61 @@ pub(super) unsafe fn enqueue_batches(
         }
     }
     if bufs.sizes.is_empty() {
+        if let Some(q) = q {
+            q.pace.base = base;
+        } else {
+            pace.base = base;
+        }
         return Ok(());
     }
     // Split so that no call holds the driver for long (32768 copies in one call take tens of ms
-    // of CPU, stalling every other thread's launches meanwhile).
-    let step = if step == 0 { bufs.sizes.len() } else { step };
-    for ((d, sr), sz) in bufs
-        .dsts
-        .chunks_mut(step)
-        .zip(bufs.srcs.chunks_mut(step))
-        .zip(bufs.sizes.chunks_mut(step))
-    {
-        let u = sz.len();
+    // of CPU, stalling every other thread's launches meanwhile); shorter still while the device is
+    // polite (`share`).
+    let n = bufs.sizes.len();
+    let mut i = 0;
+    let mut r = Ok(());
+    while i < n {
+        let step = gov.batch(step);
+        let j = if step == 0 { n } else { (i + step).min(n) };
+        let u = j - i;
         if let Some(q) = q.as_mut() {
-            q.before(u)?;
+            if let Err(e) = q.before(u) {
+                r = Err(e);
+                break;
+            }
         }
+        let e = gov.enter();
         // SAFETY: co-indexed arrays; the rest is this function's obligation 1.
-        unsafe { ffi::memcpy_batch(f, d, sr, sz, host_to_device, s) }?;
+        let c = unsafe {
+            ffi::memcpy_batch(
+                f,
+                &mut bufs.dsts[i..j],
+                &mut bufs.srcs[i..j],
+                &mut bufs.sizes[i..j],
+                host_to_device,
+                s,
+            )
+        };
+        gov.leave(&e, u, &mut base);
+        if let Err(e) = c {
+            r = Err(e);
+            break;
+        }
         if let Some(q) = q.as_mut() {
             // SAFETY: obligation 1.
-            unsafe { q.after(u) }?;
+            if let Err(e) = unsafe { q.after(u) } {
+                r = Err(e);
+                break;
+            }
         }
+        i = j;
     }
-    Ok(())
+    if let Some(q) = q {
+        q.pace.base = base;
+    } else {
+        pace.base = base;
+    }
+    r
 }
 
 /// Reused argument arrays of the batch call (sources, destinations, sizes) and the job's pitched
@@ -312,6 +354,10 @@ pub(super) struct Work {
     pub(super) stream: SendPtr<ffi::CUstream>,
     /// The job's end event, recorded after the last copy (the feeder), or none (the helper).
     pub(super) end: Option<SendPtr<ffi::CUevent>>,
+    /// Whether the enqueueing thread's calls may turn polite, and its share of the driver then
+    /// (see `share`).
+    pub(super) polite: Polite,
+    pub(super) duty_pct: u32,
 }
 
 /// An enqueuing thread's answer: the enqueue result, its driver-call record, and the buffers
@@ -356,6 +402,7 @@ fn spawn_enqueuer(
                             w.stream.0,
                             &mut w.pace,
                             bound,
+                            &Governor::new(&dev.driver, w.polite, w.duty_pct),
                         )
                     };
                     match &w.end {

@@ -80,17 +80,24 @@ impl CudaEngine {
             return Ok(());
         }
         let off = first * DESC_BYTES;
+        let polite = self.polite(job);
+        let gov =
+            super::share::Governor::new(&self.device.driver, polite, self.cfg.dma_driver_duty_pct);
+        let e = gov.enter();
         // SAFETY: the pinned buffer holds these descriptors and stays untouched until this job
         // completes (it travels with the job; later writes go to other descriptors); the device
         // buffer is as large.
-        unsafe {
+        let up = unsafe {
             ffi::memcpy_htod_async(
                 buf.dev.ptr() + off as u64,
                 buf.host.ptr().cast::<u8>().add(off).cast(),
                 n * DESC_BYTES,
                 s,
             )
-        }?;
+        };
+        // The upload is one small copy call: sampled like a batch of one (`share`).
+        gov.leave(&e, 1, &mut self.call_base);
+        up?;
         let ctas = self.kernel_ctas(job);
         if !job.serving {
             return self.launch(job, buf.dev.ptr() + off as u64, n as u64, ctas, s);

@@ -47,6 +47,7 @@ mod pace;
 mod pipeline;
 mod pitched;
 mod scores;
+mod share;
 mod staged;
 mod submit;
 mod telemetry;

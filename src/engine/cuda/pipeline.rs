@@ -200,9 +200,9 @@ impl CudaEngine {
                 let ndesc = (nd - d0) as u64;
                 if d2h {
                     self.launch(job, kdesc, ndesc, ctas, st)?;
-                    self.dma(runs.iter().copied(), false, pitched, st)?;
+                    self.dma(runs.iter().copied(), false, pitched, st, self.polite(job))?;
                 } else {
-                    self.dma(runs.iter().copied(), true, pitched, st)?;
+                    self.dma(runs.iter().copied(), true, pitched, st, self.polite(job))?;
                     self.launch(job, kdesc, ndesc, ctas, st)?;
                 }
             }

@@ -53,7 +53,7 @@ thread_local! {
 }
 
 /// CPU time of the calling thread, ns (0 if the clock is unavailable).
-fn thread_cpu_ns() -> u64 {
+pub(super) fn thread_cpu_ns() -> u64 {
     let mut ts = libc::timespec {
         tv_sec: 0,
         tv_nsec: 0,

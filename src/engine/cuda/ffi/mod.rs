@@ -141,13 +141,6 @@ pub(crate) unsafe fn event_done(e: CUevent) -> Result<bool> {
     check(r, "cuEventQuery").map(|()| true)
 }
 
-/// # Safety
-/// 1. `e` is a live event.
-pub(crate) unsafe fn event_sync(e: CUevent) -> Result<()> {
-    // SAFETY: the caller upholds this function's `# Safety` obligations.
-    check(unsafe { sys::cuEventSynchronize(e) }, "cuEventSynchronize")
-}
-
 /// Milliseconds between two completed timing events.
 ///
 /// # Safety
