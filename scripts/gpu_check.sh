@@ -4,6 +4,8 @@
 #            compute-sanitizer memcheck over cuda_engine, the GPU pytest suite;
 #   idle   — `kvoff bench transfers` (idle GPU, 512 MiB jobs, one direction and both at once);
 #   beside — `kvoff bench interference` (Python) with KVOFF_GRID_* overrides;
+#   model  — `kvoff bench model`: transfers beside a Llama-3-8B-shaped model's forward (eager and
+#            CUDA-graph decode, eager prefill; transformers' LlamaForCausalLM), KVOFF_MODEL_ARGS;
 #   rust   — `cargo bench --bench interference` (the Rust twin) with KVOFF_BENCH_* overrides;
 #   remote — `kvoff bench remote` against a private redis-server from .carry/redis
 #            (`gpu_stage.sh remote`): the remote tier on a many-core serving machine;
@@ -28,8 +30,9 @@ for step in "$@"; do
       .carry/bin/$t --include-ignored --test-threads=1 >"$OUT/rust_$t.log" 2>&1
       summary+=("rust $t: rc=$? $(grep -E '^test result' "$OUT/rust_$t.log" | tail -1)")
     done
+    # (The polite-DMA test times launches: under memcheck's instrumentation it measures the tool.)
     compute-sanitizer --tool memcheck --error-exitcode 9 .carry/bin/cuda_engine --include-ignored --test-threads=1 \
-      --skip calibration >"$OUT/memcheck.log" 2>&1
+      --skip calibration --skip dma_turns_polite >"$OUT/memcheck.log" 2>&1
     summary+=("memcheck cuda_engine: rc=$? $(grep -E 'ERROR SUMMARY' "$OUT/memcheck.log" | tail -1)")
     python3 -m pytest -q -p no:cacheprovider -x tests/python/test_worker_gpu.py \
       tests/python/test_torch_layouts.py tests/python/test_worker_handlers.py \
@@ -47,6 +50,11 @@ for step in "$@"; do
     python3 -m kvoff.tools.cli bench interference ${KVOFF_GRID:-} >"$OUT/interference.log" 2>&1
     summary+=("kvoff bench interference: rc=$?")
     tail -60 "$OUT/interference.log"
+    ;;
+  model)
+    python3 -m kvoff.tools.cli bench model ${KVOFF_MODEL_ARGS:-} --plot "$OUT/model.png" >"$OUT/model.log" 2>"$OUT/model_progress.log"
+    summary+=("kvoff bench model: rc=$?")
+    tail -45 "$OUT/model.log"
     ;;
   rust)
     # Power, SM clock and temperature every 200 ms beside the bench (is the GEMM power-capped?).

@@ -978,3 +978,119 @@ fn calibration_covers_methods_and_directions() {
     // A second call returns the same (cached) calibration.
     assert!(Arc::ptr_eq(&cal, &dev.calibration().unwrap()));
 }
+
+/// Launch wall times (ns) of a thread that launches short kernels back to back on its own stream,
+/// synchronizing every 64 launches (an eager forward's thread), until `stop`.
+fn eager_launcher(
+    dev: &Arc<CudaDevice>,
+    stop: &std::sync::atomic::AtomicBool,
+    lat: &std::sync::Mutex<Vec<u64>>,
+) {
+    let s = dev.create_stream().unwrap();
+    let mut mine = Vec::new();
+    let mut i = 0u64;
+    while !stop.load(std::sync::atomic::Ordering::Relaxed) {
+        let t = std::time::Instant::now();
+        s.sleep(3_000).unwrap();
+        mine.push(t.elapsed().as_nanos() as u64);
+        i += 1;
+        if i % 64 == 0 {
+            s.synchronize().unwrap();
+        }
+    }
+    s.synchronize().unwrap();
+    lat.lock().unwrap().extend(mine);
+}
+
+fn median(v: &mut [u64]) -> u64 {
+    v.sort_unstable();
+    v.get(v.len() / 2).copied().unwrap_or(0)
+}
+
+/// docs/performance.md, "Transfers beside an eager model": while another thread launches kernels
+/// back to back, `auto`'s DMA of 32 KiB copies turns polite (short calls, waits outside the driver)
+/// and that thread's launches stay fast; once it stops, the device returns to full speed. Every
+/// job byte-exact.
+#[test]
+#[ignore = "needs a CUDA GPU"]
+fn dma_turns_polite_beside_an_eager_launcher() {
+    use std::sync::atomic::{AtomicBool, Ordering};
+    let dev = device();
+    let (page, n) = (32u64 << 10, 2048u64); // 64 MiB jobs of 2048 copies
+    let len = (page * n) as usize;
+    let gpu = DeviceBuffer::new(&dev, len).unwrap();
+    let mut host = PinnedBuffer::new(&dev, len).unwrap();
+    let mut want = vec![0u8; len];
+    Rng(45).fill(&mut want);
+    gpu.write(0, &want).unwrap();
+    let order = Rng(46).distinct(n, n as usize);
+    let host_ptr = host.ptr();
+    let plan = || {
+        let copies = (0..n)
+            .map(|i| CopyOp {
+                src_ptr: gpu.ptr() + i * page,
+                dst_ptr: host_ptr + order[i as usize] * page,
+                bytes: page,
+            })
+            .collect();
+        CopyPlan::from_copies(Direction::GpuToCpu, copies).unwrap()
+    };
+    let cfg = CudaEngineConfig {
+        compute_budget_bp: Some(200),
+        ..CudaEngineConfig::default()
+    };
+    let mut store = CudaEngine::new(Arc::clone(&dev), Direction::GpuToCpu, cfg).unwrap();
+    let mut job = 0i64;
+    let mut run = |store: &mut CudaEngine, host: &mut PinnedBuffer, secs: f64| {
+        let t = std::time::Instant::now();
+        let (mut jobs, mut polite) = (0u32, 0u32);
+        while t.elapsed().as_secs_f64() < secs {
+            host.as_mut_slice().fill(0);
+            job += 1;
+            let r = run_job(store, job, plan(), None);
+            assert!(r.success, "{:?}", r.error);
+            for (i, &o) in order.iter().enumerate() {
+                let (h, g, p) = (o as usize * page as usize, i * page as usize, page as usize);
+                assert_eq!(&host.as_slice()[h..h + p], &want[g..g + p]);
+            }
+            jobs += 1;
+            polite += u32::from(store.last_submit_stats().polite);
+        }
+        (jobs, polite)
+    };
+    // Alone: no contention, never polite; the launcher's reference latency.
+    let (jobs, polite) = run(&mut store, &mut host, 0.3);
+    assert!(jobs > 0);
+    assert_eq!(polite, 0, "no other thread in the driver: full speed");
+    let stop = AtomicBool::new(false);
+    let idle_lat = std::sync::Mutex::new(Vec::new());
+    std::thread::scope(|sc| {
+        sc.spawn(|| eager_launcher(&dev, &stop, &idle_lat));
+        std::thread::sleep(std::time::Duration::from_millis(300));
+        stop.store(true, Ordering::Relaxed);
+    });
+    let idle = median(&mut idle_lat.lock().unwrap());
+    // Beside the launcher.
+    let stop = AtomicBool::new(false);
+    let lat = std::sync::Mutex::new(Vec::new());
+    let (jobs, polite) = std::thread::scope(|sc| {
+        sc.spawn(|| eager_launcher(&dev, &stop, &lat));
+        let r = run(&mut store, &mut host, 1.0);
+        stop.store(true, Ordering::Relaxed);
+        r
+    });
+    let beside = median(&mut lat.lock().unwrap());
+    eprintln!("launch median alone {idle} ns, beside polite DMA {beside} ns; {polite} of {jobs} jobs polite");
+    assert!(
+        polite * 2 > jobs,
+        "{polite} of {jobs} jobs polite beside an eager launcher"
+    );
+    assert!(
+        beside <= (3 * idle).max(idle + 30_000),
+        "launches took {beside} ns beside kvoff against {idle} ns alone"
+    );
+    // The launcher stopped: after the hold, full speed again.
+    std::thread::sleep(std::time::Duration::from_millis(300));
+    let (_, polite) = run(&mut store, &mut host, 0.3);
+    assert_eq!(polite, 0, "polite after the launcher stopped");
+}

@@ -23,6 +23,7 @@ cancels). kvoff's GB/s is bytes finished over the beside rounds' wall time.
 
 from __future__ import annotations
 
+import contextlib
 import random
 import threading
 import time
@@ -95,24 +96,27 @@ class _Kv:
     may carve them evenly spaced from one cached segment (then DMA moves a block's 64 pages as one
     pitched copy)."""
 
-    def __init__(self, torch: Any, page: int, blocks: int, layout: str = "layers") -> None:
-        self.torch = torch
+    def __init__(
+        self, torch: Any, page: int, blocks: int, layout: str = "layers", device: str = "cuda"
+    ) -> None:
+        self.torch, self.device = torch, device
         self.blocks = blocks
         # GPU block ids are drawn from a pool 8x (layers) the job's blocks per half, so a job's
         # blocks are rarely consecutive (as in a serving engine's block pool after some churn).
         self.ngpu = (16 if layout == "layers" else 4) * blocks
         self.ncpu = 4 * blocks
         if layout == "layers":
-            torch.cuda.empty_cache()  # each layer then gets an allocation of its own
+            if device == "cuda":
+                torch.cuda.empty_cache()  # each layer then gets an allocation of its own
             self.layers = [
-                torch.empty(2, self.ngpu, page, dtype=torch.uint8, device="cuda") for _ in range(TENSORS // 2)
+                torch.empty(2, self.ngpu, page, dtype=torch.uint8, device=device) for _ in range(TENSORS // 2)
             ]
             self.kv = [t[i] for t in self.layers for i in (0, 1)]
         elif layout == "pool":
-            self.kv = [torch.empty(self.ngpu, page, dtype=torch.uint8, device="cuda") for _ in range(TENSORS)]
+            self.kv = [torch.empty(self.ngpu, page, dtype=torch.uint8, device=device) for _ in range(TENSORS)]
         else:
             raise ValueError(f"unknown KV layout {layout!r} (layers, pool)")
-        g = torch.Generator(device="cuda").manual_seed(3)
+        g = torch.Generator(device=device).manual_seed(3)
         for t in self.kv:
             t.random_(0, 256, generator=g)
 
@@ -120,6 +124,8 @@ class _Kv:
         import os
 
         name, tune = _engine_args(engine)
+        if self.device == "cpu":  # the harness on a machine without a GPU: kvoff's host engine
+            name, tune, streams = "host", "", []
         old = os.environ.get("KVOFF_CUDA_TUNE")
         if tune:
             os.environ["KVOFF_CUDA_TUNE"] = tune
@@ -196,9 +202,10 @@ class _Mover:
         return len(done)
 
     def run_thread(self) -> None:
-        side = self.torch.cuda.Stream()
+        cuda = self.kv.device == "cuda"
+        side = self.torch.cuda.Stream() if cuda else None
         try:
-            with self.torch.cuda.stream(side):
+            with self.torch.cuda.stream(side) if cuda else contextlib.nullcontext():
                 while not self.stop.is_set():
                     self.submit_step()
                     if self.poll:
@@ -225,16 +232,24 @@ class _Mover:
 def _round(torch: Any, wl: Any, steps: int, mover: _Mover | None) -> float:
     """Milliseconds per step of ``steps`` steps, each ended by a synchronize (a serving engine's
     step); with ``mover`` in the vllm pattern, its jobs are submitted before each step."""
-    e0, e1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    cuda = wl.device == "cuda"
+    e0, e1 = (
+        (torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)) if cuda else (None, None)
+    )
     total = 0.0
     for _ in range(steps):
         if mover is not None:
             mover.submit_step()
-        e0.record()
-        wl.step()
-        e1.record()
-        e1.synchronize()
-        total += e0.elapsed_time(e1)
+        if e0 is not None and e1 is not None:
+            e0.record()
+            wl.step()
+            e1.record()
+            e1.synchronize()
+            total += e0.elapsed_time(e1)
+        else:  # CPU: the step is synchronous
+            t0 = time.perf_counter()
+            wl.step()
+            total += (time.perf_counter() - t0) * 1e3
         if mover is not None:
             mover.collect()
     return total / steps
@@ -317,38 +332,41 @@ def bench_model(
     impl: str = "auto",
     rounds: int = 3,
     log: Any = None,
+    device: str = "cuda",
+    round_s: float = ROUND_S,
 ) -> dict[str, Any]:
-    """Runs ``cells``; returns ``{"device", "impl", "alone", "rows"}``."""
+    """Runs ``cells``; returns ``{"device", "impl", "alone", "rows"}``. ``device="cpu"`` runs the
+    harness on the CPU with kvoff's host engine (its test; graph cells need CUDA)."""
     import torch
 
     import kvoff
 
-    if not (torch.cuda.is_available() and kvoff.cuda_available()):
+    if device == "cuda" and not (torch.cuda.is_available() and kvoff.cuda_available()):
         raise RuntimeError("kvoff bench model needs a CUDA GPU and torch with CUDA")
     say = log or (lambda *_: None)
     t0 = time.perf_counter()
-    model, used = model_llama.build(torch, shape, impl)
+    model, used = model_llama.build(torch, shape, impl, device)
     say(f"model: {used} {shape} built in {time.perf_counter() - t0:.1f} s")
-    model_stream = torch.cuda.current_stream()
+    model_stream = torch.cuda.current_stream() if device == "cuda" else None
     wls: dict[str, Any] = {}
     impls: dict[str, str] = {}
     for w in dict.fromkeys(c.workload for c in cells):
         try:
-            wls[w] = model_llama.Workload(torch, model, w, used, shape, "cuda")
+            wls[w] = model_llama.Workload(torch, model, w, used, shape, device)
             impls[w] = used
         except Exception as e:  # e.g. a transformers version whose forward cannot be captured
             if used != "transformers":
                 raise
             say(f"{w}: {used} failed ({e!r}); using the torch implementation")
-            tm = model_llama.TorchLlama(torch, shape, "cuda")
-            wls[w] = model_llama.Workload(torch, tm, w, "torch", shape, "cuda")
+            tm = model_llama.TorchLlama(torch, shape, device)
+            wls[w] = model_llama.Workload(torch, tm, w, "torch", shape, device)
             impls[w] = "torch"
     steps: dict[str, int] = {}
     alone: dict[str, float] = {}
     for w, wl in wls.items():
         _round(torch, wl, 2, None)
         ms = _round(torch, wl, 3, None)
-        steps[w] = max(3, int(ROUND_S * 1e3 / max(ms, 1e-3)))
+        steps[w] = max(3, int(round_s * 1e3 / max(ms, 1e-3)))
         alone[w] = _round(torch, wl, steps[w], None)
         say(f"{w} ({impls[w]}): {alone[w]:.2f} ms per step alone, {steps[w]} steps a round")
     kvs: dict[tuple[int, str], _Kv] = {}
@@ -358,16 +376,19 @@ def bench_model(
         blocks = max(1, (c.job_mib << 20) // (TENSORS * page))
         if (blocks, c.layout) not in kvs:
             kvs.clear()
-            torch.cuda.empty_cache()
-            kvs[(blocks, c.layout)] = _Kv(torch, page, blocks, c.layout)
+            if device == "cuda":
+                torch.cuda.empty_cache()
+            kvs[(blocks, c.layout)] = _Kv(torch, page, blocks, c.layout, device)
         r = measure_cell(
             torch, kvoff, wls[c.workload], kvs[(blocks, c.layout)], c, steps[c.workload], rounds, model_stream
         )
         rows.append(r)
         say(format_row(r))
-    ok = _roundtrip(torch, kvoff, kvs[next(iter(kvs))] if kvs else _Kv(torch, page, 4), model_stream)
+    ok = _roundtrip(
+        torch, kvoff, kvs[next(iter(kvs))] if kvs else _Kv(torch, page, 4, device=device), model_stream
+    )
     return {
-        "device": torch.cuda.get_device_name(),
+        "device": torch.cuda.get_device_name() if device == "cuda" else "cpu (host engine)",
         "impl": impls,
         "alone_ms": alone,
         "page_bytes": page,
@@ -379,7 +400,7 @@ def bench_model(
 def _roundtrip(torch: Any, kvoff: Any, kv: _Kv, model_stream: Any) -> bool:
     """Stores blocks and loads them into other GPU blocks with the default engine; true when every
     byte matches."""
-    h = kv.handlers(kvoff, "auto", [model_stream])
+    h = kv.handlers(kvoff, "auto", [model_stream] if model_stream is not None else [])
     try:
         rng = random.Random(2)
         src = rng.sample(range(kv.ngpu // 2), kv.blocks)
@@ -390,7 +411,8 @@ def _roundtrip(torch: Any, kvoff: Any, kv: _Kv, model_stream: Any) -> bool:
         h.gpu_to_cpu_handler.wait([1])
         h.cpu_to_gpu_handler.transfer_async(2, (kvoff.CPULoadStoreSpec(cpu), kvoff.GPULoadStoreSpec(dst)))
         h.cpu_to_gpu_handler.wait([2])
-        torch.cuda.synchronize()
+        if kv.device == "cuda":
+            torch.cuda.synchronize()
         res = h.gpu_to_cpu_handler.get_finished() + h.cpu_to_gpu_handler.get_finished()
         return all(r.success for r in res) and all(
             torch.equal(b, t[dst]) for b, t in zip(before, kv.kv, strict=True)

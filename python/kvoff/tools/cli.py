@@ -375,6 +375,18 @@ def _bench_remote(args: argparse.Namespace) -> int:
     return 0
 
 
+def _model_cmd(p: argparse.ArgumentParser) -> None:
+    from kvoff.tools.bench_model import add_arguments
+
+    add_arguments(p)
+
+
+def _bench_model(args: argparse.Namespace) -> int:
+    from kvoff.tools.bench_model import run
+
+    return run(args)
+
+
 def _bench_interference(args: argparse.Namespace) -> int:
     from kvoff.tools.bench_interference import (
         bench_interference,
@@ -687,6 +699,13 @@ def _bench_commands() -> list[Command]:
             "other-thread launch latency, per page/job/direction/method",
             _interference_cmd,
             _bench_interference,
+        ),
+        Command(
+            "model",
+            "transfers beside a Llama-shaped model's forward on a GPU (eager and CUDA-graph decode, "
+            "eager prefill): the model's slowdown and kvoff's GB/s against plain DMA",
+            _model_cmd,
+            _bench_model,
         ),
         # Its options and one-line checks live in kvoff.tools.bench_serve (standard library only at import).
         Command("serve", SERVE_HELP, add_serve_options, serve_main),
