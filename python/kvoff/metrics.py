@@ -36,9 +36,10 @@ With a manager attached: gauges ``kvoff_cache_usage``, ``kvoff_cache_write_usage
 ``kvoff_cache_blocks_present``, ``kvoff_cache_blocks_free``, ``kvoff_cache_blocks_evictable`` and the
 counter ``kvoff_cache_stores_skipped``. Reading them calls ``manager.get_stats()``, which resets the
 manager's own ``stores_skipped`` counter; this object accumulates it, so read it from here only.
-A :class:`kvoff.TieredOffloadingManager` attached adds the file tier's ``kvoff_disk_*`` families
-(:data:`kvoff.tier.DISK_METRICS`: bytes and seconds per direction, so GB/s = rate of bytes / rate of
-seconds; hits, promotions, corrupt files, write errors, own bytes).
+A :class:`kvoff.TieredOffloadingManager` attached adds each of its tiers' families, as
+:data:`kvoff.tiers.METRICS` names them: the file tier's ``kvoff_disk_*`` and the remote tier's
+``kvoff_remote_*`` (bytes and seconds per direction, so GB/s = rate of bytes / rate of seconds;
+hits, promotions, rejected values, errors, own bytes, whether the server is up).
 
 Counters are exposed as prometheus_client exposes every counter: the sample (and its
 ``# HELP``/``# TYPE`` lines) is the family name plus ``_total``, e.g.
@@ -192,11 +193,23 @@ class _Family:
         self.samples: list[tuple[str, dict[str, str], float]] = []
 
 
+def _tier_family(m: Any) -> str:
+    """A tier figure's family name without the prefix (``kvoff.tiers.Metric``; counters without
+    ``_total``)."""
+    name: str = m.prometheus.removeprefix("kvoff_")
+    return name.removesuffix("_total") if m.kind == "counter" else name
+
+
 def _describe(prefix: str) -> list[_Family]:
     """Every family a collector with this prefix may write, without samples."""
+    from kvoff.tiers import METRICS
+
     fams = [_Family(f"{prefix}_{name}", "counter", help_) for name, help_, _ in _COUNTERS]
     fams.append(_Family(f"{prefix}_{_HISTOGRAM[0]}", "histogram", _HISTOGRAM[1]))
     fams += [_Family(f"{prefix}_{name}", "gauge", help_) for name, _, help_ in _CACHE_GAUGES]
+    fams += [
+        _Family(f"{prefix}_{_tier_family(m)}", m.kind, m.help) for rows in METRICS.values() for m in rows
+    ]
     fams.append(_Family(f"{prefix}_{_CACHE_SKIPPED[0]}", "counter", _CACHE_SKIPPED[1]))
     return fams
 
@@ -345,19 +358,17 @@ class TransferMetrics:
                 )
             f = family(_CACHE_SKIPPED[0], "counter", _CACHE_SKIPPED[1])
             f.samples.append((f"{f.name}_total", dict(labels), float(cache["stores_skipped"])))
-            # A manager with the file tier behind it (kvoff.TieredOffloadingManager): its disk_*
-            # figures under the names of kvoff.tier.DISK_METRICS (counters end in _total).
-            from kvoff.tier import DISK_METRICS
+            # A manager with tiers behind it (kvoff.TieredOffloadingManager): each tier's figures
+            # under the names of its kvoff.tiers.METRICS table (counters end in _total).
+            from kvoff.tiers import METRICS
 
-            for key, (full, help_) in DISK_METRICS.items():
-                if key not in cache:
-                    continue
-                name = prefix + full[len("kvoff") :]
-                if name.endswith("_total"):
-                    f = family(name[: -len("_total")], "counter", help_)
-                else:
-                    f = family(name, "gauge", help_)
-                f.samples.append((name, dict(labels), float(cache[key])))
+            for rows in METRICS.values():
+                for m in rows:
+                    if m.key not in cache:
+                        continue
+                    f = family(_tier_family(m), m.kind, m.help)
+                    sample = f.name + "_total" if m.kind == "counter" else f.name
+                    f.samples.append((sample, dict(labels), float(cache[m.key])))
         return fams
 
     def snapshot(self) -> dict[str, Any]:

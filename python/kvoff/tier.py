@@ -51,6 +51,7 @@ from kvoff._native import (
     bench_disk,
 )
 from kvoff.errors import ConfigError
+from kvoff.tiers import METRICS, TIER_DEFAULTS
 
 __all__ = [
     "DISK_METRICS",
@@ -64,26 +65,10 @@ __all__ = [
 ]
 
 #: Stats keys of the disk tier and the Prometheus names a metrics exporter should give them
-#: (``kvoff_disk_*``; counters end in ``_total``).
+#: (``kvoff_disk_*``; counters end in ``_total``), with their help: a view of
+#: :data:`kvoff.tiers.METRICS` ``["disk"]``.
 DISK_METRICS: dict[str, tuple[str, str]] = {
-    "disk_bytes_written": ("kvoff_disk_written_bytes_total", "payload bytes written to files"),
-    "disk_files_written": ("kvoff_disk_files_written_total", "files published"),
-    "disk_write_seconds": ("kvoff_disk_write_seconds_total", "I/O thread seconds spent writing"),
-    "disk_write_errors": ("kvoff_disk_write_errors_total", "writes failed (store skipped)"),
-    "disk_writes_dropped": ("kvoff_disk_writes_dropped_total", "writes dropped (queue full / no room)"),
-    "disk_bytes_read": ("kvoff_disk_read_bytes_total", "payload bytes promoted into host memory"),
-    "disk_promotions": ("kvoff_disk_promotions_total", "promotions completed"),
-    "disk_read_seconds": ("kvoff_disk_read_seconds_total", "I/O thread seconds spent reading"),
-    "disk_read_errors": ("kvoff_disk_read_errors_total", "promotions whose file vanished"),
-    "disk_corrupt_files": ("kvoff_disk_corrupt_files_total", "files rejected by header/checksum"),
-    "disk_rejected_files": (
-        "kvoff_disk_rejected_files_total",
-        "foreign entries skipped (FIFOs, links, untrusted owners; docs/tier.md Trust)",
-    ),
-    "disk_evicted_files": ("kvoff_disk_evicted_files_total", "own files removed for capacity"),
-    "disk_hits": ("kvoff_disk_hits_total", "host misses found on disk"),
-    "disk_indexed_files": ("kvoff_disk_files", "files indexed (gauge)"),
-    "disk_own_bytes": ("kvoff_disk_own_bytes", "bytes of this instance's files (gauge)"),
+    m.key: (m.prometheus, m.help) for m in METRICS["disk"] if "manager" in m.surfaces
 }
 
 
@@ -101,37 +86,13 @@ def disk_file_bytes(block_bytes: int) -> int:
 REMOTE_HEADER_BYTES = 1096
 
 #: Stats keys of the remote tier and their Prometheus names (``kvoff_remote_*``; counters end in
-#: ``_total``; GB/s per direction = bytes / seconds).
+#: ``_total``; GB/s per direction = bytes / seconds): a view of :data:`kvoff.tiers.METRICS` ``["remote"]``.
 REMOTE_METRICS: dict[str, tuple[str, str]] = {
-    "remote_hits": ("kvoff_remote_hits_total", "host (and file) misses found on the server"),
-    "remote_misses": ("kvoff_remote_misses_total", "keys the server did not hold (or could not be asked)"),
-    "remote_promotions": ("kvoff_remote_promotions_total", "values promoted into host memory"),
-    "remote_bytes_read": ("kvoff_remote_read_bytes_total", "payload bytes promoted from the server"),
-    "remote_read_seconds": (
-        "kvoff_remote_read_seconds_total",
-        "I/O thread seconds spent fetching and reading",
-    ),
-    "remote_bytes_written": ("kvoff_remote_written_bytes_total", "payload bytes written to the server"),
-    "remote_write_seconds": ("kvoff_remote_write_seconds_total", "I/O thread seconds spent writing"),
-    "remote_writes": ("kvoff_remote_writes_total", "values written"),
-    "remote_write_errors": ("kvoff_remote_write_errors_total", "writes failed (server error, timeout, down)"),
-    "remote_writes_dropped": (
-        "kvoff_remote_writes_dropped_total",
-        "writes dropped (queue or in-flight bytes full)",
-    ),
-    "remote_read_errors": ("kvoff_remote_read_errors_total", "promotions whose value vanished or failed"),
-    "remote_rejected_values": (
-        "kvoff_remote_rejected_values_total",
-        "values rejected by header/checksum (deleted)",
-    ),
-    "remote_fetch_errors": (
-        "kvoff_remote_fetch_errors_total",
-        "keys whose fetch failed or was skipped (their node down)",
-    ),
-    "remote_reconnects": ("kvoff_remote_reconnects_total", "recoveries of a node after a failure"),
-    "remote_fetches": ("kvoff_remote_fetches_total", "batched fetches started"),
-    "remote_up": ("kvoff_remote_up", "1 while some node of the server or Cluster is reachable (gauge)"),
+    m.key: (m.prometheus, m.help) for m in METRICS["remote"] if "manager" in m.surfaces
 }
+
+#: The defaults (one source: the crate's configs through ``kvoff._native.TIER_DEFAULTS``).
+_D = TIER_DEFAULTS
 
 
 class TieredOffloadingManager:
@@ -206,35 +167,35 @@ class TieredOffloadingManager:
         block_size_factor: int = 1,
         dtype: str = "",
         world_size: int | None = None,
-        block_size: int = 0,
+        block_size: int = _D["block_size"],
         enable_events: bool = False,
-        store_threshold: int = 0,
-        max_tracker_size: int = 64000,
-        disk_store_threshold: int = 0,
-        io_threads: int = 8,
-        write_threads: int = 4,
-        max_queued_writes: int = 256,
+        store_threshold: int = _D["store_threshold"],
+        max_tracker_size: int = _D["max_tracker_size"],
+        disk_store_threshold: int = _D["disk_store_threshold"],
+        io_threads: int = _D["io_threads"],
+        write_threads: int = _D["write_threads"],
+        max_queued_writes: int = _D["max_queued_writes"],
         fsync: bool = False,
-        direct_io: DirectIoName = "auto",
-        rescan_interval_s: float | None = 2.0,
+        direct_io: DirectIoName = _D["direct_io"],
+        rescan_interval_s: float | None = _D["rescan_interval_s"],
         owner: str | None = None,
-        max_promotions: int = 256,
+        max_promotions: int = _D["max_promotions"],
         trusted_uids: Sequence[int] = (),
         trusted_gid: int | None = None,
         allow_writable_dir: bool = False,
         remote_url: str | None = None,
         remote_cluster: bool = False,
         remote_namespace: str | None = None,
-        remote_store_threshold: int = 0,
+        remote_store_threshold: int = _D["remote_store_threshold"],
         remote_ttl_s: float | None = None,
-        remote_connect_timeout_s: float = 1.0,
-        remote_timeout_s: float = 2.0,
+        remote_connect_timeout_s: float = _D["remote_connect_timeout_s"],
+        remote_timeout_s: float = _D["remote_timeout_s"],
         remote_io_threads: int | None = None,
-        remote_max_queued_writes: int = 256,
-        remote_max_inflight_bytes: int = 256 << 20,
-        remote_negative_ttl_s: float = 2.0,
-        remote_max_fetch_keys: int = 64,
-        remote_password_env: str = "KVOFF_REMOTE_PASSWORD",
+        remote_max_queued_writes: int = _D["remote_max_queued_writes"],
+        remote_max_inflight_bytes: int = _D["remote_max_inflight_bytes"],
+        remote_negative_ttl_s: float = _D["remote_negative_ttl_s"],
+        remote_max_fetch_keys: int = _D["remote_max_fetch_keys"],
+        remote_password_env: str = _D["remote_password_env"],
         remote_tls_ca_file: str | os.PathLike[str] | None = None,
         remote_idle_spin_s: float | None = None,
         remote_idle_nap_s: float | None = None,
@@ -452,7 +413,11 @@ DISK_LAYOUTS: list[tuple[str, list[int]]] = [
 
 
 def bench_disk_rows(
-    dir: str, num_blocks: int = 256, reps: int = 5, io_threads: int = 8, direct_io: DirectIoName = "auto"
+    dir: str,
+    num_blocks: int = 256,
+    reps: int = 5,
+    io_threads: int = _D["io_threads"],
+    direct_io: DirectIoName = _D["direct_io"],
 ) -> list[dict[str, Any]]:
     """Runs :func:`bench_disk` for every layout of :data:`DISK_LAYOUTS` (the 4 KiB-page layout with
     8× as many blocks, so that every layout moves the same bytes)."""

@@ -424,7 +424,10 @@ fn kw_config(
     max_tracker_size: Option<&Bound<'_, PyAny>>,
 ) -> PyResult<ManagerConfig> {
     let zero = 0i64.into_pyobject(py)?.into_any();
-    let dflt = 64_000i64.into_pyobject(py)?.into_any();
+    let dflt = ManagerConfig::new(0)
+        .max_tracker_size
+        .into_pyobject(py)?
+        .into_any();
     config(
         num_blocks,
         block_size.unwrap_or(&zero),

@@ -7,7 +7,8 @@
 //!
 //! Modules by concept: [`args`] (argument conversion), [`functions`] (sizing, expansion),
 //! [`region`] (host regions), [`handler`] (the transfer handler and engine choice), [`manager`]
-//! and [`keys`] (scheduler side), [`tier`] (the tiered manager: file and remote tiers),
+//! and [`keys`] (scheduler side), [`tier`] (the tiered manager: file and remote tiers), [`tiers`] (each tier's settings, read
+//! once for every constructor),
 //! [`tier_bench`] (`bench_disk`),
 //! [`blockstore`] (the file or remote tier as a block store for engines that own their host memory),
 //! [`names`] (the `direct_io` modes by name).
@@ -33,6 +34,7 @@ mod names;
 mod region;
 mod tier;
 mod tier_bench;
+mod tiers;
 
 use pyo3::prelude::*;
 
@@ -47,6 +49,7 @@ fn _native(m: &Bound<'_, PyModule>) -> PyResult<()> {
     handler::register(m)?;
     tier::register(m)?;
     tier_bench::register(m)?;
+    tiers::register(m)?;
     blockstore::register(m)?;
     names::register(m)?;
     Ok(())

@@ -12,22 +12,21 @@
 #![allow(unsafe_code)]
 
 use std::sync::{Arc, Mutex};
-use std::time::Duration;
 
 use pyo3::prelude::*;
 use pyo3::types::{PyBytes, PyDict};
 
-use super::args::{Float, Int, PathArg};
+use super::args::{Int, PathArg};
 use super::enter::{blocking, locked, Hold};
 use super::errors::{to_py, IntoPyResult};
-use super::names::parse_direct_io;
 use super::region::{PyHostRegion, SharedRegion};
+use super::tiers::{self, FileSettings, HostSettings, RemoteSettings, Settings};
 use crate::key::ByteKey;
 use crate::manager::{AnyManager, BlockId, ManagerConfig, PolicyKind, Presence};
 use crate::tier::chain::{ChainConfig, ChainManager, ChainTier, ChainTierStats};
-use crate::tier::remote::{RemoteConfig, RemoteTier};
+use crate::tier::remote::RemoteTier;
 use crate::tier::secondary::Known;
-use crate::tier::{BlockMemory, DirectIo, FileTier, Layout, RawRows, TierConfig};
+use crate::tier::{BlockMemory, FileTier, RawRows};
 use crate::KvoffError;
 
 /// The host manager behind the tiers.
@@ -93,31 +92,6 @@ fn no_file_tier() -> KvoffError {
 fn file_tier(m: &ChainManager<Host>) -> crate::Result<&FileTier> {
     m.tier_as::<FileTier>().ok_or_else(no_file_tier)
 }
-
-fn seconds(name: &str, s: f64) -> PyResult<Duration> {
-    if s.is_finite() && s > 0.0 && s < 1e7 {
-        Ok(Duration::from_secs_f64(s))
-    } else {
-        Err(to_py(KvoffError::Config(format!(
-            "{name} must be > 0 seconds and finite, got {s}"
-        ))))
-    }
-}
-
-/// `remote_idle_spin_s` and `remote_idle_nap_s`: 0 (none) up to [`MAX_IDLE_SPIN_S`].
-fn idle_spin(name: &str, s: f64) -> PyResult<Duration> {
-    if s.is_finite() && (0.0..=MAX_IDLE_SPIN_S).contains(&s) {
-        Ok(Duration::from_secs_f64(s))
-    } else {
-        Err(to_py(KvoffError::Config(format!(
-            "{name} must be between 0 and {MAX_IDLE_SPIN_S} seconds, got {s}"
-        ))))
-    }
-}
-
-/// Longest `remote_idle_spin_s` (an I/O thread spinning longer only burns a CPU) and
-/// `remote_idle_nap_s` (a napping thread looking less often delays a fetch more).
-const MAX_IDLE_SPIN_S: f64 = 0.01;
 
 impl PyChainCore {
     fn forked(&self) -> bool {
@@ -260,114 +234,15 @@ fn stats_dict<'py>(
     Ok(d)
 }
 
-/// The file tier's settings.
-struct DiskArgs {
-    dir: std::path::PathBuf,
-    bytes: u64,
-    io_threads: usize,
-    write_threads: usize,
-    max_queued_writes: usize,
-    fsync: bool,
-    direct: DirectIo,
-    rescan: Option<Duration>,
-    trusted_uids: Vec<u32>,
-    trusted_gid: Option<u32>,
-    allow_writable_dir: bool,
-}
-
-impl DiskArgs {
-    fn config(self, layout: Layout, owner: Option<String>) -> TierConfig {
-        let mut tc = TierConfig::new(self.dir, self.bytes, layout);
-        tc.io_threads = self.io_threads;
-        tc.write_threads = self.write_threads;
-        tc.max_queued_writes = self.max_queued_writes;
-        tc.fsync = self.fsync;
-        tc.direct_io = self.direct;
-        tc.rescan_interval = self.rescan;
-        tc.owner = owner;
-        tc.trusted_uids = self.trusted_uids;
-        tc.trusted_gid = self.trusted_gid;
-        tc.allow_writable_dir = self.allow_writable_dir;
-        tc
-    }
-}
-
-/// The remote tier's settings.
-struct RemoteArgs {
-    url: String,
-    cluster: bool,
-    namespace: Option<String>,
-    ttl: Option<Duration>,
-    connect_timeout: Duration,
-    io_timeout: Duration,
-    io_threads: Option<usize>,
-    idle_spin: Option<Duration>,
-    idle_nap: Option<Duration>,
-    max_queued_writes: usize,
-    max_inflight_bytes: u64,
-    negative_ttl: Duration,
-    max_fetch_keys: usize,
-    password_env: String,
-    tls_ca_file: Option<std::path::PathBuf>,
-}
-
-impl RemoteArgs {
-    fn config(self, mut layout: Layout, owner: Option<String>) -> RemoteConfig {
-        if let Some(ns) = self.namespace {
-            layout.namespace = ns;
-        }
-        let url = if self.cluster && !self.url.contains("+cluster://") {
-            self.url.replacen("://", "+cluster://", 1)
-        } else {
-            self.url
-        };
-        let mut rc = RemoteConfig::new(url, layout);
-        rc.ttl = self.ttl;
-        rc.connect_timeout = self.connect_timeout;
-        rc.io_timeout = self.io_timeout;
-        if let Some(n) = self.io_threads {
-            rc.io_threads = n;
-        }
-        if let Some(d) = self.idle_spin {
-            rc.idle_spin = d;
-        }
-        if let Some(d) = self.idle_nap {
-            rc.idle_nap = d;
-        }
-        rc.max_queued_writes = self.max_queued_writes;
-        rc.max_inflight_bytes = self.max_inflight_bytes;
-        rc.negative_ttl = self.negative_ttl;
-        rc.max_fetch_keys = self.max_fetch_keys;
-        rc.password_env = self.password_env;
-        rc.tls_ca_file = self.tls_ca_file;
-        rc.owner = owner;
-        rc
-    }
-}
-
 #[pymethods]
 impl PyChainCore {
-    /// See `kvoff.tier.TieredOffloadingManager`.
+    /// See `kvoff.tier.TieredOffloadingManager`; the settings are read by [`super::tiers`].
     #[new]
     #[pyo3(signature = (
         policy, num_blocks, disk_path, disk_bytes_to_use, memory_ptr, memory_rows, row_stride_bytes,
-        block_bytes, memory_owner, *, namespace = String::new(), page_sizes = Vec::new(),
-        block_size_factor = Int::of(1), dtype = String::new(), world_size = Int::of(1),
-        rank = Int::of(0), block_size = Int::of(0), enable_events = false,
-        store_threshold = Int::of(0), max_tracker_size = Int::of(64000),
-        disk_store_threshold = Int::of(0), io_threads = Int::of(8), write_threads = Int::of(4),
-        max_queued_writes = Int::of(256), fsync = false, direct_io = "auto",
-        rescan_interval_s = Some(Float(2.0)), owner = None, max_promotions = Int::of(256),
-        trusted_uids = Vec::new(), trusted_gid = None, allow_writable_dir = false,
-        remote_url = None, remote_cluster = false, remote_namespace = None, remote_store_threshold = 0,
-        remote_ttl_s = None, remote_connect_timeout_s = 1.0, remote_timeout_s = 2.0,
-        remote_io_threads = None, remote_max_queued_writes = 256, remote_max_inflight_bytes = 256 << 20,
-        remote_negative_ttl_s = 2.0, remote_max_fetch_keys = 64,
-        remote_password_env = String::from("KVOFF_REMOTE_PASSWORD"), remote_tls_ca_file = None,
-        remote_idle_spin_s = None,
-        remote_idle_nap_s = None
+        block_bytes, memory_owner, *, owner = None, **settings
     ))]
-    #[allow(clippy::too_many_arguments, clippy::fn_params_excessive_bools)]
+    #[allow(clippy::too_many_arguments)]
     fn new(
         py: Python<'_>,
         policy: &str,
@@ -379,44 +254,8 @@ impl PyChainCore {
         row_stride_bytes: Int,
         block_bytes: Int,
         memory_owner: &Bound<'_, PyHostRegion>,
-        namespace: String,
-        page_sizes: Vec<Int>,
-        block_size_factor: Int,
-        dtype: String,
-        world_size: Int,
-        rank: Int,
-        block_size: Int,
-        enable_events: bool,
-        store_threshold: Int,
-        max_tracker_size: Int,
-        disk_store_threshold: Int,
-        io_threads: Int,
-        write_threads: Int,
-        max_queued_writes: Int,
-        fsync: bool,
-        direct_io: &str,
-        rescan_interval_s: Option<Float>,
         owner: Option<String>,
-        max_promotions: Int,
-        trusted_uids: Vec<Int>,
-        trusted_gid: Option<Int>,
-        allow_writable_dir: bool,
-        remote_url: Option<String>,
-        remote_cluster: bool,
-        remote_namespace: Option<String>,
-        remote_store_threshold: u32,
-        remote_ttl_s: Option<f64>,
-        remote_connect_timeout_s: f64,
-        remote_timeout_s: f64,
-        remote_io_threads: Option<usize>,
-        remote_max_queued_writes: usize,
-        remote_max_inflight_bytes: u64,
-        remote_negative_ttl_s: f64,
-        remote_max_fetch_keys: usize,
-        remote_password_env: String,
-        remote_tls_ca_file: Option<PathArg>,
-        remote_idle_spin_s: Option<f64>,
-        remote_idle_nap_s: Option<f64>,
+        settings: Option<&Bound<'_, PyDict>>,
     ) -> PyResult<Self> {
         // Every argument is converted (TypeError / ValueError / ConfigError) before anything is
         // created.
@@ -425,86 +264,29 @@ impl PyChainCore {
         let memory_rows: u64 = memory_rows.get("memory_rows")?;
         let row_stride_bytes: u64 = row_stride_bytes.get("row_stride_bytes")?;
         let block_bytes: usize = block_bytes.get("block_bytes")?;
-        let page_sizes = page_sizes
-            .into_iter()
-            .map(|p| p.get::<u64>("page_sizes[i]"))
-            .collect::<PyResult<Vec<u64>>>()?;
-        let layout = Layout {
-            namespace,
-            page_sizes_bytes: page_sizes,
-            block_size_factor: block_size_factor.get("block_size_factor")?,
-            dtype,
-            world_size: world_size.get("world_size")?,
-            rank: rank.get("rank")?,
-        };
-        let block_size: usize = block_size.get("block_size")?;
-        let store_threshold: usize = store_threshold.get("store_threshold")?;
-        let max_tracker_size: usize = max_tracker_size.get("max_tracker_size")?;
-        let disk_store_threshold: u32 = disk_store_threshold.get("disk_store_threshold")?;
-        let max_promotions: usize = max_promotions.get("max_promotions")?;
         let disk_bytes_to_use: Option<u64> = disk_bytes_to_use
             .map(|b| b.get("disk_bytes_to_use"))
             .transpose()?;
-        let rescan = match rescan_interval_s {
-            None => None,
-            Some(Float(s)) if s.is_finite() && s > 0.0 && s < 1e6 => {
-                Some(Duration::from_secs_f64(s))
-            }
-            Some(Float(s)) => {
-                return Err(to_py(KvoffError::arg(format!(
-                    "rescan_interval_s must be > 0 and finite, or None; got {s}"
-                ))))
-            }
-        };
+        let s = Settings::new(py, settings)?;
+        let layout = tiers::layout(&s)?;
+        let host = HostSettings::read(&s)?;
+        let file = FileSettings::read(&s)?;
+        let disk_store_threshold = FileSettings::store_threshold(&s)?;
+        let remote = RemoteSettings::read(&s)?;
+        let remote_store_threshold = RemoteSettings::store_threshold(&s)?;
+        s.finish("ChainManagerCore")?;
         let disk = match disk_path {
             None => None,
-            Some(dir) => Some(DiskArgs {
-                dir: dir.0,
-                bytes: disk_bytes_to_use.ok_or_else(|| {
+            Some(dir) => Some((
+                dir.0,
+                disk_bytes_to_use.ok_or_else(|| {
                     to_py(KvoffError::Config(
                         "disk_bytes_to_use is required with disk_path".into(),
                     ))
                 })?,
-                io_threads: io_threads.get("io_threads")?,
-                write_threads: write_threads.get("write_threads")?,
-                max_queued_writes: max_queued_writes.get("max_queued_writes")?,
-                fsync,
-                direct: parse_direct_io(direct_io)?,
-                rescan,
-                trusted_uids: trusted_uids
-                    .into_iter()
-                    .map(|u| u.get::<u32>("trusted_uids[i]"))
-                    .collect::<PyResult<Vec<u32>>>()?,
-                trusted_gid: trusted_gid.map(|g| g.get("trusted_gid")).transpose()?,
-                allow_writable_dir,
-            }),
+            )),
         };
-        let remote = match remote_url {
-            None => None,
-            Some(url) => Some(RemoteArgs {
-                url,
-                cluster: remote_cluster,
-                namespace: remote_namespace,
-                ttl: remote_ttl_s
-                    .map(|s| seconds("remote_ttl_s", s))
-                    .transpose()?,
-                connect_timeout: seconds("remote_connect_timeout_s", remote_connect_timeout_s)?,
-                io_timeout: seconds("remote_timeout_s", remote_timeout_s)?,
-                io_threads: remote_io_threads,
-                idle_spin: remote_idle_spin_s
-                    .map(|s| idle_spin("remote_idle_spin_s", s))
-                    .transpose()?,
-                idle_nap: remote_idle_nap_s
-                    .map(|s| idle_spin("remote_idle_nap_s", s))
-                    .transpose()?,
-                max_queued_writes: remote_max_queued_writes,
-                max_inflight_bytes: remote_max_inflight_bytes,
-                negative_ttl: seconds("remote_negative_ttl_s", remote_negative_ttl_s)?,
-                max_fetch_keys: remote_max_fetch_keys.max(1),
-                password_env: remote_password_env,
-                tls_ca_file: remote_tls_ca_file.map(|p| p.0),
-            }),
-        };
+        let remote = remote.url.is_some().then_some(remote);
         if disk.is_none() && remote.is_none() {
             return Err(to_py(KvoffError::Config(
                 "a tiered manager needs disk_path, remote_url or both".into(),
@@ -544,17 +326,19 @@ impl PyChainCore {
         let memory =
             unsafe { RawRows::new(memory_ptr, memory_rows, row_stride_bytes, block_bytes) }.py()?;
         let mut mc = ManagerConfig::new(num_blocks);
-        mc.block_size = block_size;
-        mc.enable_events = enable_events;
-        mc.store_threshold = store_threshold;
-        mc.max_tracker_size = max_tracker_size;
-        let host = Host::try_new(PolicyKind::parse(policy).py()?, mc).py()?;
+        mc.block_size = host.block_size;
+        mc.enable_events = host.enable_events;
+        mc.store_threshold = host.store_threshold;
+        mc.max_tracker_size = host.max_tracker_size;
+        let manager = Host::try_new(PolicyKind::parse(policy).py()?, mc).py()?;
         let mem: Arc<dyn BlockMemory> = Arc::new(memory);
         let mut tiers = Vec::new();
         let mut disk_dir = None;
-        let max_fetch_keys = remote.as_ref().map_or(64, |r| r.max_fetch_keys);
-        if let Some(d) = disk {
-            let tc = d.config(layout.clone(), owner.clone());
+        let max_fetch_keys = remote
+            .as_ref()
+            .map_or(ChainConfig::default().max_fetch_keys, |r| r.max_fetch_keys);
+        if let Some((dir, bytes)) = disk {
+            let tc = file.config(dir, bytes, layout.clone(), owner.clone());
             let m = Arc::clone(&mem);
             let tier = blocking(py, move || FileTier::open(tc, m))?;
             disk_dir = Some(tier.dir().display().to_string());
@@ -573,13 +357,13 @@ impl PyChainCore {
             });
         }
         let cfg = ChainConfig {
-            max_tracker_size,
-            max_promotions,
+            max_tracker_size: host.max_tracker_size,
+            max_promotions: host.max_promotions,
             max_fetch_keys,
             ..ChainConfig::default()
         };
         Ok(Self {
-            inner: Mutex::new(Some(ChainManager::new(host, tiers, cfg))),
+            inner: Mutex::new(Some(ChainManager::new(manager, tiers, cfg))),
             region: Mutex::new(Some(region)),
             disk_dir,
             remote_url: shown_url,
@@ -737,14 +521,16 @@ impl PyChainCore {
 
     /// The directory of this layout's files, or `None` without a file tier.
     #[getter]
-    fn disk_dir(&self) -> Option<String> {
-        self.disk_dir.clone()
+    fn disk_dir(&self, py: Python<'_>) -> PyResult<Option<String>> {
+        self.with(py, |_| Ok(()))?;
+        Ok(self.disk_dir.clone())
     }
 
     /// The remote URL with its password hidden, or `None` without a remote tier.
     #[getter]
-    fn remote_url(&self) -> Option<String> {
-        self.remote_url.clone()
+    fn remote_url(&self, py: Python<'_>) -> PyResult<Option<String>> {
+        self.with(py, |_| Ok(()))?;
+        Ok(self.remote_url.clone())
     }
 
     /// Path of a key's file (whether or not it exists).

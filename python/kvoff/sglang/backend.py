@@ -5,7 +5,7 @@ from __future__ import annotations
 import logging
 import time
 from dataclasses import dataclass, field
-from typing import Any, cast
+from typing import Any
 
 import torch
 from sglang.srt.mem_cache.hicache_storage import (
@@ -18,50 +18,26 @@ from sglang.srt.mem_cache.hicache_storage import (
 )
 
 from kvoff import _native
-from kvoff._names import DirectIoName
 from kvoff.errors import ConfigError
+from kvoff.tiers import TIER_DEFAULTS, check_settings, settings_of
 
 __all__ = ["KvoffHiCacheStorage", "storage_namespace"]
 
 log = logging.getLogger(__name__)
 
-#: Settings read from ``--hicache-storage-backend-extra-config`` (besides SGLang's own keys).
-SETTINGS = (
-    "disk_path",
-    "disk_bytes_to_use",
-    "namespace",
-    "io_threads",
-    "write_threads",
-    "max_queued_writes",
-    "slots",
-    "direct_io",
-    "fsync",
-    "rescan_interval_s",
-    "owner",
-    "remote_url",
-    "remote_cluster",
-    "remote_ttl_s",
-    "remote_timeout_s",
-    "remote_connect_timeout_s",
-    "remote_max_inflight_bytes",
-    "remote_negative_ttl_s",
-    "remote_max_fetch_keys",
-    "remote_password_env",
-    "remote_tls_ca_file",
+#: The tiers' settings passed through to ``BlockStore`` as they are (:data:`kvoff.tiers.SETTINGS`,
+#: those the block store takes), checked when the backend is built.
+_TIER_SETTINGS = tuple(
+    n for n in settings_of("disk", "store") + settings_of("remote", "store") if n != "remote_url"
 )
 
-#: The remote tier's settings passed through to ``BlockStore`` as they are.
-_REMOTE_PASSTHROUGH = (
-    "remote_cluster",
-    "remote_ttl_s",
-    "remote_timeout_s",
-    "remote_connect_timeout_s",
-    "remote_max_inflight_bytes",
-    "remote_negative_ttl_s",
-    "remote_max_fetch_keys",
-    "remote_password_env",
-    "remote_tls_ca_file",
-)
+#: Settings read from ``--hicache-storage-backend-extra-config`` (besides SGLang's own keys).
+SETTINGS = ("disk_path", "disk_bytes_to_use", "namespace", "slots", "owner", "remote_url", *_TIER_SETTINGS)
+
+#: Where this backend's defaults differ from the block store's (``kvoff.tiers.TIER_DEFAULTS``):
+#: a ``batch_set`` queues up to ``slots`` (512) pages at once, so the queue holds more than that
+#: and a full batch is never dropped.
+_SURFACE_DEFAULTS: dict[str, Any] = {"max_queued_writes": 4096}
 
 
 def storage_namespace(
@@ -86,12 +62,6 @@ def storage_namespace(
     if cfg.is_mla_model:
         return f"sglang|{model}|mla|{geometry}|{par}", 0, 1
     return f"sglang|{model}|tp{cfg.tp_size}|{geometry}|{par}|dp{cfg.dp_rank}", cfg.tp_rank, cfg.tp_size
-
-
-def _direct(v: Any) -> DirectIoName:
-    if v not in _native.DIRECT_IO:
-        raise ConfigError(f"direct_io must be one of {list(_native.DIRECT_IO)}, got {v!r}")
-    return cast(DirectIoName, v)
 
 
 @dataclass
@@ -154,9 +124,17 @@ class KvoffHiCacheStorage(HiCacheStorage):
             raise ConfigError("kvoff's HiCache backend needs 'disk_path' or 'remote_url' in the extra config")
         self.path = str(path) if path else None
         self.settings = {k: extra[k] for k in SETTINGS if k in extra}
+        #: The tier's settings for ``BlockStore``, checked now by its own reader (a bad value fails
+        #: SGLang's start, not the first registered pool).
+        self.tier_settings = {**_SURFACE_DEFAULTS, **{k: extra[k] for k in _TIER_SETTINGS if k in extra}}
+        try:
+            check_settings("store", remote_url=self.remote_url, **self.tier_settings)
+        except (TypeError, ValueError) as e:
+            raise ConfigError(f"kvoff's HiCache backend, extra config: {e}") from None
         # batch_exists on the remote tier: keys its index does not know are asked of the server
         # (one batched round trip), waiting at most this long; the file tier never waits.
-        self.lookup_wait_s = float(self.settings.get("remote_timeout_s", 2.0)) if self.remote_url else 0.0
+        wait = self.tier_settings.get("remote_timeout_s") or TIER_DEFAULTS["remote_timeout_s"]
+        self.lookup_wait_s = float(wait) if self.remote_url else 0.0
         self.is_mla = bool(storage_config.is_mla_model)
         self.is_writer = bool(storage_config.is_storage_writer)
         self.store: Any = None
@@ -172,7 +150,6 @@ class KvoffHiCacheStorage(HiCacheStorage):
 
     def _open(self, ns: str, page_bytes: int, dtype: str, rank: int, world: int) -> Any:
         s = self.settings
-        remote = {k: s[k] for k in _REMOTE_PASSTHROUGH if k in s}
         return _native.BlockStore(
             self.path,
             int(s.get("disk_bytes_to_use", 100 << 30)),
@@ -183,15 +160,9 @@ class KvoffHiCacheStorage(HiCacheStorage):
             dtype=dtype,
             world_size=world,
             rank=rank,
-            io_threads=int(s.get("io_threads", 8)),
-            write_threads=int(s.get("write_threads", 4)),
-            max_queued_writes=int(s.get("max_queued_writes", 4096)),
-            fsync=bool(s.get("fsync", False)),
-            direct_io=_direct(s.get("direct_io", "auto")),
-            rescan_interval_s=s.get("rescan_interval_s", 2.0),
             owner=s.get("owner"),
             remote_url=self.remote_url,
-            **remote,
+            **self.tier_settings,
         )
 
     def register_mem_pool_host(self, mem_pool_host: Any) -> None:

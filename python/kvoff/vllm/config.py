@@ -18,6 +18,8 @@ from kvoff import _native
 from kvoff._names import DirectIoName, EngineName, PolicyName
 from kvoff.errors import ConfigError
 from kvoff.handlers import ENGINES
+from kvoff.tiers import TIER_DEFAULTS as _D
+from kvoff.tiers import check_settings
 
 __all__ = ["ENGINE_CHOICES", "POLICIES", "VLLM_KEYS", "KvoffOffloadConfig"]
 
@@ -44,7 +46,7 @@ def _int(d: Mapping[str, Any], key: str, default: int | None, minimum: int) -> i
         raise ConfigError(f"kv_connector_extra_config[{key!r}] must be an integer, got {v!r}")
     try:
         f = float(v)
-    except ValueError:
+    except (ValueError, OverflowError):
         raise ConfigError(f"kv_connector_extra_config[{key!r}] must be an integer, got {v!r}") from None
     if f != int(f):
         raise ConfigError(f"kv_connector_extra_config[{key!r}] must be an integer, got {v!r}")
@@ -127,7 +129,7 @@ class KvoffOffloadConfig:
     cpu_bytes_to_use: int
     eviction_policy: PolicyName = "lru"
     store_threshold: int = 0
-    max_tracker_size: int = 64_000
+    max_tracker_size: int = _D["max_tracker_size"]
     engine: EngineName = "auto"
     block_size: int | None = None
     blocks_per_chunk: int | None = None
@@ -136,21 +138,21 @@ class KvoffOffloadConfig:
     compute_budget: float | None = _native.DEFAULT_COMPUTE_BUDGET
     disk_path: str | None = None
     disk_bytes_to_use: int | None = None
-    disk_store_threshold: int = 0
+    disk_store_threshold: int = _D["disk_store_threshold"]
     disk_namespace: str | None = None
-    disk_direct_io: DirectIoName = "auto"
-    disk_rescan_interval_s: float | None = 2.0
+    disk_direct_io: DirectIoName = _D["direct_io"]
+    disk_rescan_interval_s: float | None = _D["rescan_interval_s"]
     disk_trusted_uids: tuple[int, ...] = ()
     disk_trusted_gid: int | None = None
     disk_allow_writable_dir: bool = False
     remote_url: str | None = None
     remote_cluster: bool = False
     remote_namespace: str | None = None
-    remote_store_threshold: int = 0
+    remote_store_threshold: int = _D["remote_store_threshold"]
     remote_ttl_s: float | None = None
-    remote_timeout_s: float = 2.0
-    remote_connect_timeout_s: float = 1.0
-    remote_negative_ttl_s: float = 2.0
+    remote_timeout_s: float = _D["remote_timeout_s"]
+    remote_connect_timeout_s: float = _D["remote_connect_timeout_s"]
+    remote_negative_ttl_s: float = _D["remote_negative_ttl_s"]
     remote_tls_ca_file: str | None = None
     remote_idle_spin_s: float | None = None
     remote_idle_nap_s: float | None = None
@@ -241,7 +243,7 @@ class KvoffOffloadConfig:
         disk = _disk_settings(d, shared)
         remote = _remote_settings(d, shared)
         store_threshold = _int(d, "store_threshold", 0, 0)
-        max_tracker_size = _int(d, "max_tracker_size", 64_000, 1)
+        max_tracker_size = _int(d, "max_tracker_size", _D["max_tracker_size"], 1)
         assert store_threshold is not None and max_tracker_size is not None
         return cls(
             cpu_bytes_to_use=cpu_bytes,
@@ -282,17 +284,17 @@ def _disk_settings(d: Mapping[str, Any], shared: bool | None) -> dict[str, Any]:
             "with 'disk_path'"
         )
     nbytes = _int(d, "disk_bytes_to_use", None, 1)
-    threshold = _int(d, "disk_store_threshold", 0, 0)
+    threshold = _int(d, "disk_store_threshold", _D["disk_store_threshold"], 0)
     namespace = d.get("disk_namespace")
     if namespace is not None and not isinstance(namespace, str):
         raise ConfigError(f"kv_connector_extra_config['disk_namespace'] must be a string, got {namespace!r}")
-    direct = d.get("disk_direct_io", "auto")
+    direct = d.get("disk_direct_io", _D["direct_io"])
     if direct not in _native.DIRECT_IO:
         raise ConfigError(
             f"kv_connector_extra_config['disk_direct_io'] must be one of {list(_native.DIRECT_IO)}, "
             f"got {direct!r}"
         )
-    rescan = d.get("disk_rescan_interval_s", 2.0)
+    rescan = d.get("disk_rescan_interval_s", _D["rescan_interval_s"])
     if rescan is not None and (
         isinstance(rescan, bool) or not isinstance(rescan, (int, float)) or not rescan > 0
     ):
@@ -370,7 +372,7 @@ def _remote_settings(d: Mapping[str, Any], shared: bool | None) -> dict[str, Any
         raise ConfigError(
             f"kv_connector_extra_config['remote_namespace'] must be a string, got {namespace!r}"
         )
-    threshold = _int(d, "remote_store_threshold", 0, 0)
+    threshold = _int(d, "remote_store_threshold", _D["remote_store_threshold"], 0)
     ca = d.get("remote_tls_ca_file")
     if ca is not None:
         if not isinstance(ca, str) or not ca:
@@ -383,26 +385,41 @@ def _remote_settings(d: Mapping[str, Any], shared: bool | None) -> dict[str, Any
             )
         if not os.path.isfile(ca):
             raise ConfigError(f"kv_connector_extra_config['remote_tls_ca_file']: no such file: {ca}")
-    return {
+    out = {
         "remote_url": url,
         "remote_cluster": cluster,
         "remote_namespace": namespace,
         "remote_store_threshold": threshold,
         "remote_ttl_s": _seconds(d, "remote_ttl_s", None, True),
-        "remote_timeout_s": _seconds(d, "remote_timeout_s", 2.0, False),
-        "remote_connect_timeout_s": _seconds(d, "remote_connect_timeout_s", 1.0, False),
-        "remote_negative_ttl_s": _seconds(d, "remote_negative_ttl_s", 2.0, False),
+        "remote_timeout_s": _seconds(d, "remote_timeout_s", _D["remote_timeout_s"], False),
+        "remote_connect_timeout_s": _seconds(
+            d, "remote_connect_timeout_s", _D["remote_connect_timeout_s"], False
+        ),
+        "remote_negative_ttl_s": _seconds(d, "remote_negative_ttl_s", _D["remote_negative_ttl_s"], False),
         "remote_tls_ca_file": ca,
         "remote_idle_spin_s": _idle_spin(d, "remote_idle_spin_s"),
         "remote_idle_nap_s": _idle_spin(d, "remote_idle_nap_s"),
         "remote_io_threads": _io_threads(d),
     }
+    _checked(out)
+    return out
+
+
+def _checked(settings: Mapping[str, Any]) -> None:
+    """The settings through the native constructors' own reader (``kvoff.tiers.check_settings``):
+    its ``TypeError``/``ValueError`` (wrong type, out of range) as a :class:`~kvoff.ConfigError`."""
+    try:
+        check_settings("manager", **settings)
+    except (TypeError, ValueError) as e:
+        raise ConfigError(f"kv_connector_extra_config: {e}") from None
 
 
 def _io_threads(d: Mapping[str, Any]) -> int | None:
     n = _int(d, "remote_io_threads", None, 1)
-    if n is not None and n > 64:
-        raise ConfigError(f"kv_connector_extra_config['remote_io_threads'] must be 1 to 64, got {n}")
+    if n is not None and n > _native.MAX_REMOTE_IO_THREADS:
+        raise ConfigError(
+            f"kv_connector_extra_config['remote_io_threads'] must be 1 to {_native.MAX_REMOTE_IO_THREADS}, got {n}"
+        )
     return n
 
 
@@ -410,6 +427,8 @@ def _idle_spin(d: Mapping[str, Any], name: str) -> float | None:
     v = d.get(name)
     if v is None:
         return None
-    if isinstance(v, bool) or not isinstance(v, (int, float)) or not 0 <= v <= 0.01:
-        raise ConfigError(f"kv_connector_extra_config['{name}'] must be 0 to 0.01 seconds or null, got {v!r}")
+    if isinstance(v, bool) or not isinstance(v, (int, float)) or not 0 <= v <= _native.MAX_IDLE_SPIN_S:
+        raise ConfigError(
+            f"kv_connector_extra_config['{name}'] must be 0 to {_native.MAX_IDLE_SPIN_S} seconds or null, got {v!r}"
+        )
     return float(v)

@@ -42,47 +42,20 @@ from vllm.v1.kv_offload.cpu.common import CPULoadStoreSpec, CPUOffloadingMetrics
 import kvoff
 from kvoff._names import PolicyName
 from kvoff.tier import TieredOffloadingManager
+from kvoff.tiers import METRICS, TIER_DEFAULTS
 from kvoff.vllm._compat import ConfigInfoMapping
 
 __all__ = ["DISK_VLLM_METRICS", "REMOTE_VLLM_METRICS", "KvoffOffloadingManager"]
 
-#: The file tier's figures as vLLM metrics: name → (kind, meaning); the stats key is the name's
-#: ``disk_*`` part. Counters are cumulative in kvoff and reported to vLLM as increments; GB/s per
-#: direction is ``rate(..._bytes) / rate(..._seconds)``.
-DISK_VLLM_METRICS: dict[str, tuple[str, str]] = {
-    "vllm:kvoff_disk_hits": ("counter", "host-memory misses found in a file"),
-    "vllm:kvoff_disk_promotions": ("counter", "files promoted into host memory"),
-    "vllm:kvoff_disk_bytes_read": ("counter", "bytes promoted from files"),
-    "vllm:kvoff_disk_read_seconds": ("counter", "I/O thread seconds spent reading"),
-    "vllm:kvoff_disk_bytes_written": ("counter", "bytes written to files"),
-    "vllm:kvoff_disk_write_seconds": ("counter", "I/O thread seconds spent writing"),
-    "vllm:kvoff_disk_files_written": ("counter", "files published"),
-    "vllm:kvoff_disk_write_errors": ("counter", "writes that failed (store skipped)"),
-    "vllm:kvoff_disk_writes_dropped": ("counter", "writes dropped (queue full or no room)"),
-    "vllm:kvoff_disk_corrupt_files": ("counter", "files rejected by their header or checksum"),
-    "vllm:kvoff_disk_evicted_files": ("counter", "own files removed for capacity"),
-    "vllm:kvoff_disk_own_bytes": ("gauge", "bytes of this engine's files"),
-    "vllm:kvoff_disk_files": ("gauge", "files indexed"),
-}
+#: The file tier's figures as vLLM metrics: name → (kind, meaning), from :data:`kvoff.tiers.METRICS`
+#: (its ``vllm`` names). Counters are cumulative in kvoff and reported to vLLM as increments; GB/s
+#: per direction is ``rate(..._bytes) / rate(..._seconds)``.
+DISK_VLLM_METRICS: dict[str, tuple[str, str]] = {m.vllm: (m.kind, m.help) for m in METRICS["disk"] if m.vllm}
 
-#: The remote tier's figures as vLLM metrics (docs/tier.md "Remote tier"); the stats key is the
-#: name's ``remote_*`` part, counters reported as increments like the file tier's.
+#: The remote tier's figures as vLLM metrics (docs/tier.md "Remote tier"), from
+#: :data:`kvoff.tiers.METRICS`; counters reported as increments like the file tier's.
 REMOTE_VLLM_METRICS: dict[str, tuple[str, str]] = {
-    "vllm:kvoff_remote_hits": ("counter", "host-memory (and file) misses found on the server"),
-    "vllm:kvoff_remote_misses": ("counter", "keys the server did not hold or could not be asked"),
-    "vllm:kvoff_remote_promotions": ("counter", "values promoted into host memory"),
-    "vllm:kvoff_remote_bytes_read": ("counter", "bytes promoted from the server"),
-    "vllm:kvoff_remote_read_seconds": ("counter", "I/O thread seconds spent fetching and reading"),
-    "vllm:kvoff_remote_bytes_written": ("counter", "bytes written to the server"),
-    "vllm:kvoff_remote_write_seconds": ("counter", "I/O thread seconds spent writing"),
-    "vllm:kvoff_remote_writes": ("counter", "values written"),
-    "vllm:kvoff_remote_write_errors": ("counter", "writes that failed (server error, timeout, down)"),
-    "vllm:kvoff_remote_writes_dropped": ("counter", "writes dropped (queue or in-flight bytes full)"),
-    "vllm:kvoff_remote_rejected_values": ("counter", "values rejected by their header or checksum"),
-    "vllm:kvoff_remote_read_errors": ("counter", "promotions whose value vanished or failed"),
-    "vllm:kvoff_remote_fetch_errors": ("counter", "keys whose fetch failed or was skipped (their node down)"),
-    "vllm:kvoff_remote_reconnects": ("counter", "recoveries of a node after a failure"),
-    "vllm:kvoff_remote_up": ("gauge", "1 while some node of the server or Cluster is reachable"),
+    m.vllm: (m.kind, m.help) for m in METRICS["remote"] if m.vllm
 }
 
 
@@ -118,7 +91,7 @@ class KvoffOffloadingManager(OffloadingManager):
         eviction_policy: PolicyName = "lru",
         enable_events: bool = False,
         store_threshold: int = 0,
-        max_tracker_size: int = 64_000,
+        max_tracker_size: int = TIER_DEFAULTS["max_tracker_size"],
         info: Any = None,
         host_manager: TieredOffloadingManager | None = None,
     ) -> None:
@@ -277,19 +250,18 @@ class KvoffOffloadingManager(OffloadingManager):
         if self.store_threshold >= 2:
             stats.increase_counter(CPUOffloadingMetrics.STORES_SKIPPED, int(s["stores_skipped"]))
         if self._tiered is not None:
-            metrics = dict(DISK_VLLM_METRICS) if "disk_promotions" in s else {}
-            if "remote_promotions" in s:
-                metrics.update(REMOTE_VLLM_METRICS)
-            for name, (kind, _) in metrics.items():
-                key = name.removeprefix("vllm:kvoff_")
-                if key == "disk_files":
-                    key = "disk_indexed_files"
-                value = float(s.get(key, 0))
-                if kind == "gauge":
-                    stats.set_gauge(name, value)
-                else:
-                    stats.increase_counter(name, value - self._disk_seen.get(key, 0.0))
-                    self._disk_seen[key] = value
+            for rows in METRICS.values():
+                if not any(m.key in s for m in rows):
+                    continue  # no such tier behind this manager
+                for m in rows:
+                    if m.vllm is None:
+                        continue
+                    value = float(s.get(m.key, 0))
+                    if m.kind == "gauge":
+                        stats.set_gauge(m.vllm, value)
+                    else:
+                        stats.increase_counter(m.vllm, value - self._disk_seen.get(m.key, 0.0))
+                        self._disk_seen[m.key] = value
         return stats
 
     def config_info(self) -> Sequence[ConfigInfoMapping]:

@@ -43,6 +43,8 @@ from vllm.v1.kv_offload.tiering.base import JobId, JobResult, SecondaryTierManag
 from kvoff import _native
 from kvoff._names import DirectIoName
 from kvoff.errors import ConfigError
+from kvoff.tiers import GENERIC_METRICS, metric
+from kvoff.tiers import TIER_DEFAULTS as _D
 
 if TYPE_CHECKING:
     from vllm.v1.kv_offload.base import OffloadingSpec
@@ -50,69 +52,25 @@ if TYPE_CHECKING:
 
 __all__ = ["TIER_VLLM_METRICS", "KvoffFileTier", "KvoffRemoteTier", "kvoff", "tier_namespace"]
 
+
+def _tier_keys(generic: str) -> tuple[str, str] | None:
+    """The ``stats()`` keys of the file and the remote tier for a tier-neutral figure (``""``
+    where that tier has none; ``None``: counted by the tier's Python side)."""
+    if generic in ("lookup_hits", "lookup_misses"):
+        return None
+    keys = [metric(kind, generic) for kind in ("disk", "remote")]
+    return (keys[0].key if keys[0] else "", keys[1].key if keys[1] else "")
+
+
 #: The kvoff tier's counters as vLLM metrics under vLLM's tiering (README "kvoff tiers under vLLM's
-#: tiering"): name → (kind, meaning, the ``stats()`` keys of the file and the remote tier — ``""``
-#: where that tier has none, ``None`` for a count kept by the tier's Python side). Each carries the label ``kvoff_tier`` (the tier's ``type``), so several
-#: kvoff tiers in one ``secondary_tiers`` list are told apart. Counters are cumulative in kvoff and
-#: reported to vLLM as increments; GB/s per direction is ``rate(..._bytes) / rate(..._seconds)``.
+#: tiering"), from :data:`kvoff.tiers.GENERIC_METRICS` and each tier's :data:`kvoff.tiers.METRICS`:
+#: name → (kind, meaning, the ``stats()`` keys of the file and the remote tier — ``""`` where that
+#: tier has none, ``None`` for a count kept by the tier's Python side). Each carries the label
+#: ``kvoff_tier`` (the tier's ``type``), so several kvoff tiers in one ``secondary_tiers`` list are
+#: told apart. Counters are cumulative in kvoff and reported to vLLM as increments; GB/s per
+#: direction is ``rate(..._bytes) / rate(..._seconds)``.
 TIER_VLLM_METRICS: dict[str, tuple[str, str, tuple[str, str] | None]] = {
-    "vllm:kvoff_tier_lookup_hits": ("counter", "chunks the tier's index held when looked up", None),
-    "vllm:kvoff_tier_lookup_misses": ("counter", "chunks the tier's index did not hold", None),
-    "vllm:kvoff_tier_reads": ("counter", "chunks read into vLLM's CPU tier", ("disk_reads", "remote_reads")),
-    "vllm:kvoff_tier_bytes_read": (
-        "counter",
-        "bytes read into vLLM's CPU tier",
-        ("disk_bytes_read", "remote_bytes_read"),
-    ),
-    "vllm:kvoff_tier_read_seconds": (
-        "counter",
-        "I/O thread seconds spent reading",
-        ("disk_read_seconds", "remote_read_seconds"),
-    ),
-    "vllm:kvoff_tier_read_errors": (
-        "counter",
-        "reads that failed (value vanished, I/O, timeout)",
-        ("disk_read_errors", "remote_read_errors"),
-    ),
-    "vllm:kvoff_tier_writes": ("counter", "chunks written", ("disk_files_written", "remote_writes")),
-    "vllm:kvoff_tier_bytes_written": (
-        "counter",
-        "bytes written",
-        ("disk_bytes_written", "remote_bytes_written"),
-    ),
-    "vllm:kvoff_tier_write_seconds": (
-        "counter",
-        "I/O thread seconds spent writing",
-        ("disk_write_seconds", "remote_write_seconds"),
-    ),
-    "vllm:kvoff_tier_write_errors": (
-        "counter",
-        "writes that failed (store skipped)",
-        ("disk_write_errors", "remote_write_errors"),
-    ),
-    "vllm:kvoff_tier_writes_dropped": (
-        "counter",
-        "writes dropped (queue full or no room)",
-        ("disk_writes_dropped", "remote_writes_dropped"),
-    ),
-    "vllm:kvoff_tier_rejected": (
-        "counter",
-        "values rejected by their header or checksum",
-        ("disk_corrupt_files", "remote_rejected_values"),
-    ),
-    "vllm:kvoff_tier_fetch_errors": (
-        "counter",
-        "remote lookups that failed or were skipped while the server was down",
-        ("", "remote_fetch_errors"),
-    ),
-    "vllm:kvoff_tier_evicted": ("counter", "own files removed for capacity", ("disk_evicted_files", "")),
-    "vllm:kvoff_tier_stored_bytes": ("gauge", "bytes of this instance's own files", ("disk_own_bytes", "")),
-    "vllm:kvoff_tier_entries": (
-        "gauge",
-        "values in the tier's index",
-        ("disk_indexed_files", "remote_known_present"),
-    ),
-    "vllm:kvoff_tier_up": ("gauge", "1 while the tier's store is reachable", ("", "remote_up")),
+    f"vllm:kvoff_tier_{g}": (kind, help_, _tier_keys(g)) for g, (kind, help_) in GENERIC_METRICS.items()
 }
 
 #: The label of :data:`TIER_VLLM_METRICS`.
@@ -191,9 +149,9 @@ class KvoffFileTier(SecondaryTierManager):
         io_threads: int | None = None,
         write_threads: int | None = None,
         max_queued_writes: int = 4096,
-        direct_io: DirectIoName = "auto",
+        direct_io: DirectIoName = _D["direct_io"],
         fsync: bool = False,
-        rescan_interval_s: float | None = 2.0,
+        rescan_interval_s: float | None = _D["rescan_interval_s"],
         owner: str | None = None,
         enable_kv_events: bool = False,
         locality: str | None = None,
@@ -202,12 +160,12 @@ class KvoffFileTier(SecondaryTierManager):
         remote_url: str | None = None,
         remote_cluster: bool = False,
         remote_ttl_s: float | None = None,
-        remote_timeout_s: float = 2.0,
-        remote_connect_timeout_s: float = 1.0,
-        remote_max_inflight_bytes: int = 256 << 20,
-        remote_negative_ttl_s: float = 2.0,
-        remote_max_fetch_keys: int = 64,
-        remote_password_env: str = "KVOFF_REMOTE_PASSWORD",
+        remote_timeout_s: float = _D["remote_timeout_s"],
+        remote_connect_timeout_s: float = _D["remote_connect_timeout_s"],
+        remote_max_inflight_bytes: int = _D["remote_max_inflight_bytes"],
+        remote_negative_ttl_s: float = _D["remote_negative_ttl_s"],
+        remote_max_fetch_keys: int = _D["remote_max_fetch_keys"],
+        remote_password_env: str = _D["remote_password_env"],
         remote_tls_ca_file: str | None = None,
     ) -> None:
         super().__init__(offloading_spec, primary_kv_view, tier_type, backpressure_detector)
@@ -232,10 +190,12 @@ class KvoffFileTier(SecondaryTierManager):
         self.namespace = tier_namespace(offloading_spec, namespace)
         cfg = offloading_spec.config
         remote = remote_url is not None
+        # This surface's own defaults: files as vLLM's `fs` tier runs them (16 + 16 threads: 16 + 8
+        # here), the remote tier as the block store's (docs/tier.md "The block store").
         if io_threads is None:
-            io_threads = 8 if remote else 16
+            io_threads = _D["io_threads"] if remote else 16
         if write_threads is None:
-            write_threads = 4 if remote else 8
+            write_threads = _D["write_threads"] if remote else 8
         self.store = _native.BlockStore(
             str(path) if path else None,
             int(disk_bytes_to_use),

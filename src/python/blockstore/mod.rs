@@ -41,14 +41,15 @@ mod state;
 
 use state::{remote_stats_dict, stats_dict, Backend, Dir, Inner, PendingWrite};
 
+use super::args::Int;
 use super::enter::{blocking, Hold};
 use super::errors::{to_py, IntoPyResult};
-use super::names::parse_direct_io;
+use super::tiers::{self, FileSettings, RemoteSettings, Settings};
 use crate::key::ByteKey;
 use crate::manager::BlockId;
-use crate::tier::remote::{RemoteConfig, RemoteTier};
+use crate::tier::remote::RemoteTier;
 use crate::tier::secondary::{Known, SecondaryCounters, SecondaryTier};
-use crate::tier::{BlockMemory, FileTier, Layout, RawRows, TierConfig, TierStats};
+use crate::tier::{BlockMemory, FileTier, RawRows, TierStats};
 use crate::KvoffError;
 use segments::{split_pieces, SlotMemory};
 
@@ -122,82 +123,44 @@ fn rows_only(s: &Inner, instead: &str) -> crate::Result<()> {
 
 #[pymethods]
 impl PyBlockStore {
-    /// See `kvoff.BlockStore` in `_native.pyi`.
+    /// See `kvoff.BlockStore` in `_native.pyi`; the settings are read by [`super::tiers`].
     #[new]
     #[pyo3(signature = (
-        path, capacity_bytes, block_bytes, *, rows = None, memory_owner = None, slots = 512,
-        namespace = String::new(), page_sizes = Vec::new(), block_size_factor = 1,
-        dtype = String::new(), world_size = 1, rank = 0, io_threads = 8, write_threads = 4,
-        max_queued_writes = 256, fsync = false, direct_io = "auto", rescan_interval_s = Some(2.0),
-        owner = None, remote_url = None, remote_cluster = false, remote_ttl_s = None,
-        remote_connect_timeout_s = 1.0, remote_timeout_s = 2.0,
-        remote_max_inflight_bytes = 256 << 20, remote_negative_ttl_s = 2.0,
-        remote_max_fetch_keys = 64, remote_password_env = String::from("KVOFF_REMOTE_PASSWORD"),
-        remote_tls_ca_file = None
+        path, capacity_bytes, block_bytes, *, rows = None, memory_owner = None, slots = Int::of(512),
+        owner = None, **settings
     ))]
     #[allow(clippy::too_many_arguments)]
     fn new(
         py: Python<'_>,
         path: Option<std::path::PathBuf>,
-        capacity_bytes: u64,
-        block_bytes: usize,
-        rows: Option<(u64, u64, u64)>,
+        capacity_bytes: Int,
+        block_bytes: Int,
+        rows: Option<(Int, Int, Int)>,
         memory_owner: Option<Py<PyAny>>,
-        slots: usize,
-        namespace: String,
-        page_sizes: Vec<u64>,
-        block_size_factor: u64,
-        dtype: String,
-        world_size: u32,
-        rank: u32,
-        io_threads: usize,
-        write_threads: usize,
-        max_queued_writes: usize,
-        fsync: bool,
-        direct_io: &str,
-        rescan_interval_s: Option<f64>,
+        slots: Int,
         owner: Option<String>,
-        remote_url: Option<String>,
-        remote_cluster: bool,
-        remote_ttl_s: Option<f64>,
-        remote_connect_timeout_s: f64,
-        remote_timeout_s: f64,
-        remote_max_inflight_bytes: u64,
-        remote_negative_ttl_s: f64,
-        remote_max_fetch_keys: usize,
-        remote_password_env: String,
-        remote_tls_ca_file: Option<std::path::PathBuf>,
+        settings: Option<&Bound<'_, PyDict>>,
     ) -> PyResult<Self> {
-        let secs = |name: &str, s: f64| {
-            if s.is_finite() && s > 0.0 && s < 1e7 {
-                Ok(Duration::from_secs_f64(s))
-            } else {
-                Err(to_py(KvoffError::Config(format!(
-                    "{name} must be > 0 seconds and finite, got {s}"
-                ))))
-            }
-        };
-        let remote_ttl = remote_ttl_s.map(|s| secs("remote_ttl_s", s)).transpose()?;
-        let connect_timeout = secs("remote_connect_timeout_s", remote_connect_timeout_s)?;
-        let io_timeout = secs("remote_timeout_s", remote_timeout_s)?;
-        let negative_ttl = secs("remote_negative_ttl_s", remote_negative_ttl_s)?;
-        if path.is_some() == remote_url.is_some() {
+        let capacity_bytes: u64 = capacity_bytes.get("capacity_bytes")?;
+        let block_bytes: usize = block_bytes.get("block_bytes")?;
+        let slots: usize = slots.get("slots")?;
+        let rows = rows
+            .map(|(p, n, s)| -> PyResult<(u64, u64, u64)> {
+                Ok((p.get("rows[0]")?, n.get("rows[1]")?, s.get("rows[2]")?))
+            })
+            .transpose()?;
+        let s = Settings::new(py, settings)?;
+        let layout = tiers::layout(&s)?;
+        let file = FileSettings::read(&s)?;
+        let mut remote = RemoteSettings::read(&s)?;
+        s.finish("BlockStore")?;
+        if path.is_some() == remote.url.is_some() {
             return Err(to_py(KvoffError::Config(
                 "a block store needs a path (the file tier) or remote_url (the remote tier), \
                  not both"
                     .into(),
             )));
         }
-        let direct = parse_direct_io(direct_io)?;
-        let rescan = match rescan_interval_s {
-            None => None,
-            Some(s) if s.is_finite() && s > 0.0 && s < 1e6 => Some(Duration::from_secs_f64(s)),
-            Some(s) => {
-                return Err(to_py(KvoffError::arg(format!(
-                    "rescan_interval_s must be > 0 and finite, or None; got {s}"
-                ))))
-            }
-        };
         if block_bytes == 0 || block_bytes > (1 << 34) {
             return Err(to_py(KvoffError::arg(format!(
                 "block_bytes must be in 1..=16 GiB, got {block_bytes}"
@@ -225,42 +188,16 @@ impl PyBlockStore {
                 let m = Arc::new(SlotMemory::new(slots, block_bytes));
                 (m.clone() as Arc<dyn BlockMemory>, Some(m))
             };
-        let layout = Layout {
-            namespace,
-            page_sizes_bytes: page_sizes,
-            block_size_factor,
-            dtype,
-            world_size,
-            rank,
-        };
-        let tier = if let Some(url) = remote_url {
-            let url = if remote_cluster && !url.contains("+cluster://") {
-                url.replacen("://", "+cluster://", 1)
-            } else {
-                url
-            };
-            let mut rc = RemoteConfig::new(url, layout);
-            rc.ttl = remote_ttl;
-            rc.connect_timeout = connect_timeout;
-            rc.io_timeout = io_timeout;
-            rc.io_threads = io_threads;
-            rc.max_queued_writes = max_queued_writes;
-            rc.max_inflight_bytes = remote_max_inflight_bytes;
-            rc.negative_ttl = negative_ttl;
-            rc.max_fetch_keys = remote_max_fetch_keys.max(1);
-            rc.password_env = remote_password_env;
-            rc.tls_ca_file = remote_tls_ca_file;
-            rc.owner = owner;
+        let tier = if remote.url.is_some() {
+            // The block store's remote tier runs the store's `io_threads` and queue unless the
+            // remote ones are given (docs/tier.md "The block store": the engine waits on each
+            // batch there, where the tiered manager writes behind and fetches ahead).
+            remote.io_threads = remote.io_threads.or(Some(file.io_threads));
+            remote.max_queued_writes = remote.max_queued_writes.or(Some(file.max_queued_writes));
+            let rc = remote.config(layout, owner);
             Backend::Remote(Box::new(blocking(py, move || RemoteTier::open(rc, mem))?))
         } else {
-            let mut tc = TierConfig::new(path.unwrap_or_default(), capacity_bytes, layout);
-            tc.io_threads = io_threads;
-            tc.write_threads = write_threads;
-            tc.max_queued_writes = max_queued_writes;
-            tc.fsync = fsync;
-            tc.direct_io = direct;
-            tc.rescan_interval = rescan;
-            tc.owner = owner;
+            let tc = file.config(path.unwrap_or_default(), capacity_bytes, layout, owner);
             Backend::File(blocking(py, move || FileTier::open(tc, mem))?)
         };
         let free = if slot_mem.is_some() {
@@ -287,8 +224,9 @@ impl PyBlockStore {
 
     /// Bytes of one block.
     #[getter]
-    fn block_bytes(&self) -> usize {
-        self.block_bytes
+    fn block_bytes(&self, py: Python<'_>) -> PyResult<usize> {
+        self.with(py, Hold::Brief, |_| Ok(()))?;
+        Ok(self.block_bytes)
     }
 
     /// Rows mode: queues writes of rows `blocks` as `keys`' files. Per key, whether it was queued
