@@ -644,3 +644,39 @@ def test_remote_and_disk_together_is_refused(tmp_path: Any, redis_url: str) -> N
     cfg.extra_config = {**cfg.extra_config, "remote_url": redis_url}
     with pytest.raises(Exception, match="not both"):
         StorageBackendFactory.create_backend("dynamic", cfg, mha_pool("page_first"))
+
+
+def test_remote_settings_are_checked_by_the_block_stores_reader() -> None:
+    """Every remote integer and seconds setting in the extra config goes through the block store's
+    own reader when the backend is built: out of range (never an ``OverflowError``) or a ``bool`` is
+    a ``ConfigError`` (a ``ValueError``) naming the key; the settings table is what it takes."""
+    from kvoff import tiers
+    from kvoff.errors import ConfigError
+    from kvoff.sglang import backend as sglang_backend
+
+    for name in tiers.settings_of("disk", "store") + tiers.settings_of("remote", "store"):
+        assert name in sglang_backend.SETTINGS, name
+    bad = {
+        "remote_io_threads": (-1, 2**64, 0, 65),
+        "remote_max_queued_writes": (-1, 2**64),
+        "remote_max_inflight_bytes": (-1, 2**64),
+        "remote_max_fetch_keys": (-1, 2**64),
+        "remote_ttl_s": (-1, 0),
+        "remote_connect_timeout_s": (-1, 0),
+        "remote_timeout_s": (-1, 0),
+        "remote_negative_ttl_s": (-1, 0),
+        "remote_idle_spin_s": (-1, 0.5),
+        "remote_idle_nap_s": (-1, 0.5),
+    }
+    for name, values in bad.items():
+        for v in (*values, True):
+            cfg = remote_config("redis://127.0.0.1:1")
+            cfg.extra_config = {**cfg.extra_config, name: v}
+            with pytest.raises(ConfigError, match=name) as e:
+                KvoffHiCacheStorage(cfg)
+            assert not isinstance(e.value, OverflowError)
+    cfg = remote_config("redis://127.0.0.1:1")
+    cfg.extra_config = {**cfg.extra_config, "remote_io_threads": 2, "remote_timeout_s": 0.5}
+    b = KvoffHiCacheStorage(cfg)
+    assert b.lookup_wait_s == 0.5
+    b.close()
