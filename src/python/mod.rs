@@ -6,10 +6,10 @@
 //! discipline (no Python object touched under a kvoff lock, no wait with the GIL held).
 //!
 //! Modules by concept: [`args`] (argument conversion), [`functions`] (sizing, expansion),
-//! [`region`] (host regions), [`handler`] (the transfer handler and engine choice), [`manager`]
-//! and [`keys`] (scheduler side), [`tier`] (the tiered manager: file and remote tiers), [`tiers`] (each tier's settings, read
-//! once for every constructor),
-//! [`tier_bench`] (`bench_disk`),
+//! [`region`] (host regions), [`handler`] (the transfer handler and engine choice), [`manager`],
+//! [`specs`] (its value types) and [`keys`] (scheduler side), [`tier`] (the tiered manager: file
+//! and remote tiers) with [`tier_stats`] (its `get_stats()` dict), [`tiers`] (each tier's
+//! settings, read once for every constructor), [`tier_bench`] (`bench_disk`),
 //! [`blockstore`] (the file or remote tier as a block store for engines that own their host memory),
 //! [`names`] (the `direct_io` modes by name).
 
@@ -32,8 +32,10 @@ mod keys;
 mod manager;
 mod names;
 mod region;
+mod specs;
 mod tier;
 mod tier_bench;
+mod tier_stats;
 mod tiers;
 
 use pyo3::prelude::*;

@@ -99,11 +99,15 @@ class KvoffHiCacheStorage(HiCacheStorage):
       ``remote_timeout_s`` (2.0; also the most ``batch_exists`` waits for the server),
       ``remote_connect_timeout_s``, ``remote_max_inflight_bytes``, ``remote_negative_ttl_s``,
       ``remote_max_fetch_keys``, ``remote_password_env``, ``remote_tls_ca_file`` (a PEM CA for
-      ``rediss://``).
+      ``rediss://``), ``remote_io_threads`` (default ``io_threads``), ``remote_max_queued_writes``,
+      ``remote_idle_spin_s``, ``remote_idle_nap_s``: every block-store setting of
+      :data:`kvoff.tiers.SETTINGS`, checked by the block store's reader when the backend is built
+      (a :class:`kvoff.ConfigError` naming the key).
     - ``disk_bytes_to_use`` (100 GiB): capacity of this rank's own files (LRU eviction).
     - ``namespace``: replaces SGLang's model name in the namespace (engines sharing files must
       agree on it).
-    - ``io_threads`` (8), ``write_threads`` (4), ``max_queued_writes`` (4096), ``slots`` (512 pages
+    - ``io_threads`` (8), ``write_threads`` (4), ``max_queued_writes`` (4096), ``trusted_uids``,
+      ``trusted_gid``, ``allow_writable_dir``, ``slots`` (512 pages
       in flight per call), ``direct_io`` (``auto``/``on``/``off``), ``fsync`` (false),
       ``rescan_interval_s`` (2.0), ``owner``.
 
