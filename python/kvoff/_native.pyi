@@ -16,6 +16,7 @@ __all__ = [
     "MAX_REMOTE_IO_THREADS",
     "POLICIES",
     "POLICY_TOUCH_RULES",
+    "TIERS",
     "TIER_DEFAULTS",
     "ARCOffloadingManager",
     "BlockStore",
@@ -65,6 +66,9 @@ DEFAULT_COMPUTE_BUDGET: float
 #: Every tier setting's default as ``ChainManagerCore`` and ``BlockStore`` apply it, from the crate's
 #: configs (``None``: none, or chosen by the machine or the surface); see :mod:`kvoff.tiers`.
 TIER_DEFAULTS: dict[str, Any]
+#: Every registered tier (Rust ``tier::registry::TIERS``, chain order): kind → the names of its own
+#: stats (``<kind>_<name>`` in ``get_stats()``).
+TIERS: dict[str, tuple[str, ...]]
 #: Most ``remote_io_threads``.
 MAX_REMOTE_IO_THREADS: int
 #: Longest ``remote_idle_spin_s`` / ``remote_idle_nap_s``.

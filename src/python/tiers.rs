@@ -19,7 +19,7 @@ use std::time::Duration;
 
 use pyo3::exceptions::{PyTypeError, PyValueError};
 use pyo3::prelude::*;
-use pyo3::types::{PyBool, PyDict, PyString};
+use pyo3::types::{PyBool, PyDict, PyString, PyTuple};
 
 use super::args::{num_bounds, Float, Int, PathArg};
 use super::errors::to_py;
@@ -524,7 +524,18 @@ fn defaults(py: Python<'_>) -> PyResult<Bound<'_, PyDict>> {
     Ok(d)
 }
 
+/// `TIERS`: every registered tier's kind (`crate::tier::registry::TIERS`, in chain order) and the
+/// names of its own stats (`<kind>_<name>` in `get_stats()`).
+fn registered(py: Python<'_>) -> PyResult<Bound<'_, PyDict>> {
+    let d = PyDict::new(py);
+    for t in crate::tier::registry::TIERS {
+        d.set_item(t.kind, PyTuple::new(py, t.extra_stats)?)?;
+    }
+    Ok(d)
+}
+
 pub(crate) fn register(m: &Bound<'_, PyModule>) -> PyResult<()> {
+    m.add("TIERS", registered(m.py())?)?;
     m.add("TIER_DEFAULTS", defaults(m.py())?)?;
     m.add("MAX_REMOTE_IO_THREADS", MAX_REMOTE_IO_THREADS)?;
     m.add("MAX_IDLE_SPIN_S", MAX_IDLE_SPIN_S)?;

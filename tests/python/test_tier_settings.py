@@ -65,6 +65,19 @@ def _store(**kw: Any) -> Any:
 # --- the tables ----------------------------------------------------------------------------------
 
 
+def test_every_registered_tier_has_its_tables() -> None:
+    """A tier registered in the crate (``tier::registry::TIERS``) has a settings table and a metrics
+    table here, and nothing else does; each metric row is its tier's, and each of the tier's own
+    stats a manager reports that the table lists is named ``<kind>_<name>``."""
+    kinds = list(_native.TIERS)
+    assert kinds == list(tiers.SETTINGS) == list(tiers.METRICS)
+    for kind, own in _native.TIERS.items():
+        keys = {m.key for m in tiers.METRICS[kind]}
+        assert all(k.startswith(kind + "_") for k in keys), kind
+        assert all(s.name.startswith(kind + "_") or kind == "disk" for s in tiers.SETTINGS[kind])
+        assert own, kind
+
+
 def test_defaults_come_from_the_crate_and_every_table_setting_is_read() -> None:
     names = {s.name for rows in tiers.SETTINGS.values() for s in rows}
     # Every tier setting with a default has it in TIER_DEFAULTS (read from the crate's configs).
