@@ -2378,3 +2378,186 @@ fn a_panic_in_an_io_job_fails_the_job_only() {
     a.shutdown();
     b.shutdown();
 }
+
+/// How [`Rogue`] answers a command other than `PING`, `AUTH`, `SELECT` and `HELLO`.
+#[derive(Clone)]
+enum Misbehave {
+    /// An endless bulk string reply, one byte every 50 ms (each read well within the timeout).
+    Trickle,
+    /// `-MOVED <slot> 127.0.0.1:<port>`.
+    Moved(u16),
+    /// This error reply, whole.
+    Error(Vec<u8>),
+}
+
+/// A misbehaving "server" on loopback (docs/tier.md "Faults"): `PING` is answered at once, `AUTH`
+/// as `auth` says (`None`: `+OK`), every other command as `how` says. Records whether any
+/// connection was made (`hits`).
+struct Rogue {
+    port: u16,
+    hits: Arc<std::sync::atomic::AtomicUsize>,
+    stop: Arc<std::sync::atomic::AtomicBool>,
+}
+
+impl Rogue {
+    fn start(how: Misbehave, auth: Option<Vec<u8>>) -> Self {
+        use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering::Relaxed};
+        let lis = TcpListener::bind("127.0.0.1:0").unwrap();
+        lis.set_nonblocking(true).unwrap();
+        let port = lis.local_addr().unwrap().port();
+        let hits = Arc::new(AtomicUsize::new(0));
+        let stop = Arc::new(AtomicBool::new(false));
+        let (h, st) = (hits.clone(), stop.clone());
+        std::thread::spawn(move || {
+            while !st.load(Relaxed) {
+                let Ok((s, _)) = lis.accept() else {
+                    std::thread::sleep(Duration::from_millis(5));
+                    continue;
+                };
+                h.fetch_add(1, Relaxed);
+                let (how, auth, st) = (how.clone(), auth.clone(), st.clone());
+                std::thread::spawn(move || Self::serve(s, &how, auth.as_deref(), &st));
+            }
+        });
+        Self { port, hits, stop }
+    }
+
+    fn url(&self) -> String {
+        format!("redis://127.0.0.1:{}", self.port)
+    }
+
+    /// Reads one command (a RESP array of bulk strings); `None` at the end of the stream.
+    fn command(r: &mut impl std::io::BufRead) -> Option<Vec<Vec<u8>>> {
+        let mut line = String::new();
+        let head = |r: &mut dyn std::io::BufRead, line: &mut String| -> Option<usize> {
+            line.clear();
+            if r.read_line(line).ok()? == 0 {
+                return None;
+            }
+            line.trim_end()[1..].parse().ok()
+        };
+        let n = head(r, &mut line)?;
+        let mut args = Vec::with_capacity(n);
+        for _ in 0..n {
+            let len = head(r, &mut line)?;
+            let mut b = vec![0u8; len + 2];
+            r.read_exact(&mut b).ok()?;
+            b.truncate(len);
+            args.push(b);
+        }
+        Some(args)
+    }
+
+    fn serve(
+        s: std::net::TcpStream,
+        how: &Misbehave,
+        auth: Option<&[u8]>,
+        stop: &std::sync::atomic::AtomicBool,
+    ) {
+        use std::io::Write;
+        s.set_read_timeout(Some(Duration::from_secs(10))).unwrap();
+        let mut w = s.try_clone().unwrap();
+        let mut r = std::io::BufReader::new(s);
+        while let Some(args) = Self::command(&mut r) {
+            let name = String::from_utf8_lossy(&args[0]).to_ascii_uppercase();
+            let reply: Vec<u8> = match name.as_str() {
+                "PING" => b"+PONG\r\n".to_vec(),
+                "SELECT" | "HELLO" => b"+OK\r\n".to_vec(),
+                "AUTH" => auth.map_or_else(|| b"+OK\r\n".to_vec(), <[u8]>::to_vec),
+                _ => match how {
+                    Misbehave::Trickle => {
+                        let _ = w.write_all(b"$100000000\r\n");
+                        while !stop.load(std::sync::atomic::Ordering::Relaxed) {
+                            if w.write_all(b"x").is_err() {
+                                return;
+                            }
+                            std::thread::sleep(Duration::from_millis(50));
+                        }
+                        return;
+                    }
+                    Misbehave::Moved(port) => format!("-MOVED 1 127.0.0.1:{port}\r\n").into_bytes(),
+                    Misbehave::Error(e) => e.clone(),
+                },
+            };
+            if w.write_all(&reply).is_err() {
+                return;
+            }
+        }
+    }
+}
+
+impl Drop for Rogue {
+    fn drop(&mut self) {
+        self.stop.store(true, std::sync::atomic::Ordering::Relaxed);
+    }
+}
+
+/// Runs `f` on a thread of its own; fails the test when it takes longer than `limit` (the thread
+/// is left behind: the process ends with the test run).
+fn within<T: Send + 'static>(
+    limit: Duration,
+    what: &str,
+    f: impl FnOnce() -> T + Send + 'static,
+) -> T {
+    let (tx, rx) = std::sync::mpsc::channel();
+    std::thread::spawn(move || {
+        let _ = tx.send(f());
+    });
+    rx.recv_timeout(limit)
+        .unwrap_or_else(|_| panic!("{what} took longer than {limit:?}"))
+}
+
+/// A server that answers `PING` at once and every other reply one byte at a time (each read
+/// within the I/O timeout, the whole reply never): writes, `flush()`, lookups' fetches and
+/// shutdown end within their bounds (docs/tier.md "Faults": a node's pipeline is written, and its
+/// replies read, within one I/O timeout each), the failures counted.
+#[test]
+fn trickling_server_bounds_flush_fetch_and_shutdown() {
+    let _g = serial();
+    let rogue = Rogue::start(Misbehave::Trickle, None);
+    let (mut a, mem) = chain(&rogue.url(), "tr", 16);
+    store(&mut a, &mem, &(0..8).collect::<Vec<_>>());
+    let t = Instant::now();
+    let mut a = within(Duration::from_secs(5), "flush()", move || {
+        a.flush();
+        a
+    });
+    let flushed = t.elapsed();
+    // One write job's replies (0.5 s I/O timeout, plus an eighth) and those that ran beside it.
+    assert!(
+        flushed < Duration::from_millis(2500),
+        "flush() took {flushed:?}"
+    );
+    let s = remote_stats(&mut a);
+    assert_eq!(s.tier.writes, 0, "{s:?}");
+    assert!(s.tier.write_errors >= 1, "{s:?}");
+    assert!(
+        s.tier
+            .last_error
+            .as_deref()
+            .unwrap_or("")
+            .contains("timed out"),
+        "{s:?}"
+    );
+    // A lookup's fetch ends too (the node is down, or its fetch times out): a miss, not pending.
+    let ks: Vec<ByteKey> = (100..104).map(key).collect();
+    let t = Instant::now();
+    let (n, mut a) = within(Duration::from_secs(5), "a lookup", move || {
+        let n = settle(&mut a, &ks, Duration::from_secs(4));
+        (n, a)
+    });
+    assert_eq!(n, 0);
+    assert!(
+        t.elapsed() < Duration::from_millis(2500),
+        "{:?}",
+        t.elapsed()
+    );
+    store(&mut a, &mem, &[20, 21]);
+    let t = Instant::now();
+    within(Duration::from_secs(5), "shutdown()", move || a.shutdown());
+    assert!(
+        t.elapsed() < Duration::from_millis(2500),
+        "{:?}",
+        t.elapsed()
+    );
+}

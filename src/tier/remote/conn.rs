@@ -18,11 +18,10 @@
 //! its unit tests. The tests below read replies through a loopback "server".
 #![forbid(unsafe_code)]
 
-use std::io::Write;
 use std::sync::{Mutex, PoisonError};
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
-use super::plain::{io_err, Plain, POOLED_BYTES};
+use super::plain::{Plain, POOLED_BYTES};
 
 /// Most bytes of a reply that is not a bulk string at the top (a `CLUSTER SLOTS` map, a `SCAN`
 /// page): a reply past this is an error (the connection is dropped).
@@ -121,8 +120,27 @@ impl Conn {
     /// Writes `bytes` (packed commands, or part of one) to the socket.
     pub(super) fn send(&mut self, bytes: &[u8]) -> Result<(), String> {
         match self {
-            Self::Plain(p) => p.sock.write_all(bytes).map_err(|e| io_err(&e)),
+            Self::Plain(p) => p.send(bytes),
             Self::Crate(c) => c.send_packed_command(bytes).map_err(|e| e.to_string()),
+        }
+    }
+
+    /// Sets when the exchange under way (a node's pipeline written, or its replies read; one
+    /// command and its reply) must end: on kvoff's own connections every read and write checks it,
+    /// so a server that sends a reply byte by byte fails it at the deadline (docs/tier.md
+    /// "Faults"). On the crate's connections (TLS, Unix sockets) each read and write is bounded by
+    /// the time left when the exchange starts, the whole reply not.
+    pub(super) fn set_deadline(&mut self, deadline: Instant, io_timeout: Duration) {
+        match self {
+            Self::Plain(p) => p.set_deadline(Some(deadline)),
+            Self::Crate(c) => {
+                let left = deadline
+                    .saturating_duration_since(Instant::now())
+                    .min(io_timeout)
+                    .max(Duration::from_millis(1));
+                let _ = c.set_read_timeout(Some(left));
+                let _ = c.set_write_timeout(Some(left));
+            }
         }
     }
 
@@ -150,8 +168,13 @@ impl Conn {
         }
     }
 
-    /// One command and its reply.
-    pub(super) fn request(&mut self, cmd: &redis::Cmd) -> Result<redis::Value, String> {
+    /// One command and its reply, within `io_timeout` in all.
+    pub(super) fn request(
+        &mut self,
+        cmd: &redis::Cmd,
+        io_timeout: Duration,
+    ) -> Result<redis::Value, String> {
+        self.set_deadline(Instant::now() + io_timeout, io_timeout);
         self.send(&cmd.get_packed_command())?;
         self.recv(None)
     }
@@ -160,7 +183,7 @@ impl Conn {
 #[cfg(test)]
 #[allow(clippy::pedantic)] // tests: style lints are for the library
 mod tests {
-    use std::io::Read;
+    use std::io::{Read, Write};
 
     use super::*;
     use crate::tier::remote::resp::tests::replies;

@@ -32,10 +32,21 @@ pub(super) struct Plain {
     pub(super) end: usize,
     /// Most bytes of a top-level bulk string reply kept (see [`Conn::open`]).
     pub(super) max_bulk: usize,
+    /// The connection's I/O timeout: no single read or write waits longer.
+    io_timeout: Duration,
+    /// When the exchange under way must end (docs/tier.md "Faults": bytes may come slowly, a
+    /// reply may not), set by [`Plain::set_deadline`]; every read and write checks it first.
+    deadline: Option<Instant>,
+    /// The socket's read and write timeouts as last set.
+    cur_read: Duration,
+    cur_write: Duration,
     /// Reads made, and the bytes they put into the read buffer (tests: how a reply was read).
     #[cfg(test)]
     pub(super) stats: (usize, usize),
 }
+
+/// The failure of an exchange past its deadline.
+pub(super) const DEADLINE: &str = "timed out (the reply took longer than the I/O timeout)";
 
 pub(super) fn io_err(e: &std::io::Error) -> String {
     match e.kind() {
@@ -86,6 +97,10 @@ impl Plain {
             start: 0,
             end: 0,
             max_bulk,
+            io_timeout,
+            deadline: Some(Instant::now() + io_timeout),
+            cur_read: io_timeout,
+            cur_write: io_timeout,
             #[cfg(test)]
             stats: (0, 0),
         };
@@ -104,12 +119,63 @@ impl Plain {
         Ok(p)
     }
 
+    /// Sets when the exchange under way must end (`None`: each read and write bounded by the I/O
+    /// timeout alone).
+    pub(super) fn set_deadline(&mut self, deadline: Option<Instant>) {
+        self.deadline = deadline;
+    }
+
+    /// Fits the socket's read (or write) timeout to the deadline before a read (or write): the
+    /// I/O timeout, or less as the deadline nears. The timeout is set again only when it would
+    /// end past the deadline by more than an eighth of the time left, or stop short of the time
+    /// left (a new deadline): a fast exchange sets it not at all, a slow one a few times.
+    fn arm(&mut self, write: bool) -> Result<(), String> {
+        let target = match self.deadline {
+            None => self.io_timeout,
+            Some(d) => {
+                let left = d.saturating_duration_since(Instant::now());
+                if left.is_zero() {
+                    return Err(DEADLINE.to_owned());
+                }
+                left.min(self.io_timeout)
+            }
+        };
+        let cur = if write { self.cur_write } else { self.cur_read };
+        if cur < target || cur - target > target / 8 {
+            let r = if write {
+                self.sock.set_write_timeout(Some(target))
+            } else {
+                self.sock.set_read_timeout(Some(target))
+            };
+            r.map_err(|e| io_err(&e))?;
+            if write {
+                self.cur_write = target;
+            } else {
+                self.cur_read = target;
+            }
+        }
+        Ok(())
+    }
+
+    /// Writes all of `bytes`, within the deadline.
+    pub(super) fn send(&mut self, mut bytes: &[u8]) -> Result<(), String> {
+        while !bytes.is_empty() {
+            self.arm(true)?;
+            match self.sock.write(bytes) {
+                Ok(0) => return Err("connection closed by the server".to_owned()),
+                Ok(n) => bytes = &bytes[n..],
+                Err(e) if e.kind() == ErrorKind::Interrupted => {}
+                Err(e) => return Err(io_err(&e)),
+            }
+        }
+        Ok(())
+    }
+
     /// Sends a setup command and fails unless the server answers `OK` (the message never holds the
     /// command's arguments: `AUTH`'s is a password).
     fn expect_ok(&mut self, cmd: &redis::Cmd, name: &str) -> Result<(), String> {
-        self.sock
-            .write_all(&cmd.get_packed_command())
-            .map_err(|e| format!("connecting: {name}: {}", io_err(&e)))?;
+        self.send(&cmd.get_packed_command())
+            .map_err(|e| format!("connecting: {name}: {e}"))?;
         match self.recv(None) {
             Ok(redis::Value::Okay) => Ok(()),
             Ok(redis::Value::ServerError(e)) => Err(format!(
@@ -143,6 +209,7 @@ impl Plain {
         } else {
             self.buf.len()
         };
+        self.arm(false)?;
         match self.sock.read(&mut self.buf[self.end..stop]) {
             Ok(0) => Err("connection closed by the server".to_owned()),
             Ok(n) => {
@@ -302,6 +369,7 @@ impl Plain {
         while got < dst.len() {
             // The read buffer is empty here: `have` took all of it, and a read only puts bytes
             // into it once `dst` is full.
+            self.arm(false)?;
             let tail = HEAD_READ.min(self.buf.len());
             let mut iov = [
                 IoSliceMut::new(&mut dst[got..]),

@@ -178,7 +178,11 @@ impl Router {
             let mut packed = std::mem::take(&mut conns.packed);
             // The pipeline goes out in chunks of SEND_CHUNK_BYTES as it is packed, so the server
             // works on the first commands while the rest are packed.
+            let io_timeout = self.cfg.io_timeout;
             let res = self.conn(conns, node, info).and_then(|c| {
+                // The node's whole pipeline is written within one I/O timeout (docs/tier.md
+                // "Faults").
+                c.set_deadline(std::time::Instant::now() + io_timeout, io_timeout);
                 packed.clear();
                 for r in &group {
                     if r.asking {
@@ -210,6 +214,11 @@ impl Router {
             let Some(c) = conns.map.get_mut(&node) else {
                 continue;
             };
+            // Every reply of the node's pipeline is read within one I/O timeout.
+            c.set_deadline(
+                std::time::Instant::now() + self.cfg.io_timeout,
+                self.cfg.io_timeout,
+            );
             let mut failure = None;
             let mut answered = 0;
             for r in &group {

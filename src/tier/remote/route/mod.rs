@@ -383,7 +383,7 @@ impl Router {
         };
         conns.map.remove(&id);
         let r = self.conn(conns, id, Some(info)).and_then(|c| {
-            c.request(&redis::cmd("PING"))
+            c.request(&redis::cmd("PING"), self.cfg.io_timeout)
                 .map_err(|e| format!("PING: {e}"))
         });
         let mut st = lock(&self.state);
@@ -503,7 +503,7 @@ impl Router {
                 (st.nodes[id].info.clone(), st.nodes[id].downs)
             };
             let reply = self.conn(conns, id, Some(info)).and_then(|c| {
-                c.request(redis::cmd("CLUSTER").arg("SLOTS"))
+                c.request(redis::cmd("CLUSTER").arg("SLOTS"), self.cfg.io_timeout)
                     .map_err(|e| format!("CLUSTER SLOTS: {e}"))
             });
             let mut st = lock(&self.state);
