@@ -2416,7 +2416,7 @@ impl Rogue {
                 };
                 h.fetch_add(1, Relaxed);
                 let (how, auth, st) = (how.clone(), auth.clone(), st.clone());
-                std::thread::spawn(move || Self::serve(s, &how, auth.as_deref(), &st));
+                std::thread::spawn(move || Self::serve(s, port, &how, auth.as_deref(), &st));
             }
         });
         Self { port, hits, stop }
@@ -2450,6 +2450,7 @@ impl Rogue {
 
     fn serve(
         s: std::net::TcpStream,
+        me: u16,
         how: &Misbehave,
         auth: Option<&[u8]>,
         stop: &std::sync::atomic::AtomicBool,
@@ -2463,6 +2464,11 @@ impl Rogue {
             let reply: Vec<u8> = match name.as_str() {
                 "PING" => b"+PONG\r\n".to_vec(),
                 "SELECT" | "HELLO" => b"+OK\r\n".to_vec(),
+                // A one-node Cluster: every slot on this "server".
+                "CLUSTER" => {
+                    format!("*1\r\n*3\r\n:0\r\n:16383\r\n*2\r\n$9\r\n127.0.0.1\r\n:{me}\r\n")
+                        .into_bytes()
+                }
                 "AUTH" => auth.map_or_else(|| b"+OK\r\n".to_vec(), <[u8]>::to_vec),
                 _ => match how {
                     Misbehave::Trickle => {
@@ -2560,4 +2566,42 @@ fn trickling_server_bounds_flush_fetch_and_shutdown() {
         "{:?}",
         t.elapsed()
     );
+}
+
+/// A standalone server that answers `MOVED`: the command fails (counted, the reason kept), and
+/// nothing — no connection, no `AUTH` with the password, no data — goes to the host it names. In
+/// Cluster mode a redirect to a node the Cluster never announced is not followed either.
+#[test]
+fn redirects_never_leave_the_named_servers() {
+    let _g = serial();
+    let target = Rogue::start(Misbehave::Error(b"+OK\r\n".to_vec()), None);
+    let liar = Rogue::start(Misbehave::Moved(target.port), None);
+    use std::sync::atomic::Ordering::Relaxed;
+    for url in [
+        format!("redis://:hunter2@127.0.0.1:{}", liar.port),
+        format!("redis+cluster://:hunter2@127.0.0.1:{}", liar.port),
+    ] {
+        let mem = Arc::new(VecMemory::new(4, BLOCK));
+        let tier = RemoteTier::open(
+            quick(RemoteConfig::new(url.clone(), layout("mv"))),
+            mem.clone(),
+        )
+        .unwrap();
+        mem.set_block(0, &pattern(0)).unwrap();
+        assert_eq!(tier.submit_writes(&[(key(0), 0)]), vec![true]);
+        tier.flush();
+        let c = tier.counters();
+        assert_eq!((c.writes, c.write_errors), (0, 1), "{url}: {c:?}");
+        let err = c.last_error.unwrap_or_default();
+        assert!(
+            err.contains("MOVED") || err.contains("redirected"),
+            "{url}: {err}"
+        );
+        assert!(!err.contains("hunter2"), "{err}");
+        assert_eq!(
+            target.hits.load(Relaxed),
+            0,
+            "{url}: the redirect was followed"
+        );
+    }
 }

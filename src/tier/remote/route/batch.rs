@@ -126,8 +126,22 @@ impl Router {
                     };
                     (n, false)
                 }
-                Dest::Redirect(Redirect::Moved(h, p)) => (self.node_at(&mut st, &h, p), false),
-                Dest::Redirect(Redirect::Ask(h, p)) => (self.node_at(&mut st, &h, p), true),
+                Dest::Redirect(r) => {
+                    let (Redirect::Moved(h, p) | Redirect::Ask(h, p), asking) =
+                        (&r, matches!(r, Redirect::Ask(..)));
+                    // Only to a node the Cluster announced (or a seed): a redirect to any other
+                    // address fails the command and has the map read again (docs/tier.md
+                    // "Cluster routing").
+                    let Some(&n) = st.by_addr.get(&(h.clone(), *p)) else {
+                        st.stale = true;
+                        out.error = Some(format!(
+                            "{}: redirected to {h}:{p}, a node the Cluster has not announced",
+                            self.label
+                        ));
+                        continue;
+                    };
+                    (n, asking)
+                }
             };
             if !Self::usable(&st, node) {
                 // The map may be stale (a replica may have taken over the down master's slots).
@@ -297,6 +311,17 @@ impl Router {
             ));
         };
         match kind {
+            "MOVED" | "ASK" if !self.cfg.cluster => {
+                // A standalone server never redirects: a MOVED there is a misconfiguration or an
+                // attack, and neither the password nor the data follows it (docs/tier.md
+                // "Faults"). The command fails; nothing is sent to the named host.
+                out.error = Some(format!(
+                    "{}: the server answered {kind}; redirects are followed only in Cluster mode \
+                     (redis+cluster://), the command failed",
+                    self.label
+                ));
+                Err(None)
+            }
             "MOVED" | "ASK" => {
                 stale(out);
                 match target() {

@@ -100,11 +100,23 @@ struct Node {
     /// Times the node was marked down: a thread's connection opened before the last of them is
     /// not used again (the server may have restarted since; its first write would meet a reset).
     downs: u64,
+    /// No longer announced by the Cluster: out of `by_addr`, its id free for another node.
+    retired: bool,
 }
+
+/// Most nodes learned from the Cluster kept besides the URL's seeds: a node beyond it is not
+/// added (its slots unserved until a map names fewer nodes), and a node no map names any more is
+/// dropped at the next map, so a seed that names ever-new nodes never grows the router's memory
+/// (docs/tier.md "Cluster routing").
+pub(super) const MAX_NODES: usize = 1024;
 
 struct RouterState {
     nodes: Vec<Node>,
     by_addr: HashMap<(String, u16), usize>,
+    /// The URL's seeds are the first `seeds` nodes (never retired).
+    seeds: usize,
+    /// Ids of retired nodes, reused for the next nodes learned.
+    free: Vec<usize>,
     /// Node of each slot (Cluster only; empty until the first refresh).
     slots: Vec<u32>,
     /// The nodes the slot map names (sorted, no repeats).
@@ -194,6 +206,8 @@ impl Router {
         let mut st = RouterState {
             nodes: Vec::new(),
             by_addr: HashMap::new(),
+            seeds: 0,
+            free: Vec::new(),
             slots: Vec::new(),
             serving: Vec::new(),
             epoch: 0,
@@ -212,6 +226,7 @@ impl Router {
                 _ => (String::new(), 0),
             };
             Self::add_node(&mut st, &cfg, host, port, info);
+            st.seeds = st.nodes.len();
         }
         Self {
             cfg,
@@ -256,28 +271,60 @@ impl Router {
         host: String,
         port: u16,
         info: redis::ConnectionInfo,
-    ) -> usize {
+    ) -> Option<usize> {
         if let Some(&id) = st.by_addr.get(&(host.clone(), port)) {
-            return id;
+            return Some(id);
         }
-        let id = st.nodes.len();
-        st.by_addr.insert((host.clone(), port), id);
-        st.nodes.push(Node {
-            host,
+        let node = |downs| Node {
+            host: host.clone(),
             port,
-            info,
+            info: info.clone(),
             down_until: None,
             backoff: cfg.backoff_min,
             failed: false,
-            downs: 0,
-        });
-        id
+            downs,
+            retired: false,
+        };
+        let id = if let Some(id) = st.free.pop() {
+            // A thread's connection to the id's former node is opened before this `downs`: it
+            // is dropped at its next use (see `Conns::opened`).
+            let downs = st.nodes[id].downs + 1;
+            st.nodes[id] = node(downs);
+            id
+        } else if st.nodes.len() < st.seeds + MAX_NODES || st.seeds == 0 {
+            st.nodes.push(node(0));
+            st.nodes.len() - 1
+        } else {
+            return None;
+        };
+        st.by_addr.insert((host, port), id);
+        Some(id)
     }
 
-    /// The node at `host:port`, added (with the first seed's TLS and credentials) if new.
-    fn node_at(&self, st: &mut RouterState, host: &str, port: u16) -> usize {
+    /// Drops the nodes learned from the Cluster that `announced` (the ids a new map named) does
+    /// not name: their ids go to the free list (see [`MAX_NODES`]).
+    fn retire_unannounced(st: &mut RouterState, announced: &[usize]) {
+        for id in st.seeds..st.nodes.len() {
+            if st.nodes[id].retired || announced.binary_search(&id).is_ok() {
+                continue;
+            }
+            Self::end_probe(st, id);
+            let n = &mut st.nodes[id];
+            n.retired = true;
+            n.failed = false;
+            n.down_until = None;
+            n.downs += 1;
+            let addr = (std::mem::take(&mut n.host), n.port);
+            st.by_addr.remove(&addr);
+            st.free.push(id);
+        }
+    }
+
+    /// The node at `host:port`, added (with the first seed's TLS and credentials) if new and
+    /// within [`MAX_NODES`].
+    fn node_at(&self, st: &mut RouterState, host: &str, port: u16) -> Option<usize> {
         if let Some(&id) = st.by_addr.get(&(host.to_owned(), port)) {
-            return id;
+            return Some(id);
         }
         let base = st.nodes[0].info.clone();
         let addr = match base.addr() {
@@ -481,7 +528,7 @@ impl Router {
             // Nodes not failed (failed ones come back through `probe`), those this thread is
             // connected to first.
             let mut ids: Vec<usize> = (0..st.nodes.len())
-                .filter(|&i| Self::usable(&st, i))
+                .filter(|&i| Self::usable(&st, i) && !st.nodes[i].retired)
                 .collect();
             ids.sort_by_key(|&i| (!conns.map.contains_key(&i), i));
             ids
@@ -490,7 +537,7 @@ impl Router {
         for id in order {
             let info = {
                 let st = lock(&self.state);
-                if !Self::usable(&st, id) {
+                if !Self::usable(&st, id) || st.nodes[id].retired {
                     continue;
                 }
                 if conns
@@ -549,6 +596,7 @@ impl Router {
             return None;
         };
         let mut map = vec![NO_NODE; SLOTS];
+        let mut announced = Vec::new();
         for r in ranges {
             let redis::Value::Array(parts) = r else {
                 return None;
@@ -582,7 +630,11 @@ impl Router {
                 if host == "?" {
                     continue;
                 }
-                let id = self.node_at(st, &host, port);
+                // A node past the cap is left out, as an unknown endpoint is.
+                let Some(id) = self.node_at(st, &host, port) else {
+                    continue;
+                };
+                announced.push(id);
                 if j == 0 {
                     master = Some(id);
                 }
@@ -592,6 +644,72 @@ impl Router {
                 map[start..=end].fill(m);
             }
         }
+        announced.sort_unstable();
+        announced.dedup();
+        Self::retire_unannounced(st, &announced);
         Some(map)
+    }
+}
+
+#[cfg(test)]
+#[allow(clippy::pedantic, clippy::unwrap_used)] // tests: style lints are for the library
+mod tests {
+    use super::*;
+
+    /// A `CLUSTER SLOTS` reply: slot ranges of 16 slots, each with a master and a replica on
+    /// ports from `first` on.
+    fn slots_reply(first: u16, ranges: u16) -> redis::Value {
+        use redis::Value::{Array, BulkString, Int};
+        let node = |p: u16| Array(vec![BulkString(b"10.0.0.1".to_vec()), Int(i64::from(p))]);
+        Array(
+            (0..ranges)
+                .map(|r| {
+                    Array(vec![
+                        Int(i64::from(r) * 16),
+                        Int(i64::from(r) * 16 + 15),
+                        node(first + 2 * r),
+                        node(first + 2 * r + 1),
+                    ])
+                })
+                .collect(),
+        )
+    }
+
+    /// A seed that names ever-new nodes at each map: the router keeps at most its seeds and
+    /// [`MAX_NODES`] nodes, the nodes of the latest map, and no address of the older ones
+    /// (docs/tier.md "Cluster routing").
+    #[test]
+    fn the_node_map_stays_bounded_under_ever_new_nodes() {
+        let cfg = RouterConfig {
+            cluster: true,
+            connect_timeout: Duration::from_secs(1),
+            io_timeout: Duration::from_secs(1),
+            backoff_min: Duration::from_millis(100),
+            backoff_max: Duration::from_secs(1),
+            max_bulk: 1 << 20,
+        };
+        let seed =
+            redis::IntoConnectionInfo::into_connection_info("redis://127.0.0.1:7000").unwrap();
+        let r = Router::new(cfg, "redis+cluster://127.0.0.1:7000".into(), vec![seed]);
+        for round in 0..40u16 {
+            // 300 new nodes per map (150 ranges of a master and a replica).
+            let v = slots_reply(10_000 + round * 300, 150);
+            let mut st = lock(&r.state);
+            let map = r.parse_slots(&mut st, &v, "127.0.0.1").unwrap();
+            assert_eq!(
+                map[0] as usize,
+                st.by_addr[&("10.0.0.1".to_owned(), 10_000 + round * 300)]
+            );
+            assert!(st.nodes.len() <= 1 + MAX_NODES, "{} nodes", st.nodes.len());
+            assert_eq!(st.by_addr.len(), 1 + 300, "round {round}");
+        }
+        // A map naming more than the cap keeps the cap: the nodes past it are left out.
+        let v = slots_reply(40_000, 1000);
+        let mut st = lock(&r.state);
+        let map = r.parse_slots(&mut st, &v, "127.0.0.1").unwrap();
+        assert!(st.nodes.len() <= 1 + MAX_NODES);
+        // (The previous map's 300 nodes still held their places while this one was read.)
+        assert_eq!(st.by_addr.len(), 1 + MAX_NODES - 300);
+        assert!(map.iter().any(|&n| n == NO_NODE) && map[0] != NO_NODE);
     }
 }
