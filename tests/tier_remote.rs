@@ -2605,3 +2605,94 @@ fn redirects_never_leave_the_named_servers() {
         );
     }
 }
+
+/// One redaction rule (docs/tier.md "Faults"): no password in a `ConfigError`, `Debug`, the URL
+/// shown or `last_error`, whatever characters it holds (`,` `@` `:` raw) and whatever a server
+/// echoes (an `AUTH` refused by echoing the command); error texts kept are capped (an 8 MiB
+/// error reply is not an 8 MiB `last_error`).
+#[test]
+fn passwords_never_shown_and_errors_capped() {
+    let _g = serial();
+    for (url, shown) in [
+        ("redis://:hunter2,xyz@h:1", "redis://***@h:1"),
+        (
+            "redis+cluster://:hunter2,xyz@h:1,h2:2",
+            "redis+cluster://***@h:1,h2:2",
+        ),
+        (
+            "redis+cluster://u:a,b@h:1,:c@d@h2:2",
+            "redis+cluster://u:***@h:1,***@h2:2",
+        ),
+        ("redis://u:p@ss:1@h:1", "redis://u:***@h:1"),
+        ("redis://:p,h:1,q@h:1", "redis://***@h:1"),
+        ("redis://h:1", "redis://h:1"),
+    ] {
+        assert_eq!(redact(url), shown, "{url}");
+    }
+    let mem = Arc::new(VecMemory::new(4, BLOCK));
+    for url in [
+        "redis://:hunter2,xyz@",
+        "redis+cluster://:hunter2,xyz@127.0.0.1:1,",
+        "redis://:hunter2,xyz@127.0.0.1:1,127.0.0.1:2",
+    ] {
+        let cfg = quick(RemoteConfig::new(url, layout("pw")));
+        let shown = format!("{cfg:?}");
+        assert!(
+            !shown.contains("hunter2") && !shown.contains("xyz"),
+            "{shown}"
+        );
+        let e = RemoteTier::open(cfg, mem.clone()).unwrap_err().to_string();
+        assert!(!e.contains("hunter2") && !e.contains("xyz"), "{e}");
+    }
+    // A server that refuses AUTH by echoing it.
+    let pw = "hunter2,s3cr@t";
+    let echo = Rogue::start(
+        Misbehave::Error(b"+OK\r\n".to_vec()),
+        Some(format!("-ERR invalid password 'AUTH {pw}'\r\n").into_bytes()),
+    );
+    let url = format!("redis://:hunter2%2Cs3cr%40t@127.0.0.1:{}", echo.port);
+    let tier = RemoteTier::open(quick(RemoteConfig::new(url, layout("pw"))), mem.clone()).unwrap();
+    mem.set_block(0, &pattern(0)).unwrap();
+    assert_eq!(tier.submit_writes(&[(key(0), 0)]), vec![true]);
+    tier.flush();
+    let c = tier.counters();
+    assert_eq!(c.write_errors, 1, "{c:?}");
+    let shown = format!("{c:?} {tier:?} {}", tier.url());
+    assert!(shown.contains("AUTH"), "{shown}");
+    assert!(
+        !shown.contains("hunter2") && !shown.contains("s3cr"),
+        "{shown}"
+    );
+    drop(tier);
+    // An 8 MiB error reply to GET: last_error stays short.
+    let mut huge = b"-ERR ".to_vec();
+    huge.extend(std::iter::repeat_n(b'e', 8 << 20));
+    huge.extend_from_slice(b"\r\n");
+    let big = Rogue::start(Misbehave::Error(huge), None);
+    let (mut a, _mem) = chain(&big.url(), "pw", 4);
+    assert_eq!(settle(&mut a, &[key(1)], Duration::from_secs(5)), 0);
+    let s = remote_stats(&mut a);
+    let e = s.tier.last_error.clone().unwrap_or_default();
+    assert!(e.contains("a reply line over"), "{e:.200}");
+    assert!(
+        e.len() <= kvoff::tier::remote::MAX_ERROR_BYTES + 32,
+        "{} bytes",
+        e.len()
+    );
+    a.shutdown();
+    // A 60 KiB error reply (a reply, not a broken stream): kept, capped.
+    let mut long = b"-ERR ".to_vec();
+    long.extend(std::iter::repeat_n(b'e', 60 << 10));
+    long.extend_from_slice(b"\r\n");
+    let srv = Rogue::start(Misbehave::Error(long), None);
+    let (mut a, _mem) = chain(&srv.url(), "pw", 4);
+    assert_eq!(settle(&mut a, &[key(1)], Duration::from_secs(5)), 0);
+    let e = remote_stats(&mut a).tier.last_error.unwrap_or_default();
+    assert!(e.contains("ERR eee"), "{e:.200}");
+    assert!(
+        e.len() <= kvoff::tier::remote::MAX_ERROR_BYTES + 32,
+        "{} bytes",
+        e.len()
+    );
+    a.shutdown();
+}

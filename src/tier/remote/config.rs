@@ -144,23 +144,97 @@ impl RemoteConfig {
     }
 }
 
-/// The URL with any password replaced by `***` (the only form kvoff prints).
+/// The URL with any password replaced by `***` (the only form kvoff prints), whatever characters
+/// the password holds (`,` and `@` too, typed raw): the hosts are what follows the last `@` of
+/// the URL, and after each earlier `@` the text up to the next `,` when it reads as `host:port`
+/// (another node of a Cluster URL with credentials of its own); everything else before an `@` is
+/// credentials. A user name is kept (`user:***@host`) when it holds no `,`, `@` or `:`.
 #[must_use]
 pub fn redact(url: &str) -> String {
     let Some((scheme, rest)) = url.split_once("://") else {
         return "<unparsable url>".into();
     };
-    let parts: Vec<String> = rest
-        .split(',')
-        .map(|node| match node.rsplit_once('@') {
-            Some((auth, host)) => match auth.split_once(':') {
-                Some((user, _)) => format!("{user}:***@{host}"),
-                None => format!("***@{host}"),
-            },
-            None => node.to_owned(),
+    let Some(last) = rest.rfind('@') else {
+        return url.to_owned();
+    };
+    let (creds_part, hosts) = (&rest[..last], &rest[last + 1..]);
+    let masked = |creds: &str| match creds.split_once(':') {
+        Some((user, _)) if !user.is_empty() && !user.contains([',', '@']) => format!("{user}:***"),
+        _ => "***".to_owned(),
+    };
+    let host_like = |h: &str| {
+        h.rsplit_once(':').is_some_and(|(name, port)| {
+            !name.is_empty()
+                && !port.is_empty()
+                && port.bytes().all(|b| b.is_ascii_digit())
+                && name
+                    .bytes()
+                    .all(|b| b.is_ascii_alphanumeric() || b"-._[]:".contains(&b))
         })
-        .collect();
-    format!("{scheme}://{}", parts.join(","))
+    };
+    // `creds_part` is `creds1` or `creds1@host1:p1,creds2@…` up to the last node's credentials.
+    let mut out = String::new();
+    let mut creds = String::new();
+    for (i, seg) in creds_part.split('@').enumerate() {
+        if i > 0 {
+            if let Some((host, more)) = seg.split_once(',').filter(|(h, _)| host_like(h)) {
+                out.push_str(&masked(&creds));
+                out.push('@');
+                out.push_str(host);
+                out.push(',');
+                creds = more.to_owned();
+                continue;
+            }
+            creds.push('@');
+        }
+        creds.push_str(seg);
+    }
+    out.push_str(&masked(&creds));
+    format!("{scheme}://{out}@{hosts}")
+}
+
+/// Most bytes of an error text kept for `last_error` (docs/tier.md "Faults").
+pub const MAX_ERROR_BYTES: usize = 512;
+
+/// `text` as kvoff keeps or shows it: every secret in `secrets` (the password, as typed and
+/// percent-encoded) replaced by `***`, wherever it stands (a server may echo a refused `AUTH`),
+/// and at most [`MAX_ERROR_BYTES`] bytes of the result.
+#[must_use]
+pub fn scrub(text: &str, secrets: &[String]) -> String {
+    let mut out = text.to_owned();
+    for s in secrets.iter().filter(|s| !s.is_empty()) {
+        if out.contains(s.as_str()) {
+            out = out.replace(s.as_str(), "***");
+        }
+    }
+    if out.len() > MAX_ERROR_BYTES {
+        let mut end = MAX_ERROR_BYTES;
+        while !out.is_char_boundary(end) {
+            end -= 1;
+        }
+        let total = out.len();
+        out.truncate(end);
+        out.push_str(&format!("… ({total} bytes)"));
+    }
+    out
+}
+
+/// The secrets of a URL's nodes that [`scrub`] takes out of texts: each password as the
+/// connection uses it and percent-encoded.
+pub(super) fn secrets_of(nodes: &[redis::ConnectionInfo]) -> Vec<String> {
+    let mut out: Vec<String> = Vec::new();
+    for info in nodes {
+        if let Some(pw) = info.redis_settings().password() {
+            for s in [pw.to_owned(), pct_encode(pw)] {
+                if !s.is_empty() && !out.contains(&s) {
+                    out.push(s);
+                }
+            }
+        }
+    }
+    // Longest first: a password that holds another is replaced whole.
+    out.sort_by_key(|s| std::cmp::Reverse(s.len()));
+    out
 }
 
 pub(super) fn pct_encode(s: &str) -> String {

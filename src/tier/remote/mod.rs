@@ -81,7 +81,9 @@ use conn::BufPool;
 use route::{Router, RouterConfig};
 
 use config::parse_url;
-pub use config::{default_idle_spin, default_io_threads, redact, RemoteConfig};
+pub use config::{
+    default_idle_spin, default_io_threads, redact, scrub, RemoteConfig, MAX_ERROR_BYTES,
+};
 use index::{Entry, Index};
 use sched::Sched;
 use shared::{lock, Answers, Counters, Queues, Shared};
@@ -245,6 +247,7 @@ impl RemoteTier {
             .owner
             .clone()
             .unwrap_or_else(|| format::default_owner(lay, &format::host_name()));
+        let secrets = config::secrets_of(&target.nodes);
         let router = Router::new(
             RouterConfig {
                 cluster: target.cluster,
@@ -266,6 +269,7 @@ impl RemoteTier {
             cluster: target.cluster,
             router,
             url_redacted: redact(&cfg.url),
+            secrets,
             fingerprint,
             fp_hex: format!("{fingerprint:016x}"),
             rank: lay.rank,

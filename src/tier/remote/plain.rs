@@ -21,6 +21,9 @@ const READ_CHUNK: usize = 256 << 10;
 /// path"). 64 bytes hold a CRLF, an array header and a bulk string header.
 const HEAD_READ: usize = 64;
 
+/// Most bytes of a status, error or integer reply line (docs/tier.md "Faults").
+const MAX_LINE: usize = 64 << 10;
+
 /// Bulk string replies at least this large get their buffer from a [`BufPool`].
 pub(super) const POOLED_BYTES: usize = 16 << 10;
 
@@ -241,6 +244,11 @@ impl Plain {
                     (self.start, self.end) = (0, 0);
                 }
                 return Ok(v);
+            }
+            if avail.len() > MAX_LINE && avail.first().is_some_and(|b| b"+-:".contains(b)) {
+                // A status, error or integer line this long is no server's reply: the stream
+                // is broken (or hostile), and no error text of its length is kept.
+                return Err(format!("a reply line over {MAX_LINE} bytes"));
             }
             // Nothing read yet, or a bulk string's header: it may be a value's.
             let head = avail.first().is_none_or(|&b| b == b'$');

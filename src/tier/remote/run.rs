@@ -22,7 +22,8 @@ impl Shared {
     /// buffer for a valid header.
     pub(super) fn check_header(&self, key: &ByteKey, v: Option<redis::Value>) -> Checked {
         match v {
-            None | Some(redis::Value::ServerError(_)) => Checked::Failed,
+            None => Checked::Failed,
+            Some(redis::Value::ServerError(e)) => self.failed_by(&e),
             Some(redis::Value::Nil) => Checked::Missing,
             Some(redis::Value::BulkString(b)) if b.is_empty() => Checked::Missing,
             Some(redis::Value::BulkString(b)) if b.len() == VALUE_HEADER_BYTES => {
@@ -38,7 +39,8 @@ impl Shared {
 
     pub(super) fn check(&self, key: &ByteKey, v: Option<redis::Value>) -> Checked {
         let bytes = match v {
-            None | Some(redis::Value::ServerError(_)) => return Checked::Failed,
+            None => return Checked::Failed,
+            Some(redis::Value::ServerError(e)) => return self.failed_by(&e),
             Some(redis::Value::Nil) => return Checked::Missing,
             Some(redis::Value::BulkString(b)) => b,
             Some(_) => return Checked::Rejected,
@@ -50,6 +52,17 @@ impl Shared {
             Ok(_) => Checked::Ok(bytes),
             Err(_) => Checked::Rejected,
         }
+    }
+
+    /// A read answered by a server error: failed, its text kept (scrubbed and capped).
+    fn failed_by(&self, e: &redis::ServerError) -> Checked {
+        self.set_error(format!(
+            "{}: {} {}",
+            self.url_redacted,
+            e.code(),
+            e.details().unwrap_or("")
+        ));
+        Checked::Failed
     }
 
     /// Runs `cmds` (each with its key) through the router: one reply per command, `None` for a

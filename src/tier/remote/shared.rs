@@ -185,6 +185,8 @@ pub(super) struct Shared {
     pub(super) cluster: bool,
     pub(super) router: Router,
     pub(super) url_redacted: String,
+    /// The password's forms [`super::config::scrub`] takes out of every kept error text.
+    pub(super) secrets: Vec<String>,
     pub(super) fingerprint: u64,
     pub(super) fp_hex: String,
     pub(super) rank: u32,
@@ -307,7 +309,9 @@ impl Shared {
         let _ = self.done.send(d);
     }
 
+    /// Keeps `e` for `last_error`, scrubbed of the password and capped (docs/tier.md "Faults").
     pub(super) fn set_error(&self, e: String) {
+        let e = super::config::scrub(&e, &self.secrets);
         *lock(&self.last_error) = Some(e);
     }
 
