@@ -2614,17 +2614,17 @@ fn redirects_never_leave_the_named_servers() {
 fn passwords_never_shown_and_errors_capped() {
     let _g = serial();
     for (url, shown) in [
-        ("redis://:hunter2,xyz@h:1", "redis://***@h:1"),
+        ("redis://:hunter2,xyz@h:1", "redis://:***@h:1"),
         (
             "redis+cluster://:hunter2,xyz@h:1,h2:2",
-            "redis+cluster://***@h:1,h2:2",
+            "redis+cluster://:***@h:1,h2:2",
         ),
         (
             "redis+cluster://u:a,b@h:1,:c@d@h2:2",
-            "redis+cluster://u:***@h:1,***@h2:2",
+            "redis+cluster://u:***@h:1,:***@h2:2",
         ),
         ("redis://u:p@ss:1@h:1", "redis://u:***@h:1"),
-        ("redis://:p,h:1,q@h:1", "redis://***@h:1"),
+        ("redis://:p,h:1,q@h:1", "redis://:***@h:1"),
         ("redis://h:1", "redis://h:1"),
     ] {
         assert_eq!(redact(url), shown, "{url}");
@@ -2695,4 +2695,38 @@ fn passwords_never_shown_and_errors_capped() {
         e.len()
     );
     a.shutdown();
+}
+
+/// A file a setting names is read like the file tier's files (docs/tier.md "Faults"): a FIFO,
+/// `/dev/zero`, a directory or an oversized file is a `ConfigError` at once (before: a FIFO never
+/// returned from the open, `/dev/zero` was read until memory ran out).
+#[test]
+fn setting_files_are_regular_bounded_and_never_block() {
+    let dir = tmpdir("cafile");
+    let fifo = dir.join("fifo");
+    assert!(Command::new("mkfifo")
+        .arg(&fifo)
+        .status()
+        .unwrap()
+        .success());
+    let big = dir.join("big.pem");
+    std::fs::write(&big, vec![b'a'; (2 << 20) as usize]).unwrap();
+    for path in [fifo, PathBuf::from("/dev/zero"), dir.clone(), big] {
+        let p = path.clone();
+        let t = Instant::now();
+        let e = within(Duration::from_secs(5), "opening", move || {
+            let mut cfg = quick(RemoteConfig::new("rediss://127.0.0.1:1", layout("ca")));
+            cfg.tls_ca_file = Some(p);
+            RemoteTier::open(cfg, Arc::new(VecMemory::new(2, BLOCK))).map(|_| ())
+        })
+        .unwrap_err();
+        assert!(matches!(e, KvoffError::Config(_)), "{path:?}: {e}");
+        assert!(e.to_string().contains("TLS CA file"), "{e}");
+        assert!(
+            t.elapsed() < Duration::from_millis(500),
+            "{path:?}: {:?}",
+            t.elapsed()
+        );
+    }
+    let _ = std::fs::remove_dir_all(&dir);
 }

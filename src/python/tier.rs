@@ -275,7 +275,9 @@ impl PyChainCore {
         }
         let mut shown_url = None;
         if let Some(r) = remote {
-            let tier = RemoteTier::open(r.config(layout, owner), mem).py()?;
+            // Without the GIL: opening reads the TLS CA file (docs/tier.md "Faults").
+            let rc = r.config(layout, owner);
+            let tier = blocking(py, move || RemoteTier::open(rc, mem))?;
             shown_url = Some(tier.url().to_owned());
             tiers.push(ChainTier {
                 tier: Box::new(tier),

@@ -148,7 +148,8 @@ impl RemoteConfig {
 /// the password holds (`,` and `@` too, typed raw): the hosts are what follows the last `@` of
 /// the URL, and after each earlier `@` the text up to the next `,` when it reads as `host:port`
 /// (another node of a Cluster URL with credentials of its own); everything else before an `@` is
-/// credentials. A user name is kept (`user:***@host`) when it holds no `,`, `@` or `:`.
+/// credentials. A user name is kept (`user:***@host`, `:***@host` without one) when it holds no
+/// `,` or `@`.
 #[must_use]
 pub fn redact(url: &str) -> String {
     let Some((scheme, rest)) = url.split_once("://") else {
@@ -159,7 +160,7 @@ pub fn redact(url: &str) -> String {
     };
     let (creds_part, hosts) = (&rest[..last], &rest[last + 1..]);
     let masked = |creds: &str| match creds.split_once(':') {
-        Some((user, _)) if !user.is_empty() && !user.contains([',', '@']) => format!("{user}:***"),
+        Some((user, _)) if !user.contains([',', '@']) => format!("{user}:***"),
         _ => "***".to_owned(),
     };
     let host_like = |h: &str| {
@@ -250,6 +251,41 @@ pub(super) fn pct_encode(s: &str) -> String {
     out
 }
 
+/// Most bytes of a file a setting names (a TLS CA file: a few KiB of PEM).
+pub const MAX_SETTING_FILE_BYTES: u64 = 1 << 20;
+
+/// Reads a file a setting names as the file tier opens its files (docs/tier.md "Faults"):
+/// opened `O_NONBLOCK` (a FIFO never blocks the open), judged by `fstat` on the open descriptor
+/// (a regular file only: never a FIFO, a device such as `/dev/zero`, a directory), and at most
+/// `cap` bytes (a file that grows past it while read is refused too).
+///
+/// # Errors
+/// What is wrong with it, for the caller's `ConfigError`.
+pub fn read_setting_file(path: &std::path::Path, cap: u64) -> std::result::Result<Vec<u8>, String> {
+    use std::io::Read;
+    use std::os::unix::fs::OpenOptionsExt;
+    let f = std::fs::OpenOptions::new()
+        .read(true)
+        .custom_flags(libc::O_NONBLOCK | libc::O_NOCTTY)
+        .open(path)
+        .map_err(|e| e.to_string())?;
+    let meta = f.metadata().map_err(|e| e.to_string())?;
+    if !meta.is_file() {
+        return Err("not a regular file".to_owned());
+    }
+    if meta.len() > cap {
+        return Err(format!("{} bytes, more than {cap}", meta.len()));
+    }
+    let mut out = Vec::with_capacity(usize::try_from(meta.len()).unwrap_or(0));
+    f.take(cap + 1)
+        .read_to_end(&mut out)
+        .map_err(|e| e.to_string())?;
+    if out.len() as u64 > cap {
+        return Err(format!("more than {cap} bytes"));
+    }
+    Ok(out)
+}
+
 /// The parsed target: the URL's nodes for the `redis` crate, cluster or not.
 pub(super) struct Target {
     pub(super) cluster: bool,
@@ -309,7 +345,7 @@ pub(super) fn parse_url(
                 redact(url)
             )));
         }
-        let pem = std::fs::read(path).map_err(|e| {
+        let pem = read_setting_file(path, MAX_SETTING_FILE_BYTES).map_err(|e| {
             KvoffError::Config(format!(
                 "remote tier: cannot read the TLS CA file {}: {e}",
                 path.display()
