@@ -2730,3 +2730,60 @@ fn setting_files_are_regular_bounded_and_never_block() {
     }
     let _ = std::fs::remove_dir_all(&dir);
 }
+
+/// A value shorter than its header is a rejected value whichever read finds it (docs/tier.md
+/// "Values"): an empty string written over a 512 KiB block's value by another client is found
+/// by the header fetch (where `GETRANGE` answers "" as for a missing key), counted as rejected and
+/// deleted (before: a miss, neither counted nor deleted); a 10-byte value likewise.
+#[test]
+fn values_shorter_than_their_header_are_rejected() {
+    use kvoff::tier::AlignedRows;
+    let _g = serial();
+    if !have_redis() {
+        return;
+    }
+    const BIG: usize = 512 << 10;
+    let srv = Server::start("short", &[]);
+    let lay = || Layout {
+        page_sizes_bytes: vec![BIG as u64],
+        ..layout("short")
+    };
+    let open = |blocks: usize| {
+        let mem = Arc::new(AlignedRows::new(blocks, BIG).unwrap());
+        let tier =
+            RemoteTier::open(quick(RemoteConfig::new(srv.url(), lay())), mem.clone()).unwrap();
+        let keyname = |i: usize| tier.redis_key(&key(i));
+        let names: Vec<String> = (0..4).map(keyname).collect();
+        let m = ChainManager::new(
+            LruManager::new(ManagerConfig::new(blocks)),
+            vec![ChainTier::new(Box::new(tier))],
+            ChainConfig::default(),
+        );
+        (m, mem, names)
+    };
+    let ks: Vec<ByteKey> = (0..3).map(key).collect();
+    let (mut a, _mem_a, names) = open(4);
+    let out = a.prepare_store(&ks).unwrap().expect("room");
+    a.complete_store(&out.keys_to_store, true).unwrap();
+    a.flush();
+    assert_eq!(remote_stats(&mut a).tier.writes, 3);
+    srv.cli(&["SET", &names[0], ""]);
+    srv.cli(&["SET", &names[1], "0123456789"]);
+    let (mut b, _mem_b, _) = open(4);
+    for (i, k) in ks[..2].iter().enumerate() {
+        assert_eq!(
+            settle(&mut b, std::slice::from_ref(k), Duration::from_secs(5)),
+            0
+        );
+        b.flush();
+        let s = remote_stats(&mut b);
+        assert_eq!(s.tier.rejected, i as u64 + 1, "{s:?}");
+        assert_eq!(
+            srv.cli(&["EXISTS", &names[i]]).trim(),
+            "0",
+            "value {i} kept"
+        );
+    }
+    a.shutdown();
+    b.shutdown();
+}

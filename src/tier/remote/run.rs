@@ -10,7 +10,7 @@ use std::time::Instant;
 
 use super::route::{Conns, Pack, DIRECT_SEND_BYTES};
 use super::shared::{ns, Checked, ReadItem, Shared, Wrote};
-use super::wire::{BlockMget, BlockRead, BlockWrite, Mget, WritePart};
+use super::wire::{BlockMget, BlockRead, BlockWrite, HeaderGet, Mget, WritePart};
 use super::{FETCH_JOB_BYTES, VALUE_HEADER_BYTES};
 
 use crate::key::ByteKey;
@@ -89,22 +89,21 @@ impl Shared {
     pub(super) fn run_fetch(&self, conns: &mut Conns, keys: &[ByteKey]) -> Vec<Checked> {
         let t0 = Instant::now();
         let header = self.header_fetch();
-        let values = if !header && keys.len() > 1 && self.multi_key() {
+        let values = if header {
+            let cmds: Vec<(String, HeaderGet)> = keys
+                .iter()
+                .map(|k| (self.redis_key(k), HeaderGet))
+                .collect();
+            self.run(conns, &cmds)
+        } else if keys.len() > 1 && self.multi_key() {
             self.mget(conns, keys)
         } else {
             let cmds: Vec<(String, redis::Cmd)> = keys
                 .iter()
                 .map(|k| {
                     let rk = self.redis_key(k);
-                    let c = if header {
-                        let mut c = redis::cmd("GETRANGE");
-                        c.arg(&rk).arg(0).arg(VALUE_HEADER_BYTES - 1);
-                        c
-                    } else {
-                        let mut c = redis::cmd("GET");
-                        c.arg(&rk);
-                        c
-                    };
+                    let mut c = redis::cmd("GET");
+                    c.arg(&rk);
                     (rk, c)
                 })
                 .collect();

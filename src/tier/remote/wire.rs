@@ -135,6 +135,42 @@ impl Pack for BlockMget<'_> {
     }
 }
 
+/// The answer [`HeaderGet`] gives for a key that holds an empty string: no value's header, a
+/// rejected value (docs/tier.md "Values").
+pub(super) const EMPTY_VALUE: &str = "an empty string";
+
+/// A fetch of a value's header alone (values of 256 KiB and more): `GETRANGE key 0 1095`, then
+/// `EXISTS key`, in the same pipeline. `GETRANGE` answers an empty string for a missing key and
+/// for a key holding one (another client wrote "" over a value); `EXISTS` tells them apart, so an
+/// empty value is a rejected value (counted, deleted) like any other value shorter than its
+/// header, rather than a miss. The reply is `GETRANGE`'s, or `SimpleString(EMPTY_VALUE)`.
+pub(super) struct HeaderGet;
+
+impl Pack for HeaderGet {
+    fn pack(&self, key: &str, _c: &mut Conn, packed: &mut Vec<u8>) -> Result<(), String> {
+        redis::cmd("GETRANGE")
+            .arg(key)
+            .arg(0)
+            .arg(VALUE_HEADER_BYTES - 1)
+            .write_packed_command(packed);
+        redis::cmd("EXISTS").arg(key).write_packed_command(packed);
+        Ok(())
+    }
+
+    fn recv(&self, c: &mut Conn, pool: Option<&BufPool>) -> Result<redis::Value, String> {
+        let v = c.recv(pool)?;
+        let exists = c.recv(None)?;
+        Ok(match (v, exists) {
+            (redis::Value::BulkString(b), redis::Value::Int(1)) if b.is_empty() => {
+                redis::Value::SimpleString(EMPTY_VALUE.to_owned())
+            }
+            // An error of `EXISTS` (an `ASK`ed `GETRANGE`: the `ASKING` covered only it) leaves
+            // `GETRANGE`'s answer as it is.
+            (v, _) => v,
+        })
+    }
+}
+
 /// An `MGET` of `.1` keys, whose values are read from the socket each into a buffer of its own
 /// ([`Conn::recv_array`]).
 pub(super) struct Mget(pub(super) redis::Cmd, pub(super) usize);
