@@ -130,8 +130,9 @@ class TieredOffloadingManager:
         remote_store_threshold: write a block to the server only once it was stored this many
             times (< 2: always).
         remote_ttl_s: time to live of each value (``None``: none).
-        remote_connect_timeout_s, remote_timeout_s: timeouts of each connection attempt and of
-            each read/write on a connection.
+        remote_connect_timeout_s, remote_timeout_s: timeouts of each connection attempt, and the
+            deadline for writing a node's pipeline and again for reading all its replies
+            (docs/tier.md "Faults").
         remote_io_threads (one connection each; ``None``: 4), remote_idle_spin_s (how long an
             I/O thread that ran out of jobs looks for more before it sleeps, 0 to 0.01 s;
             ``None``: 50 µs on a machine with 8 or more CPUs, 0 below), remote_idle_nap_s (after

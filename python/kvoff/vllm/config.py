@@ -110,7 +110,8 @@ class KvoffOffloadConfig:
         remote_store_threshold: write a block to the server only once it was stored this many
             times (< 2: every stored block).
         remote_ttl_s: time to live of each value in seconds (``None``: none).
-        remote_timeout_s: timeout of each read/write on a connection (seconds, default 2).
+        remote_timeout_s: deadline for writing a node's pipeline, and again for reading its
+            replies (seconds, default 2; docs/tier.md "Faults").
         remote_connect_timeout_s: timeout of each connection attempt (seconds, default 1).
         remote_negative_ttl_s: how long a miss is remembered (seconds, default 2).
         remote_idle_spin_s: how long an I/O thread that ran out of jobs looks for more before it

@@ -9,8 +9,9 @@
 //! batch for n timeouts), and reconnects only through the seed nodes of the URL (one dead seed:
 //! no way back, although the Cluster told it every other node).
 //!
-//! **Nodes.** Every node ever known — the URL's seeds, then every master and replica named by
-//! `CLUSTER SLOTS` — stays in [`Router`]'s list, so a topology refresh can ask any of them. Each
+//! **Nodes.** The URL's seeds, then every master and replica the latest `CLUSTER SLOTS` names
+//! (at most [`MAX_NODES`]; nodes a new map no longer names are retired) stay in [`Router`]'s
+//! list, so a topology refresh can ask any of them. Each
 //! node has its own fault state: a failed connect, write or read marks that node failed, with a
 //! backoff that doubles from `backoff_min` to `backoff_max`. Commands routed to a failed node fail
 //! at once without a network call until a probe ([`Router::probe`], run by an I/O thread between
@@ -21,8 +22,10 @@
 //! of its slot (CRC16/XMODEM of the key, or of its `{hash tag}`, modulo 16384 — [`key_slot`]) in
 //! the slot map read with `CLUSTER SLOTS`. A batch is split per node; each node's part is one
 //! pipeline (written to every node first, then the replies read node by node), so a node that
-//! fails or stalls fails only its own commands and costs at most one connect timeout and one I/O
-//! timeout. `MOVED` and `ASK` replies are followed once (`ASKING` before an `ASK`ed command) and
+//! fails or stalls fails only its own commands and costs at most one connect timeout and two I/O
+//! timeouts (its pipeline written, its replies read: each a deadline, docs/tier.md "Faults"). In
+//! Cluster mode `MOVED` and `ASK` replies to a node the Cluster announced are followed
+//! once (`ASKING` before an `ASK`ed command; a standalone server's fail the command) and
 //! mark the slot map stale; `TRYAGAIN`, `CLUSTERDOWN`, `MASTERDOWN`, `LOADING` and `READONLY` fail
 //! the command (the caller's job ends as a miss or a failed write) and mark it stale too, as does
 //! a command routed to a node that is down or to a slot no master serves. A stale map is read
