@@ -183,7 +183,7 @@ pub fn redact(url: &str) -> String {
                 out.push('@');
                 out.push_str(host);
                 out.push(',');
-                creds = more.to_owned();
+                more.clone_into(&mut creds);
                 continue;
             }
             creds.push('@');
@@ -201,8 +201,9 @@ pub const MAX_ERROR_BYTES: usize = 512;
 /// percent-encoded) replaced by `***`, wherever it stands (a server may echo a refused `AUTH`),
 /// and at most [`MAX_ERROR_BYTES`] bytes of the result.
 #[must_use]
-pub fn scrub(text: &str, secrets: &[String]) -> String {
-    let mut out = text.to_owned();
+pub fn scrub(text: String, secrets: &[String]) -> String {
+    use std::fmt::Write;
+    let mut out = text;
     for s in secrets.iter().filter(|s| !s.is_empty()) {
         if out.contains(s.as_str()) {
             out = out.replace(s.as_str(), "***");
@@ -215,7 +216,7 @@ pub fn scrub(text: &str, secrets: &[String]) -> String {
         }
         let total = out.len();
         out.truncate(end);
-        out.push_str(&format!("… ({total} bytes)"));
+        let _ = write!(out, "… ({total} bytes)");
     }
     out
 }

@@ -144,7 +144,7 @@ impl Plain {
             }
         };
         let cur = if write { self.cur_write } else { self.cur_read };
-        if cur < target || cur - target > target / 8 {
+        if cur < target || cur.saturating_sub(target) > target / 8 {
             let r = if write {
                 self.sock.set_write_timeout(Some(target))
             } else {

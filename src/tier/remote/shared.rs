@@ -311,7 +311,7 @@ impl Shared {
 
     /// Keeps `e` for `last_error`, scrubbed of the password and capped (docs/tier.md "Faults").
     pub(super) fn set_error(&self, e: String) {
-        let e = super::config::scrub(&e, &self.secrets);
+        let e = super::config::scrub(e, &self.secrets);
         *lock(&self.last_error) = Some(e);
     }
 

@@ -278,27 +278,28 @@ impl Router {
         if let Some(&id) = st.by_addr.get(&(host.clone(), port)) {
             return Some(id);
         }
-        let node = |downs| Node {
+        let reuse = st.free.pop();
+        if reuse.is_none() && st.seeds > 0 && st.nodes.len() >= st.seeds + MAX_NODES {
+            return None;
+        }
+        let node = Node {
             host: host.clone(),
             port,
-            info: info.clone(),
+            info,
             down_until: None,
             backoff: cfg.backoff_min,
             failed: false,
-            downs,
+            // A thread's connection to a reused id's former node was opened before this
+            // `downs`: it is dropped at its next use (see `Conns::opened`).
+            downs: reuse.map_or(0, |id| st.nodes[id].downs + 1),
             retired: false,
         };
-        let id = if let Some(id) = st.free.pop() {
-            // A thread's connection to the id's former node is opened before this `downs`: it
-            // is dropped at its next use (see `Conns::opened`).
-            let downs = st.nodes[id].downs + 1;
-            st.nodes[id] = node(downs);
+        let id = if let Some(id) = reuse {
+            st.nodes[id] = node;
             id
-        } else if st.nodes.len() < st.seeds + MAX_NODES || st.seeds == 0 {
-            st.nodes.push(node(0));
-            st.nodes.len() - 1
         } else {
-            return None;
+            st.nodes.push(node);
+            st.nodes.len() - 1
         };
         st.by_addr.insert((host, port), id);
         Some(id)
@@ -713,6 +714,6 @@ mod tests {
         assert!(st.nodes.len() <= 1 + MAX_NODES);
         // (The previous map's 300 nodes still held their places while this one was read.)
         assert_eq!(st.by_addr.len(), 1 + MAX_NODES - 300);
-        assert!(map.iter().any(|&n| n == NO_NODE) && map[0] != NO_NODE);
+        assert!(map.contains(&NO_NODE) && map[0] != NO_NODE);
     }
 }
