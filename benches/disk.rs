@@ -1,6 +1,6 @@
 //! Disk tier benchmark (harness-less): tier write/read GB/s against a sequential `O_DIRECT` write
 //! and read of the same bytes on the same filesystem in the same run, promotion latency, CPU time
-//! per block, and the scheduler-side cost of a lookup that hits a file. See `kvoff::tier::bench`.
+//! per block, and the scheduler-side cost of a lookup that hits a file. See `kvoff::tier::file::bench`.
 //!
 //! `cargo bench --bench disk -- [DIR] [BLOCKS] [REPS] [IO_THREADS] [LAYOUT]` (defaults: `$TMPDIR` or
 //! /tmp, 256 blocks, 5 repetitions, 8 threads, every layout).
@@ -12,7 +12,7 @@
     clippy::pedantic
 )]
 
-use kvoff::tier::bench::{run, DiskBenchConfig};
+use kvoff::tier::file::bench::{run, DiskBenchConfig};
 use kvoff::tier::DirectIo;
 
 fn main() {

@@ -1,7 +1,7 @@
-//! One interface for the tiers behind host memory (docs/tier.md "Secondary tiers"): the file tier
-//! ([`FileTier`]), the remote tier on Redis/Valkey (`remote::RemoteTier`) and any third
-//! one (an S3-compatible store, Mooncake) implement [`SecondaryTier`], so a new tier is one module
-//! and the tiered manager (`chain::ChainManager`) needs no change.
+//! One interface for the tiers behind host memory (docs/tier.md "Secondary tiers"): every tier —
+//! each a folder of `src/tier/`, none named here — implements [`SecondaryTier`] and registers a
+//! [`TierInfo`], so a new tier is its folder plus one registration (docs/design.md "Recipe: adding
+//! a tier") and the tiered manager (`chain::ChainManager`) needs no change.
 //!
 //! **The contract.** Every method is called on the owner's thread (the engine's scheduler) and
 //! must return without waiting for I/O — no disk access, no network round trip, no lock held by

@@ -291,7 +291,7 @@ impl<M: OffloadingManager<ByteKey>> ChainManager<M> {
     ///   prefix the tiers do not hold costs one fetch, not one per key;
     /// - a tier is promoting `prev`, or promoted it lately: it holds the prefix, so a key no tier
     ///   knows yet is read straight into a host block as readahead reads it (no fetch and staged
-    ///   copy before; `Pending`), where a tier may ([`SecondaryTier::may_read_unknown`]) and
+    ///   copy before; `Pending`), where a tier may ([`SecondaryTier::may_read_unknown`](crate::tier::secondary::SecondaryTier::may_read_unknown)) and
     ///   promotions in flight leave room (else `Pending`, for a later call);
     /// - otherwise (`prev` ready, or being stored by the caller), as [`ChainManager::lookup`].
     ///

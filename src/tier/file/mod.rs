@@ -51,7 +51,7 @@
 //! caller's thread, never waiting); `open` the start of a tier, `config` its settings and
 //! counters, `jobs` the I/O threads' loop, writes and reads, `scan` the directory's names and
 //! scans, `io` the directory I/O, `trust` the trust rules for what is found in a shared directory
-//! (docs/tier.md "Trust"), `secondary` its [`SecondaryTier`] implementation and [`bench`] the
+//! (docs/tier.md "Trust"), `secondary` its [`SecondaryTier`] implementation and [`bench`](mod@bench) the
 //! disk benchmark.
 //!
 //! [`SecondaryTier`]: crate::tier::secondary::SecondaryTier

@@ -31,7 +31,7 @@ pub struct RemoteConfig {
     /// After its spin, one I/O thread at a time goes on looking at the queues every `idle_nap`
     /// (sleeping between looks) for up to [`RemoteConfig::idle_nap_for`], so that a lookup after
     /// a scheduler's step mostly finds a thread that will take its fetch within `idle_nap` with
-    /// no wake-up from the scheduler's thread (zero: no napping). Default: [`default_idle_nap`].
+    /// no wake-up from the scheduler's thread (zero: no napping). Default: `default_idle_nap()`.
     pub idle_nap: Duration,
     /// How long after its last job a napping thread keeps looking (see
     /// [`RemoteConfig::idle_nap`]). Default: 50 ms.

@@ -11,7 +11,7 @@
 //! while it is down, its commands fail at once without touching the network (fetches answer
 //! "absent", writes are counted as errors, reads as failed promotions), the batch's other keys go
 //! to their nodes, and one thread probes the node when the backoff ends
-//! ([`SecondaryCounters::reconnects`] counts the recoveries).
+//! ([`SecondaryCounters::reconnects`](super::secondary::SecondaryCounters::reconnects) counts the recoveries).
 //!
 //! **URLs.** `redis://[user:password@]host:port[/db]` (standalone), `rediss://…` (TLS), and
 //! `redis+cluster://host:port[,host:port…]` / `rediss+cluster://…` for a Cluster (seed nodes). A
@@ -29,11 +29,11 @@
 //! and the load go to every shard).
 //!
 //! **Values.** The header of a tier file without its padding ([`VALUE_HEADER_BYTES`], 1096
-//! bytes: [`super::format`]'s fields — magic, version, header length, layout fingerprint, rank,
+//! bytes: the `format` module's fields — magic, version, header length, layout fingerprint, rank,
 //! world size, payload length, xxh3-64 of the payload, owner tag, the key, header checksum — and
 //! room for the longest key), then the payload. A value is served only
 //! when its length is exact and every header field and the payload checksum match; otherwise it is
-//! rejected ([`SecondaryCounters::rejected`]), never copied into host memory, and deleted (its key
+//! rejected ([`SecondaryCounters::rejected`](super::secondary::SecondaryCounters::rejected)), never copied into host memory, and deleted (its key
 //! is in this layout's key space, so no valid value of another layout can live there). A value is
 //! at most [`MAX_VALUE_BYTES`] (far below Redis's 512 MB limit): a layout whose block is larger is
 //! refused at [`RemoteTier::open`]. An optional TTL ([`RemoteConfig::ttl`]) is set with each write.

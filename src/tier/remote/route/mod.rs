@@ -10,11 +10,11 @@
 //! no way back, although the Cluster told it every other node).
 //!
 //! **Nodes.** The URL's seeds, then every master and replica the latest `CLUSTER SLOTS` names
-//! (at most [`MAX_NODES`]; nodes a new map no longer names are retired) stay in [`Router`]'s
+//! (at most [`MAX_NODES`]; nodes a new map no longer names are retired) stay in `Router`'s
 //! list, so a topology refresh can ask any of them. Each
 //! node has its own fault state: a failed connect, write or read marks that node failed, with a
 //! backoff that doubles from `backoff_min` to `backoff_max`. Commands routed to a failed node fail
-//! at once without a network call until a probe ([`Router::probe`], run by an I/O thread between
+//! at once without a network call until a probe (`Router::probe`, run by an I/O thread between
 //! jobs, one at a time across all nodes and threads) gets a reply from it after its backoff: jobs
 //! never wait for a node that is known to be failing. That reply counts as a reconnect.
 //!
