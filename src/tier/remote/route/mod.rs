@@ -10,7 +10,7 @@
 //! no way back, although the Cluster told it every other node).
 //!
 //! **Nodes.** The URL's seeds, then every master and replica the latest `CLUSTER SLOTS` names
-//! (at most [`MAX_NODES`]; nodes a new map no longer names are retired) stay in `Router`'s
+//! (at most `MAX_NODES`; nodes a new map no longer names are retired) stay in `Router`'s
 //! list, so a topology refresh can ask any of them. Each
 //! node has its own fault state: a failed connect, write or read marks that node failed, with a
 //! backoff that doubles from `backoff_min` to `backoff_max`. Commands routed to a failed node fail
