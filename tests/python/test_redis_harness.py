@@ -162,6 +162,7 @@ def test_password_acl_and_tls(redis_factory: Callable[..., rs.RedisServer]) -> N
             pass
 
 
+@pytest.mark.server_neutral
 def test_processes_end_with_close(redis_factory: Callable[..., rs.RedisServer]) -> None:
     s = rs.RedisServer().start()
     pid = s.pid
@@ -171,6 +172,7 @@ def test_processes_end_with_close(redis_factory: Callable[..., rs.RedisServer]) 
     assert not _alive(pid) and not s.dir.exists()
 
 
+@pytest.mark.server_neutral
 def test_proxy_pass_delay_stall_drop(
     redis_server: rs.RedisServer, fault_proxy: Callable[[int], rs.FaultProxy]
 ) -> None:
@@ -267,6 +269,7 @@ def test_cluster_master_killed_without_replica(cluster_factory: Callable[..., rs
     c.wait_ok(30)
 
 
+@pytest.mark.server_neutral
 def test_servers_die_with_a_sigkilled_test_process(tmp_path: rs.Path) -> None:
     # No atexit or finalizer runs in a SIGKILLed process: setpriv --pdeathsig ends its servers.
     if rs.missing_reason():

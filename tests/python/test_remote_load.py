@@ -35,6 +35,7 @@ def _check(res: dict[str, object], engines: int) -> None:
     assert 0 < res["hit_rate"] < 1, res  # type: ignore[operator]
 
 
+@pytest.mark.server_neutral
 def test_load_script_over_shared_files() -> None:
     rc, res, err = _run("--backend", "disk", "--engines", "4", "--requests", "40", "--block-kib", "64")
     assert rc == 0 and res is not None, err
@@ -42,6 +43,7 @@ def test_load_script_over_shared_files() -> None:
     assert res["tier_read_bytes"] > 0 and res["tier_written_bytes"] > 0, res
 
 
+@pytest.mark.server_neutral
 def test_load_script_detects_wrong_bytes() -> None:
     # An engine that stores wrong bytes (valid to the tier: its checksum covers them) is caught by
     # the others' byte checks, and the run fails.

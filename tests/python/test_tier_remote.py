@@ -235,6 +235,7 @@ def test_tls_with_a_private_ca(
             cfg.from_extra_config({**base, **extra})
 
 
+@pytest.mark.server_neutral
 def test_bad_url_is_config_error() -> None:
     region = kvoff.HostRegion.private(4, BLOCK)
     try:
@@ -260,6 +261,7 @@ def test_bad_url_is_config_error() -> None:
         region.close()
 
 
+@pytest.mark.server_neutral
 @pytest.mark.parametrize(("spin", "nap"), [(0.0, 0.0), (0.002, 0.0), (0.0, 0.001)])
 def test_idle_spin_settings_serve(
     redis_server: rs.RedisServer, engines: Callable[..., Engine], spin: float, nap: float
@@ -277,6 +279,7 @@ def test_idle_spin_settings_serve(
     assert b.stats()["remote_fetches"] == 1
 
 
+@pytest.mark.server_neutral
 def test_vllm_remote_settings() -> None:
     vllm_cfg = pytest.importorskip("kvoff.vllm.config")
     cfg = vllm_cfg.KvoffOffloadConfig
@@ -414,6 +417,7 @@ def test_faults_standalone(
     assert rs.open_fds() <= fds0 + 4, (fds0, rs.open_fds())
 
 
+@pytest.mark.server_neutral
 def test_stalled_proxy(
     redis_server: rs.RedisServer, fault_proxy: Callable[[int], rs.FaultProxy], engines: Callable[..., Engine]
 ) -> None:

