@@ -120,15 +120,6 @@ rm -rf target/kvoff-wheel
 WHEEL=$(ls target/kvoff-wheel/kvoff-*.whl)
 "$MAIN/bin/python" -m pip "${PIP_FLAGS[@]}" install --force-reinstall --no-deps "$WHEEL"
 
-# The main pytest suite as two runs at once (most of its time is spent waiting on servers, child
-# processes and timeouts, not computing): the files that start servers or builds (the README's Rust
-# snippet, the remote tier's, the harness's), and every other file; beside them the checks of the
-# Python package and, in the whole command, the remote tier's tests again on Valkey.
-MAIN_SERVERS=(tests/python/test_readme.py tests/python/test_bench_remote.py "${REMOTE_TESTS[@]}")
-MAIN_REST=()
-for f in tests/python/test_*.py; do
-  case " ${MAIN_SERVERS[*]} " in *" $f "*) ;; *) MAIN_REST+=("$f") ;; esac
-done
 MPYTEST=("$MAIN/bin/python" -m pytest -q -p no:cacheprovider -rs)
 python_checks() {
   set -e
@@ -140,18 +131,19 @@ python_checks() {
   echo "== mypy --strict (python/kvoff; settings in pyproject.toml) =="
   "$MAIN/bin/python" -m mypy
 }
-together pytest-servers "${MPYTEST[@]}" "${MAIN_SERVERS[@]}"
-together pytest-rest "${MPYTEST[@]}" "${MAIN_REST[@]}"
+# One pytest run at a time against servers: the remote tier's tests bound their lookups' time (a
+# killed master, eight engines starting together), which two server-heavy runs at once on two cores
+# can break. The Python package's checks need no server: they run beside it.
+together pytest-main "${MPYTEST[@]}"
 together python-checks python_checks
+step "pytest (torch, vLLM 0.33: $MAIN) and, at once, the stub check, ruff and mypy; logs follow when both have ended"
+wait_together
 if [ -n "$VALKEY_BIN" ]; then
+  step "pytest: the remote tier's tests on Valkey ($MAIN)"
   # Less the tests that exercise nothing a server implements (marked server_neutral; the list of
   # what does differ between servers is in tests/python/conftest.py).
-  together pytest-valkey env "${VALKEY_ENV[@]}" "${MPYTEST[@]}" -m "not server_neutral" "${REMOTE_TESTS[@]}"
+  env "${VALKEY_ENV[@]}" "${MPYTEST[@]}" -m "not server_neutral" "${REMOTE_TESTS[@]}"
 fi
-ALSO=""
-if [ -n "$VALKEY_BIN" ]; then ALSO=", the remote tier's tests on Valkey"; fi
-step "pytest (torch, vLLM 0.33: $MAIN) in two runs at once, the stub check, ruff and mypy$ALSO; their logs follow when all have ended"
-wait_together
 
 if [ "$QUICK" = 1 ]; then
   step "--quick: no Valkey passes, no vLLM engine end to end, no SGLang"
