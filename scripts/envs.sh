@@ -24,7 +24,7 @@ BUILD_TOOLS=("maturin>=1.7,<2")
 # Installed on every run (a no-op when present), outside the environments' recipe so that adding
 # one does not rebuild them: checkers whose verdicts depend on their version (pinned, so that a
 # newer release cannot fail or pass the suite by itself) and optional dependencies under test.
-# redis-py: the Python-client reference of `kvoff bench remote` (python/kvoff/tools/bench_remote.py).
+# redis-py: the Python-client reference of `kvoff bench remote` (python/kvoff/tools/bench_remote_refs.py).
 LINT_TOOLS=(ruff==0.17.6 mypy==2.4.1 "prometheus_client>=0.17" "redis>=5")
 # pytest plug-ins that pyproject.toml's [tool.pytest.ini_options] needs (its `timeout`): installed
 # on every run into each environment that runs pytest (main, vllm032, sglang), outside their

@@ -12,6 +12,7 @@ import sys
 import pytest
 import redis_servers as rs
 from kvoff.tools import bench_remote as br
+from kvoff.tools import bench_remote_refs as brr
 from kvoff.tools.cli import main
 
 
@@ -38,7 +39,7 @@ def test_url_parsing() -> None:
 
 def test_benchmark_csv_parsing() -> None:
     out = '"test","rps","avg_latency_ms"\n"SET","1500.50","1.0"\n"GET","2000.00","0.5"\n'
-    assert br._parse_benchmark_csv(out) == {"SET": 1500.5, "GET": 2000.0}
+    assert brr._parse_benchmark_csv(out) == {"SET": 1500.5, "GET": 2000.0}
 
 
 def test_redis_benchmark_best(redis_server: rs.RedisServer) -> None:

@@ -1,4 +1,5 @@
-"""Argument checking shared by the ``kvoff`` command line (:mod:`kvoff.tools.cli`) and its subcommands.
+"""Argument checking shared by the ``kvoff`` command line (:mod:`kvoff.tools.cli`) and its subcommands:
+the ``type=`` factories, the allowed range of every numeric option, and the checks against the machine.
 
 Every numeric option is parsed by one of the ``type=`` factories below, which state the allowed
 range; a value outside it (negative, zero, huge, not a number) is a one-line error naming the
@@ -106,3 +107,64 @@ def int_list(lo: int, hi: int, max_items: int = 64) -> Callable[[str], list[int]
 
     parse.__name__ = "list"
     return parse
+
+
+# ---------------------------------------------------------------------------------------------
+# Allowed ranges of the numeric options (one place, shared by the subcommands)
+# ---------------------------------------------------------------------------------------------
+
+REPS = int_range(1, 100)
+#: Manager workload: requests of 64 keys (~5 KiB of keys each, all held in memory).
+REQUESTS = int_range(1, 100_000)
+#: Manager capacity in blocks: at least one request's 64 keys (below that nothing can be stored).
+CAPACITY = int_range(64, 1 << 24)
+#: MiB per transfer job; the machine's memory is checked too (``kvoff.tools.cli._check_job_memory``).
+JOB_MIB = int_range(1, 16384)
+PLOT_REPEATS = int_range(1, 20)
+DISK_BLOCKS = int_range(1, 16384)
+IO_THREADS = int_range(1, 256)
+SECONDS = float_range(0.0, 60.0, lo_open=True)
+ROUNDS = int_range(1, 100)
+PAGES_KIB = int_list(1, 1 << 16)
+JOBS_MIB = int_list(1, 16384)
+DEMO_REQUESTS = int_range(1, 100_000)
+#: 2 MiB blocks per demo request (a request of 1024 blocks is 16 384 tokens, 2 GiB of KV).
+BLOCKS_PER_REQUEST = int_range(1, 1024)
+POOL_BLOCKS = int_range(1, 1 << 20)
+PREFILL_RATE = float_range(0.0, 1e9, lo_open=True)
+SEED = int_range(0, (1 << 63) - 1)
+PORT = int_range(0, 65535)
+REMOTE_BLOCKS = int_range(1, 1 << 20)
+REMOTE_IO_THREADS = int_range(1, 64)
+BENCH_PIPELINES = int_list(1, 1024)
+
+
+# ---------------------------------------------------------------------------------------------
+# Checks against the machine
+# ---------------------------------------------------------------------------------------------
+
+
+def has_torch() -> bool:
+    """Whether torch is importable."""
+    try:
+        import torch  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
+def available_memory() -> int:
+    """Bytes of memory available now (:func:`kvoff.tools._toolbase.available_memory`)."""
+    from kvoff.tools._toolbase import available_memory as now
+
+    return now()
+
+
+def check_memory(option: str, value: object, need: int, unit: str = "") -> None:
+    """:class:`UsageError` naming ``option`` when ``need`` bytes exceed the memory available now."""
+    avail = available_memory()
+    if need > avail:
+        raise UsageError(
+            f"argument {option}: {value}{unit} needs about {need / 2**30:.1f} GiB of memory, "
+            f"{avail / 2**30:.1f} GiB is available now"
+        )

@@ -42,19 +42,19 @@ Configurations are a registry (:data:`CONFIGS`, :func:`register_config`): a name
 ``kv_connector_extra_config`` kvoff gets (``None``: no offloading), optionally with a service
 started around the engine (a remote tier's server, say) whose settings are merged in.
 
-The engine side runs in a child process: ``python -m kvoff.tools.bench_serve child SPEC.json``.
+The engine side runs in a child process: ``python -m kvoff.tools.bench_serve child SPEC.json``
+(:mod:`kvoff.tools.bench_serve_engine`); the model presets and workloads live in
+:mod:`kvoff.tools.bench_serve_workload`, the tables and plots in :mod:`kvoff.tools.bench_serve_report`.
 """
 
 from __future__ import annotations
 
 import argparse
-import asyncio
 import contextlib
 import json
 import math
 import os
 import platform
-import random
 import shutil
 import signal
 import subprocess
@@ -65,6 +65,17 @@ from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
+
+from kvoff.tools.bench_serve_report import format_results, plot_results
+from kvoff.tools.bench_serve_workload import (
+    _DTYPE_BYTES,
+    BLOCK,
+    PRESETS,
+    WORKLOADS,
+    ModelPreset,
+    Workload,
+    build_model,
+)
 
 __all__ = [
     "CONFIGS",
@@ -82,147 +93,6 @@ __all__ = [
     "register_config",
     "run_serve_bench",
 ]
-
-#: vLLM's block size in tokens (the CPU attention backend needs a multiple of 32).
-BLOCK = 32
-#: The line a child prints with the path of its result file.
-_RESULT = "KVOFF_SERVE_RESULT "
-
-
-# --- model -----------------------------------------------------------------------------------
-
-
-@dataclass(frozen=True)
-class ModelPreset:
-    """A Llama-shaped model (grouped-query attention, SwiGLU MLP, RMSNorm, untied head)."""
-
-    hidden: int
-    layers: int
-    heads: int
-    kv_heads: int
-    head_dim: int
-    intermediate: int
-    vocab: int
-    #: Standard deviation of the random weights: large enough that greedy decoding has clear
-    #: margins between the top logits, so float rounding does not flip a near-tie.
-    init_range: float
-
-    @property
-    def params(self) -> int:
-        attn = self.hidden * self.heads * self.head_dim * 2 + self.hidden * self.kv_heads * self.head_dim * 2
-        mlp = 3 * self.hidden * self.intermediate
-        per_layer = attn + mlp + 2 * self.hidden
-        return self.layers * per_layer + 2 * self.vocab * self.hidden + self.hidden
-
-    def kv_bytes_per_token(self, dtype_bytes: int) -> int:
-        return self.layers * 2 * self.kv_heads * self.head_dim * dtype_bytes
-
-    def describe(self) -> str:
-        return (
-            f"Llama-shaped, {self.params / 1e6:.3g} M parameters ({self.layers} layers, hidden "
-            f"{self.hidden}, {self.heads} heads / {self.kv_heads} KV heads of {self.head_dim}, MLP "
-            f"{self.intermediate}, vocabulary {self.vocab}), random weights"
-        )
-
-
-PRESETS: dict[str, ModelPreset] = {
-    # A test-sized model: seconds per configuration.
-    "tiny": ModelPreset(128, 2, 4, 2, 32, 256, 512, 0.5),
-    # ~125 M parameters: prefill dominates on a CPU.
-    "125m": ModelPreset(768, 12, 12, 4, 64, 2048, 32000, 0.2),
-    # ~250 M parameters.
-    "250m": ModelPreset(1024, 16, 16, 4, 64, 2816, 32000, 0.15),
-}
-
-_DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
-
-
-def build_model(model_dir: Path, preset: str, dtype: str, seed: int = 0) -> None:
-    """Saves the preset as a Hugging Face checkpoint with random weights (needs torch and
-    transformers; vLLM's environment has both). A directory already holding this preset is kept."""
-    stamp = model_dir / "kvoff-preset.json"
-    want = {"preset": preset, "dtype": dtype, "seed": seed, **asdict(PRESETS[preset])}
-    if stamp.exists() and json.loads(stamp.read_text()) == want:
-        return
-    import importlib
-
-    import torch
-
-    transformers: Any = importlib.import_module("transformers")  # untyped here
-    p = PRESETS[preset]
-    torch.manual_seed(seed)
-    config = transformers.LlamaConfig(
-        vocab_size=p.vocab,
-        hidden_size=p.hidden,
-        intermediate_size=p.intermediate,
-        num_hidden_layers=p.layers,
-        num_attention_heads=p.heads,
-        num_key_value_heads=p.kv_heads,
-        head_dim=p.head_dim,
-        max_position_embeddings=8192,
-        initializer_range=p.init_range,
-        tie_word_embeddings=False,
-        torch_dtype=dtype,
-        bos_token_id=1,
-        eos_token_id=2,
-    )
-    model = transformers.LlamaForCausalLM(config).to(getattr(torch, dtype))
-    model_dir.mkdir(parents=True, exist_ok=True)
-    model.save_pretrained(str(model_dir), safe_serialization=True)
-    stamp.write_text(json.dumps(want))
-
-
-# --- workloads -------------------------------------------------------------------------------
-
-
-@dataclass(frozen=True)
-class Workload:
-    """N users × T turns, closed loop. ``kind``: ``"reuse"`` or ``"noreuse"``."""
-
-    kind: str
-    users: int
-    turns: int
-    system_tokens: int
-    first_tokens: int
-    turn_tokens: int
-    output_tokens: int
-    seed: int = 0
-    #: Requests in flight at most (the users take turns for the engine beyond that).
-    concurrency: int = 1
-
-    def message_tokens(self, turn: int) -> int:
-        return self.first_tokens if turn == 0 else self.turn_tokens
-
-    def prompt_tokens(self, turn: int) -> int:
-        """Length of a user's prompt at ``turn`` (0-based): system + history + new message."""
-        history = sum(self.message_tokens(k) + self.output_tokens for k in range(turn))
-        return self.system_tokens + history + self.message_tokens(turn)
-
-    @property
-    def max_request_tokens(self) -> int:
-        return self.prompt_tokens(self.turns - 1) + self.output_tokens
-
-    @property
-    def working_set_tokens(self) -> int:
-        """Tokens whose KV the reuse workload could reuse: the system prompt plus every user's
-        whole conversation."""
-        return self.system_tokens + self.users * (self.max_request_tokens - self.system_tokens)
-
-    def describe(self) -> str:
-        head = f"{self.users} users x {self.turns} turns, closed loop, {self.concurrency} in flight"
-        if self.kind == "reuse":
-            return (
-                f"{head}; a {self.system_tokens}-token system prompt shared by all users + each user's "
-                f"history; first message {self.first_tokens} tokens, then {self.turn_tokens}; "
-                f"{self.output_tokens} output tokens per turn"
-            )
-        return (
-            f"{head}; every prompt unique (same lengths as reuse: {self.prompt_tokens(0)}-"
-            f"{self.prompt_tokens(self.turns - 1)} tokens); {self.output_tokens} output tokens per request"
-        )
-
-
-WORKLOADS = ("reuse", "noreuse")
 
 
 # --- configurations --------------------------------------------------------------------------
@@ -739,317 +609,6 @@ def _compare(rows: list[dict[str, Any]]) -> None:
         )
 
 
-# --- the child: one engine, one workload -----------------------------------------------------
-
-
-def _tokens(rng: random.Random, n: int, vocab: int) -> list[int]:
-    return [rng.randrange(3, vocab) for _ in range(n)]
-
-
-def _metric_totals() -> dict[str, float]:
-    """vLLM's own metrics (its Prometheus registry, as ``LLM.get_metrics`` reads it): counters
-    summed over engines, by name (and ``transfer_type`` or ``source`` where set:
-    ``vllm:prompt_tokens_by_source{local_compute}``)."""
-    from vllm.v1.metrics.reader import get_metrics_snapshot
-
-    out: dict[str, float] = {}
-    for m in get_metrics_snapshot():
-        labels = getattr(m, "labels", {}) or {}
-        sub = labels.get("transfer_type") or labels.get("source")
-        key = f"{m.name}{{{sub}}}" if sub else m.name
-        value = getattr(m, "value", None)
-        if value is None:
-            value = getattr(m, "sum", None)
-        if value is None or isinstance(value, (list, dict)):
-            continue
-        out[key] = out.get(key, 0.0) + float(value)
-    return out
-
-
-async def _serve(spec: dict[str, Any]) -> dict[str, Any]:
-    from vllm import SamplingParams
-    from vllm.config import KVTransferConfig
-    from vllm.engine.arg_utils import AsyncEngineArgs
-    from vllm.inputs import TokensPrompt
-    from vllm.sampling_params import RequestOutputKind
-    from vllm.v1.engine.async_llm import AsyncLLM
-
-    wl = Workload(**spec["workload"])
-    vocab = int(spec["vocab"])
-    kw: dict[str, Any] = {}
-    if spec["kvoff"] is not None:
-        kw["kv_transfer_config"] = KVTransferConfig(
-            kv_connector="OffloadingConnector", kv_role="kv_both", kv_connector_extra_config=spec["kvoff"]
-        )
-    max_len = wl.max_request_tokens + BLOCK
-    t0 = time.perf_counter()
-    engine = AsyncLLM.from_engine_args(
-        AsyncEngineArgs(
-            model=spec["model_dir"],
-            skip_tokenizer_init=True,
-            dtype=spec["dtype"],
-            enable_prefix_caching=True,
-            block_size=BLOCK,
-            num_gpu_blocks_override=int(spec["device_blocks"]),
-            max_model_len=max_len,
-            max_num_seqs=wl.users,
-            max_num_batched_tokens=max(min(int(spec["max_batched_tokens"]), wl.users * max_len), max_len),
-            disable_log_stats=False,
-            # On the CPU build: the share of host memory vLLM checks is free at start; the KV pool
-            # itself is num_gpu_blocks_override blocks.
-            gpu_memory_utilization=0.1,
-            seed=wl.seed,
-            # torch.compile costs minutes per engine start and configuration on a small CPU; the
-            # comparison is between configurations of the same mode (--compile: vLLM's default).
-            enforce_eager=not spec.get("compile", False),
-            **kw,
-        )
-    )
-    startup = time.perf_counter() - t0
-    ids = iter(range(1 << 30))
-
-    async def one(prompt: list[int], max_tokens: int) -> dict[str, Any]:
-        sp = SamplingParams(
-            temperature=0.0,
-            max_tokens=max_tokens,
-            ignore_eos=True,
-            detokenize=False,
-            output_kind=RequestOutputKind.DELTA,
-        )
-        tokens: list[int] = []
-        t_sub = time.perf_counter()
-        t_first = None
-        async for out in engine.generate(TokensPrompt(prompt_token_ids=prompt), sp, f"r{next(ids)}"):
-            new = list(out.outputs[0].token_ids)
-            if new and t_first is None:
-                t_first = time.perf_counter()
-            tokens.extend(new)
-        t_done = time.perf_counter()
-        return {
-            "submit": t_sub,
-            "ttft_s": (t_first if t_first is not None else t_done) - t_sub,
-            "latency_s": t_done - t_sub,
-            "prompt_tokens": len(prompt),
-            "output_tokens": len(tokens),
-            "output": tokens,
-        }
-
-    # Warm-up (excluded): the engine's first step pays one-time costs; in the reuse workload it
-    # also puts the shared system prompt in the prefix cache, as a running server has it.
-    rng = random.Random(wl.seed)
-    system = _tokens(rng, wl.system_tokens, vocab)
-    warm = system if wl.kind == "reuse" else _tokens(random.Random(wl.seed + 7919), wl.system_tokens, vocab)
-    await one([*warm, 3], 2)
-    before = _metric_totals()
-
-    results: list[dict[str, Any]] = []
-    # FIFO: a user that finished a turn queues behind the others (round robin when 1 in flight).
-    slots = asyncio.Semaphore(wl.concurrency)
-
-    async def user(u: int) -> list[list[int]]:
-        urng = random.Random(f"{wl.seed}/{wl.kind}/{u}")
-        history: list[int] = []
-        outs: list[list[int]] = []
-        for t in range(wl.turns):
-            msg = _tokens(urng, wl.message_tokens(t), vocab)
-            if wl.kind == "reuse":
-                prompt = system + history + msg
-            else:
-                prompt = _tokens(urng, wl.prompt_tokens(t), vocab)
-            async with slots:
-                r = await one(prompt, wl.output_tokens)
-            r.update(user=u, turn=t)
-            results.append(r)
-            history += msg + r["output"]
-            outs.append(r["output"])
-        return outs
-
-    t1 = time.perf_counter()
-    outputs = await asyncio.gather(*(user(u) for u in range(wl.users)))
-    wall = time.perf_counter() - t1
-    await asyncio.sleep(0.5)  # the last step's stats reach the output handler
-    after = _metric_totals()
-    metrics = {k: v - before.get(k, 0.0) for k, v in after.items()}
-    for r in results:
-        r["submit"] -= t1
-    results.sort(key=lambda r: (r["user"], r["turn"]))
-    threads = thread_cpus_of_engine()
-    engine.shutdown()
-    return {
-        "threads": threads,
-        "requests": results,
-        "outputs": outputs,
-        "wall_s": wall,
-        "startup_s": startup,
-        "metrics": metrics,
-    }
-
-
-def _descendants(root: int) -> list[int]:
-    """The process ids below ``root`` (Linux /proc; empty elsewhere)."""
-    parent: dict[int, int] = {}
-    for d in Path("/proc").glob("[0-9]*"):
-        try:
-            stat = (d / "stat").read_text()
-            parent[int(d.name)] = int(stat.rsplit(")", 1)[1].split()[1])
-        except (OSError, ValueError, IndexError):
-            continue
-    out, todo = [], [root]
-    while todo:
-        p = todo.pop()
-        kids = [c for c, pp in parent.items() if pp == p]
-        out += kids
-        todo += kids
-    return out
-
-
-def thread_cpus_of_engine() -> list[dict[str, Any]]:
-    """Per engine process started by this one: the CPUs (``Cpus_allowed_list``) of its main thread
-    and of its kvoff threads (``kvoff-*``)."""
-    procs: list[dict[str, Any]] = []
-    for pid in _descendants(os.getpid()):
-        main, kv = "", set()
-        for t in Path(f"/proc/{pid}/task").glob("[0-9]*"):
-            try:
-                name = (t / "comm").read_text().strip()
-                cpus = next(
-                    ln.split(":", 1)[1].strip()
-                    for ln in (t / "status").read_text().splitlines()
-                    if ln.startswith("Cpus_allowed_list")
-                )
-            except (OSError, StopIteration):
-                continue
-            if t.name == str(pid):
-                main = cpus
-            elif name.startswith("kvoff-"):
-                kv.add(cpus)
-        procs.append({"pid": pid, "main": main, "kvoff": sorted(kv)})
-    return procs
-
-
-def _child(spec_path: str) -> int:
-    spec = json.loads(Path(spec_path).read_text())
-    res = asyncio.run(_serve(spec))
-    Path(spec["result"]).write_text(json.dumps(res))
-    print(_RESULT + spec["result"], flush=True)
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(0)  # skip vLLM's slow interpreter teardown; the engine is shut down
-
-
-# --- output ----------------------------------------------------------------------------------
-
-
-def _mib(b: float) -> str:
-    return f"{b / 2**20:.0f}"
-
-
-def format_results(doc: dict[str, Any]) -> str:
-    """The run as text tables, one per workload."""
-    m = doc["model"]
-    lines = [
-        f"kvoff bench serve: vLLM's engine on {doc['device']}, {doc['date']}, kvoff {doc['kvoff']}",
-        f"model: {m['describe']}, {m['dtype']}"
-        + ("" if not doc.get("cpu_threads_bind") else f"; model threads on CPUs {doc['cpu_threads_bind']}"),
-        (
-            f"device KV pool {doc['device_pool_blocks']} blocks of {doc['block_tokens']} tokens "
-            f"({_mib(doc['device_pool_bytes'])} MiB; the reuse working set is {doc['working_set_blocks']} "
-            f"blocks); kvoff host memory {_mib(doc['cpu_bytes'])} MiB"
-        ),
-    ]
-    for kind, w in doc["workloads"].items():
-        lines += ["", f"{kind}: {w['describe']}"]
-        head = (
-            f"{'configuration':<28}{'TTFT p50':>9}{'p90':>7}{'p99':>7}{'vs none':>8}  "
-            f"{'latency p50':>11}{'p90':>7}  {'out tok/s':>9}{'vs none':>8}  "
-            f"{'prompt':>7}{'computed':>9}{'device':>7}{'kvoff':>7}  {'load MiB':>8}{'store MiB':>10}"
-            f"{'file w/r MiB':>13}  identical"
-        )
-        lines.append(head)
-        for r in w["rows"]:
-            ident = r.get("outputs_identical")
-            lines.append(
-                f"{r['label']:<28}{r['ttft_p50_s']:>8.3f}s{r['ttft_p90_s']:>6.2f}s{r['ttft_p99_s']:>6.2f}s"
-                f"{r.get('ttft_p50_vs_none', math.nan):>7.2f}x  "
-                f"{r['latency_p50_s']:>10.2f}s{r['latency_p90_s']:>6.2f}s  "
-                f"{r['output_tokens_per_s']:>9.1f}{r.get('throughput_vs_none', math.nan):>7.3f}x  "
-                f"{r['prompt_tokens']:>7}{r['prompt_tokens_computed']:>9.0f}"
-                f"{r['prompt_tokens_device_hit']:>7.0f}{r['prompt_tokens_kvoff_hit']:>7.0f}  "
-                f"{_mib(r['load_bytes']):>8}{_mib(r['store_bytes']):>10}"
-                f"{_mib(r['disk_bytes_written']) + '/' + _mib(r['disk_bytes_read']):>13}  "
-                f"{'-' if ident is None else ('yes' if ident else 'NO')}"
-            )
-        placed = sorted(
-            {
-                f"{c} (main thread {p['main']})"
-                for r in w["rows"]
-                for p in r.get("threads", [])
-                for c in p["kvoff"]
-            }
-        )
-        if placed:
-            lines.append(f"  kvoff's threads ran on CPUs {'; '.join(placed)}")
-        lines.append(
-            "  TTFT/latency in seconds over all requests; prompt tokens: computed by the model, served "
-            "from vLLM's device prefix cache, served from kvoff (vLLM's own metrics)"
-        )
-    return "\n".join(lines)
-
-
-def plot_results(doc: dict[str, Any], path: str) -> None:
-    """Per workload: the TTFT distribution of every configuration (CDF) and output tokens/s
-    (bars, with the ratio to no offloading), into ``path`` (PNG)."""
-    from kvoff.tools._toolbase import require_matplotlib
-
-    require_matplotlib()
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    kinds = list(doc["workloads"])
-    fig, axes = plt.subplots(len(kinds), 2, figsize=(12, 4.2 * len(kinds)), squeeze=False)
-    for row, kind in zip(axes, kinds, strict=True):
-        w = doc["workloads"][kind]
-        rows = w["rows"]
-        ax = row[0]
-        for i, r in enumerate(rows):
-            xs = sorted(r["ttft_s"])
-            ys = [(j + 1) / len(xs) for j in range(len(xs))]
-            ax.step(xs, ys, where="post", color=f"C{i}", label=f"{r['label']} (p50 {r['ttft_p50_s']:.2f}s)")
-        ax.set_xscale("log")
-        ax.set_xlabel("time to first token (s, log scale)")
-        ax.set_ylabel("fraction of requests")
-        ax.set_ylim(0, 1.02)
-        ax.grid(True, alpha=0.3, which="both")
-        ax.legend(fontsize=8, loc="lower right")
-        ax.set_title(f"{kind}: TTFT CDF")
-        ax = row[1]
-        vals = [r["output_tokens_per_s"] for r in rows]
-        bars = ax.bar(range(len(rows)), vals, color=[f"C{i}" for i in range(len(rows))])
-        for b, r in zip(bars, rows, strict=True):
-            ratio = r.get("throughput_vs_none")
-            txt = f"{r['output_tokens_per_s']:.1f}" + ("" if ratio is None else f"\n{ratio:.3f}x")
-            ax.annotate(
-                txt, (b.get_x() + b.get_width() / 2, b.get_height()), ha="center", va="bottom", fontsize=8
-            )
-        ax.set_xticks(range(len(rows)))
-        ax.set_xticklabels([r["label"] for r in rows], rotation=12, fontsize=8)
-        ax.set_ylabel("output tokens/s")
-        ax.set_ylim(0, max(vals) * 1.25 if vals else 1)
-        ax.set_title(f"{kind}: throughput")
-        ax.grid(True, axis="y", alpha=0.3)
-    m = doc["model"]
-    fig.suptitle(
-        f"kvoff bench serve: vLLM engine on {doc['device']}; {m['params'] / 1e6:.3g} M-param Llama "
-        f"({m['dtype']}), device pool {doc['device_pool_blocks']} blocks of {doc['block_tokens']} tokens",
-        fontsize=10,
-    )
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-
-
 # --- command line ----------------------------------------------------------------------------
 
 
@@ -1214,7 +773,9 @@ def _without_outputs(workloads: dict[str, Any]) -> dict[str, Any]:
 
 def _entry(argv: list[str]) -> int:
     if len(argv) == 2 and argv[0] == "child":
-        return _child(argv[1])
+        from kvoff.tools.bench_serve_engine import child
+
+        return child(argv[1])
     if len(argv) == 5 and argv[0] == "build":
         build_model(Path(argv[1]), argv[2], argv[3], int(argv[4]))
         return 0

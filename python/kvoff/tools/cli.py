@@ -18,37 +18,29 @@ from dataclasses import dataclass
 from typing import Any
 
 from kvoff import _native
-from kvoff.tools._cli_args import Parser, UsageError, float_range, int_list, int_range, usage_exit
+from kvoff.tools._cli_args import (
+    BENCH_PIPELINES,
+    CAPACITY,
+    DISK_BLOCKS,
+    IO_THREADS,
+    JOB_MIB,
+    JOBS_MIB,
+    PAGES_KIB,
+    PLOT_REPEATS,
+    REMOTE_BLOCKS,
+    REMOTE_IO_THREADS,
+    REPS,
+    REQUESTS,
+    ROUNDS,
+    SECONDS,
+    Parser,
+    UsageError,
+    check_memory,
+    has_torch,
+    usage_exit,
+)
+from kvoff.tools._cli_demo import add_demo_args, demo_main
 from kvoff.tools.bench_serve import SERVE_HELP, add_serve_options, serve_main
-
-# ---------------------------------------------------------------------------------------------
-# Allowed ranges of the numeric options (one place, shared by the subcommands)
-# ---------------------------------------------------------------------------------------------
-
-REPS = int_range(1, 100)
-#: Manager workload: requests of 64 keys (~5 KiB of keys each, all held in memory).
-REQUESTS = int_range(1, 100_000)
-#: Manager capacity in blocks: at least one request's 64 keys (below that nothing can be stored).
-CAPACITY = int_range(64, 1 << 24)
-#: MiB per transfer job; the machine's memory is checked too (:func:`_check_job_memory`).
-JOB_MIB = int_range(1, 16384)
-PLOT_REPEATS = int_range(1, 20)
-DISK_BLOCKS = int_range(1, 16384)
-IO_THREADS = int_range(1, 256)
-SECONDS = float_range(0.0, 60.0, lo_open=True)
-ROUNDS = int_range(1, 100)
-PAGES_KIB = int_list(1, 1 << 16)
-JOBS_MIB = int_list(1, 16384)
-DEMO_REQUESTS = int_range(1, 100_000)
-#: 2 MiB blocks per demo request (a request of 1024 blocks is 16 384 tokens, 2 GiB of KV).
-BLOCKS_PER_REQUEST = int_range(1, 1024)
-POOL_BLOCKS = int_range(1, 1 << 20)
-PREFILL_RATE = float_range(0.0, 1e9, lo_open=True)
-SEED = int_range(0, (1 << 63) - 1)
-PORT = int_range(0, 65535)
-REMOTE_BLOCKS = int_range(1, 1 << 20)
-REMOTE_IO_THREADS = int_range(1, 64)
-BENCH_PIPELINES = int_list(1, 1024)
 
 # The closed name sets come from the native module (the Rust enums `EngineKind`, `PolicyKind` and
 # the file tier's `DirectIo`; docs/design.md "Closed name sets live in one Rust enum").
@@ -69,36 +61,12 @@ def _log(args: argparse.Namespace) -> Callable[[str], None] | None:
     return lambda s: print(s, file=sys.stderr, flush=True)
 
 
-def _has_torch() -> bool:
-    try:
-        import torch  # noqa: F401
-    except ImportError:
-        return False
-    return True
-
-
-def _available_memory() -> int:
-    from kvoff.tools._toolbase import available_memory
-
-    return available_memory()
-
-
-def _check_memory(option: str, value: object, need: int, unit: str = "") -> None:
-    """:class:`UsageError` naming ``option`` when ``need`` bytes exceed the memory available now."""
-    avail = _available_memory()
-    if need > avail:
-        raise UsageError(
-            f"argument {option}: {value}{unit} needs about {need / 2**30:.1f} GiB of memory, "
-            f"{avail / 2**30:.1f} GiB is available now"
-        )
-
-
 def _check_job_memory(job_mib: int | None) -> None:
     """A transfer job of ``job_mib`` MiB holds about 6x its bytes at once (the KV side and the
     host region, each twice the job, and the reference's two buffers; scenarios move at least 256
     pages of 2 MiB)."""
     if job_mib is not None:
-        _check_memory("--job-mib", job_mib, 6 * max(job_mib, 512) << 20)
+        check_memory("--job-mib", job_mib, 6 * max(job_mib, 512) << 20)
 
 
 def _plot_needs_matplotlib(cmd: str) -> bool:
@@ -197,7 +165,7 @@ def _check_transfer_args(args: argparse.Namespace) -> list[str] | None:
                 f"argument --methods: {args.methods!r}: expected a comma-separated list of "
                 f"{', '.join(TRANSFER_METHODS)}"
             )
-        if methods != ["host"] and not _has_torch():
+        if methods != ["host"] and not has_torch():
             raise UsageError(
                 f"argument --methods: {args.methods!r} needs torch and a CUDA GPU; without torch "
                 "only 'host' runs"
@@ -244,7 +212,7 @@ def _bench_disk(args: argparse.Namespace) -> int:
     # The host region and the blocks' source bytes (2 MiB each), and the tier's files beside a
     # sequential file of the same bytes.
     nbytes = args.blocks << 21
-    _check_memory("--blocks", args.blocks, 3 * nbytes, " blocks of 2 MiB")
+    check_memory("--blocks", args.blocks, 3 * nbytes, " blocks of 2 MiB")
     free = shutil.disk_usage(d).free
     if 2 * nbytes > free:
         raise UsageError(
@@ -713,210 +681,6 @@ def _bench_commands() -> list[Command]:
 
 
 # ---------------------------------------------------------------------------------------------
-# kvoff demo
-# ---------------------------------------------------------------------------------------------
-
-TORCH_HINT = "pip install torch (or, in a kvoff checkout: pip install '.[torch]')"
-PROMETHEUS_HINT = "pip install prometheus_client (or, in a kvoff checkout: pip install '.[prometheus]')"
-
-
-def _demo_cmd(d: argparse.ArgumentParser) -> None:
-    d.add_argument(
-        "--requests", type=DEMO_REQUESTS, default=160, metavar="N", help="requests (1-100000, default 160)"
-    )
-    d.add_argument(
-        "--blocks-per-request",
-        dest="blocks_per_request",
-        type=BLOCKS_PER_REQUEST,
-        default=24,
-        metavar="N",
-        help="16-token blocks of 2 MiB per request (1-1024, default 24 = 384 tokens)",
-    )
-    d.add_argument(
-        "--gpu-blocks",
-        dest="gpu_blocks",
-        type=POOL_BLOCKS,
-        default=None,
-        metavar="N",
-        help="GPU KV pool in blocks of 2 MiB (at least --blocks-per-request, and what memory allows; "
-        "default 64, less when memory is short)",
-    )
-    d.add_argument(
-        "--cpu-blocks",
-        dest="cpu_blocks",
-        type=POOL_BLOCKS,
-        default=None,
-        metavar="N",
-        help="host offload capacity in blocks of 2 MiB (1 and what memory allows; default 192, less "
-        "when memory is short)",
-    )
-    d.add_argument("--policy", choices=_native.POLICIES, default="arc")
-    d.add_argument(
-        "--engine",
-        default="auto",
-        choices=_native.ENGINES,
-        help="handler engine (default auto)",
-    )
-    d.add_argument(
-        "--device",
-        choices=["auto", "cpu", "cuda"],
-        default="auto",
-        help="where the KV cache lives (auto: the GPU when there is one)",
-    )
-    d.add_argument(
-        "--prefill-tokens-per-s",
-        dest="prefill_tokens_per_s",
-        type=PREFILL_RATE,
-        default=20_000.0,
-        metavar="RATE",
-        help="assumed prefill rate of an 8B model, for the time-saved estimate (above 0 to 1e9; "
-        "default 20000, an H100-class GPU)",
-    )
-    d.add_argument("--seed", type=SEED, default=0, help="random seed (0 to 2^63-1, default 0)")
-    d.add_argument(
-        "--plot",
-        metavar="FILE.png",
-        default=None,
-        help="also sweep page sizes and plot GB/s per page size and direction (needs matplotlib)",
-    )
-    d.add_argument(
-        "--sweep-mib",
-        dest="sweep_mib",
-        type=JOB_MIB,
-        default=None,
-        metavar="MIB",
-        help="MiB per job in the page-size sweep (1-16384 and what memory allows; default 16 on the "
-        "host, 256 on a GPU)",
-    )
-    d.add_argument(
-        "--metrics-port",
-        dest="metrics_port",
-        type=PORT,
-        default=None,
-        metavar="PORT",
-        help="serve Prometheus metrics at http://127.0.0.1:PORT/metrics while the demo runs (0-65535, "
-        f"0: a free port; needs prometheus_client: {PROMETHEUS_HINT})",
-    )
-    d.add_argument("--prometheus", action="store_true", help="print the Prometheus metrics at the end")
-    d.add_argument("--json", action="store_true", help="print the results as JSON")
-    d.add_argument("--quiet", action="store_true", help="no progress bar")
-
-
-def _check_demo_args(args: argparse.Namespace) -> None:
-    from kvoff.tools.demo import BLOCK_BYTES
-
-    bpr = args.blocks_per_request
-    if args.gpu_blocks is not None and args.gpu_blocks < bpr:
-        raise UsageError(
-            f"argument --gpu-blocks: {args.gpu_blocks} is below --blocks-per-request ({bpr}): the "
-            "pool must hold one request"
-        )
-    # The "GPU" pool and the host copy (in host memory without a GPU), the expected patterns of a
-    # request's blocks, and the sweep's two buffers of a job each.
-    blocks = (args.gpu_blocks or 0) + (args.cpu_blocks or 0) + 3 * bpr
-    for opt, v in (("--gpu-blocks", args.gpu_blocks), ("--cpu-blocks", args.cpu_blocks)):
-        if v is not None:
-            _check_memory(opt, v, blocks * BLOCK_BYTES, " blocks of 2 MiB")
-    if args.gpu_blocks is None and args.cpu_blocks is None:
-        _check_memory("--blocks-per-request", bpr, 3 * bpr * BLOCK_BYTES, " blocks of 2 MiB")
-    if args.sweep_mib is not None:
-        _check_memory("--sweep-mib", args.sweep_mib, 4 * args.sweep_mib << 20, " MiB")
-
-
-def _demo(args: argparse.Namespace) -> int:
-    _check_demo_args(args)
-    if not _has_torch():
-        print(f"kvoff demo needs torch: {TORCH_HINT}", file=sys.stderr)
-        return 2
-    from kvoff.metrics import TransferMetrics, serve_metrics
-    from kvoff.tools.demo import DemoConfig, plot_sweep, run_demo, sweep_page_sizes
-
-    if not _demo_extras_present(args):
-        return 2
-    cfg = DemoConfig(
-        requests=args.requests,
-        blocks_per_request=args.blocks_per_request,
-        gpu_blocks=args.gpu_blocks,
-        cpu_blocks=args.cpu_blocks,
-        policy=args.policy,
-        engine=args.engine,
-        device=args.device,
-        prefill_tokens_per_s=args.prefill_tokens_per_s,
-        seed=args.seed,
-        show_progress=False if args.quiet else None,
-    )
-    metrics = TransferMetrics()
-    server = None
-    if args.metrics_port is not None:
-        try:
-            server = serve_metrics(metrics, args.metrics_port)
-        except ImportError:  # prometheus_client missing: say what to install
-            print(f"kvoff demo: --metrics-port needs prometheus_client: {PROMETHEUS_HINT}", file=sys.stderr)
-            return 2
-        except OSError as e:
-            raise UsageError(f"argument --metrics-port: cannot serve on port {args.metrics_port}: {e}") from e
-        print(f"serving metrics at {server.url}", file=sys.stderr)
-    try:
-        sys.stdout.flush()
-        result = run_demo(cfg, metrics)
-        prom = metrics.prometheus_text() if args.prometheus else None
-    finally:
-        if server is not None:
-            server.close()
-    sweep = None
-    if args.plot:
-        sweep = sweep_page_sizes(
-            job_mib=args.sweep_mib,
-            engine=args.engine,
-            device=args.device,
-            show_progress=False if args.quiet else None,
-        )
-        plot_sweep(sweep, args.plot)
-    sys.stderr.flush()
-    _print_demo(args, result, sweep, prom)
-    return 0 if result.verified else 1
-
-
-def _demo_extras_present(args: argparse.Namespace) -> bool:
-    """Whether the optional packages that ``--plot`` and ``--prometheus`` need are installed (if
-    not, says which on stderr)."""
-    from kvoff.tools._toolbase import require_matplotlib
-
-    if args.plot:
-        try:
-            require_matplotlib()
-        except ImportError as e:
-            print(f"kvoff demo: {e}", file=sys.stderr)
-            return False
-    if args.prometheus:
-        try:
-            import prometheus_client  # noqa: F401
-        except ImportError:
-            print(f"kvoff demo: --prometheus needs prometheus_client: {PROMETHEUS_HINT}", file=sys.stderr)
-            return False
-    return True
-
-
-def _print_demo(args: argparse.Namespace, result: Any, sweep: Any, prom: str | None) -> None:
-    """Prints the demo's result (JSON with ``--json``), the sweep and the Prometheus text."""
-    from kvoff.tools.demo import format_result, format_sweep
-
-    if args.json:
-        out = result.as_dict()
-        if sweep is not None:
-            out["sweep"] = sweep
-        print(json.dumps(out, indent=2))
-    else:
-        print(format_result(result))
-        if sweep is not None:
-            print(format_sweep(sweep))
-            print(f"  plot written to {args.plot}")
-        if prom is not None:
-            print()
-            print(prom, end="")
-
-
-# ---------------------------------------------------------------------------------------------
 # The parser and main
 # ---------------------------------------------------------------------------------------------
 
@@ -953,8 +717,8 @@ def _build_parser() -> Parser:
         help="simulated serving loop: offload a Llama-3-8B-shaped KV cache, verify "
         "every reloaded block, report hit rate, GB/s and prefill time saved (needs torch)",
     )
-    _demo_cmd(demo)
-    demo.set_defaults(func=_demo)
+    add_demo_args(demo)
+    demo.set_defaults(func=demo_main)
     return parser
 
 
