@@ -53,7 +53,7 @@ mod submit;
 mod telemetry;
 
 pub use calibration::{CalRow, Calibration};
-pub use config::{CopyMethod, CudaEngineConfig};
+pub use config::{CopyMethod, CudaEngineConfig, Polite};
 pub use device::{cuda_available, device_count, CudaDevice};
 pub use engine::CudaEngine;
 pub use feed::FeedStats;
