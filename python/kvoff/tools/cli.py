@@ -1,4 +1,4 @@
-"""The ``kvoff`` command line: ``kvoff bench [managers|transfers|disk|remote|interference|serve]`` (no subcommand:
+"""The ``kvoff`` command line: ``kvoff bench [managers|transfers|disk|remote|interference|model|serve]`` (no subcommand:
 managers and transfers; ``--plot FILE``: also a page-size sweep plot) and ``kvoff demo`` (a
 simulated serving loop offloading a model-shaped KV cache).
 
