@@ -5,9 +5,8 @@
 //! call, a kernel launch of the model's thread waits for it. Batched DMA of small copies spends
 //! about a microsecond of driver time per copy, so moving tens of GB/s keeps kvoff's threads in
 //! the driver nearly all the time, and an eager forward (a thousand or more launches a step) then
-//! waits at every launch: on an H200 the launches of a Llama-3-8B decode step took 116 µs each
-//! instead of 8, the step became launch-bound and ran 2–3× slower. A forward replayed from a CUDA
-//! graph launches once a step and does not notice.
+//! waits at every launch and becomes launch-bound (measured: docs/performance.md). A forward
+//! replayed from a CUDA graph launches once a step and does not notice.
 //!
 //! So each enqueueing thread of `auto` watches its own copy calls: a call that spent part of its
 //! time off the CPU (the thread slept on the driver's lock), while no other kvoff copy call
@@ -31,8 +30,8 @@ use super::telemetry::thread_cpu_ns;
 /// How long the device stays polite after contention was last seen.
 pub(super) const POLITE_HOLD: Duration = Duration::from_millis(200);
 /// Share of recent sampled calls (of 1024) that must have slept on the driver's lock for the
-/// device to turn polite. Measured on an H200 beside a Llama-3-8B forward (docs/performance.md):
-/// 104–546 (medians) beside an eager forward, at most 124 beside one replayed from a CUDA graph.
+/// device to turn polite: above a graph replay's, below an eager forward's (docs/performance.md,
+/// "Transfers beside an eager model").
 pub(super) const CONTENDED_SHARE: u32 = 100;
 /// Copies per batched call while polite (one call then holds the driver ~16 µs).
 pub(super) const POLITE_BATCH: usize = 16;
