@@ -1422,7 +1422,11 @@ fn server_killed_stopped_restarted() {
     while threads() > threads0 && t0.elapsed() < Duration::from_secs(3) {
         std::thread::sleep(Duration::from_millis(20));
     }
-    assert!(threads() <= threads0, "I/O threads left behind: {threads0} -> {}", threads());
+    assert!(
+        threads() <= threads0,
+        "I/O threads left behind: {threads0} -> {}",
+        threads()
+    );
     assert!(open_fds() <= fds0 + 2, "fds grew: {fds0} -> {}", open_fds());
 }
 
