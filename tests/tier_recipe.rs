@@ -20,6 +20,7 @@ use std::sync::{Arc, Mutex};
 use kvoff::key::ByteKey;
 use kvoff::manager::{BlockId, LruManager, ManagerConfig, OffloadingManager, Presence};
 use kvoff::tier::chain::{ChainConfig, ChainManager, ChainTier};
+use kvoff::tier::object::{Credentials, ObjectConfig, ObjectTier};
 use kvoff::tier::registry::{by_kind, TIERS};
 use kvoff::tier::remote::{RemoteConfig, RemoteTier};
 use kvoff::tier::secondary::{Known, SecondaryCounters, SecondaryTier, TierInfo};
@@ -131,6 +132,17 @@ fn open(info: &TierInfo, dir: &Path, mem: Arc<dyn BlockMemory>) -> Box<dyn Secon
             )
             .unwrap(),
         ),
+        // Nor does the object tier (its first listing runs in the background).
+        "object" => {
+            let mut c = ObjectConfig::new("s3://recipe/kv", 1 << 20, layout("recipe"));
+            c.endpoint = Some("http://127.0.0.1:1".into());
+            c.credentials = Some(Credentials {
+                access_key: "recipe".into(),
+                secret_key: "recipe".into(),
+                token: None,
+            });
+            Box::new(ObjectTier::open(c, mem).unwrap())
+        }
         other => panic!("tests/tier_recipe.rs: open a tier of kind {other:?} here"),
     }
 }

@@ -11,7 +11,8 @@
 //! | [`secondary`] | the [`SecondaryTier`](secondary::SecondaryTier) trait every tier implements; names no tier | `format`, `memory` |
 //! | [`mod@file`] | the file tier ([`FileTier`]): its settings, I/O threads, directory I/O, trust rules, disk bench | the above |
 //! | [`remote`] | the remote tier on Redis/Valkey ([`remote::RemoteTier`]): settings, index, jobs, connections, Cluster routing | the above |
-//! | [`chain`] | [`chain::ChainManager`], the one tiered manager over any tiers (host → files → remote) | the above |
+//! | [`object`] | the object tier on S3-compatible stores ([`object::ObjectTier`]): settings, index and budget, jobs on its own runtime | the above |
+//! | [`chain`] | [`chain::ChainManager`], the one tiered manager over any tiers (host → files → remote → object) | the above |
 //! | [`registry`] | the one list of tiers ([`registry::TIERS`]: each tier's `INFO`) | the above |
 //!
 //! Sibling tiers never import each other (checked by `scripts/import_cycles.py`). A new tier is
@@ -26,6 +27,7 @@ pub mod file;
 mod format;
 #[allow(unsafe_code)]
 mod memory;
+pub mod object;
 pub mod registry;
 pub mod remote;
 pub mod secondary;

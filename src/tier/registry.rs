@@ -5,15 +5,16 @@
 #![forbid(unsafe_code)]
 
 use super::secondary::TierInfo;
-use super::{file, remote};
+use super::{file, object, remote};
 
-/// Every tier, in the order of a chain (host memory → files → remote).
+/// Every tier, in the order of a chain (host memory → files → remote → object).
 pub const TIERS: &[&TierInfo] = &[
     &file::INFO,   // src/tier/file/
     &remote::INFO, // src/tier/remote/
+    &object::INFO, // src/tier/object/
 ];
 
-/// The registered tier of kind `kind` (`"disk"`, `"remote"`).
+/// The registered tier of kind `kind` (`"disk"`, `"remote"`, `"object"`).
 #[must_use]
 pub fn by_kind(kind: &str) -> Option<&'static TierInfo> {
     TIERS.iter().copied().find(|t| t.kind == kind)
