@@ -25,6 +25,12 @@ the background; found values are promoted like files, misses are remembered for
 ``remote_negative_ttl_s``. No call waits on the network; a server that is slow or gone turns into
 misses and failed stores, counted in the ``remote_*`` stats (see :data:`REMOTE_METRICS`).
 
+With ``object_url`` (docs/tier.md "Object tier") an S3-compatible store sits last: capacity priced
+like disk, shared by a fleet, surviving every engine. Its index is in memory (this engine's writes,
+listings of the namespace in the background, HEAD fetches started by lookups); the namespace stays
+within ``object_bytes_to_use`` (least-recently-used values deleted); values are checked and a bad
+one is never served. Counted in the ``object_*`` stats (:data:`kvoff.tiers.METRICS` ``["object"]``).
+
 The host memory is a :class:`kvoff.HostRegion` (one rank's slot of each row holds a block), e.g. the
 ``region`` of :class:`kvoff.CpuGpuOffloadingHandlers`. Shut the manager down before closing the
 region: its I/O threads copy into the region until then (the manager keeps the region's memory
@@ -106,7 +112,7 @@ class TieredOffloadingManager:
             slots, one file per block for the whole engine; e.g. the scheduler's
             :meth:`HostRegion.attach` view of a vLLM engine's region).
         disk_path: directory of the files (created if missing; shared by engines); ``None``: no
-            file tier (then ``remote_url`` is required).
+            file tier (then ``remote_url`` or ``object_url`` is required).
         disk_bytes_to_use: bytes of files this instance may own (required with ``disk_path``).
         block_bytes: bytes of one block of this rank (default: the region's slot).
         rank: this process's rank (its slot and file names), or ``None`` for every rank's slot.
@@ -145,6 +151,15 @@ class TieredOffloadingManager:
         remote_tls_ca_file: PEM file of the certificate authority that signed the servers'
             certificates, for ``rediss://`` (``None``: the system's roots); a
             :class:`kvoff.ConfigError` with a ``redis://`` URL or a file that cannot be read.
+        object_url: ``s3://bucket/prefix`` of an S3-compatible store (AWS S3, SeaweedFS, MinIO…)
+            behind the other tiers (docs/tier.md "Object tier"), or ``None``; credentials come
+            from ``$AWS_ACCESS_KEY_ID``/``$AWS_SECRET_ACCESS_KEY`` or a profile of the shared
+            credentials file, never printed.
+        object_bytes_to_use: byte budget of this rank's values in the namespace (required with
+            ``object_url``); least-recently-used values are deleted to stay within it.
+        object_settings: the object tier's other ``object_*`` settings (``object_endpoint``,
+            ``object_namespace``, ``object_store_threshold``, ``object_ttl_s``, timeouts and
+            bounds): :data:`kvoff.tiers.SETTINGS` ``["object"]`` lists them with their defaults.
 
     Raises:
         TypeError: an argument of the wrong type (``bool`` is not an int; ``disk_path`` is a
@@ -200,6 +215,9 @@ class TieredOffloadingManager:
         remote_tls_ca_file: str | os.PathLike[str] | None = None,
         remote_idle_spin_s: float | None = None,
         remote_idle_nap_s: float | None = None,
+        object_url: str | None = None,
+        object_bytes_to_use: int | None = None,
+        **object_settings: Any,
     ) -> None:
         for name, v in (("num_blocks", num_blocks), ("block_bytes", block_bytes), ("rank", rank)):
             if v is not None and (isinstance(v, bool) or not isinstance(v, int)):
@@ -229,8 +247,13 @@ class TieredOffloadingManager:
             raise ValueError(f"num_blocks = {num_blocks} but the region holds {region.num_cpu_blocks} blocks")
         self.region = region
         self.block_size = block_size
-        if remote_url is None and (disk_path is None or disk_bytes_to_use is None):
-            raise ConfigError("TieredOffloadingManager needs disk_path and disk_bytes_to_use, or remote_url")
+        if remote_url is None and object_url is None and (disk_path is None or disk_bytes_to_use is None):
+            raise ConfigError(
+                "TieredOffloadingManager needs disk_path and disk_bytes_to_use, remote_url or object_url"
+            )
+        for k in object_settings:
+            if not k.startswith("object_"):
+                raise TypeError(f"TieredOffloadingManager() got an unexpected keyword argument {k!r}")
         if remote_url is not None and not isinstance(remote_url, str):
             raise ConfigError(f"remote_url must be a string, got {type(remote_url).__name__}")
         if disk_path is not None and disk_bytes_to_use is None:
@@ -284,6 +307,9 @@ class TieredOffloadingManager:
             remote_tls_ca_file=remote_tls_ca_file,
             remote_idle_spin_s=remote_idle_spin_s,
             remote_idle_nap_s=remote_idle_nap_s,
+            object_url=object_url,
+            object_bytes_to_use=object_bytes_to_use,
+            **object_settings,
         )
         # The scheduler's per-step calls go straight to the extension, whose methods take the
         # same arguments as the ones below: a Python frame in between cost a call after a

@@ -1,7 +1,7 @@
 """Each tier's settings table and metrics table: the one place kvoff's surfaces read a tier's setting
 names, defaults, metric names, kinds and help from (docs/design.md "A new tier").
 
-- :data:`SETTINGS` — per tier (``"disk"``, ``"remote"``), its settings: name, default (from
+- :data:`SETTINGS` — per tier (``"disk"``, ``"remote"``, ``"object"``), its settings: name, default (from
   ``kvoff._native.TIER_DEFAULTS``, i.e. the crate's configs: one source for every default) and on
   which surfaces it exists (the tiered manager, the block store). Both native constructors read the
   settings with one reader (``src/python/tiers.rs``), which :func:`check_settings` runs without
@@ -109,6 +109,44 @@ SETTINGS: dict[str, tuple[Setting, ...]] = {
         Setting("remote_max_fetch_keys", "keys per batched fetch"),
         Setting("remote_password_env", "environment variable holding the password when the URL has none"),
         Setting("remote_tls_ca_file", "PEM file of the CA of the servers' certificates (rediss://)"),
+    ),
+    "object": (
+        Setting("object_url", "s3://bucket/prefix of an S3-compatible store (None: no object tier)"),
+        Setting(
+            "object_endpoint",
+            "the store's endpoint, http(s)://host:port (None: $AWS_ENDPOINT_URL_S3, $AWS_ENDPOINT_URL, AWS)",
+        ),
+        Setting("object_region", "the region (None: $AWS_REGION, $AWS_DEFAULT_REGION, us-east-1)"),
+        Setting("object_namespace", "the object tier's namespace (default: namespace)"),
+        Setting(
+            "object_bytes_to_use",
+            "byte budget of this rank's values in the namespace (required with object_url in the "
+            "tiered manager; the block store: capacity_bytes unless given)",
+        ),
+        Setting(
+            "object_store_threshold",
+            "write a block to the object store once it was stored this many times",
+            _MANAGER,
+        ),
+        Setting("object_ttl_s", "values older than this are neither served nor kept (None: none)"),
+        Setting("object_connect_timeout_s", "timeout of each connection attempt"),
+        Setting("object_timeout_s", "bound of one whole request, its body included"),
+        Setting("object_max_retries", "retries of a failed or throttled request (503 SlowDown)"),
+        Setting("object_io_threads", "threads of the tier's async runtime (1 to 64)"),
+        Setting("object_max_requests", "requests in flight at once"),
+        Setting("object_max_queued_writes", "writes queued before new ones are dropped (counted)"),
+        Setting("object_max_inflight_bytes", "bytes of values in flight before writes are dropped"),
+        Setting("object_negative_ttl_s", "how long a miss is remembered"),
+        Setting(
+            "object_list_interval_s",
+            "how often the namespace is listed again (None: only at start)",
+        ),
+        Setting("object_multipart_bytes", "values larger than this go as multipart uploads"),
+        Setting(
+            "object_profile",
+            "profile of the shared credentials file when $AWS_ACCESS_KEY_ID is not set "
+            "(None: $AWS_PROFILE, default)",
+        ),
     ),
 }
 
@@ -336,6 +374,108 @@ METRICS: dict[str, tuple[Metric, ...]] = {
             generic="up",
         ),
     ),
+    "object": (
+        _m("object_hits", "misses of the tiers before found in the object store", "kvoff_object_hits_total"),
+        _m(
+            "object_misses",
+            "keys the object store did not hold (or could not be asked)",
+            "kvoff_object_misses_total",
+        ),
+        _m("object_promotions", "values promoted into host memory", "kvoff_object_promotions_total"),
+        _m(
+            "object_reads",
+            "reads into the block store's rows or pieces",
+            "kvoff_object_reads_total",
+            vllm=False,
+            generic="reads",
+            store_only=True,
+        ),
+        _m(
+            "object_bytes_read",
+            "payload bytes promoted from the object store",
+            "kvoff_object_read_bytes_total",
+            generic="bytes_read",
+        ),
+        _m(
+            "object_read_seconds",
+            "request seconds spent reading",
+            "kvoff_object_read_seconds_total",
+            generic="read_seconds",
+        ),
+        _m(
+            "object_bytes_written",
+            "payload bytes written to the object store",
+            "kvoff_object_written_bytes_total",
+            generic="bytes_written",
+        ),
+        _m(
+            "object_write_seconds",
+            "request seconds spent writing",
+            "kvoff_object_write_seconds_total",
+            generic="write_seconds",
+        ),
+        _m("object_writes", "values written", "kvoff_object_writes_total", generic="writes"),
+        _m(
+            "object_write_errors",
+            "writes failed (server error, throttling, timeout, down)",
+            "kvoff_object_write_errors_total",
+            generic="write_errors",
+        ),
+        _m(
+            "object_writes_dropped",
+            "writes dropped (queue, in-flight bytes or budget full)",
+            "kvoff_object_writes_dropped_total",
+            generic="writes_dropped",
+        ),
+        _m(
+            "object_read_errors",
+            "promotions whose value vanished or failed",
+            "kvoff_object_read_errors_total",
+            generic="read_errors",
+        ),
+        _m(
+            "object_rejected_values",
+            "values rejected by length/header/checksum (deleted)",
+            "kvoff_object_rejected_values_total",
+            generic="rejected",
+        ),
+        _m(
+            "object_fetch_errors",
+            "keys whose HEAD failed or was skipped (the store down)",
+            "kvoff_object_fetch_errors_total",
+            generic="fetch_errors",
+        ),
+        _m("object_reconnects", "recoveries of the store after a failure", "kvoff_object_reconnects_total"),
+        _m(
+            "object_evictions",
+            "values deleted to stay within object_bytes_to_use",
+            "kvoff_object_evictions_total",
+            generic="evicted",
+        ),
+        _m("object_expired", "values deleted past object_ttl_s", "kvoff_object_expired_total", vllm=False),
+        _m("object_listings", "listings of the namespace finished", "kvoff_object_listings_total", vllm=False),
+        _m(
+            "object_index_entries",
+            "entries of the in-memory index (values and remembered misses)",
+            "kvoff_object_index_entries",
+            gauge=True,
+            generic="entries",
+        ),
+        _m(
+            "object_known_bytes",
+            "bytes of this rank's values in the namespace, as the index sees them",
+            "kvoff_object_known_bytes",
+            gauge=True,
+            generic="stored_bytes",
+        ),
+        _m(
+            "object_up",
+            "1 while the object store is reachable",
+            "kvoff_object_up",
+            gauge=True,
+            generic="up",
+        ),
+    ),
 }
 
 #: The tier-neutral figures under vLLM's tiering (``vllm:kvoff_tier_<name>``): name → (kind, help).
@@ -355,8 +495,8 @@ GENERIC_METRICS: dict[str, tuple[Literal["counter", "gauge"], str]] = {
     "writes_dropped": ("counter", "writes dropped (queue full or no room)"),
     "rejected": ("counter", "values rejected by their header or checksum"),
     "fetch_errors": ("counter", "remote lookups that failed or were skipped while the server was down"),
-    "evicted": ("counter", "own files removed for capacity"),
-    "stored_bytes": ("gauge", "bytes of this instance's own files"),
+    "evicted": ("counter", "values removed for capacity (own files; object-store values)"),
+    "stored_bytes": ("gauge", "bytes the tier holds against its capacity"),
     "entries": ("gauge", "values in the tier's index"),
     "up": ("gauge", "1 while the tier's store is reachable"),
 }

@@ -21,10 +21,11 @@ use super::enter::{blocking, locked, Hold};
 use super::errors::{to_py, IntoPyResult};
 use super::region::{PyHostRegion, SharedRegion};
 use super::tier_stats::stats_dict;
-use super::tiers::{self, FileSettings, HostSettings, RemoteSettings, Settings};
+use super::tiers::{self, FileSettings, HostSettings, ObjectSettings, RemoteSettings, Settings};
 use crate::key::ByteKey;
 use crate::manager::{AnyManager, BlockId, ManagerConfig, PolicyKind, Presence};
 use crate::tier::chain::{ChainConfig, ChainManager, ChainTier};
+use crate::tier::object::ObjectTier;
 use crate::tier::remote::RemoteTier;
 use crate::tier::secondary::Known;
 use crate::tier::{BlockMemory, FileTier, RawRows};
@@ -200,6 +201,8 @@ impl PyChainCore {
         let disk_store_threshold = FileSettings::store_threshold(&s)?;
         let remote = RemoteSettings::read(&s)?;
         let remote_store_threshold = RemoteSettings::store_threshold(&s)?;
+        let object = ObjectSettings::read(&s)?;
+        let object_store_threshold = ObjectSettings::store_threshold(&s)?;
         s.finish("ChainManagerCore")?;
         let disk = match disk_path {
             None => None,
@@ -213,11 +216,20 @@ impl PyChainCore {
             )),
         };
         let remote = remote.url.is_some().then_some(remote);
-        if disk.is_none() && remote.is_none() {
+        let object = object.url.is_some().then_some(object);
+        if disk.is_none() && remote.is_none() && object.is_none() {
             return Err(to_py(KvoffError::Config(
-                "a tiered manager needs disk_path, remote_url or both".into(),
+                "a tiered manager needs disk_path, remote_url or object_url (or several)".into(),
             )));
         }
+        let object_bytes = match &object {
+            Some(o) => Some(o.bytes_to_use.ok_or_else(|| {
+                to_py(KvoffError::Config(
+                    "object_bytes_to_use is required with object_url".into(),
+                ))
+            })?),
+            None => None,
+        };
         if memory_rows < num_blocks as u64 {
             return Err(to_py(KvoffError::arg(format!(
                 "the host memory has {memory_rows} rows but num_blocks = {num_blocks}"
@@ -276,12 +288,22 @@ impl PyChainCore {
         let mut shown_url = None;
         if let Some(r) = remote {
             // Without the GIL: opening reads the TLS CA file (docs/tier.md "Faults").
-            let rc = r.config(layout, owner);
-            let tier = blocking(py, move || RemoteTier::open(rc, mem))?;
+            let rc = r.config(layout.clone(), owner.clone());
+            let m = Arc::clone(&mem);
+            let tier = blocking(py, move || RemoteTier::open(rc, m))?;
             shown_url = Some(tier.url().to_owned());
             tiers.push(ChainTier {
                 tier: Box::new(tier),
                 store_threshold: remote_store_threshold,
+            });
+        }
+        if let (Some(o), Some(bytes)) = (object, object_bytes) {
+            // Without the GIL: opening reads the credentials file and starts the runtime.
+            let oc = o.config(bytes, layout, owner);
+            let tier = blocking(py, move || ObjectTier::open(oc, mem))?;
+            tiers.push(ChainTier {
+                tier: Box::new(tier),
+                store_threshold: object_store_threshold,
             });
         }
         let cfg = ChainConfig {

@@ -4,13 +4,13 @@
 //!
 //! The settings arrive as keyword arguments (`**settings`) and are taken out of that dict one
 //! group at a time — the layout, the host manager's, the file tier's ([`FileSettings`]), the
-//! remote tier's ([`RemoteSettings`]) — each through the bindings' checked types ([`super::args`]):
+//! remote tier's ([`RemoteSettings`]), the object tier's ([`ObjectSettings`]) — each through the bindings' checked types ([`super::args`]):
 //! an `int` setting is never a `bool` (`TypeError`) and out of range is a `ValueError` (never an
 //! `OverflowError`); a seconds setting is an `int` or `float`, never a `bool`, out of range a
 //! `ConfigError` (a `ValueError`). A keyword left over is a `TypeError`, as Python's own.
 //!
 //! Every default comes from the crate's configs (`ManagerConfig::new`, `ChainConfig::default`,
-//! `TierConfig::new`, `RemoteConfig::new`) and is exported as `kvoff._native.TIER_DEFAULTS`,
+//! `TierConfig::new`, `RemoteConfig::new`, `ObjectConfig::new`) and is exported as `kvoff._native.TIER_DEFAULTS`,
 //! which the Python surfaces read.
 #![forbid(unsafe_code)]
 
@@ -27,6 +27,7 @@ use super::keys::type_name;
 use super::names::parse_direct_io;
 use crate::manager::ManagerConfig;
 use crate::tier::chain::ChainConfig;
+use crate::tier::object::ObjectConfig;
 use crate::tier::remote::RemoteConfig;
 use crate::tier::{DirectIo, Layout, TierConfig};
 use crate::KvoffError;
@@ -452,6 +453,125 @@ impl RemoteSettings {
     }
 }
 
+/// The object tier's settings (both constructors; `object_store_threshold` only in the tiered
+/// manager, read by [`ObjectSettings::store_threshold`]). `url` is `None` without an object tier
+/// (the other settings are checked all the same).
+pub(crate) struct ObjectSettings {
+    pub(crate) url: Option<String>,
+    endpoint: Option<String>,
+    region: Option<String>,
+    namespace: Option<String>,
+    pub(crate) bytes_to_use: Option<u64>,
+    ttl: Option<Duration>,
+    connect_timeout: Duration,
+    io_timeout: Duration,
+    max_retries: usize,
+    io_threads: usize,
+    max_requests: usize,
+    max_queued_writes: usize,
+    max_inflight_bytes: u64,
+    negative_ttl: Duration,
+    list_interval: Option<Duration>,
+    multipart_bytes: u64,
+    profile: Option<String>,
+}
+
+/// `ObjectConfig`'s defaults (the URL, budget and layout do not matter).
+fn object_defaults() -> ObjectConfig {
+    ObjectConfig::new(String::new(), 0, Layout::default())
+}
+
+impl ObjectSettings {
+    pub(crate) fn read(s: &Settings<'_>) -> PyResult<Self> {
+        let d = object_defaults();
+        let io_threads: usize = s.int("object_io_threads", d.io_threads)?;
+        if io_threads == 0 || io_threads > MAX_REMOTE_IO_THREADS {
+            return Err(PyValueError::new_err(format!(
+                "object_io_threads must be in 1..={MAX_REMOTE_IO_THREADS}, got {io_threads}"
+            )));
+        }
+        let max_requests: usize = s.int("object_max_requests", d.max_requests)?;
+        if max_requests == 0 || max_requests > 4096 {
+            return Err(PyValueError::new_err(format!(
+                "object_max_requests must be in 1..=4096, got {max_requests}"
+            )));
+        }
+        let multipart_bytes: u64 = s.int("object_multipart_bytes", d.multipart_bytes)?;
+        if !(5 << 20..=5 << 30).contains(&multipart_bytes) {
+            return Err(PyValueError::new_err(format!(
+                "object_multipart_bytes must be in 5 MiB..=5 GiB (S3's part sizes), got {multipart_bytes}"
+            )));
+        }
+        let bytes_to_use: Option<u64> = s.opt_int("object_bytes_to_use")?;
+        if bytes_to_use == Some(0) {
+            return Err(PyValueError::new_err("object_bytes_to_use must be > 0"));
+        }
+        // `object_list_interval_s=None` means "list only at start"; absent means the default.
+        let list_interval = match s.kw.get_item("object_list_interval_s")? {
+            None => d.list_interval,
+            Some(v) if v.is_none() => {
+                s.kw.del_item("object_list_interval_s")?;
+                None
+            }
+            Some(_) => s.opt_secs("object_list_interval_s")?,
+        };
+        Ok(Self {
+            url: s.opt_str("object_url")?,
+            endpoint: s.opt_str("object_endpoint")?,
+            region: s.opt_str("object_region")?,
+            namespace: s.opt_str("object_namespace")?,
+            bytes_to_use,
+            ttl: s.opt_secs("object_ttl_s")?,
+            connect_timeout: s.secs("object_connect_timeout_s", d.connect_timeout)?,
+            io_timeout: s.secs("object_timeout_s", d.io_timeout)?,
+            max_retries: s.int("object_max_retries", d.max_retries)?.min(16),
+            io_threads,
+            max_requests,
+            max_queued_writes: s.int("object_max_queued_writes", d.max_queued_writes)?,
+            max_inflight_bytes: s.int("object_max_inflight_bytes", d.max_inflight_bytes)?,
+            negative_ttl: s.secs("object_negative_ttl_s", d.negative_ttl)?,
+            list_interval,
+            multipart_bytes,
+            profile: s.opt_str("object_profile")?,
+        })
+    }
+
+    /// The tiered manager's `object_store_threshold`.
+    pub(crate) fn store_threshold(s: &Settings<'_>) -> PyResult<u32> {
+        s.int("object_store_threshold", 0)
+    }
+
+    /// The object tier's config (`url` must be set) with a budget of `bytes` and this layout (its
+    /// namespace replaced by `object_namespace` when given).
+    pub(crate) fn config(
+        self,
+        bytes: u64,
+        mut layout: Layout,
+        owner: Option<String>,
+    ) -> ObjectConfig {
+        if let Some(ns) = self.namespace {
+            layout.namespace = ns;
+        }
+        let mut c = ObjectConfig::new(self.url.unwrap_or_default(), bytes, layout);
+        c.endpoint = self.endpoint;
+        c.region = self.region;
+        c.ttl = self.ttl;
+        c.connect_timeout = self.connect_timeout;
+        c.io_timeout = self.io_timeout;
+        c.max_retries = self.max_retries;
+        c.io_threads = self.io_threads;
+        c.max_requests = self.max_requests;
+        c.max_queued_writes = self.max_queued_writes;
+        c.max_inflight_bytes = self.max_inflight_bytes;
+        c.negative_ttl = self.negative_ttl;
+        c.list_interval = self.list_interval;
+        c.multipart_bytes = self.multipart_bytes;
+        c.profile = self.profile;
+        c.owner = owner;
+        c
+    }
+}
+
 /// Checks settings as the constructors read them, opening nothing (vLLM's and SGLang's config
 /// surfaces call it before an engine starts). `kind`: `"manager"` (the tiered manager's
 /// settings) or `"store"` (the block store's).
@@ -470,11 +590,13 @@ fn check_tier_settings(
     layout(&s)?;
     FileSettings::read(&s)?;
     RemoteSettings::read(&s)?;
+    ObjectSettings::read(&s)?;
     match kind {
         "manager" => {
             HostSettings::read(&s)?;
             FileSettings::store_threshold(&s)?;
             RemoteSettings::store_threshold(&s)?;
+            ObjectSettings::store_threshold(&s)?;
             s.finish("TieredOffloadingManager")
         }
         "store" => s.finish("BlockStore"),
@@ -521,6 +643,23 @@ fn defaults(py: Python<'_>) -> PyResult<Bound<'_, PyDict>> {
     d.set_item("remote_password_env", r.password_env)?;
     d.set_item("remote_idle_spin_s", py.None())?;
     d.set_item("remote_idle_nap_s", py.None())?;
+    let o = object_defaults();
+    d.set_item("object_store_threshold", 0)?;
+    d.set_item("object_region", py.None())?;
+    d.set_item("object_ttl_s", o.ttl.map(|t| t.as_secs_f64()))?;
+    d.set_item("object_connect_timeout_s", o.connect_timeout.as_secs_f64())?;
+    d.set_item("object_timeout_s", o.io_timeout.as_secs_f64())?;
+    d.set_item("object_max_retries", o.max_retries)?;
+    d.set_item("object_io_threads", o.io_threads)?;
+    d.set_item("object_max_requests", o.max_requests)?;
+    d.set_item("object_max_queued_writes", o.max_queued_writes)?;
+    d.set_item("object_max_inflight_bytes", o.max_inflight_bytes)?;
+    d.set_item("object_negative_ttl_s", o.negative_ttl.as_secs_f64())?;
+    d.set_item(
+        "object_list_interval_s",
+        o.list_interval.map(|t| t.as_secs_f64()),
+    )?;
+    d.set_item("object_multipart_bytes", o.multipart_bytes)?;
     Ok(d)
 }
 

@@ -39,16 +39,17 @@ use pyo3::types::{PyBytes, PyDict};
 mod segments;
 mod state;
 
-use state::{remote_stats_dict, stats_dict, Backend, Dir, Inner, PendingWrite};
+use state::{net_stats_dict, stats_dict, Backend, Dir, Inner, PendingWrite};
 
 use super::args::Int;
 use super::enter::{blocking, Hold};
 use super::errors::{to_py, IntoPyResult};
-use super::tiers::{self, FileSettings, RemoteSettings, Settings};
+use super::tiers::{self, FileSettings, ObjectSettings, RemoteSettings, Settings};
 use crate::key::ByteKey;
 use crate::manager::BlockId;
+use crate::tier::object::ObjectTier;
 use crate::tier::remote::RemoteTier;
-use crate::tier::secondary::{Known, SecondaryCounters, SecondaryTier};
+use crate::tier::secondary::{Known, SecondaryCounters};
 use crate::tier::{BlockMemory, FileTier, RawRows, TierStats};
 use crate::KvoffError;
 use segments::{split_pieces, SlotMemory};
@@ -153,11 +154,13 @@ impl PyBlockStore {
         let layout = tiers::layout(&s)?;
         let file = FileSettings::read(&s)?;
         let mut remote = RemoteSettings::read(&s)?;
+        let object = ObjectSettings::read(&s)?;
         s.finish("BlockStore")?;
-        if path.is_some() == remote.url.is_some() {
+        let named = [path.is_some(), remote.url.is_some(), object.url.is_some()];
+        if named.iter().filter(|&&n| n).count() != 1 {
             return Err(to_py(KvoffError::Config(
-                "a block store needs a path (the file tier) or remote_url (the remote tier), \
-                 not both"
+                "a block store needs one of a path (the file tier), remote_url (the remote tier) \
+                 or object_url (the object tier)"
                     .into(),
             )));
         }
@@ -195,7 +198,16 @@ impl PyBlockStore {
             remote.io_threads = remote.io_threads.or(Some(file.io_threads));
             remote.max_queued_writes = remote.max_queued_writes.or(Some(file.max_queued_writes));
             let rc = remote.config(layout, owner);
-            Backend::Remote(Box::new(blocking(py, move || RemoteTier::open(rc, mem))?))
+            let t = blocking(py, move || RemoteTier::open(rc, mem))?;
+            let shown = t.url().to_owned();
+            Backend::Net(Box::new(t), shown)
+        } else if object.url.is_some() {
+            // The budget: object_bytes_to_use, else the store's capacity_bytes.
+            let bytes = object.bytes_to_use.unwrap_or(capacity_bytes);
+            let oc = object.config(bytes, layout, owner);
+            let shown = oc.url.clone();
+            let t = blocking(py, move || ObjectTier::open(oc, mem))?;
+            Backend::Net(Box::new(t), shown)
         } else {
             let tc = file.config(path.unwrap_or_default(), capacity_bytes, layout, owner);
             Backend::File(blocking(py, move || FileTier::open(tc, mem))?)
@@ -395,7 +407,7 @@ impl PyBlockStore {
         let k = bytes_key(key)?;
         self.with(py, Hold::Brief, move |s| match &s.tier {
             Backend::File(t) => Ok(t.remove_own(&k)),
-            Backend::Remote(_) => Ok(false),
+            Backend::Net(..) => Ok(false),
         })
     }
 
@@ -405,7 +417,7 @@ impl PyBlockStore {
         self.with(py, Hold::Brief, |s| {
             Ok(match &s.tier {
                 Backend::File(t) => t.dir().display().to_string(),
-                Backend::Remote(t) => t.url().to_owned(),
+                Backend::Net(_, shown) => shown.clone(),
             })
         })
     }
@@ -423,18 +435,18 @@ impl PyBlockStore {
     fn stats<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyDict>> {
         enum St {
             File(TierStats),
-            Remote(SecondaryCounters, Vec<(&'static str, u64)>),
+            Net(&'static str, SecondaryCounters, Vec<(&'static str, u64)>),
         }
         let t = self.with(py, Hold::Brief, |s| {
             s.pump();
             Ok(match &s.tier {
                 Backend::File(t) => St::File(t.stats()),
-                Backend::Remote(t) => St::Remote(t.counters(), t.extra_stats()),
+                Backend::Net(t, _) => St::Net(t.kind(), t.counters(), t.extra_stats()),
             })
         })?;
         match t {
             St::File(t) => stats_dict(py, &t),
-            St::Remote(c, e) => remote_stats_dict(py, &c, &e),
+            St::Net(kind, c, e) => net_stats_dict(py, kind, &c, &e),
         }
     }
 
@@ -454,7 +466,7 @@ impl PyBlockStore {
         let waiter = self.with(py, Hold::Brief, |s| {
             Ok(match &s.tier {
                 Backend::File(t) => Some(t.idle_waiter()),
-                Backend::Remote(_) => None,
+                Backend::Net(..) => None,
             })
         })?;
         let lock = &self.inner;

@@ -18,7 +18,6 @@ use super::segments::SlotMemory;
 use super::{keys_of, shut, Active, PyBlockStore};
 use crate::key::ByteKey;
 use crate::manager::BlockId;
-use crate::tier::remote::RemoteTier;
 use crate::tier::secondary::{Known, SecondaryCounters, SecondaryTier};
 use crate::tier::{Completion, FileTier, TierStats};
 use crate::KvoffError;
@@ -27,29 +26,31 @@ use crate::KvoffError;
 /// extras through [`Backend::file`].
 pub(super) enum Backend {
     File(FileTier),
-    Remote(Box<RemoteTier>),
+    /// The remote or object tier, and its URL as shown (no password).
+    Net(Box<dyn SecondaryTier>, String),
 }
 
 impl Backend {
     pub(super) fn sec(&self) -> &dyn SecondaryTier {
         match self {
             Self::File(t) => t,
-            Self::Remote(t) => &**t,
+            Self::Net(t, _) => &**t,
         }
     }
 
     pub(super) fn sec_mut(&mut self) -> &mut dyn SecondaryTier {
         match self {
             Self::File(t) => t,
-            Self::Remote(t) => &mut **t,
+            Self::Net(t, _) => &mut **t,
         }
     }
 
     pub(super) fn file(&self, what: &str) -> crate::Result<&FileTier> {
         match self {
             Self::File(t) => Ok(t),
-            Self::Remote(_) => Err(KvoffError::state(format!(
-                "{what} is a file-tier operation; this block store is on the remote tier"
+            Self::Net(t, _) => Err(KvoffError::state(format!(
+                "{what} is a file-tier operation; this block store is on the {} tier",
+                t.kind()
             ))),
         }
     }
@@ -370,32 +371,33 @@ pub(super) fn resolve(
     }
 }
 
-/// The remote tier's counters under `remote_*` names (docs/tier.md "The block store").
-pub(super) fn remote_stats_dict<'py>(
+/// The remote or object tier's counters under `<kind>_*` names (docs/tier.md "The block store").
+pub(super) fn net_stats_dict<'py>(
     py: Python<'py>,
+    kind: &str,
     c: &SecondaryCounters,
     extra: &[(&'static str, u64)],
 ) -> PyResult<Bound<'py, PyDict>> {
     let d = PyDict::new(py);
-    d.set_item("remote_writes", c.writes)?;
-    d.set_item("remote_bytes_written", c.bytes_written)?;
-    d.set_item("remote_write_seconds", c.write_seconds)?;
-    d.set_item("remote_write_errors", c.write_errors)?;
-    d.set_item("remote_writes_dropped", c.writes_dropped)?;
-    d.set_item("remote_reads", c.promotions)?;
-    d.set_item("remote_bytes_read", c.bytes_read)?;
-    d.set_item("remote_read_seconds", c.read_seconds)?;
-    d.set_item("remote_read_errors", c.read_errors)?;
-    d.set_item("remote_rejected_values", c.rejected)?;
-    d.set_item("remote_fetch_hits", c.fetch_hits)?;
-    d.set_item("remote_fetch_misses", c.fetch_misses)?;
-    d.set_item("remote_fetch_errors", c.fetch_errors)?;
-    d.set_item("remote_reconnects", c.reconnects)?;
-    d.set_item("remote_queued_reads", c.queued_reads)?;
-    d.set_item("remote_queued_writes", c.queued_writes)?;
-    d.set_item("remote_last_error", c.last_error.clone())?;
+    d.set_item(format!("{kind}_writes"), c.writes)?;
+    d.set_item(format!("{kind}_bytes_written"), c.bytes_written)?;
+    d.set_item(format!("{kind}_write_seconds"), c.write_seconds)?;
+    d.set_item(format!("{kind}_write_errors"), c.write_errors)?;
+    d.set_item(format!("{kind}_writes_dropped"), c.writes_dropped)?;
+    d.set_item(format!("{kind}_reads"), c.promotions)?;
+    d.set_item(format!("{kind}_bytes_read"), c.bytes_read)?;
+    d.set_item(format!("{kind}_read_seconds"), c.read_seconds)?;
+    d.set_item(format!("{kind}_read_errors"), c.read_errors)?;
+    d.set_item(format!("{kind}_rejected_values"), c.rejected)?;
+    d.set_item(format!("{kind}_fetch_hits"), c.fetch_hits)?;
+    d.set_item(format!("{kind}_fetch_misses"), c.fetch_misses)?;
+    d.set_item(format!("{kind}_fetch_errors"), c.fetch_errors)?;
+    d.set_item(format!("{kind}_reconnects"), c.reconnects)?;
+    d.set_item(format!("{kind}_queued_reads"), c.queued_reads)?;
+    d.set_item(format!("{kind}_queued_writes"), c.queued_writes)?;
+    d.set_item(format!("{kind}_last_error"), c.last_error.clone())?;
     for (name, v) in extra {
-        d.set_item(format!("remote_{name}"), *v)?;
+        d.set_item(format!("{kind}_{name}"), *v)?;
     }
     Ok(d)
 }
