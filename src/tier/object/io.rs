@@ -37,7 +37,9 @@ impl Shared {
             + Duration::from_millis(500)
     }
 
-    /// Runs one request under a permit and the deadline; records the store up or down.
+    /// Runs one request under a permit and the deadline; records the store up or down. "Not
+    /// found" is an answer for GET, HEAD and DELETE; for a PUT it means the bucket is gone (a
+    /// failure: [`Self::request_put`]).
     async fn request<T, F>(&self, what: &str, f: F) -> Result<T, Failed>
     where
         F: Future<Output = object_store::Result<T>>,
@@ -65,6 +67,19 @@ impl Shared {
                 Err(Failed::Other)
             }
         }
+    }
+
+    /// [`Self::request`] for a write: "not found" (no such bucket) is a failure.
+    async fn request_put<T, F>(&self, what: &str, f: F) -> Result<T, Failed>
+    where
+        F: Future<Output = object_store::Result<T>>,
+    {
+        let r = self.request(what, f).await;
+        if matches!(r, Err(Failed::NotFound)) {
+            self.note_failure(what, &"404: the bucket does not exist (NoSuchBucket)");
+            return Err(Failed::Other);
+        }
+        r
     }
 
     /// Deletes `name` (a victim of the budget, a rejected or expired value). Not found is fine.
@@ -154,12 +169,12 @@ async fn put(sh: &Shared, name: &str, buf: Vec<u8>) -> bool {
     let path = Path::from(name);
     let r = if (buf.len() as u64) <= sh.cfg.multipart_bytes {
         let payload = PutPayload::from(Bytes::from(buf));
-        sh.request("put", sh.store.put(&path, payload))
+        sh.request_put("put", sh.store.put(&path, payload))
             .await
             .map(|_| ())
     } else {
         let part = usize::try_from(sh.cfg.multipart_bytes).unwrap_or(usize::MAX);
-        sh.request("multipart put", async {
+        sh.request_put("multipart put", async {
             let upload = sh.store.put_multipart(&path).await?;
             let mut w = WriteMultipart::new_with_chunk_size(upload, part);
             w.put(Bytes::from(buf));
