@@ -474,6 +474,24 @@ class ChainManagerCore:
         remote_tls_ca_file: str | os.PathLike[str] | None = None,
         remote_idle_spin_s: float | None = None,
         remote_idle_nap_s: float | None = None,
+        object_url: str | None = None,
+        object_endpoint: str | None = None,
+        object_region: str | None = None,
+        object_namespace: str | None = None,
+        object_bytes_to_use: int | None = None,
+        object_ttl_s: float | None = None,
+        object_connect_timeout_s: float = ...,
+        object_timeout_s: float = ...,
+        object_max_retries: int = ...,
+        object_io_threads: int = ...,
+        object_max_requests: int = ...,
+        object_max_queued_writes: int = ...,
+        object_max_inflight_bytes: int = ...,
+        object_negative_ttl_s: float = ...,
+        object_list_interval_s: float | None = ...,
+        object_multipart_bytes: int = ...,
+        object_profile: str | None = None,
+        object_store_threshold: int = ...,
     ) -> ChainManagerCore: ...
     def lookup(self, key: bytes, req_context: Any = None, after: bytes | None = None) -> bool | None:
         """`True` ready, `None` pending (store, promotion or fetch in flight), `False` absent.
@@ -551,7 +569,8 @@ def bench_disk(
 @final
 class BlockStore:
     """One of kvoff's secondary tiers — the file tier (``path``) or the remote tier on
-    Redis/Valkey (``path=None, remote_url=...``) — as a block store for engines that own their host
+    Redis/Valkey (``path=None, remote_url=...``) or an S3-compatible store (``path=None,
+    object_url=...``; budget ``object_bytes_to_use``, else ``capacity_bytes``) — as a block store for engines that own their host
     memory (docs/tier.md, "The block store"): rows mode (``rows=(ptr, num_rows, row_stride_bytes)``,
     queued jobs, ``poll``) or segments mode (``write_segments``/``read_segments`` over lists of
     pieces)."""
@@ -595,11 +614,28 @@ class BlockStore:
         remote_max_fetch_keys: int = ...,
         remote_password_env: str = ...,
         remote_tls_ca_file: str | os.PathLike[str] | None = None,
+        object_url: str | None = None,
+        object_endpoint: str | None = None,
+        object_region: str | None = None,
+        object_namespace: str | None = None,
+        object_bytes_to_use: int | None = None,
+        object_ttl_s: float | None = None,
+        object_connect_timeout_s: float = ...,
+        object_timeout_s: float = ...,
+        object_max_retries: int = ...,
+        object_io_threads: int = ...,
+        object_max_requests: int = ...,
+        object_max_queued_writes: int = ...,
+        object_max_inflight_bytes: int = ...,
+        object_negative_ttl_s: float = ...,
+        object_list_interval_s: float | None = ...,
+        object_multipart_bytes: int = ...,
+        object_profile: str | None = None,
     ) -> BlockStore: ...
     @property
     def block_bytes(self) -> int: ...
     @property
-    def kind(self) -> Literal["disk", "remote"]: ...
+    def kind(self) -> Literal["disk", "remote", "object"]: ...
     def submit_write(self, keys: Iterable[bytes], blocks: list[int]) -> list[bool]: ...
     def submit_read(self, keys: Iterable[bytes], blocks: list[int]) -> list[bool]: ...
     def poll(self) -> tuple[list[tuple[bytes, int, bool]], list[tuple[bytes, int, bool]]]: ...
