@@ -56,7 +56,9 @@ NEEDS_PROMETHEUS = re.compile(r"serve_metrics\(|prometheus_text\(|TransferMetric
 
 
 @pytest.mark.parametrize(("line", "code", "reason"), PYTHON, ids=[f"README.md:{b[0]}" for b in PYTHON])
-def test_python_snippet_runs(line: int, code: str, reason: str | None, tmp_path: Path) -> None:
+def test_python_snippet_runs(
+    line: int, code: str, reason: str | None, tmp_path: Path, request: pytest.FixtureRequest
+) -> None:
     if reason is not None:
         pytest.skip(f"README.md:{line}: {reason}")
     for mod in OPTIONAL:
@@ -66,8 +68,24 @@ def test_python_snippet_runs(line: int, code: str, reason: str | None, tmp_path:
                 __import__(mod)
             except ImportError:
                 pytest.skip(f"README.md:{line} needs {mod}, which is not installed here")
+    env = dict(os.environ)
+    if "object_url=" in code:
+        # The object tier's snippet runs against a real SeaweedFS (the session's), its endpoint and
+        # bucket in place of the example's, credentials in the environment as the snippet says.
+        srv = request.getfixturevalue("seaweed")
+        m = re.search(r'object_url="s3://([a-z0-9.-]+)/', code)
+        assert m is not None
+        srv.create_bucket(m.group(1))
+        code = re.sub(r'object_endpoint="[^"]*"', f'object_endpoint="{srv.endpoint}"', code)
+        env.update(srv.env())
     p = subprocess.run(
-        [sys.executable, "-c", code], cwd=tmp_path, capture_output=True, text=True, timeout=600, check=False
+        [sys.executable, "-c", code],
+        cwd=tmp_path,
+        capture_output=True,
+        text=True,
+        timeout=600,
+        check=False,
+        env=env,
     )
     assert p.returncode == 0, f"README.md:{line}:\n{code}\n--- stderr:\n{p.stderr[-4000:]}"
 
