@@ -108,6 +108,22 @@ impl Index {
         Some(e)
     }
 
+    /// Records a value found (by a fetch or a read): present, most recently used, born at
+    /// `born_ns`, confirmed at `now_ns`.
+    pub(super) fn found(&mut self, id: u64, stem: Box<str>, bytes: u64, born_ns: u64, now_ns: u64) {
+        let recency = self.stamp(now_ns);
+        self.set(
+            id,
+            Entry::Present {
+                stem,
+                bytes,
+                recency,
+                born_ns,
+                seen_ns: now_ns,
+            },
+        );
+    }
+
     /// Moves a present value to the most-recent end.
     pub(super) fn touch(&mut self, id: u64, now_ns: u64) {
         let stamp = self.stamp(now_ns);

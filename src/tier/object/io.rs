@@ -245,20 +245,8 @@ pub(super) async fn read(sh: Arc<Shared>, mut guard: JobGuard, key: ByteKey, blo
     match st.index.get(id) {
         Some(Entry::Present { .. }) => st.index.touch(id, now),
         Some(Entry::Writing { .. }) => {}
-        _ => {
-            // Read without knowing it (readahead): now it is known.
-            let recency = st.index.stamp(now);
-            st.index.set(
-                id,
-                Entry::Present {
-                    stem: stem.into(),
-                    bytes: sh.value_len,
-                    recency,
-                    born_ns: now,
-                    seen_ns: now,
-                },
-            );
-        }
+        // Read without knowing it (readahead): now it is known.
+        _ => st.index.found(id, stem.into(), sh.value_len, now, now),
     }
 }
 
@@ -317,17 +305,7 @@ pub(super) async fn fetch(sh: Arc<Shared>, _guard: JobGuard, key: ByteKey) {
         let mut st = lock(&sh.state);
         if matches!(st.index.get(id), Some(Entry::Fetching)) {
             if let Some((stem, born)) = entry {
-                let recency = st.index.stamp(now);
-                st.index.set(
-                    id,
-                    Entry::Present {
-                        stem: stem.into(),
-                        bytes: sh.value_len,
-                        recency,
-                        born_ns: born,
-                        seen_ns: now,
-                    },
-                );
+                st.index.found(id, stem.into(), sh.value_len, born, now);
             } else {
                 let until = st
                     .down_until
