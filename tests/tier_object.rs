@@ -324,6 +324,55 @@ fn the_namespace_stays_within_its_budget_under_ten_times_its_size() {
     }
 }
 
+/// Two engines writing one namespace, each 10× the budget: together never more than what each
+/// keeps (2× the budget) even between listings, and within the budget once both have listed.
+#[test]
+fn engines_sharing_a_namespace_stay_bounded() {
+    let _g = serial();
+    if !seaweed::have_weed() {
+        return;
+    }
+    let srv = seaweed::Seaweed::start(&["shared"]);
+    let (rt, cli) = client(&srv, "shared");
+    let mut c = cfg(&srv, "shared", "ns", 1);
+    let probe = ObjectTier::open(c.clone(), Arc::new(VecMemory::new(1, BLOCK))).unwrap();
+    let (value, base) = (probe.value_len(), probe.base().to_owned());
+    drop(probe);
+    c.bytes_to_use = 12 * value;
+    c.list_interval = Some(Duration::from_millis(200));
+    let (mut a, mem_a) = chain_of(c.clone(), 8);
+    let (mut b, mem_b) = chain_of(c, 8);
+    let mut worst = 0;
+    for round in 0..15 {
+        store(
+            &mut a,
+            &mem_a,
+            &(round * 16..round * 16 + 8).collect::<Vec<_>>(),
+        );
+        store(
+            &mut b,
+            &mem_b,
+            &(round * 16 + 8..round * 16 + 16).collect::<Vec<_>>(),
+        );
+        a.flush();
+        b.flush();
+        worst = worst.max(listed(&rt, &cli, &base).0);
+    }
+    assert!(worst <= 24 * value, "{worst} > 2 x budget");
+    object(&a).rescan();
+    object(&b).rescan();
+    object(&a).flush();
+    object(&b).flush();
+    let (bytes, n) = listed(&rt, &cli, &base);
+    assert!(
+        bytes <= 12 * value,
+        "{n} values, {bytes} bytes after both listed"
+    );
+    for mut m in [a, b] {
+        m.shutdown();
+    }
+}
+
 #[test]
 fn values_past_their_ttl_are_neither_served_nor_kept() {
     let _g = serial();
