@@ -188,9 +188,10 @@ def _m(
     vllm: bool | str = True,
     generic: str | None = None,
     store_only: bool = False,
+    manager_only: bool = False,
 ) -> Metric:
     name = ("vllm:kvoff_" + key if vllm is True else vllm) or None
-    surfaces: tuple[Surface, ...] = ("store",) if store_only else ("manager", "store")
+    surfaces: tuple[Surface, ...] = ("store",) if store_only else ("manager",) if manager_only else _BOTH
     return Metric(key, "gauge" if gauge else "counter", help_, prometheus, name, generic, surfaces)
 
 
@@ -228,7 +229,7 @@ METRICS: dict[str, tuple[Metric, ...]] = {
             "kvoff_disk_read_bytes_total",
             generic="bytes_read",
         ),
-        _m("disk_promotions", "promotions completed", "kvoff_disk_promotions_total"),
+        _m("disk_promotions", "promotions completed", "kvoff_disk_promotions_total", manager_only=True),
         _m(
             "disk_reads",
             "reads into the block store's rows or pieces",
@@ -261,6 +262,7 @@ METRICS: dict[str, tuple[Metric, ...]] = {
             "foreign entries skipped (FIFOs, links, untrusted owners; docs/tier.md Trust)",
             "kvoff_disk_rejected_files_total",
             vllm=False,
+            manager_only=True,
         ),
         _m(
             "disk_evicted_files",
@@ -268,7 +270,7 @@ METRICS: dict[str, tuple[Metric, ...]] = {
             "kvoff_disk_evicted_files_total",
             generic="evicted",
         ),
-        _m("disk_hits", "host misses found on disk", "kvoff_disk_hits_total"),
+        _m("disk_hits", "host misses found on disk", "kvoff_disk_hits_total", manager_only=True),
         _m(
             "disk_indexed_files",
             "files indexed",
@@ -286,13 +288,24 @@ METRICS: dict[str, tuple[Metric, ...]] = {
         ),
     ),
     "remote": (
-        _m("remote_hits", "host (and file) misses found on the server", "kvoff_remote_hits_total"),
+        _m(
+            "remote_hits",
+            "host (and file) misses found on the server",
+            "kvoff_remote_hits_total",
+            manager_only=True,
+        ),
         _m(
             "remote_misses",
             "keys the server did not hold (or could not be asked)",
             "kvoff_remote_misses_total",
+            manager_only=True,
         ),
-        _m("remote_promotions", "values promoted into host memory", "kvoff_remote_promotions_total"),
+        _m(
+            "remote_promotions",
+            "values promoted into host memory",
+            "kvoff_remote_promotions_total",
+            manager_only=True,
+        ),
         _m(
             "remote_reads",
             "reads into the block store's rows or pieces",
@@ -357,7 +370,13 @@ METRICS: dict[str, tuple[Metric, ...]] = {
             generic="fetch_errors",
         ),
         _m("remote_reconnects", "recoveries of a node after a failure", "kvoff_remote_reconnects_total"),
-        _m("remote_fetches", "batched fetches started", "kvoff_remote_fetches_total", vllm=False),
+        _m(
+            "remote_fetches",
+            "batched fetches started",
+            "kvoff_remote_fetches_total",
+            vllm=False,
+            manager_only=True,
+        ),
         _m(
             "remote_known_present",
             "keys the index knows the server holds",
@@ -375,13 +394,24 @@ METRICS: dict[str, tuple[Metric, ...]] = {
         ),
     ),
     "object": (
-        _m("object_hits", "misses of the tiers before found in the object store", "kvoff_object_hits_total"),
+        _m(
+            "object_hits",
+            "misses of the tiers before found in the object store",
+            "kvoff_object_hits_total",
+            manager_only=True,
+        ),
         _m(
             "object_misses",
             "keys the object store did not hold (or could not be asked)",
             "kvoff_object_misses_total",
+            manager_only=True,
         ),
-        _m("object_promotions", "values promoted into host memory", "kvoff_object_promotions_total"),
+        _m(
+            "object_promotions",
+            "values promoted into host memory",
+            "kvoff_object_promotions_total",
+            manager_only=True,
+        ),
         _m(
             "object_reads",
             "reads into the block store's rows or pieces",
@@ -453,7 +483,9 @@ METRICS: dict[str, tuple[Metric, ...]] = {
             generic="evicted",
         ),
         _m("object_expired", "values deleted past object_ttl_s", "kvoff_object_expired_total", vllm=False),
-        _m("object_listings", "listings of the namespace finished", "kvoff_object_listings_total", vllm=False),
+        _m(
+            "object_listings", "listings of the namespace finished", "kvoff_object_listings_total", vllm=False
+        ),
         _m(
             "object_index_entries",
             "entries of the in-memory index (values and remembered misses)",

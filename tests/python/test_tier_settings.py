@@ -160,6 +160,30 @@ def test_metrics_views_are_read_from_the_tables() -> None:
     )
 
 
+def test_block_store_stats_hold_every_store_row(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Each tier's rows on the ``store`` surface are keys of the block store's ``stats()`` on that
+    tier (the figures SGLang's backend and vLLM's tiering report); the manager-only ones (hits,
+    misses and promotions of the chain) are not. Nothing is reached: the servers are unused."""
+    monkeypatch.setenv("AWS_ACCESS_KEY_ID", "KVOFFUNUSED")
+    monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", "unused")
+    stores = {
+        "disk": _native.BlockStore(str(tmp_path), 1 << 20, BLOCK),
+        "remote": _store(),
+        "object": _native.BlockStore(
+            None, 1 << 20, BLOCK, object_url="s3://kvoff-unused/p", object_endpoint="http://127.0.0.1:1"
+        ),
+    }
+    try:
+        for kind, s in stores.items():
+            assert s.kind == kind
+            st = s.stats()
+            for m in tiers.METRICS[kind]:
+                assert (m.key in st) == ("store" in m.surfaces), (kind, m.key)
+    finally:
+        for s in stores.values():
+            s.shutdown()
+
+
 # --- the remote settings on every surface ---------------------------------------------------------
 
 
