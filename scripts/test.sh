@@ -183,8 +183,9 @@ if [ "${KVOFF_SKIP_SGLANG:-0}" != 1 ] && [ "$QUICK" = 0 ]; then
   install_sglang_env "$SGLANG_ENV"
   "$SGLANG_ENV/bin/python" -m pip "${PIP_FLAGS[@]}" install "${PYTEST_PLUGINS[@]}"
   "$SGLANG_ENV/bin/python" -m pip "${PIP_FLAGS[@]}" install --force-reinstall --no-deps "$WHEEL"
-  # v1 and v2 (hybrid pools) on the file tier, and the remote tier against a real redis-server
-  # (KVOFF_REQUIRE_REDIS, exported above, makes a missing server a failure there too).
+  # v1 and v2 (hybrid pools) on the file tier, the remote tier against a real redis-server and the
+  # object tier against SeaweedFS (one weed mini for the run; KVOFF_REQUIRE_REDIS and
+  # KVOFF_REQUIRE_SEAWEED, exported above, make a missing server a failure there too).
   step "pytest tests/sglang: kvoff.sglang through SGLang's factory and host pools ($SGLANG_ENV)"
   KVOFF_REQUIRE_SGLANG=1 "$SGLANG_ENV/bin/python" -m pytest -q -p no:cacheprovider -rs tests/sglang
   # No Valkey pass: SGLang's backend reaches the server only through the remote tier (its remote

@@ -20,6 +20,7 @@ import secrets
 import socket
 import threading
 import urllib.parse
+import xml.etree.ElementTree as ET
 from typing import IO, NamedTuple
 
 from typing_extensions import Self
@@ -159,6 +160,24 @@ class S3Client:
         if r.status != 200:
             raise RuntimeError(f"GetObject {bucket}/{key}: {r.status} {r.body[:300]!r}")
         return r.body
+
+    def list_keys(self, bucket: str, prefix: str = "", page: int = 1000) -> list[str]:
+        """Every key under ``prefix`` (ListObjectsV2, ``page`` keys a request), in S3's order."""
+        keys: list[str] = []
+        token: str | None = None
+        while True:
+            q = {"list-type": "2", "prefix": prefix, "max-keys": str(page)}
+            if token:
+                q["continuation-token"] = token
+            r = self.request("GET", f"/{bucket}", query=q)
+            if r.status != 200:
+                raise RuntimeError(f"ListObjectsV2 {bucket}/{prefix}: {r.status} {r.body[:300]!r}")
+            root = ET.fromstring(r.body)
+            ns = root.tag[: root.tag.index("}") + 1] if root.tag.startswith("{") else ""
+            keys += [k.text or "" for k in root.iter(f"{ns}Key")]
+            token = root.findtext(f"{ns}NextContinuationToken")
+            if root.findtext(f"{ns}IsTruncated") != "true" or not token:
+                return keys
 
     def close(self) -> None:
         if self._conn is not None:

@@ -6,7 +6,10 @@ KV buffers), and its real ``StorageBackendFactory`` with the ``dynamic`` config 
 ``kvoff.sglang.KvoffHiCacheStorage``; pages are stored with ``batch_set_v1``, dropped from the host
 pool, and loaded back with ``batch_get_v1`` into other host slots, compared byte for byte with
 SGLang's own ``get_data_page``. A second process (a second server) sees the first's pages; ranks
-and models are isolated; corrupt files are never served.
+and models are isolated; corrupt files are never served. The same backend on the remote tier (a
+real ``redis-server``) and the object tier (SeaweedFS, ``tests/python/seaweed.py``, one server for
+the session): a second backend finds the pages byte-exact; other namespaces see none; corrupt
+values are never served.
 
 Level: the backend under SGLang's factory and host pools. SGLang's ``HiCacheController`` (which
 calls these methods from its prefetch and backup threads) is built from the device KV pool and
@@ -23,6 +26,8 @@ import json
 import os
 import subprocess
 import sys
+import time
+import uuid
 from typing import Any
 
 import pytest
@@ -681,4 +686,271 @@ def test_remote_settings_are_checked_by_the_block_stores_reader() -> None:
     cfg.extra_config = {**cfg.extra_config, "remote_io_threads": 2, "remote_timeout_s": 0.5}
     b = KvoffHiCacheStorage(cfg)
     assert b.lookup_wait_s == 0.5
+    b.close()
+
+
+# --- the object tier (a real SeaweedFS) under the same backend -----------------------------------
+
+
+@pytest.fixture(scope="session")
+def seaweed_server() -> Any:
+    """One SeaweedFS S3 server for the session (tests/python/seaweed.py, as tests/python's
+    ``seaweed`` fixture); each test writes under a prefix of its own."""
+    sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "python"))
+    import seaweed as sw
+
+    reason = sw.missing_reason()
+    if reason is not None:
+        if os.environ.get("KVOFF_REQUIRE_SEAWEED"):
+            pytest.fail(f"KVOFF_REQUIRE_SEAWEED is set but: {reason}")
+        pytest.skip(reason)
+    srv = sw.SeaweedServer(name="sglang-hicache")
+    try:
+        yield srv.start()
+    finally:
+        srv.close()
+
+
+class S3:
+    """The session's server, this test's ``s3://`` prefix, and what the bucket holds under it."""
+
+    def __init__(self, srv: Any) -> None:
+        self.srv = srv
+        self.prefix = f"sglang-{uuid.uuid4().hex[:12]}"
+        self.url = f"s3://{srv.bucket}/{self.prefix}"
+
+    def keys(self) -> set[str]:
+        with self.srv.client() as c:
+            return set(c.list_keys(self.srv.bucket, self.prefix + "/"))
+
+    def flip(self, key: str, at: int) -> None:
+        """Another client overwrites the object with the byte at ``at`` flipped (same length)."""
+        with self.srv.client() as c:
+            data = bytearray(c.get_object(self.srv.bucket, key) or b"")
+            data[at] ^= 0x01
+            c.put_object(self.srv.bucket, key, bytes(data))
+
+    def truncate(self, key: str, n: int) -> None:
+        with self.srv.client() as c:
+            data = c.get_object(self.srv.bucket, key) or b""
+            c.put_object(self.srv.bucket, key, data[:n])
+
+
+@pytest.fixture
+def s3(seaweed_server: Any, monkeypatch: pytest.MonkeyPatch) -> S3:
+    """Credentials from the environment (the only place the object tier takes them); the endpoint
+    only from the extra config (``object_endpoint``), none in the environment."""
+    env = seaweed_server.env()
+    for k in ("AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY"):
+        monkeypatch.setenv(k, env[k])
+    for k in ("AWS_ENDPOINT_URL", "AWS_ENDPOINT_URL_S3", "AWS_ENDPOINT", "AWS_PROFILE"):
+        monkeypatch.delenv(k, raising=False)
+    return S3(seaweed_server)
+
+
+def object_config(s3: S3, **kw: Any) -> Any:
+    extra_kw = {k: kw.pop(k) for k in list(kw) if k.startswith("object_") or k == "namespace"}
+    cfg = storage_config("unused", **kw)
+    extra = dict(cfg.extra_config)
+    del extra["disk_path"]
+    extra.update(
+        object_url=s3.url,
+        object_endpoint=s3.srv.endpoint,
+        object_timeout_s=2.0,
+        object_connect_timeout_s=0.5,
+        object_negative_ttl_s=0.2,
+        **extra_kw,
+    )
+    cfg.extra_config = extra
+    return cfg
+
+
+def store_pages(b: Any, s3: S3, pool: Any, keys: list[str], slots: list[int]) -> list[str]:
+    """``batch_set_v1`` page by page; each page's object name (what the bucket gained)."""
+    names = []
+    for k, slot in zip(keys, slots, strict=True):
+        before = s3.keys()
+        assert b.batch_set_v1([k], indices([slot])) == [True]
+        (name,) = s3.keys() - before
+        names.append(name)
+    return names
+
+
+def test_object_tier_second_backend_byte_exact(s3: S3) -> None:
+    """``object_url`` in the extra config puts SGLang's pages in the bucket; a second backend (new
+    block stores: an empty index, which learns from the bucket) finds them and loads them
+    byte-exact, v1 and v2; kvoff's figures are the object tier's rows of ``kvoff.tiers.METRICS``."""
+    from kvoff.tiers import METRICS
+
+    pool, mamba = mha_pool("page_first"), mamba_pool()
+    b = backend(object_config(s3, page_first=True), pool)
+    b.register_mem_host_pool_v2(pool, PoolName.KV)
+    b.register_mem_host_pool_v2(mamba, PoolName.MAMBA)
+    try:
+        assert b.kind == "object" and b.store.kind == "object" and b.pools["mamba"].store.kind == "object"
+        fill(pool, 51)
+        fill_mamba(mamba, 52)
+        src = [1, 2, 3, 4]
+        want = [page_bytes(pool, s) for s in src]
+        want_m = mamba_page(mamba, 3)
+        assert b.batch_set_v1(KEYS[:4], indices(src)) == [True] * 4
+        m = b.batch_set_v2(
+            [PoolTransfer(name=PoolName.MAMBA, host_indices=torch.tensor([3]), keys=[KEYS[3]])]
+        )
+        assert m == {PoolName.MAMBA: [True]}
+        st = b.kvoff_stats()
+        assert st["object_writes"] == 4 and st["object_bytes_written"] == 4 * b.page_bytes
+        assert b.kvoff_stats("mamba")["object_writes"] == 1
+        assert len(s3.keys()) == 5  # four KV pages and one Mamba state, one object each
+        assert sum(b.get_stats().backup_pgs) == 4
+    finally:
+        b.close()
+    pool2, mamba2 = mha_pool("page_first"), mamba_pool()
+    b2 = backend(object_config(s3, page_first=True), pool2)
+    b2.register_mem_host_pool_v2(pool2, PoolName.KV)
+    b2.register_mem_host_pool_v2(mamba2, PoolName.MAMBA)
+    try:
+        # A fresh index: batch_exists learns from the bucket (its listing, or HEAD requests).
+        assert b2.batch_exists(KEYS) == 4
+        trailing = PoolTransfer(name=PoolName.MAMBA, keys=[KEYS[0]], hit_policy=PoolHitPolicy.TRAILING_PAGES)
+        r = b2.batch_exists_v2(KEYS[:4], [trailing])
+        assert r.kv_hit_pages == 4 and r.restorable_prefix_pages == [4]
+        dst = [9, 10, 11, 12]
+        assert b2.batch_get_v1(KEYS[:4], indices(dst)) == [True] * 4
+        for w, d in zip(want, dst, strict=True):
+            assert torch.equal(page_bytes(pool2, d), w)
+        got = b2.batch_get_v2(
+            [PoolTransfer(name=PoolName.MAMBA, host_indices=torch.tensor([6]), keys=[KEYS[3]])]
+        )
+        assert got == {PoolName.MAMBA: [True]}
+        assert torch.equal(mamba_page(mamba2, 6), want_m)
+        sentinel = page_bytes(pool2, 13)
+        assert b2.batch_get_v1(["d" * 64], indices([13])) == [False]
+        assert torch.equal(page_bytes(pool2, 13), sentinel)
+        st = b2.kvoff_stats()
+        assert st["object_reads"] == 4 and st["object_bytes_read"] == 4 * b2.page_bytes
+        assert st["object_rejected_values"] == 0 and st["object_writes"] == 0 and st["object_up"] == 1
+        assert sum(b2.get_stats().prefetch_pgs) == 4
+        # Every figure the object tier's table lists for the block store, and no other tier's.
+        for row in METRICS["object"]:
+            assert (row.key in st) == ("store" in row.surfaces), row.key
+        assert not any(k.startswith(("disk_", "remote_")) for k in st)
+    finally:
+        b2.close()
+
+
+def test_object_tier_other_namespaces_see_nothing(s3: S3) -> None:
+    """Another ``namespace``, model or TP rank finds none of the pages; ``object_namespace`` stands
+    for ``namespace`` (the pool's geometry is still added: an SWA pool of the KV pool's geometry
+    never shares its pages)."""
+    pool = mha_pool("page_first")
+    b = backend(object_config(s3, page_first=True), pool)
+    try:
+        fill(pool, 53)
+        want = page_bytes(pool, 1)
+        assert b.batch_set_v1(KEYS[:3], indices([1, 2, 3])) == [True] * 3
+    finally:
+        b.close()
+    for kw, seen in (
+        ({"namespace": "org/other"}, 0),
+        ({"model": "org/other"}, 0),
+        ({"tp_rank": 1, "tp_size": 2}, 0),
+        ({"namespace": "org/other", "object_namespace": "org/tiny"}, 3),  # the writer's model name
+    ):
+        pool2 = mha_pool("page_first")
+        b2 = backend(object_config(s3, page_first=True, **kw), pool2)
+        try:
+            assert b2.batch_exists(KEYS[:3]) == seen, kw
+            ok = b2.batch_get_v1(KEYS[:1], indices([5]))
+            assert ok == [bool(seen)], kw
+            assert torch.equal(page_bytes(pool2, 5), want) == bool(seen), kw
+        finally:
+            b2.close()
+    # With object_namespace set, an SWA pool of the KV pool's geometry is still a namespace apart.
+    kv, swa = mha_pool("page_first"), mha_pool("page_first")
+    b3 = backend(object_config(s3, page_first=True, object_namespace="shared"), kv)
+    try:
+        b3.register_mem_host_pool_v2(kv, PoolName.KV)
+        b3.register_mem_host_pool_v2(swa, PoolName.SWA)
+        fill(swa, 54)
+        t = PoolTransfer(name=PoolName.SWA, host_indices=indices([1, 2]), keys=KEYS[4:6])
+        assert b3.batch_set_v2([t]) == {PoolName.SWA: [True, True]}
+        assert b3.batch_exists(KEYS[4:6]) == 0  # SWA pages are not KV pages
+        assert b3.pools["swa"].store.dir == b3.store.dir  # one bucket prefix; namespaces inside
+    finally:
+        b3.close()
+
+
+def test_object_tier_corrupt_pages_are_never_served(s3: S3) -> None:
+    """A page whose object another client overwrote with a byte flipped, and one cut short: read
+    as missing, counted as rejected, deleted from the bucket, the host pool untouched."""
+    pool = mha_pool("layer_first")
+    b = backend(object_config(s3), pool)
+    try:
+        fill(pool, 55)
+        names = store_pages(b, s3, pool, KEYS[:3], [1, 2, 3])
+        size = b.page_bytes
+    finally:
+        b.close()
+    s3.flip(names[1], -size // 2)  # a payload byte of the middle page
+    s3.truncate(names[2], 100)  # the last one cut inside its header
+    pool2 = mha_pool("layer_first")
+    b2 = backend(object_config(s3), pool2)
+    try:
+        # The first listing sees the short value's length and rejects it; the flipped one has the
+        # right length and is held until a read checks it. (Read before that listing ends, the
+        # short value may be rejected twice, by the listing and by the read's HEAD: counted 3.)
+        deadline = time.monotonic() + 20
+        while b2.kvoff_stats()["object_listings"] < 1:
+            assert time.monotonic() < deadline, "the first listing never finished"
+            time.sleep(0.005)
+        assert b2.kvoff_stats()["object_rejected_values"] == 1
+        assert b2.batch_exists(KEYS[:3]) == 2
+        sentinel = [page_bytes(pool2, s) for s in (6, 7)]
+        assert b2.batch_get_v1(KEYS[:3], indices([5, 6, 7])) == [True, False, False]
+        assert torch.equal(page_bytes(pool2, 6), sentinel[0]), "bytes of a corrupt page reached the pool"
+        assert torch.equal(page_bytes(pool2, 7), sentinel[1]), "bytes of a short page reached the pool"
+        st = b2.kvoff_stats()
+        assert st["object_rejected_values"] == 2 and st["object_reads"] == 1
+        assert b2.batch_exists(KEYS[:3]) == 1
+        assert s3.keys() == {names[0]}
+    finally:
+        b2.close()
+
+
+def test_object_settings_are_checked_by_the_block_stores_reader() -> None:
+    """Every object setting of the block store is read from the extra config and checked when the
+    backend is built (a ``ConfigError`` naming the key); one tier per backend."""
+    from kvoff import tiers
+    from kvoff.errors import ConfigError
+    from kvoff.sglang import backend as sglang_backend
+
+    for name in tiers.settings_of("object", "store"):
+        assert name in sglang_backend.SETTINGS, name
+    url = "s3://kvoff-unused/p"
+
+    def cfg(**kw: Any) -> Any:
+        c = remote_config("unused")
+        extra = {k: v for k, v in c.extra_config.items() if k != "remote_url"}
+        c.extra_config = {**extra, "object_url": url, **kw}
+        return c
+
+    bad = {
+        "object_timeout_s": (-1, 0),
+        "object_connect_timeout_s": (-1, 0),
+        "object_ttl_s": (-1, 0),
+        "object_io_threads": (-1, 0, 65),
+        "object_max_retries": (-1, 2**64),
+        "object_bytes_to_use": (-1, 2**64),
+        "object_namespace": (1,),
+    }
+    for name, values in bad.items():
+        for v in (*values, True):
+            with pytest.raises(ConfigError, match=name):
+                KvoffHiCacheStorage(cfg(**{name: v}))
+    for both in ({"disk_path": "/tmp/x"}, {"remote_url": "redis://127.0.0.1:1"}):
+        with pytest.raises(ConfigError, match="not both"):
+            KvoffHiCacheStorage(cfg(**both))
+    b = KvoffHiCacheStorage(cfg(object_timeout_s=0.75, namespace="ns", object_namespace="ons"))
+    assert b.kind == "object" and b.lookup_wait_s == 0.75 and b.namespace_base == "ons"
     b.close()

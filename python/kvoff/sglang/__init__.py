@@ -10,7 +10,9 @@ SGLang loads it through its ``dynamic`` backend, with no patch::
 
 Each L3 page is one kvoff file (docs/tier.md: checked header and payload, atomic publication,
 capacity over this instance's own files, other engines' files picked up by rescans), or with
-``remote_url`` instead of ``disk_path`` one value on Redis/Valkey (kvoff's remote tier, same checks).
+``remote_url`` instead of ``disk_path`` one value on Redis/Valkey (kvoff's remote tier, same checks),
+or with ``object_url`` (``s3://bucket/prefix``) one object in an S3-compatible store (kvoff's object
+tier: same checks, a byte budget per rank, credentials from the ``AWS_*`` environment).
 The v1 zero-copy path gathers a page from SGLang's host pool (``get_page_buffer_meta``: layer-first,
 page-first, MHA and MLA) on kvoff's I/O threads and scatters it back; the v2 path does the same per
 hybrid-model pool (KV, Mamba, SWA, ...: ``batch_*_v2`` with ``PoolTransfer``s). See

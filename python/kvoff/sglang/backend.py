@@ -1,4 +1,5 @@
-"""The SGLang HiCache storage backend over kvoff's file tier (``kvoff._native.BlockStore``)."""
+"""The SGLang HiCache storage backend over one of kvoff's tiers — files, Redis/Valkey or an
+S3-compatible store — through ``kvoff._native.BlockStore``."""
 
 from __future__ import annotations
 
@@ -25,14 +26,39 @@ __all__ = ["KvoffHiCacheStorage", "storage_namespace"]
 
 log = logging.getLogger(__name__)
 
+#: The URLs that choose the tier (besides ``disk_path``: the file tier).
+_URLS = {"remote": "remote_url", "object": "object_url"}
+
+#: A tier's own namespace: on this surface it stands for ``namespace`` (it replaces SGLang's model
+#: name, and the backend still adds each pool's geometry and the parallel layout); handed to the
+#: block store as it is, it would replace all of that, and pools of one geometry (the KV pool and an
+#: SWA pool) would share values.
+_TIER_NAMESPACES = {"remote": "remote_namespace", "object": "object_namespace"}
+
 #: The tiers' settings passed through to ``BlockStore`` as they are (:data:`kvoff.tiers.SETTINGS`,
 #: those the block store takes), checked when the backend is built.
 _TIER_SETTINGS = tuple(
-    n for n in settings_of("disk", "store") + settings_of("remote", "store") if n != "remote_url"
+    n
+    for kind in ("disk", "remote", "object")
+    for n in settings_of(kind, "store")
+    if n not in _URLS.values() and n not in _TIER_NAMESPACES.values()
 )
 
 #: Settings read from ``--hicache-storage-backend-extra-config`` (besides SGLang's own keys).
-SETTINGS = ("disk_path", "disk_bytes_to_use", "namespace", "slots", "owner", "remote_url", *_TIER_SETTINGS)
+SETTINGS = (
+    "disk_path",
+    "disk_bytes_to_use",
+    "namespace",
+    "slots",
+    "owner",
+    *_URLS.values(),
+    *_TIER_NAMESPACES.values(),
+    *_TIER_SETTINGS,
+)
+
+#: How long ``batch_exists`` waits for the server's answers about keys the index does not know
+#: (``remote_timeout_s`` / ``object_timeout_s``; the file tier's index knows every file: no wait).
+_LOOKUP_WAIT = {"remote": "remote_timeout_s", "object": "object_timeout_s"}
 
 #: Where this backend's defaults differ from the block store's (``kvoff.tiers.TIER_DEFAULTS``):
 #: a ``batch_set`` queues up to ``slots`` (512) pages at once, so the queue holds more than that
@@ -87,11 +113,12 @@ class _PoolStore:
 
 
 class KvoffHiCacheStorage(HiCacheStorage):
-    """SGLang's L3 storage on kvoff's file tier.
+    """SGLang's L3 storage on one of kvoff's tiers: files, Redis/Valkey or an S3-compatible store.
 
     Built by SGLang's ``StorageBackendFactory`` (``dynamic`` backend) as
-    ``KvoffHiCacheStorage(storage_config, kwargs)``; the files are opened when SGLang registers the
-    host pool (the page's bytes are known then). Settings, from the extra config:
+    ``KvoffHiCacheStorage(storage_config, kwargs)``; the tier is opened when SGLang registers the
+    host pool (the page's bytes are known then). Settings, from the extra config — exactly one of
+    ``disk_path``, ``remote_url`` and ``object_url`` chooses the tier:
 
     - ``disk_path`` (``file_storage_path`` also accepted): directory of the files; or
     - ``remote_url`` instead: kvoff's remote tier on Redis/Valkey (``redis://``, ``rediss://``,
@@ -100,19 +127,33 @@ class KvoffHiCacheStorage(HiCacheStorage):
       ``remote_connect_timeout_s``, ``remote_max_inflight_bytes``, ``remote_negative_ttl_s``,
       ``remote_max_fetch_keys``, ``remote_password_env``, ``remote_tls_ca_file`` (a PEM CA for
       ``rediss://``), ``remote_io_threads`` (default ``io_threads``), ``remote_max_queued_writes``,
-      ``remote_idle_spin_s``, ``remote_idle_nap_s``: every block-store setting of
-      :data:`kvoff.tiers.SETTINGS`, checked by the block store's reader when the backend is built
-      (a :class:`kvoff.ConfigError` naming the key).
+      ``remote_idle_spin_s``, ``remote_idle_nap_s``; or
+    - ``object_url`` instead (``s3://bucket/prefix``): kvoff's object tier on an S3-compatible
+      store (AWS S3, SeaweedFS, MinIO, Ceph RGW; docs/tier.md "Object tier"), with
+      ``object_endpoint`` (default ``$AWS_ENDPOINT_URL``, else AWS), ``object_region``,
+      ``object_bytes_to_use`` (this rank's byte budget in the namespace per pool; default
+      ``disk_bytes_to_use``'s), ``object_ttl_s``, ``object_timeout_s`` (5.0; also the most
+      ``batch_exists`` waits for the store's answers), ``object_connect_timeout_s``,
+      ``object_max_retries``, ``object_io_threads``, ``object_max_requests``,
+      ``object_max_queued_writes``, ``object_max_inflight_bytes``, ``object_negative_ttl_s``,
+      ``object_list_interval_s``, ``object_multipart_bytes``, ``object_profile``. Credentials come
+      from ``$AWS_ACCESS_KEY_ID``/``$AWS_SECRET_ACCESS_KEY`` or a profile, never from this config.
+    - Every block-store setting of :data:`kvoff.tiers.SETTINGS` is read, and checked by the block
+      store's reader when the backend is built (a :class:`kvoff.ConfigError` naming the key).
     - ``disk_bytes_to_use`` (100 GiB): capacity of this rank's own files (LRU eviction).
-    - ``namespace``: replaces SGLang's model name in the namespace (engines sharing files must
-      agree on it).
+    - ``namespace``: replaces SGLang's model name in the namespace (engines sharing pages must
+      agree on it); ``remote_namespace`` / ``object_namespace`` do the same on their tier (the
+      pool's geometry and the parallel layout are added to either).
     - ``io_threads`` (8), ``write_threads`` (4), ``max_queued_writes`` (4096), ``trusted_uids``,
       ``trusted_gid``, ``allow_writable_dir``, ``slots`` (512 pages
       in flight per call), ``direct_io`` (``auto``/``on``/``off``), ``fsync`` (false),
       ``rescan_interval_s`` (2.0), ``owner``.
 
     MLA: the KV is the same on every TP rank; only the storage writer (SGLang's
-    ``is_storage_writer``, rank 0) writes, every rank reads the shared files.
+    ``is_storage_writer``, rank 0) writes, every rank reads the shared pages.
+
+    kvoff's figures: :meth:`kvoff_stats` (the tier's rows of :data:`kvoff.tiers.METRICS`:
+    ``disk_*``, ``remote_*`` or ``object_*``).
     """
 
     def __init__(self, storage_config: HiCacheStorageConfig, kwargs: dict[str, Any] | None = None) -> None:
@@ -120,25 +161,54 @@ class KvoffHiCacheStorage(HiCacheStorage):
         extra = dict(storage_config.extra_config or {})
         path = extra.get("disk_path", extra.get("file_storage_path"))
         self.remote_url: str | None = extra.get("remote_url")
-        if self.remote_url is not None and path:
-            raise ConfigError(
-                "kvoff's HiCache backend is on files ('disk_path') or remote ('remote_url'), not both"
+        self.object_url: str | None = extra.get("object_url")
+        named = [
+            n
+            for n, given in (
+                ("disk_path", bool(path)),
+                ("remote_url", self.remote_url is not None),
+                ("object_url", self.object_url is not None),
             )
-        if not path and self.remote_url is None:
-            raise ConfigError("kvoff's HiCache backend needs 'disk_path' or 'remote_url' in the extra config")
+            if given
+        ]
+        if len(named) > 1:
+            raise ConfigError(
+                "kvoff's HiCache backend is on one tier — files ('disk_path'), Redis/Valkey "
+                "('remote_url') or an S3-compatible store ('object_url') — not both "
+                f"({', '.join(named[:-1])} and {named[-1]} given)"
+            )
+        if not named:
+            raise ConfigError(
+                "kvoff's HiCache backend needs 'disk_path', 'remote_url' or 'object_url' in the extra config"
+            )
+        #: ``"disk"``, ``"remote"`` or ``"object"``: the tier of every pool's block store.
+        self.kind = {"disk_path": "disk", "remote_url": "remote", "object_url": "object"}[named[0]]
         self.path = str(path) if path else None
         self.settings = {k: extra[k] for k in SETTINGS if k in extra}
         #: The tier's settings for ``BlockStore``, checked now by its own reader (a bad value fails
         #: SGLang's start, not the first registered pool).
         self.tier_settings = {**_SURFACE_DEFAULTS, **{k: extra[k] for k in _TIER_SETTINGS if k in extra}}
+        namespaces = {n: extra[n] for n in _TIER_NAMESPACES.values() if n in extra}
         try:
-            check_settings("store", remote_url=self.remote_url, **self.tier_settings)
+            check_settings(
+                "store",
+                remote_url=self.remote_url,
+                object_url=self.object_url,
+                **namespaces,
+                **self.tier_settings,
+            )
         except (TypeError, ValueError) as e:
             raise ConfigError(f"kvoff's HiCache backend, extra config: {e}") from None
-        # batch_exists on the remote tier: keys its index does not know are asked of the server
-        # (one batched round trip), waiting at most this long; the file tier never waits.
-        wait = self.tier_settings.get("remote_timeout_s") or TIER_DEFAULTS["remote_timeout_s"]
-        self.lookup_wait_s = float(wait) if self.remote_url else 0.0
+        #: What replaces SGLang's model name in each pool's namespace: the tier's own namespace,
+        #: else ``namespace``, else ``None`` (the model name).
+        own = namespaces.get(_TIER_NAMESPACES.get(self.kind, ""))
+        self.namespace_base: str | None = own if own is not None else self.settings.get("namespace")
+        # batch_exists on the remote and object tiers: keys the index does not know are asked of
+        # the server (one batched round trip; HEAD requests), waiting at most this long; the file
+        # tier never waits.
+        wait_key = _LOOKUP_WAIT.get(self.kind)
+        wait = (self.tier_settings.get(wait_key) or TIER_DEFAULTS[wait_key]) if wait_key else 0.0
+        self.lookup_wait_s = float(wait)
         self.is_mla = bool(storage_config.is_mla_model)
         self.is_writer = bool(storage_config.is_storage_writer)
         self.store: Any = None
@@ -166,6 +236,7 @@ class KvoffHiCacheStorage(HiCacheStorage):
             rank=rank,
             owner=s.get("owner"),
             remote_url=self.remote_url,
+            object_url=self.object_url,
             **self.tier_settings,
         )
 
@@ -188,7 +259,7 @@ class KvoffHiCacheStorage(HiCacheStorage):
         page = int(pool.page_size)
         _, sizes = pool.get_page_buffer_meta(torch.arange(page, dtype=torch.int64))
         self.page_bytes = int(sum(int(s) for s in sizes))
-        ns, rank, world = storage_namespace(self.storage_config, pool, self.settings.get("namespace"))
+        ns, rank, world = storage_namespace(self.storage_config, pool, self.namespace_base)
         self.namespace = ns
         self.store = self._open(ns, self.page_bytes, str(pool.dtype), rank, world)
         log.info(
@@ -230,7 +301,7 @@ class KvoffHiCacheStorage(HiCacheStorage):
             nbytes, flat = int(d.numel() * d.element_size()), True
             pieces = f"flat{nbytes}"
         sharded = name == "mamba" or not self.is_mla
-        ns, rank, world = storage_namespace(self.storage_config, host_pool, self.settings.get("namespace"))
+        ns, rank, world = storage_namespace(self.storage_config, host_pool, self.namespace_base)
         if self.is_mla and sharded:
             # Mamba in an MLA model: each TP rank's own shard.
             cfg = self.storage_config
@@ -302,7 +373,8 @@ class KvoffHiCacheStorage(HiCacheStorage):
     def batch_exists(self, keys: list[str], extra_info: Any = None) -> int:
         """Leading run of stored pages, from kvoff's in-memory index (no I/O on the file tier; the
         remote tier asks the server about keys its index does not know, one batched round trip
-        bounded by ``remote_timeout_s``)."""
+        bounded by ``remote_timeout_s``; the object tier HEADs them, bounded by
+        ``object_timeout_s``)."""
         return int(self._ready().leading_run(self._keys(keys), self.lookup_wait_s)) if keys else 0
 
     def exists(self, key: str) -> bool:
@@ -472,7 +544,7 @@ class KvoffHiCacheStorage(HiCacheStorage):
     # --- housekeeping ----------------------------------------------------------------------------
 
     def clear(self) -> None:
-        """SGLang's cache flush: kvoff's files stay (they are shared and checked); nothing to do."""
+        """SGLang's cache flush: kvoff's pages stay (they are shared and checked); nothing to do."""
 
     def get_stats(self) -> Any:
         """SGLang's ``StorageMetrics`` (pages and GB/s per prefetch and backup since the last call),
@@ -491,8 +563,9 @@ class KvoffHiCacheStorage(HiCacheStorage):
         return m
 
     def kvoff_stats(self, pool: str | None = None) -> dict[str, Any]:
-        """kvoff's ``disk_*`` counters and gauges for this rank's KV files, or for a v2 pool's
-        (``pool="mamba"``, ...)."""
+        """kvoff's counters and gauges for this rank's KV pages, or for a v2 pool's
+        (``pool="mamba"``, ...): the block store's ``stats()``, under the keys of the tier's rows of
+        :data:`kvoff.tiers.METRICS` (``disk_*``, ``remote_*`` or ``object_*``, as ``self.kind``)."""
         if pool is not None:
             return dict(self._pool(pool).store.stats())
         return dict(self._ready().stats())
