@@ -154,10 +154,11 @@ def test_metrics_views_are_read_from_the_tables() -> None:
     assert vllm.REMOTE_VLLM_METRICS == {m.vllm: (m.kind, m.help) for m in tiers.METRICS["remote"] if m.vllm}
     tiering = pytest.importorskip("kvoff.vllm.tiering", reason="vLLM's tiering not importable")
     assert set(tiering.TIER_VLLM_METRICS) == {f"vllm:kvoff_tier_{g}" for g in tiers.GENERIC_METRICS}
-    assert tiering.TIER_VLLM_METRICS["vllm:kvoff_tier_rejected"][2] == (
-        "disk_corrupt_files",
-        "remote_rejected_values",
-    )
+    assert tiering.TIER_VLLM_METRICS["vllm:kvoff_tier_rejected"][2] == {
+        "disk": "disk_corrupt_files",
+        "remote": "remote_rejected_values",
+        "object": "object_rejected_values",
+    }
 
 
 def test_block_store_stats_hold_every_store_row(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:

@@ -1,4 +1,5 @@
-"""kvoff's file tier as a secondary tier of vLLM 0.33's own ``TieringOffloadingSpec``.
+"""kvoff's tiers (files, Redis/Valkey, S3-compatible stores) as secondary tiers of vLLM 0.33's own
+``TieringOffloadingSpec``.
 
 vLLM keeps its CPU tier (the primary) and hands each secondary tier a memoryview of it; this tier
 writes chunks from that memory to kvoff's files and reads them back into it, on kvoff's I/O
@@ -10,7 +11,14 @@ never served. Load it by module path (no registration)::
                          "disk_path": "/nvme/kv", "disk_bytes_to_use": 500000000000}]
 
 (``type`` is the class name looked up in ``module_path``: ``KvoffFileTier``; the alias class
-``kvoff`` below lets ``"type": "kvoff"`` work too.) Settings: see :class:`KvoffFileTier`.
+``kvoff`` below lets ``"type": "kvoff"`` work too.) On Redis/Valkey (``remote_url``) or an
+S3-compatible store (``object_url``) instead of files, the same class under the names
+``KvoffRemoteTier`` / ``KvoffObjectTier`` reads better::
+
+    {"type": "KvoffObjectTier", "module_path": "kvoff.vllm.tiering",
+     "object_url": "s3://bucket/kv", "object_bytes_to_use": 2000000000000}
+
+Settings: see :class:`KvoffFileTier`.
 
 Lookups answer from kvoff's in-memory index (no I/O on the scheduler thread, no retry round);
 stores and loads are queued on kvoff's I/O threads and reported through ``get_finished_jobs``.
@@ -43,33 +51,40 @@ from vllm.v1.kv_offload.tiering.base import JobId, JobResult, SecondaryTierManag
 from kvoff import _native
 from kvoff._names import DirectIoName
 from kvoff.errors import ConfigError
-from kvoff.tiers import GENERIC_METRICS, metric
+from kvoff.tiers import GENERIC_METRICS, METRICS, metric
 from kvoff.tiers import TIER_DEFAULTS as _D
 
 if TYPE_CHECKING:
     from vllm.v1.kv_offload.base import OffloadingSpec
     from vllm.v1.kv_offload.tiering.backpressure import BackpressureDetector
 
-__all__ = ["TIER_VLLM_METRICS", "KvoffFileTier", "KvoffRemoteTier", "kvoff", "tier_namespace"]
+__all__ = [
+    "TIER_VLLM_METRICS",
+    "KvoffFileTier",
+    "KvoffObjectTier",
+    "KvoffRemoteTier",
+    "kvoff",
+    "tier_namespace",
+]
 
 
-def _tier_keys(generic: str) -> tuple[str, str] | None:
-    """The ``stats()`` keys of the file and the remote tier for a tier-neutral figure (``""``
-    where that tier has none; ``None``: counted by the tier's Python side)."""
+def _tier_keys(generic: str) -> dict[str, str] | None:
+    """Each tier's ``stats()`` key for a tier-neutral figure, by tier kind (``"disk"``,
+    ``"remote"``, ``"object"``; a tier without one is left out); ``None``: counted by the tier's
+    Python side."""
     if generic in ("lookup_hits", "lookup_misses"):
         return None
-    keys = [metric(kind, generic) for kind in ("disk", "remote")]
-    return (keys[0].key if keys[0] else "", keys[1].key if keys[1] else "")
+    return {kind: m.key for kind in METRICS if (m := metric(kind, generic)) is not None}
 
 
 #: The kvoff tier's counters as vLLM metrics under vLLM's tiering (README "kvoff tiers under vLLM's
 #: tiering"), from :data:`kvoff.tiers.GENERIC_METRICS` and each tier's :data:`kvoff.tiers.METRICS`:
-#: name → (kind, meaning, the ``stats()`` keys of the file and the remote tier — ``""`` where that
-#: tier has none, ``None`` for a count kept by the tier's Python side). Each carries the label
-#: ``kvoff_tier`` (the tier's ``type``), so several kvoff tiers in one ``secondary_tiers`` list are
-#: told apart. Counters are cumulative in kvoff and reported to vLLM as increments; GB/s per
-#: direction is ``rate(..._bytes) / rate(..._seconds)``.
-TIER_VLLM_METRICS: dict[str, tuple[str, str, tuple[str, str] | None]] = {
+#: name → (kind, meaning, each tier's ``stats()`` key by kind — a tier without one is not in it,
+#: and reports nothing under that name; ``None`` for a count kept by the tier's Python side). Each
+#: carries the label ``kvoff_tier`` (the tier's ``type``), so several kvoff tiers in one
+#: ``secondary_tiers`` list are told apart. Counters are cumulative in kvoff and reported to vLLM
+#: as increments; GB/s per direction is ``rate(..._bytes) / rate(..._seconds)``.
+TIER_VLLM_METRICS: dict[str, tuple[str, str, dict[str, str] | None]] = {
     f"vllm:kvoff_tier_{g}": (kind, help_, _tier_keys(g)) for g, (kind, help_) in GENERIC_METRICS.items()
 }
 
@@ -134,6 +149,20 @@ class KvoffFileTier(SecondaryTierManager):
       ``remote_tls_ca_file`` (a PEM CA for ``rediss://``; default the system's roots);
       ``io_threads`` and ``max_queued_writes`` apply too. :class:`KvoffRemoteTier` is the same
       class under the remote tier's name.
+    - ``object_url`` (instead of ``disk_path``; ``s3://bucket/prefix``): kvoff's object tier on an
+      S3-compatible store (AWS S3, SeaweedFS, MinIO, Ceph RGW; docs/tier.md "Object tier") behind
+      the CPU tier, same header/checksum/namespace rules; ``lookup`` answers ``RETRY`` for a chunk
+      its index does not know while one HEAD request runs (never waits). ``object_bytes_to_use``
+      (this instance's byte budget in the namespace; default ``disk_bytes_to_use``'s),
+      ``object_endpoint`` (default ``$AWS_ENDPOINT_URL``, else AWS), ``object_region``,
+      ``object_namespace`` (as ``namespace``, on this tier), ``object_ttl_s``,
+      ``object_timeout_s``, ``object_connect_timeout_s``, ``object_max_retries``,
+      ``object_io_threads``, ``object_max_requests``, ``object_max_queued_writes``,
+      ``object_max_inflight_bytes``, ``object_negative_ttl_s``, ``object_list_interval_s``,
+      ``object_multipart_bytes``, ``object_profile``: :data:`kvoff.tiers.SETTINGS` ``["object"]``
+      (defaults there). Credentials: ``$AWS_ACCESS_KEY_ID``/``$AWS_SECRET_ACCESS_KEY`` or a
+      profile, never the tier's config. :class:`KvoffObjectTier` is the same class under the
+      object tier's name.
     """
 
     medium: ClassVar[Medium] = Medium.STORAGE
@@ -167,13 +196,44 @@ class KvoffFileTier(SecondaryTierManager):
         remote_max_fetch_keys: int = _D["remote_max_fetch_keys"],
         remote_password_env: str = _D["remote_password_env"],
         remote_tls_ca_file: str | None = None,
+        object_url: str | None = None,
+        object_endpoint: str | None = None,
+        object_region: str | None = None,
+        object_namespace: str | None = None,
+        object_bytes_to_use: int | None = None,
+        object_ttl_s: float | None = None,
+        object_connect_timeout_s: float = _D["object_connect_timeout_s"],
+        object_timeout_s: float = _D["object_timeout_s"],
+        object_max_retries: int = _D["object_max_retries"],
+        object_io_threads: int = _D["object_io_threads"],
+        object_max_requests: int = _D["object_max_requests"],
+        object_max_queued_writes: int = _D["object_max_queued_writes"],
+        object_max_inflight_bytes: int = _D["object_max_inflight_bytes"],
+        object_negative_ttl_s: float = _D["object_negative_ttl_s"],
+        object_list_interval_s: float | None = _D["object_list_interval_s"],
+        object_multipart_bytes: int = _D["object_multipart_bytes"],
+        object_profile: str | None = None,
     ) -> None:
         super().__init__(offloading_spec, primary_kv_view, tier_type, backpressure_detector)
         path = disk_path if disk_path is not None else root_dir
-        if remote_url is not None and path:
-            raise ConfigError("a kvoff tier is either files ('disk_path') or remote ('remote_url'), not both")
-        if not path and remote_url is None:
-            raise ConfigError("the kvoff tier needs 'disk_path' (a directory for its files) or 'remote_url'")
+        named = [
+            n
+            for n, given in (
+                ("disk_path", bool(path)),
+                ("remote_url", remote_url is not None),
+                ("object_url", object_url is not None),
+            )
+            if given
+        ]
+        if len(named) > 1:
+            raise ConfigError(
+                "a kvoff tier is files ('disk_path'), remote ('remote_url') or an object store "
+                f"('object_url'), not both ({', '.join(named[:-1])} and {named[-1]} given)"
+            )
+        if not named:
+            raise ConfigError(
+                "the kvoff tier needs 'disk_path' (a directory for its files), 'remote_url' or 'object_url'"
+            )
         self.locality = Locality(locality) if locality is not None else None
         self.events: list[OffloadingEvent] | None = None
         if enable_kv_events and offloading_spec.kv_events_config.enable_kv_cache_events:
@@ -187,15 +247,18 @@ class KvoffFileTier(SecondaryTierManager):
             raise ConfigError("the primary tier's memory view has no strides")
         stride = int(strides[0])
         self._block = stride
-        self.namespace = tier_namespace(offloading_spec, namespace)
+        # object_namespace stands for namespace (the dtype, geometry and parallel layout are added
+        # to either: handed to the block store as it is, it would replace them).
+        base = object_namespace if object_url is not None and object_namespace is not None else namespace
+        self.namespace = tier_namespace(offloading_spec, base)
         cfg = offloading_spec.config
-        remote = remote_url is not None
+        net = remote_url is not None or object_url is not None
         # This surface's own defaults: files as vLLM's `fs` tier runs them (16 + 16 threads: 16 + 8
         # here), the remote tier as the block store's (docs/tier.md "The block store").
         if io_threads is None:
-            io_threads = _D["io_threads"] if remote else 16
+            io_threads = _D["io_threads"] if net else 16
         if write_threads is None:
-            write_threads = _D["write_threads"] if remote else 8
+            write_threads = _D["write_threads"] if net else 8
         self.store = _native.BlockStore(
             str(path) if path else None,
             int(disk_bytes_to_use),
@@ -223,6 +286,22 @@ class KvoffFileTier(SecondaryTierManager):
             remote_max_fetch_keys=remote_max_fetch_keys,
             remote_password_env=remote_password_env,
             remote_tls_ca_file=remote_tls_ca_file,
+            object_url=object_url,
+            object_endpoint=object_endpoint,
+            object_region=object_region,
+            object_bytes_to_use=object_bytes_to_use,
+            object_ttl_s=object_ttl_s,
+            object_connect_timeout_s=object_connect_timeout_s,
+            object_timeout_s=object_timeout_s,
+            object_max_retries=object_max_retries,
+            object_io_threads=object_io_threads,
+            object_max_requests=object_max_requests,
+            object_max_queued_writes=object_max_queued_writes,
+            object_max_inflight_bytes=object_max_inflight_bytes,
+            object_negative_ttl_s=object_negative_ttl_s,
+            object_list_interval_s=object_list_interval_s,
+            object_multipart_bytes=object_multipart_bytes,
+            object_profile=object_profile,
         )
         self._jobs: dict[JobId, _Job] = {}
         # (key, chunk id) of a queued write or read -> its job (a key is written once at a time;
@@ -239,14 +318,15 @@ class KvoffFileTier(SecondaryTierManager):
             self.store.dir,
             stride,
             rows.shape[0],
-            self.store.stats().get("disk_direct_io", "n/a (remote)"),
+            self.store.stats().get("disk_direct_io", f"n/a ({self.store.kind})"),
         )
 
     # --- lookups ---------------------------------------------------------------------------------
 
     def lookup(self, key: OffloadKey, req_context: ReqContext) -> LookupResult:
         """``HIT`` when the tier's index holds the chunk (no I/O), ``MISS`` when it does not; the
-        remote tier: ``RETRY`` while its index does not know (a fetch is started; no waiting)."""
+        remote and object tiers: ``RETRY`` while the index does not know (a fetch or HEAD request
+        is started; no waiting)."""
         (known,) = self.store.lookup([bytes(key)])
         if known is None:
             return LookupResult.RETRY
@@ -373,8 +453,9 @@ class KvoffFileTier(SecondaryTierManager):
         self.store.shutdown()
 
     def stats(self) -> dict[str, Any]:
-        """kvoff's ``disk_*`` counters and gauges (as ``kvoff.tier.DISK_METRICS``), or the remote
-        tier's ``remote_*``."""
+        """The block store's counters and gauges: the file tier's ``disk_*``, the remote tier's
+        ``remote_*`` or the object tier's ``object_*`` (``self.store.kind``; the keys of
+        :data:`kvoff.tiers.METRICS`)."""
         return dict(self.store.stats())
 
     # --- vLLM metrics ----------------------------------------------------------------------------
@@ -396,9 +477,9 @@ class KvoffFileTier(SecondaryTierManager):
         st_py = {"vllm:kvoff_tier_lookup_hits": self._hits, "vllm:kvoff_tier_lookup_misses": self._misses}
         out = OffloadingConnectorStats()
         label = (str(self.tier_type),)
-        remote = self.store.kind == "remote"
+        tier = self.store.kind
         for name, (kind, _, keys) in TIER_VLLM_METRICS.items():
-            key = None if keys is None else keys[1 if remote else 0]
+            key = None if keys is None else keys.get(tier, "")
             if key == "":
                 continue
             value = float(st_py[name] if key is None else st.get(key, 0))
@@ -419,3 +500,8 @@ class kvoff(KvoffFileTier):
 class KvoffRemoteTier(KvoffFileTier):
     """:class:`KvoffFileTier` under the remote tier's name (``"type": "KvoffRemoteTier"`` with
     ``remote_url``)."""
+
+
+class KvoffObjectTier(KvoffFileTier):
+    """:class:`KvoffFileTier` under the object tier's name (``"type": "KvoffObjectTier"`` with
+    ``object_url``)."""
