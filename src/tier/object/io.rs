@@ -253,15 +253,26 @@ pub(super) async fn read(sh: Arc<Shared>, mut guard: JobGuard, key: ByteKey, blo
 /// A value that failed its checks: counted, forgotten, deleted (it is in this layout's key space:
 /// no valid value of another layout lives there).
 async fn reject(sh: &Shared, id: u64, name: &str) {
-    sh.counters.rejected.fetch_add(1, Relaxed);
     {
         let mut st = lock(&sh.state);
+        if Shared::rejected_lately(&st, id) {
+            return; // a listing (or another read) rejected and deleted it already
+        }
         if !matches!(st.index.get(id), Some(Entry::Writing { .. })) {
             let until = Instant::now() + sh.cfg.negative_ttl;
             st.index.set(id, Entry::Absent { until });
         }
     }
+    sh.counters.rejected.fetch_add(1, Relaxed);
     sh.delete(name).await;
+}
+
+impl Shared {
+    /// Whether `id` is remembered absent (rejected, or a miss) right now: a value found bad
+    /// again by a racing listing, fetch or read is not counted twice.
+    fn rejected_lately(st: &super::State, id: u64) -> bool {
+        matches!(st.index.get(id), Some(Entry::Absent { until }) if *until > Instant::now())
+    }
 }
 
 /// Finds out whether the store holds `key` (HEAD): present with the right length, or absent.
@@ -303,7 +314,12 @@ pub(super) async fn fetch(sh: Arc<Shared>, _guard: JobGuard, key: ByteKey) {
     };
     {
         let mut st = lock(&sh.state);
-        if matches!(st.index.get(id), Some(Entry::Fetching)) {
+        if bad {
+            // `reject` below remembers it absent and counts it (once).
+            if matches!(st.index.get(id), Some(Entry::Fetching)) {
+                st.index.remove(id);
+            }
+        } else if matches!(st.index.get(id), Some(Entry::Fetching)) {
             if let Some((stem, born)) = entry {
                 st.index.found(id, stem.into(), sh.value_len, born, now);
             } else {
@@ -397,9 +413,12 @@ pub(super) async fn list(sh: Arc<Shared>) {
             seen.insert(id);
             let name = sh.object_name(id, &stem);
             if size != sh.value_len {
-                rejected += 1;
-                st.index.remove(id);
-                doomed.push(name.into());
+                if !Shared::rejected_lately(&st, id) {
+                    rejected += 1;
+                    let until = Instant::now() + sh.cfg.negative_ttl;
+                    st.index.set(id, Entry::Absent { until });
+                    doomed.push(name.into());
+                }
                 continue;
             }
             if ttl_cut.is_some_and(|c| born < c) {
