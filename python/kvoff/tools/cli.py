@@ -1,4 +1,4 @@
-"""The ``kvoff`` command line: ``kvoff bench [managers|transfers|disk|remote|interference|model|serve]`` (no subcommand:
+"""The ``kvoff`` command line: ``kvoff bench [managers|transfers|disk|remote|object|interference|model|serve]`` (no subcommand:
 managers and transfers; ``--plot FILE``: also a page-size sweep plot) and ``kvoff demo`` (a
 simulated serving loop offloading a model-shaped KV cache).
 
@@ -343,6 +343,18 @@ def _bench_remote(args: argparse.Namespace) -> int:
     return 0
 
 
+def _object_cmd(p: argparse.ArgumentParser) -> None:
+    from kvoff.tools.bench_object import add_arguments
+
+    add_arguments(p)
+
+
+def _bench_object(args: argparse.Namespace) -> int:
+    from kvoff.tools.bench_object import run
+
+    return run(args)
+
+
 def _model_cmd(p: argparse.ArgumentParser) -> None:
     from kvoff.tools.bench_model import add_arguments
 
@@ -660,6 +672,14 @@ def _bench_commands() -> list[Command]:
             "and redis-py pipelined SET/GET of the same value size on the same server",
             _remote_cmd,
             _bench_remote,
+        ),
+        Command(
+            "object",
+            "object tier (S3-compatible, docs/tier.md) store/load GB/s vs boto3 at its best thread "
+            "count and single-threaded on the same server, lookup p50/p99 with the server up, "
+            "stopped and gone",
+            _object_cmd,
+            _bench_object,
         ),
         Command(
             "interference",

@@ -91,7 +91,7 @@ impl ObjectConfig {
             io_timeout: Duration::from_secs(5),
             max_retries: 2,
             io_threads: 2,
-            max_requests: 32,
+            max_requests: 16,
             max_queued_writes: 1024,
             max_inflight_bytes: 512 << 20,
             negative_ttl: Duration::from_secs(2),
