@@ -101,6 +101,23 @@ REMOTE_METRICS: dict[str, tuple[str, str]] = {
 _D = TIER_DEFAULTS
 
 
+def _check_tiers(
+    disk_path: object, disk_bytes_to_use: object, remote_url: object, object_url: object, object_settings: Any
+) -> None:
+    """Which tiers the arguments name: at least one, each with what it needs."""
+    if remote_url is None and object_url is None and (disk_path is None or disk_bytes_to_use is None):
+        raise ConfigError(
+            "TieredOffloadingManager needs disk_path and disk_bytes_to_use, remote_url or object_url"
+        )
+    for k in object_settings:
+        if not k.startswith("object_"):
+            raise TypeError(f"TieredOffloadingManager() got an unexpected keyword argument {k!r}")
+    if remote_url is not None and not isinstance(remote_url, str):
+        raise ConfigError(f"remote_url must be a string, got {type(remote_url).__name__}")
+    if disk_path is not None and disk_bytes_to_use is None:
+        raise ConfigError("disk_bytes_to_use is required with disk_path")
+
+
 class TieredOffloadingManager:
     """An LRU/ARC offloading manager with a file tier, a remote tier or both behind it (see the module docs).
 
@@ -247,17 +264,7 @@ class TieredOffloadingManager:
             raise ValueError(f"num_blocks = {num_blocks} but the region holds {region.num_cpu_blocks} blocks")
         self.region = region
         self.block_size = block_size
-        if remote_url is None and object_url is None and (disk_path is None or disk_bytes_to_use is None):
-            raise ConfigError(
-                "TieredOffloadingManager needs disk_path and disk_bytes_to_use, remote_url or object_url"
-            )
-        for k in object_settings:
-            if not k.startswith("object_"):
-                raise TypeError(f"TieredOffloadingManager() got an unexpected keyword argument {k!r}")
-        if remote_url is not None and not isinstance(remote_url, str):
-            raise ConfigError(f"remote_url must be a string, got {type(remote_url).__name__}")
-        if disk_path is not None and disk_bytes_to_use is None:
-            raise ConfigError("disk_bytes_to_use is required with disk_path")
+        _check_tiers(disk_path, disk_bytes_to_use, remote_url, object_url, object_settings)
         # One tiered manager over every tier (docs/tier.md "Tier chain"): files, then the remote store.
         self._core = ChainManagerCore(
             policy,
