@@ -1,9 +1,10 @@
 """Each tier's settings and metrics tables (``kvoff.tiers``, docs/design.md "A new tier") as the one
-place every surface reads from, and the remote settings through the bindings' checked types on every
-surface: ``ValueError`` out of range (never ``OverflowError``), ``TypeError`` for ``bool`` (the
-config-dict surfaces — vLLM's extra config, SGLang's — raise their ``ConfigError``, a ``ValueError``,
-naming the key); every accessor raises ``InvalidStateError`` after ``shutdown()``; kvoff's own
-Prometheus collector exports every tier's figures (scraped here from a real ``redis-server``).
+place every surface reads from, and the remote and object settings through the bindings' checked
+types on every surface: ``ValueError`` out of range (never ``OverflowError``), ``TypeError`` for
+``bool`` (the config-dict surfaces — vLLM's extra config, SGLang's — raise their ``ConfigError``, a
+``ValueError``, naming the key); every accessor raises ``InvalidStateError`` after ``shutdown()``;
+kvoff's own Prometheus collector exports every tier's figures (scraped here from a real
+``redis-server`` and SeaweedFS).
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ import kvoff
 import numpy as np
 import pytest
 import redis_servers as rs
+import seaweed as sw
 from kvoff import _native, tiers
 from kvoff.errors import ConfigError, InvalidStateError
 from kvoff.tier import DISK_METRICS, REMOTE_METRICS, TieredOffloadingManager
@@ -43,8 +45,35 @@ REMOTE_SECONDS = {
     "remote_idle_spin_s": (-1, 0.5),
     "remote_idle_nap_s": (-1, 0.5),
 }
+#: The object integer settings and values out of their range.
+OBJECT_INTS = {
+    "object_io_threads": (-1, 0, 65, 2**64),
+    "object_max_requests": (-1, 0, 4097),
+    "object_max_retries": (-1, 2**64),
+    "object_max_queued_writes": (-1, 2**64),
+    "object_max_inflight_bytes": (-1, 2**64),
+    "object_multipart_bytes": (-1, 1, (5 << 30) + 1),
+    "object_bytes_to_use": (-1, 0, 2**64),
+    "object_store_threshold": (-1, 2**32, 2**64),
+}
+#: The object seconds settings and values out of their range.
+OBJECT_SECONDS = {
+    "object_ttl_s": (-1, 0, float("inf"), 2**1100),
+    "object_connect_timeout_s": (-1, 0, float("nan")),
+    "object_timeout_s": (-1, 0, float("inf")),
+    "object_negative_ttl_s": (-1, 0),
+    "object_list_interval_s": (-1, 0),
+}
 #: Settings only the tiered manager takes (the block store has no chain of tiers).
-MANAGER_ONLY = {"remote_store_threshold", "disk_store_threshold"}
+MANAGER_ONLY = {"remote_store_threshold", "disk_store_threshold", "object_store_threshold"}
+#: Settings without a default (none, or chosen by the surface or the environment).
+NO_DEFAULT = {"remote_url", "remote_namespace", "remote_tls_ca_file", "trusted_uids", "trusted_gid"} | {
+    "object_url",
+    "object_endpoint",
+    "object_namespace",
+    "object_bytes_to_use",
+    "object_profile",
+}
 
 UNUSED_URL = "redis://127.0.0.1:1"
 
@@ -81,7 +110,7 @@ def test_every_registered_tier_has_its_tables() -> None:
 def test_defaults_come_from_the_crate_and_every_table_setting_is_read() -> None:
     names = {s.name for rows in tiers.SETTINGS.values() for s in rows}
     # Every tier setting with a default has it in TIER_DEFAULTS (read from the crate's configs).
-    for n in names - {"remote_url", "remote_namespace", "remote_tls_ca_file", "trusted_uids", "trusted_gid"}:
+    for n in names - NO_DEFAULT:
         assert n in tiers.TIER_DEFAULTS, n
     assert tiers.TIER_DEFAULTS["remote_connect_timeout_s"] == 1.0
     assert tiers.TIER_DEFAULTS["max_tracker_size"] == 64_000
@@ -102,10 +131,17 @@ def test_defaults_come_from_the_crate_and_every_table_setting_is_read() -> None:
 
 
 def test_the_manager_surface_takes_every_table_setting_with_the_table_default() -> None:
+    """Each setting is a keyword of the manager with the table's default, or (the object tier's,
+    besides its URL and budget) goes through its ``**object_settings`` to the native reader, which
+    applies the default itself."""
     sig = inspect.signature(TieredOffloadingManager.__init__).parameters
+    passed = [p for p in sig.values() if p.kind is inspect.Parameter.VAR_KEYWORD]
+    assert [p.name for p in passed] == ["object_settings"]
     for kind in tiers.SETTINGS:
         for name in tiers.settings_of(kind, "manager"):
-            assert name in sig, name
+            if name not in sig:
+                assert kind == "object" and name.startswith("object_"), name
+                continue
             d = tiers.TIER_DEFAULTS.get(name)
             if d is not None and name != "remote_io_threads":  # None there: the tier's default
                 assert sig[name].default == d, name
@@ -144,6 +180,7 @@ def test_metrics_views_are_read_from_the_tables() -> None:
         return {m.key: (m.prometheus, m.help) for m in tiers.METRICS[kind] if "manager" in m.surfaces}
 
     assert DISK_METRICS == view("disk") and REMOTE_METRICS == view("remote")
+    assert {m.key for m in tiers.METRICS["object"]} >= {"object_hits", "object_rejected_values"}
     for rows in tiers.METRICS.values():
         for m in rows:
             assert m.prometheus.startswith("kvoff_")
@@ -152,6 +189,10 @@ def test_metrics_views_are_read_from_the_tables() -> None:
     vllm = pytest.importorskip("kvoff.vllm.manager", reason="vLLM not importable")
     assert vllm.DISK_VLLM_METRICS == {m.vllm: (m.kind, m.help) for m in tiers.METRICS["disk"] if m.vllm}
     assert vllm.REMOTE_VLLM_METRICS == {m.vllm: (m.kind, m.help) for m in tiers.METRICS["remote"] if m.vllm}
+    assert vllm.OBJECT_VLLM_METRICS == {m.vllm: (m.kind, m.help) for m in tiers.METRICS["object"] if m.vllm}
+    assert "vllm:kvoff_object_rejected_values" in vllm.OBJECT_VLLM_METRICS
+    for kind, rows in tiers.METRICS.items():
+        assert vllm.VLLM_METRICS[kind] == {m.vllm: (m.kind, m.help) for m in rows if m.vllm}, kind
     tiering = pytest.importorskip("kvoff.vllm.tiering", reason="vLLM's tiering not importable")
     assert set(tiering.TIER_VLLM_METRICS) == {f"vllm:kvoff_tier_{g}" for g in tiers.GENERIC_METRICS}
     assert tiering.TIER_VLLM_METRICS["vllm:kvoff_tier_rejected"][2] == {
@@ -245,6 +286,61 @@ def test_vllm_spec_settings() -> None:
     assert c.remote_connect_timeout_s == tiers.TIER_DEFAULTS["remote_connect_timeout_s"]
 
 
+def test_vllm_spec_object_settings() -> None:
+    """The object tier in vLLM's extra config: its keys are the table's (none restated), each checked
+    by the bindings' reader (a ``ConfigError`` naming the key), the URL's form and the budget checked
+    before the engine starts; what is given passes through as given."""
+    config = pytest.importorskip("kvoff.vllm.config", reason="vLLM not importable")
+    C = config.KvoffOffloadConfig
+    url = "s3://kv-cache/vllm"
+    base = {"cpu_bytes_to_use": 1 << 20, "object_url": url, "object_bytes_to_use": 8e9}
+    assert config.OBJECT_KEYS == tiers.settings_of("object", "manager")
+    assert set(config.OBJECT_KEYS) <= set(C.valid_keys())
+    assert "object_settings" not in C.valid_keys()
+    assert not any(f.name.startswith("object_") for f in dataclasses.fields(C) if f.name != "object_settings")
+    c = C.from_extra_config(base)
+    assert c.uses_object and c.uses_tiers and not c.uses_disk and not c.uses_remote
+    assert c.object_url == url and c.object_settings == {"object_url": url, "object_bytes_to_use": 8 * 10**9}
+    assert not C.from_extra_config({"cpu_bytes_to_use": 1 << 20}).uses_object
+    # Every setting given (at the table's defaults), passed through as given; an explicit None
+    # included (object_list_interval_s=None: list only at start, not the default's 30 s).
+    every = {n: tiers.TIER_DEFAULTS.get(n) for n in config.OBJECT_KEYS}
+    every.update(object_url=url, object_bytes_to_use=8 * 10**9, object_endpoint="http://127.0.0.1:8333")
+    every.update(object_namespace="ns", object_profile="p", object_list_interval_s=None)
+    assert C.from_extra_config({"cpu_bytes_to_use": 1 << 20, **every}).object_settings == every
+    # Types and ranges: the bindings' reader, as a ConfigError naming the key.
+    for name, bad in {**OBJECT_INTS, **OBJECT_SECONDS}.items():
+        for v in (*bad, True, "x"):
+            with pytest.raises(ConfigError, match=name):
+                C.from_extra_config({**base, name: v})
+    for name in ("object_endpoint", "object_region", "object_namespace", "object_profile"):
+        with pytest.raises(ConfigError, match=name):
+            C.from_extra_config({**base, name: 3})
+    # The URL's form (its bucket's name and the prefix's characters when the tier opens, below).
+    for bad_url in ("http://kv-cache/vllm", "s3://", "s3:///vllm", "", 3, "redis://127.0.0.1:6379"):
+        with pytest.raises(ConfigError, match="object_url"):
+            C.from_extra_config({**base, "object_url": bad_url})
+    with pytest.raises(ConfigError, match="object_bytes_to_use"):
+        C.from_extra_config({**base, "object_bytes_to_use": None})
+    with pytest.raises(ConfigError, match=r"\['object_ttl_s'\] need 'object_url'"):
+        C.from_extra_config({"cpu_bytes_to_use": 1 << 20, "object_ttl_s": 60})
+    with pytest.raises(ConfigError, match="shared host region"):
+        C.from_extra_config({**base, "shared_region": False})
+    # An unknown object_* key: the config's ConfigError listing the valid keys (every config key
+    # is checked that way); the table's reader, which the tiered manager uses, raises TypeError.
+    with pytest.raises(ConfigError, match=r"object_nonsense.*valid keys: .*'object_endpoint'"):
+        C.from_extra_config({**base, "object_nonsense": 1})
+    with pytest.raises(TypeError, match="object_nonsense"):
+        tiers.check_settings("manager", object_url=url, object_nonsense=1)
+    # vLLM's metrics of the tier (vllm:kvoff_object_*) are declared when the tier is configured.
+    spec = pytest.importorskip("kvoff.vllm.spec", reason="vLLM not importable")
+    from kvoff.vllm.manager import OBJECT_VLLM_METRICS
+
+    declared = spec.KvoffOffloadingSpec.build_metric_definitions(base)
+    assert OBJECT_VLLM_METRICS and set(OBJECT_VLLM_METRICS) <= set(declared)
+    assert not set(OBJECT_VLLM_METRICS) & set(spec.KvoffOffloadingSpec.build_metric_definitions({}))
+
+
 def test_vllm_tiering_settings() -> None:
     try:
         import test_tiering_vllm033 as base
@@ -302,10 +398,14 @@ def test_every_accessor_raises_after_shutdown(tmp_path: Path) -> None:
 # --- kvoff's Prometheus collector -----------------------------------------------------------------
 
 
-def test_collector_exports_every_tier(tmp_path: Path, redis_server: rs.RedisServer) -> None:
+def test_collector_exports_every_tier(
+    tmp_path: Path, redis_server: rs.RedisServer, seaweed: sw.SeaweedServer, monkeypatch: pytest.MonkeyPatch
+) -> None:
     prometheus_client = pytest.importorskip("prometheus_client")
     from prometheus_client.parser import text_string_to_metric_families
 
+    monkeypatch.setenv("AWS_ACCESS_KEY_ID", seaweed.access_key)
+    monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", seaweed.secret_key)
     region = kvoff.HostRegion.private(8, BLOCK)
     m = TieredOffloadingManager(
         "lru",
@@ -315,6 +415,9 @@ def test_collector_exports_every_tier(tmp_path: Path, redis_server: rs.RedisServ
         1 << 20,
         remote_url=redis_server.url,
         namespace=f"scrape-{uuid.uuid4().hex}",
+        object_url=f"s3://{seaweed.bucket}/scrape",
+        object_endpoint=seaweed.endpoint,
+        object_bytes_to_use=1 << 20,
     )
     try:
         keys = [kvoff.make_offload_key(f"s{i}".encode(), 0) for i in range(3)]
@@ -340,6 +443,7 @@ def test_collector_exports_every_tier(tmp_path: Path, redis_server: rs.RedisServ
         assert samples["kvoff_remote_writes_total"] == 3
         assert samples["kvoff_disk_files_written_total"] == 3
         assert samples["kvoff_remote_up"] == 1
+        assert samples["kvoff_object_writes_total"] == 3 and samples["kvoff_object_up"] == 1
         assert f"# HELP kvoff_remote_hits_total {REMOTE_METRICS['remote_hits'][1]}" in text
     finally:
         m.shutdown()

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import os
 from collections.abc import Mapping
-from dataclasses import dataclass, fields
+from dataclasses import dataclass, field, fields
 from typing import Any, cast
 
 from kvoff import _native
@@ -19,9 +19,9 @@ from kvoff._names import DirectIoName, EngineName, PolicyName
 from kvoff.errors import ConfigError
 from kvoff.handlers import ENGINES
 from kvoff.tiers import TIER_DEFAULTS as _D
-from kvoff.tiers import check_settings
+from kvoff.tiers import check_settings, settings_of
 
-__all__ = ["ENGINE_CHOICES", "POLICIES", "VLLM_KEYS", "KvoffOffloadConfig"]
+__all__ = ["ENGINE_CHOICES", "OBJECT_KEYS", "POLICIES", "TIER_KEYS", "VLLM_KEYS", "KvoffOffloadConfig"]
 
 POLICIES: tuple[str, ...] = _native.POLICIES
 ENGINE_CHOICES = tuple(e for e in ENGINES if e != "loop")
@@ -36,6 +36,14 @@ VLLM_KEYS = (
     "sync_load_budget_bytes",
     "canonical_layout",
 )
+
+#: The object tier's keys: every setting of :data:`kvoff.tiers.SETTINGS` ``["object"]`` the tiered
+#: manager takes, read from that table (a setting added there is a key here), checked by the
+#: bindings' one reader and passed to :class:`kvoff.TieredOffloadingManager` as given.
+OBJECT_KEYS: tuple[str, ...] = settings_of("object", "manager")
+
+#: Per tier behind host memory, the key whose presence puts it there (and adds its metrics).
+TIER_KEYS: dict[str, str] = {"disk": "disk_path", "remote": "remote_url", "object": "object_url"}
 
 
 def _int(d: Mapping[str, Any], key: str, default: int | None, minimum: int) -> int | None:
@@ -125,6 +133,20 @@ class KvoffOffloadConfig:
             certificates, for ``rediss://`` (default: the system's roots).
         remote_io_threads: I/O threads, one connection each per node (1 to 64; default 4; 16
             for Valkey >= 8 running ``io-threads`` 4 or more, docs/tier.md "Remote tier").
+        object_settings: the object tier's keys as given (:data:`OBJECT_KEYS`, i.e. every
+            ``object_*`` setting of :data:`kvoff.tiers.SETTINGS` ``["object"]``; empty: no object
+            tier). ``object_url`` (``s3://bucket/prefix``) puts an S3-compatible store (AWS S3,
+            SeaweedFS, MinIO…) last behind host memory, the files and the server (docs/tier.md
+            "Object tier"): blocks stored in host memory are written there too; a lookup that misses
+            the tiers before it answers "pending" while kvoff reads the value, checks it and
+            promotes it. ``object_bytes_to_use`` (required with it) bounds the bytes of this
+            engine's values in the namespace; ``object_namespace`` (default: the model name and KV
+            dtype, like ``disk_namespace``) decides which engines share them; ``object_endpoint``
+            (default ``$AWS_ENDPOINT_URL``) names a store other than AWS's. Credentials come only
+            from the environment (``$AWS_ACCESS_KEY_ID``/``$AWS_SECRET_ACCESS_KEY``, or a profile of
+            the shared credentials file, ``object_profile``), never from this dict; none found is a
+            :class:`~kvoff.ConfigError` when the scheduler opens the tier. Needs the shared host
+            region (the scheduler's process attaches to it).
     """
 
     cpu_bytes_to_use: int
@@ -158,6 +180,7 @@ class KvoffOffloadConfig:
     remote_idle_spin_s: float | None = None
     remote_idle_nap_s: float | None = None
     remote_io_threads: int | None = None
+    object_settings: dict[str, Any] = field(default_factory=dict)
 
     @property
     def uses_disk(self) -> bool:
@@ -170,13 +193,25 @@ class KvoffOffloadConfig:
         return self.remote_url is not None
 
     @property
+    def object_url(self) -> str | None:
+        """The object tier's ``s3://bucket/prefix`` (``None``: no object tier)."""
+        url: str | None = self.object_settings.get("object_url")
+        return url
+
+    @property
+    def uses_object(self) -> bool:
+        """Whether the object tier is configured."""
+        return self.object_url is not None
+
+    @property
     def uses_tiers(self) -> bool:
         """Whether any tier is behind host memory (the scheduler then attaches to the region)."""
-        return self.uses_disk or self.uses_remote
+        return self.uses_disk or self.uses_remote or self.uses_object
 
     @classmethod
     def valid_keys(cls) -> tuple[str, ...]:
-        return tuple(f.name for f in fields(cls)) + VLLM_KEYS
+        own = tuple(f.name for f in fields(cls) if f.name != "object_settings")
+        return own + OBJECT_KEYS + VLLM_KEYS
 
     @classmethod
     def from_extra_config(cls, extra_config: Mapping[str, Any] | None) -> KvoffOffloadConfig:
@@ -243,6 +278,7 @@ class KvoffOffloadConfig:
         budget = None if budget is None else float(budget)
         disk = _disk_settings(d, shared)
         remote = _remote_settings(d, shared)
+        object_settings = _object_settings(d, shared)
         store_threshold = _int(d, "store_threshold", 0, 0)
         max_tracker_size = _int(d, "max_tracker_size", _D["max_tracker_size"], 1)
         assert store_threshold is not None and max_tracker_size is not None
@@ -259,6 +295,7 @@ class KvoffOffloadConfig:
             compute_budget=budget,
             **disk,
             **remote,
+            object_settings=object_settings,
         )
 
 
@@ -404,6 +441,42 @@ def _remote_settings(d: Mapping[str, Any], shared: bool | None) -> dict[str, Any
     }
     _checked(out)
     return out
+
+
+def _object_settings(d: Mapping[str, Any], shared: bool | None) -> dict[str, Any]:
+    """The object tier's keys (:data:`OBJECT_KEYS`) as given, checked by the bindings' reader (types,
+    ranges) and here for what the reader leaves to the tier's start: the URL's form and the budget.
+    The rest of the URL (the bucket's name, the prefix's characters), the endpoint and the
+    credentials are checked when the scheduler opens the tier (a :class:`~kvoff.ConfigError`)."""
+    given = {k: d[k] for k in OBJECT_KEYS if k in d}
+    url = given.get("object_url")
+    if url is None:
+        keys = sorted(k for k, v in given.items() if v is not None)
+        if keys:
+            raise ConfigError(
+                f"kv_connector_extra_config: {keys} need 'object_url' (the store's s3://bucket/prefix)"
+            )
+        return {}
+    bucket = url.removeprefix("s3://").split("/", 1)[0] if isinstance(url, str) else ""
+    if not isinstance(url, str) or not url.startswith("s3://") or not bucket:
+        shown = url.split("://")[0] + "://…" if isinstance(url, str) and "://" in url else type(url).__name__
+        raise ConfigError(
+            f"kv_connector_extra_config['object_url'] must be s3://bucket[/prefix] (an S3-compatible "
+            f"store; its endpoint in 'object_endpoint' or $AWS_ENDPOINT_URL); got {shown}"
+        )
+    if shared is False:
+        raise ConfigError(
+            "kv_connector_extra_config: the object tier ('object_url') needs the shared host region (the "
+            "scheduler's process attaches to it); remove 'shared_region': false"
+        )
+    if given.get("object_bytes_to_use") is None:
+        raise ConfigError(
+            "kv_connector_extra_config must set 'object_bytes_to_use' (bytes of this engine's values in "
+            "the object store's namespace) with 'object_url'"
+        )
+    given["object_bytes_to_use"] = _int(d, "object_bytes_to_use", None, 1)  # 8e9 as for the other sizes
+    _checked(given)
+    return given
 
 
 def _checked(settings: Mapping[str, Any]) -> None:

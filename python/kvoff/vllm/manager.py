@@ -45,18 +45,30 @@ from kvoff.tier import TieredOffloadingManager
 from kvoff.tiers import METRICS, TIER_DEFAULTS
 from kvoff.vllm._compat import ConfigInfoMapping
 
-__all__ = ["DISK_VLLM_METRICS", "REMOTE_VLLM_METRICS", "KvoffOffloadingManager"]
+__all__ = [
+    "DISK_VLLM_METRICS",
+    "OBJECT_VLLM_METRICS",
+    "REMOTE_VLLM_METRICS",
+    "VLLM_METRICS",
+    "KvoffOffloadingManager",
+]
 
-#: The file tier's figures as vLLM metrics: name → (kind, meaning), from :data:`kvoff.tiers.METRICS`
-#: (its ``vllm`` names). Counters are cumulative in kvoff and reported to vLLM as increments; GB/s
-#: per direction is ``rate(..._bytes) / rate(..._seconds)``.
-DISK_VLLM_METRICS: dict[str, tuple[str, str]] = {m.vllm: (m.kind, m.help) for m in METRICS["disk"] if m.vllm}
-
-#: The remote tier's figures as vLLM metrics (docs/tier.md "Remote tier"), from
-#: :data:`kvoff.tiers.METRICS`; counters reported as increments like the file tier's.
-REMOTE_VLLM_METRICS: dict[str, tuple[str, str]] = {
-    m.vllm: (m.kind, m.help) for m in METRICS["remote"] if m.vllm
+#: Each tier's figures as vLLM metrics: tier → {name → (kind, meaning)}, from
+#: :data:`kvoff.tiers.METRICS` (their ``vllm`` names). Counters are cumulative in kvoff and reported
+#: to vLLM as increments; GB/s per direction is ``rate(..._bytes) / rate(..._seconds)``.
+VLLM_METRICS: dict[str, dict[str, tuple[str, str]]] = {
+    tier: {m.vllm: (m.kind, m.help) for m in rows if m.vllm} for tier, rows in METRICS.items()
 }
+
+#: The file tier's figures as vLLM metrics (``vllm:kvoff_disk_*``): ``VLLM_METRICS["disk"]``.
+DISK_VLLM_METRICS: dict[str, tuple[str, str]] = VLLM_METRICS["disk"]
+
+#: The remote tier's figures as vLLM metrics (docs/tier.md "Remote tier"): ``VLLM_METRICS["remote"]``.
+REMOTE_VLLM_METRICS: dict[str, tuple[str, str]] = VLLM_METRICS["remote"]
+
+#: The object tier's figures as vLLM metrics (``vllm:kvoff_object_*``, docs/tier.md "Object tier"):
+#: ``VLLM_METRICS["object"]``.
+OBJECT_VLLM_METRICS: dict[str, tuple[str, str]] = VLLM_METRICS["object"]
 
 
 @dataclass

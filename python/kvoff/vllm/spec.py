@@ -24,8 +24,8 @@ from vllm.v1.kv_offload.cpu.common import CPUOffloadingMetrics
 import kvoff
 from kvoff.tier import TieredOffloadingManager
 from kvoff.vllm._compat import CPUOffloadingInfo
-from kvoff.vllm.config import KvoffOffloadConfig
-from kvoff.vllm.manager import DISK_VLLM_METRICS, REMOTE_VLLM_METRICS, KvoffOffloadingManager
+from kvoff.vllm.config import TIER_KEYS, KvoffOffloadConfig
+from kvoff.vllm.manager import VLLM_METRICS, KvoffOffloadingManager
 from kvoff.vllm.worker import KvoffOffloadingWorker
 
 __all__ = ["KvoffOffloadingSpec", "region_name"]
@@ -78,6 +78,10 @@ def region_name(engine_id: str) -> str:
     return f"kvoff-vllm-{safe}-{digest}"
 
 
+#: How the metrics' help names a tier (its kind otherwise).
+_TIER_NAMES = {"disk": "file tier"}
+
+
 class KvoffOffloadingSpec(OffloadingSpec):
     """CPU offloading with kvoff's managers (scheduler) and transfer handlers (workers).
 
@@ -111,14 +115,14 @@ class KvoffOffloadingSpec(OffloadingSpec):
             defs[CPUOffloadingMetrics.STORES_SKIPPED] = OffloadingCounterMetadata(
                 documentation="KV offload stores skipped because the reuse threshold was not reached."
             )
-        if extra_config.get("disk_path") is not None:
-            for name, (kind, doc) in DISK_VLLM_METRICS.items():
+        # Each configured tier's figures (kvoff.tiers.METRICS, their vLLM names).
+        for tier, key in TIER_KEYS.items():
+            if extra_config.get(key) is None:
+                continue
+            what = _TIER_NAMES.get(tier, f"{tier} tier")
+            for name, (kind, doc) in VLLM_METRICS[tier].items():
                 meta = OffloadingCounterMetadata if kind == "counter" else OffloadingGaugeMetadata
-                defs[name] = meta(documentation=f"kvoff file tier: {doc}.")
-        if extra_config.get("remote_url") is not None:
-            for name, (kind, doc) in REMOTE_VLLM_METRICS.items():
-                meta = OffloadingCounterMetadata if kind == "counter" else OffloadingGaugeMetadata
-                defs[name] = meta(documentation=f"kvoff remote tier: {doc}.")
+                defs[name] = meta(documentation=f"kvoff {what}: {doc}.")
         return defs
 
     @classmethod
@@ -155,7 +159,7 @@ class KvoffOffloadingSpec(OffloadingSpec):
     @property
     def uses_shared_region(self) -> bool:
         if self.kvoff_config.uses_tiers:
-            return True  # the scheduler's process attaches to it for the file and remote tiers
+            return True  # the scheduler's process attaches to it for the tiers behind host memory
         shared = self.kvoff_config.shared_region
         return self.world_size > 1 if shared is None else shared
 
@@ -175,7 +179,7 @@ class KvoffOffloadingSpec(OffloadingSpec):
         return self._manager
 
     def _tiered_manager(self) -> TieredOffloadingManager:
-        """The host manager with the file tier behind it, in the scheduler's process: it attaches
+        """The host manager with the tiers behind it, in the scheduler's process: it attaches
         to the shared region the workers created (vLLM creates the scheduler after the KV caches,
         so the region exists; it waits up to ``region_timeout_s`` otherwise), then removes the
         region's name, which the workers kept for it."""
@@ -193,6 +197,9 @@ class KvoffOffloadingSpec(OffloadingSpec):
             default_ns = f"{getattr(model, 'name', '')}|{dtype}"
             namespace = default_ns if c.disk_namespace is None else c.disk_namespace
             remote_ns = default_ns if c.remote_namespace is None else c.remote_namespace
+            objects = dict(c.object_settings)
+            if objects and objects.get("object_namespace") is None:
+                objects["object_namespace"] = default_ns
             manager = TieredOffloadingManager(
                 c.eviction_policy,
                 self.num_chunks,
@@ -226,6 +233,7 @@ class KvoffOffloadingSpec(OffloadingSpec):
                 remote_idle_spin_s=c.remote_idle_spin_s,
                 remote_idle_nap_s=c.remote_idle_nap_s,
                 remote_io_threads=c.remote_io_threads,
+                **objects,
             )
         except BaseException:
             region.close()
@@ -245,6 +253,17 @@ class KvoffOffloadingSpec(OffloadingSpec):
                 "kvoff remote tier: %s (namespace %r), %d CPU blocks of %d bytes",
                 manager.remote_url,
                 remote_ns,
+                self.num_chunks,
+                region.world_size * region.slot_bytes,
+            )
+        if c.uses_object:
+            # The URL names a bucket and a prefix, no secret (credentials come from the environment).
+            logger.info(
+                "kvoff object tier: %s at %s (%d bytes, namespace %r), %d CPU blocks of %d bytes",
+                c.object_url,
+                objects.get("object_endpoint") or "the AWS_* endpoint",
+                objects["object_bytes_to_use"],
+                objects["object_namespace"],
                 self.num_chunks,
                 region.world_size * region.slot_bytes,
             )
