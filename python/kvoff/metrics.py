@@ -37,9 +37,10 @@ With a manager attached: gauges ``kvoff_cache_usage``, ``kvoff_cache_write_usage
 counter ``kvoff_cache_stores_skipped``. Reading them calls ``manager.get_stats()``, which resets the
 manager's own ``stores_skipped`` counter; this object accumulates it, so read it from here only.
 A :class:`kvoff.TieredOffloadingManager` attached adds each of its tiers' families, as
-:data:`kvoff.tiers.METRICS` names them: the file tier's ``kvoff_disk_*`` and the remote tier's
-``kvoff_remote_*`` (bytes and seconds per direction, so GB/s = rate of bytes / rate of seconds;
-hits, promotions, rejected values, errors, own bytes, whether the server is up).
+:data:`kvoff.tiers.METRICS` names them: the file tier's ``kvoff_disk_*``, the remote tier's
+``kvoff_remote_*`` and the object tier's ``kvoff_object_*`` (bytes and seconds per direction, so
+GB/s = rate of bytes / rate of seconds; hits, promotions, rejected values, errors, own bytes,
+whether the server or store is up). Every tier of that table is exported, none named here.
 
 Counters are exposed as prometheus_client exposes every counter: the sample (and its
 ``# HELP``/``# TYPE`` lines) is the family name plus ``_total``, e.g.

@@ -2,7 +2,8 @@
 the manager gauges; the prometheus_client collector in a fresh registry after host-engine transfers
 and manager operations, several labelled sources, a shut-down manager, registering/unregistering;
 the standalone server (prometheus_client's start_http_server); kvoff without prometheus_client (a
-subprocess that blocks its import); the handlers observing their results automatically."""
+subprocess that blocks its import); the handlers observing their results automatically; a tiered
+manager's file tier (``kvoff_disk_*``) and object tier (``kvoff_object_*``, against SeaweedFS)."""
 
 from __future__ import annotations
 
@@ -668,3 +669,92 @@ def test_tiered_manager_exports_the_file_tier(tmp_path):
     finally:
         mgr.shutdown()
         region.close()
+
+
+def _settle(mgr, keys, timeout=10.0):
+    """``lookup_prefix`` polled until it answers (a fetch or a promotion in flight answers None)."""
+    t0 = time.monotonic()
+    while (n := mgr.lookup_prefix(keys)) is None:
+        assert time.monotonic() - t0 < timeout, "lookup stayed pending"
+        time.sleep(0.005)
+    return n
+
+
+def test_tiered_manager_exports_the_object_tier(seaweed, monkeypatch):
+    # The object tier (S3, here SeaweedFS) behind a TieredOffloadingManager: the collector adds
+    # kvoff_object_* under kvoff.tiers.METRICS["object"]'s names, kinds and help, each sample the
+    # manager's own figure. Engine A writes two blocks; engine B serves one and rejects the other,
+    # which another client corrupted.
+    pc = pytest.importorskip("prometheus_client")
+    from kvoff.tiers import METRICS
+    from prometheus_client.parser import text_string_to_metric_families
+
+    monkeypatch.setenv("AWS_ACCESS_KEY_ID", seaweed.access_key)
+    monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", seaweed.secret_key)
+    block, ns, prefix = 4096, f"metrics-{time.monotonic_ns()}", "metrics"
+    keys = [b"o" * 15 + bytes([i]) for i in range(2)]
+
+    def manager(region):
+        return kvoff.TieredOffloadingManager(
+            "lru", 4, region, object_url=f"s3://{seaweed.bucket}/{prefix}", object_endpoint=seaweed.endpoint,
+            object_bytes_to_use=1 << 24, namespace=ns, object_negative_ttl_s=0.2,
+        )  # fmt: skip
+
+    def scrape(mgr):
+        reg = pc.CollectorRegistry()
+        reg.register(kvoff.TransferMetricsCollector(kvoff.TransferMetrics(manager=mgr)))
+        text = pc.generate_latest(reg).decode()
+        return text, {s.name: s.value for f in text_string_to_metric_families(text) for s in f.samples}
+
+    client = seaweed.client()
+    ra, rb = kvoff.HostRegion.private(4, block), kvoff.HostRegion.private(4, block)
+    a = b = None
+    try:
+        a = manager(ra)
+        objects = []
+        for i, k in enumerate(keys):  # one at a time: which object holds which block
+            out = a.prepare_store([k])
+            ra.view_numpy(0, 0, block)[out.store_spec.block_ids[0]] = 7 + i
+            a.complete_store([k])
+            a.flush()
+            listed = client.list_keys(seaweed.bucket, f"{prefix}/{ns}/")
+            objects += [o for o in listed if o not in objects]
+            assert len(objects) == i + 1, listed
+        _, sa = scrape(a)
+        assert sa["kvoff_object_writes_total"] == 2 and sa["kvoff_object_written_bytes_total"] == 2 * block
+        assert sa["kvoff_object_up"] == 1 and sa["kvoff_object_write_errors_total"] == 0
+        # Another client flips the last payload bytes of the second block's value.
+        value = bytearray(client.get_object(seaweed.bucket, objects[1]))
+        value[-8:] = bytes(x ^ 0xFF for x in value[-8:])
+        client.put_object(seaweed.bucket, objects[1], bytes(value))
+
+        b = manager(rb)
+        assert _settle(b, keys[:1]) == 1  # fetched, promoted, ready
+        spec = b.prepare_load(keys[:1])
+        assert (rb.view_numpy(0, 0, block)[spec.block_ids[0]] == 7).all()
+        b.complete_load(keys[:1])
+        assert _settle(b, keys[1:]) == 0  # rejected: a miss
+        text, sb = scrape(b)
+        stats = b.get_stats()
+        for m in METRICS["object"]:
+            if "manager" not in m.surfaces:
+                assert m.prometheus not in sb, m
+                continue
+            assert f"# HELP {m.prometheus} {m.help}\n# TYPE {m.prometheus} {m.kind}" in text, m
+            if m.kind == "counter":
+                assert sb[m.prometheus] == stats[m.key], m
+        assert sb["kvoff_object_promotions_total"] == 1 and sb["kvoff_object_read_bytes_total"] == block
+        assert sb["kvoff_object_hits_total"] >= 1 and sb["kvoff_object_rejected_values_total"] == 1
+        assert sb["kvoff_object_up"] == 1
+        # The rejected value is deleted (its task's last step).
+        t0 = time.monotonic()
+        while client.get_object(seaweed.bucket, objects[1]) is not None:
+            assert time.monotonic() - t0 < 5, "the rejected value is still stored"
+            time.sleep(0.05)
+    finally:
+        for m in (a, b):
+            if m is not None:
+                m.shutdown()
+        ra.close()
+        rb.close()
+        client.close()

@@ -80,6 +80,12 @@ def test_session_server_serves_signed_requests(seaweed: sw.SeaweedServer) -> Non
     assert listed.status == 200 and b"<Key>harness/signed/a b+c</Key>" in listed.body
     s.filer_put(s.bucket, "harness/signed/via-filer", b"x")
     assert c.get_object(s.bucket, "harness/signed/via-filer") == b"x"
+    listed_keys = ["harness/signed/a b+c", "harness/signed/via-filer"]
+    assert (
+        c.list_keys(s.bucket, "harness/signed/")
+        == c.list_keys(s.bucket, "harness/signed/", page=1)
+        == listed_keys
+    )
     assert c.get_object(s.bucket, "harness/signed/missing") is None
     s.create_bucket("kvoff-second")
     c.put_object("kvoff-second", "k", b"2")
