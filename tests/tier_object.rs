@@ -461,6 +461,26 @@ fn server_faults_end_as_misses_and_failed_stores() {
             std::thread::sleep(Duration::from_millis(100));
         }
 
+        // Killed mid-GET: an engine that knows the values (listing) starts their promotions, the
+        // server dies under the reads: they end within the timeouts as failed promotions or whole,
+        // checked blocks — never a wrong one.
+        let (mut g, mem_g) = chain_of(cfg(&srv, "faults", "ns", 1 << 30), 64);
+        object(&g).rescan();
+        assert!(
+            g.lookup_prefix(&ks).unwrap().is_none_or(|n| n < 8),
+            "promotions started"
+        );
+        srv.kill();
+        let t0 = Instant::now();
+        g.flush();
+        assert!(t0.elapsed() < Duration::from_secs(10), "{:?}", t0.elapsed());
+        let served = settle(&mut g, &ks, Duration::from_secs(10));
+        if served > 0 {
+            check_loaded(&mut g, &mem_g, &(0..served).collect::<Vec<_>>());
+        }
+        g.shutdown();
+        srv.restart();
+
         // Stopped (SIGSTOP) mid-GET: the read ends as a failed promotion within the timeouts,
         // lookups never wait.
         let (mut c, mem_c) = chain_of(cfg(&srv, "faults", "ns", 1 << 30), 64);
