@@ -159,17 +159,21 @@ elif [ "${KVOFF_SKIP_VLLM:-0}" != 1 ]; then
   "$VLLM032/bin/python" -m pip "${PIP_FLAGS[@]}" install "${PYTEST_PLUGINS[@]}"
   "$VLLM032/bin/python" -m pip "${PIP_FLAGS[@]}" install --force-reinstall --no-deps "$WHEEL"
   # Three pytest runs at once, together the whole `-m vllm tests/python/test_vllm_*.py`: the
-  # serving benchmark's engines; the remote tier's two-engine tests; every other file (the file
-  # tier's and the plug-in's engine tests, vLLM's scheduler and the plug-in's unit tests). No Valkey
-  # pass here: vLLM reaches the server only through the remote tier, whose server traffic the
-  # Valkey pass above covers (tests/python/conftest.py).
+  # serving benchmark's engines; the remote and object tiers' multi-engine tests (Redis, SeaweedFS;
+  # one driver process and one baseline run for both); every other file (the file tier's and the
+  # plug-in's engine tests, vLLM's scheduler and the plug-in's unit tests). No Valkey pass here:
+  # vLLM reaches the server only through the remote tier, whose server traffic the Valkey pass
+  # above covers (tests/python/conftest.py).
   VPYTEST=("$VLLM032/bin/python" -m pytest -q -p no:cacheprovider -rs -m vllm)
+  VLLM_TIERS=(tests/python/test_vllm_e2e_remote.py tests/python/test_vllm_e2e_object.py)
   VLLM_REST=()
   for f in tests/python/test_vllm_*.py; do
-    case $f in */test_vllm_e2e_remote.py | */test_vllm_serve.py) ;; *) VLLM_REST+=("$f") ;; esac
+    case $f in */test_vllm_e2e_remote.py | */test_vllm_e2e_object.py | */test_vllm_serve.py) ;;
+      *) VLLM_REST+=("$f") ;;
+    esac
   done
   together vllm-serve "${VPYTEST[@]}" tests/python/test_vllm_serve.py
-  together vllm-remote "${VPYTEST[@]}" tests/python/test_vllm_e2e_remote.py
+  together vllm-remote "${VPYTEST[@]}" "${VLLM_TIERS[@]}"
   together vllm-rest "${VPYTEST[@]}" "${VLLM_REST[@]}"
   step "(vLLM: three pytest runs at once; their logs follow when all have ended)"
   wait_together

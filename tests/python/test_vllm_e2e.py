@@ -59,6 +59,11 @@ TIMEOUT_S = 300
 GPU_BLOCKS = {"llama": 10, "gemma2": 20}
 
 
+#: Prefixes of the environment variables each case takes from the test's environment (and the
+#: driver process does not): kvoff's, and the AWS_* ones of the object tier (credentials, endpoint).
+CASE_ENV = ("KVOFF_", "AWS_")
+
+
 class _Driver:
     """The session's ``vllm_e2e_driver.py --serve`` process: cases go in on its stdin, one JSON line
     each; its output (and its engine-core processes') goes to a file, in its own process group so
@@ -74,8 +79,9 @@ class _Driver:
         atexit.register(self.close)
 
     def _start(self) -> None:
-        # kvoff's variables go with each case (a test may set them for its engines only).
-        env = {k: v for k, v in os.environ.items() if not k.startswith("KVOFF_")}
+        # kvoff's variables and the object tier's AWS_* ones go with each case (a test may set
+        # them for its engines only).
+        env = {k: v for k, v in os.environ.items() if not k.startswith(CASE_ENV)}
         env.update(HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1", VLLM_LOGGING_LEVEL="INFO")
         fd, self.path = tempfile.mkstemp(prefix="kvoff-vllm-e2e-", suffix=".log")
         os.close(fd)
@@ -106,7 +112,7 @@ class _Driver:
         self.cases += 1
         cid = f"case-{self.cases}"
         begin = os.path.getsize(self.path)
-        env = {k: v for k, v in os.environ.items() if k.startswith("KVOFF_")}
+        env = {k: v for k, v in os.environ.items() if k.startswith(CASE_ENV)}
         self.proc.stdin.write(json.dumps({**case, "id": cid, "env": env}) + "\n")
         self.proc.stdin.flush()
         marker = f"KVOFF_E2E_BEGIN {cid}\n".encode()
@@ -278,13 +284,27 @@ def models(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return tmp_path_factory.mktemp("models")
 
 
-_baselines: dict[str, dict[str, Any]] = {}
+_baselines: dict[tuple[str, str, int], dict[str, Any]] = {}
 
 
-def _baseline(models: Path, arch: str) -> dict[str, Any]:
-    if arch not in _baselines:
-        _baselines[arch], _ = _run(models / arch, arch, None)
-    return _baselines[arch]
+def _baseline(models: Path, arch: str, rounds: int = ROUNDS) -> dict[str, Any]:
+    """The run without offloading, once per model directory, model and rounds in this process
+    (the modules of one pytest run share it: ``shared_models``)."""
+    key = (str(models), arch, rounds)
+    if key not in _baselines:
+        _baselines[key], _ = _run(models / arch, arch, None, rounds=rounds)
+    return _baselines[key]
+
+
+_shared_models: list[Path] = []
+
+
+def shared_models(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """One directory of built models for every module of this pytest process that asks (the remote
+    and object tiers' engine tests share their baseline run through it)."""
+    if not _shared_models:
+        _shared_models.append(tmp_path_factory.mktemp("models-shared"))
+    return _shared_models[0]
 
 
 def _check(models: Path, arch: str, kvoff: dict[str, Any], eager: bool = True) -> dict[str, Any]:

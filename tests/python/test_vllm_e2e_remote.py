@@ -59,7 +59,7 @@ if "remote_url" not in REMOTE_KEYS:
     )
 
 # The end-to-end helpers of the file-tier test (same driver, same log checks).
-from test_vllm_e2e import _kvoff_problems, _run
+from test_vllm_e2e import _baseline, _kvoff_problems, _run, shared_models
 
 #: vLLM metric names of the remote tier (``vllm:kvoff_remote_*``, docs/tier.md), in one place.
 WRITTEN = "vllm:kvoff_remote_bytes_written"
@@ -73,14 +73,14 @@ INFO_LINE = re.compile(r"\bINFO\b.*\] kvoff remote tier: ")
 
 @pytest.fixture(scope="module")
 def models(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return tmp_path_factory.mktemp("models-remote")
+    return shared_models(tmp_path_factory)
 
 
 @pytest.fixture(scope="module")
 def baseline(models: Path) -> dict[str, Any]:
-    """Round 1 without offloading: the outputs every engine must reproduce."""
-    res, _ = _run(models / "llama", "llama", None, rounds=1)
-    return res
+    """Round 1 without offloading: the outputs every engine must reproduce (run once per pytest
+    process: test_vllm_e2e_object.py, run beside this module, shares it)."""
+    return _baseline(models, "llama", rounds=1)
 
 
 def _cfg(url: str, namespace: str, *, cluster: bool = False) -> dict[str, Any]:
