@@ -1,9 +1,9 @@
 """S3 over plain HTTP for the object tier's tests, without boto3: SigV4 signing by hand
-(:func:`sigv4_headers`), a minimal path-style client (:class:`S3Client`), and
-:class:`ThrottleProxy`, an HTTP/1.1 proxy that answers requests with S3's ``503 SlowDown`` (or
-another S3 XML error) for throttling and retry tests. tests/python/seaweed.py's
-:class:`~seaweed.SeaweedServer` uses the client to wait for its server and make buckets; tests use
-it to check what is stored. For stalls, delays and resets between client and server, use
+(:func:`sigv4_headers`, kvoff.tools.seaweed's, re-exported), a minimal path-style client
+(:class:`S3Client`), and :class:`ThrottleProxy`, an HTTP/1.1 proxy that answers requests with S3's
+``503 SlowDown`` (or another S3 XML error) for throttling and retry tests. tests/python/seaweed.py's
+:class:`~seaweed.SeaweedServer` hands out the client (``client()``); tests use it to check what is
+stored. For stalls, delays and resets between client and server, use
 :class:`redis_servers.FaultProxy` (TCP, protocol-agnostic) instead.
 """
 
@@ -11,9 +11,6 @@ from __future__ import annotations
 
 import atexit
 import contextlib
-import datetime
-import hashlib
-import hmac
 import http.client
 import random
 import secrets
@@ -23,14 +20,15 @@ import urllib.parse
 import xml.etree.ElementTree as ET
 from typing import IO, NamedTuple
 
+from kvoff.tools.seaweed import REGION, sigv4_headers
 from typing_extensions import Self
 
-REGION = "us-east-1"
+__all__ = ["REGION", "S3Client", "S3Response", "ThrottleProxy", "sigv4_headers"]
 _LIVE_PROXIES: set[ThrottleProxy] = set()
 _LOCK = threading.Lock()
 
 
-# -- S3 requests signed by hand (SigV4) ------------------------------------------------------
+# -- S3 requests signed by hand (SigV4: kvoff.tools.seaweed.sigv4_headers) ------------------
 
 
 class S3Response(NamedTuple):
@@ -43,52 +41,6 @@ class S3Response(NamedTuple):
         text = self.body.decode("utf-8", "replace")
         a, b = text.find("<Code>"), text.find("</Code>")
         return text[a + 6 : b] if 0 <= a < b else None
-
-
-def _q(s: str, safe: str = "-_.~") -> str:
-    return urllib.parse.quote(s, safe=safe)
-
-
-def sigv4_headers(
-    method: str,
-    host: str,
-    path: str,
-    query: dict[str, str],
-    body: bytes,
-    access_key: str,
-    secret_key: str,
-    region: str = REGION,
-    extra: dict[str, str] | None = None,
-) -> dict[str, str]:
-    """The headers of an S3 request signed with AWS Signature Version 4 (``host``,
-    ``x-amz-date``, ``x-amz-content-sha256`` and ``extra`` signed; ``authorization``)."""
-    now = datetime.datetime.now(datetime.timezone.utc)
-    amz_date, day = now.strftime("%Y%m%dT%H%M%SZ"), now.strftime("%Y%m%d")
-    payload = hashlib.sha256(body).hexdigest()
-    h = {k.lower(): " ".join(v.split()) for k, v in (extra or {}).items()}
-    h.update({"host": host, "x-amz-date": amz_date, "x-amz-content-sha256": payload})
-    names = sorted(h)
-    signed = ";".join(names)
-    canonical = "\n".join(
-        [
-            method,
-            _q(path, safe="/-_.~"),
-            "&".join(f"{_q(k)}={_q(v)}" for k, v in sorted(query.items())),
-            "".join(f"{n}:{h[n]}\n" for n in names),
-            signed,
-            payload,
-        ]
-    )
-    scope = f"{day}/{region}/s3/aws4_request"
-    to_sign = "\n".join(["AWS4-HMAC-SHA256", amz_date, scope, hashlib.sha256(canonical.encode()).hexdigest()])
-    key = ("AWS4" + secret_key).encode()
-    for part in (day, region, "s3", "aws4_request"):
-        key = hmac.new(key, part.encode(), hashlib.sha256).digest()
-    sig = hmac.new(key, to_sign.encode(), hashlib.sha256).hexdigest()
-    h["authorization"] = (
-        f"AWS4-HMAC-SHA256 Credential={access_key}/{scope}, SignedHeaders={signed}, Signature={sig}"
-    )
-    return h
 
 
 class S3Client:
@@ -122,7 +74,7 @@ class S3Client:
             if sign
             else dict(headers or {})
         )  # fmt: skip
-        target = _q(path, safe="/-_.~") + ("?" + urllib.parse.urlencode(q) if q else "")
+        target = urllib.parse.quote(path, safe="/-_.~") + ("?" + urllib.parse.urlencode(q) if q else "")
         for attempt in range(2):
             reused = self._conn is not None
             if self._conn is None:

@@ -33,7 +33,7 @@ from typing import Any
 
 import numpy as np
 
-from kvoff.tools import seaweed_server as sw
+from kvoff.tools import seaweed as sw
 
 __all__ = ["add_arguments", "bench_object", "format_object", "run"]
 
@@ -228,14 +228,14 @@ def bench_object(args: Any, log: Callable[[str], None] | None = None) -> dict[st
     calls = 2000 if args.quick else args.lookups
     ref_threads = [int(t) for t in str(args.ref_threads).split(",") if t]
     have_boto3 = _boto3() is not None
-    srv: sw.Server | None = None
+    srv: sw.SeaweedServer | None = None
     if args.endpoint:
         env = {k: v for k, v in os.environ.items() if k.startswith("AWS_")}
         env["AWS_ENDPOINT_URL"] = args.endpoint
     else:
-        srv = sw.Server(buckets=(args.bucket,)).start()
+        srv = sw.SeaweedServer(buckets=(args.bucket,), volume_size_limit_mb=256, name="bench").start()
         env = srv.env()
-        say(f"SeaweedFS {srv.version()} at {srv.endpoint}")
+        say(f"SeaweedFS {sw.weed_version(srv.binary)} at {srv.endpoint}")
     saved = {k: os.environ.get(k) for k in env}
     os.environ.update(env)  # the object tier's credentials come from the environment
     rows: list[dict[str, Any]] = []
