@@ -125,6 +125,16 @@ pub trait SecondaryTier: Send + std::fmt::Debug + 'static {
         usize::MAX
     }
 
+    /// The most keys one fetch of this tier should take ([`SecondaryTier::submit_fetch`] from
+    /// the chain's consultation of an unknown key): where each key costs a request of its own,
+    /// 1 — the rest of a prefix the tier holds is then read by readahead once the first key is
+    /// found ([`SecondaryTier::may_read_unknown`]), and a prefix the tier does not hold costs one
+    /// request, not one per key (docs/tier.md "Tier chain"). The default: no bound (the chain's
+    /// `max_fetch_keys`).
+    fn fetch_batch_max(&self) -> usize {
+        usize::MAX
+    }
+
     /// Whether a read of `key`, which the index does not know ([`Known::Unknown`], no fetch or
     /// write of it in flight), may be submitted ([`SecondaryTier::submit_reads`]) with no fetch
     /// before: the read itself finds out, a missing value failing its promotion (then

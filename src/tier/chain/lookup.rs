@@ -218,7 +218,11 @@ impl<M: OffloadingManager<ByteKey>> ChainManager<M> {
             let mut known = self.slots[t].tier.index(first);
             if known == Known::Unknown {
                 // One batched fetch of the key and the following host-absent keys of the prefix.
-                let most = self.cfg.max_fetch_keys.max(1);
+                let most = self
+                    .cfg
+                    .max_fetch_keys
+                    .min(self.slots[t].tier.fetch_batch_max())
+                    .max(1);
                 let mut batch = Vec::with_capacity(keys.len().min(most));
                 batch.push(first.clone());
                 for k in keys.iter().skip(1).take(most - 1) {

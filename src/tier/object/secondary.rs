@@ -29,6 +29,21 @@ impl ObjectTier {
             rt.spawn(fut);
         }
     }
+
+    /// Spawns `futs` as tasks of their own with one wake-up of the runtime from this thread: a
+    /// task spawns the rest from a worker (queued there, stolen by idle workers), so the
+    /// scheduler's thread makes one cross-thread hand-off per call, not one per key.
+    fn spawn_all<F: std::future::Future<Output = ()> + Send + 'static>(&self, mut futs: Vec<F>) {
+        match futs.len() {
+            0 => {}
+            1 => self.spawn(futs.remove(0)),
+            _ => self.spawn(async move {
+                for f in futs {
+                    tokio::spawn(f);
+                }
+            }),
+        }
+    }
 }
 
 impl SecondaryTier for ObjectTier {
@@ -98,10 +113,17 @@ impl SecondaryTier for ObjectTier {
             }
         }
         let n = jobs.len();
-        for (k, g) in jobs {
-            self.spawn(io::fetch(Arc::clone(sh), g, k));
-        }
+        self.spawn_all(
+            jobs.into_iter()
+                .map(|(k, g)| io::fetch(Arc::clone(sh), g, k))
+                .collect(),
+        );
         n
+    }
+
+    fn fetch_batch_max(&self) -> usize {
+        // One HEAD per key: a prefix's first key decides (docs/tier.md "Object tier", lookups).
+        1
     }
 
     fn may_read_unknown(&self, _key: &ByteKey) -> bool {
@@ -199,17 +221,13 @@ impl SecondaryTier for ObjectTier {
                 self.spawn(io::delete_all(Arc::clone(sh), guard, orphans));
             }
         }
-        for (guard, k, block, id, stem, victims) in jobs {
-            self.spawn(io::write(
-                Arc::clone(sh),
-                guard,
-                k,
-                block,
-                id,
-                stem,
-                victims,
-            ));
-        }
+        self.spawn_all(
+            jobs.into_iter()
+                .map(|(guard, k, block, id, stem, victims)| {
+                    io::write(Arc::clone(sh), guard, k, block, id, stem, victims)
+                })
+                .collect(),
+        );
         out
     }
 
@@ -250,9 +268,11 @@ impl SecondaryTier for ObjectTier {
                 out[i] = true;
             }
         }
-        for (guard, k, block) in jobs {
-            self.spawn(io::read(Arc::clone(sh), guard, k, block));
-        }
+        self.spawn_all(
+            jobs.into_iter()
+                .map(|(guard, k, block)| io::read(Arc::clone(sh), guard, k, block))
+                .collect(),
+        );
         out
     }
 
