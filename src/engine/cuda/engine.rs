@@ -302,12 +302,20 @@ impl CudaEngine {
         {
             return;
         }
+        // With no stream to go by — none passed with the job, none watched — the legacy default
+        // stream is asked: where a model runs on it (torch's default), its work is seen; a GPU
+        // taken for idle on no evidence at all ran the copy kernel beside a graph replay
+        // (docs/performance.md "Transfers beside an eager model"). `stream_busy` skips it while
+        // another stream's capture makes the query unsafe (`cuStreamIsCapturing` then fails).
+        let fallback = (caller.is_none() && self.compute_streams.is_empty()).then_some(0);
         for s in caller
             .into_iter()
             .chain(self.compute_streams.iter().copied())
+            .chain(fallback)
         {
             // SAFETY: the job's stream is live (submit's contract), the watched ones by
-            // `set_compute_streams`'s obligation; a query has no effect on the stream.
+            // `set_compute_streams`'s obligation, 0 is the legacy default stream of the current
+            // context; a query has no effect on the stream.
             if let Ok(true) = unsafe { ffi::stream_busy(s as ffi::CUstream) } {
                 self.device.note_compute();
                 return;
