@@ -302,12 +302,13 @@ impl CudaEngine {
         {
             return;
         }
-        // With no stream to go by — none passed with the job, none watched — the legacy default
-        // stream is asked: where a model runs on it (torch's default), its work is seen; a GPU
-        // taken for idle on no evidence at all ran the copy kernel beside a graph replay
-        // (docs/performance.md "Transfers beside an eager model"). `stream_busy` skips it while
-        // another stream's capture makes the query unsafe (`cuStreamIsCapturing` then fails).
-        let fallback = (caller.is_none() && self.compute_streams.is_empty()).then_some(0);
+        // With no model stream watched, the legacy default stream is asked too: where a model
+        // runs on it (torch's default) while the jobs come from a side thread and its stream,
+        // its work is seen; a GPU taken for idle on no evidence ran the copy kernel beside a
+        // graph replay (docs/performance.md "Transfers beside an eager model"). `stream_busy`
+        // skips it while another stream's capture makes the query unsafe (`cuStreamIsCapturing`
+        // then fails).
+        let fallback = (self.compute_streams.is_empty() && caller != Some(0)).then_some(0);
         for s in caller
             .into_iter()
             .chain(self.compute_streams.iter().copied())
