@@ -564,7 +564,9 @@ def plot_object(res: dict[str, Any], path: str) -> None:
     from matplotlib.patches import Patch
 
     fig, (ax, bx) = plt.subplots(1, 2, figsize=(13, 5.6))
-    clients = ["kvoff"] + [c for c in ("boto3 best", "boto3 1 thread") if any(_ref(r, c) for r in res["rows"])]
+    clients = ["kvoff"] + [
+        c for c in ("boto3 best", "boto3 1 thread") if any(_ref(r, c) for r in res["rows"])
+    ]
     width = 0.8 / (2 * len(clients))
     for i, r in enumerate(res["rows"]):
         for j, name in enumerate(clients):
@@ -575,7 +577,9 @@ def plot_object(res: dict[str, Any], path: str) -> None:
                 x = i + (d * len(clients) + j - len(clients) + 0.5) * width
                 ax.bar(x, vals[d], width, color=f"C{j}", hatch=hatch, edgecolor="k", linewidth=0.4)
                 if name == "boto3 best":  # its thread count per direction, on its bar
-                    ax.annotate(f"{r['boto3_best_threads'][d]}t", (x, vals[d]), ha="center", va="bottom", fontsize=7)
+                    ax.annotate(
+                        f"{r['boto3_best_threads'][d]}t", (x, vals[d]), ha="center", va="bottom", fontsize=7
+                    )
     ax.set_xticks(range(len(res["rows"])), [_size(r["size_kib"] * 1024) for r in res["rows"]])
     ax.set_ylabel("GB/s (median)")
     ax.set_title("store and load")
@@ -586,7 +590,9 @@ def plot_object(res: dict[str, Any], path: str) -> None:
     ]
     if "boto3 best" in clients:
         handles.append(Patch(facecolor="none", edgecolor="none", label="Nt: boto3's threads"))
-    ax.legend(handles=handles, fontsize=8, ncol=3, loc="upper center", bbox_to_anchor=(0.5, -0.08), frameon=False)
+    ax.legend(
+        handles=handles, fontsize=8, ncol=3, loc="upper center", bbox_to_anchor=(0.5, -0.08), frameon=False
+    )
 
     states = list(res["lookups"])
     width = 0.8 / max(1, len(states))
@@ -609,9 +615,13 @@ def plot_object(res: dict[str, Any], path: str) -> None:
     handles += [
         Patch(facecolor="0.6", label="bar: p99"),
         Line2D([], [], color="k", marker="_", linestyle="none", markersize=10, mew=1.5, label="tick: p50"),
-        Line2D([], [], color="r", linestyle="--", linewidth=1, label=f"target p99 {TARGET_LOOKUP_P99_US:g} µs"),
+        Line2D(
+            [], [], color="r", linestyle="--", linewidth=1, label=f"target p99 {TARGET_LOOKUP_P99_US:g} µs"
+        ),
     ]
-    bx.legend(handles=handles, fontsize=8, ncol=4, loc="upper center", bbox_to_anchor=(0.5, -0.2), frameon=False)
+    bx.legend(
+        handles=handles, fontsize=8, ncol=4, loc="upper center", bbox_to_anchor=(0.5, -0.2), frameon=False
+    )
     fig.suptitle(f"kvoff bench object — {res['server']}", fontsize=9)
     fig.tight_layout()
     fig.savefig(path, dpi=120, bbox_inches="tight")

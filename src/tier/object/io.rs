@@ -370,6 +370,7 @@ pub(super) async fn list(sh: Arc<Shared>) {
     // deleted, and nothing is counted twice.
     let _one = sh.listing.lock().await;
     let start = now_ns();
+    let start_at = Instant::now();
     let prefix = Path::from(sh.base.as_str());
     let mut stream = sh.store.list(Some(&prefix));
     let mut found = Vec::new();
@@ -434,6 +435,16 @@ pub(super) async fn list(sh: Arc<Shared>) {
                     }
                 }
                 Some(Entry::Writing { .. }) => {}
+                // Remembered absent (rejected, or a miss): that holds until its deadline, and
+                // whatever was learnt after this listing began is newer than what it found (a
+                // listing served before a rejected value's DELETE still names the value). An
+                // entry is set `negative_ttl` or more before its deadline (docs/tier.md "Object
+                // tier", index).
+                Some(Entry::Absent { until })
+                    if *until > Instant::now()
+                        || until
+                            .checked_sub(sh.cfg.negative_ttl)
+                            .is_some_and(|set| set >= start_at) => {}
                 _ => st.index.set(
                     id,
                     Entry::Present {
