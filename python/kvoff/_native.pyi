@@ -413,7 +413,8 @@ class TransferHandler:
         the device's engines while the model computes; 0 when not paced), `polite` (the device's
         copy calls were short and spaced because the model was seen launching beside them),
         `driver_contention` (shares of 1024 of the device's recent copy calls that waited for
-        another thread's driver call: by wall time, by time off the CPU).
+        another thread's driver call: by wall time, by time off the CPU; and the share of those
+        calls' time spent off the CPU).
         """
     @property
     def num_tensors(self) -> int:

@@ -136,8 +136,9 @@ pub struct SubmitStats {
     /// (docs/performance.md, "Transfers beside an eager model").
     pub polite: bool,
     /// Shares (of 1024) of the device's recent copy calls that waited for another thread's
-    /// driver call: by wall time, and by time spent off the CPU (blocked on the driver's lock).
-    pub driver_contention: (u32, u32),
+    /// driver call: by wall time, and by time spent off the CPU (blocked on the driver's lock);
+    /// and the share of those calls' time spent off the CPU.
+    pub driver_contention: (u32, u32, u32),
 }
 
 /// An asynchronous byte mover. See the module docs for the ordering and error contract.

@@ -521,7 +521,8 @@ impl PyTransferHandler {
     /// paced at, shared by the device's engines while the model computes; 0 when not paced),
     /// `polite` (the device's copy calls were short and spaced because the model was seen
     /// launching beside them), `driver_contention` (shares of 1024 of the device's recent copy
-    /// calls that waited for another thread's driver call: by wall time, by time off the CPU).
+    /// calls that waited for another thread's driver call: by wall time, by time off the CPU;
+    /// and the share of those calls' time spent off the CPU).
     #[getter]
     fn last_submit_stats<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyDict>> {
         let s = self.with_engine(py, |st| Ok(st.engine.last_submit_stats()))?;

@@ -247,7 +247,7 @@ def test_last_submit_stats_describe_the_submit(small):
         "reason": None,
         "staged_cap_mb_s": 0,
         "polite": False,
-        "driver_contention": (0, 0),
+        "driver_contention": (0, 0, 0),
     }
     assert st.transfer_async(1, (G([0, 1, 2, 3]), C([2])))
     st.wait(1)
@@ -259,7 +259,9 @@ def test_last_submit_stats_describe_the_submit(small):
     assert s["policy"] is None, "only the CUDA engine's auto chooses by policy"
     assert s["reason"] is None, "the host engine has one method"
     assert s["staged_cap_mb_s"] == 0, "only the CUDA engine's staged pipeline is paced"
-    assert s["polite"] is False and s["driver_contention"] == (0, 0), "the host engine makes no driver calls"
+    assert s["polite"] is False and s["driver_contention"] == (0, 0, 0), (
+        "the host engine makes no driver calls"
+    )
 
 
 def test_compute_streams_are_checked():

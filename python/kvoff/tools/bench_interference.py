@@ -180,11 +180,13 @@ def _transfer_steps(
     sms, longest, cpu = 0, 0, 0
     policies: dict[str, int] = {}
     methods: dict[str, int] = {}  # "st dma", "ld staged", ...: jobs per direction and method
+    contention: list[tuple[int, ...]] = []  # the device's driver contention at each submit
     t0: float | None = None
     with torch.cuda.stream(side):
         while not stop.is_set():
             if t0 is None and measuring.is_set():
                 t0, nbytes, failed, policies, methods = time.perf_counter(), 0, 0, {}, {}
+                contention = []
                 sms, longest, cpu = 0, 0, 0
             ids = []
             if dirs in ("store", "both"):
@@ -196,8 +198,9 @@ def _transfer_steps(
                 sms, longest = max(sms, s["sms"]), max(longest, s["longest_call_ns"])
                 cpu = max(cpu, s["longest_call_cpu_ns"])
                 policies[str(s.get("policy"))] = policies.get(str(s.get("policy")), 0) + 1
-                mk = f"st {s.get('method')} [{s.get('reason')}]"
+                mk = f"st {s.get('method')}{' polite' if s.get('polite') else ''} [{s.get('reason')}]"
                 methods[mk] = methods.get(mk, 0) + 1
+                contention.append(tuple(s.get("driver_contention") or ()))
             if dirs in ("load", "both"):
                 c = [ncpu // 2 + i for i in rng.sample(range(ncpu // 2), blocks)]
                 g = [ngpu // 2 + i for i in rng.sample(range(ngpu // 2), blocks)]
@@ -207,8 +210,9 @@ def _transfer_steps(
                 sms, longest = max(sms, s["sms"]), max(longest, s["longest_call_ns"])
                 cpu = max(cpu, s["longest_call_cpu_ns"])
                 policies[str(s.get("policy"))] = policies.get(str(s.get("policy")), 0) + 1
-                mk = f"ld {s.get('method')} [{s.get('reason')}]"
+                mk = f"ld {s.get('method')}{' polite' if s.get('polite') else ''} [{s.get('reason')}]"
                 methods[mk] = methods.get(mk, 0) + 1
+                contention.append(tuple(s.get("driver_contention") or ()))
             for hd, j in ids:
                 hd.wait([j])
             for r in st.get_finished() + ld.get_finished():
@@ -220,6 +224,11 @@ def _transfer_steps(
     stats["gb_s"] = nbytes / max(time.perf_counter() - t0, 1e-9) / 1e9
     stats["policies"] = policies
     stats["methods"] = methods
+    full = [c for c in contention if len(c) >= 3]
+    # Medians (of 1024): copy calls blocked on the driver's lock, and their time blocked.
+    stats["contention"] = (
+        (_median([float(c[1]) for c in full]), _median([float(c[2]) for c in full])) if full else None
+    )
     stats["failed"] = failed
     stats["sms"] = sms
     stats["longest_call_us"] = longest / 1e3
@@ -438,6 +447,7 @@ def _cell_row(
     row["launch_max_us"] = max(lat) * 1e6 if lat else float("nan")
     failed = st["failed"]
     sms, longest, cpu = st["sms"], st["longest_call_us"], st["longest_call_cpu_us"]
+    blocked: dict[str, list[tuple[float, float]]] = {}
     for kind in ("gemm", "mem"):
         alone, beside, gbs = [], [], []
         if kind == "gemm":
@@ -460,6 +470,8 @@ def _cell_row(
                 beside_policies[k] = beside_policies.get(k, 0) + v
             for k, v in st["methods"].items():
                 beside_methods[k] = beside_methods.get(k, 0) + v
+            if st.get("contention"):
+                blocked.setdefault(kind, []).append(st["contention"])
             failed += st["failed"]
             sms, longest = max(sms, st["sms"]), max(longest, st["longest_call_us"])
             cpu = max(cpu, st["longest_call_cpu_us"])
@@ -470,9 +482,16 @@ def _cell_row(
     row["longest_call_cpu_us"] = cpu
     row["failed"] = failed
     row["methods_beside"] = method_mix(beside_methods)
+    row["blocked_beside"] = {
+        k: (_median([c[0] for c in v]), _median([c[1] for c in v])) for k, v in blocked.items()
+    }
     say(format_row(row))
     if len({k.split()[1] for k in beside_methods}) > 1 or "auto" in label:
-        say(f"{'':>20}methods beside compute: {row['methods_beside']}")
+        bl = "; ".join(f"{k} {a:.0f}/{b:.0f}" for k, (a, b) in row["blocked_beside"].items())
+        say(
+            f"{'':>20}methods beside compute: {row['methods_beside']}"
+            + (f"; blocked calls/time of 1024: {bl}" if bl else "")
+        )
     return row
 
 

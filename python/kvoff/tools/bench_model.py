@@ -65,6 +65,9 @@ class Result:
     methods: dict[str, int] = field(default_factory=dict)
     submit_us: float = float("nan")  #: vllm pattern: median CPU µs of one transfer_async
     submit_p99_us: float = float("nan")
+    #: medians over the counted submits of the device's driver contention (of 1024): calls
+    #: blocked, and their time blocked (``last_submit_stats()["driver_contention"]``)
+    contention: tuple[float, float] = (float("nan"), float("nan"))
 
 
 def _median(xs: list[float]) -> float:
@@ -159,7 +162,7 @@ class _Mover:
         #: thread pattern: poll get_finished (every 50 µs) instead of blocking in wait
         self.poll = False
         #: the device's driver contention at each counted submit (shares of 1024)
-        self.contention: list[tuple[int, int]] = []
+        self.contention: list[tuple[int, int, int]] = []
 
     def _specs(self, store: bool) -> tuple[Any, Any]:
         k, b, r = self.kvoff, self.kv.blocks, self.rng
@@ -188,7 +191,7 @@ class _Mover:
                 self.methods[mk] = self.methods.get(mk, 0) + 1
                 c = s.get("driver_contention")
                 if c is not None:
-                    self.contention.append((int(c[0]), int(c[1])))
+                    self.contention.append((int(c[0]), int(c[1]), int(c[2]) if len(c) > 2 else 0))
             self.pending.append((hd, self.job))
             self.job += 1
 
@@ -305,6 +308,14 @@ def measure_cell(
         mover.methods,
         _median(sub) if cell.pattern == "vllm" else float("nan"),
         _pct(sub, 0.99) if cell.pattern == "vllm" else float("nan"),
+        (
+            (
+                _median([float(c[1]) for c in mover.contention]),
+                _median([float(c[2]) for c in mover.contention]),
+            )
+            if mover.contention
+            else (float("nan"), float("nan"))
+        ),
     )
 
 
@@ -431,6 +442,8 @@ def format_row(r: Result) -> str:
     c = r.cell
     sub = "-" if r.submit_us != r.submit_us else f"{r.submit_us:.0f}/{r.submit_p99_us:.0f}"
     meth = " ".join(f"{k}:{v}" for k, v in sorted(r.methods.items()))
+    if r.contention[0] == r.contention[0]:
+        meth += f"  blocked calls/time {r.contention[0]:.0f}/{r.contention[1]:.0f} of 1024"
     return (
         f"{c.workload:<8} {c.label:<10} {c.job_mib:>4}M {c.dirs:<5} {c.pattern:<7} {'yes' if c.stream else 'no':<6} "
         f"{r.alone_ms:>9.2f} {r.slowdown * 100:>+8.1f}% {r.gb_s:>7.1f} {sub:>10}  {meth}"

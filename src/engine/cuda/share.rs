@@ -69,6 +69,14 @@ pub struct DriverShare {
     /// thread blocked on the driver's lock sleeps).
     contended: AtomicU32,
     blocked: AtomicU32,
+    /// Share of the recent sampled calls' time spent off the CPU, of 1024 (exponentially
+    /// weighted per call): how much of kvoff's time in the driver went to waiting for other
+    /// threads' calls. A call meets an occasional launch about as often as an eager model's when
+    /// it is long; this share tells a launch every 200 µs from one every 25 µs.
+    blocked_time: AtomicU32,
+    /// The turn-polite rule: 0, [`CONTENDED_SHARE`] of the calls blocked; otherwise the blocked
+    /// time share above this (of 1024; `KVOFF_CUDA_TUNE` key `politetime`).
+    time_threshold: AtomicU32,
     /// Polite until this time, µs since `epoch` (0: not polite).
     polite_until_us: AtomicU64,
     epoch: Instant,
@@ -84,6 +92,8 @@ impl Default for DriverShare {
             entered: AtomicU64::new(0),
             contended: AtomicU32::new(0),
             blocked: AtomicU32::new(0),
+            blocked_time: AtomicU32::new(0),
+            time_threshold: AtomicU32::new(0),
             polite_until_us: AtomicU64::new(0),
             epoch: Instant::now(),
             polite_calls: AtomicU64::new(0),
@@ -102,12 +112,19 @@ impl DriverShare {
         self.now_us() < self.polite_until_us.load(Relaxed)
     }
 
+    /// Sets the turn-polite rule (see `time_threshold`; 0: the share of calls blocked).
+    pub(super) fn set_time_threshold(&self, t: u32) {
+        self.time_threshold.store(t.min(1024), Relaxed);
+    }
+
     /// Records one sampled call (`waited`: it waited for another thread's call; `blocked`: it
-    /// slept meanwhile).
-    fn sample(&self, waited: bool, blocked: bool) {
+    /// slept meanwhile; `blocked_share`: the share of its time it spent off the CPU, of 1024).
+    fn sample(&self, waited: bool, blocked: bool, blocked_share: u32) {
         ewma(&self.contended, waited);
         let cur = ewma(&self.blocked, blocked);
-        if cur > CONTENDED_SHARE {
+        let cur_time = ewma_fine(&self.blocked_time, blocked_share.min(1024));
+        let t = self.time_threshold.load(Relaxed);
+        if (t == 0 && cur > CONTENDED_SHARE) || (t > 0 && cur_time > t) {
             let until = self
                 .now_us()
                 .saturating_add(u64::try_from(POLITE_HOLD.as_micros()).unwrap_or(u64::MAX));
@@ -116,16 +133,35 @@ impl DriverShare {
     }
 
     /// Shares of recent sampled copy calls, of 1024, that waited for another thread's driver
-    /// call: (by their wall time, by their wall time beyond their CPU time).
+    /// call: (by their wall time, by their wall time beyond their CPU time), and the share of
+    /// their time spent off the CPU.
     #[must_use]
-    pub(super) fn contention(&self) -> (u32, u32) {
-        (self.contended.load(Relaxed), self.blocked.load(Relaxed))
+    pub(super) fn contention(&self) -> (u32, u32, u32) {
+        (
+            self.contended.load(Relaxed),
+            self.blocked.load(Relaxed),
+            self.blocked_time.load(Relaxed) >> EWMA_SHIFT,
+        )
     }
 
     /// (calls made while polite, all governed calls) since the device was opened.
     #[cfg(test)]
     pub(super) fn polite_calls(&self) -> (u64, u64) {
         (self.polite_calls.load(Relaxed), self.calls.load(Relaxed))
+    }
+}
+
+/// Adds one sample `v` (of 1024) to an exponentially weighted share kept in units of
+/// 1/(1024 << EWMA_SHIFT), so that samples below 1/32 still count; returns the share before it,
+/// of 1024.
+fn ewma_fine(a: &AtomicU32, v: u32) -> u32 {
+    let mut cur = a.load(Relaxed);
+    loop {
+        let next = cur - (cur >> EWMA_SHIFT) + v;
+        match a.compare_exchange_weak(cur, next, Relaxed, Relaxed) {
+            Ok(_) => return cur >> EWMA_SHIFT,
+            Err(c) => cur = c,
+        }
     }
 }
 
@@ -250,7 +286,9 @@ impl<'a> Governor<'a> {
                 .unwrap_or(u64::MAX)
                 .saturating_sub(thread_cpu_ns().saturating_sub(e.cpu_ns));
             if !overlapped {
-                self.share.sample(waited, off_cpu > BLOCKED_NS);
+                let total = u64::try_from(dt.as_nanos()).unwrap_or(u64::MAX).max(1);
+                let share = u32::try_from(off_cpu.min(total) * 1024 / total).unwrap_or(1024);
+                self.share.sample(waited, off_cpu > BLOCKED_NS, share);
             }
         }
         if self.polite() {
@@ -301,14 +339,35 @@ mod tests {
     fn frequent_blocked_calls_make_the_device_polite_and_rare_ones_do_not() {
         let s = DriverShare::default();
         for i in 0..2000 {
-            s.sample(true, i % 20 == 0); // 5% blocked: below the threshold (100/1024 = 9.8%)
+            s.sample(true, i % 20 == 0, 0); // 5% blocked: below the threshold (100/1024 = 9.8%)
         }
         assert!(!s.polite_now());
-        let (wall, blocked) = s.contention();
+        let (wall, blocked, _) = s.contention();
         assert!(wall > 900, "{wall}");
         assert!(blocked <= CONTENDED_SHARE, "{blocked}");
         for _ in 0..40 {
-            s.sample(false, true);
+            s.sample(false, true, 1024);
+        }
+        assert!(s.polite_now());
+    }
+
+    #[test]
+    fn the_time_rule_counts_the_share_of_time_blocked_not_of_calls() {
+        let s = DriverShare::default();
+        s.set_time_threshold(100);
+        // Every call met a launch, each blocked for 5% of its time (a launch every 200 µs
+        // beside long calls): polite by the count rule, not by the time rule.
+        for _ in 0..2000 {
+            s.sample(true, true, 51);
+        }
+        assert!(!s.polite_now());
+        let (_, blocked, time) = s.contention();
+        assert!(
+            blocked > CONTENDED_SHARE && (40..=60).contains(&time),
+            "{blocked} {time}"
+        );
+        for _ in 0..100 {
+            s.sample(true, true, 400); // blocked 40% of the time: an eager model's launches
         }
         assert!(s.polite_now());
     }
