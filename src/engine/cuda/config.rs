@@ -109,10 +109,6 @@ pub struct CudaEngineConfig {
     /// while polite: after each call it waits outside the driver `call × (100 − pct) / pct`
     /// (at least 10 µs). Tune key `duty`.
     pub dma_driver_duty_pct: u32,
-    /// The rule that turns the device polite: 0, a share of the recent copy calls blocked on
-    /// the driver's lock (`share::CONTENDED_SHARE`); otherwise the share of their time spent
-    /// blocked, above this (of 1024). Tune key `politetime`.
-    pub polite_time_share: u32,
     /// Serving policy: the rate in MB/s at which staged jobs are paced while the model computes
     /// (their pack kernel and DMA cross the GPU's memory three times per byte, which a
     /// memory-bound model pays for; see the `pace` module). The engines of a device share one
@@ -160,7 +156,6 @@ impl Default for CudaEngineConfig {
             serving_staged_cap_mb_s: None,
             polite: Polite::Auto,
             dma_driver_duty_pct: 50,
-            polite_time_share: 0,
             serving_ctas: 0,
             serving_launch_bytes: 1 << 20,
             idle_after_us: 100_000,
@@ -202,7 +197,7 @@ impl CudaEngineConfig {
     }
 
     /// Applies `KVOFF_CUDA_TUNE` overrides (`key=value` pairs separated by commas; keys `budget`
-    /// (basis points, or `off`), `batch`, `queued`, `pitched` (0/1), `feeder` (0/1), `dmasplit`, `storedma`, `storedmamin` (bytes), `idleafter` (µs; 0 = never idle), `polite` (`auto`, `always`, `off`), `politetime` (of 1024; 0 = count rule), `duty` (percent), `feedback` (0 = off), `loadprio` (`high`, `low`, `auto`), `stagedcap` (MB/s, `auto`; 0 = no cap), `ctas`, `max_ctas`, `launch`, `dmamin`, `small`
+    /// (basis points, or `off`), `batch`, `queued`, `pitched` (0/1), `feeder` (0/1), `dmasplit`, `storedma`, `storedmamin` (bytes), `idleafter` (µs; 0 = never idle), `polite` (`auto`, `always`, `off`), `duty` (percent), `feedback` (0 = off), `loadprio` (`high`, `low`, `auto`), `stagedcap` (MB/s, `auto`; 0 = no cap), `ctas`, `max_ctas`, `launch`, `dmamin`, `small`
     /// (`kernel` or `staged`)), used by the
     /// benchmarks to sweep the serving policy's knobs without rebuilding.
     ///
@@ -240,9 +235,6 @@ impl CudaEngineConfig {
                 "storedma" => self.serving_store_dma_beside_loads = num(v)? != 0,
                 "storedmamin" => self.serving_store_dma_min_job_bytes = num(v)?,
                 "idleafter" => self.idle_after_us = num(v)?,
-                "politetime" => {
-                    self.polite_time_share = u32::try_from(num(v)?).unwrap_or(1024).min(1024);
-                }
                 "duty" => {
                     self.dma_driver_duty_pct = u32::try_from(num(v)?).unwrap_or(100).clamp(1, 100);
                 }

@@ -222,8 +222,6 @@ impl CudaEngine {
         } else {
             None
         };
-        // The device's turn-polite rule (one per device: the last engine made sets it).
-        device.driver.set_time_threshold(cfg.polite_time_share);
         device.bind()?;
         // Beside a model (serving policy) both directions take the lowest priority, so that the
         // model's pending CTAs are scheduled before the copy kernel's.
