@@ -583,7 +583,9 @@ def plot_object(res: dict[str, Any], path: str) -> None:
     ax.set_xticks(range(len(res["rows"])), [_size(r["size_kib"] * 1024) for r in res["rows"]])
     ax.set_ylabel("GB/s (median)")
     ax.set_title("store and load")
-    handles = [Patch(facecolor=f"C{j}", edgecolor="k", linewidth=0.4, label=c) for j, c in enumerate(clients)]
+    handles: list[Any] = [
+        Patch(facecolor=f"C{j}", edgecolor="k", linewidth=0.4, label=c) for j, c in enumerate(clients)
+    ]
     handles += [
         Patch(facecolor="w", edgecolor="k", linewidth=0.4, label="store"),
         Patch(facecolor="w", edgecolor="k", linewidth=0.4, hatch="//", label="load"),
