@@ -522,6 +522,46 @@ fn server_faults_end_as_misses_and_failed_stores() {
 }
 
 #[test]
+fn a_down_store_takes_no_host_blocks_for_promotions() {
+    let _g = serial();
+    if !seaweed::have_weed() {
+        return;
+    }
+    let mut srv = seaweed::Seaweed::start(&["downhost"]);
+    let mut c = cfg(&srv, "downhost", "ns", 1 << 30);
+    c.backoff_min = Duration::from_secs(5);
+    c.backoff_max = Duration::from_secs(5);
+    let (mut m, mem) = chain_of(c, 8);
+    store(&mut m, &mem, &(0..8).collect::<Vec<_>>());
+    m.flush();
+    store(&mut m, &mem, &(8..16).collect::<Vec<_>>()); // 0..8 leave host memory
+    m.flush();
+    assert_eq!(stats(&mut m).tier.writes, 16);
+    let held: Vec<ByteKey> = (8..16).map(key).collect();
+    let below: Vec<ByteKey> = (0..8).map(key).collect();
+    assert_eq!(m.lookup_prefix(&held).unwrap(), Some(8));
+    assert!(below.iter().all(|k| object(&m).index(k) == Known::Present));
+    srv.kill();
+    // A fetch fails: the store is down for the backoff.
+    assert_eq!(settle(&mut m, &[key(500)], Duration::from_secs(5)), 0);
+    assert!(!object(&m).read_ready());
+    // Keys the store holds and host memory does not: a miss now, and no host block is taken
+    // (evicting the ones held) for reads the down store would refuse.
+    assert_eq!(m.lookup_prefix(&below).unwrap(), Some(0));
+    assert_eq!(
+        m.lookup(&below[0]).unwrap(),
+        kvoff::manager::Presence::Absent
+    );
+    assert_eq!(
+        m.lookup_prefix(&held).unwrap(),
+        Some(8),
+        "host blocks were evicted for promotions a down store refuses"
+    );
+    check_loaded(&mut m, &mem, &(8..16).collect::<Vec<_>>());
+    assert_eq!(stats(&mut m).chain.promotions_started, 0);
+}
+
+#[test]
 fn an_unreachable_endpoint_and_refused_credentials_are_counted_not_raised() {
     let _g = serial();
     if !seaweed::have_weed() {

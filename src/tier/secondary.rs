@@ -125,6 +125,14 @@ pub trait SecondaryTier: Send + std::fmt::Debug + 'static {
         usize::MAX
     }
 
+    /// Whether reads may start now: `false` while the tier refuses every read (its store is down
+    /// for a backoff, it is shut down or in a `fork()`ed child). The chain then starts no
+    /// promotion from it — none that would take host blocks (evicting others) only to give them
+    /// back. The default: always.
+    fn read_ready(&self) -> bool {
+        true
+    }
+
     /// The most keys one fetch of this tier should take ([`SecondaryTier::submit_fetch`] from
     /// the chain's consultation of an unknown key): where each key costs a request of its own,
     /// 1 — the rest of a prefix the tier holds is then read by readahead once the first key is

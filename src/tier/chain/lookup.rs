@@ -13,6 +13,10 @@ impl<M: OffloadingManager<ByteKey>> ChainManager<M> {
     /// Promotes `keys` (all held by tier `t`, or, `unknown`, keys it may read without knowing
     /// them: [`SecondaryTier::may_read_unknown`]); `true` when the first one started.
     fn promote(&mut self, t: usize, keys: &[ByteKey], unknown: bool) -> Result<bool> {
+        if !self.slots[t].tier.read_ready() {
+            // No host block is taken (evicting another) for reads the tier would refuse.
+            return Ok(false);
+        }
         if !unknown {
             self.slots[t].counters.hits += keys.len() as u64;
         }
@@ -252,6 +256,11 @@ impl<M: OffloadingManager<ByteKey>> ChainManager<M> {
                 // A fetch (or write) of the key is in flight: it answers later. No batch is
                 // built, so a scheduler asking every step pays one probe per waiting request.
                 Known::Pending => return Ok((true, 0)),
+                // The tier holds it but refuses reads now (down): a miss here, the tiers below
+                // asked.
+                Known::Present if !self.slots[t].tier.read_ready() => {
+                    self.slots[t].counters.misses += 1;
+                }
                 Known::Present => {
                     let mut end = 1;
                     while end < keys.len()

@@ -121,6 +121,14 @@ impl SecondaryTier for ObjectTier {
         n
     }
 
+    fn read_ready(&self) -> bool {
+        if self.forked() || self.rt.is_none() {
+            return false;
+        }
+        let st = lock(&self.shared.state);
+        !st.shutdown && !Shared::down(&st, Instant::now())
+    }
+
     fn fetch_batch_max(&self) -> usize {
         // One HEAD per key: a prefix's first key decides (docs/tier.md "Object tier", lookups).
         1
