@@ -2796,3 +2796,62 @@ fn values_shorter_than_their_header_are_rejected() {
     a.shutdown();
     b.shutdown();
 }
+
+/// `kvoff bench remote`'s native-client reference (`tier::remote::native_ref`): values of 2 MiB,
+/// 32 KiB and an odd size round-trip byte for byte from 1 and 4 threads, with a password; the
+/// server serves one `SET` and one `GET` per value per pass (one request per key, no header) and
+/// one untimed `SET` per value before the first pass (timed `SET`s replace values, as kvoff's
+/// timed stores do), and no key of the reference is left at the end. A Cluster or TLS URL and empty sizes are refused.
+#[test]
+fn native_reference_moves_every_value_once_and_cleans_up() {
+    use kvoff::tier::remote::native_ref::NativeRef;
+    let _g = serial();
+    if !have_redis() {
+        return;
+    }
+    let srv = Server::start("native", &["--requirepass", "pw"]);
+    let url = format!("redis://:pw@127.0.0.1:{}", srv.port);
+    let auth = |args: &[&str]| {
+        let mut a = vec!["-a", "pw"];
+        a.extend_from_slice(args);
+        srv.cli(&a)
+    };
+    for (vb, n) in [(2 << 20, 9), (32 << 10, 300), (1000, 7)] {
+        let before = (calls_auth(&auth, "set"), calls_auth(&auth, "get"));
+        let mut r = NativeRef::new(&url, vb, n).unwrap();
+        for threads in [1, 4] {
+            let p = r.pass(threads).unwrap();
+            assert!(p.verified, "{vb} B, {threads} threads: loaded bytes differ");
+            assert_eq!(p.threads, threads);
+            assert!(p.set_gb_s > 0.0 && p.get_gb_s > 0.0, "{p:?}");
+        }
+        let after = (calls_auth(&auth, "set"), calls_auth(&auth, "get"));
+        assert_eq!(after.0 - before.0, 3 * n as u64, "{vb} B: SETs");
+        assert_eq!(after.1 - before.1, 2 * n as u64, "{vb} B: GETs");
+        r.cleanup().unwrap();
+        assert_eq!(auth(&["DBSIZE"]).trim(), "0", "{vb} B: keys left");
+    }
+    // A wrong password is a clean error that does not show it.
+    let bad = format!("redis://:nope-secret@127.0.0.1:{}", srv.port);
+    let e = NativeRef::new(&bad, 64, 1)
+        .unwrap()
+        .pass(1)
+        .unwrap_err()
+        .to_string();
+    assert!(!e.contains("nope-secret"), "{e}");
+    for url in ["redis+cluster://127.0.0.1:1", "rediss://127.0.0.1:1"] {
+        assert!(NativeRef::new(url, 64, 1).is_err(), "{url}");
+    }
+    assert!(NativeRef::new(&url, 0, 1).is_err());
+    assert!(NativeRef::new(&url, 64, 0).is_err());
+    assert!(NativeRef::new(&url, 1 << 30, 1 << 20).is_err());
+}
+
+/// Calls of `cmd` from `INFO commandstats`, through `cli` (a server with a password).
+fn calls_auth(cli: &dyn Fn(&[&str]) -> String, cmd: &str) -> u64 {
+    let info = cli(&["INFO", "commandstats"]);
+    let prefix = format!("cmdstat_{cmd}:calls=");
+    info.lines()
+        .find_map(|l| l.strip_prefix(&prefix))
+        .map_or(0, |rest| rest.split(',').next().unwrap().parse().unwrap())
+}

@@ -31,6 +31,7 @@ __all__ = [
     "TransferHandler",
     "__version__",
     "bench_disk",
+    "bench_remote_native",
     "check_tier_settings",
     "compute_sub_block_ptrs",
     "cpu_sizing",
@@ -564,6 +565,13 @@ def bench_disk(
     direct_io: _DirectIoName = "auto",
 ) -> dict[str, Any]:
     """Runs the disk benchmark for one layout (GIL released) and returns its row as a dict."""
+
+def bench_remote_native(
+    url: str, value_bytes: int, n_blocks: int, threads: list[int]
+) -> list[dict[str, Any]]:
+    """The native-client reference of `kvoff bench remote`: `n_blocks` values of `value_bytes` stored
+    and loaded once per entry of `threads` (GIL released), the keys deleted at the end. Returns a
+    list of dicts `{threads, set_gb_s, get_gb_s, verified}`, one per pass in order."""
 
 # --- block store (src/python/blockstore.rs); used by kvoff.sglang and kvoff.vllm.tiering ---
 

@@ -1,5 +1,6 @@
-//! Binding of the disk benchmark (`kvoff bench disk`, docs/tier.md): `bench_disk` runs
-//! [`crate::tier::bench`] for one layout with the GIL released.
+//! Bindings of the tier benchmarks (docs/tier.md): `bench_disk` runs [`crate::tier::bench`] for
+//! one layout (`kvoff bench disk`), `bench_remote_native` the native-client reference of `kvoff
+//! bench remote` ([`crate::tier::remote::native_ref`]), each with the GIL released.
 #![forbid(unsafe_code)]
 
 use pyo3::prelude::*;
@@ -9,6 +10,7 @@ use super::args::{Int, PathArg};
 use super::enter::blocking;
 use super::names::parse_direct_io;
 use crate::tier::bench::{run as run_bench, DiskBenchConfig};
+use crate::tier::remote::native_ref::NativeRef;
 
 /// Runs the disk benchmark for one layout (GIL released) and returns its row as a dict.
 #[pyfunction]
@@ -64,7 +66,49 @@ fn bench_disk<'py>(
     Ok(d)
 }
 
+/// The native-client reference of `kvoff bench remote`: `n_blocks` values of `value_bytes` stored
+/// and loaded once per entry of `threads` (GIL released), the keys deleted at the end. Returns a
+/// list of dicts `{threads, set_gb_s, get_gb_s, verified}`, one per pass in order.
+#[pyfunction]
+#[pyo3(signature = (url, value_bytes, n_blocks, threads))]
+fn bench_remote_native(
+    py: Python<'_>,
+    url: String,
+    value_bytes: Int,
+    n_blocks: Int,
+    threads: Vec<Int>,
+) -> PyResult<Vec<Bound<'_, PyDict>>> {
+    let value_bytes: usize = value_bytes.get("value_bytes")?;
+    let n_blocks: usize = n_blocks.get("n_blocks")?;
+    let threads = threads
+        .into_iter()
+        .map(|t| t.get::<usize>("threads[i]"))
+        .collect::<PyResult<Vec<_>>>()?;
+    let passes = blocking(py, move || {
+        let mut r = NativeRef::new(&url, value_bytes, n_blocks)?;
+        let out = threads
+            .iter()
+            .map(|&t| r.pass(t))
+            .collect::<crate::error::Result<Vec<_>>>();
+        let cleaned = r.cleanup();
+        let out = out?;
+        cleaned.map(|()| out)
+    })?;
+    passes
+        .into_iter()
+        .map(|p| {
+            let d = PyDict::new(py);
+            d.set_item("threads", p.threads)?;
+            d.set_item("set_gb_s", p.set_gb_s)?;
+            d.set_item("get_gb_s", p.get_gb_s)?;
+            d.set_item("verified", p.verified)?;
+            Ok(d)
+        })
+        .collect()
+}
+
 pub(crate) fn register(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(bench_disk, m)?)?;
+    m.add_function(wrap_pyfunction!(bench_remote_native, m)?)?;
     Ok(())
 }

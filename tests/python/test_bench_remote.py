@@ -103,7 +103,18 @@ def test_cli_private_server(capsys: pytest.CaptureFixture[str]) -> None:
     if rs.missing_reason():
         pytest.skip(rs.missing_reason() or "")
     argv = ["bench", "remote", "--sizes", "32KiB", "--blocks", "32", "--reps", "1"]
-    argv += ["--pipelines", "1", "--clients", "1", "--io-threads", "3", "--json", "--quiet"]
+    argv += [
+        "--pipelines",
+        "1",
+        "--clients",
+        "1",
+        "--io-threads",
+        "3",
+        "--native-threads",
+        "2",
+        "--json",
+        "--quiet",
+    ]
     assert main(argv) == 0
     res = json.loads(capsys.readouterr().out)
     assert res["private_server"] and res["server"].startswith(("redis ", "valkey "))
@@ -118,6 +129,10 @@ def test_cli_private_server(capsys: pytest.CaptureFixture[str]) -> None:
         for variant in ("one_key", "keys"):
             assert alt[variant]["set_gb_s"] > 0 and alt[variant]["get_gb_s"] > 0
         assert row["ratios"]["store_vs_redis_benchmark_keys_alternated"] > 0
+        # The native client's best thread counts ran again beside kvoff too, every byte compared.
+        nat = row["native_alternated"]
+        assert nat["runs"] == 1 and nat["verified"] and nat["set_gb_s"] > 0 and nat["get_gb_s"] > 0
+        assert row["ratios"]["load_vs_native_alternated"] > 0 and row["ratios"]["store_vs_native"] > 0
         # The private server's event loop, read around kvoff's store and load and each run again.
         if sys.platform == "linux":
             for phase in ("server_store", "server_load"):
@@ -130,3 +145,21 @@ def test_cli_private_server(capsys: pytest.CaptureFixture[str]) -> None:
     text = br.format_remote(res)
     assert "redis-benchmark best" in text and "32 KiB" in text and "3 I/O threads" in text
     assert (row["kvoff"] is None) or "redis-benchmark again" in text
+    assert (row["kvoff"] is None) or ("native client again" in text and "vs the native client" in text)
+
+
+def test_native_reference(redis_server: rs.RedisServer) -> None:
+    # The native client's grid: one pass per thread count, every loaded byte compared, the best
+    # count per operation named, and no key of it left on the server.
+    r = br.native_best(redis_server.url, 32 << 10, 48, threads=(1, 3))
+    assert [p["threads"] for p in r["grid"]] == [1, 3]
+    assert r["verified"] and all(p["set_gb_s"] > 0 and p["get_gb_s"] > 0 for p in r["grid"])
+    for op in ("set", "get"):
+        assert r[op]["gb_s"] == max(p[f"{op}_gb_s"] for p in r["grid"])
+    assert redis_server.cli("KEYS", "kvoff-bench-native:*") == ""
+    # A TLS or Cluster URL is refused with a clean error (the benchmark then says so).
+    from kvoff.errors import ConfigError
+
+    for url in ("rediss://127.0.0.1:1", "redis+cluster://127.0.0.1:1"):
+        with pytest.raises(ConfigError):
+            br.native_best(url, 4096, 4, threads=(1,))

@@ -137,6 +137,7 @@ PORT = int_range(0, 65535)
 REMOTE_BLOCKS = int_range(1, 1 << 20)
 REMOTE_IO_THREADS = int_range(1, 64)
 BENCH_PIPELINES = int_list(1, 1024)
+NATIVE_THREADS_ARG = int_list(1, 256)
 
 
 # ---------------------------------------------------------------------------------------------

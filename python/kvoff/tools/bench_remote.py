@@ -14,7 +14,13 @@ References, per value size (one KV block = one value):
   are references measured beside kvoff's median, where a grid's best is the luckiest of nine
   single runs;
 - redis-py, pipelined SET then GET of the same blocks, what a Python connector does
-  (:func:`redis_py_pipelined`).
+  (:func:`redis_py_pipelined`);
+- a native client, what a C++ connector (LMCache's ``resp://``) does: one ``SET`` or ``GET`` per
+  key, one request in flight per connection, from 1, 4, 8 and 16 threads, values straight from and
+  into host memory with no header (:func:`native_best`, in Rust); its best thread count per
+  operation runs again before each of kvoff's repetitions. Issue 47's target: kvoff's 2 MiB store
+  and load at least 1.0x its median, 32 KiB at least 0.95x (kvoff's 1096-byte header is 3% of a
+  32 KiB value). Standalone ``redis://`` servers only (a Cluster or TLS: not measured, said so).
 
 kvoff's own rows come from :func:`kvoff_rows` (the remote tier's store and load GB/s, lookup-to-
 promoted latency and the scheduler thread's lookup time with the server up, slow and down); where
@@ -49,6 +55,7 @@ from typing import Any
 from kvoff.tools.bench_remote_refs import (
     DEFAULT_RUN_BYTES,
     DEFAULT_SIZES,
+    NATIVE_THREADS,
     KiB,
     MiB,
     RedisTarget,
@@ -56,8 +63,10 @@ from kvoff.tools.bench_remote_refs import (
     _Alternated,
     _delete_benchmark_keys,
     _free_port,
+    _NativeAlternated,
     default_blocks,
     local_redis,
+    native_best,
     redis_benchmark_best,
     redis_py_pipelined,
     server_version,
@@ -72,6 +81,7 @@ __all__ = [
     "format_remote",
     "kvoff_rows",
     "local_redis",
+    "native_best",
     "redis_benchmark_best",
     "redis_py_pipelined",
 ]
@@ -453,6 +463,41 @@ def _tier_rows(
     }
 
 
+def _native_reference(
+    url: str,
+    size: int,
+    n: int,
+    row: dict[str, Any],
+    *,
+    cluster: bool,
+    threads: Sequence[int],
+    log: Callable[[str], None] | None,
+) -> _NativeAlternated | None:
+    """The native client's grid into ``row["native"]`` (``None`` and ``row["native_note"]`` where
+    it cannot be measured: a Cluster, a TLS URL, a build without it), and its runs again beside
+    kvoff's repetitions."""
+    from kvoff.errors import KvoffError
+
+    row["native"] = None
+    if cluster:
+        row["native_note"] = "a Cluster: the native reference talks to one server"
+        return None
+    try:
+        nb = row["native"] = native_best(url, size, n, threads=threads)
+    except AttributeError:
+        row["native_note"] = "this build of kvoff has no native reference"
+        return None
+    except KvoffError as e:  # a TLS URL, or a server that refuses it: said, not fatal
+        row["native_note"] = f"not measured: {e}"
+        return None
+    if log is not None:
+        log(
+            f"  native client: SET {nb['set']['gb_s']:.2f} ({nb['set']['threads']} threads)"
+            f" GET {nb['get']['gb_s']:.2f} GB/s ({nb['get']['threads']} threads)"
+        )
+    return _NativeAlternated(url, size, n, nb)
+
+
 def bench_remote(
     url: str | None = None,
     sizes: Sequence[int] = DEFAULT_SIZES,
@@ -462,6 +507,7 @@ def bench_remote(
     pipelines: Sequence[int] = (1, 4, 16),
     clients: Sequence[int] = (1, 4, 16),
     py_pipeline: int = 16,
+    native_threads: Sequence[int] = NATIVE_THREADS,
     run_bytes: int = DEFAULT_RUN_BYTES,
     cluster: bool = False,
     io_threads: int | None = None,
@@ -522,6 +568,13 @@ def bench_remote(
                 cluster=cluster,
                 server_cpu=control.cpu_s if control is not None else None,
             )
+            nat = _native_reference(url, size, n, row, cluster=cluster, threads=native_threads, log=log)
+
+            def before_rep(alt: _Alternated = alt, nat: _NativeAlternated | None = nat) -> None:
+                alt()
+                if nat is not None:
+                    nat()
+
             try:
                 k = kvoff_rows(
                     url,
@@ -531,7 +584,7 @@ def bench_remote(
                     cluster=cluster,
                     control=control,
                     io_threads=io_threads,
-                    before_rep=alt,
+                    before_rep=before_rep,
                 )
             finally:
                 t = RedisTarget.from_url(url)
@@ -553,6 +606,17 @@ def bench_remote(
                     "load_vs_redis_benchmark_keys": k["get_gb_s"] / rk["get"]["gb_s"],
                     "load_vs_redis_py": (k["get_gb_s"] / rp["get_gb_s"]) if rp else None,
                 }
+                if nat is not None:
+                    na = row["native_alternated"] = nat.result()
+                    nb = row["native"]
+                    row["ratios"].update(
+                        {
+                            "store_vs_native_alternated": k["set_gb_s"] / na["set_gb_s"],
+                            "load_vs_native_alternated": k["get_gb_s"] / na["get_gb_s"],
+                            "store_vs_native": k["set_gb_s"] / nb["set"]["gb_s"],
+                            "load_vs_native": k["get_gb_s"] / nb["get"]["gb_s"],
+                        }
+                    )
             out["sizes"].append(row)
         out["loadavg_end"] = os.getloadavg()[0]
         return out
@@ -580,6 +644,42 @@ def _server_line(k: dict[str, Any], ra: dict[str, Any] | None, blocks: int) -> s
             f" {n['get_server_cpu_s_per_gb']:.2f}"
         )
     return text
+
+
+def _native_lines(row: dict[str, Any], v: str, part: str) -> list[str]:
+    """The native client's lines of a value size's rows: its grid's best (``part="best"``), its
+    runs beside kvoff's repetitions (``"again"``), kvoff's ratios to it (``"ratios"``)."""
+    nb, na, r = row.get("native"), row.get("native_alternated"), row.get("ratios") or {}
+    if part == "best" and nb is not None:
+        ok = "" if nb["verified"] else "   NOT VERIFIED"
+        what = "native client best, 1 GET/key"
+        return [
+            (
+                f"{v:>8} {what:<34} {nb['set']['gb_s']:>10.2f} {nb['get']['gb_s']:>10.2f}"
+                f"   (SET {nb['set']['threads']} threads; GET {nb['get']['threads']} threads){ok}"
+            )
+        ]
+    if part == "best" and "native_note" in row:
+        return [f"{v:>8} {'native client':<34} {row['native_note']}"]
+    if part == "again" and na is not None:
+        ok = "" if na["verified"] else "   NOT VERIFIED"
+        return [
+            (
+                f"{v:>8} {'native client again':<34} {na['set_gb_s']:>10.2f} {na['get_gb_s']:>10.2f}"
+                f"   (best thread counts, before each of kvoff's {na['runs']} repetitions; median){ok}"
+            )
+        ]
+    if part == "ratios" and "store_vs_native_alternated" in r:
+        want = 1.0 if row["value_bytes"] >= MiB else 0.95
+        low = min(r["store_vs_native_alternated"], r["load_vs_native_alternated"])
+        return [
+            (
+                f"{'':>8} {'':<34} vs the native client: store {r['store_vs_native_alternated']:.2f}x, load "
+                f"{r['load_vs_native_alternated']:.2f}x (again; best {r['store_vs_native']:.2f}x /"
+                f" {r['load_vs_native']:.2f}x); target >= {want:.2f}x: {'met' if low >= want else 'NOT met'}"
+            )
+        ]
+    return []
 
 
 def format_remote(res: dict[str, Any]) -> str:
@@ -618,10 +718,12 @@ def format_remote(res: dict[str, Any]) -> str:
             lines.append(f"{v:>8} {what:<34} {rp['set_gb_s']:>10.2f} {rp['get_gb_s']:>10.2f}{ok}")
         else:
             lines.append(f"{v:>8} {'redis-py':<34} {row.get('redis_py_note', '')}")
+        lines += _native_lines(row, v, "best")
         k = row["kvoff"]
         if k is None:
             lines.append(f"{v:>8} {'kvoff':<34} {row['kvoff_note']}")
             continue
+        lines += _native_lines(row, v, "again")
         ra = row.get("redis_benchmark_alternated")
         if ra is not None:
             for variant, what in (("one_key", "one key"), ("keys", f"{row['blocks']} keys")):
@@ -650,6 +752,7 @@ def format_remote(res: dict[str, Any]) -> str:
                 f"{r['load_vs_redis_benchmark_alternated']:.0%} / "
                 f"{r['load_vs_redis_benchmark_keys_alternated']:.0%} (one key / {row['blocks']} keys)"
             )
+        lines += _native_lines(row, v, "ratios")
         line = _server_line(k, ra, row["blocks"])
         if line:
             lines.append(f"{'':>8} {line}")

@@ -1,7 +1,9 @@
 """The server side of ``kvoff bench remote`` (:mod:`kvoff.tools.bench_remote`) and its same-run
 references: where a URL points (:class:`RedisTarget`), ``redis-benchmark``'s best shapes
 (:func:`redis_benchmark_best`, run again beside each of kvoff's repetitions by :class:`_Alternated`),
-redis-py's pipelined SET/GET of the same blocks (:func:`redis_py_pipelined`), and the private
+redis-py's pipelined SET/GET of the same blocks (:func:`redis_py_pipelined`), a native client's one
+``SET``/``GET`` per key from N threads (:func:`native_best`, again beside each of kvoff's
+repetitions by :class:`_NativeAlternated`), and the private
 server the benchmark starts without ``--url`` (:func:`local_redis`, :class:`ServerControl`)."""
 
 from __future__ import annotations
@@ -287,6 +289,59 @@ class _Alternated:
                 if xs:
                     out[variant][f"{op}_server_cpu_s_per_gb"] = statistics.median(xs)
         return out
+
+
+#: Thread counts of the native-client reference's grid (LMCache's C++ ``resp://`` connector, the
+#: client it stands for, runs 8 by default).
+NATIVE_THREADS = (1, 4, 8, 16)
+
+
+def native_best(
+    url: str, value_bytes: int, n_blocks: int, *, threads: Sequence[int] = NATIVE_THREADS
+) -> dict[str, Any]:
+    """The native-client reference (``kvoff._native.bench_remote_native``,
+    ``src/tier/remote/native_ref.rs``): what a C++ connector does — one ``SET`` or ``GET`` per key,
+    one request in flight per connection, from N threads, values straight from and into host
+    memory, no header — over ``n_blocks`` values of ``value_bytes``, one pass per thread count.
+    Returns ``{"grid": [...], "set": {"gb_s", "threads"}, "get": {...}, "verified"}`` (the best
+    thread count per operation). Standalone ``redis://`` servers only (raises otherwise)."""
+    native = importlib.import_module("kvoff._native")
+    passes = [dict(p) for p in native.bench_remote_native(url, value_bytes, n_blocks, list(threads))]
+    out: dict[str, Any] = {"grid": passes, "verified": all(p["verified"] for p in passes)}
+    for op in ("set", "get"):
+        best = max(passes, key=lambda p: float(p[f"{op}_gb_s"]))
+        out[op] = {"gb_s": best[f"{op}_gb_s"], "threads": best["threads"]}
+    return out
+
+
+class _NativeAlternated:
+    """The native client's best thread counts (from :func:`native_best`) run again before each of
+    kvoff's repetitions: medians measured beside kvoff's median, as :class:`_Alternated`'s."""
+
+    def __init__(self, url: str, value_bytes: int, n_blocks: int, best: dict[str, Any]) -> None:
+        self.url, self.value_bytes, self.n_blocks = url, value_bytes, n_blocks
+        self.threads = {op: int(best[op]["threads"]) for op in ("set", "get")}
+        self.runs: dict[str, list[float]] = {"set": [], "get": []}
+        self.verified = True
+
+    def __call__(self) -> None:
+        native = importlib.import_module("kvoff._native")
+        counts = sorted(set(self.threads.values()))
+        passes = {
+            int(p["threads"]): p
+            for p in native.bench_remote_native(self.url, self.value_bytes, self.n_blocks, counts)
+        }
+        for op, t in self.threads.items():
+            self.runs[op].append(float(passes[t][f"{op}_gb_s"]))
+        self.verified &= all(bool(p["verified"]) for p in passes.values())
+
+    def result(self) -> dict[str, Any]:
+        return {
+            "runs": len(self.runs["set"]),
+            "verified": self.verified,
+            **{f"{op}_threads": t for op, t in self.threads.items()},
+            **{f"{op}_gb_s": statistics.median(xs) for op, xs in self.runs.items() if xs},
+        }
 
 
 def _delete_benchmark_keys(t: RedisTarget, keyspace: int, *, cluster: bool, timeout_s: float) -> None:

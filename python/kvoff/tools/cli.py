@@ -25,6 +25,7 @@ from kvoff.tools._cli_args import (
     IO_THREADS,
     JOB_MIB,
     JOBS_MIB,
+    NATIVE_THREADS_ARG,
     PAGES_KIB,
     PLOT_REPEATS,
     REMOTE_BLOCKS,
@@ -313,6 +314,13 @@ def _remote_cmd(p: argparse.ArgumentParser) -> None:
         "--clients", type=BENCH_PIPELINES, default=[1, 4, 16], help="redis-benchmark -c values tried (1-1024)"
     )
     p.add_argument(
+        "--native-threads",
+        dest="native_threads",
+        type=NATIVE_THREADS_ARG,
+        default=[1, 4, 8, 16],
+        help="thread counts of the native-client reference (one GET per key; 1-256, default 1,4,8,16)",
+    )
+    p.add_argument(
         "--io-threads",
         type=REMOTE_IO_THREADS,
         default=None,
@@ -333,6 +341,7 @@ def _bench_remote(args: argparse.Namespace) -> int:
             reps=args.remote_reps,
             pipelines=args.pipelines,
             clients=args.clients,
+            native_threads=args.native_threads,
             cluster=args.cluster,
             io_threads=args.io_threads,
             log=None if args.quiet else (lambda s: print(s, file=sys.stderr, flush=True)),

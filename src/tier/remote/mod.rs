@@ -67,6 +67,7 @@ use crate::key::ByteKey;
 mod config;
 mod conn;
 mod index;
+pub mod native_ref;
 mod plain;
 mod resp;
 pub mod route;
