@@ -2272,6 +2272,67 @@ fn tls_round_trip_with_a_private_ca() {
     assert!(s.tier.write_errors >= 1, "{s:?}");
     eprintln!("without the CA: {:?}", s.tier.last_error);
     assert_eq!(cli(&["DBSIZE"]).trim(), "6");
+    // Over a link that turns slow once set up (a proxy passing the server's bytes one per 50 ms
+    // once `slow` is set, each read within the I/O timeout, a whole reply never), a fetch, a
+    // flush and shutdown end within their bounds on TLS as on TCP (docs/tier.md "Faults"):
+    // every socket read and write of the TLS session checks the exchange's deadline.
+    let proxy = TrickleProxy::start(port);
+    let purl = format!("rediss://127.0.0.1:{}", proxy.port);
+    let (mut d, mem_d) = open(&purl, ca.clone()).unwrap();
+    assert_eq!(settle(&mut d, &ks[..1], Duration::from_secs(5)), 1);
+    check_loaded(&mut d, &mem_d, &[0]);
+    proxy.slow.store(true, std::sync::atomic::Ordering::Relaxed);
+    let rest = ks[1..].to_vec();
+    let t = Instant::now();
+    let (n, mut d) = within(Duration::from_secs(5), "a fetch over slow TLS", move || {
+        (settle(&mut d, &rest, Duration::from_secs(4)), d)
+    });
+    eprintln!("fetch over slow TLS: {n} found in {:?}", t.elapsed());
+    assert_eq!(n, 0);
+    assert!(
+        t.elapsed() < Duration::from_millis(2500),
+        "{:?}",
+        t.elapsed()
+    );
+    store(&mut d, &mem_d, &[30, 31]);
+    let t = Instant::now();
+    let mut d = within(Duration::from_secs(5), "flush() over slow TLS", move || {
+        d.flush();
+        d
+    });
+    assert!(
+        t.elapsed() < Duration::from_millis(2500),
+        "{:?}",
+        t.elapsed()
+    );
+    let s = remote_stats(&mut d);
+    eprintln!(
+        "flush over slow TLS: {:?}; {:?}",
+        t.elapsed(),
+        s.tier.last_error
+    );
+    assert!(s.tier.write_errors >= 1, "{s:?}");
+    assert!(
+        s.tier
+            .last_error
+            .as_deref()
+            .unwrap_or("")
+            .contains("timed out"),
+        "{s:?}"
+    );
+    store(&mut d, &mem_d, &[32]);
+    let t = Instant::now();
+    within(
+        Duration::from_secs(5),
+        "shutdown() over slow TLS",
+        move || d.shutdown(),
+    );
+    assert!(
+        t.elapsed() < Duration::from_millis(2500),
+        "{:?}",
+        t.elapsed()
+    );
+    drop(proxy);
     // A CA file needs rediss://, and must be readable.
     let plain = format!("redis://127.0.0.1:{port}");
     assert!(matches!(open(&plain, ca), Err(KvoffError::Config(_))));
@@ -2279,12 +2340,104 @@ fn tls_round_trip_with_a_private_ca() {
         open(&url, Some(dir.join("missing.crt"))),
         Err(KvoffError::Config(_))
     ));
+    // A CA file without a certificate, and TLS without checking the certificate, are refused.
+    std::fs::write(dir.join("empty.crt"), "not a certificate\n").unwrap();
+    let e = open(&url, Some(dir.join("empty.crt")))
+        .err()
+        .unwrap()
+        .to_string();
+    assert!(
+        e.contains("TLS CA file") && e.contains("no PEM certificate"),
+        "{e}"
+    );
+    let e = open(&format!("{url}/#insecure"), None)
+        .err()
+        .unwrap()
+        .to_string();
+    assert!(e.contains("#insecure"), "{e}");
     for m in [&mut a, &mut b, &mut c] {
         m.shutdown();
     }
     let _ = child.kill();
     let _ = child.wait();
     let _ = std::fs::remove_dir_all(&dir);
+}
+
+/// A TCP proxy to `127.0.0.1:upstream` that passes the server's bytes one per 50 ms once `slow`
+/// is set (the client's go through at once): a TLS server that trickles.
+struct TrickleProxy {
+    port: u16,
+    slow: Arc<std::sync::atomic::AtomicBool>,
+    stop: Arc<std::sync::atomic::AtomicBool>,
+}
+
+impl TrickleProxy {
+    fn start(upstream: u16) -> Self {
+        use std::io::{Read, Write};
+        use std::sync::atomic::{AtomicBool, Ordering::Relaxed};
+        let l = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+        let port = l.local_addr().unwrap().port();
+        l.set_nonblocking(true).unwrap();
+        let slow = Arc::new(AtomicBool::new(false));
+        let stop = Arc::new(AtomicBool::new(false));
+        let (sl, st) = (slow.clone(), stop.clone());
+        std::thread::spawn(move || {
+            while !st.load(Relaxed) {
+                let Ok((c, _)) = l.accept() else {
+                    std::thread::sleep(Duration::from_millis(5));
+                    continue;
+                };
+                c.set_nonblocking(false).unwrap();
+                let Ok(u) = std::net::TcpStream::connect(("127.0.0.1", upstream)) else {
+                    continue;
+                };
+                c.set_nodelay(true).unwrap();
+                u.set_nodelay(true).unwrap();
+                let (mut c2, mut u2) = (c.try_clone().unwrap(), u.try_clone().unwrap());
+                let (mut c, mut u) = (c, u);
+                // Client to server: at once.
+                std::thread::spawn(move || {
+                    let _ = std::io::copy(&mut c2, &mut u2);
+                    let _ = u2.shutdown(std::net::Shutdown::Both);
+                });
+                // Server to client: at once, or a byte per 50 ms once slow.
+                let (sl, st) = (sl.clone(), st.clone());
+                std::thread::spawn(move || {
+                    let mut buf = vec![0u8; 64 << 10];
+                    let mut pending: std::collections::VecDeque<u8> = Default::default();
+                    u.set_read_timeout(Some(Duration::from_millis(10))).unwrap();
+                    while !st.load(Relaxed) {
+                        match u.read(&mut buf) {
+                            Ok(0) => break,
+                            Ok(n) => pending.extend(&buf[..n]),
+                            Err(_) => {}
+                        }
+                        if sl.load(Relaxed) {
+                            if let Some(b) = pending.pop_front() {
+                                if c.write_all(&[b]).is_err() {
+                                    break;
+                                }
+                            }
+                            std::thread::sleep(Duration::from_millis(50));
+                        } else if !pending.is_empty() {
+                            let all: Vec<u8> = pending.drain(..).collect();
+                            if c.write_all(&all).is_err() {
+                                break;
+                            }
+                        }
+                    }
+                    let _ = c.shutdown(std::net::Shutdown::Both);
+                });
+            }
+        });
+        Self { port, slow, stop }
+    }
+}
+
+impl Drop for TrickleProxy {
+    fn drop(&mut self) {
+        self.stop.store(true, std::sync::atomic::Ordering::Relaxed);
+    }
 }
 
 /// Host memory whose copies panic on demand: stands in for any panic inside an I/O thread's job.

@@ -287,10 +287,51 @@ pub fn read_setting_file(path: &std::path::Path, cap: u64) -> std::result::Resul
     Ok(out)
 }
 
-/// The parsed target: the URL's nodes for the `redis` crate, cluster or not.
+/// The parsed target: the URL's nodes for the `redis` crate, cluster or not, and for a
+/// `rediss://` URL the TLS client configuration every connection uses.
 pub(super) struct Target {
     pub(super) cluster: bool,
     pub(super) nodes: Vec<redis::ConnectionInfo>,
+    pub(super) tls: Option<std::sync::Arc<rustls::ClientConfig>>,
+}
+
+/// The TLS client configuration of a `rediss://` URL: the certificates of the CA file (`pem`,
+/// from `path`) as the only roots, else the system's (`rustls-native-certs`, as the `redis`
+/// crate's own TLS does); rustls's safe defaults with `ring`, no client certificate.
+fn tls_config(
+    ca: Option<(&std::path::Path, &[u8])>,
+) -> Result<std::sync::Arc<rustls::ClientConfig>> {
+    use rustls::pki_types::pem::PemObject;
+    use rustls::pki_types::CertificateDer;
+    let mut roots = rustls::RootCertStore::empty();
+    if let Some((path, pem)) = ca {
+        let unusable = |why: String| {
+            KvoffError::Config(format!(
+                "remote tier: the TLS CA file {} is not usable: {why}",
+                path.display()
+            ))
+        };
+        for cert in CertificateDer::pem_slice_iter(pem) {
+            let cert = cert.map_err(|e| unusable(e.to_string()))?;
+            roots.add(cert).map_err(|e| unusable(e.to_string()))?;
+        }
+        if roots.is_empty() {
+            return Err(unusable("it holds no PEM certificate".to_owned()));
+        }
+    } else {
+        // Certificates the system store holds that rustls cannot use are left out (as the
+        // crate does); with none at all every handshake fails, counted and kept in the stats.
+        for cert in rustls_native_certs::load_native_certs().certs {
+            let _ = roots.add(cert);
+        }
+    }
+    let provider = std::sync::Arc::new(rustls::crypto::ring::default_provider());
+    let cfg = rustls::ClientConfig::builder_with_provider(provider)
+        .with_safe_default_protocol_versions()
+        .map_err(|e| KvoffError::Config(format!("remote tier: TLS: {e}")))?
+        .with_root_certificates(roots)
+        .with_no_client_auth();
+    Ok(std::sync::Arc::new(cfg))
 }
 
 pub(super) fn parse_url(
@@ -346,29 +387,37 @@ pub(super) fn parse_url(
                 redact(url)
             )));
         }
-        let pem = read_setting_file(path, MAX_SETTING_FILE_BYTES).map_err(|e| {
-            KvoffError::Config(format!(
-                "remote tier: cannot read the TLS CA file {}: {e}",
-                path.display()
-            ))
-        })?;
-        // The CA goes into each node's connection info (nodes learned later copy the first's).
-        for info in &mut nodes {
-            let certs = redis::TlsCertificates {
-                client_tls: None,
-                root_cert: Some(pem.clone()),
-            };
-            *info = redis::Client::build_with_tls(info.clone(), certs)
-                .map_err(|e| {
-                    KvoffError::Config(format!(
-                        "remote tier: the TLS CA file {} is not usable: {:?}",
-                        path.display(),
-                        e.kind()
-                    ))
-                })?
-                .get_connection_info()
-                .clone();
-        }
     }
-    Ok(Target { cluster, nodes })
+    if nodes.iter().any(|n| {
+        matches!(
+            n.addr(),
+            redis::ConnectionAddr::TcpTls { insecure: true, .. }
+        )
+    }) {
+        return Err(bad(
+            "#insecure (TLS without checking the server's certificate is not offered; \
+             name its CA with remote_tls_ca_file)",
+        ));
+    }
+    let tls = if base == "rediss" {
+        let pem = match ca_file {
+            Some(path) => Some(
+                read_setting_file(path, MAX_SETTING_FILE_BYTES).map_err(|e| {
+                    KvoffError::Config(format!(
+                        "remote tier: cannot read the TLS CA file {}: {e}",
+                        path.display()
+                    ))
+                })?,
+            ),
+            None => None,
+        };
+        Some(tls_config(ca_file.zip(pem.as_deref()))?)
+    } else {
+        None
+    };
+    Ok(Target {
+        cluster,
+        nodes,
+        tls,
+    })
 }

@@ -1,16 +1,16 @@
 //! One connection of the remote tier to one Redis/Valkey node (docs/design.md "Remote tier
 //! client", "The data path").
 //!
-//! A `redis://` (plain TCP) node gets a [`Conn::Plain`]: kvoff opens the socket (connect timeout,
-//! `TCP_NODELAY`, read/write timeouts), authenticates with `AUTH` and selects the URL's database;
+//! Every node, `redis://` (TCP) or `rediss://` (TLS, rustls driven by the `link` module), gets
+//! kvoff's own connection: kvoff opens the socket (connect timeout, `TCP_NODELAY`, read/write
+//! timeouts), makes the TLS handshake, authenticates with `AUTH` and selects the URL's database;
 //! every command is packed by the `redis` crate ([`redis::Cmd`]) and every reply that is not a bulk
 //! string is parsed by the crate ([`redis::parse_redis_value`]) once kvoff's reader has found where
 //! it ends. Only a bulk string reply (`$<length>\r\n<bytes>\r\n`, a `GET`'s value) is read by kvoff
-//! itself, straight from the socket into the value's own buffer: the crate's synchronous parser
-//! reads in 8 KiB steps, zeroes each step, compacts its buffer and copies the value out, six passes
-//! over every byte of a load where this takes one (the kernel's copy). A `rediss://` (TLS) or Unix
-//! socket node keeps the crate's own [`redis::Connection`] (TLS set up by the crate; its cost is
-//! the cipher, not the parser).
+//! itself, straight from the socket (or the decrypted record) into the value's own buffer: the
+//! crate's synchronous parser reads in 8 KiB steps, zeroes each step, compacts its buffer and
+//! copies the value out, six passes over every byte of a load where this takes one (the kernel's
+//! copy). Every read and write checks the exchange's deadline, on TCP and TLS alike.
 //!
 //! The reader of a plain connection is in the `plain` module; the framing kvoff writes or reads
 //! itself (a `SET`'s header and trailer around its value, a bulk string reply's header, the extent
@@ -83,74 +83,65 @@ impl BufPool {
     }
 }
 
-/// A connection: kvoff's own over plain TCP, or the crate's (TLS, Unix sockets).
-pub(super) enum Conn {
-    Plain(Box<Plain>),
-    Crate(Box<redis::Connection>),
-}
+/// A connection (see the module docs).
+pub(super) struct Conn(Box<Plain>);
 
 impl Conn {
-    /// Opens a connection to `info` within `connect_timeout`, with `io_timeout` on every read and
-    /// write after it. On kvoff's own connections (`redis://`), a bulk string reply longer than
-    /// `max_bulk` bytes (at the top of a reply, or an array's element read by
-    /// [`Conn::recv_array`]) is read past without being kept, and stands as an empty string:
-    /// where a value of a known length was asked for, a reply that is not one (another client's
-    /// value under the key) costs no allocation of its length, only its read.
+    /// Opens a connection to `info` within `connect_timeout` (a `rediss://` node over TLS with
+    /// `tls`, which the URL's parse built), with `io_timeout` on every read and write after it.
+    /// A bulk string reply longer than `max_bulk` bytes (at the top of a reply, or an array's
+    /// element read by [`Conn::recv_array`]) is read past without being kept, and stands as an
+    /// empty string: where a value of a known length was asked for, a reply that is not one
+    /// (another client's value under the key) costs no allocation of its length, only its read.
     pub(super) fn open(
-        info: redis::ConnectionInfo,
+        info: &redis::ConnectionInfo,
+        tls: Option<&std::sync::Arc<rustls::ClientConfig>>,
         connect_timeout: Duration,
         io_timeout: Duration,
         max_bulk: usize,
     ) -> Result<Self, String> {
-        if let redis::ConnectionAddr::Tcp(host, port) = info.addr() {
-            return Plain::open(&info, host, *port, connect_timeout, io_timeout, max_bulk)
-                .map(|p| Self::Plain(Box::new(p)));
-        }
-        let c = redis::Client::open(info)
-            .and_then(|cl| cl.get_connection_with_timeout(connect_timeout))
-            .and_then(|c| {
-                c.set_read_timeout(Some(io_timeout))?;
-                c.set_write_timeout(Some(io_timeout))?;
-                Ok(c)
-            })
-            .map_err(|e| format!("connecting: {e}"))?;
-        Ok(Self::Crate(Box::new(c)))
+        let (host, port, tls) = match info.addr() {
+            redis::ConnectionAddr::Tcp(host, port) => (host, *port, None),
+            redis::ConnectionAddr::TcpTls { host, port, .. } => (
+                host,
+                *port,
+                Some(tls.ok_or("connecting: a rediss:// node without a TLS configuration")?),
+            ),
+            _ => return Err("connecting: not a TCP node".to_owned()),
+        };
+        Plain::open(
+            info,
+            host,
+            port,
+            tls,
+            connect_timeout,
+            io_timeout,
+            max_bulk,
+        )
+        .map(|p| Self(Box::new(p)))
+    }
+
+    /// kvoff's reader of the connection (the reads straight into host blocks: `wire`).
+    pub(super) fn plain(&mut self) -> &mut Plain {
+        &mut self.0
     }
 
     /// Writes `bytes` (packed commands, or part of one) to the socket.
     pub(super) fn send(&mut self, bytes: &[u8]) -> Result<(), String> {
-        match self {
-            Self::Plain(p) => p.send(bytes),
-            Self::Crate(c) => c.send_packed_command(bytes).map_err(|e| e.to_string()),
-        }
+        self.0.send(bytes)
     }
 
     /// Sets when the exchange under way (a node's pipeline written, or its replies read; one
-    /// command and its reply) must end: on kvoff's own connections every read and write checks it,
-    /// so a server that sends a reply byte by byte fails it at the deadline (docs/tier.md
-    /// "Faults"). On the crate's connections (TLS, Unix sockets) each read and write is bounded by
-    /// the time left when the exchange starts, the whole reply not.
-    pub(super) fn set_deadline(&mut self, deadline: Instant, io_timeout: Duration) {
-        match self {
-            Self::Plain(p) => p.set_deadline(Some(deadline)),
-            Self::Crate(c) => {
-                let left = deadline
-                    .saturating_duration_since(Instant::now())
-                    .min(io_timeout)
-                    .max(Duration::from_millis(1));
-                let _ = c.set_read_timeout(Some(left));
-                let _ = c.set_write_timeout(Some(left));
-            }
-        }
+    /// command and its reply) must end: every read and write checks it, so a server that sends a
+    /// reply byte by byte fails it at the deadline (docs/tier.md "Faults").
+    pub(super) fn set_deadline(&mut self, deadline: Instant) {
+        self.0.set_deadline(Some(deadline));
     }
 
     /// Reads one reply (a server error reply is a value, not a failure); a large bulk string
     /// reply goes into a buffer from `pool`.
     pub(super) fn recv(&mut self, pool: Option<&BufPool>) -> Result<redis::Value, String> {
-        match self {
-            Self::Plain(p) => p.recv(pool),
-            Self::Crate(c) => c.recv_response().map_err(|e| e.to_string()),
-        }
+        self.0.recv(pool)
     }
 
     /// Reads one reply like [`Conn::recv`], where an array reply's bulk strings (an `MGET`'s
@@ -162,10 +153,7 @@ impl Conn {
         pool: Option<&BufPool>,
         max: usize,
     ) -> Result<redis::Value, String> {
-        match self {
-            Self::Plain(p) => p.recv_array(pool, max),
-            Self::Crate(c) => c.recv_response().map_err(|e| e.to_string()),
-        }
+        self.0.recv_array(pool, max)
     }
 
     /// One command and its reply, within `io_timeout` in all.
@@ -174,7 +162,7 @@ impl Conn {
         cmd: &redis::Cmd,
         io_timeout: Duration,
     ) -> Result<redis::Value, String> {
-        self.set_deadline(Instant::now() + io_timeout, io_timeout);
+        self.set_deadline(Instant::now() + io_timeout);
         self.send(&cmd.get_packed_command())?;
         self.recv(None)
     }
@@ -220,7 +208,8 @@ mod tests {
         )
         .unwrap();
         let c = Conn::open(
-            info,
+            &info,
+            None,
             Duration::from_secs(5),
             Duration::from_secs(5),
             max_bulk,
@@ -271,10 +260,7 @@ mod tests {
         data.extend(std::iter::repeat_n(9u8, 16 << 20));
         data.extend_from_slice(b"\r\n+PONG\r\n");
         let (mut c, server) = serve_max(data, false, 1 << 20);
-        let stats = |c: &Conn| match c {
-            Conn::Plain(p) => p.stats,
-            Conn::Crate(_) => unreachable!("a redis:// connection is kvoff's own"),
-        };
+        let stats = |c: &Conn| c.0.stats;
         for i in 0..4u8 {
             assert_eq!(
                 c.recv(None).unwrap(),

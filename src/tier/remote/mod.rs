@@ -67,6 +67,7 @@ use crate::key::ByteKey;
 mod config;
 mod conn;
 mod index;
+mod link;
 pub mod native_ref;
 mod plain;
 mod resp;
@@ -257,6 +258,7 @@ impl RemoteTier {
                 backoff_min: cfg.backoff_min,
                 backoff_max: cfg.backoff_max,
                 max_bulk: conn::max_bulk_for(value_len),
+                tls: target.tls,
             },
             redact(&cfg.url),
             target.nodes,

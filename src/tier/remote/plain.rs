@@ -1,14 +1,18 @@
-//! kvoff's own reader of a plain TCP connection to a Redis/Valkey node (docs/design.md "The data
-//! path"): the connection's set-up (`AUTH`, `SELECT`), and replies read with at most 64 bytes
-//! past a value's body, so that a bulk string's body goes from the socket straight into its own
-//! buffer or host block. [`super::conn::Conn`] is the connection the rest of the tier uses.
+//! kvoff's own reader of a connection to a Redis/Valkey node, over TCP or TLS (docs/design.md "The
+//! data path"): the connection's set-up (`AUTH`, `SELECT`), and replies read with at most 64 bytes
+//! past a value's body, so that a bulk string's body goes from the socket (or, over TLS, from the
+//! decrypted record) straight into its own buffer or host block. The byte stream and its deadline
+//! are the `link` module's; [`super::conn::Conn`] is the connection the rest of the tier uses.
 #![forbid(unsafe_code)]
 
-use std::io::{ErrorKind, IoSliceMut, Read, Write};
+use std::io::IoSliceMut;
 use std::net::{TcpStream, ToSocketAddrs};
+use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use super::conn::{BufPool, MAX_SMALL_REPLY};
+use super::link::io_err;
+use super::link::Link;
 use super::resp::{bulk_header, extent, header_int, line_end};
 
 /// The read buffer's size: replies of this size or less arrive in one `read` when the server has
@@ -27,42 +31,29 @@ const MAX_LINE: usize = 64 << 10;
 /// Bulk string replies at least this large get their buffer from a [`BufPool`].
 pub(super) const POOLED_BYTES: usize = 16 << 10;
 
-/// A plain TCP connection with its read buffer (`buf[start..end]` is read and not yet parsed).
+/// A connection with its read buffer (`buf[start..end]` is read and not yet parsed).
 pub(super) struct Plain {
-    pub(super) sock: TcpStream,
+    /// The byte stream, with the deadline of the exchange under way (docs/tier.md "Faults": bytes
+    /// may come slowly, a reply may not), set by [`Plain::set_deadline`].
+    link: Link,
     pub(super) buf: Vec<u8>,
     pub(super) start: usize,
     pub(super) end: usize,
     /// Most bytes of a top-level bulk string reply kept (see [`Conn::open`]).
     pub(super) max_bulk: usize,
-    /// The connection's I/O timeout: no single read or write waits longer.
-    io_timeout: Duration,
-    /// When the exchange under way must end (docs/tier.md "Faults": bytes may come slowly, a
-    /// reply may not), set by [`Plain::set_deadline`]; every read and write checks it first.
-    deadline: Option<Instant>,
-    /// The socket's read and write timeouts as last set.
-    cur_read: Duration,
-    cur_write: Duration,
     /// Reads made, and the bytes they put into the read buffer (tests: how a reply was read).
     #[cfg(test)]
     pub(super) stats: (usize, usize),
 }
 
-/// The failure of an exchange past its deadline.
-pub(super) const DEADLINE: &str = "timed out (the reply took longer than the I/O timeout)";
-
-pub(super) fn io_err(e: &std::io::Error) -> String {
-    match e.kind() {
-        ErrorKind::WouldBlock | ErrorKind::TimedOut => "timed out".to_owned(),
-        _ => e.to_string(),
-    }
-}
-
 impl Plain {
+    /// Connects to `host:port` within `connect_timeout` (TLS with `tls`: the handshake within
+    /// `io_timeout` after), then authenticates and selects the database `info` names.
     pub(super) fn open(
         info: &redis::ConnectionInfo,
         host: &str,
         port: u16,
+        tls: Option<&Arc<rustls::ClientConfig>>,
         connect_timeout: Duration,
         io_timeout: Duration,
         max_bulk: usize,
@@ -88,25 +79,22 @@ impl Plain {
             }
         }
         let sock = sock.ok_or(last)?;
-        let setup = |s: &TcpStream| -> std::io::Result<()> {
-            s.set_nodelay(true)?;
-            s.set_read_timeout(Some(io_timeout))?;
-            s.set_write_timeout(Some(io_timeout))
-        };
-        setup(&sock).map_err(|e| format!("connecting: {}", io_err(&e)))?;
-        let mut p = Self {
+        let link = Link::new(
             sock,
+            io_timeout,
+            Instant::now() + io_timeout,
+            tls.map(|c| (c, host)),
+        )?;
+        let mut p = Self {
+            link,
             buf: vec![0; READ_CHUNK],
             start: 0,
             end: 0,
             max_bulk,
-            io_timeout,
-            deadline: Some(Instant::now() + io_timeout),
-            cur_read: io_timeout,
-            cur_write: io_timeout,
             #[cfg(test)]
             stats: (0, 0),
         };
+        p.set_deadline(Some(Instant::now() + io_timeout));
         let settings = info.redis_settings();
         if let Some(pw) = settings.password() {
             let mut auth = redis::cmd("AUTH");
@@ -125,51 +113,14 @@ impl Plain {
     /// Sets when the exchange under way must end (`None`: each read and write bounded by the I/O
     /// timeout alone).
     pub(super) fn set_deadline(&mut self, deadline: Option<Instant>) {
-        self.deadline = deadline;
-    }
-
-    /// Fits the socket's read (or write) timeout to the deadline before a read (or write): the
-    /// I/O timeout, or less as the deadline nears. The timeout is set again only when it would
-    /// end past the deadline by more than an eighth of the time left, or stop short of the time
-    /// left (a new deadline): a fast exchange sets it not at all, a slow one a few times.
-    fn arm(&mut self, write: bool) -> Result<(), String> {
-        let target = match self.deadline {
-            None => self.io_timeout,
-            Some(d) => {
-                let left = d.saturating_duration_since(Instant::now());
-                if left.is_zero() {
-                    return Err(DEADLINE.to_owned());
-                }
-                left.min(self.io_timeout)
-            }
-        };
-        let cur = if write { self.cur_write } else { self.cur_read };
-        if cur < target || cur.saturating_sub(target) > target / 8 {
-            let r = if write {
-                self.sock.set_write_timeout(Some(target))
-            } else {
-                self.sock.set_read_timeout(Some(target))
-            };
-            r.map_err(|e| io_err(&e))?;
-            if write {
-                self.cur_write = target;
-            } else {
-                self.cur_read = target;
-            }
-        }
-        Ok(())
+        self.link.set_deadline(deadline);
     }
 
     /// Writes all of `bytes`, within the deadline.
     pub(super) fn send(&mut self, mut bytes: &[u8]) -> Result<(), String> {
         while !bytes.is_empty() {
-            self.arm(true)?;
-            match self.sock.write(bytes) {
-                Ok(0) => return Err("connection closed by the server".to_owned()),
-                Ok(n) => bytes = &bytes[n..],
-                Err(e) if e.kind() == ErrorKind::Interrupted => {}
-                Err(e) => return Err(io_err(&e)),
-            }
+            let n = self.link.write(bytes)?;
+            bytes = &bytes[n..];
         }
         Ok(())
     }
@@ -212,10 +163,9 @@ impl Plain {
         } else {
             self.buf.len()
         };
-        self.arm(false)?;
-        match self.sock.read(&mut self.buf[self.end..stop]) {
-            Ok(0) => Err("connection closed by the server".to_owned()),
-            Ok(n) => {
+        match self.link.read(&mut self.buf[self.end..stop])? {
+            0 => Err("connection closed by the server".to_owned()),
+            n => {
                 #[cfg(test)]
                 {
                     self.stats.0 += 1;
@@ -224,8 +174,6 @@ impl Plain {
                 self.end += n;
                 Ok(())
             }
-            Err(e) if e.kind() == ErrorKind::Interrupted => Ok(()),
-            Err(e) => Err(io_err(&e)),
         }
     }
 
@@ -377,15 +325,14 @@ impl Plain {
         while got < dst.len() {
             // The read buffer is empty here: `have` took all of it, and a read only puts bytes
             // into it once `dst` is full.
-            self.arm(false)?;
             let tail = HEAD_READ.min(self.buf.len());
             let mut iov = [
                 IoSliceMut::new(&mut dst[got..]),
                 IoSliceMut::new(&mut self.buf[..tail]),
             ];
-            match self.sock.read_vectored(&mut iov) {
-                Ok(0) => return Err("connection closed by the server".to_owned()),
-                Ok(n) => {
+            match self.link.read_vectored(&mut iov)? {
+                0 => return Err("connection closed by the server".to_owned()),
+                n => {
                     let body = n.min(dst.len() - got);
                     #[cfg(test)]
                     {
@@ -395,8 +342,6 @@ impl Plain {
                     got += body;
                     (self.start, self.end) = (0, n - body);
                 }
-                Err(e) if e.kind() == ErrorKind::Interrupted => {}
-                Err(e) => return Err(io_err(&e)),
             }
         }
         Ok(())

@@ -34,10 +34,7 @@ impl Pack for BlockRead<'_> {
 
     fn recv(&self, c: &mut Conn, pool: Option<&BufPool>) -> Result<redis::Value, String> {
         self.split.set(None);
-        let Conn::Plain(p) = c else {
-            return c.recv(pool);
-        };
-        let (v, split) = read_into_block(self.sh, p, self.block, pool)?;
+        let (v, split) = read_into_block(self.sh, c.plain(), self.block, pool)?;
         self.split.set(split);
         Ok(v)
     }
@@ -108,9 +105,7 @@ impl Pack for BlockMget<'_> {
             s.set(None);
         }
         let n = self.blocks.len();
-        let Conn::Plain(p) = c else {
-            return c.recv_array(pool, n);
-        };
+        let p = c.plain();
         match p.array_header(n)? {
             Head::Array(m) if m == n => {
                 let mut out = Vec::with_capacity(n);

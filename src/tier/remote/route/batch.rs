@@ -196,7 +196,7 @@ impl Router {
             let res = self.conn(conns, node, info).and_then(|c| {
                 // The node's whole pipeline is written within one I/O timeout (docs/tier.md
                 // "Faults").
-                c.set_deadline(std::time::Instant::now() + io_timeout, io_timeout);
+                c.set_deadline(std::time::Instant::now() + io_timeout);
                 packed.clear();
                 for r in &group {
                     if r.asking {
@@ -229,10 +229,7 @@ impl Router {
                 continue;
             };
             // Every reply of the node's pipeline is read within one I/O timeout.
-            c.set_deadline(
-                std::time::Instant::now() + self.cfg.io_timeout,
-                self.cfg.io_timeout,
-            );
+            c.set_deadline(std::time::Instant::now() + self.cfg.io_timeout);
             let mut failure = None;
             let mut answered = 0;
             for r in &group {

@@ -89,6 +89,8 @@ pub(super) struct RouterConfig {
     pub backoff_max: Duration,
     /// Most bytes of a bulk string reply kept ([`Conn::open`]).
     pub max_bulk: usize,
+    /// The TLS client configuration of a `rediss://` URL (every node's connections use it).
+    pub tls: Option<std::sync::Arc<rustls::ClientConfig>>,
 }
 
 struct Node {
@@ -499,7 +501,8 @@ impl Router {
             std::collections::hash_map::Entry::Vacant(e) => {
                 let (info, downs) = info.ok_or("no such node")?;
                 let c = Conn::open(
-                    info,
+                    &info,
+                    self.cfg.tls.as_ref(),
                     self.cfg.connect_timeout,
                     self.cfg.io_timeout,
                     self.cfg.max_bulk,
@@ -691,6 +694,7 @@ mod tests {
             backoff_min: Duration::from_millis(100),
             backoff_max: Duration::from_secs(1),
             max_bulk: 1 << 20,
+            tls: None,
         };
         let seed =
             redis::IntoConnectionInfo::into_connection_info("redis://127.0.0.1:7000").unwrap();
