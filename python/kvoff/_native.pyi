@@ -24,6 +24,7 @@ __all__ = [
     "ChainManagerCore",
     "HostRegion",
     "LRUOffloadingManager",
+    "NativeRemoteRef",
     "OffloadingEvent",
     "OffloadingManager",
     "PrepareStoreOutput",
@@ -31,7 +32,6 @@ __all__ = [
     "TransferHandler",
     "__version__",
     "bench_disk",
-    "bench_remote_native",
     "check_tier_settings",
     "compute_sub_block_ptrs",
     "cpu_sizing",
@@ -566,12 +566,22 @@ def bench_disk(
 ) -> dict[str, Any]:
     """Runs the disk benchmark for one layout (GIL released) and returns its row as a dict."""
 
-def bench_remote_native(
-    url: str, value_bytes: int, n_blocks: int, threads: list[int]
-) -> list[dict[str, Any]]:
-    """The native-client reference of `kvoff bench remote`: `n_blocks` values of `value_bytes` stored
-    and loaded once per entry of `threads` (GIL released), the keys deleted at the end. Returns a
-    list of dicts `{threads, set_gb_s, get_gb_s, verified}`, one per pass in order."""
+@final
+class NativeRemoteRef:
+    """The native-client reference of `kvoff bench remote`: `n_blocks` values of `value_bytes` for
+    the standalone `redis://` server at `url`, stored (`set`) and loaded (`get`) in timed passes
+    from N connections, each call with the GIL released; `close` deletes its keys."""
+
+    def __new__(cls, url: str, value_bytes: int, n_blocks: int) -> NativeRemoteRef: ...
+    def set(self, threads: int) -> float:
+        """Stores every value from `threads` connections (timed; an untimed first write before the
+        first call); GB/s of values."""
+    def get(self, threads: int) -> tuple[float, bool]:
+        """Loads every value from `threads` connections into host memory (timed); (GB/s of values,
+        every byte equal to the stored one)."""
+    def close(self) -> None:
+        """Deletes the reference's keys from the server and frees its memory (later calls raise
+        `InvalidStateError`); a second call does nothing."""
 
 # --- block store (src/python/blockstore.rs); used by kvoff.sglang and kvoff.vllm.tiering ---
 

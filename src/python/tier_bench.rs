@@ -1,7 +1,9 @@
 //! Bindings of the tier benchmarks (docs/tier.md): `bench_disk` runs [`crate::tier::bench`] for
-//! one layout (`kvoff bench disk`), `bench_remote_native` the native-client reference of `kvoff
-//! bench remote` ([`crate::tier::remote::native_ref`]), each with the GIL released.
+//! one layout (`kvoff bench disk`), `NativeRemoteRef` the native-client reference of `kvoff bench
+//! remote` ([`crate::tier::remote::native_ref`]), each call with the GIL released.
 #![forbid(unsafe_code)]
+
+use std::sync::{Mutex, PoisonError};
 
 use pyo3::prelude::*;
 use pyo3::types::PyDict;
@@ -9,6 +11,7 @@ use pyo3::types::PyDict;
 use super::args::{Int, PathArg};
 use super::enter::blocking;
 use super::names::parse_direct_io;
+use crate::error::KvoffError;
 use crate::tier::bench::{run as run_bench, DiskBenchConfig};
 use crate::tier::remote::native_ref::NativeRef;
 
@@ -66,49 +69,72 @@ fn bench_disk<'py>(
     Ok(d)
 }
 
-/// The native-client reference of `kvoff bench remote`: `n_blocks` values of `value_bytes` stored
-/// and loaded once per entry of `threads` (GIL released), the keys deleted at the end. Returns a
-/// list of dicts `{threads, set_gb_s, get_gb_s, verified}`, one per pass in order.
-#[pyfunction]
-#[pyo3(signature = (url, value_bytes, n_blocks, threads))]
-fn bench_remote_native(
-    py: Python<'_>,
-    url: String,
-    value_bytes: Int,
-    n_blocks: Int,
-    threads: Vec<Int>,
-) -> PyResult<Vec<Bound<'_, PyDict>>> {
-    let value_bytes: usize = value_bytes.get("value_bytes")?;
-    let n_blocks: usize = n_blocks.get("n_blocks")?;
-    let threads = threads
-        .into_iter()
-        .map(|t| t.get::<usize>("threads[i]"))
-        .collect::<PyResult<Vec<_>>>()?;
-    let passes = blocking(py, move || {
-        let mut r = NativeRef::new(&url, value_bytes, n_blocks)?;
-        let out = threads
-            .iter()
-            .map(|&t| r.pass(t))
-            .collect::<crate::error::Result<Vec<_>>>();
-        let cleaned = r.cleanup();
-        let out = out?;
-        cleaned.map(|()| out)
-    })?;
-    passes
-        .into_iter()
-        .map(|p| {
-            let d = PyDict::new(py);
-            d.set_item("threads", p.threads)?;
-            d.set_item("set_gb_s", p.set_gb_s)?;
-            d.set_item("get_gb_s", p.get_gb_s)?;
-            d.set_item("verified", p.verified)?;
-            Ok(d)
+/// The native-client reference of `kvoff bench remote` ([`NativeRef`]): `n_blocks` values of
+/// `value_bytes` for the standalone `redis://` server at `url`, stored (`set`) and loaded (`get`)
+/// in timed passes from N connections, each call with the GIL released; `close` deletes its keys.
+#[pyclass(name = "NativeRemoteRef", module = "kvoff._native", frozen)]
+struct PyNativeRef {
+    inner: Mutex<Option<NativeRef>>,
+}
+
+impl PyNativeRef {
+    fn with<R: Send>(
+        &self,
+        py: Python<'_>,
+        f: impl FnOnce(&mut NativeRef) -> crate::error::Result<R> + Send,
+    ) -> PyResult<R> {
+        blocking(py, || {
+            let mut g = self.inner.lock().unwrap_or_else(PoisonError::into_inner);
+            let r = g
+                .as_mut()
+                .ok_or_else(|| KvoffError::state("the native reference is closed"))?;
+            f(r)
         })
-        .collect()
+    }
+}
+
+#[pymethods]
+impl PyNativeRef {
+    #[new]
+    fn new(py: Python<'_>, url: String, value_bytes: Int, n_blocks: Int) -> PyResult<Self> {
+        let value_bytes: usize = value_bytes.get("value_bytes")?;
+        let n_blocks: usize = n_blocks.get("n_blocks")?;
+        let r = blocking(py, move || NativeRef::new(&url, value_bytes, n_blocks))?;
+        Ok(Self {
+            inner: Mutex::new(Some(r)),
+        })
+    }
+
+    /// Stores every value from `threads` connections (timed; an untimed first write before the
+    /// first call); GB/s of values.
+    fn set(&self, py: Python<'_>, threads: Int) -> PyResult<f64> {
+        let t: usize = threads.get("threads")?;
+        self.with(py, move |r| r.set_pass(t))
+    }
+
+    /// Loads every value from `threads` connections into host memory (timed); (GB/s of values,
+    /// every byte equal to the stored one).
+    fn get(&self, py: Python<'_>, threads: Int) -> PyResult<(f64, bool)> {
+        let t: usize = threads.get("threads")?;
+        self.with(py, move |r| r.get_pass(t))
+    }
+
+    /// Deletes the reference's keys from the server and frees its memory (later calls raise
+    /// `InvalidStateError`); a second call does nothing.
+    fn close(&self, py: Python<'_>) -> PyResult<()> {
+        blocking(py, || {
+            let r = self
+                .inner
+                .lock()
+                .unwrap_or_else(PoisonError::into_inner)
+                .take();
+            r.map_or(Ok(()), |r| r.cleanup())
+        })
+    }
 }
 
 pub(crate) fn register(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(bench_disk, m)?)?;
-    m.add_function(wrap_pyfunction!(bench_remote_native, m)?)?;
+    m.add_class::<PyNativeRef>()?;
     Ok(())
 }

@@ -149,17 +149,33 @@ def test_cli_private_server(capsys: pytest.CaptureFixture[str]) -> None:
 
 
 def test_native_reference(redis_server: rs.RedisServer) -> None:
-    # The native client's grid: one pass per thread count, every loaded byte compared, the best
-    # count per operation named, and no key of it left on the server.
-    r = br.native_best(redis_server.url, 32 << 10, 48, threads=(1, 3))
-    assert [p["threads"] for p in r["grid"]] == [1, 3]
-    assert r["verified"] and all(p["set_gb_s"] > 0 and p["get_gb_s"] > 0 for p in r["grid"])
-    for op in ("set", "get"):
-        assert r[op]["gb_s"] == max(p[f"{op}_gb_s"] for p in r["grid"])
+    # The native client's grid: a SET and a GET pass per thread count, every loaded byte
+    # compared, the best count per operation named; its keys stay for the runs again beside
+    # kvoff until close(), and none is left after.
+    r, ref = br.native_best(redis_server.url, 32 << 10, 48, threads=(1, 3))
+    try:
+        assert [p["threads"] for p in r["grid"]] == [1, 3]
+        assert r["verified"] and all(p["set_gb_s"] > 0 and p["get_gb_s"] > 0 for p in r["grid"])
+        for op in ("set", "get"):
+            assert r[op]["gb_s"] == max(p[f"{op}_gb_s"] for p in r["grid"])
+        assert len(redis_server.cli("KEYS", "kvoff-bench-native:*").split()) == 48
+        gbs, ok = ref.get(2)
+        assert gbs > 0 and ok
+    finally:
+        ref.close()
+    ref.close()  # a second close does nothing
     assert redis_server.cli("KEYS", "kvoff-bench-native:*") == ""
-    # A TLS or Cluster URL is refused with a clean error (the benchmark then says so).
-    from kvoff.errors import ConfigError
+    import kvoff
 
+    with pytest.raises(kvoff.InvalidStateError):
+        ref.set(1)
+    # A TLS or Cluster URL, and a get before any set, are refused with clean errors.
     for url in ("rediss://127.0.0.1:1", "redis+cluster://127.0.0.1:1"):
-        with pytest.raises(ConfigError):
+        with pytest.raises(kvoff.ConfigError):
             br.native_best(url, 4096, 4, threads=(1,))
+    fresh = kvoff._native.NativeRemoteRef(redis_server.url, 4096, 2)
+    try:
+        with pytest.raises(kvoff.InvalidStateError):
+            fresh.get(1)
+    finally:
+        fresh.close()

@@ -472,10 +472,11 @@ def _native_reference(
     cluster: bool,
     threads: Sequence[int],
     log: Callable[[str], None] | None,
+    server_cpu: Callable[[], float | None] | None,
 ) -> _NativeAlternated | None:
     """The native client's grid into ``row["native"]`` (``None`` and ``row["native_note"]`` where
     it cannot be measured: a Cluster, a TLS URL, a build without it), and its runs again beside
-    kvoff's repetitions."""
+    kvoff's repetitions (the caller closes it)."""
     from kvoff.errors import KvoffError
 
     row["native"] = None
@@ -483,19 +484,20 @@ def _native_reference(
         row["native_note"] = "a Cluster: the native reference talks to one server"
         return None
     try:
-        nb = row["native"] = native_best(url, size, n, threads=threads)
+        nb, ref = native_best(url, size, n, threads=threads, server_cpu=server_cpu)
     except AttributeError:
         row["native_note"] = "this build of kvoff has no native reference"
         return None
     except KvoffError as e:  # a TLS URL, or a server that refuses it: said, not fatal
         row["native_note"] = f"not measured: {e}"
         return None
+    row["native"] = nb
     if log is not None:
         log(
             f"  native client: SET {nb['set']['gb_s']:.2f} ({nb['set']['threads']} threads)"
             f" GET {nb['get']['gb_s']:.2f} GB/s ({nb['get']['threads']} threads)"
         )
-    return _NativeAlternated(url, size, n, nb)
+    return _NativeAlternated(ref, nb, size * n / 1e9, server_cpu)
 
 
 def bench_remote(
@@ -568,7 +570,10 @@ def bench_remote(
                 cluster=cluster,
                 server_cpu=control.cpu_s if control is not None else None,
             )
-            nat = _native_reference(url, size, n, row, cluster=cluster, threads=native_threads, log=log)
+            server_cpu = control.cpu_s if control is not None else None
+            nat = _native_reference(
+                url, size, n, row, cluster=cluster, threads=native_threads, log=log, server_cpu=server_cpu
+            )
 
             def before_rep(alt: _Alternated = alt, nat: _NativeAlternated | None = nat) -> None:
                 alt()
@@ -589,6 +594,8 @@ def bench_remote(
             finally:
                 t = RedisTarget.from_url(url)
                 _delete_benchmark_keys(t, n, cluster=cluster, timeout_s=300.0)
+                if nat is not None:
+                    nat.close()
             row["kvoff"] = k
             if k is None:
                 row["kvoff_note"] = "this build of kvoff has no remote tier: references only"
@@ -663,10 +670,16 @@ def _native_lines(row: dict[str, Any], v: str, part: str) -> list[str]:
         return [f"{v:>8} {'native client':<34} {row['native_note']}"]
     if part == "again" and na is not None:
         ok = "" if na["verified"] else "   NOT VERIFIED"
+        cpu = ""
+        if "set_server_cpu_s_per_gb" in na and "get_server_cpu_s_per_gb" in na:
+            cpu = (
+                f"; server CPU s per GB {na['set_server_cpu_s_per_gb']:.2f} /"
+                f" {na['get_server_cpu_s_per_gb']:.2f}"
+            )
         return [
             (
                 f"{v:>8} {'native client again':<34} {na['set_gb_s']:>10.2f} {na['get_gb_s']:>10.2f}"
-                f"   (best thread counts, before each of kvoff's {na['runs']} repetitions; median){ok}"
+                f"   (best thread counts, before each of kvoff's {na['runs']} repetitions; median{cpu}){ok}"
             )
         ]
     if part == "ratios" and "store_vs_native_alternated" in r:

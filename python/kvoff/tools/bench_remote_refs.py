@@ -297,51 +297,95 @@ NATIVE_THREADS = (1, 4, 8, 16)
 
 
 def native_best(
-    url: str, value_bytes: int, n_blocks: int, *, threads: Sequence[int] = NATIVE_THREADS
-) -> dict[str, Any]:
-    """The native-client reference (``kvoff._native.bench_remote_native``,
+    url: str,
+    value_bytes: int,
+    n_blocks: int,
+    *,
+    threads: Sequence[int] = NATIVE_THREADS,
+    server_cpu: Callable[[], float | None] | None = None,
+) -> tuple[dict[str, Any], Any]:
+    """The native-client reference (``kvoff._native.NativeRemoteRef``,
     ``src/tier/remote/native_ref.rs``): what a C++ connector does — one ``SET`` or ``GET`` per key,
     one request in flight per connection, from N threads, values straight from and into host
-    memory, no header — over ``n_blocks`` values of ``value_bytes``, one pass per thread count.
-    Returns ``{"grid": [...], "set": {"gb_s", "threads"}, "get": {...}, "verified"}`` (the best
-    thread count per operation). Standalone ``redis://`` servers only (raises otherwise)."""
+    memory, no header — over ``n_blocks`` values of ``value_bytes``, one SET pass and one GET pass
+    per thread count. Returns ``({"grid": [...], "set": {"gb_s", "threads"}, "get": {...},
+    "verified"}, the reference)`` (the best thread count per operation; the reference's keys stay
+    on the server for :class:`_NativeAlternated` until its ``close()``). With ``server_cpu``
+    (:meth:`ServerControl.cpu_s`) each grid entry also holds the server's CPU seconds per GB of
+    each pass. Standalone ``redis://`` servers only (raises ``ConfigError`` otherwise)."""
     native = importlib.import_module("kvoff._native")
-    passes = [dict(p) for p in native.bench_remote_native(url, value_bytes, n_blocks, list(threads))]
-    out: dict[str, Any] = {"grid": passes, "verified": all(p["verified"] for p in passes)}
+    ref = native.NativeRemoteRef(url, value_bytes, n_blocks)
+    gb = value_bytes * n_blocks / 1e9
+    try:
+        grid = []
+        verified = True
+        for t in threads:
+            row: dict[str, Any] = {"threads": t}
+            for op in ("set", "get"):
+                c0 = server_cpu() if server_cpu is not None else None
+                r = ref.set(t) if op == "set" else ref.get(t)
+                c1 = server_cpu() if server_cpu is not None else None
+                if op == "get":
+                    r, ok = r
+                    verified &= ok
+                row[f"{op}_gb_s"] = r
+                if c0 is not None and c1 is not None:
+                    row[f"{op}_server_cpu_s_per_gb"] = (c1 - c0) / gb
+            grid.append(row)
+    except BaseException:
+        ref.close()
+        raise
+    out: dict[str, Any] = {"grid": grid, "verified": verified}
     for op in ("set", "get"):
-        best = max(passes, key=lambda p: float(p[f"{op}_gb_s"]))
+        best = max(grid, key=lambda p: float(p[f"{op}_gb_s"]))
         out[op] = {"gb_s": best[f"{op}_gb_s"], "threads": best["threads"]}
-    return out
+        if f"{op}_server_cpu_s_per_gb" in best:
+            out[op]["server_cpu_s_per_gb"] = best[f"{op}_server_cpu_s_per_gb"]
+    return out, ref
 
 
 class _NativeAlternated:
     """The native client's best thread counts (from :func:`native_best`) run again before each of
-    kvoff's repetitions: medians measured beside kvoff's median, as :class:`_Alternated`'s."""
+    kvoff's repetitions, on the same reference (its keys written once): medians measured beside
+    kvoff's median, as :class:`_Alternated`'s, with the server's CPU seconds per GB where
+    ``server_cpu`` reads them. ``close()`` deletes the reference's keys."""
 
-    def __init__(self, url: str, value_bytes: int, n_blocks: int, best: dict[str, Any]) -> None:
-        self.url, self.value_bytes, self.n_blocks = url, value_bytes, n_blocks
+    def __init__(
+        self, ref: Any, best: dict[str, Any], gb: float, server_cpu: Callable[[], float | None] | None
+    ) -> None:
+        self.ref, self.gb, self.server_cpu = ref, gb, server_cpu
         self.threads = {op: int(best[op]["threads"]) for op in ("set", "get")}
         self.runs: dict[str, list[float]] = {"set": [], "get": []}
+        self.cpu: dict[str, list[float]] = {"set": [], "get": []}
         self.verified = True
 
     def __call__(self) -> None:
-        native = importlib.import_module("kvoff._native")
-        counts = sorted(set(self.threads.values()))
-        passes = {
-            int(p["threads"]): p
-            for p in native.bench_remote_native(self.url, self.value_bytes, self.n_blocks, counts)
-        }
         for op, t in self.threads.items():
-            self.runs[op].append(float(passes[t][f"{op}_gb_s"]))
-        self.verified &= all(bool(p["verified"]) for p in passes.values())
+            c0 = self.server_cpu() if self.server_cpu is not None else None
+            if op == "set":
+                self.runs[op].append(float(self.ref.set(t)))
+            else:
+                gbs, ok = self.ref.get(t)
+                self.runs[op].append(float(gbs))
+                self.verified &= bool(ok)
+            c1 = self.server_cpu() if self.server_cpu is not None else None
+            if c0 is not None and c1 is not None:
+                self.cpu[op].append((c1 - c0) / self.gb)
+
+    def close(self) -> None:
+        self.ref.close()
 
     def result(self) -> dict[str, Any]:
-        return {
+        out: dict[str, Any] = {
             "runs": len(self.runs["set"]),
             "verified": self.verified,
             **{f"{op}_threads": t for op, t in self.threads.items()},
             **{f"{op}_gb_s": statistics.median(xs) for op, xs in self.runs.items() if xs},
         }
+        for op, xs in self.cpu.items():
+            if xs:
+                out[f"{op}_server_cpu_s_per_gb"] = statistics.median(xs)
+        return out
 
 
 def _delete_benchmark_keys(t: RedisTarget, keyspace: int, *, cluster: bool, timeout_s: float) -> None:

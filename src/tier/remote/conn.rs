@@ -109,16 +109,8 @@ impl Conn {
             ),
             _ => return Err("connecting: not a TCP node".to_owned()),
         };
-        Plain::open(
-            info,
-            host,
-            port,
-            tls,
-            connect_timeout,
-            io_timeout,
-            max_bulk,
-        )
-        .map(|p| Self(Box::new(p)))
+        Plain::open(info, host, port, tls, connect_timeout, io_timeout, max_bulk)
+            .map(|p| Self(Box::new(p)))
     }
 
     /// kvoff's reader of the connection (the reads straight into host blocks: `wire`).

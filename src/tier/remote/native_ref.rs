@@ -188,11 +188,18 @@ impl NativeRef {
         Ok(t0.elapsed().as_secs_f64())
     }
 
-    /// One pass (see the module docs) with `threads` connections.
+    fn gb_s(&self, secs: f64) -> f64 {
+        #[allow(clippy::cast_precision_loss)] // at most 16 GiB: exact in an f64
+        let bytes = (self.value_bytes * self.n_blocks) as f64;
+        bytes / secs / 1e9
+    }
+
+    /// The timed `SET` of every value from `threads` connections (before the first, an untimed
+    /// one: see the module docs); GB/s of values.
     ///
     /// # Errors
     /// The first I/O error or unexpected reply.
-    pub fn pass(&mut self, threads: usize) -> Result<NativePass> {
+    pub fn set_pass(&mut self, threads: usize) -> Result<f64> {
         let threads = threads.clamp(1, 256);
         let vb = self.value_bytes;
         let src = &self.src;
@@ -204,11 +211,30 @@ impl NativeRef {
         };
         if !self.written {
             self.run(threads, &set)?;
+            self.written = true;
         }
-        let set_s = self.run(threads, &set)?;
+        let secs = self.run(threads, &set)?;
+        Ok(self.gb_s(secs))
+    }
+
+    /// The timed `GET` of every value from `threads` connections, each into its row of host
+    /// memory; GB/s of values, and whether every byte equals the stored one (the rows are
+    /// overwritten after the check, so that the next pass is checked afresh).
+    ///
+    /// # Errors
+    /// [`KvoffError::InvalidState`] before any [`NativeRef::set_pass`]; the first I/O error or
+    /// unexpected reply.
+    pub fn get_pass(&mut self, threads: usize) -> Result<(f64, bool)> {
+        if !self.written {
+            return Err(KvoffError::state(
+                "native reference: no values stored yet (set_pass first)",
+            ));
+        }
+        let threads = threads.clamp(1, 256);
+        let vb = self.value_bytes;
         // Each key's row of the destination, handed to whichever thread takes the key.
         let mut dst = std::mem::take(&mut self.dst);
-        let get_s = {
+        let secs = {
             let rows: Vec<std::sync::Mutex<&mut [u8]>> = dst
                 .chunks_exact_mut(vb)
                 .map(std::sync::Mutex::new)
@@ -224,17 +250,24 @@ impl NativeRef {
             };
             self.run(threads, &get)
         };
-        self.written = true;
         let verified = dst == self.src;
         dst.fill(1);
         self.dst = dst;
-        let get_s = get_s?;
-        #[allow(clippy::cast_precision_loss)] // at most 16 GiB: exact in an f64
-        let bytes = (vb * self.n_blocks) as f64;
+        Ok((self.gb_s(secs?), verified))
+    }
+
+    /// One pass: [`NativeRef::set_pass`] then [`NativeRef::get_pass`] with `threads`
+    /// connections.
+    ///
+    /// # Errors
+    /// The first I/O error or unexpected reply.
+    pub fn pass(&mut self, threads: usize) -> Result<NativePass> {
+        let set_gb_s = self.set_pass(threads)?;
+        let (get_gb_s, verified) = self.get_pass(threads)?;
         Ok(NativePass {
-            threads,
-            set_gb_s: bytes / set_s / 1e9,
-            get_gb_s: bytes / get_s / 1e9,
+            threads: threads.clamp(1, 256),
+            set_gb_s,
+            get_gb_s,
             verified,
         })
     }
