@@ -287,6 +287,58 @@ pub fn read_setting_file(path: &std::path::Path, cap: u64) -> std::result::Resul
     Ok(out)
 }
 
+/// Overrides of the remote tier's tuning constants from `KVOFF_REMOTE_TUNE` (`key=value` pairs
+/// separated by commas), for the benchmarks to sweep them without rebuilding (as
+/// `KVOFF_CUDA_TUNE` does for the CUDA engine; docs/performance.md "Tier tuning table"): keys
+/// `large_write_jobs` (write pipelines of values ≥ 256 KiB at once), `large_write_batch` (fewest
+/// such values per pipeline) and `read_job_bytes` (most value bytes of one promotion job, at
+/// least one value), each 1 to 2^30.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub(super) struct Tune {
+    pub(super) large_write_jobs: Option<usize>,
+    pub(super) large_write_batch: Option<usize>,
+    pub(super) read_job_bytes: Option<usize>,
+}
+
+impl Tune {
+    /// The environment's overrides (none where `KVOFF_REMOTE_TUNE` is unset).
+    ///
+    /// # Errors
+    /// [`KvoffError::InvalidArgument`] for an unknown key or a value out of range.
+    pub(super) fn from_env() -> Result<Self> {
+        std::env::var("KVOFF_REMOTE_TUNE").map_or(Ok(Self::default()), |s| Self::parse(&s))
+    }
+
+    pub(super) fn parse(spec: &str) -> Result<Self> {
+        let mut t = Self::default();
+        for kv in spec.split(',').map(str::trim).filter(|s| !s.is_empty()) {
+            let bad = || {
+                KvoffError::arg(format!(
+                    "KVOFF_REMOTE_TUNE: {kv:?} is not key=N (N in 1..=2^30)"
+                ))
+            };
+            let (k, v) = kv.split_once('=').ok_or_else(bad)?;
+            let n = v
+                .trim()
+                .parse::<usize>()
+                .ok()
+                .filter(|n| (1..=1 << 30).contains(n))
+                .ok_or_else(bad)?;
+            match k.trim() {
+                "large_write_jobs" => t.large_write_jobs = Some(n),
+                "large_write_batch" => t.large_write_batch = Some(n),
+                "read_job_bytes" => t.read_job_bytes = Some(n),
+                _ => {
+                    return Err(KvoffError::arg(format!(
+                        "KVOFF_REMOTE_TUNE: unknown key {k:?} (large_write_jobs, large_write_batch, read_job_bytes)"
+                    )))
+                }
+            }
+        }
+        Ok(t)
+    }
+}
+
 /// The parsed target: the URL's nodes for the `redis` crate, cluster or not, and for a
 /// `rediss://` URL the TLS client configuration every connection uses.
 pub(super) struct Target {
@@ -420,4 +472,35 @@ pub(super) fn parse_url(
         nodes,
         tls,
     })
+}
+
+#[cfg(test)]
+#[allow(clippy::pedantic)] // tests: style lints are for the library
+mod tests {
+    use super::Tune;
+
+    /// `KVOFF_REMOTE_TUNE`'s keys parse; unknown keys, bad numbers and zero are refused.
+    #[test]
+    fn tune_overrides_parse_and_refuse_nonsense() {
+        let t =
+            Tune::parse("large_write_jobs=4, large_write_batch=1,read_job_bytes=4194304").unwrap();
+        assert_eq!(
+            t,
+            Tune {
+                large_write_jobs: Some(4),
+                large_write_batch: Some(1),
+                read_job_bytes: Some(4 << 20),
+            }
+        );
+        assert_eq!(Tune::parse("").unwrap(), Tune::default());
+        for bad in [
+            "jobs=2",
+            "large_write_jobs",
+            "large_write_jobs=0",
+            "large_write_jobs=-1",
+            "read_job_bytes=2147483648",
+        ] {
+            assert!(Tune::parse(bad).is_err(), "{bad}");
+        }
+    }
 }

@@ -275,6 +275,38 @@ mod tests {
         server.join().unwrap();
     }
 
+    /// A body read with its checksum streamed (`read_body_summed`: the checksum a promotion
+    /// checks) sums to the one-shot xxh3-64 of the same bytes, whether they came in one piece,
+    /// in small pieces, or partly through the read buffer.
+    #[test]
+    fn streamed_checksum_equals_the_one_shot_sum() {
+        let body: Vec<u8> = (0..300_000u32).map(|i| (i * 7 % 251) as u8).collect();
+        for trickle in [false, true] {
+            let mut data = format!("${}\r\n", body.len()).into_bytes();
+            data.extend_from_slice(&body);
+            data.extend_from_slice(b"\r\n");
+            let (mut c, server) = serve(data, trickle);
+            let p = c.plain();
+            assert_eq!(
+                p.peek().unwrap(),
+                super::super::plain::Next::Bulk(body.len())
+            );
+            p.take_bulk_header().unwrap();
+            let mut dst = vec![0u8; body.len()];
+            let mut h = xxhash_rust::xxh3::Xxh3::new();
+            p.read_body_summed(&mut dst, Some(&mut h)).unwrap();
+            p.read_crlf().unwrap();
+            assert_eq!(dst, body);
+            assert_eq!(
+                h.digest(),
+                xxhash_rust::xxh3::xxh3_64(&body),
+                "trickle {trickle}"
+            );
+            drop(c);
+            server.join().unwrap();
+        }
+    }
+
     /// An array reply longer than asked is an error, not a value.
     #[test]
     fn array_reply_longer_than_asked_is_an_error() {

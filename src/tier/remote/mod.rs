@@ -244,6 +244,7 @@ impl RemoteTier {
             return Err(KvoffError::arg("remote timeouts must be positive"));
         }
         let target = parse_url(&cfg.url, &cfg.password_env, cfg.tls_ca_file.as_deref())?;
+        let tune = config::Tune::from_env()?;
         let fingerprint = lay.fingerprint(payload_len as u64);
         let owner_str = cfg
             .owner
@@ -290,7 +291,11 @@ impl RemoteTier {
             done: done_tx,
             shutdown: AtomicBool::new(false),
             writes_running: std::sync::atomic::AtomicUsize::new(0),
-            large_write_batch: large_write_batch(),
+            large_write_batch: tune.large_write_batch.unwrap_or_else(large_write_batch),
+            large_write_jobs: tune.large_write_jobs.unwrap_or(MAX_LARGE_WRITE_JOBS),
+            read_job_bytes: tune
+                .read_job_bytes
+                .unwrap_or(usize::try_from(FETCH_JOB_BYTES).unwrap_or(usize::MAX)),
             spinning: std::sync::atomic::AtomicUsize::new(0),
             napping: AtomicBool::new(false),
             answers: Answers::new(tickets),

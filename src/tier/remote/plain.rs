@@ -315,8 +315,22 @@ impl Plain {
     /// `dst`'s end into the read buffer (the CRLF and the next value's header: no read of its
     /// own for them, and no more of the next value than its header).
     pub(super) fn read_body(&mut self, dst: &mut [u8]) -> Result<(), String> {
+        self.read_body_summed(dst, None)
+    }
+
+    /// [`Plain::read_body`], feeding each piece of `dst` to `sum` as it arrives (while it is in
+    /// the CPU's caches: a value's checksum then costs no second pass over its block, and the
+    /// connection is ready for its next command as soon as the last byte is in).
+    pub(super) fn read_body_summed(
+        &mut self,
+        dst: &mut [u8],
+        mut sum: Option<&mut xxhash_rust::xxh3::Xxh3>,
+    ) -> Result<(), String> {
         let have = (self.end - self.start).min(dst.len());
         dst[..have].copy_from_slice(&self.buf[self.start..self.start + have]);
+        if let Some(h) = sum.as_deref_mut() {
+            h.update(&dst[..have]);
+        }
         self.start += have;
         if self.start == self.end {
             (self.start, self.end) = (0, 0);
@@ -338,6 +352,9 @@ impl Plain {
                     {
                         self.stats.0 += 1;
                         self.stats.1 += n - body;
+                    }
+                    if let Some(h) = sum.as_deref_mut() {
+                        h.update(&dst[got..got + body]);
                     }
                     got += body;
                     (self.start, self.end) = (0, n - body);

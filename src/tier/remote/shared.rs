@@ -209,6 +209,10 @@ pub(super) struct Shared {
     pub(super) writes_running: std::sync::atomic::AtomicUsize,
     /// Fewest values of a write pipeline of large values (see `large_write_batch`).
     pub(super) large_write_batch: usize,
+    /// Most write pipelines of large values at once ([`super::MAX_LARGE_WRITE_JOBS`] unless tuned).
+    pub(super) large_write_jobs: usize,
+    /// Most value bytes of one promotion job ([`super::FETCH_JOB_BYTES`] unless tuned).
+    pub(super) read_job_bytes: usize,
     /// I/O threads looking at the queues in `Shared::idle_spin` now.
     pub(super) spinning: std::sync::atomic::AtomicUsize,
     /// An idle thread is napping (`Shared::idle_spin`): one at a time.
@@ -301,7 +305,7 @@ impl Shared {
 
     /// Values of one promotion job: at most `FETCH_JOB_BYTES`, at least one.
     pub(super) fn read_job_items(&self) -> usize {
-        (usize::try_from(FETCH_JOB_BYTES).unwrap_or(usize::MAX) / self.value_len.max(1)).max(1)
+        (self.read_job_bytes / self.value_len.max(1)).max(1)
     }
 
     /// Hands a result to the scheduler's side (dropped when the tier is gone).

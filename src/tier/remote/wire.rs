@@ -63,9 +63,12 @@ fn read_into_block(
             return false;
         }
         read = true;
-        io = p.read_body(dst);
+        // The checksum follows the bytes in (docs/design.md "The data path"); equal to
+        // `format::payload_sum` of the whole payload (xxh3-64, streamed).
+        let mut h = xxhash_rust::xxh3::Xxh3::new();
+        io = p.read_body_summed(dst, Some(&mut h));
         if io.is_ok() {
-            sum = format::payload_sum(dst);
+            sum = h.digest();
         }
         io.is_ok()
     });

@@ -13,7 +13,7 @@ use crossbeam_channel::Select;
 use super::index::Index;
 use super::route::Conns;
 use super::shared::{Answer, Checked, Done, Job, Shared, Wrote};
-use super::{MAX_LARGE_WRITE_JOBS, MIN_WRITE_BATCH, MSET_BATCH_BYTES, WRITE_BATCH_BYTES};
+use super::{MIN_WRITE_BATCH, MSET_BATCH_BYTES, WRITE_BATCH_BYTES};
 
 use crate::key::ByteKey;
 
@@ -109,7 +109,7 @@ impl Shared {
         // Large values: at most MAX_LARGE_WRITE_JOBS write pipelines at once (a slot taken before
         // the queue is looked at, given back when there is no write or the job ends).
         let capped = self.header_fetch();
-        if capped && self.writes_running.fetch_add(1, AcqRel) >= MAX_LARGE_WRITE_JOBS {
+        if capped && self.writes_running.fetch_add(1, AcqRel) >= self.large_write_jobs {
             self.writes_running.fetch_sub(1, AcqRel);
             return None;
         }
@@ -251,7 +251,7 @@ impl Shared {
         !(q.reads.1.is_empty() && q.fetches.1.is_empty())
             || (!q.writes.1.is_empty()
                 && (!self.header_fetch()
-                    || self.writes_running.load(Acquire) < MAX_LARGE_WRITE_JOBS))
+                    || self.writes_running.load(Acquire) < self.large_write_jobs))
     }
 
     /// Waits until the bell rings, the tier stops, or `wait` passes.
