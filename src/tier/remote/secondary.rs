@@ -306,7 +306,10 @@ impl SecondaryTier for RemoteTier {
             if !self.sched().outstanding(&self.shared) || self.shared.shutdown.load(Acquire) {
                 return;
             }
-            std::thread::sleep(Duration::from_micros(500));
+            // Short naps: a flush's caller (a benchmark's store, a shutdown) learns of the last
+            // acknowledgement within ~0.1 ms (at 0.5 ms, 0.3 ms on average were added to a
+            // 60 ms store of 256 MiB).
+            std::thread::sleep(Duration::from_micros(100));
         }
     }
 
