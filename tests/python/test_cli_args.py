@@ -34,6 +34,7 @@ NUMERIC = [
     (["bench", "remote"], "--pipelines"),
     (["bench", "remote"], "--clients"),
     (["bench", "remote"], "--io-threads"),
+    (["bench", "remote"], "--native-threads"),
     (["bench", "object"], "--sizes-kib"),
     (["bench", "object"], "--mib"),
     (["bench", "object"], "--reps"),
