@@ -159,7 +159,8 @@ impl CudaEngine {
             // was given to watch may still have a model launching beside it (the contention
             // then also makes the serving policy decide: `decide_serving`).
             Polite::Auto if self.cfg.method == super::CopyMethod::Auto => Polite::Auto,
-            Polite::Auto => Polite::Off,
+            Polite::AutoFast if self.cfg.method == super::CopyMethod::Auto => Polite::AutoFast,
+            Polite::Auto | Polite::AutoFast => Polite::Off,
             m => m,
         }
     }
