@@ -197,7 +197,7 @@ impl CudaEngineConfig {
     }
 
     /// Applies `KVOFF_CUDA_TUNE` overrides (`key=value` pairs separated by commas; keys `budget`
-    /// (basis points, or `off`), `batch`, `queued`, `pitched` (0/1), `feeder` (0/1), `dmasplit`, `storedma`, `storedmamin` (bytes), `idleafter` (µs; 0 = never idle), `polite` (`auto`, `autofast`, `always`, `off`, `watch`), `duty` (percent), `feedback` (0 = off), `loadprio` (`high`, `low`, `auto`), `stagedcap` (MB/s, `auto`; 0 = no cap), `ctas`, `max_ctas`, `launch`, `dmamin`, `small`
+    /// (basis points, or `off`), `batch`, `queued`, `pitched` (0/1), `feeder` (0/1), `dmasplit`, `storedma`, `storedmamin` (bytes), `idleafter` (µs; 0 = never idle), `polite` (`auto`, `always`, `off`), `duty` (percent), `feedback` (0 = off), `loadprio` (`high`, `low`, `auto`), `stagedcap` (MB/s, `auto`; 0 = no cap), `ctas`, `max_ctas`, `launch`, `dmamin`, `small`
     /// (`kernel` or `staged`)), used by the
     /// benchmarks to sweep the serving policy's knobs without rebuilding.
     ///
@@ -244,10 +244,9 @@ impl CudaEngineConfig {
                         "always" => Polite::Always,
                         "off" => Polite::Off,
                         "watch" => Polite::Watch,
-                        "autofast" => Polite::AutoFast,
                         _ => {
                             return Err(KvoffError::arg(format!(
-                                "KVOFF_CUDA_TUNE: polite={v:?} is not auto, autofast, always, off or watch"
+                                "KVOFF_CUDA_TUNE: polite={v:?} is not auto, always, off or watch"
                             )))
                         }
                     };

@@ -159,8 +159,7 @@ impl CudaEngine {
             // was given to watch may still have a model launching beside it (the contention
             // then also makes the serving policy decide: `decide_serving`).
             Polite::Auto if self.cfg.method == super::CopyMethod::Auto => Polite::Auto,
-            Polite::AutoFast if self.cfg.method == super::CopyMethod::Auto => Polite::AutoFast,
-            Polite::Auto | Polite::AutoFast => Polite::Off,
+            Polite::Auto => Polite::Off,
             m => m,
         }
     }

@@ -43,14 +43,6 @@ const WAIT_SLACK_NS: f64 = 2_000.0;
 const BLOCKED_NS: u64 = 3_000;
 /// Weight of one sample in the contended share, as a shift (1/32).
 const EWMA_SHIFT: u32 = 5;
-/// Weight of one sample in the blocked share that decides politeness, as a shift (1/256): the
-/// mean share beside a GEMM loop's or a launch-latency thread's occasional launches (31–59 of 1024
-/// on the H200, `kvoff bench interference` at 32 KiB pages) stays below [`CONTENDED_SHARE`] and
-/// its bursts no longer cross it as they did the 1/32 share's (polite in 76–100% of those jobs, at
-/// half of plain DMA's GB/s), while an eager forward's steady 153–612 (`kvoff bench model`, calls
-/// never slowed) crosses it within a few hundred calls (docs/performance.md, "Transfers beside
-/// an eager model").
-const TRIGGER_SHIFT: u32 = 8;
 
 /// When the engine makes its copy calls polite (`KVOFF_CUDA_TUNE` key `polite`).
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Default)]
@@ -64,9 +56,6 @@ pub enum Polite {
     Off,
     /// Never, but the calls are watched as under `Auto` (for measuring the contention).
     Watch,
-    /// As `Auto`, decided by the share of the last ~32 sampled calls (1/32 weight) instead of
-    /// [`TRIGGER_SHIFT`]'s: the trigger of earlier builds, for measuring against it.
-    AutoFast,
 }
 
 /// The device-wide state shared by every enqueueing thread of a device.
@@ -80,9 +69,6 @@ pub struct DriverShare {
     /// thread blocked on the driver's lock sleeps).
     contended: AtomicU32,
     blocked: AtomicU32,
-    /// The blocked share at [`TRIGGER_SHIFT`]'s weight, of 1024 << (TRIGGER_SHIFT - EWMA_SHIFT):
-    /// the one that decides politeness under `Auto`.
-    blocked_slow: AtomicU32,
     /// Share of the recent sampled calls' time spent off the CPU, of 1024 (exponentially
     /// weighted per call), for reports: it does not decide politeness (beside an eager model
     /// kvoff's long calls make the model's launches wait, not the other way round, so their
@@ -103,7 +89,6 @@ impl Default for DriverShare {
             entered: AtomicU64::new(0),
             contended: AtomicU32::new(0),
             blocked: AtomicU32::new(0),
-            blocked_slow: AtomicU32::new(0),
             blocked_time: AtomicU32::new(0),
             polite_until_us: AtomicU64::new(0),
             epoch: Instant::now(),
@@ -124,13 +109,10 @@ impl DriverShare {
     }
 
     /// Records one sampled call (`waited`: it waited for another thread's call; `blocked`: it
-    /// slept meanwhile; `blocked_share`: the share of its time it spent off the CPU, of 1024;
-    /// `fast`: the 1/32 share decides, as under `Polite::AutoFast`).
-    fn sample(&self, waited: bool, blocked: bool, blocked_share: u32, fast: bool) {
+    /// slept meanwhile; `blocked_share`: the share of its time it spent off the CPU, of 1024).
+    fn sample(&self, waited: bool, blocked: bool, blocked_share: u32) {
         ewma(&self.contended, waited);
-        let quick = ewma(&self.blocked, blocked);
-        let slow = ewma_slow(&self.blocked_slow, blocked);
-        let cur = if fast { quick } else { slow };
+        let cur = ewma(&self.blocked, blocked);
         ewma_fine(&self.blocked_time, blocked_share.min(1024));
         if cur > CONTENDED_SHARE {
             let until = self
@@ -168,21 +150,6 @@ fn ewma_fine(a: &AtomicU32, v: u32) -> u32 {
         let next = cur - (cur >> EWMA_SHIFT) + v;
         match a.compare_exchange_weak(cur, next, Relaxed, Relaxed) {
             Ok(_) => return cur >> EWMA_SHIFT,
-            Err(c) => cur = c,
-        }
-    }
-}
-
-/// Adds one sample to the share kept at [`TRIGGER_SHIFT`]'s weight (in units of 1/(1024 <<
-/// (TRIGGER_SHIFT - EWMA_SHIFT)), so that a sample adds 1024 >> EWMA_SHIFT as in [`ewma`]);
-/// returns the share before it, of 1024.
-fn ewma_slow(a: &AtomicU32, hit: bool) -> u32 {
-    let add = if hit { 1024 >> EWMA_SHIFT } else { 0 };
-    let mut cur = a.load(Relaxed);
-    loop {
-        let next = cur - (cur >> TRIGGER_SHIFT) + add;
-        match a.compare_exchange_weak(cur, next, Relaxed, Relaxed) {
-            Ok(_) => return cur >> (TRIGGER_SHIFT - EWMA_SHIFT),
             Err(c) => cur = c,
         }
     }
@@ -261,7 +228,7 @@ impl<'a> Governor<'a> {
         match self.mode {
             Polite::Off | Polite::Watch => false,
             Polite::Always => true,
-            Polite::Auto | Polite::AutoFast => self.share.polite_now(),
+            Polite::Auto => self.share.polite_now(),
         }
     }
 
@@ -280,7 +247,7 @@ impl<'a> Governor<'a> {
         let seq = self.share.entered.fetch_add(1, Relaxed).wrapping_add(1);
         Entry {
             start: Instant::now(),
-            cpu_ns: if matches!(self.mode, Polite::Auto | Polite::AutoFast | Polite::Watch) {
+            cpu_ns: if matches!(self.mode, Polite::Auto | Polite::Watch) {
                 thread_cpu_ns()
             } else {
                 0
@@ -302,7 +269,7 @@ impl<'a> Governor<'a> {
             return;
         }
         self.share.calls.fetch_add(1, Relaxed);
-        if matches!(self.mode, Polite::Auto | Polite::AutoFast | Polite::Watch) && copies > 0 {
+        if matches!(self.mode, Polite::Auto | Polite::Watch) && copies > 0 {
             #[allow(clippy::cast_precision_loss)] // ns of one call: far below 2^52
             let waited = base.observe(dt.as_nanos() as f64, copies);
             let off_cpu = u64::try_from(dt.as_nanos())
@@ -311,8 +278,7 @@ impl<'a> Governor<'a> {
             if !overlapped {
                 let total = u64::try_from(dt.as_nanos()).unwrap_or(u64::MAX).max(1);
                 let share = u32::try_from(off_cpu.min(total) * 1024 / total).unwrap_or(1024);
-                let fast = self.mode == Polite::AutoFast;
-                self.share.sample(waited, off_cpu > BLOCKED_NS, share, fast);
+                self.share.sample(waited, off_cpu > BLOCKED_NS, share);
             }
         }
         if self.polite() {
@@ -363,43 +329,23 @@ mod tests {
     fn frequent_blocked_calls_make_the_device_polite_and_rare_ones_do_not() {
         let s = DriverShare::default();
         for i in 0..2000 {
-            s.sample(true, i % 20 == 0, 0, false); // 5% blocked: below the threshold (100/1024 = 9.8%)
+            s.sample(true, i % 20 == 0, 0); // 5% blocked: below the threshold (100/1024 = 9.8%)
         }
         assert!(!s.polite_now());
         let (wall, blocked, _) = s.contention();
         assert!(wall > 900, "{wall}");
         assert!(blocked <= CONTENDED_SHARE, "{blocked}");
         for _ in 0..40 {
-            s.sample(false, true, 1024, false);
+            s.sample(false, true, 1024);
         }
         assert!(s.polite_now());
-    }
-
-    /// A burst of blocked calls amid rare ones (a side thread's occasional launches) turns the
-    /// 1/32 share polite but not the 1/256 one that decides under `Auto`; a steady share above
-    /// the threshold (an eager forward's) turns either polite within a few hundred calls.
-    #[test]
-    fn bursts_amid_rare_blocked_calls_do_not_turn_auto_polite() {
-        for fast in [false, true] {
-            let s = DriverShare::default();
-            for i in 0..4000 {
-                // 4% blocked on average, in bursts of 4 in a row.
-                s.sample(false, i % 100 < 4, 0, fast);
-            }
-            assert_eq!(s.polite_now(), fast, "fast {fast}");
-            let s = DriverShare::default();
-            for i in 0..400 {
-                s.sample(false, i % 5 == 0, 0, fast); // 20% blocked: an eager forward's share
-            }
-            assert!(s.polite_now(), "fast {fast}");
-        }
     }
 
     #[test]
     fn the_blocked_time_share_is_kept_finely() {
         let s = DriverShare::default();
         for _ in 0..2000 {
-            s.sample(true, true, 51, false); // each call blocked 5% of its time
+            s.sample(true, true, 51); // each call blocked 5% of its time
         }
         let (_, blocked, time) = s.contention();
         assert!(

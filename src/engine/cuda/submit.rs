@@ -305,9 +305,7 @@ impl TransferEngine for CudaEngine {
             staged_cap_mb_s: ctx.staged_cap_mb_s,
             polite: match self.polite(&ctx) {
                 super::share::Polite::Always => true,
-                super::share::Polite::Auto | super::share::Polite::AutoFast => {
-                    self.device.driver.polite_now()
-                }
+                super::share::Polite::Auto => self.device.driver.polite_now(),
                 super::share::Polite::Off | super::share::Polite::Watch => false,
             },
             driver_contention: self.device.driver.contention(),
