@@ -1,8 +1,8 @@
 //! The remote tier (docs/tier.md "Remote tier"): blocks kept as values in Redis ≥ 7 or Valkey,
 //! standalone or Cluster, shared by engines on many machines.
 //!
-//! **Client.** The `redis` crate's synchronous connections (docs/design.md "Remote tier client"),
-//! `rediss://` over rustls; the routing of Cluster commands, the per-node fault state and the
+//! **Client.** kvoff's own synchronous connections over TCP or rustls TLS (`conn`, `link`; the
+//! `redis` crate packs commands and parses short replies: docs/design.md "Remote tier client"); the routing of Cluster commands, the per-node fault state and the
 //! timeouts are in [`route`] (docs/tier.md "Faults", "Cluster routing"). Each I/O
 //! thread owns one connection per node it talks to; every network call has a timeout
 //! ([`RemoteConfig::connect_timeout`], [`RemoteConfig::io_timeout`]). A failed call drops its
