@@ -100,6 +100,7 @@ pub const INFO: TierInfo = TierInfo {
         "staged_bytes",
         "inflight_bytes",
         "up",
+        "writes_summed_ahead",
     ],
 };
 
@@ -145,10 +146,12 @@ const WRITE_BATCH_BYTES: usize = 128 << 10;
 /// Most value bytes of one `MSET` (a write batch of small values on one server without a TTL;
 /// `Shared::multi_key`), but at least [`MIN_WRITE_BATCH`] values.
 const MSET_BATCH_BYTES: usize = 256 << 10;
-/// Most write jobs of values of 256 KiB and more ([`HEADER_FETCH_BYTES`]) running at once,
-/// whatever the number of I/O threads: few pipelines of large values keep the server's reads
-/// sequential (docs/performance.md "Tier tuning table").
-const MAX_LARGE_WRITE_JOBS: usize = 2;
+/// Most write jobs of values of 256 KiB and more ([`HEADER_FETCH_BYTES`]) running at once on a
+/// machine with 8 or more CPUs, whatever the number of I/O threads (two below): few writers of
+/// large values keep the server's reads sequential, and each sends one value at a time (see
+/// [`LARGE_WRITE_BATCH`]) while an idle I/O thread checksums the next ones
+/// (`Shared::sum_ahead`; docs/performance.md "Tier tuning table").
+const MAX_LARGE_WRITE_JOBS: usize = 3;
 
 /// Fewest values of one write pipeline (where [`RemoteConfig::max_write_batch`] allows), but see
 /// [`large_write_batch`].
@@ -169,14 +172,17 @@ fn tickets_for(cfg: &RemoteConfig, value_len: usize) -> usize {
         .next_power_of_two()
 }
 
-/// Values of 256 KiB and more ([`HEADER_FETCH_BYTES`]) per write pipeline: [`MIN_WRITE_BATCH`] on a
-/// machine with 8 or more CPUs, one below (redis-server skips its copy of a large argument only
-/// when it starts the query buffer; the copy costs most where the server shares a few CPUs;
-/// docs/performance.md "Tier tuning table").
-fn large_write_batch() -> usize {
+/// Values of 256 KiB and more ([`HEADER_FETCH_BYTES`]) per write pipeline: one, so that each
+/// large `SET` starts the server's query buffer (redis-server skips its copy of a large argument
+/// only then; docs/performance.md "Tier tuning table").
+const LARGE_WRITE_BATCH: usize = 1;
+
+/// Write jobs of large values at once: [`MAX_LARGE_WRITE_JOBS`] on a machine with 8 or more CPUs,
+/// two below (where the server shares the engine's few CPUs).
+fn large_write_jobs() -> usize {
     match std::thread::available_parallelism() {
-        Ok(n) if n.get() >= 8 => MIN_WRITE_BATCH,
-        _ => 1,
+        Ok(n) if n.get() >= 8 => MAX_LARGE_WRITE_JOBS,
+        _ => 2,
     }
 }
 
@@ -285,14 +291,22 @@ impl RemoteTier {
                 reads: crossbeam_channel::unbounded(),
                 fetches: crossbeam_channel::unbounded(),
                 writes: crossbeam_channel::unbounded(),
+                summed: crossbeam_channel::unbounded(),
                 bell: crossbeam_channel::unbounded(),
                 stop: stop_rx,
             },
             done: done_tx,
             shutdown: AtomicBool::new(false),
             writes_running: std::sync::atomic::AtomicUsize::new(0),
-            large_write_batch: tune.large_write_batch.unwrap_or_else(large_write_batch),
-            large_write_jobs: tune.large_write_jobs.unwrap_or(MAX_LARGE_WRITE_JOBS),
+            large_write_batch: tune.large_write_batch.unwrap_or(LARGE_WRITE_BATCH),
+            large_write_jobs: tune.large_write_jobs.unwrap_or_else(large_write_jobs),
+            // Each writer's next value checksummed ahead.
+            sum_ahead: tune.sum_ahead.unwrap_or_else(|| {
+                tune.large_write_jobs.unwrap_or_else(large_write_jobs)
+                    * tune.large_write_batch.unwrap_or(LARGE_WRITE_BATCH)
+                    * 2
+            }),
+            summing: std::sync::atomic::AtomicUsize::new(0),
             read_job_bytes: tune
                 .read_job_bytes
                 .unwrap_or(usize::try_from(FETCH_JOB_BYTES).unwrap_or(usize::MAX)),

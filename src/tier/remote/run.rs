@@ -347,7 +347,13 @@ impl Shared {
     /// a redirect or a failover, reads its block again), not before the network as when values
     /// were copied. Small values on one server without a TTL go as one `MSET` for the batch
     /// (see [`Shared::multi_key`]), others as a `SET` each.
-    pub(super) fn run_writes(&self, conns: &mut Conns, items: &[(ByteKey, BlockId)]) -> Vec<Wrote> {
+    /// `sums` holds each payload's checksum where it was computed ahead (`Shared::sum_ahead`).
+    pub(super) fn run_writes(
+        &self,
+        conns: &mut Conns,
+        items: &[(ByteKey, BlockId)],
+        sums: &[Option<u64>],
+    ) -> Vec<Wrote> {
         let t0 = Instant::now();
         let px = self
             .cfg
@@ -360,13 +366,16 @@ impl Shared {
         };
         let cmds: Vec<(String, BlockWrite<'_>)> = items
             .chunks(per_command)
-            .map(|chunk| {
+            .zip(sums.chunks(per_command).chain(std::iter::repeat(&[][..])))
+            .map(|(chunk, sums)| {
                 let parts: Vec<WritePart<'_>> = chunk
                     .iter()
-                    .map(|(k, b)| WritePart {
+                    .enumerate()
+                    .map(|(i, (k, b))| WritePart {
                         key: k,
                         rkey: self.redis_key(k),
                         block: *b,
+                        sum: sums.get(i).copied().flatten(),
                         failed: std::cell::Cell::new(false),
                     })
                     .collect();

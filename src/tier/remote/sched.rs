@@ -130,7 +130,7 @@ impl Sched {
                         });
                     }
                 }
-                Job::Write(items) => {
+                Job::Write(items, _) => {
                     self.end_writes(sh, items.len());
                     sh.counters
                         .write_errors

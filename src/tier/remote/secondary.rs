@@ -375,8 +375,14 @@ impl SecondaryTier for RemoteTier {
         let down = self.shared.router.all_down(Instant::now()).is_some();
         let st = self.sched();
         // In the order of `INFO.extra_stats` (its length checked at compile time).
-        let values: [u64; INFO.extra_stats.len()] =
-            [present, absent, staged, st.inflight_bytes, u64::from(!down)];
+        let values: [u64; INFO.extra_stats.len()] = [
+            present,
+            absent,
+            staged,
+            st.inflight_bytes,
+            u64::from(!down),
+            self.shared.counters.summed_ahead.load(Relaxed),
+        ];
         INFO.extra_stats.iter().copied().zip(values).collect()
     }
 }

@@ -36,13 +36,19 @@ pub(super) struct ReadItem {
 /// A write: the key and the host block it is written from.
 pub(super) type WriteItem = (ByteKey, BlockId);
 
+/// A write taken from the queue by an idle thread, with its payload's checksum (`None` where the
+/// block could not be read; see `Shared::sum_ahead`).
+pub(super) type SummedWrite = (WriteItem, Option<u64>);
+
 pub(super) enum Job {
     /// Keys and the tickets of their answers (`Answers`).
     Fetch(Vec<ByteKey>, Vec<u32>),
     /// Promotions: keys, their reserved host blocks and their staged values (taken out of the
     /// index when the promotion was queued).
     Read(Vec<ReadItem>),
-    Write(Vec<(ByteKey, BlockId)>),
+    /// Writes and, for each, its payload's checksum where an idle thread computed it ahead
+    /// (`Shared::sum_ahead`).
+    Write(Vec<(ByteKey, BlockId)>, Vec<Option<u64>>),
 }
 
 /// What the I/O threads hand back to the scheduler's thread, which applies it to the index and
@@ -159,6 +165,10 @@ pub(super) struct Queues {
     pub(super) reads: (Sender<Job>, Receiver<Job>),
     pub(super) fetches: (Sender<Job>, Receiver<Job>),
     pub(super) writes: (Sender<WriteItem>, Receiver<WriteItem>),
+    /// Writes of large values taken from `writes` by an idle thread that computed their
+    /// payloads' checksums (`Shared::sum_ahead`; `None` where the block could not be read):
+    /// writers take from it first.
+    pub(super) summed: (Sender<SummedWrite>, Receiver<SummedWrite>),
     pub(super) bell: (Sender<()>, Receiver<()>),
     /// Never sent on: disconnected (its sender dropped) at shutdown, which wakes every thread.
     pub(super) stop: Receiver<()>,
@@ -179,6 +189,8 @@ pub(super) struct Counters {
     pub(super) fetch_hits: AtomicU64,
     pub(super) fetch_misses: AtomicU64,
     pub(super) fetch_errors: AtomicU64,
+    /// Writes whose payload checksum an idle thread computed ahead (`Shared::sum_ahead`).
+    pub(super) summed_ahead: AtomicU64,
 }
 
 pub(super) struct Shared {
@@ -205,12 +217,17 @@ pub(super) struct Shared {
     pub(super) pid: u32,
     /// Buffers of values read, reused (see `BufPool`).
     pub(super) pool: Arc<BufPool>,
-    /// Write jobs running (see [`MAX_LARGE_WRITE_JOBS`]).
+    /// Write jobs of large values running (at most `large_write_jobs`).
     pub(super) writes_running: std::sync::atomic::AtomicUsize,
-    /// Fewest values of a write pipeline of large values (see `large_write_batch`).
+    /// Fewest values of a write pipeline of large values ([`super::LARGE_WRITE_BATCH`] unless tuned).
     pub(super) large_write_batch: usize,
-    /// Most write pipelines of large values at once ([`super::MAX_LARGE_WRITE_JOBS`] unless tuned).
+    /// Most write pipelines of large values at once (`large_write_jobs()` unless tuned).
     pub(super) large_write_jobs: usize,
+    /// Most writes of large values taken from `writes` to be checksummed ahead, or waiting in
+    /// `summed` (see `Shared::sum_ahead`); 0: none.
+    pub(super) sum_ahead: usize,
+    /// Writes taken to be checksummed ahead, or waiting in `summed`.
+    pub(super) summing: std::sync::atomic::AtomicUsize,
     /// Most value bytes of one promotion job ([`super::FETCH_JOB_BYTES`] unless tuned).
     pub(super) read_job_bytes: usize,
     /// I/O threads looking at the queues in `Shared::idle_spin` now.

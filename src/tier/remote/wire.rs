@@ -198,6 +198,8 @@ pub(super) struct WritePart<'a> {
     pub(super) key: &'a ByteKey,
     pub(super) rkey: String,
     pub(super) block: BlockId,
+    /// The payload's checksum where an idle thread computed it ahead (`Shared::sum_ahead`).
+    pub(super) sum: Option<u64>,
     /// The value could not be built (the block unreadable, the header not encodable): it is left
     /// out of its command (a `PING` goes in place of a command left with none), and the write
     /// counts as failed.
@@ -212,7 +214,7 @@ impl BlockWrite<'_> {
         let mut header = [0u8; VALUE_HEADER_BYTES];
         let mut built = false;
         let read = self.sh.memory.with_block(part.block, &mut |payload| {
-            h.payload_sum = format::payload_sum(payload);
+            h.payload_sum = part.sum.unwrap_or_else(|| format::payload_sum(payload));
             if format::encode_sized(&h, &mut header, VALUE_HEADER_BYTES) {
                 built = true;
                 f(&header, payload);

@@ -16,6 +16,7 @@ use super::shared::{Answer, Checked, Done, Job, Shared, Wrote};
 use super::{MIN_WRITE_BATCH, MSET_BATCH_BYTES, WRITE_BATCH_BYTES};
 
 use crate::key::ByteKey;
+use crate::tier::format;
 
 /// What a job's run found (see `Shared::worker`).
 enum Ran {
@@ -36,6 +37,9 @@ impl Shared {
                 self.set_error(e);
             }
             let Some(job) = self.next_job(&mut stash) else {
+                if self.sum_ahead() {
+                    continue;
+                }
                 if self.shutdown.load(Acquire) {
                     return;
                 }
@@ -60,9 +64,9 @@ impl Shared {
             let r = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| match &mut job {
                 Job::Fetch(keys, _) => Ran::Fetch(self.run_fetch(&mut conns, keys)),
                 Job::Read(items) => Ran::Read(self.run_reads(&mut conns, items)),
-                Job::Write(items) => Ran::Write(self.run_writes(&mut conns, items)),
+                Job::Write(items, sums) => Ran::Write(self.run_writes(&mut conns, items, sums)),
             }));
-            if matches!(job, Job::Write(_)) && self.header_fetch() {
+            if matches!(job, Job::Write(..)) && self.header_fetch() {
                 self.writes_running.fetch_sub(1, AcqRel);
             }
             let done = match (r, job) {
@@ -71,7 +75,7 @@ impl Shared {
                     continue;
                 }
                 (Ok(Ran::Read(ok)), Job::Read(items)) => Done::Read { items, ok },
-                (Ok(Ran::Write(wrote)), Job::Write(items)) => Done::Write { items, wrote },
+                (Ok(Ran::Write(wrote)), Job::Write(items, _)) => Done::Write { items, wrote },
                 (r, job) => {
                     conns = self.conns();
                     let why = r.err().map_or_else(
@@ -106,19 +110,13 @@ impl Shared {
         {
             return Some(self.merge(j, stash));
         }
-        // Large values: at most MAX_LARGE_WRITE_JOBS write pipelines at once (a slot taken before
+        // Large values: at most `large_write_jobs` write pipelines at once (a slot taken before
         // the queue is looked at, given back when there is no write or the job ends).
         let capped = self.header_fetch();
         if capped && self.writes_running.fetch_add(1, AcqRel) >= self.large_write_jobs {
             self.writes_running.fetch_sub(1, AcqRel);
             return None;
         }
-        let Ok(first) = q.writes.1.try_recv() else {
-            if capped {
-                self.writes_running.fetch_sub(1, AcqRel);
-            }
-            return None;
-        };
         let batch_bytes = if self.cfg.ttl.is_none() && self.multi_key() {
             MSET_BATCH_BYTES
         } else {
@@ -132,14 +130,72 @@ impl Shared {
         let by_bytes = (batch_bytes / self.value_len.max(1)).max(fewest);
         let n = self.cfg.max_write_batch.max(1).min(by_bytes);
         let mut batch = Vec::with_capacity(n.min(1024));
-        batch.push(first);
+        let mut sums = Vec::with_capacity(n.min(1024));
+        // Writes checksummed ahead were queued before those still in `writes`.
         while batch.len() < n {
-            match q.writes.1.try_recv() {
-                Ok(w) => batch.push(w),
+            match q.summed.1.try_recv() {
+                Ok((w, sum)) => {
+                    self.summing.fetch_sub(1, AcqRel);
+                    batch.push(w);
+                    sums.push(sum);
+                }
                 Err(_) => break,
             }
         }
-        Some(Job::Write(batch))
+        while batch.len() < n {
+            match q.writes.1.try_recv() {
+                Ok(w) => {
+                    batch.push(w);
+                    sums.push(None);
+                }
+                Err(_) => break,
+            }
+        }
+        if batch.is_empty() {
+            if capped {
+                self.writes_running.fetch_sub(1, AcqRel);
+            }
+            return None;
+        }
+        Some(Job::Write(batch, sums))
+    }
+
+    /// With nothing else to do, an I/O thread computes the payload checksum of the next queued
+    /// write of a large value while the writers (at most `large_write_jobs`) are busy, and
+    /// queues the write with its sum in `summed`, at most `sum_ahead` ahead: a writer then
+    /// sends the value without first reading 2 MiB through its cache, so the server is not left
+    /// idle between one value and the next (docs/performance.md "Tier tuning table"). The block
+    /// is not written while its write is queued or running, so the sum is the one the writer
+    /// would compute (and a load checks it in any case). Returns whether it took a write.
+    fn sum_ahead(&self) -> bool {
+        if self.sum_ahead == 0 || !self.header_fetch() || self.queues.writes.1.is_empty() {
+            return false;
+        }
+        if self.summing.fetch_add(1, AcqRel) >= self.sum_ahead {
+            self.summing.fetch_sub(1, AcqRel);
+            return false;
+        }
+        let Ok((key, block)) = self.queues.writes.1.try_recv() else {
+            self.summing.fetch_sub(1, AcqRel);
+            return false;
+        };
+        // A panic in a `BlockMemory` leaves the sum to the writer (whose job then fails, see
+        // `worker`); the write itself is never dropped here.
+        let sum = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
+            let mut sum = None;
+            let read = self.memory.with_block(block, &mut |payload| {
+                sum = Some(format::payload_sum(payload));
+            });
+            sum.filter(|_| read.is_ok())
+        }))
+        .ok()
+        .flatten();
+        if sum.is_some() {
+            self.counters.summed_ahead.fetch_add(1, Relaxed);
+        }
+        // (If a writer's slot came free meanwhile, this thread takes it next: see `worker`.)
+        let _ = self.queues.summed.0.send(((key, block), sum));
+        true
     }
 
     /// `job` with the promotion or fetch jobs queued behind it, while they fit in one job
@@ -189,7 +245,7 @@ impl Shared {
                     }
                 }
             }
-            Job::Write(_) => {}
+            Job::Write(..) => {}
         }
         job
     }
@@ -243,15 +299,19 @@ impl Shared {
     }
 
     /// Whether a job this thread may take is queued: a write of large values counts only while
-    /// fewer than [`MAX_LARGE_WRITE_JOBS`] run (a writer that ends takes the next one itself, or
+    /// fewer than `large_write_jobs` run (a writer that ends takes the next one itself, or
     /// rings for it after taking another job). Counting them regardless kept every other idle
     /// thread spinning at full speed on a queue it could not take from.
     fn jobs_waiting(&self) -> bool {
         let q = &self.queues;
+        let write_room =
+            !self.header_fetch() || self.writes_running.load(Acquire) < self.large_write_jobs;
         !(q.reads.1.is_empty() && q.fetches.1.is_empty())
-            || (!q.writes.1.is_empty()
-                && (!self.header_fetch()
-                    || self.writes_running.load(Acquire) < self.large_write_jobs))
+            || (write_room && !(q.writes.1.is_empty() && q.summed.1.is_empty()))
+            || (!write_room
+                && self.sum_ahead > 0
+                && !q.writes.1.is_empty()
+                && self.summing.load(Acquire) < self.sum_ahead)
     }
 
     /// Waits until the bell rings, the tier stops, or `wait` passes.
