@@ -6,7 +6,7 @@
 #![allow(unsafe_code)]
 
 use super::engine::{CudaEngine, JobCtx};
-use super::feed::{device_limit, enqueue_batches, DmaHelper, Feeder, Work};
+use super::feed::{device_limit, enqueue_batches, DmaBufs, DmaHelper, Feeder, Pace, Work};
 use super::ffi;
 use super::handles::SendPtr;
 use super::share::{Governor, Polite};
@@ -79,32 +79,54 @@ impl CudaEngine {
             return r.map(|()| false);
         }
         let polite = self.polite(job);
+        self.feed(job.id, |spare, pace| {
+            (
+                Work {
+                    bufs,
+                    pace,
+                    host_to_device,
+                    stream: SendPtr(s),
+                    end: Some(SendPtr(end)),
+                    polite,
+                    duty_pct: 0,
+                    staged: None,
+                },
+                spare,
+            )
+        })?;
+        Ok(true)
+    }
+
+    /// Hands job `job_id`'s work to the feeder thread (started on first use), which enqueues it
+    /// and records the end event the work names; `make` gets the feeder's spare DMA buffers and
+    /// pacing events and returns the work and the buffers this engine keeps as its scratch.
+    pub(super) fn feed(
+        &mut self,
+        job_id: i64,
+        make: impl FnOnce(DmaBufs, Pace) -> (Work, DmaBufs),
+    ) -> Result<()> {
+        let bound = self.cfg.max_queued_copies;
         if self.feeder.is_none() {
             self.feeder = Some(Feeder::new(&self.device, self.cfg.max_batch_copies, bound)?);
         }
+        let duty_pct = self.cfg.dma_driver_duty_pct;
         let fd = self
             .feeder
             .as_mut()
             .ok_or_else(|| KvoffError::state("DMA feeder missing"))?;
         let (spare, pace) = fd.spare.take().unwrap_or_default();
-        self.scratch_dma = spare;
+        let (mut work, scratch) = make(spare, pace);
+        work.duty_pct = duty_pct;
+        self.scratch_dma = scratch;
         let tx = fd
             .worker
             .tx
             .as_ref()
             .ok_or_else(|| KvoffError::state("the DMA feeder thread stopped"))?;
-        tx.send(Work {
-            bufs,
-            pace,
-            host_to_device,
-            stream: SendPtr(s),
-            end: Some(SendPtr(end)),
-            polite,
-            duty_pct: self.cfg.dma_driver_duty_pct,
-        })
-        .map_err(|_| KvoffError::state("the DMA feeder thread stopped"))?;
-        fd.busy = Some(job.id);
-        Ok(true)
+        tx.send(work)
+            .map_err(|_| KvoffError::state("the DMA feeder thread stopped"))?;
+        fd.busy = Some(job_id);
+        Ok(())
     }
 
     /// Batched DMA of `(src, dst, bytes)` triples on `s` (a per-copy loop without the batch API),
@@ -238,6 +260,7 @@ impl CudaEngine {
                 end: None,
                 polite,
                 duty_pct: self.cfg.dma_driver_duty_pct,
+                staged: None,
             })
             .map_err(|_| KvoffError::state("the DMA helper thread stopped"));
         let mine = sent.and_then(|()| {

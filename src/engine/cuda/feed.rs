@@ -358,6 +358,87 @@ pub(super) struct Work {
     /// (see `share`).
     pub(super) polite: Polite,
     pub(super) duty_pct: u32,
+    /// A staged job's chunks, enqueued instead of `bufs` (see [`StagedWork`]).
+    pub(super) staged: Option<StagedWork>,
+}
+
+/// One chunk of a staged job, packed by the engine (`CudaEngine::enqueue_staged`): its copy
+/// kernel (descriptors already written to the job's pinned buffer) and its DMA runs, on the
+/// chunk's stream.
+pub(super) struct StagedChunk {
+    pub(super) stream: SendPtr<ffi::CUstream>,
+    /// The kernel's descriptors (device address of the pinned buffer), their count, its CTAs.
+    pub(super) descs: u64,
+    pub(super) n_descs: u64,
+    pub(super) grid: u32,
+    pub(super) bufs: DmaBufs,
+}
+
+/// The chunks of a staged job for the feeder (docs/performance.md "How `auto` chooses a copy
+/// method": the caller's thread, in vLLM the model's, then spends no driver call or polite wait on
+/// them): the engine forked the auxiliary stream from the main one before handing them over; the
+/// feeder joins it back after the last chunk (also after an error, so the job's end event covers
+/// both streams).
+pub(super) struct StagedWork {
+    pub(super) kernel: SendPtr<ffi::CUfunction>,
+    pub(super) threads: u32,
+    /// Device to host: each chunk's kernel gathers into staging before its DMA; else the DMA
+    /// fills staging before the kernel scatters.
+    pub(super) d2h: bool,
+    /// The chunks, sent as the engine packs them (closed after the last one, or at an error):
+    /// the device starts on the first while the next are packed.
+    pub(super) chunks: mpsc::Receiver<StagedChunk>,
+    pub(super) aux: SendPtr<ffi::CUstream>,
+    pub(super) join: SendPtr<ffi::CUevent>,
+}
+
+/// Enqueues `st`'s chunks as they come, then joins its auxiliary stream back into `main`.
+///
+/// # Safety
+/// As [`enqueue_batches`] for every chunk's runs; the kernel's descriptors and the staging slots
+/// stay alive until the job completes; the streams and the event are live handles of the
+/// current context.
+unsafe fn enqueue_staged_work(
+    f: ffi::MemcpyBatchFn,
+    st: &mut StagedWork,
+    main: ffi::CUstream,
+    step: usize,
+    pace: &mut Pace,
+    bound: usize,
+    gov: &Governor<'_>,
+) -> Result<()> {
+    let mut r = Ok(());
+    while let Ok(mut c) = st.chunks.recv() {
+        let c = &mut c;
+        // SAFETY: the caller's obligations (descriptors written, slots and memory alive).
+        let launch = || unsafe {
+            ffi::launch_copy(
+                st.kernel.0,
+                c.grid,
+                st.threads,
+                c.descs,
+                c.n_descs,
+                c.stream.0,
+            )
+        };
+        // SAFETY: as above.
+        let dma = |bufs: &mut DmaBufs, pace: &mut Pace| unsafe {
+            enqueue_batches(f, bufs, step, !st.d2h, c.stream.0, pace, bound, gov)
+        };
+        r = if st.d2h {
+            launch().and_then(|()| dma(&mut c.bufs, pace))
+        } else {
+            dma(&mut c.bufs, pace).and_then(|()| launch())
+        };
+        if r.is_err() {
+            break;
+        }
+    }
+    // SAFETY: live handles of the current context (the caller's obligation).
+    let j = unsafe {
+        ffi::event_record(st.join.0, st.aux.0).and_then(|()| ffi::stream_wait(main, st.join.0))
+    };
+    r.and(j)
 }
 
 /// An enqueuing thread's answer: the enqueue result, its driver-call record, and the buffers
@@ -393,17 +474,26 @@ fn spawn_enqueuer(
                     // engine after this answer) and enqueues nothing that must follow this work
                     // before the answer; the stream is the engine's; the context was made current
                     // just above.
-                    let r = unsafe {
-                        enqueue_batches(
-                            f,
-                            &mut w.bufs,
-                            step,
-                            w.host_to_device,
-                            w.stream.0,
-                            &mut w.pace,
-                            bound,
-                            &Governor::new(&dev.driver, w.polite, w.duty_pct),
-                        )
+                    let gov = Governor::new(&dev.driver, w.polite, w.duty_pct);
+                    let r = match w.staged.as_mut() {
+                        // SAFETY: as above; the engine keeps the staged job's descriptor buffer
+                        // and staging slots until the job completes.
+                        Some(st) => unsafe {
+                            enqueue_staged_work(f, st, w.stream.0, step, &mut w.pace, bound, &gov)
+                        },
+                        // SAFETY: as above.
+                        None => unsafe {
+                            enqueue_batches(
+                                f,
+                                &mut w.bufs,
+                                step,
+                                w.host_to_device,
+                                w.stream.0,
+                                &mut w.pace,
+                                bound,
+                                &gov,
+                            )
+                        },
                     };
                     match &w.end {
                         // SAFETY: live event and stream of the current context.

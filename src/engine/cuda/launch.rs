@@ -48,22 +48,33 @@ impl CudaEngine {
         max_ctas: u32,
         s: ffi::CUstream,
     ) -> Result<()> {
+        let grid = self.copy_grid(n, max_ctas);
+        job.grid = job.grid.max(grid);
+        // SAFETY: descriptors live in a device buffer held by the job; they name memory the plan
+        // validated and the caller keeps alive (TransferEngine::submit contract), or staging slots
+        // owned by this engine.
+        let f = self.copy_kernel();
+        // SAFETY: as above; both kernels take the same parameters.
+        unsafe { ffi::launch_copy(f, grid, self.cfg.kernel_threads, descs, n, s) }
+    }
+
+    /// CTAs of a copy kernel over `n` descriptors, at most `max_ctas` (noted as the last launch's).
+    pub(super) fn copy_grid(&mut self, n: u64, max_ctas: u32) -> u32 {
         let warps_per_cta = u64::from(self.cfg.kernel_threads / 32);
         let grid = u32::try_from(n.div_ceil(warps_per_cta).min(u64::from(max_ctas)))
             .unwrap_or(1)
             .max(1);
         self.last_ctas = grid;
-        job.grid = job.grid.max(grid);
-        // SAFETY: descriptors live in a device buffer held by the job; they name memory the plan
-        // validated and the caller keeps alive (TransferEngine::submit contract), or staging slots
-        // owned by this engine.
-        let f = if self.cfg.read_only_loads {
+        grid
+    }
+
+    /// The copy kernel this engine launches (`read_only_loads`: the non-coherent-load variant).
+    pub(super) fn copy_kernel(&self) -> ffi::CUfunction {
+        if self.cfg.read_only_loads {
             self.device.kernel_nc.0
         } else {
             self.device.kernel.0
-        };
-        // SAFETY: as above; both kernels take the same parameters.
-        unsafe { ffi::launch_copy(f, grid, self.cfg.kernel_threads, descs, n, s) }
+        }
     }
 
     /// Uploads descriptors `first..first + n` of a kernel job's pinned buffer to its device buffer

@@ -4,8 +4,9 @@
 #![allow(unsafe_code)]
 
 use super::engine::{CudaEngine, JobCtx, Prepared};
+use super::feed::{device_limit, DmaBufs, StagedChunk, StagedWork, Work};
 use super::ffi;
-use super::handles::{DevMem, Event, Stream};
+use super::handles::{DevMem, Event, SendPtr, Stream};
 use super::kernel::{DescBuf, DESC_BYTES};
 use super::staged::{
     staged_chunk_count, staged_chunk_len, staged_desc_bound, Slot, StagedPacker, Staging,
@@ -93,6 +94,11 @@ impl CudaEngine {
     /// there, through the device mapping of pinned memory), then enqueues the kernel and the
     /// batched DMA of its runs, handing the slot between the streams with events. The device
     /// works on chunk `k` while the CPU packs chunk `k + 1`.
+    ///
+    /// Where the feeder may be used (`dma_feeder`, the batch API), the chunks are packed here and
+    /// enqueued by the feeder thread, which also joins the streams and records `end` (then
+    /// `job.fed`): the caller's thread — in vLLM the model's, between its forwards — spends no
+    /// driver call on them, nor the waits between calls while the device is polite.
     #[allow(clippy::too_many_arguments)] // the job's context, its parts and the stream
     pub(super) fn enqueue_staged(
         &mut self,
@@ -103,6 +109,7 @@ impl CudaEngine {
         first_slot: usize,
         total: u64,
         s: ffi::CUstream,
+        end: ffi::CUevent,
     ) -> Result<()> {
         let (aux, fork, join) = {
             let st = self
@@ -123,10 +130,141 @@ impl CudaEngine {
             ffi::event_record(fork, s)?;
             ffi::stream_wait(aux, fork)?;
         }
-        let r = self.enqueue_staged_chunks(job, copies, buf, n_chunks, first_slot, s, aux);
+        let fed = self
+            .device
+            .batch
+            .is_some_and(|_| self.cfg.dma_feeder && self.cfg.max_queued_copies > 0);
+        let r = if fed {
+            let (d2h, polite) = (self.direction == Direction::GpuToCpu, self.polite(job));
+            let kernel = SendPtr(self.copy_kernel());
+            let threads = self.cfg.kernel_threads;
+            let (tx, chunks) = std::sync::mpsc::channel();
+            let sent = self.feed(job.id, |spare, pace| {
+                (
+                    Work {
+                        bufs: DmaBufs::default(),
+                        pace,
+                        host_to_device: !d2h,
+                        stream: SendPtr(s),
+                        end: Some(SendPtr(end)),
+                        polite,
+                        duty_pct: 0,
+                        staged: Some(StagedWork {
+                            kernel,
+                            threads,
+                            d2h,
+                            chunks,
+                            aux: SendPtr(aux),
+                            join: SendPtr(join),
+                        }),
+                    },
+                    spare,
+                )
+            });
+            if sent.is_ok() {
+                // The feeder enqueues the chunks as they are packed, then joins the streams and
+                // records the end event (also after a packing error: the job then fails).
+                job.fed = true;
+                return self.pack_staged(job, copies, buf, n_chunks, first_slot, s, aux, &tx);
+            }
+            sent
+        } else {
+            self.enqueue_staged_chunks(job, copies, buf, n_chunks, first_slot, s, aux)
+        };
         // SAFETY: as above.
         let j = unsafe { ffi::event_record(join, aux).and_then(|()| ffi::stream_wait(s, join)) };
         r.and(j)
+    }
+
+    /// Packs the chunks of a staged job (as [`CudaEngine::enqueue_staged_chunks`] does) and sends
+    /// each to the feeder as soon as it is packed: descriptors into the job's pinned buffer, the
+    /// chunk's runs into DMA buffers of its own.
+    #[allow(clippy::too_many_arguments)] // the two streams, the job's parts and the feed
+    fn pack_staged(
+        &mut self,
+        job: &mut JobCtx,
+        copies: &[CopyOp],
+        buf: &DescBuf,
+        n_chunks: usize,
+        first_slot: usize,
+        s: ffi::CUstream,
+        aux: ffi::CUstream,
+        tx: &std::sync::mpsc::Sender<StagedChunk>,
+    ) -> Result<()> {
+        let d2h = self.direction == Direction::GpuToCpu;
+        let cap = self.cfg.staging_slot_bytes;
+        let slots = self.slot_ptrs()?;
+        let ctas = (self.cfg.max_ctas / 2).max(1);
+        // SAFETY: as in `enqueue_staged_chunks`: the job's own pinned buffer, written here only;
+        // the feeder enqueues a chunk's kernel after the chunk was sent, i.e. after its
+        // descriptors were written, and chunks take disjoint ranges of the buffer.
+        let words =
+            unsafe { std::slice::from_raw_parts_mut(buf.host.ptr().cast::<u64>(), buf.cap / 8) };
+        let host_base = buf.host.ptr() as u64;
+        let pitched = self.cfg.dma_pitched;
+        let t = std::time::Instant::now();
+        let mut runs = std::mem::take(&mut self.scratch_runs);
+        let mut packer = StagedPacker::default();
+        let mut nd = 0usize;
+        let r = (|| {
+            for k in 0..n_chunks {
+                let slot = (first_slot + k) % slots.len();
+                let d0 = nd;
+                let got = packer
+                    .pack_chunk(
+                        copies,
+                        d2h,
+                        staged_chunk_len(k, cap),
+                        slots[slot],
+                        words,
+                        &mut nd,
+                        &mut runs,
+                    )
+                    .ok_or_else(|| {
+                        KvoffError::state("staged descriptor buffer too small (a kvoff bug)")
+                    })?;
+                if got == 0 {
+                    break;
+                }
+                let n_descs = (nd - d0) as u64;
+                let grid = self.copy_grid(n_descs, ctas);
+                job.grid = job.grid.max(grid);
+                let mut bufs = DmaBufs::default();
+                bufs.fill(
+                    runs.iter().copied(),
+                    pitched,
+                    &mut device_limit(&mut self.alloc_ranges, self.direction),
+                );
+                tx.send(StagedChunk {
+                    stream: SendPtr(if slot % 2 == 0 { s } else { aux }),
+                    descs: host_base + (d0 * DESC_BYTES) as u64,
+                    n_descs,
+                    grid,
+                    bufs,
+                })
+                .map_err(|_| KvoffError::state("the DMA feeder thread stopped"))?;
+            }
+            Ok(())
+        })();
+        self.scratch_runs = runs;
+        self.last_pack_ns = u64::try_from(t.elapsed().as_nanos()).unwrap_or(u64::MAX);
+        r
+    }
+
+    /// Device addresses of the staging slots.
+    fn slot_ptrs(&self) -> Result<Vec<u64>> {
+        let slots: Vec<u64> = self
+            .staging
+            .as_ref()
+            .ok_or_else(|| KvoffError::state("staging missing"))?
+            .slots
+            .iter()
+            .map(|sl| sl.dev.ptr())
+            .collect();
+        if slots.is_empty() {
+            return Err(KvoffError::state("no staging slots"));
+        }
+        Ok(slots)
     }
 
     #[allow(clippy::too_many_arguments)] // the two streams and the job's parts
@@ -142,18 +280,8 @@ impl CudaEngine {
     ) -> Result<()> {
         let d2h = self.direction == Direction::GpuToCpu;
         let cap = self.cfg.staging_slot_bytes;
-        let slots: Vec<u64> = self
-            .staging
-            .as_ref()
-            .ok_or_else(|| KvoffError::state("staging missing"))?
-            .slots
-            .iter()
-            .map(|sl| sl.dev.ptr())
-            .collect();
+        let slots = self.slot_ptrs()?;
         let nslots = slots.len();
-        if nslots == 0 {
-            return Err(KvoffError::state("no staging slots"));
-        }
         // Two kernels (one per stream) may run at once: each gets half the CTA budget.
         let ctas = (self.cfg.max_ctas / 2).max(1);
         // SAFETY: `buf.host` is a pinned allocation of `buf.cap` bytes (8-byte aligned, from

@@ -82,7 +82,8 @@ impl CudaEngine {
                 first_slot,
                 total,
             } => {
-                let r = self.enqueue_staged(job, copies, buf, *n_chunks, *first_slot, *total, s);
+                let r =
+                    self.enqueue_staged(job, copies, buf, *n_chunks, *first_slot, *total, s, end);
                 if let Some(st) = self.staging.as_mut() {
                     st.next = (first_slot + n_chunks) % st.slots.len().max(1);
                 }
