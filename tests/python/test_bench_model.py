@@ -42,6 +42,17 @@ def test_workloads_run_on_the_cpu(impl):
         wl.step()
 
 
+def test_patterns_select_the_grid():
+    both = bm.default_cells(["decode", "prefill"], [8], ["auto", "dma"], ("both",))
+    only_vllm = bm.default_cells(["decode", "prefill"], [8], ["auto", "dma"], ("both",), ("vllm",))
+    only_thread = bm.default_cells(["decode", "prefill"], [8], ["auto", "dma"], ("both",), ("thread",))
+    assert {c.pattern for c in only_vllm} == {"vllm"} and len(only_vllm) == 6  # 8/128/512 MiB x 2
+    assert {c.pattern for c in only_thread} == {"thread"} and len(only_thread) == 8
+    assert len(both) == len(only_vllm) + len(only_thread)
+    with pytest.raises(ValueError, match="unknown patterns"):
+        bm.default_cells(["decode"], [8], ["auto"], ("both",), ("vllm", "sglang"))
+
+
 def test_the_harness_measures_beside_the_host_engine(tmp_path):
     cells = [
         bm.Cell("decode", "auto", 1, "both", "thread", True),

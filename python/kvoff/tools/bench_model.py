@@ -320,10 +320,18 @@ def measure_cell(
 
 
 def default_cells(
-    workloads: list[str], jobs_mib: list[int], engines: list[str], dirs: tuple[str, ...] = ("load", "both")
+    workloads: list[str],
+    jobs_mib: list[int],
+    engines: list[str],
+    dirs: tuple[str, ...] = ("load", "both"),
+    patterns: tuple[str, ...] = ("thread", "vllm"),
 ) -> list[Cell]:
     """The grid: each workload × job size × ``dirs`` × stream passed or not × engine, from a
-    side thread; then the vllm pattern on eager decode (both directions, stream passed)."""
+    side thread; then the vllm pattern on eager decode (both directions, stream passed). ``patterns``
+    keeps either part alone."""
+    unknown = set(patterns) - {"thread", "vllm"}
+    if unknown:
+        raise ValueError(f"unknown patterns {sorted(unknown)} (thread, vllm)")
     cells = [
         Cell(w, e, j, d, "thread", s)
         for w in workloads
@@ -331,8 +339,9 @@ def default_cells(
         for d in dirs
         for s in (True, False)
         for e in engines
+        if "thread" in patterns
     ]
-    if "decode" in workloads:
+    if "decode" in workloads and "vllm" in patterns:
         cells += [Cell("decode", e, j, "both", "vllm", True) for j in (8, 128, 512) for e in engines]
     return cells
 
@@ -499,6 +508,11 @@ def add_arguments(p: Any) -> None:
     p.add_argument("--jobs", default="8,128", help="job sizes in MiB (side-thread cells)")
     p.add_argument("--engines", default="auto,dma", help="auto, dma (plain batched DMA) or label:engine:tune")
     p.add_argument("--dirs", default="load,both", help="directions of the side-thread cells")
+    p.add_argument(
+        "--patterns",
+        default="thread,vllm",
+        help="thread (jobs from a side thread) and/or vllm (before each step)",
+    )
     p.add_argument("--layout", default="layers", choices=["layers", "pool"])
     p.add_argument("--rounds", type=int, default=3)
     p.add_argument("--json", action="store_true")
@@ -515,6 +529,7 @@ def run(args: Any) -> int:
         [int(j) for j in args.jobs.split(",") if j],
         [e for e in args.engines.split(",") if e],
         tuple(d for d in args.dirs.split(",") if d),
+        tuple(p for p in args.patterns.split(",") if p),
     )
     cells = [Cell(c.workload, c.engine, c.job_mib, c.dirs, c.pattern, c.stream, args.layout) for c in cells]
     res = bench_model(
