@@ -8,6 +8,7 @@ use super::feed::{device_limit, DmaBufs, StagedChunk, StagedWork, Work};
 use super::ffi;
 use super::handles::{DevMem, Event, SendPtr, Stream};
 use super::kernel::{DescBuf, DESC_BYTES};
+use super::share::Polite;
 use super::staged::{
     staged_chunk_count, staged_chunk_len, staged_desc_bound, Slot, StagedPacker, Staging,
 };
@@ -95,10 +96,10 @@ impl CudaEngine {
     /// batched DMA of its runs, handing the slot between the streams with events. The device
     /// works on chunk `k` while the CPU packs chunk `k + 1`.
     ///
-    /// Where the feeder may be used (`dma_feeder`, the batch API), the chunks are packed here and
-    /// enqueued by the feeder thread, which also joins the streams and records `end` (then
-    /// `job.fed`): the caller's thread — in vLLM the model's, between its forwards — spends no
-    /// driver call on them, nor the waits between calls while the device is polite.
+    /// Beside a model, where the feeder may be used (`dma_feeder`, the batch API), the chunks are
+    /// packed here and enqueued by the feeder thread, which also joins the streams and records
+    /// `end` (then `job.fed`): the caller's thread — in vLLM the model's, between its forwards —
+    /// spends no driver call on them, nor the waits between calls while the device is polite.
     #[allow(clippy::too_many_arguments)] // the job's context, its parts and the stream
     pub(super) fn enqueue_staged(
         &mut self,
@@ -130,10 +131,15 @@ impl CudaEngine {
             ffi::event_record(fork, s)?;
             ffi::stream_wait(aux, fork)?;
         }
-        let fed = self
-            .device
-            .batch
-            .is_some_and(|_| self.cfg.dma_feeder && self.cfg.max_queued_copies > 0);
+        // Fed beside a model (the serving policy's jobs, or any while the device is polite),
+        // where the caller's thread is the model's; on an idle GPU the caller enqueues, as the
+        // calibration measured it (its own polls and binds beside a feeding thread looked like
+        // contention to the feeder's sampled calls: docs/performance.md).
+        let fed = self.device.batch.is_some()
+            && self.cfg.dma_feeder
+            && self.cfg.max_queued_copies > 0
+            && (job.serving
+                || (self.device.driver.polite_now() && self.polite(job) != Polite::Off));
         let r = if fed {
             let (d2h, polite) = (self.direction == Direction::GpuToCpu, self.polite(job));
             let kernel = SendPtr(self.copy_kernel());

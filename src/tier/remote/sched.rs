@@ -190,7 +190,7 @@ impl Sched {
             return None;
         }
         Some(match sh.answers.read(ticket) {
-            // A staged value is on its way (`Done::Fetch`, sent before the cell was written).
+            // A staged value is on its way (`Done::Fetch`, sent right after the cell was written).
             (Answer::Pending | Answer::Staged, _) => e,
             (Answer::Present, at) => Entry::Present {
                 until: Index::after(at, sh.cfg.present_ttl),

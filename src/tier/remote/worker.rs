@@ -330,10 +330,9 @@ impl Shared {
         }
     }
 
-    /// Hands a fetch's answers back (see [`Answers`]): the values found go to the scheduler's
-    /// side to be staged (sent first, so that a cell that says `Staged` has its value in the
-    /// channel), each key's answer goes to its ticket's cell, then the job's reservations and
-    /// count end.
+    /// Hands a fetch's answers back (see [`Answers`]): each key's answer goes to its ticket's
+    /// cell, the values found go to the scheduler's side to be staged (a cell that says `Staged`
+    /// has its value in the channel or about to be), then the job's reservations and count end.
     fn answer_fetch(&self, keys: &[ByteKey], tickets: &[u32], results: Vec<Checked>) {
         let now = u64::try_from(self.epoch.elapsed().as_micros()).unwrap_or(u64::MAX >> 2);
         let (mut hits, mut misses, mut rejected, mut errors) = (0u64, 0u64, 0u64, 0u64);
@@ -371,15 +370,18 @@ impl Shared {
             answers.push((t, a));
         }
         let n_staged = values.len() as u64;
+        // Cells first: the scheduler's side, once it applied a staged value, writes its cell
+        // `Present` (which frees the ticket); a `Staged` written after that would keep the ticket
+        // taken for ever, and every later fetch would wait for it (`Sched::take_ticket`).
+        for (t, a) in answers {
+            self.answers.write(t, a, now);
+        }
         if !values.is_empty() {
             self.send(Done::Fetch {
                 hashes,
                 tickets: staged_tickets,
                 values,
             });
-        }
-        for (t, a) in answers {
-            self.answers.write(t, a, now);
         }
         let c = &self.counters;
         for (counter, n) in [
