@@ -96,7 +96,7 @@ impl CudaEngine {
     /// batched DMA of its runs, handing the slot between the streams with events. The device
     /// works on chunk `k` while the CPU packs chunk `k + 1`.
     ///
-    /// Beside a model, where the feeder may be used (`dma_feeder`, the batch API), the chunks are
+    /// For `auto`, where the feeder may be used (`dma_feeder`, the batch API), the chunks are
     /// packed here and enqueued by the feeder thread, which also joins the streams and records
     /// `end` (then `job.fed`): the caller's thread — in vLLM the model's, between its forwards —
     /// spends no driver call on them, nor the waits between calls while the device is polite.
@@ -131,17 +131,25 @@ impl CudaEngine {
             ffi::event_record(fork, s)?;
             ffi::stream_wait(aux, fork)?;
         }
-        // Fed beside a model (the serving policy's jobs, or any while the device is polite),
-        // where the caller's thread is the model's; on an idle GPU the caller enqueues, as the
-        // calibration measured it (its own polls and binds beside a feeding thread looked like
-        // contention to the feeder's sampled calls: docs/performance.md).
+        // `auto`'s staged jobs are fed (the explicit method enqueues on the caller's thread, as
+        // the calibration measures it). Beside a model (the serving policy's jobs, or any while
+        // the device is polite) the feeder's calls are watched as the caller's were; a job the
+        // idle policy chose is fed unwatched: there the caller's own binds and polls beside the
+        // feeding thread looked like contention to its few calls (docs/performance.md, "DMA:
+        // pitched copies, pacing, the feeder").
         let fed = self.device.batch.is_some()
             && self.cfg.dma_feeder
             && self.cfg.max_queued_copies > 0
-            && (job.serving
-                || (self.device.driver.polite_now() && self.polite(job) != Polite::Off));
+            && self.cfg.method == super::CopyMethod::Auto;
+        let watched =
+            job.serving || self.device.driver.polite_now() || self.polite(job) == Polite::Always;
         let r = if fed {
-            let (d2h, polite) = (self.direction == Direction::GpuToCpu, self.polite(job));
+            let d2h = self.direction == Direction::GpuToCpu;
+            let polite = if watched {
+                self.polite(job)
+            } else {
+                Polite::Off
+            };
             let kernel = SendPtr(self.copy_kernel());
             let threads = self.cfg.kernel_threads;
             let (tx, chunks) = std::sync::mpsc::channel();
