@@ -415,7 +415,9 @@ class TransferHandler:
         copy calls were short and spaced because the model was seen launching beside them),
         `driver_contention` (shares of 1024 of the device's recent copy calls that waited for
         another thread's driver call: by wall time, by time off the CPU; and the share of those
-        calls' time spent off the CPU).
+        calls' time spent off the CPU), `driver_blocked` (the device's sampled copy calls since it
+        was opened, and a list of the blocked ones by time off the CPU: 3–6, 6–12, …, 192–384 µs
+        and longer).
         """
     @property
     def num_tensors(self) -> int:

@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import os
 import warnings
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from typing import Any, NamedTuple
 
 import numpy as np
@@ -194,6 +194,9 @@ class SingleDirectionOffloadingHandler:
         self._transfer_type: tuple[str, str] = native.transfer_type
         self._cuda = native.engine.startswith("cuda")
         self._device = device
+        # The caller's current stream, read at every submit (docs/performance.md, "The cost of a
+        # submit": torch.cuda.current_stream() cost ~12 µs of the model's thread per call).
+        self._current_stream = _current_stream_reader(device) if self._cuda else None
         # Streams the engine watches for the model (set by CpuGpuOffloadingHandlers), kept alive
         # here because the engine holds their raw handles.
         self._compute_streams: tuple[Any, ...] = ()
@@ -217,7 +220,9 @@ class SingleDirectionOffloadingHandler:
         time), ``driver_calls``, ``longest_call`` (the driver entry point of the most CPU-hungry
         call, or ``None``), ``paced_ns`` (time the submit waited outside the driver for the device
         to drain the stream's queue: the pacing of long DMA jobs), ``fed`` (a long DMA job handed to
-        the engine's feeder thread, which enqueues it paced while the submit returns)."""
+        the engine's feeder thread, which enqueues it paced while the submit returns), and the
+        device's driver contention (``polite``, ``driver_contention``, ``driver_blocked``: see
+        ``kvoff._native.TransferHandler.last_submit_stats``)."""
         return dict(self._native.last_submit_stats)
 
     def transfer_async(self, job_id: int, spec: tuple[Any, Any]) -> bool:
@@ -238,9 +243,7 @@ class SingleDirectionOffloadingHandler:
         gpu, cpu = (src, dst) if self._store else (dst, src)
         _check_medium(gpu, "GPU", "source" if self._store else "destination")
         _check_medium(cpu, "CPU", "destination" if self._store else "source")
-        stream = None
-        if self._cuda:
-            stream = int(_torch().cuda.current_stream(self._device).cuda_stream)
+        stream = None if self._current_stream is None else self._current_stream()
         self._native.submit(
             job_id,
             gpu.block_ids,
@@ -291,6 +294,19 @@ class SingleDirectionOffloadingHandler:
 
     def __repr__(self) -> str:
         return f"SingleDirectionOffloadingHandler({self._transfer_type}, engine={self.engine!r})"
+
+
+def _current_stream_reader(device: Any) -> Callable[[], int]:
+    """A function that returns the raw handle of ``device``'s current CUDA stream, as
+    ``torch.cuda.current_stream(device).cuda_stream`` does: through torch's direct accessor
+    (``torch._C._cuda_getCurrentRawStream``, which Triton and torch's own generated code use)
+    where this torch has it, else through the public call."""
+    torch = _torch()
+    raw = getattr(torch._C, "_cuda_getCurrentRawStream", None)
+    index = getattr(device, "index", None)
+    if raw is None or index is None:
+        return lambda: int(torch.cuda.current_stream(device).cuda_stream)
+    return lambda: int(raw(index))
 
 
 def _storage_extents(views: Sequence[Any]) -> list[tuple[Any, int, int]]:

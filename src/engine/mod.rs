@@ -139,7 +139,16 @@ pub struct SubmitStats {
     /// driver call: by wall time, and by time spent off the CPU (blocked on the driver's lock);
     /// and the share of those calls' time spent off the CPU.
     pub driver_contention: (u32, u32, u32),
+    /// The device's copy calls sampled for contention since it was opened (no other kvoff copy
+    /// call overlapped them), and of those, the ones that spent more than 3 µs off the CPU by
+    /// how long: 3–6, 6–12, 12–24, 24–48, 48–96, 96–192, 192–384 µs and longer (for telling a
+    /// model's short launches from long waits in reports; docs/performance.md, "Transfers beside
+    /// an eager model").
+    pub driver_blocked: (u64, [u64; BLOCKED_BUCKETS]),
 }
+
+/// Buckets of [`SubmitStats::driver_blocked`].
+pub const BLOCKED_BUCKETS: usize = 8;
 
 /// An asynchronous byte mover. See the module docs for the ordering and error contract.
 pub trait TransferEngine: Send {

@@ -522,7 +522,9 @@ impl PyTransferHandler {
     /// `polite` (the device's copy calls were short and spaced because the model was seen
     /// launching beside them), `driver_contention` (shares of 1024 of the device's recent copy
     /// calls that waited for another thread's driver call: by wall time, by time off the CPU;
-    /// and the share of those calls' time spent off the CPU).
+    /// and the share of those calls' time spent off the CPU), `driver_blocked` (the device's
+    /// sampled copy calls since it was opened, and a list of the blocked ones by time off the
+    /// CPU: 3–6, 6–12, …, 192–384 µs and longer).
     #[getter]
     fn last_submit_stats<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyDict>> {
         let s = self.with_engine(py, |st| Ok(st.engine.last_submit_stats()))?;
@@ -541,6 +543,10 @@ impl PyTransferHandler {
         d.set_item("staged_cap_mb_s", s.staged_cap_mb_s)?;
         d.set_item("polite", s.polite)?;
         d.set_item("driver_contention", s.driver_contention)?;
+        d.set_item(
+            "driver_blocked",
+            (s.driver_blocked.0, s.driver_blocked.1.to_vec()),
+        )?;
         Ok(d)
     }
 

@@ -248,3 +248,21 @@ def test_per_layer_tensors_are_not_taken_for_pitched_runs(monkeypatch):
             assert torch.equal(g[dst], g[blocks])
     finally:
         h.shutdown()
+
+
+def test_current_stream_reader_follows_the_callers_stream():
+    """The submit reads the caller's current stream through torch's direct accessor: the same
+    handle as torch.cuda.current_stream(), on the default stream, inside ``torch.cuda.stream``,
+    and per device."""
+    from kvoff.handlers import _current_stream_reader
+
+    dev = torch.device("cuda", torch.cuda.current_device())
+    read = _current_stream_reader(dev)
+    assert read() == torch.cuda.current_stream(dev).cuda_stream
+    s = torch.cuda.Stream()
+    with torch.cuda.stream(s):
+        assert read() == s.cuda_stream != 0
+    assert read() == torch.cuda.current_stream(dev).cuda_stream
+    for i in range(torch.cuda.device_count()):
+        d = torch.device("cuda", i)
+        assert _current_stream_reader(d)() == torch.cuda.current_stream(d).cuda_stream

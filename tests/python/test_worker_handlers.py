@@ -248,6 +248,7 @@ def test_last_submit_stats_describe_the_submit(small):
         "staged_cap_mb_s": 0,
         "polite": False,
         "driver_contention": (0, 0, 0),
+        "driver_blocked": (0, [0] * 8),
     }
     assert st.transfer_async(1, (G([0, 1, 2, 3]), C([2])))
     st.wait(1)
@@ -262,6 +263,7 @@ def test_last_submit_stats_describe_the_submit(small):
     assert s["polite"] is False and s["driver_contention"] == (0, 0, 0), (
         "the host engine makes no driver calls"
     )
+    assert s["driver_blocked"] == (0, [0] * 8)
 
 
 def test_compute_streams_are_checked():

@@ -137,6 +137,24 @@ def _launch_latency(torch: Any, stop: threading.Event, out: list[float]) -> None
     s.synchronize()
 
 
+def blocked_delta(first: Any, last: Any) -> tuple[int, list[int]] | None:
+    """The device's sampled and blocked copy calls (``last_submit_stats()["driver_blocked"]``)
+    between two readings, or ``None`` without both."""
+    if not first or not last:
+        return None
+    return int(last[0] - first[0]), [int(b - a) for a, b in zip(first[1], last[1], strict=True)]
+
+
+def format_blocked(d: tuple[int, list[int]] | None) -> str:
+    """Sampled calls and, per mille of them, the blocked ones by time off the CPU (µs buckets)."""
+    if d is None or d[0] <= 0:
+        return "-"
+    n, h = d
+    return f"{n} sampled, blocked ‰ by µs 3/6/12/24/48/96/192/384+: " + "/".join(
+        f"{1000 * x / n:.0f}" for x in h
+    )
+
+
 def _transfer_loop(
     torch: Any,
     kvoff: Any,
@@ -181,12 +199,14 @@ def _transfer_steps(
     policies: dict[str, int] = {}
     methods: dict[str, int] = {}  # "st dma", "ld staged", ...: jobs per direction and method
     contention: list[tuple[int, ...]] = []  # the device's driver contention at each submit
+    hist: list[Any] = [None, None]  # the device's blocked-call counts at the first and last submit
     t0: float | None = None
     with torch.cuda.stream(side):
         while not stop.is_set():
             if t0 is None and measuring.is_set():
                 t0, nbytes, failed, policies, methods = time.perf_counter(), 0, 0, {}, {}
                 contention = []
+                hist = [None, None]
                 sms, longest, cpu = 0, 0, 0
             ids = []
             if dirs in ("store", "both"):
@@ -201,6 +221,8 @@ def _transfer_steps(
                 mk = f"st {s.get('method')}{' polite' if s.get('polite') else ''} [{s.get('reason')}]"
                 methods[mk] = methods.get(mk, 0) + 1
                 contention.append(tuple(s.get("driver_contention") or ()))
+                if t0 is not None:
+                    hist = [hist[0] or s.get("driver_blocked"), s.get("driver_blocked")]
             if dirs in ("load", "both"):
                 c = [ncpu // 2 + i for i in rng.sample(range(ncpu // 2), blocks)]
                 g = [ngpu // 2 + i for i in rng.sample(range(ngpu // 2), blocks)]
@@ -213,6 +235,8 @@ def _transfer_steps(
                 mk = f"ld {s.get('method')}{' polite' if s.get('polite') else ''} [{s.get('reason')}]"
                 methods[mk] = methods.get(mk, 0) + 1
                 contention.append(tuple(s.get("driver_contention") or ()))
+                if t0 is not None:
+                    hist = [hist[0] or s.get("driver_blocked"), s.get("driver_blocked")]
             for hd, j in ids:
                 hd.wait([j])
             for r in st.get_finished() + ld.get_finished():
@@ -229,6 +253,7 @@ def _transfer_steps(
     stats["contention"] = (
         (_median([float(c[1]) for c in full]), _median([float(c[2]) for c in full])) if full else None
     )
+    stats["blocked_hist"] = blocked_delta(hist[0], hist[1])
     stats["failed"] = failed
     stats["sms"] = sms
     stats["longest_call_us"] = longest / 1e3
@@ -448,6 +473,7 @@ def _cell_row(
     failed = st["failed"]
     sms, longest, cpu = st["sms"], st["longest_call_us"], st["longest_call_cpu_us"]
     blocked: dict[str, list[tuple[float, float]]] = {}
+    hists: dict[str, tuple[int, list[int]]] = {}
     for kind in ("gemm", "mem"):
         alone, beside, gbs = [], [], []
         if kind == "gemm":
@@ -472,6 +498,10 @@ def _cell_row(
                 beside_methods[k] = beside_methods.get(k, 0) + v
             if st.get("contention"):
                 blocked.setdefault(kind, []).append(st["contention"])
+            if st.get("blocked_hist"):
+                n0, h0 = hists.get(kind, (0, [0] * len(st["blocked_hist"][1])))
+                n1, h1 = st["blocked_hist"]
+                hists[kind] = (n0 + n1, [a + b for a, b in zip(h0, h1, strict=True)])
             failed += st["failed"]
             sms, longest = max(sms, st["sms"]), max(longest, st["longest_call_us"])
             cpu = max(cpu, st["longest_call_cpu_us"])
@@ -492,6 +522,9 @@ def _cell_row(
             f"{'':>20}methods beside compute: {row['methods_beside']}"
             + (f"; blocked calls/time of 1024: {bl}" if bl else "")
         )
+        for k, hv in hists.items():
+            say(f"{'':>20}{k}: {format_blocked(hv)}")
+    row["blocked_hist"] = hists
     return row
 
 

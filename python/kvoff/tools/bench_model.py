@@ -31,6 +31,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from kvoff.tools import model_llama
+from kvoff.tools.bench_interference import blocked_delta, format_blocked
 from kvoff.tools.model_llama import ModelShape
 
 #: KV tensors of the transfers (Llama-3-8B: 32 layers × K, V).
@@ -68,6 +69,9 @@ class Result:
     #: medians over the counted submits of the device's driver contention (of 1024): calls
     #: blocked, and their time blocked (``last_submit_stats()["driver_contention"]``)
     contention: tuple[float, float] = (float("nan"), float("nan"))
+    #: the device's sampled copy calls and the blocked ones by time off the CPU over the counted
+    #: submits (``last_submit_stats()["driver_blocked"]``)
+    blocked_hist: tuple[int, list[int]] | None = None
 
 
 def _median(xs: list[float]) -> float:
@@ -163,6 +167,8 @@ class _Mover:
         self.poll = False
         #: the device's driver contention at each counted submit (shares of 1024)
         self.contention: list[tuple[int, int, int]] = []
+        #: the device's blocked-call counts at the first and the last counted submit
+        self.hist: list[Any] = [None, None]
 
     def _specs(self, store: bool) -> tuple[Any, Any]:
         k, b, r = self.kvoff, self.kv.blocks, self.rng
@@ -192,6 +198,8 @@ class _Mover:
                 c = s.get("driver_contention")
                 if c is not None:
                     self.contention.append((int(c[0]), int(c[1]), int(c[2]) if len(c) > 2 else 0))
+                b = s.get("driver_blocked")
+                self.hist = [self.hist[0] or b, b]
             self.pending.append((hd, self.job))
             self.job += 1
 
@@ -316,6 +324,7 @@ def measure_cell(
             if mover.contention
             else (float("nan"), float("nan"))
         ),
+        blocked_delta(mover.hist[0], mover.hist[1]),
     )
 
 
@@ -453,6 +462,8 @@ def format_row(r: Result) -> str:
     meth = " ".join(f"{k}:{v}" for k, v in sorted(r.methods.items()))
     if r.contention[0] == r.contention[0]:
         meth += f"  blocked calls/time {r.contention[0]:.0f}/{r.contention[1]:.0f} of 1024"
+    if r.blocked_hist is not None and r.blocked_hist[0] > 0:
+        meth += f"  [{format_blocked(r.blocked_hist)}]"
     return (
         f"{c.workload:<8} {c.label:<10} {c.job_mib:>4}M {c.dirs:<5} {c.pattern:<7} {'yes' if c.stream else 'no':<6} "
         f"{r.alone_ms:>9.2f} {r.slowdown * 100:>+8.1f}% {r.gb_s:>7.1f} {sub:>10}  {meth}"

@@ -63,7 +63,7 @@ pub(super) struct InFlight {
 
 /// What `submit` decided about the job being submitted, passed through `choose` → `prepare` →
 /// `issue` (per-submit state; the engine keeps only what outlives a job).
-#[derive(Clone, Copy, Debug)]
+#[derive(Clone, Debug)]
 pub(super) struct JobCtx {
     /// Id of the job.
     pub(super) id: i64,
@@ -82,6 +82,8 @@ pub(super) struct JobCtx {
     pub(super) staged_cap_mb_s: u32,
     /// Largest grid the job launched (for [`SubmitStats::sms`]).
     pub(super) grid: u32,
+    /// The job's copies, for work handed to the feeder (which packs a staged job itself).
+    pub(super) plan: Option<std::sync::Arc<crate::plan::CopyPlan>>,
 }
 
 impl JobCtx {
@@ -96,6 +98,7 @@ impl JobCtx {
             reason: "",
             staged_cap_mb_s: 0,
             grid: 0,
+            plan: None,
         }
     }
 

@@ -22,10 +22,13 @@ use std::thread::JoinHandle;
 use super::device::CudaDevice;
 use super::ffi;
 use super::handles::{Event, SendPtr, Stream};
+use super::kernel::DESC_BYTES;
 use super::pitched::Pitched;
 use super::share::{CallBase, Governor, Polite};
+use super::staged::StagedChunks;
 use super::telemetry;
 use crate::error::{KvoffError, Result};
+use crate::plan::CopyPlan;
 
 /// How long pacing waits for the device to finish one batch before the job fails (a device that
 /// makes no progress for this long is hung; the submit returns an error instead of hanging).
@@ -362,42 +365,50 @@ pub(super) struct Work {
     pub(super) staged: Option<StagedWork>,
 }
 
-/// One chunk of a staged job, packed by the engine (`CudaEngine::enqueue_staged`): its copy
-/// kernel (descriptors already written to the job's pinned buffer) and its DMA runs, on the
-/// chunk's stream.
-pub(super) struct StagedChunk {
-    pub(super) stream: SendPtr<ffi::CUstream>,
-    /// The kernel's descriptors (device address of the pinned buffer), their count, its CTAs.
-    pub(super) descs: u64,
-    pub(super) n_descs: u64,
-    pub(super) grid: u32,
-    pub(super) bufs: DmaBufs,
+/// What the feeder needs to pack a staged job's chunks itself (see [`StagedChunks`]).
+pub(super) struct StagedPack {
+    /// The job's copies (shared with the engine's record of the job).
+    pub(super) plan: Arc<CopyPlan>,
+    /// The job's pinned descriptor buffer: host address, length in words, and the address the
+    /// kernel reads it at (pinned memory is device-mapped).
+    pub(super) words: SendPtr<*mut u64>,
+    pub(super) n_words: usize,
+    pub(super) desc_base: u64,
+    /// Device addresses of the staging slots (each `cap` bytes), the job's first slot and chunks.
+    pub(super) slots: Vec<u64>,
+    pub(super) first_slot: usize,
+    pub(super) n_chunks: usize,
+    pub(super) cap: u64,
+    /// Most CTAs of one chunk's kernel; whether the staging leg groups pitched runs.
+    pub(super) ctas: u32,
+    pub(super) pitched: bool,
 }
 
-/// The chunks of a staged job for the feeder (docs/performance.md "How `auto` chooses a copy
-/// method": the caller's thread, in vLLM the model's, then spends no driver call or polite wait on
-/// them): the engine forked the auxiliary stream from the main one before handing them over; the
-/// feeder joins it back after the last chunk (also after an error, so the job's end event covers
-/// both streams).
+/// A staged job for the feeder (docs/performance.md "How `auto` chooses a copy method", "The
+/// cost of a submit"): the feeder packs each chunk and enqueues it at once, so the caller's
+/// thread (in vLLM the model's) spends neither the packing nor a driver call or a polite wait on
+/// them. The engine forked the auxiliary stream from the main one before handing the job over;
+/// the feeder joins it back after the last chunk (also after an error, so the job's end event
+/// covers both streams).
 pub(super) struct StagedWork {
     pub(super) kernel: SendPtr<ffi::CUfunction>,
     pub(super) threads: u32,
     /// Device to host: each chunk's kernel gathers into staging before its DMA; else the DMA
     /// fills staging before the kernel scatters.
     pub(super) d2h: bool,
-    /// The chunks, sent as the engine packs them (closed after the last one, or at an error):
-    /// the device starts on the first while the next are packed.
-    pub(super) chunks: mpsc::Receiver<StagedChunk>,
+    pub(super) pack: StagedPack,
     pub(super) aux: SendPtr<ffi::CUstream>,
     pub(super) join: SendPtr<ffi::CUevent>,
 }
 
-/// Enqueues `st`'s chunks as they come, then joins its auxiliary stream back into `main`.
+/// Packs and enqueues `st`'s chunks in order (chunk `k` on the main stream for even slots, the
+/// auxiliary one for odd), then joins the auxiliary stream back into `main`.
 ///
 /// # Safety
-/// As [`enqueue_batches`] for every chunk's runs; the kernel's descriptors and the staging slots
-/// stay alive until the job completes; the streams and the event are live handles of the
-/// current context.
+/// As [`enqueue_batches`] for every chunk's runs; the job's descriptor buffer (`st.pack.words`,
+/// `n_words` 8-byte words of pinned memory) is this job's alone until it completes and is
+/// written by nothing else meanwhile; the copies' memory and the staging slots stay alive until
+/// the job completes; the streams and the event are live handles of the current context.
 unsafe fn enqueue_staged_work(
     f: ffi::MemcpyBatchFn,
     st: &mut StagedWork,
@@ -407,33 +418,57 @@ unsafe fn enqueue_staged_work(
     bound: usize,
     gov: &Governor<'_>,
 ) -> Result<()> {
-    let mut r = Ok(());
-    while let Ok(mut c) = st.chunks.recv() {
-        let c = &mut c;
-        // SAFETY: the caller's obligations (descriptors written, slots and memory alive).
-        let launch = || unsafe {
-            ffi::launch_copy(
-                st.kernel.0,
-                c.grid,
-                st.threads,
-                c.descs,
-                c.n_descs,
-                c.stream.0,
-            )
-        };
-        // SAFETY: as above.
-        let dma = |bufs: &mut DmaBufs, pace: &mut Pace| unsafe {
-            enqueue_batches(f, bufs, step, !st.d2h, c.stream.0, pace, bound, gov)
-        };
-        r = if st.d2h {
-            launch().and_then(|()| dma(&mut c.bufs, pace))
-        } else {
-            dma(&mut c.bufs, pace).and_then(|()| launch())
-        };
-        if r.is_err() {
-            break;
+    let p = &st.pack;
+    // SAFETY: the caller's obligation: the buffer is the job's alone, `n_words` long and
+    // aligned; a chunk's kernel reads its descriptors only after they were written here (its
+    // launch is enqueued afterwards).
+    let words = unsafe { std::slice::from_raw_parts_mut(p.words.0, p.n_words) };
+    let mut chunks = StagedChunks::new(
+        p.plan.copies(),
+        st.d2h,
+        p.cap,
+        &p.slots,
+        p.first_slot,
+        p.n_chunks,
+    );
+    let (mut runs, mut bufs) = (Vec::new(), DmaBufs::default());
+    let warps = u64::from(st.threads / 32).max(1);
+    let d2h = st.d2h;
+    let r = (|| {
+        while let Some(c) = chunks.next_chunk(words, &mut runs)? {
+            let stream = if c.slot % 2 == 0 { main } else { st.aux.0 };
+            // The staging side of a run lies in its slot, one allocation of `cap` bytes.
+            let slot_end = p.slots.get(c.slot).map_or(0, |b| b.saturating_add(p.cap));
+            bufs.fill(runs.iter().copied(), p.pitched, &mut |_, _| {
+                if d2h {
+                    (slot_end, u64::MAX)
+                } else {
+                    (u64::MAX, slot_end)
+                }
+            });
+            let n_descs = c.n_descs as u64;
+            let grid = u32::try_from(n_descs.div_ceil(warps).min(u64::from(p.ctas)))
+                .unwrap_or(1)
+                .max(1);
+            let descs = p.desc_base + (c.first_desc * DESC_BYTES) as u64;
+            // SAFETY: the caller's obligations (descriptors written above, slots and memory
+            // alive).
+            let launch = || unsafe {
+                ffi::launch_copy(st.kernel.0, grid, st.threads, descs, n_descs, stream)
+            };
+            // SAFETY: as above.
+            let mut dma =
+                || unsafe { enqueue_batches(f, &mut bufs, step, !d2h, stream, pace, bound, gov) };
+            if d2h {
+                launch()?;
+                dma()?;
+            } else {
+                dma()?;
+                launch()?;
+            }
         }
-    }
+        Ok(())
+    })();
     // SAFETY: live handles of the current context (the caller's obligation).
     let j = unsafe {
         ffi::event_record(st.join.0, st.aux.0).and_then(|()| ffi::stream_wait(main, st.join.0))

@@ -4,14 +4,12 @@
 #![allow(unsafe_code)]
 
 use super::engine::{CudaEngine, JobCtx, Prepared};
-use super::feed::{device_limit, DmaBufs, StagedChunk, StagedWork, Work};
+use super::feed::{DmaBufs, StagedPack, StagedWork, Work};
 use super::ffi;
 use super::handles::{DevMem, Event, SendPtr, Stream};
-use super::kernel::{DescBuf, DESC_BYTES};
+use super::kernel::{DescBuf, DESC_BYTES, KERNEL_CHUNK_BYTES};
 use super::share::Polite;
-use super::staged::{
-    staged_chunk_count, staged_chunk_len, staged_desc_bound, Slot, StagedPacker, Staging,
-};
+use super::staged::{staged_chunk_count, staged_desc_bound, Slot, StagedChunks, Staging};
 use crate::error::{KvoffError, Result};
 use crate::plan::{CopyOp, Direction};
 
@@ -96,10 +94,11 @@ impl CudaEngine {
     /// batched DMA of its runs, handing the slot between the streams with events. The device
     /// works on chunk `k` while the CPU packs chunk `k + 1`.
     ///
-    /// For `auto`, where the feeder may be used (`dma_feeder`, the batch API), the chunks are
-    /// packed here and enqueued by the feeder thread, which also joins the streams and records
-    /// `end` (then `job.fed`): the caller's thread — in vLLM the model's, between its forwards —
-    /// spends no driver call on them, nor the waits between calls while the device is polite.
+    /// For `auto`, where the feeder may be used (`dma_feeder`, the batch API), the feeder thread
+    /// packs and enqueues the chunks, then joins the streams and records `end` (then
+    /// `job.fed`): the caller's thread — in vLLM the model's, between its forwards — spends
+    /// neither the packing nor a driver call on them, nor the waits between calls while the
+    /// device is polite.
     #[allow(clippy::too_many_arguments)] // the job's context, its parts and the stream
     pub(super) fn enqueue_staged(
         &mut self,
@@ -141,47 +140,16 @@ impl CudaEngine {
             && self.cfg.dma_feeder
             && self.cfg.max_queued_copies > 0
             && self.cfg.method == super::CopyMethod::Auto;
-        let watched =
-            job.serving || self.device.driver.polite_now() || self.polite(job) == Polite::Always;
         let r = if fed {
-            let d2h = self.direction == Direction::GpuToCpu;
-            let polite = if watched {
-                self.polite(job)
-            } else {
-                Polite::Off
-            };
-            let kernel = SendPtr(self.copy_kernel());
-            let threads = self.cfg.kernel_threads;
-            let (tx, chunks) = std::sync::mpsc::channel();
-            let sent = self.feed(job.id, |spare, pace| {
-                (
-                    Work {
-                        bufs: DmaBufs::default(),
-                        pace,
-                        host_to_device: !d2h,
-                        stream: SendPtr(s),
-                        end: Some(SendPtr(end)),
-                        polite,
-                        duty_pct: 0,
-                        staged: Some(StagedWork {
-                            kernel,
-                            threads,
-                            d2h,
-                            chunks,
-                            aux: SendPtr(aux),
-                            join: SendPtr(join),
-                        }),
-                    },
-                    spare,
-                )
-            });
-            if sent.is_ok() {
-                // The feeder enqueues the chunks as they are packed, then joins the streams and
-                // records the end event (also after a packing error: the job then fails).
-                job.fed = true;
-                return self.pack_staged(job, copies, buf, n_chunks, first_slot, s, aux, &tx);
+            match self.feed_staged(job, buf, n_chunks, first_slot, total, s, aux, join, end) {
+                Ok(()) => {
+                    // The feeder packs and enqueues the chunks, then joins the streams and
+                    // records the end event (also after an error: the job then fails).
+                    job.fed = true;
+                    return Ok(());
+                }
+                Err(e) => Err(e),
             }
-            sent
         } else {
             self.enqueue_staged_chunks(job, copies, buf, n_chunks, first_slot, s, aux)
         };
@@ -190,79 +158,79 @@ impl CudaEngine {
         r.and(j)
     }
 
-    /// Packs the chunks of a staged job (as [`CudaEngine::enqueue_staged_chunks`] does) and sends
-    /// each to the feeder as soon as it is packed: descriptors into the job's pinned buffer, the
-    /// chunk's runs into DMA buffers of its own.
-    #[allow(clippy::too_many_arguments)] // the two streams, the job's parts and the feed
-    fn pack_staged(
+    /// Hands a staged job to the feeder, which packs its chunks (descriptors into the job's pinned
+    /// buffer, the staging leg's DMA runs) and enqueues each as soon as it is packed: the
+    /// submitting thread spends neither the packing nor a driver call on them.
+    #[allow(clippy::too_many_arguments)] // the job's parts, its streams and events
+    fn feed_staged(
         &mut self,
         job: &mut JobCtx,
-        copies: &[CopyOp],
         buf: &DescBuf,
         n_chunks: usize,
         first_slot: usize,
+        total: u64,
         s: ffi::CUstream,
         aux: ffi::CUstream,
-        tx: &std::sync::mpsc::Sender<StagedChunk>,
+        join: ffi::CUevent,
+        end: ffi::CUevent,
     ) -> Result<()> {
-        let d2h = self.direction == Direction::GpuToCpu;
-        let cap = self.cfg.staging_slot_bytes;
+        let plan = job
+            .plan
+            .clone()
+            .ok_or_else(|| KvoffError::state("a staged job without its plan (a kvoff bug)"))?;
         let slots = self.slot_ptrs()?;
+        let d2h = self.direction == Direction::GpuToCpu;
+        // Watched (see `enqueue_staged`) only beside a model.
+        let watched =
+            job.serving || self.device.driver.polite_now() || self.polite(job) == Polite::Always;
+        let polite = if watched {
+            self.polite(job)
+        } else {
+            Polite::Off
+        };
+        // Two kernels (one per stream) may run at once: each gets half the CTA budget. The
+        // stats report the grid of a full chunk (the feeder launches the chunks).
         let ctas = (self.cfg.max_ctas / 2).max(1);
-        // SAFETY: as in `enqueue_staged_chunks`: the job's own pinned buffer, written here only;
-        // the feeder enqueues a chunk's kernel after the chunk was sent, i.e. after its
-        // descriptors were written, and chunks take disjoint ranges of the buffer.
-        let words =
-            unsafe { std::slice::from_raw_parts_mut(buf.host.ptr().cast::<u64>(), buf.cap / 8) };
-        let host_base = buf.host.ptr() as u64;
-        let pitched = self.cfg.dma_pitched;
-        let t = std::time::Instant::now();
-        let mut runs = std::mem::take(&mut self.scratch_runs);
-        let mut packer = StagedPacker::default();
-        let mut nd = 0usize;
-        let r = (|| {
-            for k in 0..n_chunks {
-                let slot = (first_slot + k) % slots.len();
-                let d0 = nd;
-                let got = packer
-                    .pack_chunk(
-                        copies,
+        let cap = self.cfg.staging_slot_bytes;
+        let n_copies = plan.copies().len().max(1) as u64;
+        let piece = (total / n_copies).clamp(1, KERNEL_CHUNK_BYTES);
+        job.grid = job.grid.max(self.copy_grid(total.min(cap) / piece, ctas));
+        let pack = StagedPack {
+            plan,
+            words: SendPtr(buf.host.ptr().cast::<u64>()),
+            n_words: buf.cap / 8,
+            desc_base: buf.host.ptr() as u64,
+            slots,
+            first_slot,
+            n_chunks,
+            cap,
+            ctas,
+            pitched: self.cfg.dma_pitched,
+        };
+        let kernel = SendPtr(self.copy_kernel());
+        let threads = self.cfg.kernel_threads;
+        self.feed(job.id, |spare, pace| {
+            (
+                Work {
+                    bufs: DmaBufs::default(),
+                    pace,
+                    host_to_device: !d2h,
+                    stream: SendPtr(s),
+                    end: Some(SendPtr(end)),
+                    polite,
+                    duty_pct: 0,
+                    staged: Some(StagedWork {
+                        kernel,
+                        threads,
                         d2h,
-                        staged_chunk_len(k, cap),
-                        slots[slot],
-                        words,
-                        &mut nd,
-                        &mut runs,
-                    )
-                    .ok_or_else(|| {
-                        KvoffError::state("staged descriptor buffer too small (a kvoff bug)")
-                    })?;
-                if got == 0 {
-                    break;
-                }
-                let n_descs = (nd - d0) as u64;
-                let grid = self.copy_grid(n_descs, ctas);
-                job.grid = job.grid.max(grid);
-                let mut bufs = DmaBufs::default();
-                bufs.fill(
-                    runs.iter().copied(),
-                    pitched,
-                    &mut device_limit(&mut self.alloc_ranges, self.direction),
-                );
-                tx.send(StagedChunk {
-                    stream: SendPtr(if slot % 2 == 0 { s } else { aux }),
-                    descs: host_base + (d0 * DESC_BYTES) as u64,
-                    n_descs,
-                    grid,
-                    bufs,
-                })
-                .map_err(|_| KvoffError::state("the DMA feeder thread stopped"))?;
-            }
-            Ok(())
-        })();
-        self.scratch_runs = runs;
-        self.last_pack_ns = u64::try_from(t.elapsed().as_nanos()).unwrap_or(u64::MAX);
-        r
+                        pack,
+                        aux: SendPtr(aux),
+                        join: SendPtr(join),
+                    }),
+                },
+                spare,
+            )
+        })
     }
 
     /// Device addresses of the staging slots.
@@ -293,9 +261,7 @@ impl CudaEngine {
         aux: ffi::CUstream,
     ) -> Result<()> {
         let d2h = self.direction == Direction::GpuToCpu;
-        let cap = self.cfg.staging_slot_bytes;
         let slots = self.slot_ptrs()?;
-        let nslots = slots.len();
         // Two kernels (one per stream) may run at once: each gets half the CTA budget.
         let ctas = (self.cfg.max_ctas / 2).max(1);
         // SAFETY: `buf.host` is a pinned allocation of `buf.cap` bytes (8-byte aligned, from
@@ -309,37 +275,29 @@ impl CudaEngine {
         // runs is about copies over the model's KV tensors, not the staging slots).
         let pitched = self.cfg.dma_pitched;
         let mut runs = std::mem::take(&mut self.scratch_runs);
-        let mut packer = StagedPacker::default();
-        let mut nd = 0usize;
+        let mut chunks = StagedChunks::new(
+            copies,
+            d2h,
+            self.cfg.staging_slot_bytes,
+            &slots,
+            first_slot,
+            n_chunks,
+        );
         let mut pack = std::time::Duration::ZERO;
         let r = (|| {
-            for k in 0..n_chunks {
-                let slot = (first_slot + k) % nslots;
+            loop {
+                let t = std::time::Instant::now();
+                let next = chunks.next_chunk(words, &mut runs)?;
+                pack += t.elapsed();
+                let Some(c) = next else {
+                    return Ok(());
+                };
                 // Chunks alternate between the two streams: while one stream gathers (scatters)
                 // a chunk with the kernel, the other moves its chunk over PCIe, and each stream
                 // runs its own chunks strictly in order.
-                let st = if slot % 2 == 0 { s } else { aux };
-                let t = std::time::Instant::now();
-                let d0 = nd;
-                let got = packer
-                    .pack_chunk(
-                        copies,
-                        d2h,
-                        staged_chunk_len(k, cap),
-                        slots[slot],
-                        words,
-                        &mut nd,
-                        &mut runs,
-                    )
-                    .ok_or_else(|| {
-                        KvoffError::state("staged descriptor buffer too small (a kvoff bug)")
-                    })?;
-                pack += t.elapsed();
-                if got == 0 {
-                    break;
-                }
-                let kdesc = host_base + (d0 * DESC_BYTES) as u64;
-                let ndesc = (nd - d0) as u64;
+                let st = if c.slot % 2 == 0 { s } else { aux };
+                let kdesc = host_base + (c.first_desc * DESC_BYTES) as u64;
+                let ndesc = c.n_descs as u64;
                 if d2h {
                     self.launch(job, kdesc, ndesc, ctas, st)?;
                     self.dma(runs.iter().copied(), false, pitched, st, self.polite(job))?;
@@ -348,7 +306,6 @@ impl CudaEngine {
                     self.launch(job, kdesc, ndesc, ctas, st)?;
                 }
             }
-            Ok(())
         })();
         self.scratch_runs = runs;
         self.last_pack_ns = u64::try_from(pack.as_nanos()).unwrap_or(u64::MAX);

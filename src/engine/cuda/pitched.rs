@@ -77,6 +77,18 @@ fn run_len(get: &impl Fn(usize) -> Option<(u64, u64, u64)>, i: usize, limit: Lim
     if w1 != w || w == 0 {
         return 1;
     }
+    // Every caller counts a run shorter than MIN_ROWS as none: check that the pitch goes on that
+    // far before asking for the allocation bound (a per-copy lookup that made this scan cost
+    // ~30 ns a copy on jobs without runs, docs/performance.md "The cost of a submit").
+    for k in 2..MIN_ROWS {
+        let at = |base: u64, p: u64| p.checked_mul(k as u64).and_then(|o| base.checked_add(o));
+        let Some((s, d, ww)) = get(i + k) else {
+            return 1;
+        };
+        if ww != w || Some(s) != at(s0, sp) || Some(d) != at(d0, dp) {
+            return 1;
+        }
+    }
     let (s_end, d_end) = limit(s0, d0);
     let inside = |s: u64, d: u64| {
         s.checked_add(w).is_some_and(|e| e <= s_end) && d.checked_add(w).is_some_and(|e| e <= d_end)
@@ -171,14 +183,43 @@ pub(crate) fn choice_min_run_bytes(avg_copy: u64) -> u64 {
 
 /// How many of `n` copies (the `j`-th is `get(j)`) fall in runs of at least [`MIN_ROWS`] rows
 /// and `min_run_bytes` bytes when grouped in order, as [`group`] first tries (no allocation).
+#[cfg(test)]
 pub(crate) fn pitched_copies(
     n: usize,
     min_run_bytes: u64,
     get: impl Fn(usize) -> Option<(u64, u64, u64)>,
     limit: Limit<'_>,
 ) -> usize {
+    pitched_scan(n, min_run_bytes, None, get, limit)
+}
+
+/// As [`pitched_copies`], but stops as soon as it is known whether at least `need` copies fall
+/// in runs: the count returned is then at least `need`, or below it. `auto` asks only whether
+/// half of a job's copies do, so a job without runs is scanned half-way.
+pub(crate) fn pitched_copies_until(
+    n: usize,
+    min_run_bytes: u64,
+    need: usize,
+    get: impl Fn(usize) -> Option<(u64, u64, u64)>,
+    limit: Limit<'_>,
+) -> usize {
+    pitched_scan(n, min_run_bytes, Some(need), get, limit)
+}
+
+fn pitched_scan(
+    n: usize,
+    min_run_bytes: u64,
+    need: Option<usize>,
+    get: impl Fn(usize) -> Option<(u64, u64, u64)>,
+    limit: Limit<'_>,
+) -> usize {
     let (mut covered, mut i) = (0, 0);
     while i < n {
+        if let Some(need) = need {
+            if covered >= need || covered.saturating_add(n - i) < need {
+                break;
+            }
+        }
         let r = run_len(&get, i, limit);
         if r >= MIN_ROWS {
             let width = get(i).map_or(0, |c| c.2);
@@ -256,12 +297,17 @@ pub(crate) fn group(copies: &mut Vec<(u64, u64, u64)>, out: &mut Vec<Pitched>, l
 #[cfg(test)]
 mod tests {
     use super::{
-        choice_min_run_bytes, group, pitched_copies, unbounded, AllocRanges, Pitched,
-        CHOICE_MIN_RUN_BYTES, MAX_PITCH, MIN_ROWS,
+        choice_min_run_bytes, group, pitched_copies, pitched_copies_until, unbounded, AllocRanges,
+        Pitched, CHOICE_MIN_RUN_BYTES, MAX_PITCH, MIN_ROWS,
     };
 
     fn cov(c: &[(u64, u64, u64)]) -> usize {
-        pitched_copies(c.len(), 0, |j| c.get(j).copied(), &mut unbounded)
+        let full = pitched_copies(c.len(), 0, |j| c.get(j).copied(), &mut unbounded);
+        // The early-stopping scan gives the same answer to "at least half?".
+        let need = c.len().div_ceil(2);
+        let early = pitched_copies_until(c.len(), 0, need, |j| c.get(j).copied(), &mut unbounded);
+        assert_eq!(early >= need, full >= need, "{early} {full} of {}", c.len());
+        full
     }
 
     /// Expands runs and leftovers back into copies, sorted.
@@ -590,5 +636,72 @@ mod tests {
             assert_eq!(cov(&c), c.len() - rest.len(), "{c:?}");
             check(c);
         }
+    }
+}
+
+#[cfg(test)]
+mod cost_probe {
+    use super::{choice_min_run_bytes, pitched_copies_until, AllocRanges};
+
+    /// Prints the CPU time of the per-job analyses on a vLLM-layout 16384-copy job.
+    #[test]
+    #[ignore = "timing probe"]
+    fn cpu_cost_of_a_16384_copy_job() {
+        let page = 32768u64;
+        let ngpu = 4096u64;
+        let layer = |l: u64| (1u64 << 40) + l * (3 * ngpu * page); // not evenly spaced K/V pairs
+        let host = 1u64 << 44;
+        let mut copies = Vec::new();
+        for (c, g) in (0..256u64).map(|c| (c, (c * 7919) % ngpu)) {
+            for l in 0..32u64 {
+                for kv in 0..2u64 {
+                    let src = layer(l) + (kv * ngpu + g) * page;
+                    let dst = host + (c * 64 + l * 2 + kv) * page;
+                    copies.push((src, dst, page));
+                }
+            }
+        }
+        let mut ranges = AllocRanges::default();
+        for l in 0..32 {
+            ranges.end_of(layer(l), |_| Some((layer(l), 2 * ngpu * page)));
+        }
+        let t = std::time::Instant::now();
+        let mut n = 0;
+        for _ in 0..100 {
+            let mut lim = |s: u64, _d: u64| (ranges.end_of(s, |_| None), u64::MAX);
+            n += pitched_copies_until(
+                copies.len(),
+                choice_min_run_bytes(page),
+                copies.len().div_ceil(2),
+                |j| copies.get(j).copied(),
+                &mut lim,
+            );
+        }
+        eprintln!("pitched_copies: {:?} per job ({n})", t.elapsed() / 100);
+        let mut descs = vec![0u64; 3 * 20000];
+        let mut runs = Vec::new();
+        let ops: Vec<crate::plan::CopyOp> = copies
+            .iter()
+            .map(|&(s, d, b)| crate::plan::CopyOp {
+                src_ptr: s,
+                dst_ptr: d,
+                bytes: b,
+            })
+            .collect();
+        let t = std::time::Instant::now();
+        for _ in 0..100 {
+            let mut p = super::super::staged::StagedPacker::default();
+            let mut nd = 0;
+            for k in 0..40 {
+                let len = super::super::staged::staged_chunk_len(k, 16 << 20);
+                if p.pack_chunk(&ops, true, len, 1 << 45, &mut descs, &mut nd, &mut runs)
+                    .unwrap_or(0)
+                    == 0
+                {
+                    break;
+                }
+            }
+        }
+        eprintln!("pack: {:?} per job", t.elapsed() / 100);
     }
 }

@@ -26,6 +26,7 @@ use std::sync::atomic::{AtomicU32, AtomicU64, Ordering::Relaxed};
 use std::time::{Duration, Instant};
 
 use super::telemetry::thread_cpu_ns;
+use crate::engine::BLOCKED_BUCKETS;
 
 /// How long the device stays polite after contention was last seen.
 pub(super) const POLITE_HOLD: Duration = Duration::from_millis(200);
@@ -80,6 +81,9 @@ pub struct DriverShare {
     /// Copy calls made while polite, and in all (for reports and tests).
     polite_calls: AtomicU64,
     calls: AtomicU64,
+    /// Sampled calls, and the blocked ones by time off the CPU (see `SubmitStats::driver_blocked`).
+    sampled: AtomicU64,
+    blocked_hist: [AtomicU64; BLOCKED_BUCKETS],
 }
 
 impl Default for DriverShare {
@@ -94,6 +98,8 @@ impl Default for DriverShare {
             epoch: Instant::now(),
             polite_calls: AtomicU64::new(0),
             calls: AtomicU64::new(0),
+            sampled: AtomicU64::new(0),
+            blocked_hist: Default::default(),
         }
     }
 }
@@ -106,6 +112,24 @@ impl DriverShare {
     /// Whether the device is polite now.
     pub(super) fn polite_now(&self) -> bool {
         self.now_us() < self.polite_until_us.load(Relaxed)
+    }
+
+    /// Counts one sampled call that spent `off_cpu_ns` off the CPU (for reports).
+    fn count_blocked(&self, off_cpu_ns: u64) {
+        self.sampled.fetch_add(1, Relaxed);
+        if off_cpu_ns > BLOCKED_NS {
+            let b = (off_cpu_ns / BLOCKED_NS).ilog2() as usize;
+            self.blocked_hist[b.min(BLOCKED_BUCKETS - 1)].fetch_add(1, Relaxed);
+        }
+    }
+
+    /// Sampled calls since the device was opened, and the blocked ones by time off the CPU.
+    #[must_use]
+    pub(super) fn blocked_histogram(&self) -> (u64, [u64; BLOCKED_BUCKETS]) {
+        (
+            self.sampled.load(Relaxed),
+            std::array::from_fn(|i| self.blocked_hist[i].load(Relaxed)),
+        )
     }
 
     /// Records one sampled call (`waited`: it waited for another thread's call; `blocked`: it
@@ -279,6 +303,7 @@ impl<'a> Governor<'a> {
                 let total = u64::try_from(dt.as_nanos()).unwrap_or(u64::MAX).max(1);
                 let share = u32::try_from(off_cpu.min(total) * 1024 / total).unwrap_or(1024);
                 self.share.sample(waited, off_cpu > BLOCKED_NS, share);
+                self.share.count_blocked(off_cpu);
             }
         }
         if self.polite() {
@@ -339,6 +364,17 @@ mod tests {
             s.sample(false, true, 1024);
         }
         assert!(s.polite_now());
+    }
+
+    #[test]
+    fn blocked_calls_are_counted_by_time_off_the_cpu() {
+        let s = DriverShare::default();
+        for ns in [0, 2_999, 3_001, 5_999, 6_000, 100_000, 1_000_000_000] {
+            s.count_blocked(ns);
+        }
+        let (n, h) = s.blocked_histogram();
+        assert_eq!(n, 7);
+        assert_eq!(h, [2, 1, 0, 0, 0, 1, 0, 1]);
     }
 
     #[test]

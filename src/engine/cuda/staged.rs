@@ -154,6 +154,98 @@ impl StagedPacker {
     }
 }
 
+/// One chunk packed by [`StagedChunks`]: its slot, and its descriptors (`first_desc..` of the
+/// job's descriptor buffer, `n_descs` of them); its DMA runs are in the caller's `runs`.
+pub(crate) struct PackedChunk {
+    pub(crate) slot: usize,
+    pub(crate) first_desc: usize,
+    pub(crate) n_descs: usize,
+}
+
+/// The chunks of one staged job, packed one at a time in order (chunk `k` into slot
+/// `(first_slot + k) % slots.len()`). The engine's thread enqueues them for the explicit method;
+/// the feeder packs and enqueues `auto`'s, so the submitting thread spends no time on them
+/// (docs/performance.md, "The cost of a submit").
+pub(crate) struct StagedChunks<'a> {
+    copies: &'a [CopyOp],
+    d2h: bool,
+    cap: u64,
+    slots: &'a [u64],
+    first_slot: usize,
+    n_chunks: usize,
+    k: usize,
+    packer: StagedPacker,
+    nd: usize,
+}
+
+impl<'a> StagedChunks<'a> {
+    pub(crate) fn new(
+        copies: &'a [CopyOp],
+        d2h: bool,
+        cap: u64,
+        slots: &'a [u64],
+        first_slot: usize,
+        n_chunks: usize,
+    ) -> Self {
+        Self {
+            copies,
+            d2h,
+            cap,
+            slots,
+            first_slot,
+            n_chunks,
+            k: 0,
+            packer: StagedPacker::default(),
+            nd: 0,
+        }
+    }
+
+    /// Packs the next chunk: its kernel descriptor triples into `descs` (after the previous
+    /// chunks'), its DMA runs into `runs`; `Ok(None)` after the last chunk.
+    ///
+    /// # Errors
+    /// `descs` is too small (sized with [`staged_desc_bound`], it is not: a kvoff bug), or there
+    /// are no slots.
+    pub(crate) fn next_chunk(
+        &mut self,
+        descs: &mut [u64],
+        runs: &mut Vec<(u64, u64, u64)>,
+    ) -> crate::error::Result<Option<PackedChunk>> {
+        if self.k >= self.n_chunks {
+            return Ok(None);
+        }
+        if self.slots.is_empty() {
+            return Err(crate::error::KvoffError::state("no staging slots"));
+        }
+        let slot = (self.first_slot + self.k) % self.slots.len();
+        let first_desc = self.nd;
+        let got = self
+            .packer
+            .pack_chunk(
+                self.copies,
+                self.d2h,
+                staged_chunk_len(self.k, self.cap),
+                self.slots[slot],
+                descs,
+                &mut self.nd,
+                runs,
+            )
+            .ok_or_else(|| {
+                crate::error::KvoffError::state("staged descriptor buffer too small (a kvoff bug)")
+            })?;
+        self.k += 1;
+        if got == 0 {
+            self.k = self.n_chunks;
+            return Ok(None);
+        }
+        Ok(Some(PackedChunk {
+            slot,
+            first_desc,
+            n_descs: self.nd - first_desc,
+        }))
+    }
+}
+
 /// One device staging slot of the `Staged` method. A slot is always used by the same stream
 /// (even slots: the engine's stream; odd slots: the auxiliary stream), so stream order alone keeps
 /// a chunk from overwriting a slot before its previous chunk was consumed.
@@ -173,7 +265,7 @@ pub(super) struct Staging {
 #[cfg(test)]
 mod pack_tests {
     use super::{
-        staged_chunk_count, staged_chunk_len, staged_desc_bound, CopyOp, StagedPacker,
+        staged_chunk_count, staged_chunk_len, staged_desc_bound, CopyOp, StagedChunks,
         KERNEL_CHUNK_BYTES,
     };
 
@@ -201,38 +293,35 @@ mod pack_tests {
         let n_chunks = staged_chunk_count(total, cap);
         let mut descs = vec![0u64; 3 * staged_desc_bound(copies.len(), total, n_chunks)];
         let (mut runs, mut chunks) = (Vec::new(), Vec::new());
-        let mut packer = StagedPacker::default();
-        let (mut nd, mut packed) = (0usize, 0u64);
+        let mut packed = 0u64;
         let mut chunk_runs = Vec::new();
-        for k in 0..n_chunks {
-            let slot = (first_slot + k) % bases.len();
-            let d0 = nd;
+        let mut it = StagedChunks::new(copies, d2h, cap, bases, first_slot, n_chunks);
+        while let Some(c) = it
+            .next_chunk(&mut descs, &mut chunk_runs)
+            .expect("the bound holds")
+        {
+            let k = chunks.len();
+            assert_eq!(c.slot, (first_slot + k) % bases.len());
+            let got: u64 = descs[c.first_desc * 3..(c.first_desc + c.n_descs) * 3]
+                .chunks(3)
+                .map(|d| d[2])
+                .sum();
             let len = staged_chunk_len(k, cap);
-            let got = packer
-                .pack_chunk(
-                    copies,
-                    d2h,
-                    len,
-                    bases[slot],
-                    &mut descs,
-                    &mut nd,
-                    &mut chunk_runs,
-                )
-                .expect("the bound holds");
             assert!(
                 got == len || packed + got == total,
                 "short chunk before the end"
             );
             packed += got;
             chunks.push(Chunk {
-                slot,
-                desc_start: d0,
-                desc_count: nd - d0,
+                slot: c.slot,
+                desc_start: c.first_desc,
+                desc_count: c.n_descs,
                 run_start: runs.len(),
                 run_count: chunk_runs.len(),
             });
             runs.extend_from_slice(&chunk_runs);
         }
+        let nd = chunks.last().map_or(0, |c| c.desc_start + c.desc_count);
         assert_eq!(packed, total, "chunk count covers the job");
         descs.truncate(nd * 3);
         (descs, runs, chunks)

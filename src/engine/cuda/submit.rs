@@ -10,7 +10,7 @@ use super::feed::{device_limit, FeedStats, Feeder};
 use super::ffi;
 use super::handles::{Event, Stream};
 use super::kernel::{write_kernel_descs, DESC_BYTES, KERNEL_CHUNK_BYTES, KERNEL_HEAD_COPIES};
-use super::pitched::{choice_min_run_bytes, pitched_copies};
+use super::pitched::{choice_min_run_bytes, pitched_copies_until};
 use super::staged::staged_chunk_count;
 use super::telemetry;
 use crate::engine::{Job, JobResult, SubmitStats, TransferEngine};
@@ -176,16 +176,20 @@ impl TransferEngine for CudaEngine {
                 return Err(e);
             }
         };
-        let copies = job.plan.copies();
-        let bytes = job.plan.total_bytes();
+        // Shared with the feeder when it packs the job (a staged job of `auto`).
+        let plan = std::sync::Arc::new(job.plan);
+        ctx.plan = Some(std::sync::Arc::clone(&plan));
+        let copies = plan.copies();
+        let bytes = plan.total_bytes();
         ctx.serving = self.decide_serving(job.stream);
         // Read only by `auto`'s choice and its split decision: not counted for explicit methods.
         ctx.pitched = if self.cfg.dma_pitched && self.cfg.method == CopyMethod::Auto {
             let avg = bytes / (copies.len().max(1) as u64);
             let min = choice_min_run_bytes(avg);
-            pitched_copies(
+            pitched_copies_until(
                 copies.len(),
                 min,
+                copies.len().div_ceil(2), // all that `mostly_pitched` asks
                 |j| copies.get(j).map(|c| (c.src_ptr, c.dst_ptr, c.bytes)),
                 &mut device_limit(&mut self.alloc_ranges, self.direction),
             )
@@ -310,6 +314,7 @@ impl TransferEngine for CudaEngine {
                 super::share::Polite::Off | super::share::Polite::Watch => false,
             },
             driver_contention: self.device.driver.contention(),
+            driver_blocked: self.device.driver.blocked_histogram(),
         };
         Ok(())
     }
