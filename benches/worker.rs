@@ -205,12 +205,12 @@ fn host_engine(c: &mut Criterion) {
         },
     );
     g.finish();
-    // What was timed copied the right bytes.
+    // What was timed copied the right bytes (when it ran: a filter may have skipped it).
     for (k, &gid) in gpu_ids.iter().enumerate().step_by(97) {
         let (cb, j) = (cpu_ids[k / F as usize] as u64, k as u64 % F);
         let c0 = ((cb * F + j) * PAGE) as usize;
         let g0 = (gid as u64 * PAGE) as usize;
-        assert!(cpu[c0..c0 + PAGE as usize] == gpu[g0..g0 + PAGE as usize]);
+        assert!(id == 0 || cpu[c0..c0 + PAGE as usize] == gpu[g0..g0 + PAGE as usize]);
     }
     engine.shutdown();
 }

@@ -522,8 +522,8 @@ def _cell_row(
             f"{'':>20}methods beside compute: {row['methods_beside']}"
             + (f"; blocked calls/time of 1024: {bl}" if bl else "")
         )
-        for k, hv in hists.items():
-            say(f"{'':>20}{k}: {format_blocked(hv)}")
+    for k, hv in hists.items():
+        say(f"{'':>20}{label} beside {k}: {format_blocked(hv)}")
     row["blocked_hist"] = hists
     return row
 
