@@ -109,6 +109,13 @@ pub struct CudaEngineConfig {
     /// while polite: after each call it waits outside the driver `call × (100 − pct) / pct`
     /// (at least 10 µs). Tune key `duty`.
     pub dma_driver_duty_pct: u32,
+    /// Polite also needs this share (of 1024) of the device's sampled copy calls blocked over a
+    /// slow window (1/256 per call), not only the fast one's 100; 0 (the default): the fast share
+    /// alone decides. Tune key `slowshare` (0–1024). Device-wide: the engine made last sets it.
+    /// At 40 the synthetic grid's 32 KiB cells moved 0.69–1.31× plain DMA (0.46–0.81× without),
+    /// but eager decode lost up to +6.0% instead of +2.4% (docs/performance.md, "Transfers beside
+    /// an eager model").
+    pub polite_slow_share: u32,
     /// Serving policy: the rate in MB/s at which staged jobs are paced while the model computes
     /// (their pack kernel and DMA cross the GPU's memory three times per byte, which a
     /// memory-bound model pays for; see the `pace` module). The engines of a device share one
@@ -156,6 +163,7 @@ impl Default for CudaEngineConfig {
             serving_staged_cap_mb_s: None,
             polite: Polite::Auto,
             dma_driver_duty_pct: 50,
+            polite_slow_share: 0,
             serving_ctas: 0,
             serving_launch_bytes: 1 << 20,
             idle_after_us: 100_000,
@@ -235,6 +243,14 @@ impl CudaEngineConfig {
                 "storedma" => self.serving_store_dma_beside_loads = num(v)? != 0,
                 "storedmamin" => self.serving_store_dma_min_job_bytes = num(v)?,
                 "idleafter" => self.idle_after_us = num(v)?,
+                "slowshare" => {
+                    self.polite_slow_share = u32::try_from(num(v)?).unwrap_or(u32::MAX);
+                    if self.polite_slow_share > 1024 {
+                        return Err(KvoffError::arg(format!(
+                            "KVOFF_CUDA_TUNE: slowshare={v:?} is over 1024"
+                        )));
+                    }
+                }
                 "duty" => {
                     self.dma_driver_duty_pct = u32::try_from(num(v)?).unwrap_or(100).clamp(1, 100);
                 }
@@ -332,6 +348,11 @@ mod tests {
         c.apply_tuning("stagedcap=auto").unwrap();
         assert_eq!(c.serving_staged_cap_mb_s, None);
         assert!(c.apply_tuning("stagedcap=fast").is_err());
+        assert_eq!(c.polite_slow_share, 0, "the slow gate is off by default");
+        c.apply_tuning("slowshare=40").unwrap();
+        assert_eq!(c.polite_slow_share, 40);
+        assert!(c.apply_tuning("slowshare=1025").is_err());
+        assert!(c.apply_tuning("slowshare=-1").is_err());
         c.apply_tuning("budget=off,small=staged,launch=1").unwrap();
         assert_eq!(c.compute_budget_bp, None);
         assert!(!c.serving_small_kernel);

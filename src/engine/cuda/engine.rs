@@ -226,6 +226,7 @@ impl CudaEngine {
             None
         };
         device.bind()?;
+        device.driver.set_slow_share(cfg.polite_slow_share);
         // Beside a model (serving policy) both directions take the lowest priority, so that the
         // model's pending CTAs are scheduled before the copy kernel's.
         let high =

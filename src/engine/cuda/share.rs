@@ -34,10 +34,12 @@ pub(super) const POLITE_HOLD: Duration = Duration::from_millis(200);
 /// device to turn polite: above a graph replay's, below an eager forward's (docs/performance.md,
 /// "Transfers beside an eager model").
 pub(super) const CONTENDED_SHARE: u32 = 100;
-/// ... while at least this share (of 1024) of the sampled calls waited over a longer window
-/// ([`SLOW_SHIFT`]): an eager forward keeps 10–12% of even polite calls waiting, the synthetic
-/// proxies of `kvoff bench interference` (a launch every 200 µs, long kernels) 1–3%, whose bursts
-/// alone crossed [`CONTENDED_SHARE`] (docs/performance.md, "Transfers beside an eager model").
+/// ... and, where set (`CudaEngineConfig::polite_slow_share`, e.g. this value), at least that
+/// share (of 1024) of the sampled calls waited over a longer window ([`SLOW_SHIFT`]): an eager
+/// forward keeps 10–12% of even polite calls waiting, the synthetic proxies of `kvoff bench
+/// interference` (a launch every 200 µs, long kernels) 1–4%, whose bursts alone crossed
+/// [`CONTENDED_SHARE`] (docs/performance.md, "Transfers beside an eager model").
+#[cfg(test)]
 pub(super) const SLOW_CONTENDED_SHARE: u32 = 40;
 /// Weight of one sample in the slow share, as a shift (1/256).
 const SLOW_SHIFT: u32 = 8;
@@ -80,6 +82,8 @@ pub struct DriverShare {
     /// The blocked share over a longer window (1/256 per sample), of 1024, with [`SLOW_SHIFT`]
     /// fractional bits.
     slow_blocked: AtomicU32,
+    /// The slow share polite needs (0: none; `CudaEngineConfig::polite_slow_share`).
+    slow_min: AtomicU32,
     /// Share of the recent sampled calls' time spent off the CPU, of 1024 (exponentially
     /// weighted per call), for reports: it does not decide politeness (beside an eager model
     /// kvoff's long calls make the model's launches wait, not the other way round, so their
@@ -104,6 +108,7 @@ impl Default for DriverShare {
             contended: AtomicU32::new(0),
             blocked: AtomicU32::new(0),
             slow_blocked: AtomicU32::new(0),
+            slow_min: AtomicU32::new(0),
             blocked_time: AtomicU32::new(0),
             polite_until_us: AtomicU64::new(0),
             epoch: Instant::now(),
@@ -124,7 +129,12 @@ impl DriverShare {
     /// share still holds.
     pub(super) fn polite_now(&self) -> bool {
         self.now_us() < self.polite_until_us.load(Relaxed)
-            && self.slow_share() >= SLOW_CONTENDED_SHARE
+            && self.slow_share() >= self.slow_min.load(Relaxed)
+    }
+
+    /// Sets the slow share polite needs (0: none).
+    pub(super) fn set_slow_share(&self, min: u32) {
+        self.slow_min.store(min.min(1024), Relaxed);
     }
 
     /// The blocked share over the longer window, of 1024.
@@ -157,7 +167,7 @@ impl DriverShare {
         let cur = ewma(&self.blocked, blocked);
         ewma_fine(&self.blocked_time, blocked_share.min(1024));
         let slow = ewma_slow(&self.slow_blocked, blocked);
-        if cur > CONTENDED_SHARE && slow >= SLOW_CONTENDED_SHARE {
+        if cur > CONTENDED_SHARE && slow >= self.slow_min.load(Relaxed) {
             let until = self
                 .now_us()
                 .saturating_add(u64::try_from(POLITE_HOLD.as_micros()).unwrap_or(u64::MAX));
@@ -368,7 +378,10 @@ pub(super) fn wait_outside_driver(d: Duration) {
 
 #[cfg(test)]
 mod tests {
-    use super::{CallBase, DriverShare, Governor, Polite, CONTENDED_SHARE, POLITE_BATCH};
+    use super::{
+        CallBase, DriverShare, Governor, Polite, CONTENDED_SHARE, POLITE_BATCH,
+        SLOW_CONTENDED_SHARE,
+    };
     use std::time::Duration;
 
     #[test]
@@ -405,6 +418,7 @@ mod tests {
     #[test]
     fn bursts_do_not_make_the_device_polite_a_steady_share_does() {
         let s = DriverShare::default();
+        s.set_slow_share(SLOW_CONTENDED_SHARE);
         let mut fast = 0;
         for i in 0..4000 {
             // 2%: a burst of 6 blocked calls every 300.
