@@ -112,9 +112,9 @@ pub struct CudaEngineConfig {
     /// Polite also needs this share (of 1024) of the device's sampled copy calls blocked over a
     /// slow window (1/256 per call), not only the fast one's 100; 0 (the default): the fast share
     /// alone decides. Tune key `slowshare` (0–1024). Device-wide: the engine made last sets it.
-    /// At 40 the synthetic grid's 32 KiB cells moved 0.69–1.31× plain DMA (0.46–0.81× without),
-    /// but eager decode lost up to +6.0% instead of +2.4% (docs/performance.md, "Transfers beside
-    /// an eager model").
+    /// At 40 the synthetic grid's 32 KiB cells moved 0.69–1.31× plain DMA (0.36–0.89× without);
+    /// that it keeps an eager forward within the budget is not shown (docs/performance.md,
+    /// "Transfers beside an eager model").
     pub polite_slow_share: u32,
     /// Serving policy: the rate in MB/s at which staged jobs are paced while the model computes
     /// (their pack kernel and DMA cross the GPU's memory three times per byte, which a
