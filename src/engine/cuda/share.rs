@@ -194,45 +194,33 @@ impl DriverShare {
     }
 }
 
+/// Adds `v` to the exponentially weighted value in `a` (weight 1/2^`shift` per sample:
+/// `a ← a − a/2^shift + v`); returns the value before it.
+fn ewma_add(a: &AtomicU32, shift: u32, v: u32) -> u32 {
+    // The closure never returns None: both arms hold the previous value.
+    match a.fetch_update(Relaxed, Relaxed, |c| Some(c - (c >> shift) + v)) {
+        Ok(c) | Err(c) => c,
+    }
+}
+
 /// Adds one sample `v` (of 1024) to an exponentially weighted share kept in units of
 /// 1/(1024 << EWMA_SHIFT), so that samples below 1/32 still count; returns the share before it,
 /// of 1024.
 fn ewma_fine(a: &AtomicU32, v: u32) -> u32 {
-    let mut cur = a.load(Relaxed);
-    loop {
-        let next = cur - (cur >> EWMA_SHIFT) + v;
-        match a.compare_exchange_weak(cur, next, Relaxed, Relaxed) {
-            Ok(_) => return cur >> EWMA_SHIFT,
-            Err(c) => cur = c,
-        }
-    }
+    ewma_add(a, EWMA_SHIFT, v) >> EWMA_SHIFT
 }
 
 /// Adds one sample to the slow share (kept with [`SLOW_SHIFT`] fractional bits); returns the
 /// share after it, of 1024.
 fn ewma_slow(a: &AtomicU32, hit: bool) -> u32 {
     let add = if hit { 1024 } else { 0 };
-    let mut cur = a.load(Relaxed);
-    loop {
-        let next = cur - (cur >> SLOW_SHIFT) + add;
-        match a.compare_exchange_weak(cur, next, Relaxed, Relaxed) {
-            Ok(_) => return next >> SLOW_SHIFT,
-            Err(c) => cur = c,
-        }
-    }
+    let before = ewma_add(a, SLOW_SHIFT, add);
+    (before - (before >> SLOW_SHIFT) + add) >> SLOW_SHIFT
 }
 
 /// Adds one sample to an exponentially weighted share of 1024; returns the share before it.
 fn ewma(a: &AtomicU32, hit: bool) -> u32 {
-    let add = if hit { 1024 >> EWMA_SHIFT } else { 0 };
-    let mut cur = a.load(Relaxed);
-    loop {
-        let next = cur - (cur >> EWMA_SHIFT) + add;
-        match a.compare_exchange_weak(cur, next, Relaxed, Relaxed) {
-            Ok(_) => return cur,
-            Err(c) => cur = c,
-        }
-    }
+    ewma_add(a, EWMA_SHIFT, if hit { 1024 >> EWMA_SHIFT } else { 0 })
 }
 
 /// The per-thread memory of the governor: the fastest recent time per copy of a batched call,
