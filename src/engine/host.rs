@@ -511,7 +511,15 @@ mod tests {
             .spawn(|| {
                 let mut e = HostEngine::start(1, watching_copier).unwrap();
                 let n = 4096;
-                for round in 0..200u64 {
+                // Whether the waiting thread gets a job before the dispatcher depends on the OS
+                // scheduler, so rounds go on (at least 200) until it has, within a deadline that
+                // only a broken hand-over would reach.
+                let deadline = std::time::Instant::now() + std::time::Duration::from_secs(60);
+                let mut round = 0u64;
+                while round < 200
+                    || (ON_WAITER.load(SeqCst) == 0 && std::time::Instant::now() < deadline)
+                {
+                    round += 1;
                     let srcs: Vec<Vec<u8>> = (0..8)
                         .map(|j| {
                             (0..n)
