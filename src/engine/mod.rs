@@ -35,6 +35,8 @@ pub use open::{
     budget_bp, cuda_usable, open, EngineOptions, EngineTensor, DEFAULT_COMPUTE_BUDGET_BP,
 };
 
+use std::sync::Arc;
+
 use crate::error::Result;
 use crate::plan::{CopyPlan, Direction};
 
@@ -48,6 +50,31 @@ pub struct Job {
     /// Raw CUDA stream (`cudaStream_t` as an integer) whose queued work the transfer must follow;
     /// `None` for "no ordering". Ignored by the host engine.
     pub stream: Option<u64>,
+    /// The point `stream` had reached when the caller asked for the job, recorded earlier by
+    /// [`TransferEngine::stream_marks`]' marker: the job follows that point instead of the
+    /// stream's state at `submit` (a submit made later, on another thread, must not wait for
+    /// work the caller queued after asking). `stream` is then only watched, not waited on.
+    pub after: Option<Arc<dyn StreamMark>>,
+}
+
+/// A recorded point of a caller's stream ([`StreamMarks::mark`]); its driver event goes back to
+/// the marker's pool when the last reference drops.
+pub trait StreamMark: Send + Sync + std::fmt::Debug {
+    /// The raw driver event (`CUevent` as an integer) recorded at the point.
+    fn raw_event(&self) -> u64;
+}
+
+/// Records points of callers' streams for jobs submitted later ([`Job::after`]); shared with the
+/// threads that ask for jobs, usable while the engine submits on another thread.
+pub trait StreamMarks: Send + Sync {
+    /// Records the point `stream` has reached now.
+    ///
+    /// # Errors
+    /// The driver's, when the event cannot be created or recorded.
+    ///
+    /// # Safety
+    /// `stream` is a live stream of the engine's device (as [`Job::stream`]).
+    unsafe fn mark(&self, stream: u64) -> Result<Arc<dyn StreamMark>>;
 }
 
 impl Job {
@@ -58,6 +85,7 @@ impl Job {
             job_id,
             plan,
             stream: None,
+            after: None,
         }
     }
 
@@ -196,4 +224,10 @@ pub trait TransferEngine: Send {
     /// 1. Every handle is a live stream of the engine's device and stays live until the list is
     ///    replaced or the engine is dropped.
     unsafe fn set_compute_streams(&mut self, _streams: &[u64]) {}
+
+    /// A marker of callers' stream points for jobs submitted later ([`Job::after`]); `None` for
+    /// engines that do not order jobs after streams (the host engine).
+    fn stream_marks(&self) -> Option<Arc<dyn StreamMarks>> {
+        None
+    }
 }

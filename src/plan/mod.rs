@@ -92,6 +92,39 @@ pub struct CopyPlanner {
     block_size_factor: u64,
     /// Bitmap reused by the duplicate-destination check; all zero between calls.
     scratch: Mutex<Vec<u64>>,
+    /// Distinguishes planners, so that a [`CheckedSpec`] is planned only by the planner that
+    /// checked it.
+    id: u64,
+}
+
+/// A job's spec that passed [`CopyPlanner::check`], owning its ids: planned later (on another
+/// thread) by [`CopyPlanner::plan_checked`] without checking again. Its fields cannot change
+/// after the check, which is what makes the unchecked emission sound.
+#[derive(Debug)]
+pub struct CheckedSpec {
+    planner: u64,
+    direction: Direction,
+    block_ids: Vec<i64>,
+    group_sizes: Option<Vec<i64>>,
+    block_indices: Option<Vec<i64>>,
+    cpu_block_ids: Vec<i64>,
+    num_copies: usize,
+}
+
+impl CheckedSpec {
+    /// The job's direction.
+    #[must_use]
+    pub const fn direction(&self) -> Direction {
+        self.direction
+    }
+
+    fn gpu(&self) -> GpuSpec<'_> {
+        GpuSpec {
+            block_ids: &self.block_ids,
+            group_sizes: self.group_sizes.as_deref(),
+            block_indices: self.block_indices.as_deref(),
+        }
+    }
 }
 
 fn find(parent: &mut [usize], mut x: usize) -> usize {
@@ -246,6 +279,10 @@ impl CopyPlanner {
             components,
             block_size_factor,
             scratch: Mutex::new(Vec::new()),
+            id: {
+                static NEXT: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(1);
+                NEXT.fetch_add(1, std::sync::atomic::Ordering::Relaxed)
+            },
         })
     }
 
@@ -289,6 +326,58 @@ impl CopyPlanner {
     ) -> Result<CopyPlan> {
         let mut out = CopyPlan::new(direction);
         self.plan_into(direction, gpu, cpu_block_ids, &mut out)?;
+        Ok(out)
+    }
+
+    /// Checks one job's spec as [`CopyPlanner::plan`] does (the same errors, except allocation)
+    /// without building its copies: O(blocks), for the caller's thread, while
+    /// [`CopyPlanner::plan_checked`] emits the copies elsewhere.
+    ///
+    /// # Errors
+    /// As [`CopyPlanner::plan`].
+    pub fn check(
+        &self,
+        direction: Direction,
+        block_ids: Vec<i64>,
+        group_sizes: Option<Vec<i64>>,
+        block_indices: Option<Vec<i64>>,
+        cpu_block_ids: Vec<i64>,
+    ) -> Result<CheckedSpec> {
+        let mut spec = CheckedSpec {
+            planner: self.id,
+            direction,
+            block_ids,
+            group_sizes,
+            block_indices,
+            cpu_block_ids,
+            num_copies: 0,
+        };
+        let gpu = spec.gpu();
+        let n = self.validate(&gpu, &spec.cpu_block_ids)?;
+        self.check_distinct_destinations(direction, &gpu, &spec.cpu_block_ids)?;
+        spec.num_copies = n;
+        Ok(spec)
+    }
+
+    /// Plans a spec this planner checked ([`CopyPlanner::check`]).
+    ///
+    /// # Errors
+    /// [`KvoffError::InvalidArgument`] when another planner checked `spec`, or the plan's memory
+    /// cannot be allocated.
+    pub fn plan_checked(&self, spec: &CheckedSpec) -> Result<CopyPlan> {
+        if spec.planner != self.id {
+            return Err(KvoffError::arg("the spec was checked by another planner"));
+        }
+        let mut out = CopyPlan::new(spec.direction);
+        out.copies.try_reserve(spec.num_copies).map_err(|_| {
+            KvoffError::arg(format!(
+                "cannot allocate a plan of {} copies ({} bytes)",
+                spec.num_copies,
+                spec.num_copies
+                    .saturating_mul(std::mem::size_of::<CopyOp>())
+            ))
+        })?;
+        self.emit(spec.direction, &spec.gpu(), &spec.cpu_block_ids, &mut out);
         Ok(out)
     }
 
@@ -559,5 +648,105 @@ mod tests {
         p.plan(Direction::GpuToCpu, &GpuSpec::new(&[1, 2]), &[2, 3])
             .unwrap();
         assert!(p.scratch.lock().unwrap().iter().all(|&w| w == 0));
+    }
+
+    /// `check` then `plan_checked` gives `plan`'s copies, and `check` refuses what `plan`
+    /// refuses, with the same message; a spec is planned only by the planner that checked it.
+    #[test]
+    fn checked_specs_plan_as_plan_does() {
+        let f = 2;
+        let p = planner(
+            f,
+            vec![
+                vec![PlanRef::new(0, PAGE), PlanRef::new(1, PAGE)],
+                vec![PlanRef::new(2, PAGE / 2)],
+            ],
+            3,
+        );
+        type Case = (
+            Direction,
+            Vec<i64>,
+            Option<Vec<i64>>,
+            Option<Vec<i64>>,
+            Vec<i64>,
+        );
+        let cases: Vec<Case> = vec![
+            (
+                Direction::GpuToCpu,
+                vec![1, 2, 3, 4, 5],
+                Some(vec![3, 2]),
+                Some(vec![1, 0]),
+                vec![0, 1, 2],
+            ),
+            (
+                Direction::CpuToGpu,
+                vec![7, 8, 9],
+                Some(vec![2, 1]),
+                None,
+                vec![4, 5],
+            ),
+            (
+                Direction::CpuToGpu,
+                vec![1, 1],
+                Some(vec![2, 0]),
+                None,
+                vec![2],
+            ), // duplicate dst
+            (
+                Direction::GpuToCpu,
+                vec![1, 2],
+                Some(vec![2, 0]),
+                None,
+                vec![99],
+            ), // id too large
+            (
+                Direction::GpuToCpu,
+                vec![1, 2],
+                Some(vec![2, 0]),
+                None,
+                vec![1, 2],
+            ), // ids left over
+            (
+                Direction::GpuToCpu,
+                vec![1, -2],
+                Some(vec![2, 0]),
+                None,
+                vec![1],
+            ), // negative id
+        ];
+        let mut planned = 0;
+        for (d, g, sizes, idx, c) in cases {
+            let spec = GpuSpec {
+                block_ids: &g,
+                group_sizes: sizes.as_deref(),
+                block_indices: idx.as_deref(),
+            };
+            let want = p.plan(d, &spec, &c);
+            let got = p
+                .check(d, g.clone(), sizes.clone(), idx.clone(), c.clone())
+                .and_then(|s| p.plan_checked(&s));
+            match (want, got) {
+                (Ok(w), Ok(g)) => {
+                    assert_eq!(w.copies(), g.copies());
+                    assert_eq!(w.total_bytes(), g.total_bytes());
+                    assert_eq!(w.direction(), g.direction());
+                    planned += 1;
+                }
+                (Err(w), Err(g)) => assert_eq!(w.to_string(), g.to_string()),
+                (w, g) => panic!("plan {w:?} but check + plan_checked {g:?}"),
+            }
+        }
+        assert_eq!(planned, 2, "the first two cases are valid");
+        let other = planner(f, vec![vec![PlanRef::new(0, PAGE)], vec![]], 3);
+        let s = p
+            .check(
+                Direction::GpuToCpu,
+                vec![1],
+                Some(vec![1, 0]),
+                None,
+                vec![0],
+            )
+            .unwrap();
+        assert!(other.plan_checked(&s).is_err());
     }
 }

@@ -1,8 +1,8 @@
 //! The native transfer handler (docs/spec.md §6) that `kvoff.handlers` builds its public classes on: torch
 //! tensors → checked descriptors, the engine choice, and one direction's jobs.
 //!
-//! Memory safety at the Python boundary. The only `unsafe` here is [`TransferEngine::submit`]. It is
-//! sound because a [`PyTransferHandler`]:
+//! Memory safety at the Python boundary. The engine's `submit` (unsafe) is sound because a
+//! [`PyTransferHandler`]:
 //! 1. is built from **torch tensors**, not raw pointers: every descriptor is derived from a tensor's
 //!    `data_ptr`/shape/strides and checked to lie inside that tensor's untyped storage;
 //! 2. keeps every one of those tensors alive (a strong reference) until its engine has been shut
@@ -11,8 +11,12 @@
 //! 3. checks that the GPU-side tensors are mutually disjoint, and so are the CPU-side tensors (byte
 //!    exact for equal-stride interleaved views such as the block-major host layout), so that the
 //!    planner's plans satisfy the engine's no-overlap obligation;
-//! 4. plans every job with a [`CopyPlanner`], which validates every copy against those extents before
-//!    anything is enqueued.
+//! 4. checks every job with a [`CopyPlanner`] before queuing it, and has the same planner build
+//!    the checked job's copies on the submit thread ([`super::submitter`]); every copy lies inside
+//!    those extents.
+//!
+//! The engine's `submit` itself runs on the submit thread ([`super::submitter`]); `shutdown` and
+//! `Drop` hand every queued job over before draining.
 //!
 //! A storage that shrinks after the handler was built (`untyped_storage().resize_(0)`) is caught
 //! by `kvoff.handlers` before each submit (it re-reads the storages' extents); this class keeps the
@@ -21,11 +25,11 @@
 //! Which engine serves is decided in one place, [`EngineKind::resolve`], reached from Python both
 //! through this class and through `resolve_engine` (which `kvoff.handlers` calls before it
 //! allocates host memory), so both give the same answer and the same errors.
-// Unsafe: the one `TransferEngine::submit` call; the module docs give its argument.
+// Unsafe: recording the caller's stream position (`StreamMarks::mark`).
 #![allow(unsafe_code)]
 
-use std::collections::HashSet;
-use std::sync::{Mutex, PoisonError};
+use std::sync::{Arc, Mutex, PoisonError};
+use std::thread::JoinHandle;
 
 use numpy::{PyArrayDescrMethods, PyUntypedArray, PyUntypedArrayMethods};
 use pyo3::exceptions::{PyTypeError, PyValueError};
@@ -36,11 +40,11 @@ use super::args::{ids_arg, int_arg, list_arg, u64_arg, usize_arg};
 use super::enter::{blocking, locked, try_locked, Hold};
 use super::errors::IntoPyResult;
 use super::keys::type_name;
+use super::submitter::{self, EngineState, Pending, Shared};
 use crate::engine::{
-    budget_bp, cuda_usable, open, EngineKind, EngineOptions, EngineTensor, Job, JobResult,
-    TransferEngine,
+    budget_bp, cuda_usable, open, EngineKind, EngineOptions, EngineTensor, JobResult, StreamMarks,
 };
-use crate::plan::{CopyPlanner, Direction, GpuSpec, PlanRef, TensorDesc};
+use crate::plan::{CopyPlanner, Direction, PlanRef, TensorDesc};
 
 /// What the handler needs to know about one byte-view tensor.
 struct TensorInfo {
@@ -202,43 +206,18 @@ fn result_tuple(py: Python<'_>, r: JobResult) -> PyResult<Bound<'_, PyTuple>> {
     (r.job_id, r.success, r.bytes, r.seconds, r.error).into_pyobject(py)
 }
 
-/// The engine and the handler's own record of unreported jobs.
-struct EngineState {
-    engine: Box<dyn TransferEngine>,
-    /// Ids submitted and not yet returned by `get_finished`.
-    unreported: HashSet<i64>,
-    /// Results collected while shutting down, returned before anything else.
-    stash: Vec<JobResult>,
-}
-
-impl EngineState {
-    fn poll(&mut self) -> Vec<JobResult> {
-        let mut out = std::mem::take(&mut self.stash);
-        out.extend(self.engine.poll());
-        for r in &out {
-            self.unreported.remove(&r.job_id);
-        }
-        out
-    }
-
-    /// Waits for every unreported job, keeps their results, then stops the engine. The results
-    /// are collected first because an engine may release in-flight bookkeeping when it stops.
-    fn shutdown(&mut self) {
-        let ids: Vec<i64> = self.unreported.iter().copied().collect();
-        let _ = self.engine.wait(&ids);
-        let mut done = self.engine.poll();
-        self.engine.shutdown();
-        done.extend(self.engine.poll());
-        self.stash.extend(done);
-    }
-}
-
 /// One direction's transfers over a fixed set of tensors: a [`CopyPlanner`] and an engine.
 #[pyclass(name = "TransferHandler", module = "kvoff._native", frozen)]
 pub struct PyTransferHandler {
     direction: Direction,
-    planner: CopyPlanner,
-    engine: Mutex<EngineState>,
+    /// The planner, the engine and the queue of checked jobs, shared with the submit thread.
+    shared: Arc<Shared>,
+    /// The submit thread (`None` once joined).
+    thread: Mutex<Option<JoinHandle<()>>>,
+    /// Records the caller's stream position at each submit (CUDA engines).
+    marks: Option<Arc<dyn StreamMarks>>,
+    /// The process that made the handler: a `fork()`ed child has no submit thread.
+    pid: u32,
     engine_name: String,
     /// The tensors the planner's descriptors were taken from; released only after the engine has
     /// been shut down (see `Drop`).
@@ -254,18 +233,53 @@ impl PyTransferHandler {
         py: Python<'_>,
         f: impl FnOnce(&mut EngineState) -> crate::Result<R> + Send,
     ) -> PyResult<R> {
-        locked(py, &self.engine, Hold::Long, |_| {}, f)
+        locked(py, &self.shared.engine, Hold::Long, |_| {}, f)
+    }
+
+    /// Waits (the GIL released) until every job accepted so far was handed to the engine.
+    fn flush(&self, py: Python<'_>) -> PyResult<()> {
+        let target = locked(
+            py,
+            &self.shared.queue,
+            Hold::Brief,
+            |_| {},
+            |q| Ok(q.asked()),
+        )?;
+        blocking(py, || {
+            self.shared.flush(target);
+            Ok(())
+        })
+    }
+
+    /// The submit thread, taken for joining; `None` in a `fork()`ed child (no thread there).
+    fn take_thread(&self) -> Option<JoinHandle<()>> {
+        let t = self
+            .thread
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner)
+            .take();
+        if crate::process::id() == self.pid {
+            t
+        } else {
+            std::mem::forget(t); // the parent's thread: not joinable here
+            None
+        }
     }
 }
 
 impl Drop for PyTransferHandler {
     fn drop(&mut self) {
-        // Drain before `keepalive` releases the tensors the in-flight jobs point into.
-        let e = self
-            .engine
-            .get_mut()
-            .unwrap_or_else(PoisonError::into_inner);
-        let _ = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| e.shutdown()));
+        if crate::process::id() != self.pid {
+            // A `fork()`ed child: the engine, its threads and streams are the parent's, and its
+            // locks may be held by threads that do not exist here. Nothing of it is touched (the
+            // shared state is leaked, so the engine is not dropped either).
+            std::mem::forget(Arc::clone(&self.shared));
+            return;
+        }
+        // Hand over and drain before `keepalive` releases the tensors the jobs point into.
+        let thread = self.take_thread();
+        let shared = &self.shared;
+        let _ = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| shared.shutdown(thread)));
     }
 }
 
@@ -357,14 +371,31 @@ impl PyTransferHandler {
             .chain(cpu_objs.iter())
             .map(|o| o.clone().unbind())
             .collect();
-        Ok(Self {
+        let marks = engine.stream_marks();
+        let shared = Arc::new(Shared::new(
             direction,
             planner,
-            engine: Mutex::new(EngineState {
+            EngineState {
                 engine,
-                unreported: HashSet::new(),
                 stash: Vec::new(),
-            }),
+            },
+        ));
+        let thread = match submitter::start(&shared) {
+            Ok(t) => t,
+            Err(e) => {
+                blocking(py, || {
+                    shared.shutdown(None);
+                    Ok(())
+                })?;
+                return Err(e).py();
+            }
+        };
+        Ok(Self {
+            direction,
+            shared,
+            thread: Mutex::new(Some(thread)),
+            marks,
+            pid: crate::process::id(),
             engine_name,
             keepalive,
         })
@@ -400,47 +431,63 @@ impl PyTransferHandler {
             Some(o) if !o.is_none() => Some(u64_arg(o, "stream")?),
             _ => None,
         };
-        // Planned with the GIL released (tens of microseconds at 10^4 copies; other Python threads,
-        // a model's launches among them, run meanwhile), from owned copies of the ids: a borrowed
-        // numpy view must not be read without the GIL.
-        let (gids, cids) = (gids.as_slice().to_vec(), cids.as_slice().to_vec());
-        let sizes = sizes.as_ref().map(|v| v.as_slice().to_vec());
-        let indices = indices.as_ref().map(|v| v.as_slice().to_vec());
-        let plan = blocking(py, || {
-            let spec = GpuSpec {
-                block_ids: &gids,
-                group_sizes: sizes.as_deref(),
-                block_indices: indices.as_deref(),
-            };
-            self.planner.plan(self.direction, &spec, &cids)
-        })?;
-        let job = Job {
-            job_id: jid,
-            plan,
-            stream,
+        // Checked here (O(blocks), the GIL kept: nothing waits), planned and handed to the engine
+        // by the submit thread (O(pages): `submitter`'s docs), from owned copies of the ids (a
+        // borrowed numpy view must not be read without the GIL).
+        let spec = self
+            .shared
+            .planner
+            .check(
+                self.direction,
+                gids.as_slice().to_vec(),
+                sizes.as_ref().map(|v| v.as_slice().to_vec()),
+                indices.as_ref().map(|v| v.as_slice().to_vec()),
+                cids.as_slice().to_vec(),
+            )
+            .py()?;
+        // The job follows the work queued on the caller's stream now, not when the thread
+        // submits it: the point is recorded here (one driver call, the GIL released).
+        let after = match (stream, &self.marks) {
+            (Some(st), Some(m)) => Some(blocking(py, || {
+                // SAFETY: the caller passes a live stream of this device (the torch shim passes
+                // the current stream), as for `Job::stream`.
+                unsafe { m.mark(st) }
+            })?),
+            _ => None,
         };
-        // The GIL is released while the engine submits: its driver calls can take milliseconds
-        // (long batches) and must not stall the caller's other threads (a model's launches).
-        self.with_engine(py, move |st| {
-            // SAFETY: obligation 1 — every copy was validated by the planner against
-            // descriptors taken from torch tensors whose extents lie inside their storages, and
-            // `keepalive` holds those tensors until the engine is shut down
-            // (`shutdown`/`Drop` drain first); obligation 2 — GPU-side and CPU-side tensors
-            // were each checked disjoint (`check_disjoint`) and the planner rejects duplicate
-            // destinations and GPU/CPU overlap; concurrent use of the same blocks by the caller
-            // is excluded by the offloading protocol (a block being stored or loaded is not
-            // read/written by anyone else).
-            unsafe { st.engine.submit(job) }?;
-            st.unreported.insert(jid);
-            Ok(())
-        })
+        let pending = Pending {
+            job_id: jid,
+            spec,
+            stream,
+            after,
+        };
+        locked(
+            py,
+            &self.shared.queue,
+            Hold::Brief,
+            |_| {},
+            move |q| q.push(pending),
+        )?;
+        self.shared.notify();
+        Ok(())
     }
 
     /// Finished jobs not returned before, in submission order, as
     /// `(job_id, success, bytes, seconds, error)`. Never blocks: while another thread is in `wait`,
     /// returns what is available later.
     fn get_finished<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyList>> {
-        let results = try_locked(&self.engine, |e| Ok(e.poll()))?.unwrap_or_default();
+        let shared = &self.shared;
+        let results = try_locked(&shared.engine, |e| {
+            let out = e.poll();
+            if !out.is_empty() {
+                let mut q = shared.lock_queue();
+                for r in &out {
+                    q.unreported.remove(&r.job_id);
+                }
+            }
+            Ok(out)
+        })?
+        .unwrap_or_default();
         let out = PyList::empty(py);
         for r in results {
             out.append(result_tuple(py, r)?)?;
@@ -455,8 +502,9 @@ impl PyTransferHandler {
             Err(_) if job_ids.is_instance_of::<PyInt>() => vec![job_ids.extract()?],
             Err(e) => return Err(e),
         };
-        // The engine stays locked while it waits: a submit to this handler from another thread
-        // waits too (with the GIL released; other Python threads run), `get_finished` does not.
+        // Jobs still queued for the submit thread are handed over first. The engine stays locked
+        // while it waits: `get_finished` from another thread returns nothing meanwhile.
+        self.flush(py)?;
         self.with_engine(py, move |st| st.engine.wait(&ids))
     }
 
@@ -481,8 +529,9 @@ impl PyTransferHandler {
 
     /// Drains in-flight work and stops the engine; idempotent. Results stay available.
     fn shutdown(&self, py: Python<'_>) -> PyResult<()> {
-        self.with_engine(py, |st| {
-            st.shutdown();
+        let thread = self.take_thread();
+        blocking(py, || {
+            self.shared.shutdown(thread);
             Ok(())
         })
     }
@@ -527,6 +576,7 @@ impl PyTransferHandler {
     /// CPU: 3–6, 6–12, …, 192–384 µs and longer).
     #[getter]
     fn last_submit_stats<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyDict>> {
+        self.flush(py)?;
         let s = self.with_engine(py, |st| Ok(st.engine.last_submit_stats()))?;
         let d = PyDict::new(py);
         d.set_item("method", s.method)?;
@@ -561,8 +611,8 @@ impl PyTransferHandler {
             "TransferHandler(direction={:?}, engine={:?}, groups={}, block_size_factor={})",
             self.direction(),
             self.engine_name,
-            self.planner.num_groups(),
-            self.planner.block_size_factor()
+            self.shared.planner.num_groups(),
+            self.shared.planner.block_size_factor()
         )
     }
 }

@@ -33,6 +33,7 @@ mod manager;
 mod names;
 mod region;
 mod specs;
+mod submitter;
 mod tier;
 mod tier_bench;
 mod tier_stats;

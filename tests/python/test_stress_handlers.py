@@ -95,6 +95,46 @@ def test_forked_child_fails_clearly() -> None:
     assert out.strip() == "ok"
 
 
+def test_forked_child_drops_the_parents_handlers_without_touching_them() -> None:
+    """A child forked while the parent's submit thread hands jobs to the engine (its locks may be
+    held then) drops the handlers it inherited without waiting for anything; the parent's jobs
+    all finish, byte-exact."""
+    out = _run(
+        """
+        import gc
+        kv, h = handlers(blocks=256, page=1 << 16, layers=8)
+        s = h.gpu_to_cpu_handler
+        for round in range(5):
+            for j in range(32):
+                s.transfer_async(round * 100 + j, (G([8 * j + k for k in range(8)]), C([8 * j + k for k in range(8)])))
+            pid = os.fork()
+            if pid == 0:
+                del s, h
+                gc.collect()
+                os._exit(0)
+            deadline = time.time() + 20
+            while time.time() < deadline:
+                done, status = os.waitpid(pid, os.WNOHANG)
+                if done:
+                    break
+                time.sleep(0.01)
+            else:
+                os.kill(pid, 9); raise SystemExit("child hung")
+            assert os.waitstatus_to_exitcode(status) == 0, status
+            ids = [round * 100 + j for j in range(32)]
+            s.wait(ids)
+            got = s.get_finished()
+            assert [r.job_id for r in got] == ids and all(r.success for r in got), got
+        cpu = h.cpu_tensors
+        for i, t in enumerate(kv.values()):
+            assert torch.equal(cpu[i], t), i
+        h.shutdown()
+        print("ok")
+        """
+    )
+    assert out.strip() == "ok"
+
+
 def test_submit_and_wait_from_several_threads_byte_exact() -> None:
     out = _run(
         """

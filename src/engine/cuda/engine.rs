@@ -143,6 +143,8 @@ pub struct CudaEngine {
     pub(super) stream: Option<Stream>,
     /// `None` once shut down (released).
     pub(super) caller_event: Option<Event>,
+    /// Points of callers' streams recorded before their jobs reach `submit` (`Job::after`).
+    pub(super) marks: Arc<super::marks::CallerMarks>,
     pub(super) events: Vec<Event>,
     pub(super) descs: Vec<DescBuf>,
     pub(super) inflight: VecDeque<InFlight>,
@@ -235,12 +237,14 @@ impl CudaEngine {
         let stream = unsafe { Stream::new(high) }?;
         // SAFETY: as above. (On error `stream` is destroyed by its Drop.)
         let caller_event = unsafe { Event::new(false) }?;
+        let marks = Arc::new(super::marks::CallerMarks::new(Arc::clone(&device)));
         Ok(Self {
             device,
             cfg,
             direction,
             stream: Some(stream),
             caller_event: Some(caller_event),
+            marks,
             events: Vec::new(),
             descs: Vec::new(),
             inflight: VecDeque::new(),

@@ -42,6 +42,7 @@ mod ffi;
 mod handles;
 mod kernel;
 mod launch;
+mod marks;
 mod memory;
 mod pace;
 mod pipeline;

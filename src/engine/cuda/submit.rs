@@ -242,7 +242,11 @@ impl TransferEngine for CudaEngine {
             }
         };
         let r = (|| {
-            if let Some(caller) = job.stream {
+            if let Some(mark) = &job.after {
+                // SAFETY: a live event recorded by this engine's marker (`Job::after`), held by
+                // the job until the wait is enqueued; the stream is ours.
+                unsafe { ffi::stream_wait(s, mark.raw_event() as ffi::CUevent) }?;
+            } else if let Some(caller) = job.stream {
                 // SAFETY: the caller passes a live stream of this device (the torch shim passes
                 // torch.cuda.current_stream()); the event is ours.
                 unsafe { ffi::event_record(caller_event, caller as ffi::CUstream) }?;
@@ -317,6 +321,14 @@ impl TransferEngine for CudaEngine {
             driver_blocked: self.device.driver.blocked_histogram(),
         };
         Ok(())
+    }
+
+    fn stream_marks(&self) -> Option<std::sync::Arc<dyn crate::engine::StreamMarks>> {
+        if self.closed {
+            return None;
+        }
+        let m: std::sync::Arc<dyn crate::engine::StreamMarks> = self.marks.clone();
+        Some(m)
     }
 
     fn poll(&mut self) -> Vec<JobResult> {
@@ -448,6 +460,7 @@ impl TransferEngine for CudaEngine {
             errs.push(d.host.release());
         }
         errs.extend(self.caller_event.take().map(Event::release));
+        errs.extend(self.marks.release());
         errs.extend(self.stream.take().map(Stream::release));
         self.close_errors.extend(
             errs.into_iter()
