@@ -169,6 +169,8 @@ class _Mover:
         self.contention: list[tuple[int, int, int]] = []
         #: the device's blocked-call counts at the first and the last counted submit
         self.hist: list[Any] = [None, None]
+        #: counted submits whose stats were not read yet (:meth:`note_stats`)
+        self.unnoted: list[tuple[Any, bool]] = []
 
     def _specs(self, store: bool) -> tuple[Any, Any]:
         k, b, r = self.kvoff, self.kv.blocks, self.rng
@@ -180,8 +182,10 @@ class _Mover:
         g = [half_g + i for i in r.sample(range(half_g), b)]
         return k.CPULoadStoreSpec(c), k.GPULoadStoreSpec(g)
 
-    def submit_step(self) -> None:
-        """One job per direction of ``dirs`` (the caller's current stream orders them)."""
+    def submit_step(self, note: bool = True) -> None:
+        """One job per direction of ``dirs`` (the caller's current stream orders them). ``note``:
+        read the submits' stats now; else :meth:`note_stats` reads them later (reading them waits
+        for the handler's submit thread, which vLLM's thread never does before its forward)."""
         for store in (True, False):
             if self.dirs == ("load" if store else "store"):
                 continue
@@ -192,16 +196,24 @@ class _Mover:
             dt = time.perf_counter() - t0
             if self.counting:
                 self.submit_s.append(dt)
-                s = hd.last_submit_stats
-                mk = f"{'st' if store else 'ld'} {s.get('method')}{' polite' if s.get('polite') else ''}"
-                self.methods[mk] = self.methods.get(mk, 0) + 1
-                c = s.get("driver_contention")
-                if c is not None:
-                    self.contention.append((int(c[0]), int(c[1]), int(c[2]) if len(c) > 2 else 0))
-                b = s.get("driver_blocked")
-                self.hist = [self.hist[0] or b, b]
+                self.unnoted.append((hd, store))
             self.pending.append((hd, self.job))
             self.job += 1
+        if note:
+            self.note_stats()
+
+    def note_stats(self) -> None:
+        """Counts the methods and driver contention of the submits not noted yet."""
+        for hd, store in self.unnoted:
+            s = hd.last_submit_stats
+            mk = f"{'st' if store else 'ld'} {s.get('method')}{' polite' if s.get('polite') else ''}"
+            self.methods[mk] = self.methods.get(mk, 0) + 1
+            c = s.get("driver_contention")
+            if c is not None:
+                self.contention.append((int(c[0]), int(c[1]), int(c[2]) if len(c) > 2 else 0))
+            b = s.get("driver_blocked")
+            self.hist = [self.hist[0] or b, b]
+        self.unnoted.clear()
 
     def collect(self) -> int:
         """Notes finished jobs; returns how many."""
@@ -250,7 +262,7 @@ def _round(torch: Any, wl: Any, steps: int, mover: _Mover | None) -> float:
     total = 0.0
     for _ in range(steps):
         if mover is not None:
-            mover.submit_step()
+            mover.submit_step(note=False)
         if e0 is not None and e1 is not None:
             e0.record()
             wl.step()
@@ -262,6 +274,7 @@ def _round(torch: Any, wl: Any, steps: int, mover: _Mover | None) -> float:
             wl.step()
             total += (time.perf_counter() - t0) * 1e3
         if mover is not None:
+            mover.note_stats()
             mover.collect()
     return total / steps
 
