@@ -223,6 +223,7 @@ class SingleDirectionOffloadingHandler:
         the engine's feeder thread, which enqueues it paced while the submit returns), and the
         device's driver contention (``polite``, ``driver_contention``, ``driver_blocked``: see
         ``kvoff._native.TransferHandler.last_submit_stats``)."""
+        self._check_process()
         return dict(self._native.last_submit_stats)
 
     def transfer_async(self, job_id: int, spec: tuple[Any, Any]) -> bool:

@@ -28,12 +28,14 @@ pub mod cuda;
 pub mod host;
 mod kind;
 mod open;
+mod order;
 
 pub use host::HostEngine;
 pub use kind::{CopyMethod, EngineKind};
 pub use open::{
     budget_bp, cuda_usable, open, EngineOptions, EngineTensor, DEFAULT_COMPUTE_BUDGET_BP,
 };
+pub use order::ResultOrder;
 
 use std::sync::Arc;
 
@@ -53,7 +55,9 @@ pub struct Job {
     /// The point `stream` had reached when the caller asked for the job, recorded earlier by
     /// [`TransferEngine::stream_marks`]' marker: the job follows that point instead of the
     /// stream's state at `submit` (a submit made later, on another thread, must not wait for
-    /// work the caller queued after asking). `stream` is then only watched, not waited on.
+    /// work the caller queued after asking). `stream` is then not used at all (it need not
+    /// outlive the call that asked for the job): the point also tells whether the caller's work
+    /// is still running.
     pub after: Option<Arc<dyn StreamMark>>,
 }
 

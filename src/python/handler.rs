@@ -28,7 +28,7 @@
 // Unsafe: recording the caller's stream position (`StreamMarks::mark`).
 #![allow(unsafe_code)]
 
-use std::sync::{Arc, Mutex, PoisonError};
+use std::sync::{Arc, Mutex, PoisonError, TryLockError};
 use std::thread::JoinHandle;
 
 use numpy::{PyArrayDescrMethods, PyUntypedArray, PyUntypedArrayMethods};
@@ -251,19 +251,35 @@ impl PyTransferHandler {
         })
     }
 
-    /// The submit thread, taken for joining; `None` in a `fork()`ed child (no thread there).
+    /// The submit thread, taken for joining (the first caller gets it).
     fn take_thread(&self) -> Option<JoinHandle<()>> {
-        let t = self
-            .thread
+        self.thread
             .lock()
             .unwrap_or_else(PoisonError::into_inner)
-            .take();
+            .take()
+    }
+
+    /// Refuses calls in a `fork()`ed child: the engine, its threads and streams are the parent's
+    /// (`kvoff.handlers` says so first, with the processes' ids).
+    fn check_process(&self) -> PyResult<()> {
         if crate::process::id() == self.pid {
-            t
+            Ok(())
         } else {
-            std::mem::forget(t); // the parent's thread: not joinable here
-            None
+            Err(crate::KvoffError::state(
+                "this transfer handler belongs to the process that made it, not to a fork()ed child",
+            ))
+            .py()
         }
+    }
+}
+
+/// The results the submit thread collected, then `more`, their ids forgotten: the queue's lock
+/// taken without waiting while the GIL is held (waited for with it released otherwise).
+fn report(py: Python<'_>, shared: &Shared, more: Vec<JobResult>) -> Vec<JobResult> {
+    match shared.queue.try_lock() {
+        Ok(mut q) => q.report(more),
+        Err(TryLockError::Poisoned(p)) => p.into_inner().report(more),
+        Err(TryLockError::WouldBlock) => py.detach(|| shared.lock_queue().report(more)),
     }
 }
 
@@ -274,6 +290,12 @@ impl Drop for PyTransferHandler {
             // locks may be held by threads that do not exist here. Nothing of it is touched (the
             // shared state is leaked, so the engine is not dropped either).
             std::mem::forget(Arc::clone(&self.shared));
+            std::mem::forget(
+                self.thread
+                    .get_mut()
+                    .unwrap_or_else(PoisonError::into_inner)
+                    .take(),
+            );
             return;
         }
         // Hand over and drain before `keepalive` releases the tensors the jobs point into.
@@ -372,14 +394,7 @@ impl PyTransferHandler {
             .map(|o| o.clone().unbind())
             .collect();
         let marks = engine.stream_marks();
-        let shared = Arc::new(Shared::new(
-            direction,
-            planner,
-            EngineState {
-                engine,
-                stash: Vec::new(),
-            },
-        ));
+        let shared = Arc::new(Shared::new(direction, planner, EngineState::new(engine)));
         let thread = match submitter::start(&shared) {
             Ok(t) => t,
             Err(e) => {
@@ -414,6 +429,7 @@ impl PyTransferHandler {
         cpu_block_ids: &Bound<'_, PyAny>,
         stream: Option<&Bound<'_, PyAny>>,
     ) -> PyResult<()> {
+        self.check_process()?;
         let jid = int_arg(job_id, "job_id")?;
         let jid = i64::try_from(jid)
             .map_err(|_| PyValueError::new_err(format!("job_id {jid} does not fit in int64")))?;
@@ -476,18 +492,19 @@ impl PyTransferHandler {
     /// `(job_id, success, bytes, seconds, error)`. Never blocks: while another thread is in `wait`,
     /// returns what is available later.
     fn get_finished<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyList>> {
-        let shared = &self.shared;
-        let results = try_locked(&shared.engine, |e| {
-            let out = e.poll();
-            if !out.is_empty() {
-                let mut q = shared.lock_queue();
-                for r in &out {
-                    q.unreported.remove(&r.job_id);
-                }
-            }
-            Ok(out)
-        })?
-        .unwrap_or_default();
+        self.check_process()?;
+        let shared = &*self.shared;
+        // The engine's results are taken together with those the submit thread collected, under
+        // the engine's lock, which keeps them in order (`Queue::ready`); while the lock is busy,
+        // the collected ones alone.
+        let polled = try_locked(&shared.engine, |e| {
+            let more = e.poll();
+            Ok(report(py, shared, more))
+        })?;
+        let results = match polled {
+            Some(r) => r,
+            None => report(py, shared, Vec::new()),
+        };
         let out = PyList::empty(py);
         for r in results {
             out.append(result_tuple(py, r)?)?;
@@ -502,6 +519,7 @@ impl PyTransferHandler {
             Err(_) if job_ids.is_instance_of::<PyInt>() => vec![job_ids.extract()?],
             Err(e) => return Err(e),
         };
+        self.check_process()?;
         // Jobs still queued for the submit thread are handed over first. The engine stays locked
         // while it waits: `get_finished` from another thread returns nothing meanwhile.
         self.flush(py)?;
@@ -519,6 +537,7 @@ impl PyTransferHandler {
             .iter()
             .map(|o| u64_arg(o, "stream"))
             .collect::<PyResult<_>>()?;
+        self.check_process()?;
         self.with_engine(py, move |st| {
             // SAFETY: the caller's obligation (documented above): live streams of the engine's
             // device, kept alive by the Python wrapper for the handler's life.
@@ -529,6 +548,9 @@ impl PyTransferHandler {
 
     /// Drains in-flight work and stops the engine; idempotent. Results stay available.
     fn shutdown(&self, py: Python<'_>) -> PyResult<()> {
+        if crate::process::id() != self.pid {
+            return Ok(()); // a fork()ed child: the parent's engine, nothing to do here
+        }
         let thread = self.take_thread();
         blocking(py, || {
             self.shared.shutdown(thread);
@@ -576,6 +598,7 @@ impl PyTransferHandler {
     /// CPU: 3–6, 6–12, …, 192–384 µs and longer).
     #[getter]
     fn last_submit_stats<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyDict>> {
+        self.check_process()?;
         self.flush(py)?;
         let s = self.with_engine(py, |st| Ok(st.engine.last_submit_stats()))?;
         let d = PyDict::new(py);

@@ -17,24 +17,32 @@ use std::sync::{Arc, Condvar, Mutex, MutexGuard, PoisonError};
 use std::thread::JoinHandle;
 
 use super::errors::panic_message;
-use crate::engine::{Job, JobResult, StreamMark, TransferEngine};
+use crate::engine::{Job, JobResult, ResultOrder, StreamMark, TransferEngine};
 use crate::error::{KvoffError, Result};
 use crate::plan::{CheckedSpec, CopyPlanner, Direction};
 
-/// The engine and the results that did not come from it.
+/// The engine, and the results of jobs it never took, kept in submission order with its own.
 pub(super) struct EngineState {
     pub(super) engine: Box<dyn TransferEngine>,
-    /// Results of jobs that failed before the engine took them, and results collected while
-    /// shutting down: returned before the engine's own.
-    pub(super) stash: Vec<JobResult>,
+    order: ResultOrder,
+    /// The engine's results collected while shutting down, in order.
+    drained: Vec<JobResult>,
 }
 
 impl EngineState {
-    /// Finished results; the caller forgets their ids ([`Queue::unreported`]).
+    pub(super) fn new(engine: Box<dyn TransferEngine>) -> Self {
+        Self {
+            engine,
+            order: ResultOrder::default(),
+            drained: Vec::new(),
+        }
+    }
+
+    /// Finished results in submission order (the engine's and the failed hand-overs').
     pub(super) fn poll(&mut self) -> Vec<JobResult> {
-        let mut out = std::mem::take(&mut self.stash);
-        out.extend(self.engine.poll());
-        out
+        let mut engine = std::mem::take(&mut self.drained);
+        engine.extend(self.engine.poll());
+        self.order.merge(engine)
     }
 
     /// Waits for the jobs `ids`, keeps their results, then stops the engine. The results are
@@ -44,7 +52,7 @@ impl EngineState {
         let mut done = self.engine.poll();
         self.engine.shutdown();
         done.extend(self.engine.poll());
-        self.stash.extend(done);
+        self.drained.extend(done);
     }
 }
 
@@ -68,8 +76,14 @@ pub(super) struct Queue {
     closed: bool,
     /// The thread ends once the queue is empty.
     stop: bool,
+    /// The thread has ended: submits are refused.
+    ended: bool,
     /// Ids accepted and not yet returned by `get_finished` (busy: a second submit is refused).
     pub(super) unreported: HashSet<i64>,
+    /// Results the submit thread collected after its hand-overs, older than any still in the
+    /// engine: `get_finished` returns them even while the engine's lock is busy (a hand-over may
+    /// hold it while the engine waits for its feeder).
+    ready: Vec<JobResult>,
 }
 
 impl Queue {
@@ -77,6 +91,11 @@ impl Queue {
     pub(super) fn push(&mut self, p: Pending) -> Result<u64> {
         if self.closed {
             return Err(KvoffError::state("the transfer handler was shut down"));
+        }
+        if self.ended {
+            return Err(KvoffError::state(
+                "the transfer handler's submit thread has ended (a kvoff bug: please report)",
+            ));
         }
         if !self.unreported.insert(p.job_id) {
             return Err(KvoffError::arg(format!(
@@ -92,6 +111,16 @@ impl Queue {
     /// The count of jobs accepted so far (a flush target).
     pub(super) const fn asked(&self) -> u64 {
         self.asked
+    }
+
+    /// Takes `more` after the collected results and forgets their ids.
+    pub(super) fn report(&mut self, more: Vec<JobResult>) -> Vec<JobResult> {
+        let mut out = std::mem::take(&mut self.ready);
+        out.extend(more);
+        for r in &out {
+            self.unreported.remove(&r.job_id);
+        }
+        out
     }
 }
 
@@ -141,16 +170,16 @@ impl Shared {
     }
 
     /// Refuses later submits, hands over what is queued, stops the engine (its in-flight jobs
-    /// finish first) and ends the thread. Idempotent. Call without the GIL.
+    /// finish first) and ends the thread (`thread`: its handle, for the one call that joins it).
+    /// Idempotent; a second call at once waits for the queue too. Call without the GIL, in the
+    /// process that made the handler, with the thread started (or nothing ever queued).
     pub(super) fn shutdown(&self, thread: Option<JoinHandle<()>>) {
         let target = {
             let mut q = self.lock_queue();
             q.closed = true;
             q.asked
         };
-        if thread.is_some() {
-            self.flush(target);
-        }
+        self.flush(target);
         {
             let mut st = self.lock_engine();
             let ids: Vec<i64> = self.lock_queue().unreported.iter().copied().collect();
@@ -184,24 +213,35 @@ impl Shared {
             // first); obligation 2 — the GPU-side and CPU-side tensors were each checked disjoint
             // and the planner rejects duplicate destinations and GPU/CPU overlap; concurrent use
             // of the same blocks by the caller is excluded by the offloading protocol.
-            unsafe { st.engine.submit(job) }
+            unsafe { st.engine.submit(job) }?;
+            st.order.accepted();
+            Ok(())
         }));
         let error = match r {
-            Ok(Ok(())) => return,
-            Ok(Err(e)) => e.to_string(),
-            Err(payload) => format!(
+            Ok(Ok(())) => None,
+            Ok(Err(e)) => Some(e.to_string()),
+            Err(payload) => Some(format!(
                 "internal error in kvoff (please report): {}",
                 panic_message(&*payload)
-            ),
+            )),
         };
-        self.lock_engine().stash.push(JobResult {
-            job_id,
-            success: false,
-            bytes,
-            seconds: 0.0,
-            direction: self.direction,
-            error: Some(error),
-        });
+        let mut st = self.lock_engine();
+        if let Some(error) = error {
+            st.order.failed(JobResult {
+                job_id,
+                success: false,
+                bytes,
+                seconds: 0.0,
+                direction: self.direction,
+                error: Some(error),
+            });
+        }
+        // Collected here, under the engine's lock, so that they are older than anything polled
+        // after it is released (`get_finished` keeps the order).
+        let done = catch_unwind(AssertUnwindSafe(|| st.poll())).unwrap_or_default();
+        if !done.is_empty() {
+            self.lock_queue().ready.extend(done);
+        }
     }
 }
 
@@ -218,6 +258,7 @@ pub(super) fn start(shared: &Arc<Shared>) -> Result<JoinHandle<()>> {
     std::thread::Builder::new()
         .name(name.into())
         .spawn(move || {
+            let _ended = Ended(&s);
             crate::affinity::place_current_thread();
             loop {
                 let p = {
@@ -242,4 +283,32 @@ pub(super) fn start(shared: &Arc<Shared>) -> Result<JoinHandle<()>> {
                 "cannot start the transfer handler's submit thread: {e}"
             ))
         })
+}
+
+/// Marks the thread ended however it ends: jobs still queued (only if it ended by a bug) fail, and
+/// every flush returns, so that no `wait`, `shutdown` or drop hangs on a thread that is gone.
+struct Ended<'a>(&'a Shared);
+
+impl Drop for Ended<'_> {
+    fn drop(&mut self) {
+        let mut q = self.0.lock_queue();
+        q.ended = true;
+        let left: Vec<Pending> = q.jobs.drain(..).collect();
+        for p in left {
+            q.ready.push(JobResult {
+                job_id: p.job_id,
+                success: false,
+                bytes: 0,
+                seconds: 0.0,
+                direction: self.0.direction,
+                error: Some(
+                    "the transfer handler's submit thread ended before this job (a kvoff bug: please report)"
+                        .to_owned(),
+                ),
+            });
+        }
+        q.handed = q.asked;
+        drop(q);
+        self.0.handed.notify_all();
+    }
 }

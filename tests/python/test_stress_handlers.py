@@ -75,6 +75,15 @@ def test_forked_child_fails_clearly() -> None:
                     call(); code = 3
                 except kvoff.InvalidStateError:
                     pass
+            # The native handler refuses too (it has no submit thread in the child).
+            n = s._native
+            for call in (n.get_finished, lambda: n.wait([2]), lambda: n.last_submit_stats,
+                         lambda: n.submit(2, [1], None, None, [1], None)):
+                try:
+                    call(); code = 4
+                except kvoff.InvalidStateError:
+                    pass
+            n.shutdown()  # nothing to do in the child
             h.shutdown()  # the parent's engine: nothing to do in the child, and no hang
             os._exit(code)
         deadline = time.time() + 20

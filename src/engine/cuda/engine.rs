@@ -302,13 +302,23 @@ impl CudaEngine {
     /// Looks for the model computing (a job's ordering stream or a watched stream with unfinished
     /// work) and records a sighting on the device; skipped while a sighting of the last
     /// millisecond already decides.
-    fn observe_compute(&self, caller: Option<u64>) {
+    fn observe_compute(&self, caller: Option<u64>, mark: Option<ffi::CUevent>) {
         if self.cfg.idle_after_us == 0
             || self
                 .device
                 .compute_seen_within(self.cfg.idle_after_us.min(1_000))
         {
             return;
+        }
+        // A job asked for earlier (`Job::after`): the caller's stream is judged by its recorded
+        // point, not queried (it need not outlive the call that asked): still pending, the
+        // caller's work before the job is still running.
+        if let Some(e) = mark {
+            // SAFETY: a live event of this context, held by the job; a query has no effect.
+            if let Ok(false) = unsafe { ffi::event_done(e) } {
+                self.device.note_compute();
+                return;
+            }
         }
         // With no model stream watched, the legacy default stream is asked too: where a model
         // runs on it (torch's default) while the jobs come from a side thread and its stream,
@@ -333,11 +343,11 @@ impl CudaEngine {
     }
 
     /// Whether the job about to be submitted uses the serving policy.
-    pub(super) fn decide_serving(&self, caller: Option<u64>) -> bool {
+    pub(super) fn decide_serving(&self, caller: Option<u64>, mark: Option<ffi::CUevent>) -> bool {
         if !self.cfg.serving() {
             return false;
         }
-        self.observe_compute(caller);
+        self.observe_compute(caller, mark);
         // A model launching eagerly beside kvoff's copy calls (`share`) is computing too, also
         // when none of its streams was given to watch.
         self.device.compute_seen_within(self.cfg.idle_after_us) || self.device.driver.polite_now()

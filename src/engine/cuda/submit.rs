@@ -181,7 +181,10 @@ impl TransferEngine for CudaEngine {
         ctx.plan = Some(std::sync::Arc::clone(&plan));
         let copies = plan.copies();
         let bytes = plan.total_bytes();
-        ctx.serving = self.decide_serving(job.stream);
+        ctx.serving = match &job.after {
+            Some(m) => self.decide_serving(None, Some(m.raw_event() as ffi::CUevent)),
+            None => self.decide_serving(job.stream, None),
+        };
         // Read only by `auto`'s choice and its split decision: not counted for explicit methods.
         ctx.pitched = if self.cfg.dma_pitched && self.cfg.method == CopyMethod::Auto {
             let avg = bytes / (copies.len().max(1) as u64);
