@@ -372,14 +372,17 @@ class TransferHandler:
         cpu_block_ids: npt.ArrayLike,
         stream: int | None = None,
     ) -> None:
-        """Validates and enqueues one job; returns at once. Nothing is enqueued when it raises."""
+        """Checks and queues one job for the handler's submit thread (which plans it and hands it to
+        the engine); returns at once. Nothing is queued when it raises; a failure after queuing is
+        the job's failed result. Raises `InvalidStateError` in a fork()ed child."""
     def get_finished(self) -> list[tuple[int, bool, int, float, str | None]]:
         """Finished jobs not returned before, in submission order, as
         `(job_id, success, bytes, seconds, error)`. Never blocks: while another thread is in `wait`,
         returns what is available later.
         """
     def wait(self, job_ids: Iterable[int] | int) -> None:
-        """Blocks until the jobs `job_ids` finished (unknown ids are ignored), releasing the GIL."""
+        """Blocks until the jobs `job_ids` finished (unknown ids are ignored), releasing the GIL;
+        queued jobs are handed to the engine first."""
     def set_compute_streams(self, streams: list[int]) -> None:
         """`set_compute_streams(streams)`: raw CUDA stream handles (ints; 0 = the legacy default
         stream) on which the model computes, watched by the CUDA engine's serving policy at each
@@ -389,7 +392,8 @@ class TransferHandler:
         behaviour.
         """
     def shutdown(self) -> None:
-        """Drains in-flight work and stops the engine; idempotent. Results stay available."""
+        """Hands queued jobs over, drains in-flight work and stops the engine; idempotent. Results
+        stay available. Does nothing in a fork()ed child."""
     @property
     def direction(self) -> _Direction:
         """`"gpu_to_cpu"` or `"cpu_to_gpu"`."""
@@ -401,7 +405,8 @@ class TransferHandler:
         """The engine in use: `"host"` or `"cuda:<method>"`."""
     @property
     def last_submit_stats(self) -> dict[str, Any]:
-        """What the most recent `submit` did: `method` (the copy method, or None before the first),
+        """What the most recent `submit` did (once queued jobs were handed to the engine): `method`
+        (the copy method, or None before the first),
         `sms` (SMs its copy kernels can occupy at once; 0 = copy engines only), `policy`
         (`"serving"` or `"idle"`: which policy of the CUDA engine's `auto` chose; None otherwise),
         `submit_ns` (CPU time of the submit), `longest_call_ns` / `longest_call_cpu_ns` (its longest

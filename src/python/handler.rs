@@ -416,7 +416,9 @@ impl PyTransferHandler {
         })
     }
 
-    /// Validates and enqueues one job; returns at once. Nothing is enqueued when it raises.
+    /// Checks and queues one job for the handler's submit thread (which plans it and hands it to
+    /// the engine); returns at once. Nothing is queued when it raises; a failure after queuing is
+    /// the job's failed result. Raises `InvalidStateError` in a fork()ed child.
     #[pyo3(signature = (job_id, gpu_block_ids, group_sizes, block_indices, cpu_block_ids, stream=None))]
     #[allow(clippy::too_many_arguments)] // the Python signature
     fn submit(
@@ -512,7 +514,8 @@ impl PyTransferHandler {
         Ok(out)
     }
 
-    /// Blocks until the jobs `job_ids` finished (unknown ids are ignored), releasing the GIL.
+    /// Blocks until the jobs `job_ids` finished (unknown ids are ignored), releasing the GIL;
+    /// queued jobs are handed to the engine first.
     fn wait(&self, py: Python<'_>, job_ids: &Bound<'_, PyAny>) -> PyResult<()> {
         let ids: Vec<i64> = match ids_arg(job_ids, "job_ids") {
             Ok(ids) => ids.as_slice().to_vec(),
@@ -546,7 +549,8 @@ impl PyTransferHandler {
         })
     }
 
-    /// Drains in-flight work and stops the engine; idempotent. Results stay available.
+    /// Hands queued jobs over, drains in-flight work and stops the engine; idempotent. Results
+    /// stay available. Does nothing in a fork()ed child.
     fn shutdown(&self, py: Python<'_>) -> PyResult<()> {
         if crate::process::id() != self.pid {
             return Ok(()); // a fork()ed child: the parent's engine, nothing to do here
@@ -579,8 +583,8 @@ impl PyTransferHandler {
         self.engine_name.clone()
     }
 
-    /// What the most recent `submit` did, as a dict: `method` (the copy method, or None before the
-    /// first), `sms` (SMs its copy kernels can occupy at once; 0 = copy engines only), `policy`
+    /// What the most recent `submit` did (once queued jobs were handed to the engine), as a dict:
+    /// `method` (the copy method, or None before the first), `sms` (SMs its copy kernels can occupy at once; 0 = copy engines only), `policy`
     /// (`"serving"` or `"idle"`: which policy of the CUDA engine's `auto` chose; None otherwise),
     /// `submit_ns` (CPU time of the submit), `longest_call_ns` / `longest_call_cpu_ns` (its
     /// longest single driver call, wall-clock / thread CPU time), `driver_calls`, `longest_call`

@@ -88,7 +88,7 @@ pub(super) struct Queue {
 
 impl Queue {
     /// Accepts `p`, or refuses it (shut down, a busy id) leaving nothing queued.
-    pub(super) fn push(&mut self, p: Pending) -> Result<u64> {
+    pub(super) fn push(&mut self, p: Pending) -> Result<()> {
         if self.closed {
             return Err(KvoffError::state("the transfer handler was shut down"));
         }
@@ -105,7 +105,7 @@ impl Queue {
         }
         self.jobs.push_back(p);
         self.asked += 1;
-        Ok(self.asked)
+        Ok(())
     }
 
     /// The count of jobs accepted so far (a flush target).

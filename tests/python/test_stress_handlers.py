@@ -26,6 +26,14 @@ def handlers(blocks=64, page=65536, layers=4):
     return kv, kvoff.CpuGpuOffloadingHandlers(kv, 1, blocks, engine="host")
 G = kvoff.GPULoadStoreSpec
 C = kvoff.CPULoadStoreSpec
+def wait_child(pid, seconds=20):
+    deadline = time.time() + seconds
+    while time.time() < deadline:
+        done, status = os.waitpid(pid, os.WNOHANG)
+        if done:
+            return os.waitstatus_to_exitcode(status)
+        time.sleep(0.01)
+    os.kill(pid, 9); raise SystemExit("child hung")
 """
 
 
@@ -86,15 +94,8 @@ def test_forked_child_fails_clearly() -> None:
             n.shutdown()  # nothing to do in the child
             h.shutdown()  # the parent's engine: nothing to do in the child, and no hang
             os._exit(code)
-        deadline = time.time() + 20
-        while time.time() < deadline:
-            done, status = os.waitpid(pid, os.WNOHANG)
-            if done:
-                break
-            time.sleep(0.05)
-        else:
-            os.kill(pid, 9); raise SystemExit("child hung")
-        assert os.waitstatus_to_exitcode(status) == 0, status
+        code = wait_child(pid)
+        assert code == 0, code
         s.transfer_async(3, (G([2]), C([2]))); s.wait([3])   # the parent still works
         assert [r.job_id for r in s.get_finished()] == [3]
         h.shutdown()
@@ -121,15 +122,8 @@ def test_forked_child_drops_the_parents_handlers_without_touching_them() -> None
                 del s, h
                 gc.collect()
                 os._exit(0)
-            deadline = time.time() + 20
-            while time.time() < deadline:
-                done, status = os.waitpid(pid, os.WNOHANG)
-                if done:
-                    break
-                time.sleep(0.01)
-            else:
-                os.kill(pid, 9); raise SystemExit("child hung")
-            assert os.waitstatus_to_exitcode(status) == 0, status
+            code = wait_child(pid)
+            assert code == 0, code
             ids = [round * 100 + j for j in range(32)]
             s.wait(ids)
             got = s.get_finished()
