@@ -6,8 +6,9 @@
 # with their shared libraries and loader (.carry/redis; the GPU machine has none), and redis-py's wheel
 # (.carry/pywheels), for the `remote` step, without the Rust binaries; Valkey's server and tools where
 # the test command unpacked them (.carry/valkey), for the `remote-valkey` step. KVOFF_WHEEL: carry
-# that wheel instead of building one. `gpu_stage.sh tiering`: the wheel and vLLM 0.33's Python code with
-# the packages it imports that the GPU machine lacks (.carry/vllm-site.tar.xz) for the `tiering` step.
+# that wheel instead of building one. `gpu_stage.sh all`: the full stage and the remote step's
+# servers. `gpu_stage.sh tiering`: the wheel and vLLM 0.33's Python code with the packages it imports
+# that the GPU machine lacks (.carry/vllm-site.tar.xz) for the `tiering` step.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 rm -rf .carry && mkdir -p .carry/bin .carry/wheel
@@ -45,7 +46,7 @@ if [ "${1:-}" = tiering ]; then
   du -sh .carry
   exit 0
 fi
-if [ "${1:-}" = remote ]; then
+stage_redis() {
   mkdir -p .carry/redis/bin .carry/redis/lib .carry/redis/real
   for b in redis-server redis-cli redis-benchmark; do
     cp -L "$(command -v $b)" .carry/redis/real/$b
@@ -74,6 +75,9 @@ if [ "${1:-}" = remote ]; then
   VPY=${KVOFF_VLLM_PY:-${KVOFF_ENV_CACHE:-$HOME/.cache/kvoff/envs}/main/bin/python}
   v=$("$VPY" -c "import importlib.metadata as m; print(m.version('redis'))")
   "$VPY" -m pip download -q --no-deps --only-binary=:all: -d .carry/pywheels "redis==$v"
+}
+if [ "${1:-}" = remote ]; then
+  stage_redis
   git rev-parse --short HEAD > .carry/commit
   git status --porcelain | grep -q . && echo "+dirty" >> .carry/commit || true
   du -sh .carry
@@ -89,6 +93,8 @@ done
 for b in interference transfers; do
   cp "$(echo "$B" | exe "benches/$b.rs")" ".carry/bin/bench_$b"
 done
+# `gpu_stage.sh all`: the Rust binaries and the remote step's servers, for one lease that runs both.
+if [ "${1:-}" = all ]; then stage_redis; fi
 git rev-parse --short HEAD > .carry/commit
 git status --porcelain | grep -q . && echo "+dirty" >> .carry/commit || true
 du -sh .carry
