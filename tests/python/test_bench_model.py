@@ -53,6 +53,12 @@ def test_patterns_select_the_grid():
         bm.default_cells(["decode"], [8], ["auto"], ("both",), ("vllm", "sglang"))
 
 
+def test_engines_name_their_tuning():
+    assert bm._engine_args("auto") == ("auto", "")
+    assert bm._engine_args("dma") == ("dma", "pitched=0")
+    assert bm._engine_args("slow:auto:slowshare=40+duty=25") == ("auto", "slowshare=40,duty=25")
+
+
 def test_the_harness_measures_beside_the_host_engine(tmp_path):
     cells = [
         bm.Cell("decode", "auto", 1, "both", "thread", True),

@@ -85,13 +85,15 @@ def _pct(xs: list[float], q: float) -> float:
 
 
 def _engine_args(engine: str) -> tuple[str, str]:
-    """``auto`` → (auto, ""), ``dma`` → (dma, pitched=0), ``label:engine:tune`` → (engine, tune)."""
+    """``auto`` → (auto, ""), ``dma`` → (dma, pitched=0), ``label:engine:tune`` → (engine, tune);
+    the tune's keys are joined by ``+`` (``--engines`` is a comma-separated list), as
+    ``KVOFF_CUDA_TUNE``'s by commas."""
     if engine == "dma":
         return "dma", "pitched=0"
     parts = engine.split(":", 2)
     if len(parts) == 1:
         return engine, ""
-    return parts[1], parts[2] if len(parts) > 2 else ""
+    return parts[1], parts[2].replace("+", ",") if len(parts) > 2 else ""
 
 
 class _Kv:
@@ -538,7 +540,11 @@ def add_arguments(p: Any) -> None:
     p.add_argument("--impl", default="auto", choices=["auto", "transformers", "torch"])
     p.add_argument("--workloads", default="decode,graph,prefill")
     p.add_argument("--jobs", default="8,128", help="job sizes in MiB (side-thread cells)")
-    p.add_argument("--engines", default="auto,dma", help="auto, dma (plain batched DMA) or label:engine:tune")
+    p.add_argument(
+        "--engines",
+        default="auto,dma",
+        help="auto, dma (plain batched DMA) or label:engine:tune (tune keys joined by +)",
+    )
     p.add_argument("--dirs", default="load,both", help="directions of the side-thread cells")
     p.add_argument(
         "--patterns",
