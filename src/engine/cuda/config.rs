@@ -105,10 +105,18 @@ pub struct CudaEngineConfig {
     /// `Auto` (the default) under the serving policy while another thread's calls are seen to
     /// hold the driver; tune key `polite` (`auto`, `always`, `off`).
     pub polite: Polite,
-    /// Share of wall time, in percent, that a thread enqueueing DMA spends inside copy calls
-    /// while polite: after each call it waits outside the driver `call × (100 − pct) / pct`
-    /// (at least 10 µs). Tune key `duty`.
+    /// Share of wall time, in percent, that kvoff's copy calls hold the driver while polite:
+    /// after each call the thread waits outside the driver `call × (100 − pct) / pct` (at least
+    /// 10 µs). Tune key `duty`.
     pub dma_driver_duty_pct: u32,
+    /// Whether that share is the device's (the default): polite calls of every kvoff thread of
+    /// the device (both directions' engines, their feeders) take turns, one call and its wait at
+    /// a time, so that two threads together hold the driver no longer than one would; `false`:
+    /// each thread's own (two threads then held it up to twice as long, and an eager decode
+    /// beside 128 MiB jobs both ways lost up to +5.5% where a quarter each kept it within +2.1%:
+    /// docs/performance.md, "Transfers beside an eager model"). Tune key `dutywide` (0/1).
+    /// Device-wide: the engine made last sets it.
+    pub polite_duty_device_wide: bool,
     /// Polite also needs this share (of 1024) of the device's sampled copy calls blocked over a
     /// slow window (1/256 per call), not only the fast one's 100; 0 (the default): the fast share
     /// alone decides. Tune key `slowshare` (0–1024). Device-wide: the engine made last sets it.
@@ -163,6 +171,7 @@ impl Default for CudaEngineConfig {
             serving_staged_cap_mb_s: None,
             polite: Polite::Auto,
             dma_driver_duty_pct: 50,
+            polite_duty_device_wide: true,
             polite_slow_share: 0,
             serving_ctas: 0,
             serving_launch_bytes: 1 << 20,
@@ -205,7 +214,7 @@ impl CudaEngineConfig {
     }
 
     /// Applies `KVOFF_CUDA_TUNE` overrides (`key=value` pairs separated by commas; keys `budget`
-    /// (basis points, or `off`), `batch`, `queued`, `pitched` (0/1), `feeder` (0/1), `dmasplit`, `storedma`, `storedmamin` (bytes), `idleafter` (µs; 0 = never idle), `polite` (`auto`, `always`, `off`), `duty` (percent), `feedback` (0 = off), `loadprio` (`high`, `low`, `auto`), `stagedcap` (MB/s, `auto`; 0 = no cap), `ctas`, `max_ctas`, `launch`, `dmamin`, `small`
+    /// (basis points, or `off`), `batch`, `queued`, `pitched` (0/1), `feeder` (0/1), `dmasplit`, `storedma`, `storedmamin` (bytes), `idleafter` (µs; 0 = never idle), `polite` (`auto`, `always`, `off`), `duty` (percent), `dutywide` (0/1), `feedback` (0 = off), `loadprio` (`high`, `low`, `auto`), `stagedcap` (MB/s, `auto`; 0 = no cap), `ctas`, `max_ctas`, `launch`, `dmamin`, `small`
     /// (`kernel` or `staged`)), used by the
     /// benchmarks to sweep the serving policy's knobs without rebuilding.
     ///
@@ -254,6 +263,7 @@ impl CudaEngineConfig {
                 "duty" => {
                     self.dma_driver_duty_pct = u32::try_from(num(v)?).unwrap_or(100).clamp(1, 100);
                 }
+                "dutywide" => self.polite_duty_device_wide = num(v)? != 0,
                 "polite" => {
                     self.polite = match v {
                         "auto" => Polite::Auto,

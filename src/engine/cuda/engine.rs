@@ -229,6 +229,9 @@ impl CudaEngine {
         };
         device.bind()?;
         device.driver.set_slow_share(cfg.polite_slow_share);
+        device
+            .driver
+            .set_duty_device_wide(cfg.polite_duty_device_wide);
         // Beside a model (serving policy) both directions take the lowest priority, so that the
         // model's pending CTAs are scheduled before the copy kernel's.
         let high =

@@ -224,7 +224,7 @@ pub(super) unsafe fn enqueue_batches(
         let e = gov.enter();
         // SAFETY: the rows are copies of the job (obligation 1), pitches ≥ width by construction.
         let ok = unsafe { ffi::memcpy_2d(r.dst, r.dpitch, r.src, r.spitch, r.width, r.rows, s) };
-        gov.leave(&e, 0, &mut base);
+        gov.leave(e, 0, &mut base);
         match (ok, q.as_mut()) {
             (Err(_), _) => {
                 for (src, dst, n) in r.rows() {
@@ -272,7 +272,7 @@ pub(super) unsafe fn enqueue_batches(
                 s,
             )
         };
-        gov.leave(&e, u, &mut base);
+        gov.leave(e, u, &mut base);
         if let Err(e) = c {
             r = Err(e);
             break;

@@ -107,7 +107,7 @@ impl CudaEngine {
             )
         };
         // The upload is one small copy call: sampled like a batch of one (`share`).
-        gov.leave(&e, 1, &mut self.call_base);
+        gov.leave(e, 1, &mut self.call_base);
         up?;
         let ctas = self.kernel_ctas(job);
         if !job.serving {

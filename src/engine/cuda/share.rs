@@ -16,13 +16,17 @@
 //! the recent ones), the device turns *polite* for
 //! [`POLITE_HOLD`]: every enqueueing thread then makes short calls ([`POLITE_BATCH`] copies) and
 //! after each waits outside the driver, so that kvoff holds the driver at most the configured
-//! share of the time ([`Governor::gap`]) and the model's launches get in between. While the model
+//! share of the time ([`Governor::gap`]) and the model's launches get in between; the share is the
+//! device's: polite calls of kvoff's threads take turns through [`DriverShare`]'s gate, a call and
+//! its wait at a time (both directions' feeders would otherwise hold the driver twice as long).
+//! While the model
 //! keeps launching, the calls keep meeting its launches and the device stays polite; a model that
 //! stops launching (a graph replay, an idle GPU) lets the device return to full speed.
 
 #![forbid(unsafe_code)]
 
-use std::sync::atomic::{AtomicU32, AtomicU64, Ordering::Relaxed};
+use std::sync::atomic::{AtomicBool, AtomicU32, AtomicU64, Ordering::Relaxed};
+use std::sync::{Mutex, MutexGuard, PoisonError};
 use std::time::{Duration, Instant};
 
 use super::telemetry::thread_cpu_ns;
@@ -98,6 +102,10 @@ pub struct DriverShare {
     /// Sampled calls, and the blocked ones by time off the CPU (see `SubmitStats::driver_blocked`).
     sampled: AtomicU64,
     blocked_hist: [AtomicU64; BLOCKED_BUCKETS],
+    /// Polite calls take turns through this gate, held from before a call to the end of its
+    /// wait, where the duty is the device's (`CudaEngineConfig::polite_duty_device_wide`).
+    gate: Mutex<()>,
+    gate_wide: AtomicBool,
 }
 
 impl Default for DriverShare {
@@ -116,6 +124,8 @@ impl Default for DriverShare {
             calls: AtomicU64::new(0),
             sampled: AtomicU64::new(0),
             blocked_hist: Default::default(),
+            gate: Mutex::new(()),
+            gate_wide: AtomicBool::new(true),
         }
     }
 }
@@ -135,6 +145,11 @@ impl DriverShare {
     /// Sets the slow share polite needs (0: none).
     pub(super) fn set_slow_share(&self, min: u32) {
         self.slow_min.store(min.min(1024), Relaxed);
+    }
+
+    /// Sets whether the polite duty is the device's (polite calls take turns) or each thread's.
+    pub(super) fn set_duty_device_wide(&self, wide: bool) {
+        self.gate_wide.store(wide, Relaxed);
     }
 
     /// The blocked share over the longer window, of 1024.
@@ -260,13 +275,15 @@ pub(super) struct Governor<'a> {
 }
 
 /// A copy call in progress ([`Governor::enter`]).
-pub(super) struct Entry {
+pub(super) struct Entry<'a> {
     start: Instant,
     cpu_ns: u64,
     /// Another kvoff thread was inside a copy call when this one started.
     others: bool,
     /// The device's count of entered calls, this one included.
     seq: u64,
+    /// The device's polite gate, held until the call's wait ends ([`Governor::leave`]).
+    turn: Option<MutexGuard<'a, ()>>,
 }
 
 impl<'a> Governor<'a> {
@@ -296,8 +313,16 @@ impl<'a> Governor<'a> {
         }
     }
 
-    /// Before a copy call.
-    pub(super) fn enter(&self) -> Entry {
+    /// Before a copy call: while polite with the device's duty, first waits (outside the driver)
+    /// for the other kvoff threads' polite calls and their waits to end.
+    pub(super) fn enter(&self) -> Entry<'a> {
+        let turn = (self.polite() && self.share.gate_wide.load(Relaxed)).then(|| {
+            // A thread that panicked while holding the gate left nothing to repair.
+            self.share
+                .gate
+                .lock()
+                .unwrap_or_else(PoisonError::into_inner)
+        });
         let others = self.share.inside.fetch_add(1, Relaxed) > 0;
         let seq = self.share.entered.fetch_add(1, Relaxed).wrapping_add(1);
         Entry {
@@ -309,14 +334,16 @@ impl<'a> Governor<'a> {
             },
             others,
             seq,
+            turn,
         }
     }
 
     /// After the copy call `e` of `copies` batch entries (0: a pitched copy, not sampled): takes
     /// a sample under `Auto` (only when no other kvoff copy call overlapped it, so kvoff's own
     /// threads — the other direction's, the helper — are not taken for the model), and while
-    /// polite waits outside the driver ([`Governor::gap`]).
-    pub(super) fn leave(&self, e: &Entry, copies: usize, base: &mut CallBase) {
+    /// polite (or holding the gate) waits outside the driver ([`Governor::gap`]), then lets the
+    /// next thread's polite call in.
+    pub(super) fn leave(&self, e: Entry<'_>, copies: usize, base: &mut CallBase) {
         let dt = e.start.elapsed();
         let overlapped = e.others || self.share.entered.load(Relaxed) != e.seq;
         self.share.inside.fetch_sub(1, Relaxed);
@@ -337,10 +364,11 @@ impl<'a> Governor<'a> {
                 self.share.count_blocked(off_cpu);
             }
         }
-        if self.polite() {
+        if self.polite() || e.turn.is_some() {
             self.share.polite_calls.fetch_add(1, Relaxed);
             wait_outside_driver(self.gap(dt));
         }
+        drop(e.turn);
     }
 
     /// The wait after a call of `dt` that keeps the thread inside the driver at most `duty_pct`
@@ -478,10 +506,58 @@ mod tests {
             } else {
                 1
             }));
-            g.leave(&e, 16, &mut base);
+            g.leave(e, 16, &mut base);
         }
-        g.leave(&outer, 0, &mut base);
+        g.leave(outer, 0, &mut base);
         assert!(!s.polite_now());
         assert_eq!(s.polite_calls(), (0, 201));
+    }
+
+    /// Two threads' polite calls (both directions' feeders) take turns, each call followed by
+    /// its wait: together they hold the "driver" at most the duty's share of the time, as one
+    /// thread alone would.
+    #[test]
+    fn polite_calls_of_two_threads_take_turns_under_the_device_duty() {
+        use std::sync::atomic::{AtomicU32, Ordering::SeqCst};
+        const CALL: Duration = Duration::from_micros(300);
+        const CALLS: u32 = 40;
+        let s = DriverShare::default();
+        let inside = AtomicU32::new(0);
+        let overlaps = AtomicU32::new(0);
+        let t0 = std::time::Instant::now();
+        std::thread::scope(|sc| {
+            for _ in 0..2 {
+                sc.spawn(|| {
+                    let g = Governor::new(&s, Polite::Always, 50);
+                    let mut base = CallBase::default();
+                    for _ in 0..CALLS {
+                        let e = g.enter();
+                        if inside.fetch_add(1, SeqCst) > 0 {
+                            overlaps.fetch_add(1, SeqCst);
+                        }
+                        let end = std::time::Instant::now() + CALL;
+                        while std::time::Instant::now() < end {
+                            std::hint::spin_loop();
+                        }
+                        inside.fetch_sub(1, SeqCst);
+                        g.leave(e, 16, &mut base);
+                    }
+                });
+            }
+        });
+        let took = t0.elapsed();
+        let busy = CALL * 2 * CALLS;
+        assert_eq!(overlaps.load(SeqCst), 0, "polite calls overlapped");
+        assert!(
+            took >= busy * 2,
+            "{took:?} for {busy:?} of calls at a 50% duty"
+        );
+        assert_eq!(s.polite_calls(), (80, 80));
+        // With each thread's own duty (`dutywide=0`) the calls no longer wait for each other.
+        s.set_duty_device_wide(false);
+        let g = Governor::new(&s, Polite::Always, 50);
+        let held = g.enter();
+        let other = g.enter();
+        assert!(other.turn.is_none() && held.turn.is_none());
     }
 }
