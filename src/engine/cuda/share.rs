@@ -19,9 +19,9 @@
 //! share of the time ([`Governor::gap`]) and the model's launches get in between; the share is the
 //! device's: polite calls of kvoff's threads take turns through [`DriverShare`]'s gate, a call and
 //! its wait at a time (both directions' feeders would otherwise hold the driver twice as long).
-//! While the model
-//! keeps launching, the calls keep meeting its launches and the device stays polite; a model that
-//! stops launching (a graph replay, an idle GPU) lets the device return to full speed.
+//! While the model keeps launching, the calls keep meeting its launches and the device stays
+//! polite; a model that stops launching (a graph replay, an idle GPU) lets the device return to
+//! full speed.
 
 #![forbid(unsafe_code)]
 
