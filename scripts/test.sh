@@ -40,20 +40,24 @@ step() { printf '\n== %s == (%s)\n' "$*" "$(date +%H:%M:%S)"; }
 T0=$(date +%s)
 
 # together [--nice] NAME CMD...: starts CMD in the background, its output into
-# target/test-logs/NAME.log; with --nice at the lowest CPU priority (nice 19, which its children
-# inherit), so that it takes only the CPU time that the runs in the foreground leave idle.
+# target/test-logs/NAME.log. --nice (CMD a program, not a shell function): at the lowest CPU
+# priority, so that it takes only the CPU time that the steps in the foreground leave idle: nice 19,
+# which its children inherit, in a session of its own whose autogroup is at nice 19 too (where the
+# kernel groups tasks by session, the CFS "autogroup", it shares the CPU between sessions first and
+# heeds nice only within one). A child that starts a session of its own leaves that group: the
+# engine processes that `kvoff bench serve` starts (test_vllm_serve.py) do, and so get a normal
+# share beside the foreground; the servers the tests start do too (they idle most of the time).
 # wait_together [NAME...]: waits for those runs (all of them when none is named), prints each log in
 # turn with its exit status and run time, and fails if any failed.
-# What runs at once, and why that is safe: the release wheel's build (nice 19) beside the Rust lints
+# What runs at once, and why that is safe: the release wheel's build (--nice) beside the Rust lints
 # and tests (cargo's locks are per profile: the wheel's release build and the debug builds do not
 # wait for each other); the stub check, ruff and mypy beside the main pytest run (they start no
-# server); vLLM's engine tests (nice 19: three pytest runs that spend their time starting engine
+# server); vLLM's engine tests (--nice: three pytest runs that spend their time starting engine
 # processes, with no time bound but their hang guards) beside the main pytest run, the Valkey pass
 # and SGLang's tests. One pytest run at a time at normal priority against servers: the remote tier's
 # tests bound their lookups' time (a killed master, eight engines starting together), which two
-# server-heavy runs at once on two cores can break; a run at nice 19 yields the CPU to them.
-# Nothing is shared between these runs (each pytest starts its own servers, engines and
-# directories).
+# server-heavy runs at once on two cores can break. Nothing is shared between these runs (each
+# pytest starts its own servers, engines and directories).
 TOGETHER_NAMES=() TOGETHER_PIDS=() TOGETHER_LOGS=() TOGETHER_T0=()
 together() {
   local nice=0
@@ -62,9 +66,13 @@ together() {
   shift
   mkdir -p target/test-logs
   (
-    if [ "$nice" = 1 ]; then renice -n 19 -p "$BASHPID" >/dev/null; fi
     # exec where it can (not a shell function): the pid recorded is then the run's own, which the
     # EXIT trap below ends.
+    if [ "$nice" = 1 ]; then
+      renice -n 19 -p "$BASHPID" >/dev/null
+      # shellcheck disable=SC2016 # expanded by the inner shell
+      exec setsid -w bash -c 'echo 19 2>/dev/null >/proc/self/autogroup || true; exec "$@"' together "$@"
+    fi
     if declare -F "$1" >/dev/null; then "$@"; else exec "$@"; fi
   ) >"$log" 2>&1 &
   TOGETHER_NAMES+=("$name") TOGETHER_PIDS+=("$!") TOGETHER_LOGS+=("$log") TOGETHER_T0+=("$(date +%s)")
