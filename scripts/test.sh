@@ -45,8 +45,8 @@ T0=$(date +%s)
 # which its children inherit, in a session of its own whose autogroup is at nice 19 too (where the
 # kernel groups tasks by session, the CFS "autogroup", it shares the CPU between sessions first and
 # heeds nice only within one). A child that starts a session of its own leaves that group: the
-# engine processes that `kvoff bench serve` starts (test_vllm_serve.py) do, and so get a normal
-# share beside the foreground; the servers the tests start do too (they idle most of the time).
+# servers the tests start do (they idle most of the time); the engines of `kvoff bench serve` and
+# of test_vllm_e2e's driver run in process groups instead, so they stay in it.
 # wait_together [NAME...]: waits for those runs (all of them when none is named), prints each log in
 # turn with its exit status and run time, and fails if any failed.
 # What runs at once, and why that is safe: the release wheel's build (--nice) beside the Rust lints
