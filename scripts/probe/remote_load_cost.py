@@ -4,9 +4,8 @@
 
 On one private redis-server, rounds alternate kvoff's load (``kvoff bench remote``'s: a second
 engine looks the keys up as a scheduler does until every block is promoted, at ``remote_io_threads``
-of 4 and 8, each also with ``KVOFF_REMOTE_TUNE=sum_after=1``: the payload's checksum taken once
-it is all in rather than piece by piece as it arrives) with the native client's GET pass (one GET
-per key in flight per connection, 4 and 8 threads). For each, per GB of values: the server's CPU seconds (its main thread, user and
+of 4 and 8; ``KVOFF_REMOTE_TUNE`` set by the caller applies) with the native client's GET pass (one
+GET per key in flight per connection, 4 and 8 threads). For each, per GB of values: the server's CPU seconds (its main thread, user and
 system from ``/proc/<pid>/task/<pid>/stat``), its read and write system calls (``/proc/<pid>/io``),
 its context switches, and the commands it ran (``INFO commandstats``) per value.
 
@@ -95,12 +94,8 @@ def main() -> None:
         ref.set(8)
         try:
             for _ in range(ROUNDS):
-                for io, tune in ((4, ""), (4, "sum_after=1"), (8, ""), (8, "sum_after=1")):
-                    os.environ["KVOFF_REMOTE_TUNE"] = tune
-                    try:
-                        b, region = engine(remote_io_threads=io)
-                    finally:
-                        os.environ.pop("KVOFF_REMOTE_TUNE", None)
+                for io in (4, 8):
+                    b, region = engine(remote_io_threads=io)
                     try:
                         warm = keys[N:]
                         t0 = time.perf_counter()
@@ -118,7 +113,7 @@ def main() -> None:
                     finally:
                         b.shutdown()
                         region.close()
-                    rows.setdefault(f"kvoff io={io} {tune}".strip(), []).append(d)
+                    rows.setdefault(f"kvoff io={io}", []).append(d)
                 for t in (4, 8):
                     c0 = counters(pid, port)
                     gbs, ok = ref.get(t)

@@ -293,16 +293,13 @@ pub fn read_setting_file(path: &std::path::Path, cap: u64) -> std::result::Resul
 /// `large_write_jobs` (write pipelines of values ≥ 256 KiB at once), `large_write_batch` (fewest
 /// such values per pipeline) and `read_job_bytes` (most value bytes of one promotion job, at
 /// least one value), each 1 to 2^30; `sum_ahead` (values ≥ 256 KiB whose checksums idle I/O
-/// threads compute ahead of their writers; 0 = none), 0 to 2^30; `sum_after` (1: a payload read
-/// into its block is checksummed once the whole payload is in, not piece by piece as it
-/// arrives; 0, the default: as it arrives), 0 or 1.
+/// threads compute ahead of their writers; 0 = none), 0 to 2^30.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
 pub(super) struct Tune {
     pub(super) large_write_jobs: Option<usize>,
     pub(super) large_write_batch: Option<usize>,
     pub(super) read_job_bytes: Option<usize>,
     pub(super) sum_ahead: Option<usize>,
-    pub(super) sum_after: Option<bool>,
 }
 
 impl Tune {
@@ -327,21 +324,16 @@ impl Tune {
                 .trim()
                 .parse::<usize>()
                 .ok()
-                .filter(|n| match k.trim() {
-                    "sum_after" => *n <= 1,
-                    "sum_ahead" => *n <= 1 << 30,
-                    _ => (1..=1 << 30).contains(n),
-                })
+                .filter(|n| (usize::from(k.trim() != "sum_ahead")..=1 << 30).contains(n))
                 .ok_or_else(bad)?;
             match k.trim() {
                 "large_write_jobs" => t.large_write_jobs = Some(n),
                 "large_write_batch" => t.large_write_batch = Some(n),
                 "read_job_bytes" => t.read_job_bytes = Some(n),
                 "sum_ahead" => t.sum_ahead = Some(n),
-                "sum_after" => t.sum_after = Some(n == 1),
                 _ => {
                     return Err(KvoffError::arg(format!(
-                        "KVOFF_REMOTE_TUNE: unknown key {k:?} (large_write_jobs, large_write_batch, read_job_bytes, sum_ahead, sum_after)"
+                        "KVOFF_REMOTE_TUNE: unknown key {k:?} (large_write_jobs, large_write_batch, read_job_bytes, sum_ahead)"
                     )))
                 }
             }
@@ -494,7 +486,7 @@ mod tests {
     #[test]
     fn tune_overrides_parse_and_refuse_nonsense() {
         let t = Tune::parse(
-            "large_write_jobs=4, large_write_batch=1,read_job_bytes=4194304,sum_ahead=0,sum_after=1",
+            "large_write_jobs=4, large_write_batch=1,read_job_bytes=4194304,sum_ahead=0",
         )
         .unwrap();
         assert_eq!(
@@ -504,10 +496,8 @@ mod tests {
                 large_write_batch: Some(1),
                 read_job_bytes: Some(4 << 20),
                 sum_ahead: Some(0),
-                sum_after: Some(true),
             }
         );
-        assert_eq!(Tune::parse("sum_after=0").unwrap().sum_after, Some(false));
         assert_eq!(Tune::parse("").unwrap(), Tune::default());
         for bad in [
             "jobs=2",
@@ -517,7 +507,6 @@ mod tests {
             "read_job_bytes=2147483648",
             "sum_ahead=-1",
             "sum_ahead=1073741825",
-            "sum_after=2",
         ] {
             assert!(Tune::parse(bad).is_err(), "{bad}");
         }

@@ -307,7 +307,6 @@ impl RemoteTier {
                     * 2
             }),
             summing: std::sync::atomic::AtomicUsize::new(0),
-            sum_after: tune.sum_after.unwrap_or(false),
             read_job_bytes: tune
                 .read_job_bytes
                 .unwrap_or(usize::try_from(FETCH_JOB_BYTES).unwrap_or(usize::MAX)),

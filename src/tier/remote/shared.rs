@@ -228,9 +228,6 @@ pub(super) struct Shared {
     pub(super) sum_ahead: usize,
     /// Writes taken to be checksummed ahead, or waiting in `summed`.
     pub(super) summing: std::sync::atomic::AtomicUsize,
-    /// `KVOFF_REMOTE_TUNE` `sum_after`: a payload read into its block is checksummed once it is
-    /// all in (`wire::read_into_block`), not as it arrives.
-    pub(super) sum_after: bool,
     /// Most value bytes of one promotion job ([`super::FETCH_JOB_BYTES`] unless tuned).
     pub(super) read_job_bytes: usize,
     /// I/O threads looking at the queues in `Shared::idle_spin` now.

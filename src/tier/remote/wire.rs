@@ -65,14 +65,6 @@ fn read_into_block(
         read = true;
         // The checksum follows the bytes in (docs/design.md "The data path"); equal to
         // `format::payload_sum` of the whole payload (xxh3-64, streamed).
-        if sh.sum_after {
-            // (`KVOFF_REMOTE_TUNE` `sum_after=1`: the whole payload in first, then its sum.)
-            io = p.read_body(dst);
-            if io.is_ok() {
-                sum = format::payload_sum(dst);
-            }
-            return io.is_ok();
-        }
         let mut h = xxhash_rust::xxh3::Xxh3::new();
         io = p.read_body_summed(dst, Some(&mut h));
         if io.is_ok() {
