@@ -121,7 +121,8 @@ def test_rust_snippet_builds_and_runs() -> None:
             path.write_text(text)
     # The checkout's lock file: the same dependency versions as kvoff's own build, no resolution.
     shutil.copy(ROOT / "Cargo.lock", app / "Cargo.lock")
-    env = dict(os.environ, CARGO_TARGET_DIR=str(base / "target"))
+    # Without debug info: the snippet is only built and run (disk, as in Cargo.toml's [profile.dev]).
+    env = dict(os.environ, CARGO_TARGET_DIR=str(base / "target"), CARGO_PROFILE_DEV_DEBUG="false")
     p = subprocess.run(
         [cargo, "run", "--quiet"], cwd=app, env=env, capture_output=True, text=True, timeout=1800, check=False
     )
