@@ -103,6 +103,14 @@ wait_together() {
 trap 'for p in "${TOGETHER_PIDS[@]}"; do kill "$p" 2>/dev/null || true; done' EXIT
 
 rustup component add rustfmt clippy >/dev/null 2>&1 || true
+# The disk it starts with (a full disk shows up later as a linker's SIGBUS, not as "no space"):
+# a fresh machine needs about 25 GB (the Python environments ~22 GB, cached between runs in
+# ~/.cache/kvoff, and ~3 GB of build output under target/).
+df -h . "${XDG_CACHE_HOME:-$HOME/.cache}" 2>/dev/null | awk 'NR == 1 || !seen[$1]++' || true
+free_kb=$(df -Pk . | awk 'NR == 2 {print $4}')
+if [ "${free_kb:-0}" -lt $((4 * 1024 * 1024)) ]; then
+  echo "warning: only $((free_kb / 1024)) MiB free here; the build alone needs about 3 GB" >&2
+fi
 step "cargo fmt --check"
 cargo fmt --check
 step "python environment: tools (maturin; SeaweedFS's weed for the object tier's tests)"
