@@ -287,8 +287,14 @@ def test_partition_of_every_node(cluster_factory: Callable[..., rs.RedisCluster]
         f"connections through the proxies (two proxy threads each): {proxied0}, then {proxied}"
     )
     # Connections and threads come back after a partition; they may settle at a higher level
-    # once (a pool refilled), but must not grow with every partition.
-    assert per_round[-1] <= per_round[1], f"threads/fds grow with every partition: {per_round}"
+    # once (a pool refilled), but must not grow with every partition. The level of the first two
+    # rounds is their larger count: which I/O threads reconnect in a round depends on which took
+    # a job, so a round may open fewer connections than the one before (seen: 35, 31, 35, 35
+    # threads).
+    settled = (max(r[0] for r in per_round[:2]), max(r[1] for r in per_round[:2]))
+    assert all(t <= settled[0] and f <= settled[1] for t, f in per_round[2:]), (
+        f"threads/fds grow with every partition: {per_round}"
+    )
     # Each engine's I/O threads hold at most one connection per master (2 engines x IO_THREADS x 3
     # masters); which threads have connected by the first count depends on which took a job, so
     # the count may settle higher once, then must stay there.
