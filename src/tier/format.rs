@@ -145,10 +145,41 @@ pub const fn file_len(payload_len: u64) -> u64 {
     HEADER_BYTES as u64 + payload_len.div_ceil(HEADER_BYTES as u64) * HEADER_BYTES as u64
 }
 
-/// Checksum of a payload.
+/// Checksum of a payload: XXH3-64 (seed 0), the value every header's `payload_sum` holds.
+///
+/// Computed by twox-hash, which picks its AVX2 loop at run time where the CPU has it: a portable
+/// build of xxhash-rust (the same function) is limited to SSE2, about 1.5x slower on the 2 MiB
+/// payloads the tiers check on every load and store (docs/performance.md "Tier tuning table").
+/// Equal to xxhash-rust's `xxh3_64` for every input (`payload_sum_is_xxh3_64`).
 #[must_use]
 pub fn payload_sum(payload: &[u8]) -> u64 {
-    xxh3_64(payload)
+    twox_hash::XxHash3_64::oneshot(payload)
+}
+
+/// [`payload_sum`] of a payload fed in pieces (as it arrives from a socket).
+pub struct PayloadSum(twox_hash::XxHash3_64);
+
+impl PayloadSum {
+    /// A sum of no bytes yet.
+    #[must_use]
+    pub fn new() -> Self {
+        Self(twox_hash::XxHash3_64::with_seed(0))
+    }
+    /// Feeds the next piece of the payload.
+    pub fn update(&mut self, piece: &[u8]) {
+        std::hash::Hasher::write(&mut self.0, piece);
+    }
+    /// [`payload_sum`] of every piece fed so far, in order.
+    #[must_use]
+    pub fn digest(&self) -> u64 {
+        std::hash::Hasher::finish(&self.0)
+    }
+}
+
+impl Default for PayloadSum {
+    fn default() -> Self {
+        Self::new()
+    }
 }
 
 fn put_u32(b: &mut [u8], off: usize, v: u32) {
@@ -316,6 +347,35 @@ pub fn verify_sized<'a>(
 #[allow(clippy::pedantic)] // tests: style lints are for the library
 mod tests {
     use super::*;
+
+    /// Values stored by any build stay readable: the run-time-dispatched sum is xxhash-rust's
+    /// XXH3-64, one-shot and streamed in uneven pieces, at the lengths where XXH3 changes path
+    /// (0, 1–3, 4–8, 9–16, 17–128, 129–240, stripes, blocks of 1 KiB, the tail).
+    #[test]
+    fn payload_sum_is_xxh3_64() {
+        let n = (2 << 20) + 77;
+        let v: Vec<u8> = (0..n)
+            .map(|i| u8::try_from((i * 131 + 7 + (i >> 11)) % 251).unwrap_or(0))
+            .collect();
+        for len in [
+            0usize, 1, 3, 4, 8, 9, 16, 17, 64, 128, 129, 200, 240, 241, 1024, 1025, 1096, 4096,
+            32_768, 65_543, 1 << 20, n,
+        ] {
+            let want = xxh3_64(&v[..len]);
+            assert_eq!(payload_sum(&v[..len]), want, "len {len}");
+            for first in [1usize, 7, 64, 1000] {
+                let mut h = PayloadSum::new();
+                let (mut i, mut step) = (0, first);
+                while i < len {
+                    let e = (i + step).min(len);
+                    h.update(&v[i..e]);
+                    i = e;
+                    step = step * 3 + 5;
+                }
+                assert_eq!(h.digest(), want, "len {len}, streamed from pieces of {first}");
+            }
+        }
+    }
 
     #[test]
     fn key_stems_round_trip() {

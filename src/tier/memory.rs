@@ -303,7 +303,7 @@ impl RawRows {
             file.read_exact_at(header, 0)?;
             file.read_exact_at(payload, header.len() as u64)?;
         }
-        Ok(xxhash_rust::xxh3::xxh3_64(payload))
+        Ok(crate::tier::format::payload_sum(payload))
     }
 }
 
@@ -375,7 +375,7 @@ impl BlockMemory for RawRows {
     }
     fn payload_sum(&self, block: BlockId) -> Option<io::Result<u64>> {
         self.aligned(block)
-            .then(|| self.block_slice(block).map(xxhash_rust::xxh3::xxh3_64))
+            .then(|| self.block_slice(block).map(crate::tier::format::payload_sum))
     }
     fn write_file_from(
         &self,

@@ -293,7 +293,7 @@ mod tests {
             );
             p.take_bulk_header().unwrap();
             let mut dst = vec![0u8; body.len()];
-            let mut h = xxhash_rust::xxh3::Xxh3::new();
+            let mut h = crate::tier::format::PayloadSum::new();
             p.read_body_summed(&mut dst, Some(&mut h)).unwrap();
             p.read_crlf().unwrap();
             assert_eq!(dst, body);

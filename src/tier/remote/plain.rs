@@ -324,7 +324,7 @@ impl Plain {
     pub(super) fn read_body_summed(
         &mut self,
         dst: &mut [u8],
-        mut sum: Option<&mut xxhash_rust::xxh3::Xxh3>,
+        mut sum: Option<&mut crate::tier::format::PayloadSum>,
     ) -> Result<(), String> {
         let have = (self.end - self.start).min(dst.len());
         dst[..have].copy_from_slice(&self.buf[self.start..self.start + have]);

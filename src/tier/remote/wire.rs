@@ -65,7 +65,7 @@ fn read_into_block(
         read = true;
         // The checksum follows the bytes in (docs/design.md "The data path"); equal to
         // `format::payload_sum` of the whole payload (xxh3-64, streamed).
-        let mut h = xxhash_rust::xxh3::Xxh3::new();
+        let mut h = crate::tier::format::PayloadSum::new();
         io = p.read_body_summed(dst, Some(&mut h));
         if io.is_ok() {
             sum = h.digest();
