@@ -358,8 +358,28 @@ mod tests {
             .map(|i| u8::try_from((i * 131 + 7 + (i >> 11)) % 251).unwrap_or(0))
             .collect();
         for len in [
-            0usize, 1, 3, 4, 8, 9, 16, 17, 64, 128, 129, 200, 240, 241, 1024, 1025, 1096, 4096,
-            32_768, 65_543, 1 << 20, n,
+            0usize,
+            1,
+            3,
+            4,
+            8,
+            9,
+            16,
+            17,
+            64,
+            128,
+            129,
+            200,
+            240,
+            241,
+            1024,
+            1025,
+            1096,
+            4096,
+            32_768,
+            65_543,
+            1 << 20,
+            n,
         ] {
             let want = xxh3_64(&v[..len]);
             assert_eq!(payload_sum(&v[..len]), want, "len {len}");
@@ -372,7 +392,11 @@ mod tests {
                     i = e;
                     step = step * 3 + 5;
                 }
-                assert_eq!(h.digest(), want, "len {len}, streamed from pieces of {first}");
+                assert_eq!(
+                    h.digest(),
+                    want,
+                    "len {len}, streamed from pieces of {first}"
+                );
             }
         }
     }

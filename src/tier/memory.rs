@@ -374,8 +374,10 @@ impl BlockMemory for RawRows {
             .then(|| self.read_file(block, file, header))
     }
     fn payload_sum(&self, block: BlockId) -> Option<io::Result<u64>> {
-        self.aligned(block)
-            .then(|| self.block_slice(block).map(crate::tier::format::payload_sum))
+        self.aligned(block).then(|| {
+            self.block_slice(block)
+                .map(crate::tier::format::payload_sum)
+        })
     }
     fn write_file_from(
         &self,

@@ -36,7 +36,7 @@ use xxhash_rust::xxh3::xxh3_64;
 
 pub use file::bench;
 pub use file::{DirectIo, FileTier, IdleWaiter, TierConfig, TierStats};
-pub use format::{file_len, COMPACT_HEADER_BYTES, HEADER_BYTES};
+pub use format::{file_len, payload_sum, PayloadSum, COMPACT_HEADER_BYTES, HEADER_BYTES};
 pub use memory::{AlignedBuf, AlignedRows, BlockMemory, RawRows, VecMemory};
 
 use crate::key::ByteKey;
