@@ -17,6 +17,13 @@ use std::sync::{Mutex, MutexGuard, PoisonError};
 use crate::error::{KvoffError, Result};
 use crate::manager::BlockId;
 
+/// The payload checksum (XXH3-64, seed 0): `format::payload_sum`'s function, which this layer
+/// cannot import (docs/design.md "Crate layout"); twox-hash picks AVX2 at run time. A sum that
+/// differed would fail every file-tier read of a block written through `format` (tests/tier_files.rs).
+fn xxh3_64(payload: &[u8]) -> u64 {
+    twox_hash::XxHash3_64::oneshot(payload)
+}
+
 /// Host memory the tier copies blocks out of and into (one rank's slot of each row).
 ///
 /// The tier calls these from its I/O threads. The caller's protocol keeps a block unchanged while it
@@ -303,7 +310,7 @@ impl RawRows {
             file.read_exact_at(header, 0)?;
             file.read_exact_at(payload, header.len() as u64)?;
         }
-        Ok(crate::tier::format::payload_sum(payload))
+        Ok(xxh3_64(payload))
     }
 }
 
@@ -374,10 +381,8 @@ impl BlockMemory for RawRows {
             .then(|| self.read_file(block, file, header))
     }
     fn payload_sum(&self, block: BlockId) -> Option<io::Result<u64>> {
-        self.aligned(block).then(|| {
-            self.block_slice(block)
-                .map(crate::tier::format::payload_sum)
-        })
+        self.aligned(block)
+            .then(|| self.block_slice(block).map(xxh3_64))
     }
     fn write_file_from(
         &self,
