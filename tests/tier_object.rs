@@ -457,7 +457,14 @@ fn server_faults_end_as_misses_and_failed_stores() {
             next += 1;
             store(&mut a, &mem, &[next]);
             a.flush();
-            assert!(t0.elapsed() < Duration::from_secs(10), "no reconnect");
+            assert!(
+                t0.elapsed() < Duration::from_secs(10),
+                "no reconnect: {:?}\n{:?}\nprobe {:?}\nweed: {}",
+                stats(&mut a),
+                object(&a).stats(),
+                srv.write_probe("faults"),
+                srv.log_tail()
+            );
             std::thread::sleep(Duration::from_millis(100));
         }
 

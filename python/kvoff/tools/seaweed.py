@@ -326,7 +326,30 @@ class SeaweedServer:
         for b in self.buckets:
             self._make_bucket(b)
         self.starts += 1
+        if self.buckets:
+            self._wait_writable(self.buckets[0], deadline)
         return self
+
+    def _wait_writable(self, bucket: str, deadline: float) -> None:
+        """Returns once a write lands (a probe object in ``bucket`` through the filer, deleted
+        again). Writes land later than reads after a restart — the master takes a while to find a
+        writable volume: PUTs failed for up to 14 s on a busy 2-CPU machine where reads worked —
+        so a caller's clock for recovery starts once the server takes writes."""
+        path = f"/buckets/{bucket}/kvoff-write-probe"
+        last = ""
+        while True:
+            try:
+                status, body = self._http("PUT", self.ports["filer"], path, b"probe", timeout_s=2.0)
+                if status < 300:
+                    with contextlib.suppress(OSError):
+                        self._http("DELETE", self.ports["filer"], path, timeout_s=2.0)
+                    return
+                last = f"{status} {body[:200]!r}"
+            except (OSError, http.client.HTTPException) as e:
+                last = str(e)
+            if time.monotonic() > deadline + 30.0:
+                raise RuntimeError(f"weed took no write ({last}):\n{self.log_tail()}")
+            time.sleep(0.05)
 
     def _volumes_known(self) -> bool:
         """Whether the master lists the volume server with every volume on disk. S3 answers before
