@@ -93,7 +93,13 @@ def test_kvoff_rows_contract(redis_server: rs.RedisServer) -> None:
         assert key in k, key
     assert k["verified"] is True and k["set_gb_s"] > 0 and k["get_gb_s"] > 0
     # The server's CPU is read only where the benchmark started the server (its process).
-    assert k["server_store"] == k["server_load"] == {"busy": None, "cpu_s_per_gb": None}
+    for phase in ("server_store", "server_load"):
+        assert k[phase]["busy"] is None and k[phase]["cpu_s_per_gb"] is None, k[phase]
+        # This process's CPU is read in every run; the I/O threads' by their names (Linux).
+        assert k[phase]["client_cpu_s_per_gb"] > 0, k[phase]
+        if sys.platform == "linux":
+            io = k[phase]["io_threads_cpu_s_per_gb"]
+            assert 0 <= io <= k[phase]["client_cpu_s_per_gb"] * 1.05, k[phase]
     # Each scheduler-thread figure comes with its reference from the same loop.
     for case in ("up", "up_paced", "down"):
         assert k[f"lookup_ref_p99_us_{case}"] > 0 and k[f"lookup_p99_us_{case}"] > 0
@@ -141,7 +147,10 @@ def test_cli_private_server(capsys: pytest.CaptureFixture[str]) -> None:
             for variant in ("one_key", "keys"):
                 assert alt[variant]["set_server_cpu_s_per_gb"] > 0
                 assert alt[variant]["get_server_cpu_s_per_gb"] > 0
+            # The client's CPU beside the server's, for kvoff and for the native client.
+            assert nat["set_client_cpu_s_per_gb"] > 0 and nat["get_client_cpu_s_per_gb"] > 0
             assert "server CPU s per GB of values" in br.format_remote(res)
+            assert "client CPU s per GB: kvoff store / load" in br.format_remote(res)
     text = br.format_remote(res)
     assert "redis-benchmark best" in text and "32 KiB" in text and "3 I/O threads" in text
     assert (row["kvoff"] is None) or "redis-benchmark again" in text

@@ -337,11 +337,19 @@ def test_vllm_remote_settings() -> None:
 # --- faults ---------------------------------------------------------------------------------------
 
 
-def _wait(cond: Callable[[], bool], timeout: float, what: str) -> None:
+def _wait(
+    cond: Callable[[], bool], timeout: float, what: str, show: Callable[[], object] | None = None
+) -> None:
+    """Polls ``cond`` for ``timeout`` seconds; the failure names ``what`` and ``show()`` (an
+    engine's stats: which of its counters moved says where it stopped)."""
     t0 = time.monotonic()
     while not cond():
-        assert time.monotonic() - t0 < timeout, what
+        assert time.monotonic() - t0 < timeout, f"{what}: {show() if show is not None else ''}"
         time.sleep(0.05)
+
+
+def _remote_stats(e: Engine) -> dict[str, Any]:
+    return {k: v for k, v in e.stats().items() if k.startswith("remote_")}
 
 
 def _timed_lookups(e: Engine, ids: list[int], seconds: float) -> float:
@@ -385,6 +393,7 @@ def test_faults_standalone(
         lambda: (a.store([next(nxt)]), a.m.flush(), a.stats()["remote_reconnects"] >= 1)[-1],
         15,
         "no reconnect",
+        lambda: _remote_stats(a),
     )
     b = engines(srv.url, "f", num=128)
     assert b.settle([0, 1, 2]) == 0
@@ -397,7 +406,12 @@ def test_faults_standalone(
     n = b.settle(list(range(100, 132)))
     b.check(list(range(100, 100 + n)))  # whatever arrived is exact
     srv.restart(keep_data=True)
-    _wait(lambda: b.settle(list(range(100, 132))) == 32, 15, "not served after restart with data")
+    _wait(
+        lambda: b.settle(list(range(100, 132))) == 32,
+        15,
+        "not served after restart with data",
+        lambda: (b.settle(list(range(100, 132))), _remote_stats(b)),
+    )
     b.check(list(range(100, 132)))
     # Stopped (SIGSTOP) for a while: fetches time out, lookups stay fast; then it comes back.
     srv.pause()
@@ -409,7 +423,12 @@ def test_faults_standalone(
         assert time.monotonic() - t0 < 0.05
     finally:
         srv.resume()
-    _wait(lambda: (b.store([next(nxt)]), b.m.flush(), b.stats()["remote_writes"] >= 2)[-1], 15, "no recovery")
+    _wait(
+        lambda: (b.store([next(nxt)]), b.m.flush(), b.stats()["remote_writes"] >= 2)[-1],
+        15,
+        "no recovery",
+        lambda: _remote_stats(b),
+    )
     for e in (a, b):
         e.close()
     engines_closed_threads = rs.thread_count()
@@ -442,7 +461,12 @@ def test_stalled_proxy(
     finally:
         p.resume()
     nxt = iter(range(100, 200))
-    _wait(lambda: (a.store([next(nxt)]), a.m.flush(), a.stats()["remote_writes"] > 2)[-1], 15, "no recovery")
+    _wait(
+        lambda: (a.store([next(nxt)]), a.m.flush(), a.stats()["remote_writes"] > 2)[-1],
+        15,
+        "no recovery",
+        lambda: _remote_stats(a),
+    )
     assert a.stats()["remote_reconnects"] >= 1
 
 

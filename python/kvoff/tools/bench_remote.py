@@ -148,6 +148,63 @@ def _p(xs: list[float], q: float) -> float:
     return ys[min(len(ys) - 1, int(q * len(ys)))]
 
 
+#: The remote tier's I/O threads' name prefix (``src/tier/remote/mod.rs``).
+IO_THREAD_PREFIX = "kvoff-remote-"
+
+
+def io_threads_cpu_s(prefix: str = IO_THREAD_PREFIX) -> float | None:
+    """CPU seconds of this process's live threads whose name starts with ``prefix``, from
+    ``/proc/self/task``: each thread's run time in ns (``schedstat``), else its user and system
+    ticks (``stat``, 10 ms steps); ``None`` where there is no such file system."""
+    try:
+        tasks = os.listdir("/proc/self/task")
+    except OSError:
+        return None
+    tick = os.sysconf("SC_CLK_TCK")
+    total = 0.0
+    for t in tasks:
+        try:
+            with open(f"/proc/self/task/{t}/comm", "rb") as f:
+                if not f.read().decode(errors="replace").startswith(prefix):
+                    continue
+            try:
+                with open(f"/proc/self/task/{t}/schedstat", "rb") as f:
+                    total += int(f.read().split()[0]) / 1e9
+                continue
+            except (OSError, ValueError, IndexError):
+                pass
+            with open(f"/proc/self/task/{t}/stat", "rb") as f:
+                # "tid (comm) state ...": comm may hold spaces and parentheses.
+                fields = f.read().rpartition(b")")[2].split()
+            total += (int(fields[11]) + int(fields[12])) / tick  # utime, stime
+        except OSError:
+            continue  # ended meanwhile
+    return total
+
+
+class _Cpu:
+    """CPU seconds around one timed phase: the server's (``server_cpu``), this process's (every
+    thread: the scheduler's calls and the tier's I/O threads, or the native reference's threads)
+    and the remote tier's I/O threads' alone."""
+
+    def __init__(self, server_cpu: Callable[[], float | None] | None) -> None:
+        self.server_cpu = server_cpu
+        self.s0 = server_cpu() if server_cpu is not None else None
+        self.p0 = time.process_time()
+        self.io0 = io_threads_cpu_s()
+
+    def spent(self, dt: float) -> dict[str, float | None]:
+        """``{"server", "dt", "process", "io"}`` since construction (``None`` where unknown)."""
+        s1 = self.server_cpu() if self.server_cpu is not None else None
+        io1 = io_threads_cpu_s()
+        return {
+            "server": None if s1 is None or self.s0 is None else s1 - self.s0,
+            "dt": dt,
+            "process": time.process_time() - self.p0,
+            "io": None if io1 is None or self.io0 is None else io1 - self.io0,
+        }
+
+
 def _store_remote(
     a: Any,
     ra: Any,
@@ -155,12 +212,12 @@ def _store_remote(
     block: int,
     base: Any,
     server_cpu: Callable[[], float | None] | None = None,
-    spent: list[tuple[float, float]] | None = None,
+    spent: list[dict[str, float | None]] | None = None,
 ) -> float:
     """Stores ``keys`` (``base`` with the block's index in its first 8 bytes) through manager ``a``
     (host memory ``ra``) until the server acknowledged all of them; returns GB/s of block bytes.
-    With ``server_cpu`` (:meth:`ServerControl.cpu_s`), appends to ``spent`` the server's CPU
-    seconds over the timed store and its duration."""
+    Appends to ``spent`` the CPU seconds over the timed store (:meth:`_Cpu.spent`: the server's
+    where ``server_cpu``, :meth:`ServerControl.cpu_s`, reads it) and its duration."""
     import numpy as np
 
     n = len(keys)
@@ -171,14 +228,13 @@ def _store_remote(
         view[int(blk)] = base
         view[int(blk), :8] = np.frombuffer(i.to_bytes(8, "little"), dtype=np.uint8)
     before = a.get_stats()["remote_writes"]
-    c0 = server_cpu() if server_cpu is not None else None
+    cpu = _Cpu(server_cpu)
     t0 = time.perf_counter()
     a.complete_store(out.keys_to_store)
     a.flush()  # waits until the server acknowledged every queued write
     dt = time.perf_counter() - t0
-    c1 = server_cpu() if server_cpu is not None else None
-    if spent is not None and c0 is not None and c1 is not None:
-        spent.append((c1 - c0, dt))
+    if spent is not None:
+        spent.append(cpu.spent(dt))
     st = a.get_stats()
     if st["remote_writes"] - before != n:
         raise RuntimeError(
@@ -202,7 +258,7 @@ def _load_remote(
     base: Any,
     lookups: list[float],
     server_cpu: Callable[[], float | None] | None = None,
-    spent: list[tuple[float, float]] | None = None,
+    spent: list[dict[str, float | None]] | None = None,
 ) -> tuple[float, bool]:
     """Promotes ``keys`` into manager ``b`` (host memory ``rb``) the way a scheduler does: the keys
     are requests of ``REQUEST_BLOCKS`` blocks, and every step (``STEP_S`` apart) calls
@@ -213,7 +269,7 @@ def _load_remote(
 
     n = len(keys)
     waiting = [keys[i : i + REQUEST_BLOCKS] for i in range(0, n, REQUEST_BLOCKS)]
-    c0 = server_cpu() if server_cpu is not None else None
+    cpu = _Cpu(server_cpu)
     t0 = time.perf_counter()
     while waiting:
         still = []
@@ -232,9 +288,8 @@ def _load_remote(
             )
         time.sleep(STEP_S)
     dt = time.perf_counter() - t0
-    c1 = server_cpu() if server_cpu is not None else None
-    if spent is not None and c0 is not None and c1 is not None:
-        spent.append((c1 - c0, dt))
+    if spent is not None:
+        spent.append(cpu.spent(dt))
     gbs = n * block / dt / 1e9
     spec = b.prepare_load(keys)
     vb = rb.view_numpy(0, 0, block)
@@ -396,8 +451,8 @@ def _tier_rows(
     lookups_load: list[float] = []
     # The server's CPU seconds and the duration of each store and load (with its private server).
     server_cpu = control.cpu_s if control is not None else None
-    spent_store: list[tuple[float, float]] = []
-    spent_load: list[tuple[float, float]] = []
+    spent_store: list[dict[str, float | None]] = []
+    spent_load: list[dict[str, float | None]] = []
     verified = True
     # One namespace for every repetition, its keys written once before them, untimed, as
     # redis-benchmark's keyspace is before its grid: every timed store replaces values the server
@@ -457,14 +512,21 @@ def _tier_rows(
     down = _lookup_p99(engine, host_engine, key, dead, None)
     gb_values = n * value_bytes / 1e9
 
-    def server(spent: list[tuple[float, float]]) -> dict[str, float | None]:
+    def server(spent: list[dict[str, float | None]]) -> dict[str, float | None]:
         # Medians over the repetitions: the share of the time the server's event loop ran, and
-        # its CPU seconds per GB of values (header included, as the references count them).
-        if not spent:
-            return {"busy": None, "cpu_s_per_gb": None}
+        # its CPU seconds per GB of values (header included, as the references count them); this
+        # process's CPU seconds per GB (the scheduler's calls and the I/O threads) and the I/O
+        # threads' alone.
+        def per_gb(what: str) -> float | None:
+            xs = [float(c) / gb_values for sp in spent if (c := sp[what]) is not None]
+            return statistics.median(xs) if xs else None
+
+        busy = [c / dt for sp in spent if (c := sp["server"]) is not None and (dt := sp["dt"])]
         return {
-            "busy": statistics.median(c / dt for c, dt in spent),
-            "cpu_s_per_gb": statistics.median(c / gb_values for c, _ in spent),
+            "busy": statistics.median(busy) if busy else None,
+            "cpu_s_per_gb": per_gb("server"),
+            "client_cpu_s_per_gb": per_gb("process"),
+            "io_threads_cpu_s_per_gb": per_gb("io"),
         }
 
     return {
@@ -668,6 +730,14 @@ def _server_line(k: dict[str, Any], ra: dict[str, Any] | None, blocks: int) -> s
         f"server CPU s per GB of values: kvoff store {st['cpu_s_per_gb']:.2f} (busy {st['busy']:.0%}),"
         f" load {ld['cpu_s_per_gb']:.2f} (busy {ld['busy']:.0%})"
     )
+    if st.get("client_cpu_s_per_gb") is not None and ld.get("client_cpu_s_per_gb") is not None:
+        io = ""
+        if st.get("io_threads_cpu_s_per_gb") is not None and ld.get("io_threads_cpu_s_per_gb") is not None:
+            io = f" (its I/O threads {st['io_threads_cpu_s_per_gb']:.2f} / {ld['io_threads_cpu_s_per_gb']:.2f})"
+        text += (
+            f"; client CPU s per GB: kvoff store / load {st['client_cpu_s_per_gb']:.2f} /"
+            f" {ld['client_cpu_s_per_gb']:.2f}{io}"
+        )
     if ra is not None and "set_server_cpu_s_per_gb" in ra["one_key"]:
         o, n = ra["one_key"], ra["keys"]
         text += (
@@ -700,6 +770,11 @@ def _native_lines(row: dict[str, Any], v: str, part: str) -> list[str]:
             cpu = (
                 f"; server CPU s per GB {na['set_server_cpu_s_per_gb']:.2f} /"
                 f" {na['get_server_cpu_s_per_gb']:.2f}"
+            )
+        if "set_client_cpu_s_per_gb" in na and "get_client_cpu_s_per_gb" in na:
+            cpu += (
+                f"; client CPU s per GB {na['set_client_cpu_s_per_gb']:.2f} /"
+                f" {na['get_client_cpu_s_per_gb']:.2f}"
             )
         return [
             (

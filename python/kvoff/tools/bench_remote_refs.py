@@ -357,17 +357,22 @@ class _NativeAlternated:
         self.threads = {op: int(best[op]["threads"]) for op in ("set", "get")}
         self.runs: dict[str, list[float]] = {"set": [], "get": []}
         self.cpu: dict[str, list[float]] = {"set": [], "get": []}
+        # This process's CPU seconds per GB of each run (the reference's threads; the calling
+        # thread waits in the call).
+        self.client_cpu: dict[str, list[float]] = {"set": [], "get": []}
         self.verified = True
 
     def __call__(self) -> None:
         for op, t in self.threads.items():
             c0 = self.server_cpu() if self.server_cpu is not None else None
+            p0 = time.process_time()
             if op == "set":
                 self.runs[op].append(float(self.ref.set(t)))
             else:
                 gbs, ok = self.ref.get(t)
                 self.runs[op].append(float(gbs))
                 self.verified &= bool(ok)
+            self.client_cpu[op].append((time.process_time() - p0) / self.gb)
             c1 = self.server_cpu() if self.server_cpu is not None else None
             if c0 is not None and c1 is not None:
                 self.cpu[op].append((c1 - c0) / self.gb)
@@ -385,6 +390,9 @@ class _NativeAlternated:
         for op, xs in self.cpu.items():
             if xs:
                 out[f"{op}_server_cpu_s_per_gb"] = statistics.median(xs)
+        for op, xs in self.client_cpu.items():
+            if xs:
+                out[f"{op}_client_cpu_s_per_gb"] = statistics.median(xs)
         return out
 
 
