@@ -31,7 +31,10 @@ thread, where a Redis or Valkey without I/O threads parses, executes and answers
 :meth:`ServerControl.cpu_s`) around kvoff's store and load and around each run of the best shapes
 again: the server's CPU seconds per GB of values for each, and the share of kvoff's time the server
 was busy. A client at the server's ceiling keeps it busy nearly all the time; one that costs the
-server less per GB than redis-benchmark does moves more bytes for the same CPU.
+server less per GB than redis-benchmark does moves more bytes for the same CPU. The client's side is
+read in every run: this process's CPU seconds per GB of kvoff's store and load (the scheduler's
+calls and the tier's I/O threads; the I/O threads' alone by their names) and of the native
+client's runs again. Where the server and the clients share few CPUs, the sum of both decides.
 
 Without ``url`` the benchmark starts a private ``redis-server`` on loopback (a random port, no
 persistence) and stops it at the end; it needs Debian's ``redis-server`` and ``redis-tools``

@@ -49,7 +49,7 @@ impl Sched {
             .saturating_sub((n * sh.value_len) as u64);
     }
 
-    fn apply_one(&mut self, sh: &Shared, d: Done) {
+    pub(super) fn apply_one(&mut self, sh: &Shared, d: Done) {
         let now = self.index.tick(Instant::now());
         let absent = Entry::Absent {
             until: Index::after(now, sh.cfg.negative_ttl),

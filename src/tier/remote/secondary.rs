@@ -5,6 +5,7 @@
 
 use std::sync::atomic::AtomicU64;
 use std::sync::atomic::Ordering::{Acquire, Relaxed, Release};
+use std::sync::mpsc::RecvTimeoutError;
 use std::sync::PoisonError;
 use std::time::{Duration, Instant};
 
@@ -16,6 +17,10 @@ use crate::key::ByteKey;
 use crate::manager::BlockId;
 use crate::tier::secondary::{Known, SecondaryCounters, SecondaryTier};
 use crate::tier::Completion;
+
+/// The longest a flush waits for an I/O thread's result before it looks at the outstanding
+/// work again (a fetch may end without one).
+const FLUSH_LOOK: Duration = Duration::from_millis(1);
 
 impl SecondaryTier for RemoteTier {
     fn kind(&self) -> &'static str {
@@ -303,13 +308,26 @@ impl SecondaryTier for RemoteTier {
             return;
         }
         loop {
-            if !self.sched().outstanding(&self.shared) || self.shared.shutdown.load(Acquire) {
+            let mut st = self.sched();
+            if !st.outstanding(&self.shared) || self.shared.shutdown.load(Acquire) {
                 return;
             }
-            // Short naps: a flush's caller (a benchmark's store, a shutdown) learns of the last
-            // acknowledgement within ~0.1 ms (at 0.5 ms, 0.3 ms on average were added to a
-            // 60 ms store of 256 MiB).
-            std::thread::sleep(Duration::from_micros(100));
+            // Woken by the I/O threads' next result (every write and promotion hands one back):
+            // a flush's caller (a benchmark's store, a shutdown) learns of the last
+            // acknowledgement at once, and a long flush costs one wake-up per result, not one per
+            // nap (naps of 0.1 ms took CPU from the server and the I/O threads on a 2-CPU
+            // machine: docs/performance.md "Tier tuning table"). Fetches that end without a
+            // result to hand back are seen at the next look, at most `FLUSH_LOOK` later. Only the
+            // scheduler's calls take this lock, never an I/O thread.
+            match st.done.recv_timeout(FLUSH_LOOK) {
+                Ok(d) => st.apply_one(&self.shared, d),
+                Err(RecvTimeoutError::Timeout) => {}
+                // (The tier's `Shared` holds a sender: not while the tier lives.)
+                Err(RecvTimeoutError::Disconnected) => {
+                    drop(st);
+                    std::thread::sleep(FLUSH_LOOK);
+                }
+            }
         }
     }
 
