@@ -178,7 +178,7 @@ impl Router {
         };
         let mut sent = Vec::with_capacity(groups.len());
         for (node, group) in groups {
-            let info = {
+            let (info, ups) = {
                 let st = lock(&self.state);
                 let downs = st.nodes[node].downs;
                 // A connection opened before the node's last failure (seen by another thread) is
@@ -187,7 +187,10 @@ impl Router {
                 if conns.opened.get(&node).is_some_and(|&d| d < downs) {
                     conns.map.remove(&node);
                 }
-                (!conns.map.contains_key(&node)).then(|| (st.nodes[node].info.clone(), downs))
+                (
+                    (!conns.map.contains_key(&node)).then(|| (st.nodes[node].info.clone(), downs)),
+                    Self::ups(&st, node),
+                )
             };
             let mut packed = std::mem::take(&mut conns.packed);
             // The pipeline goes out in chunks of SEND_CHUNK_BYTES as it is packed, so the server
@@ -217,14 +220,14 @@ impl Router {
             });
             conns.packed = packed;
             match res {
-                Ok(()) => sent.push((node, group)),
+                Ok(()) => sent.push((node, group, ups)),
                 Err(e) => {
-                    self.node_failed(conns, node, &e, out);
+                    self.node_failed(conns, node, ups, &e, out);
                     round.failed.extend(group.iter().map(|r| (r.index, node)));
                 }
             }
         }
-        for (node, group) in sent {
+        for (node, group, ups) in sent {
             let Some(c) = conns.map.get_mut(&node) else {
                 continue;
             };
@@ -258,7 +261,7 @@ impl Router {
                 // The first failed read ends the node's part: the rest of its replies are not
                 // waited for (the connection, with replies in flight, is dropped).
                 Some(e) => {
-                    self.node_failed(conns, node, &e, out);
+                    self.node_failed(conns, node, ups, &e, out);
                     round
                         .failed
                         .extend(group[answered..].iter().map(|r| (r.index, node)));
@@ -269,10 +272,13 @@ impl Router {
         round
     }
 
-    fn node_failed(&self, conns: &mut Conns, node: usize, e: &str, out: &mut Outcome) {
+    /// A call to `node` that began at its `ups` failed: its connection goes, and the node is
+    /// marked down unless it came back since (`Router::mark_down_since`); the error is the
+    /// batch's either way.
+    fn node_failed(&self, conns: &mut Conns, node: usize, ups: u64, e: &str, out: &mut Outcome) {
         conns.map.remove(&node);
         let mut st = lock(&self.state);
-        self.mark_down(&mut st, node);
+        self.mark_down_since(&mut st, node, ups);
         out.error = Some(format!(
             "{} {}: {e}",
             self.label,

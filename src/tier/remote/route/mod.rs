@@ -105,6 +105,11 @@ struct Node {
     /// Times the node was marked down: a thread's connection opened before the last of them is
     /// not used again (the server may have restarted since; its first write would meet a reset).
     downs: u64,
+    /// Times the node came back (a reply after a failure): a failure of a call that began before
+    /// the last of them is older than that reply and does not mark the node down again (a
+    /// thread held up past a restart would otherwise report "connection refused" of the server
+    /// that is gone, and fail every call for a backoff: docs/tier.md "Faults").
+    ups: u64,
     /// No longer announced by the Cluster: out of `by_addr`, its id free for another node.
     retired: bool,
 }
@@ -294,6 +299,7 @@ impl Router {
             // A thread's connection to a reused id's former node was opened before this
             // `downs`: it is dropped at its next use (see `Conns::opened`).
             downs: reuse.map_or(0, |id| st.nodes[id].downs + 1),
+            ups: reuse.map_or(0, |id| st.nodes[id].ups + 1),
             retired: false,
         };
         let id = if let Some(id) = reuse {
@@ -418,7 +424,7 @@ impl Router {
             return None;
         }
         let now = Instant::now();
-        let (id, info) = {
+        let (id, info, ups) = {
             let mut st = lock(&self.state);
             if st
                 .probe
@@ -432,7 +438,8 @@ impl Router {
             });
             let id = due?;
             st.probe = Some((id, now));
-            (id, (st.nodes[id].info.clone(), st.nodes[id].downs))
+            let n = &st.nodes[id];
+            (id, (n.info.clone(), n.downs), n.ups)
         };
         conns.map.remove(&id);
         let r = self.conn(conns, id, Some(info)).and_then(|c| {
@@ -448,10 +455,29 @@ impl Router {
             }
             Err(e) => {
                 conns.map.remove(&id);
-                self.mark_down(&mut st, id);
+                if !self.mark_down_since(&mut st, id, ups) {
+                    return None; // taken over, and the node answered the other probe
+                }
                 Some(format!("{} {}: {e}", self.label, Self::node_name(&st, id)))
             }
         }
+    }
+
+    /// Node `id`'s [`Node::ups`] now: a call takes it when it begins, for
+    /// [`Self::mark_down_since`].
+    fn ups(st: &RouterState, id: usize) -> u64 {
+        st.nodes[id].ups
+    }
+
+    /// Marks node `id` down for a call that failed and began when its `ups` was `ups`, unless
+    /// the node came back since and is up: that failure is older than the reply that brought it
+    /// back (docs/tier.md "Faults"). Whether it marked.
+    fn mark_down_since(&self, st: &mut RouterState, id: usize, ups: u64) -> bool {
+        if st.nodes[id].ups != ups && !st.nodes[id].failed {
+            return false;
+        }
+        self.mark_down(st, id);
+        true
     }
 
     fn end_probe(st: &mut RouterState, id: usize) {
@@ -478,6 +504,7 @@ impl Router {
         if n.failed {
             self.reconnects.fetch_add(1, Relaxed);
             n.failed = false;
+            n.ups += 1;
             n.down_until = None;
             n.backoff = self.cfg.backoff_min;
             self.publish(st);
@@ -542,7 +569,7 @@ impl Router {
         };
         let mut error = None;
         for id in order {
-            let info = {
+            let (info, ups) = {
                 let st = lock(&self.state);
                 if !Self::usable(&st, id) || st.nodes[id].retired {
                     continue;
@@ -554,7 +581,10 @@ impl Router {
                 {
                     conns.map.remove(&id); // opened before the node's last failure
                 }
-                (st.nodes[id].info.clone(), st.nodes[id].downs)
+                (
+                    (st.nodes[id].info.clone(), st.nodes[id].downs),
+                    Self::ups(&st, id),
+                )
             };
             let reply = self.conn(conns, id, Some(info)).and_then(|c| {
                 c.request(redis::cmd("CLUSTER").arg("SLOTS"), self.cfg.io_timeout)
@@ -588,7 +618,7 @@ impl Router {
                 }
                 Err(e) => {
                     conns.map.remove(&id);
-                    self.mark_down(&mut st, id);
+                    self.mark_down_since(&mut st, id, ups);
                     error = Some(format!("{}: {e}", Self::node_name(&st, id)));
                 }
             }
@@ -680,6 +710,49 @@ mod tests {
                 })
                 .collect(),
         )
+    }
+
+    fn standalone() -> Router {
+        let cfg = RouterConfig {
+            cluster: false,
+            connect_timeout: Duration::from_secs(1),
+            io_timeout: Duration::from_secs(1),
+            backoff_min: Duration::from_millis(100),
+            backoff_max: Duration::from_secs(1),
+            max_bulk: 1 << 20,
+            tls: None,
+        };
+        let seed =
+            redis::IntoConnectionInfo::into_connection_info("redis://127.0.0.1:7000").unwrap();
+        Router::new(cfg, "redis://127.0.0.1:7000".into(), vec![seed])
+    }
+
+    /// A call that began before the node came back and fails after (a thread held up past a
+    /// server's restart, or a probe taken over) does not mark it down again; a call that began
+    /// after does, and so does a second failure while it is down (docs/tier.md "Faults").
+    #[test]
+    fn a_failure_older_than_the_recovery_does_not_mark_the_node_down() {
+        let r = standalone();
+        let mut st = lock(&r.state);
+        let before = Router::ups(&st, 0);
+        // Another thread's call fails (the server is gone), then a probe gets a reply.
+        assert!(r.mark_down_since(&mut st, 0, before));
+        assert!(st.nodes[0].failed);
+        r.mark_up(&mut st, 0);
+        assert!(!st.nodes[0].failed);
+        let downs = st.nodes[0].downs;
+        // The held-up call reports its failure now: ignored, the node stays up.
+        assert!(!r.mark_down_since(&mut st, 0, before));
+        assert!(!st.nodes[0].failed && st.nodes[0].down_until.is_none());
+        assert_eq!(st.nodes[0].downs, downs);
+        assert!(r.all_down(Instant::now()).is_none());
+        // A call that began after the recovery and fails marks it down.
+        let after = Router::ups(&st, 0);
+        assert!(r.mark_down_since(&mut st, 0, after));
+        assert!(st.nodes[0].failed);
+        // While it is down, an older call's failure still counts (the backoff grows).
+        assert!(r.mark_down_since(&mut st, 0, before));
+        assert_eq!(st.nodes[0].downs, downs + 2);
     }
 
     /// A seed that names ever-new nodes at each map: the router keeps at most its seeds and
