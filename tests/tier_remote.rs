@@ -1456,8 +1456,9 @@ fn server_killed_stopped_restarted() {
     }
     drop(srv);
     // Tests that don't take `serial()` run beside this one and start threads of their own, so
-    // the count may be below or above the start's while they run (the trickling server's test
-    // holds its tier for seconds): none of this test's may remain. Its own I/O threads were
+    // the count may be below or above the start's while they run (the spinning and napping
+    // I/O-thread tests and the TLS CA file's open their own tiers): none of this test's may
+    // remain. Its own I/O threads were
     // joined by `shutdown` above, so a leak of them would stay past any wait.
     let t0 = Instant::now();
     while threads() > threads0 && t0.elapsed() < Duration::from_secs(20) {
