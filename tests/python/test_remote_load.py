@@ -38,7 +38,7 @@ def _check(res: dict[str, object], engines: int) -> None:
 @pytest.mark.server_neutral
 def test_load_script_over_shared_files() -> None:
     rc, res, err = _run("--backend", "disk", "--engines", "4", "--requests", "40", "--block-kib", "64")
-    assert rc == 0 and res is not None, err
+    assert rc == 0 and res is not None, (err, res)
     _check(res, 4)
     assert res["tier_read_bytes"] > 0 and res["tier_written_bytes"] > 0, res
 
@@ -58,7 +58,7 @@ def test_eight_engines_against_a_three_master_cluster(redis_cluster: rs.RedisClu
     rc, res, err = _run("--url", redis_cluster.url, "--cluster", "--engines", "8", "--requests", "60")
     if rc == 77:
         pytest.skip(f"remote_load_test.py: {err.strip()}")
-    assert rc == 0 and res is not None, err
+    assert rc == 0 and res is not None, (err, res)
     print(json.dumps({k: v for k, v in res.items() if k != "tier_stats"}))
     _check(res, 8)
     assert res["tier_read_bytes"] > 0 and res["tier_written_bytes"] > 0, res
